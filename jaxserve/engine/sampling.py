@@ -1,0 +1,81 @@
+"""Per-request sampling parameters and the batched sampler that runs inside the compiled step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. temperature 0 is greedy (the default)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed per request
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        # Lists are accepted for convenience and frozen into tuples.
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        need(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
+             f"max_tokens must be an integer, got {self.max_tokens!r}")
+        need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        need(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+             f"temperature must be a number >= 0, got {self.temperature!r}")
+        need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+             f"top_p must be in (0, 1], got {self.top_p!r}")
+        need(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
+             f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sample(
+    logits: Float[Array, "b v"],
+    temperature: Float[Array, "b"],
+    top_k: Int[Array, "b"],
+    top_p: Float[Array, "b"],
+    seeds: Int[Array, "b"],
+    counters: Int[Array, "b"],
+    *,
+    all_greedy: bool,
+) -> Int[Array, "b"]:
+    """One token per row. A row's randomness depends only on (seed, counter), never on its batch neighbours."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if all_greedy:
+        return greedy
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+    desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+    kept = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
+    pth = jnp.take_along_axis(desc, (kept - 1)[:, None], axis=-1)
+    masked = jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds.astype(jnp.uint32), counters)
+    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)

@@ -1,0 +1,77 @@
+"""Llama-family model configuration, shared by every loader."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3 rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    rope_scaling: tuple[float, float, float, int] | None = None
+    # The same scaling as llama.cpp stores it: inv_freq is divided by these, one per frequency.
+    rope_freq_factors: tuple[float, ...] | None = None
+    tie_word_embeddings: bool = True
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
+        """Build from a Hugging Face config.json dict."""
+        scaling = cfg.get("rope_scaling") or None
+        rope_scaling = None
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind != "llama3":
+                raise ValueError(f"unsupported rope_scaling type {kind!r} (only 'llama3')")
+            rope_scaling = (
+                float(scaling["factor"]),
+                float(scaling["low_freq_factor"]),
+                float(scaling["high_freq_factor"]),
+                int(scaling["original_max_position_embeddings"]),
+            )
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies (head_dim // 2,), with Llama-3 scaling applied when configured."""
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        if self.rope_freq_factors is not None:
+            return (inv / np.asarray(self.rope_freq_factors)).astype(np.float32)
+        if self.rope_scaling is None:
+            return inv.astype(np.float32)
+        factor, low, high, original = self.rope_scaling
+        low_wavelen = original / low
+        high_wavelen = original / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (original / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(is_mid, mid, scaled).astype(np.float32)

@@ -1,0 +1,143 @@
+"""Llama-family decoder in Flax: RMSNorm, RoPE (Llama-3 scaling), GQA, SwiGLU, tied or untied embeddings.
+
+One forward serves prefill chunks and decode: new tokens are written into a paged KV cache (one (k, v) pair of
+`[slots, kv_heads, head_dim]` arrays per layer) and attend over their request's blocks. Parameter names follow
+Hugging Face's so that loaders map tensors one to one.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxserve.models.config import LlamaConfig
+from jaxserve.pallas_kernels.paged_attention import paged_attention
+
+LayerCache = tuple[Float[Array, "slots kvh d"], Float[Array, "slots kvh d"]]
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "... e"]) -> Float[Array, "... e"]:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return weight * normed.astype(self.dtype)
+
+
+def rope_cos_sin(cfg: LlamaConfig, positions: Int[Array, "b t"]) -> tuple[Float[Array, "b t d"], Float[Array, "b t d"]]:
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq())
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Float[Array, "b t h d"], cos: Float[Array, "b t d"], sin: Float[Array, "b t d"]) -> Float[Array, "b t h d"]:
+    """Rotate-half RoPE (Hugging Face convention), computed in float32."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
+
+
+def _dense(features: int, dtype: jnp.dtype, name: str) -> nn.Dense:
+    return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
+
+
+class Attention(nn.Module):
+    cfg: LlamaConfig
+    dtype: jnp.dtype
+    block_size: int
+
+    @nn.compact
+    def __call__(self, x, cos, sin, cache: LayerCache, write_slots, block_tables, positions, kv_lens):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = _dense(cfg.num_heads * cfg.head_dim, self.dtype, "q_proj")(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = _dense(cfg.num_kv_heads * cfg.head_dim, self.dtype, "k_proj")(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = _dense(cfg.num_kv_heads * cfg.head_dim, self.dtype, "v_proj")(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = cache
+        flat = write_slots.reshape(-1)
+        k_cache = k_cache.at[flat].set(k.reshape(b * t, *k.shape[2:]).astype(k_cache.dtype))
+        v_cache = v_cache.at[flat].set(v.reshape(b * t, *v.shape[2:]).astype(v_cache.dtype))
+        out = paged_attention(q, k_cache, v_cache, block_tables, positions, kv_lens, block_size=self.block_size)
+        out = _dense(cfg.hidden_size, self.dtype, "o_proj")(out.reshape(b, t, -1))
+        return out, (k_cache, v_cache)
+
+
+class MLP(nn.Module):
+    cfg: LlamaConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        gate = _dense(self.cfg.intermediate_size, self.dtype, "gate_proj")(x)
+        up = _dense(self.cfg.intermediate_size, self.dtype, "up_proj")(x)
+        return _dense(self.cfg.hidden_size, self.dtype, "down_proj")(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    cfg: LlamaConfig
+    dtype: jnp.dtype
+    block_size: int
+
+    @nn.compact
+    def __call__(self, x, cos, sin, cache, write_slots, block_tables, positions, kv_lens):
+        eps = self.cfg.rms_norm_eps
+        h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
+        attn, cache = Attention(self.cfg, self.dtype, self.block_size, name="self_attn")(
+            h, cos, sin, cache, write_slots, block_tables, positions, kv_lens
+        )
+        x = x + attn
+        x = x + MLP(self.cfg, self.dtype, name="mlp")(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
+        return x, cache
+
+
+class Llama(nn.Module):
+    """Decoder over a paged cache.
+
+    tokens/positions: the new tokens of each request (padding rows write to a scratch slot and are masked).
+    write_slots: cache slot of every new token. block_tables/kv_lens: each request's blocks and length after
+    this step. logits_index: which new token's logits to return per request; None returns all of them.
+    """
+
+    cfg: LlamaConfig
+    dtype: jnp.dtype = jnp.float32
+    block_size: int = 16
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Int[Array, "b t"],
+        positions: Int[Array, "b t"],
+        caches: Sequence[LayerCache],
+        write_slots: Int[Array, "b t"],
+        block_tables: Int[Array, "b nblk"],
+        kv_lens: Int[Array, "b"],
+        logits_index: Int[Array, "b"] | None = None,
+    ) -> tuple[Float[Array, "b n vocab"], list[LayerCache]]:
+        cfg = self.cfg
+        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
+        x = embed(tokens)
+        cos, sin = rope_cos_sin(cfg, positions)
+        new_caches = []
+        for i in range(cfg.num_layers):
+            x, cache = DecoderLayer(cfg, self.dtype, self.block_size, name=f"layers_{i}")(
+                x, cos, sin, caches[i], write_slots, block_tables, positions, kv_lens
+            )
+            new_caches.append(cache)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = _dense(cfg.vocab_size, self.dtype, "lm_head")(x)
+        return logits.astype(jnp.float32), new_caches

@@ -1,0 +1,1 @@
+"""Attention kernels: arrays in, arrays out; each beside a pure-jnp reference of the same signature."""
