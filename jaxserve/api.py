@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import pathlib
 from typing import Any, Iterator, Sequence
 
@@ -20,7 +19,7 @@ from jaxserve.engine.sampling import SamplingParams
 from jaxserve.engine.steps import Row, StepRunner
 from jaxserve.models import registry
 from jaxserve.models.config import LlamaConfig
-from jaxserve.models.gguf_loader import GGUFFile, load_gguf
+from jaxserve.models.gguf_loader import load_gguf
 from jaxserve.models.hf_loader import load_hf_dir
 from jaxserve.models.llama import Llama
 from jaxserve.models.tokenizer import TextTokenizer
@@ -48,23 +47,26 @@ def _converted_dir(source: pathlib.Path, dtype: str) -> pathlib.Path:
 
 
 def _load(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
-    """Config, device params and tokenizer; converted weights are saved with orbax so later starts skip conversion."""
-    if source.is_file():
-        gguf_file = GGUFFile(source)
-        cfg, tokenizer = gguf_file.config(), TextTokenizer.from_gguf(gguf_file)
-    else:
-        cfg = LlamaConfig.from_hf(json.loads((source / "config.json").read_text()))
-        tokenizer = TextTokenizer.from_hf_dir(source)
+    """Config, device params and tokenizer. The first start converts the source and saves the result (weights
+    with orbax, config and tokenizer as JSON); later starts restore it without reading the source again."""
     ckpt_dir = _converted_dir(source, dtype)
     checkpointer = ocp.StandardCheckpointer()
-    if (ckpt_dir / "params").exists():
+    if (ckpt_dir / "params").exists() and (ckpt_dir / "config.json").exists():
+        cfg = LlamaConfig.from_json((ckpt_dir / "config.json").read_text())
         abstract = jax.eval_shape(lambda: _init_shapes(cfg, _DTYPES[dtype]))
-        return cfg, checkpointer.restore(ckpt_dir / "params", abstract), tokenizer
-    _, host_params = (load_gguf(source)[:2] if source.is_file() else load_hf_dir(source))
+        return cfg, checkpointer.restore(ckpt_dir / "params", abstract), TextTokenizer.load(ckpt_dir)
+    if source.is_file():
+        cfg, host_params, gguf_file = load_gguf(source)
+        tokenizer = TextTokenizer.from_gguf(gguf_file)
+    else:
+        cfg, host_params = load_hf_dir(source)
+        tokenizer = TextTokenizer.from_hf_dir(source)
     params = jax.tree.map(lambda x: jnp.asarray(x, _DTYPES[dtype]), host_params)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    checkpointer.save(ckpt_dir / "params", params)
+    checkpointer.save(ckpt_dir / "params", params, force=True)
     checkpointer.wait_until_finished()
+    tokenizer.save(ckpt_dir)
+    (ckpt_dir / "config.json").write_text(cfg.to_json())  # written last: marks the folder complete
     return cfg, params, tokenizer
 
 
@@ -73,6 +75,13 @@ def _init_shapes(cfg: LlamaConfig, dtype) -> Any:
     caches = allocate_caches(cfg, 1, 1, dtype)
     one = jnp.zeros((1, 1), jnp.int32)
     return model.init(jax.random.key(0), one, one, caches, one, one, jnp.ones((1,), jnp.int32))
+
+
+def _enable_compilation_cache() -> None:
+    """Keep compiled step functions on disk so a restart skips XLA compilation (unless the user set a cache)."""
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(registry.cache_dir() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 class LLM:
@@ -84,6 +93,7 @@ class LLM:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         source = registry.resolve(model)
+        _enable_compilation_cache()
         self.model_name = model
         self.config, params, self.tokenizer = _load(source, dtype)
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,

@@ -85,7 +85,8 @@ class StepRunner:
             tokens[i, :n] = r.tokens
             positions[i, :n] = pos
             slots[i, :n] = table[pos // bs] * bs + pos % bs
-            tables[i, : len(table)] = table
+            used = min(len(table), nblk)  # a table may hold blocks reserved beyond this step
+            tables[i, :used] = table[:used]
             kv_lens[i] = r.start + n
             last[i] = n - 1
             temperature[i] = r.params.temperature

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -58,6 +59,17 @@ class LlamaConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "LlamaConfig":
+        raw = json.loads(text)
+        for key in ("rope_scaling", "rope_freq_factors"):
+            if raw[key] is not None:
+                raw[key] = tuple(raw[key])
+        return cls(**raw)
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies (head_dim // 2,), with Llama-3 scaling applied when configured."""

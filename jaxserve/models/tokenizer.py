@@ -93,6 +93,18 @@ class TextTokenizer:
         return cls(tok, bos_id=None if bos is None else tok.token_to_id(bos), eos_id=tok.token_to_id(names["eos_token"]),
                    add_bos=False, chat_template=template, special_tokens=names)
 
+    def save(self, root: pathlib.Path) -> None:
+        """Write tokenizer.json + jaxserve_tokenizer.json, so a later start needs neither GGUF nor HF files."""
+        self.tokenizer.save(str(root / "tokenizer.json"))
+        meta = {"bos_id": self.bos_id, "eos_id": self.eos_id, "add_bos": self.add_bos,
+                "chat_template": self.chat_template, "special_tokens": self.special_tokens}
+        (root / "jaxserve_tokenizer.json").write_text(json.dumps(meta))
+
+    @classmethod
+    def load(cls, root: pathlib.Path) -> "TextTokenizer":
+        meta = json.loads((root / "jaxserve_tokenizer.json").read_text())
+        return cls(Tokenizer.from_file(str(root / "tokenizer.json")), **meta)
+
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=True).ids
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -29,19 +28,23 @@ def paged_attention(
     """Causal GQA attention of q over key positions [0, kv_len) of each request's paged cache.
 
     Key position j (the j-th row of the gathered blocks) is visible to a query at position p when
-    j <= p and j < kv_len. The softmax runs in float32 whatever the cache dtype.
+    j <= p and j < kv_len. The softmax runs in float32 whatever the cache dtype. A query row that sees no key
+    (batch padding) gets an arbitrary finite output.
     """
     b, t, h, d = q.shape
     kvh = k_cache.shape[-2]
-    k = gather_pages(k_cache, block_tables, block_size)
-    v = gather_pages(v_cache, block_tables, block_size)
-    qg = q.reshape(b, t, kvh, h // kvh, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    key_pos = jnp.arange(k.shape[1])
-    visible = (key_pos[None, None, :] <= q_positions[:, :, None]) & (key_pos[None, None, :] < kv_lens[:, None, None])
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    # A padded query row sees no key; its output is zeros instead of NaN.
-    probs = jnp.where(visible[:, None, None].any(-1, keepdims=True), probs, 0.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    g = h // kvh
+    k = gather_pages(k_cache, block_tables, block_size).transpose(0, 2, 1, 3)  # [b, kvh, s, d]
+    v = gather_pages(v_cache, block_tables, block_size).transpose(0, 2, 1, 3)
+    # Each KV head's query group and tokens form one [g*t, d] matrix: plain batched matmuls run fastest on XLA.
+    qg = (q * d**-0.5).reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
+    scores = jnp.matmul(qg, k.swapaxes(-1, -2), preferred_element_type=jnp.float32)  # [b, kvh, g*t, s]
+    q_pos = jnp.tile(q_positions, (1, g))[:, None, :, None]  # row r of a group is token r % t
+    key_pos = jnp.arange(k.shape[2])
+    visible = (key_pos <= q_pos) & (key_pos < kv_lens[:, None, None, None])
+    # A finite mask keeps rows with no visible key (padding) NaN-free; their output is never read.
+    scores = jnp.where(visible, scores, -1e30)
+    p = jnp.exp(scores - scores.max(-1, keepdims=True))
+    # Normalise after the second matmul: a pass over [g*t, d] instead of [g*t, s].
+    out = jnp.matmul(p.astype(v.dtype), v, preferred_element_type=jnp.float32) / p.sum(-1, keepdims=True)
+    return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)

@@ -1,0 +1,3 @@
+from jaxserve.cli import run
+
+run()

@@ -1,0 +1,27 @@
+"""Shared fixtures. The real model is loaded once per test session (set-up fetches it into the cache)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def llm():
+    import jaxserve
+
+    return jaxserve.LLM(max_model_len=2048, kv_cache_tokens=8192)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """Hugging Face transformers outputs written by tools/make_reference_fixtures.py."""
+    meta = json.loads((FIXTURES / "smollm2_reference.json").read_text())
+    with np.load(FIXTURES / "smollm2_reference.npz") as z:
+        meta["logits"] = [z[f"logits_{i}"] for i in range(len(meta["prefill"]))]
+    return meta

@@ -1,0 +1,122 @@
+"""jaxserve vs Hugging Face transformers on the same machine, same model file, same dtype, one run.
+
+    .venv/bin/pip install -e '.[reference]'
+    .venv/bin/python tools/bench_generate.py [--decode_tokens=64] [--repeats=3] [--out=bench.json]
+
+Both sides are timed the same way, through their generate APIs, after a warm-up (jaxserve compiles its step
+functions then): decode tokens/s = batch * (N - 1) / (t(N tokens) - t(1 token)), so prefill time cancels out;
+prefill tokens/s = prompt tokens / t(1 token). Medians over --repeats. Prints a table and the ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+from absl import app, flags
+from transformers import AutoModelForCausalLM
+
+import jaxserve
+from jaxserve import SamplingParams
+from jaxserve.models import registry
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", registry.DEFAULT_MODEL, "Registered model name or path (GGUF).")
+flags.DEFINE_integer("decode_tokens", 64, "Tokens generated per request in the decode measurements.")
+flags.DEFINE_integer("short_prompt", 32, "Prompt tokens for the decode measurements.")
+flags.DEFINE_integer("long_prompt", 1024, "Prompt tokens for the prefill measurement.")
+flags.DEFINE_integer("batch", 16, "Batch size of the aggregate decode measurement.")
+flags.DEFINE_integer("repeats", 3, "Timed repetitions; the median is reported.")
+flags.DEFINE_string("out", None, "Optional JSON file for the results.")
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    # Random ordinary tokens (ids above the special tokens), so both sides see identical inputs.
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 40000, size=length).tolist() for _ in range(n)]
+
+
+class JaxServeSide:
+    name = "jaxserve"
+
+    def __init__(self, model: str, batch: int, long_prompt: int):
+        self.llm = jaxserve.LLM(model, max_model_len=max(2048, 2 * long_prompt), max_num_seqs=batch)
+
+    def generate(self, batch: list[list[int]], n: int) -> None:
+        outs = self.llm.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True))
+        assert all(len(o.token_ids) == n for o in outs)
+
+
+class TransformersSide:
+    name = "transformers"
+
+    def __init__(self, model: str):
+        path = registry.resolve(model)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def generate(self, batch: list[list[int]], n: int) -> None:
+        ids = torch.tensor(batch)
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + n
+
+
+def measure(side, batch: int, short: int, long: int, n: int, repeats: int, with_batch: bool) -> dict[str, float]:
+    one, many, big = prompts(1, short, 0), prompts(batch, short, 1), prompts(1, long, 2)
+    for p in ([one, big] + ([many] if with_batch else [])):  # warm-up: compiles every shape used below
+        side.generate(p, 2)
+        side.generate(p, n)
+    res = {}
+    t1, tn = median_time(lambda: side.generate(one, 1), repeats), median_time(lambda: side.generate(one, n), repeats)
+    res["decode_tok_s_batch1"] = (n - 1) / (tn - t1)
+    if with_batch:
+        t1 = median_time(lambda: side.generate(many, 1), repeats)
+        tn = median_time(lambda: side.generate(many, n), repeats)
+        res[f"decode_tok_s_batch{batch}"] = batch * (n - 1) / (tn - t1)
+    res[f"prefill_tok_s_{long}"] = long / median_time(lambda: side.generate(big, 1), repeats)
+    return res
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    f = FLAGS
+    results = {}
+    print(f"torch threads: {torch.get_num_threads()}")
+    hf = TransformersSide(f.model)
+    results["transformers"] = measure(hf, f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats, False)
+    del hf
+    js = JaxServeSide(f.model, f.batch, f.long_prompt)
+    results["jaxserve"] = measure(js, f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats, True)
+    hf_r, js_r = results["transformers"], results["jaxserve"]
+    b1 = js_r["decode_tok_s_batch1"] / hf_r["decode_tok_s_batch1"]
+    agg = js_r[f"decode_tok_s_batch{f.batch}"] / hf_r["decode_tok_s_batch1"]
+    pre = js_r[f"prefill_tok_s_{f.long_prompt}"] / hf_r[f"prefill_tok_s_{f.long_prompt}"]
+    results["ratios"] = {"decode_batch1": b1, f"decode_batch{f.batch}_vs_hf_batch1": agg, "prefill": pre}
+    print(f"{'metric':<28}{'transformers':>14}{'jaxserve':>12}")
+    for key in js_r:
+        print(f"{key:<28}{hf_r.get(key, float('nan')):>14.1f}{js_r[key]:>12.1f}")
+    print(f"ratio decode batch 1 (jaxserve / transformers):          {b1:.2f}x  (target >= 1.0x)")
+    print(f"ratio decode batch {f.batch} aggregate / transformers batch 1: {agg:.2f}x  (target >= 4x)")
+    print(f"ratio prefill {f.long_prompt} tokens (jaxserve / transformers):     {pre:.2f}x")
+    if f.out:
+        with open(f.out, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
