@@ -56,6 +56,19 @@ CHATS = [
 
 GREEDY_TOKENS = 32
 
+# A Llama-3.1-style rope scaling config; its inverse frequencies check jaxserve's rope-scaling code.
+LLAMA3_ROPE = {"hidden_size": 512, "num_attention_heads": 8, "max_position_embeddings": 131072,
+               "rope_theta": 500000.0,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+
+
+def llama3_inv_freq() -> list[float]:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding(LlamaConfig(**LLAMA3_ROPE)).inv_freq.tolist()
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -100,6 +113,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(out.with_suffix(".npz"), **arrays)
+    meta["llama3_rope"] = {"config": LLAMA3_ROPE, "inv_freq": llama3_inv_freq()}
     meta["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
     print(f"wrote {out}.json and {out}.npz")

@@ -1,0 +1,47 @@
+"""The launcher, run as a user runs it: `python -m jaxserve generate ...` in a subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve import SamplingParams
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxserve", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_generate_prints_the_greedy_chat_reply(llm):
+    prompt = "What is the capital of France?"
+    proc = run_cli("generate", f"--prompt={prompt}", "--max_tokens=12", "--max_model_len=512")
+    assert proc.returncode == 0, proc.stderr
+    (expected,) = llm.chat([{"role": "user", "content": prompt}], SamplingParams(max_tokens=12))
+    assert proc.stdout == expected.text + "\n"
+    assert "I1" not in proc.stderr  # library INFO logs stay quiet
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--prompt="], "--prompt is required"),
+        (["generate", "--prompt=hi", "--max_tokens=-1"], "max_tokens must be >= 1"),
+        (["generate", "--prompt=hi", "--top_p=0"], "top_p must be in (0, 1]"),
+        (["generate", "--prompt=hi", "--model=no-such-model"], "unknown model 'no-such-model'"),
+        (["generate", "--prompt=hi", "--max_tokens=lots"], "max_tokens"),
+        (["bogus"], "usage: python -m jaxserve"),
+    ],
+)
+def test_bad_input_exits_with_a_message(args, message):
+    proc = run_cli(*args)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_helpfull_lists_the_flags():
+    proc = run_cli("--helpfull")  # absl prints the flags and exits 1 by design
+    for flag in ("--prompt", "--model", "--max_tokens", "--temperature", "--top_p", "--seed"):
+        assert flag in proc.stdout

@@ -1,0 +1,168 @@
+"""Paged KV cache, chunked prefill, continuous batching, preemption, sampling and stopping on the real model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about autumn leaves falling on a quiet street.",
+    "List three prime numbers:",
+    "Explain photosynthesis in one sentence. Be precise and use simple words for a child of ten years old.",
+    "def fibonacci(n):",
+    "Translate to French: good morning",
+    "Q: What is 12 times 11?\nA:",
+    "Once upon a time",
+]
+
+MIXED = [
+    SamplingParams(max_tokens=12),
+    SamplingParams(max_tokens=20, ignore_eos=True),
+    SamplingParams(max_tokens=7, temperature=0.8, seed=3),
+    SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=11),
+    SamplingParams(max_tokens=18, temperature=0.7, top_p=0.9, seed=5),
+    SamplingParams(max_tokens=5),
+    SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.2, top_k=50, top_p=0.95, seed=99),
+    SamplingParams(max_tokens=10, stop=("\n",)),
+]
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(llm):
+    llm.engine.prefill_chunk = 512
+    return [llm.generate(p, sp)[0] for p, sp in zip(PROMPTS, MIXED)]
+
+
+@pytest.mark.parametrize("chunk", [8, 32, 512])
+def test_batched_chunked_equals_one_at_a_time(llm, one_at_a_time, chunk):
+    free_before = llm.engine.pool.num_free
+    llm.engine.prefill_chunk = chunk
+    try:
+        batched = llm.generate(PROMPTS, MIXED)
+    finally:
+        llm.engine.prefill_chunk = 512
+    for ref, got in zip(one_at_a_time, batched):
+        assert got.token_ids == ref.token_ids, got.prompt
+        assert got.text == ref.text and got.finish_reason == ref.finish_reason
+    assert llm.engine.pool.num_free == free_before
+
+
+def test_requests_join_and_leave_between_steps(llm, one_at_a_time):
+    """Requests arrive while others decode; every output is still the one-at-a-time output."""
+    engine = llm.engine
+    engine.prefill_chunk = 16
+    ids = {}
+    tokens: dict[str, list[int]] = {}
+    pending = list(range(len(PROMPTS)))
+    steps = 0
+    try:
+        while pending or engine.has_unfinished():
+            if pending and steps % 3 == 0:  # one new arrival every third step
+                i = pending.pop(0)
+                ids[engine.add_request(llm.tokenizer.encode(PROMPTS[i]), MIXED[i])] = i
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            steps += 1
+    finally:
+        engine.prefill_chunk = 512
+    for rid, i in ids.items():
+        assert tokens[rid] == one_at_a_time[i].token_ids
+
+
+def test_preemption_under_memory_pressure_keeps_outputs():
+    """A KV pool far smaller than the batch needs: requests are preempted, recomputed, and outputs unchanged."""
+    small = jaxserve.LLM(max_model_len=96, kv_cache_tokens=160, block_size=16, prefill_chunk=32)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=t, seed=7) for t in (0.0, 0.9, 0.0, 0.9)]
+    alone = [small.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS[:4], params)]
+    free = small.engine.pool.num_free
+    together = small.generate(PROMPTS[:4], params)
+    assert [c.token_ids for c in together] == alone
+    assert small.engine.pool.num_free == free
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
+    p = "Tell me a story about a dragon."
+    a = llm.generate(p, SamplingParams(max_tokens=16, temperature=1.0, seed=1))[0]
+    b = llm.generate(p, SamplingParams(max_tokens=16, temperature=1.0, seed=1))[0]
+    c = llm.generate(p, SamplingParams(max_tokens=16, temperature=1.0, seed=2))[0]
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    p = "The three primary colors are"
+    greedy = llm.generate(p, SamplingParams(max_tokens=12))[0].token_ids
+    assert llm.generate(p, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=4))[0].token_ids == greedy
+    assert llm.generate(p, SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, seed=4))[0].token_ids == greedy
+
+
+def test_stop_string_truncates_and_stream_matches(llm):
+    p = "Count: 1, 2, 3, 4,"
+    full = llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 2]
+    out = llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.find(stop)]
+    streamed = list(llm.stream(p, SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,))))
+    assert "".join(o.new_text for o in streamed) == out.text
+    assert [t for o in streamed for t in o.new_token_ids] == out.token_ids
+    assert streamed[-1].finished and all(not o.finished for o in streamed[:-1])
+
+
+def test_eos_and_max_tokens_finish_reasons(llm, reference):
+    greedy = next(c for c in reference["greedy"] if c["chat"] and c["tokens"][-1] == llm.tokenizer.eos_id)
+    out = llm.generate(greedy["ids"], SamplingParams(max_tokens=64))[0]
+    assert out.finish_reason == "stop" and out.token_ids == greedy["tokens"]
+    out = llm.generate(greedy["ids"], SamplingParams(max_tokens=3))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_abandoned_stream_frees_its_blocks(llm):
+    free = llm.engine.pool.num_free
+    stream = llm.stream("Tell me everything about the ocean.", SamplingParams(max_tokens=50, ignore_eos=True))
+    next(stream)
+    next(stream)
+    assert llm.engine.pool.num_free < free
+    stream.close()
+    assert llm.engine.pool.num_free == free and not llm.engine.has_unfinished()
+
+
+def test_context_limit_finishes_with_length():
+    tiny = jaxserve.LLM(max_model_len=32, kv_cache_tokens=64)
+    prompt = list(range(100, 120))
+    out = tiny.generate(prompt, SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 32
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda llm: llm.generate(""), "prompt is empty"),
+        (lambda llm: llm.generate([[]]), "prompt is empty"),
+        (lambda llm: llm.generate(list(range(3000))), "context"),
+        (lambda llm: llm.generate([1, 2, 10**6]), "token ids"),
+        (lambda llm: llm.generate("hi", SamplingParams(max_tokens=-1)), "max_tokens"),
+        (lambda llm: llm.generate("hi", SamplingParams(top_p=0.0)), "top_p"),
+        (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "top_p"),
+        (lambda llm: llm.generate("hi", SamplingParams(temperature=-1)), "temperature"),
+        (lambda llm: llm.chat([{"role": "user"}]), "content"),
+        (lambda llm: jaxserve.LLM("no-such-model"), "unknown model"),
+        (lambda llm: jaxserve.LLM("/no/such/path.gguf"), "unknown model"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(llm, make, message):
+    free = llm.engine.pool.num_free
+    with pytest.raises(ValueError, match=message):
+        make(llm)
+    assert llm.engine.pool.num_free == free and not llm.engine.has_unfinished()
+    assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].token_ids  # still serving
+
+
+def test_prompt_logits_shape_and_finiteness(llm):
+    logits = llm.prompt_logits("A quick test")
+    assert logits.shape == (len(llm.tokenizer.encode("A quick test")), llm.config.vocab_size)
+    assert np.isfinite(logits).all()

@@ -1,0 +1,109 @@
+"""Loaders: GGUF vs Hugging Face directory, orbax restore on the second start, bfloat16, rope scaling, registry."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import jaxserve
+from jaxserve import SamplingParams
+from jaxserve.models import registry
+from jaxserve.models.config import LlamaConfig
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Then it ran into the forest"
+
+
+def export_hf_dir(llm: jaxserve.LLM, root: pathlib.Path) -> None:
+    """Write llm's weights, config and tokenizer as a Hugging Face Llama directory."""
+    cfg = llm.config
+    params = llm.engine.runner.params["params"]
+    tensors = {"model.embed_tokens.weight": params["embed_tokens"]["embedding"], "model.norm.weight": params["norm"]["weight"]}
+    for i in range(cfg.num_layers):
+        layer = params[f"layers_{i}"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{i}.{norm}.weight"] = layer[norm]["weight"]
+        for block in ("self_attn", "mlp"):
+            for name, lin in layer[block].items():
+                tensors[f"model.layers.{i}.{block}.{name}.weight"] = np.asarray(lin["kernel"]).T
+    save_file({k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()},
+              str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": True}))
+    llm.tokenizer.tokenizer.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": llm.tokenizer.special_tokens["eos_token"], "chat_template": llm.tokenizer.chat_template}))
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return registry.resolve(registry.DEFAULT_MODEL)  # resolved before a test swaps in a private cache
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_hf_directory_gives_the_gguf_model(llm, tmp_path, private_cache):
+    root = tmp_path / "hf"
+    root.mkdir()
+    export_hf_dir(llm, root)
+    hf = jaxserve.LLM(str(root), max_model_len=256, kv_cache_tokens=512)
+    assert hf.config == llm.config
+    assert hf.tokenizer.encode(PROMPT) == llm.tokenizer.encode(PROMPT)
+    msgs = [{"role": "user", "content": "Hi there"}]
+    assert hf.render_chat(msgs) == llm.render_chat(msgs)
+    np.testing.assert_allclose(hf.prompt_logits(PROMPT), llm.prompt_logits(PROMPT), atol=1e-5, rtol=0)
+
+
+def test_second_start_restores_converted_weights(llm, gguf_path, private_cache, monkeypatch):
+    path = gguf_path
+    first = jaxserve.LLM(str(path), max_model_len=128, kv_cache_tokens=256)
+    assert list(private_cache.glob("converted/*/params"))
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the second start must not read the GGUF file again")
+
+    monkeypatch.setattr("jaxserve.api.load_gguf", no_conversion)
+    second = jaxserve.LLM(str(path), max_model_len=128, kv_cache_tokens=256)
+    assert second.config == first.config
+    np.testing.assert_array_equal(second.prompt_logits(PROMPT), first.prompt_logits(PROMPT))
+    assert second.tokenizer.encode(PROMPT) == llm.tokenizer.encode(PROMPT)
+
+
+def test_bfloat16_tracks_float32(llm, reference):
+    bf16 = jaxserve.LLM(dtype="bfloat16", max_model_len=256, kv_cache_tokens=512)
+    ids = reference["prefill"][2]["ids"][:200]  # part of the long prompt
+    ref = llm.prompt_logits(ids)
+    got = bf16.prompt_logits(ids)
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+    assert np.abs(got - ref).mean() < 0.2
+    assert bf16.generate("The capital of France is", SamplingParams(max_tokens=4))[0].text.strip().startswith("Paris")
+
+
+def test_llama3_rope_scaling_matches_reference(reference):
+    case = reference["llama3_rope"]
+    cfg = LlamaConfig.from_hf({**case["config"], "vocab_size": 8, "intermediate_size": 8, "num_hidden_layers": 1})
+    np.testing.assert_allclose(cfg.inv_freq(), case["inv_freq"], rtol=1e-6)
+
+
+def test_registry_resolution(tmp_path, private_cache, monkeypatch):
+    monkeypatch.setattr(registry, "_installed_resource", lambda m: None)
+    with pytest.raises(registry.ModelNotFoundError, match="fetch it once"):
+        registry.resolve(registry.DEFAULT_MODEL)  # registered, but not in this (empty) cache
+    with pytest.raises(registry.ModelNotFoundError, match="unknown model"):
+        registry.resolve(str(tmp_path))  # a directory without config.json
+    with pytest.raises(registry.ModelNotFoundError, match="unknown model"):
+        registry.fetch_model("not-a-model")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    assert registry.resolve(str(gguf)) == gguf

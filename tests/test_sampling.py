@@ -1,0 +1,68 @@
+"""The batched sampler on random logits: greedy, top-k, top-p, temperature and per-row seeds."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.engine.sampling import SamplingParams, sample
+
+V = 64
+
+
+def draw(logits, temperature=1.0, top_k=0, top_p=1.0, n=2000, seed=0):
+    b = n
+    rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (b, V))
+    return np.asarray(sample(rows, jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k, jnp.int32),
+                             jnp.full((b,), top_p, jnp.float32), jnp.full((b,), seed, jnp.uint32),
+                             jnp.arange(b, dtype=jnp.int32), all_greedy=False))
+
+
+@pytest.fixture
+def logits():
+    return np.random.default_rng(0).standard_normal(V) * 2
+
+
+def test_greedy_rows_take_the_argmax(logits):
+    assert (draw(logits, temperature=0.0, n=8) == logits.argmax()).all()
+    rows = jnp.asarray(np.random.default_rng(1).standard_normal((5, V)), jnp.float32)
+    zeros = jnp.zeros((5,), jnp.float32)
+    got = sample(rows, zeros, jnp.zeros(5, jnp.int32), jnp.ones(5), jnp.zeros(5, jnp.uint32),
+                 jnp.zeros(5, jnp.int32), all_greedy=True)
+    assert (np.asarray(got) == np.asarray(rows).argmax(-1)).all()
+
+
+def test_top_k_draws_only_the_k_best(logits):
+    got = draw(logits, top_k=5)
+    assert set(got) <= set(np.argsort(-logits)[:5]) and len(set(got)) == 5
+
+
+def test_top_p_draws_only_the_nucleus(logits):
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    nucleus = order[: np.searchsorted(np.cumsum(p[order]), 0.6) + 1]
+    got = draw(logits, top_p=0.6)
+    assert set(got) == set(nucleus)
+
+
+def test_temperature_one_follows_the_softmax(logits):
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    got = draw(logits, n=20000)
+    freq = np.bincount(got, minlength=V) / len(got)
+    assert np.abs(freq - p).max() < 0.02
+
+
+def test_seed_and_counter_determine_the_draw(logits):
+    a, b, c = draw(logits, seed=7, n=50), draw(logits, seed=7, n=50), draw(logits, seed=8, n=50)
+    assert (a == b).all() and (a != c).any()
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=-3), dict(max_tokens=2.5),
+                                    dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.01),
+                                    dict(seed=-1), dict(stop=("",)), dict(stop_token_ids=(-2,))])
+def test_invalid_sampling_params_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
