@@ -15,6 +15,7 @@ import itertools
 import random
 from typing import Sequence
 
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.kv_cache import BlockPool, OutOfBlocks
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.engine.steps import Row, StepRunner
@@ -44,9 +45,11 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
+    detokenizer: IncrementalDetokenizer
     output_ids: list[int] = dataclasses.field(default_factory=list)
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
+    text: str = ""  # decoded output so far
     emitted_chars: int = 0
     finish_reason: FinishReason | None = None
 
@@ -98,7 +101,7 @@ class Engine:
                              f"({self.pool.capacity * self.pool.block_size} tokens)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        self.waiting.append(Request(rid, prompt_ids, params, seed))
+        self.waiting.append(Request(rid, prompt_ids, params, seed, IncrementalDetokenizer(self.tokenizer)))
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -186,8 +189,10 @@ class Engine:
     def _append(self, r: Request, token: int) -> RequestOutput:
         p = r.params
         r.output_ids.append(token)
-        text = self.tokenizer.decode(r.output_ids)
-        stop_at = min((i for s in p.stop if (i := text.find(s)) >= 0), default=-1)
+        searched = max(len(r.text) - max((len(s) for s in p.stop), default=0), 0)
+        r.text += r.detokenizer.push(r.output_ids)
+        text = r.text
+        stop_at = min((i for s in p.stop if (i := text.find(s, searched)) >= 0), default=-1)
         if stop_at >= 0:
             text = text[:stop_at]
             r.finish_reason = FinishReason.STOP
@@ -196,10 +201,9 @@ class Engine:
         elif len(r.output_ids) >= p.max_tokens or len(r.all_ids) >= self.max_model_len:
             r.finish_reason = FinishReason.LENGTH
         if r.finish_reason is None:
-            # Hold back an incomplete UTF-8 character and any tail that may begin a stop string.
-            safe = len(text.rstrip("\ufffd"))
-            held = max((k for s in p.stop for k in range(1, len(s)) if text[:safe].endswith(s[:k])), default=0)
-            text = text[:max(safe - held, r.emitted_chars)]
+            # Hold back any tail that may begin a stop string.
+            held = max((k for s in p.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text = text[:max(len(text) - held, r.emitted_chars)]
         else:
             self.pool.release(r.block_table)
         delta = text[r.emitted_chars:]
