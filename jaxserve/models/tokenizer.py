@@ -17,7 +17,7 @@ _GGUF_CONTROL = 3  # llama.cpp token type of control tokens such as <|im_start|>
 _GGUF_USER_DEFINED = 4
 
 # llama.cpp pre-tokenizer names -> the splits they perform before byte-level BPE.
-_DIGITS_FIRST = {"smollm", "llama3", "llama-bpe", "dbrx", "smaug-bpe"}
+_LLAMA3_PRE = {"llama3", "llama-bpe", "dbrx", "smaug-bpe"}
 _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
@@ -25,13 +25,13 @@ _LLAMA3_REGEX = (
 
 
 def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    if pre in ("llama3", "llama-bpe", "dbrx", "smaug-bpe"):
+    if pre in _LLAMA3_PRE:
         return pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGITS_FIRST:  # e.g. smollm: every digit is its own pre-token
+    if pre == "smollm":  # every digit is its own pre-token
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     return byte_level
 
