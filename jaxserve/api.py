@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import pathlib
@@ -38,11 +39,15 @@ class Completion:
     finish_reason: str
 
 
+_CONVERTED_FORMAT = 2  # bump when what _load saves changes, so old caches are not misread
+
+
 def _converted_dir(source: pathlib.Path, dtype: str) -> pathlib.Path:
-    """Cache folder for converted weights, keyed by the source file(s) identity and dtype."""
-    files = [source] if source.is_file() else sorted(source.glob("*.safetensors"))
+    """Cache folder for converted weights, keyed by the identity of every source file that shapes it."""
+    files = [source] if source.is_file() else sorted(
+        f for pattern in ("*.safetensors", "*.json", "*.jinja") for f in source.glob(pattern))
     ident = "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-    digest = hashlib.sha256(f"{ident}|{dtype}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{_CONVERTED_FORMAT}|{ident}|{dtype}".encode()).hexdigest()[:16]
     return registry.cache_dir() / "converted" / f"{source.stem}-{dtype}-{digest}"
 
 
@@ -85,26 +90,38 @@ def _enable_compilation_cache() -> None:
 
 
 class LLM:
-    """A model with its engine. Not thread-safe: one caller drives it at a time."""
+    """A model with its engine.
+
+    Several generate/stream callers may interleave (e.g. two open streams): every engine step's outputs are
+    routed to per-request queues, so no caller loses another's tokens. Not thread-safe: one thread drives it.
+    """
 
     def __init__(self, model: str = registry.DEFAULT_MODEL, *, dtype: str = "float32",
-                 max_model_len: int | None = None, kv_cache_tokens: int | None = None, block_size: int = 16,
-                 max_num_seqs: int = 16, prefill_chunk: int = 512):
+                 max_model_len: int | None = None, kv_cache_tokens: int | None = None,
+                 kv_cache_gib: float = 2.0, block_size: int = 16, max_num_seqs: int = 16, prefill_chunk: int = 512):
+        """kv_cache_tokens sizes the KV pool directly; otherwise it holds as many tokens as fit in kv_cache_gib.
+        max_model_len defaults to the model's context, capped by what the pool holds."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        for name, value in (("block_size", block_size), ("kv_cache_tokens", kv_cache_tokens or 1),
+                            ("max_model_len", max_model_len or 2)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         source = registry.resolve(model)
         _enable_compilation_cache()
         self.model_name = model
         self.config, params, self.tokenizer = _load(source, dtype)
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
-        kv_tokens = kv_cache_tokens or 2 * self.max_model_len
+        cfg = self.config
+        token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(_DTYPES[dtype]).itemsize
+        kv_tokens = kv_cache_tokens or int(kv_cache_gib * 2**30 // token_bytes)
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, kv_tokens)
         num_blocks = -(-kv_tokens // block_size) + 1  # + the scratch block
         pool = BlockPool(num_blocks, block_size)
-        runner = StepRunner(Llama(self.config, _DTYPES[dtype], block_size), params,
-                            allocate_caches(self.config, num_blocks, block_size, _DTYPES[dtype]), block_size)
+        runner = StepRunner(Llama(cfg, _DTYPES[dtype], block_size), params,
+                            allocate_caches(cfg, num_blocks, block_size, _DTYPES[dtype]), block_size)
         self.engine = Engine(runner, pool, self.tokenizer, max_model_len=self.max_model_len,
                              max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk)
+        self._queues: dict[str, collections.deque[RequestOutput]] = {}
 
     # ---- prompts ------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -112,10 +129,50 @@ class LLM:
             if not prompt:
                 raise ValueError("prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not all(isinstance(t, (int, np.integer)) for t in ids):
-            raise ValueError("a prompt must be a string or a list of token ids")
-        return None, ids
+        return None, list(prompt)
+
+    def chat_prompt(self, messages: Messages) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template (which carries its own BOS)."""
+        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def render_chat(self, messages: Messages) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    # ---- driving the engine -------------------------------------------------------------------------
+    def _submit(self, requests: Sequence[tuple[list[int], SamplingParams]]) -> list[str]:
+        """Queue all requests, or none: every one is checked before the first is added."""
+        checked = [(self.engine.check_request(ids, sp), sp) for ids, sp in requests]
+        rids = [self.engine.add_request(ids, sp) for ids, sp in checked]
+        self._queues.update({rid: collections.deque() for rid in rids})
+        return rids
+
+    def _next_output(self, rid: str) -> RequestOutput:
+        """This request's next output, stepping the engine (for every request) until there is one."""
+        queue = self._queues[rid]
+        while not queue:
+            if not self.engine.has_unfinished():
+                raise RuntimeError(f"request {rid} is no longer in the engine")
+            for out in self.engine.step():
+                if out.request_id in self._queues:
+                    self._queues[out.request_id].append(out)
+        return queue.popleft()
+
+    def _forget(self, rids: Sequence[str]) -> None:
+        """Drop the queues of rids and abort whichever of them is still in the engine."""
+        for rid in rids:
+            self._queues.pop(rid, None)
+            self.engine.abort(rid)
+
+    def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        (rid,) = self._submit([(ids, params)])
+        try:
+            while True:
+                out = self._next_output(rid)
+                yield out
+                if out.finished:
+                    return
+        finally:  # also when the consumer stops early
+            self._forget([rid])
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
@@ -129,50 +186,40 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
         prepared = [self._prompt_ids(p) for p in prompts]
-        rids = [self.engine.add_request(ids, sp) for (_, ids), sp in zip(prepared, plist)]
-        outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in rids}
-        with tqdm(total=len(rids), disable=not progress, desc="generate") as bar:
-            done = 0
-            while done < len(rids):
-                for out in self.engine.step():
-                    if out.request_id in outputs:
-                        outputs[out.request_id].append(out)
-                        done += out.finished
-                        bar.update(out.finished)
-        return [Completion(text_prompt, ids, "".join(o.new_text for o in outputs[rid]),
-                           [t for o in outputs[rid] for t in o.new_token_ids], outputs[rid][-1].finish_reason.value)
-                for (text_prompt, ids), rid in zip(prepared, rids)]
+        rids = self._submit([(ids, sp) for (_, ids), sp in zip(prepared, plist)])
+        outputs: list[list[RequestOutput]] = [[] for _ in rids]
+        try:
+            for rid, outs in zip(tqdm(rids, disable=not progress, desc="generate"), outputs):
+                while not outs or not outs[-1].finished:
+                    outs.append(self._next_output(rid))
+        finally:
+            self._forget(rids)  # aborts whatever an exception left unfinished
+        return [Completion(text_prompt, ids, "".join(o.new_text for o in outs),
+                           [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason.value)
+                for (text_prompt, ids), outs in zip(prepared, outputs)]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield this request's new tokens and text as they are produced; aborts the request if abandoned."""
-        _, ids = self._prompt_ids(prompt)
-        rid = self.engine.add_request(ids, params or SamplingParams())
-        finished = False
-        try:
-            while not finished:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        finished = out.finished
-                        yield out
-        finally:
-            if not finished:
-                self.engine.abort(rid)
+        """Yield this request's new tokens and text as they are produced; aborts the request if abandoned.
 
-    def render_chat(self, messages: Messages) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        Bad input raises here; the request is queued when iteration starts."""
+        _, ids = self._prompt_ids(prompt)
+        params = params or SamplingParams()
+        return self._stream(self.engine.check_request(ids, params), params)
 
     def chat(self, conversations: Messages | Sequence[Messages],
              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """Reply to one conversation (a list of {'role', 'content'} messages) or to several."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.render_chat(c) for c in conversations], params)
+        completions = self.generate([self.chat_prompt(c) for c in conversations], params)
+        for c, conv in zip(completions, conversations):
+            c.prompt = self.render_chat(conv)
+        return completions
 
     def prompt_logits(self, prompt: str | Sequence[int]) -> np.ndarray:
         """Logits [tokens, vocab] of every prompt position (a scoring pass; the cache blocks are returned)."""
         _, ids = self._prompt_ids(prompt)
-        if not ids or len(ids) > self.max_model_len:
-            raise ValueError(f"prompt must have 1..{self.max_model_len} tokens, got {len(ids)}")
+        ids = self.engine.check_request(ids, SamplingParams())
         pool, table = self.engine.pool, []
         pool.grow(table, len(ids))
         try:

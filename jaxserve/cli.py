@@ -35,7 +35,7 @@ def _generate() -> None:
     params = jaxserve.SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
                                      top_p=FLAGS.top_p, seed=FLAGS.seed, stop=tuple(FLAGS.stop))
     llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
-    prompt = llm.render_chat([{"role": "user", "content": FLAGS.prompt}]) if FLAGS.chat else FLAGS.prompt
+    prompt = llm.chat_prompt([{"role": "user", "content": FLAGS.prompt}]) if FLAGS.chat else FLAGS.prompt
     for out in llm.stream(prompt, params):
         sys.stdout.write(out.new_text)
         sys.stdout.flush()
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)  # keep library INFO logs (orbax) off the reply
     try:
         {"generate": _generate, "fetch": _fetch}[argv[1]]()
-    except ValueError as e:  # bad input: a one-line error, not a traceback
+    except (ValueError, RuntimeError, OSError) as e:  # bad input or set-up: one line, not a traceback
         sys.stderr.write(f"error: {e}\n")
         sys.exit(2)
 

@@ -13,9 +13,19 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
     "<|im_start|>assistant\nHello<|im_end|> after",
     "   spaces   and\ttabs\n\n",
 ])
-def test_deltas_concatenate_to_the_full_decode(llm, text):
+@pytest.mark.parametrize("prompt", ["", "Some prompt context:"])
+def test_deltas_concatenate_to_the_full_decode(llm, text, prompt):
+    prompt_ids = llm.tokenizer.encode(prompt)
     ids = llm.tokenizer.encode(text)
-    detok = IncrementalDetokenizer(llm.tokenizer)
-    deltas = [detok.push(ids[: i + 1]) for i in range(len(ids))]
-    assert "".join(deltas) == llm.tokenizer.decode(ids)
+    detok = IncrementalDetokenizer(llm.tokenizer, prompt_ids)
+    deltas = [detok.push(t) for t in ids]
+    assert "".join(deltas) + detok.flush() == llm.tokenizer.decode(ids)
     assert not any("\ufffd" in d for d in deltas)
+
+
+def test_flush_returns_an_unfinished_character(llm):
+    emoji = llm.tokenizer.encode("🙂")
+    assert len(emoji) > 1  # byte-level pieces
+    detok = IncrementalDetokenizer(llm.tokenizer, [])
+    assert detok.push(emoji[0]) == ""
+    assert detok.flush() == llm.tokenizer.decode(emoji[:1])

@@ -114,7 +114,7 @@ def test_stop_string_truncates_and_stream_matches(llm):
 
 
 def test_eos_and_max_tokens_finish_reasons(llm, reference):
-    greedy = next(c for c in reference["greedy"] if c["chat"] and c["tokens"][-1] == llm.tokenizer.eos_id)
+    greedy = next(c for c in reference["greedy"] if c["chat"] and c["tokens"][-1] in llm.tokenizer.stop_ids)
     out = llm.generate(greedy["ids"], SamplingParams(max_tokens=64))[0]
     assert out.finish_reason == "stop" and out.token_ids == greedy["tokens"]
     out = llm.generate(greedy["ids"], SamplingParams(max_tokens=3))[0]
@@ -131,6 +131,19 @@ def test_abandoned_stream_frees_its_blocks(llm):
     assert llm.engine.pool.num_free == free and not llm.engine.has_unfinished()
 
 
+def test_interleaved_streams_and_generate_lose_nothing(llm):
+    """Two open streams and a generate call share the engine; each gets exactly its own tokens."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 9, 5)]
+    alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS[:3], params)]
+    a, b = llm.stream(PROMPTS[0], params[0]), llm.stream(PROMPTS[1], params[1])
+    got_a, got_b = next(a).new_token_ids, next(b).new_token_ids
+    (mid,) = llm.generate(PROMPTS[2], params[2])
+    got_a += [t for o in a for t in o.new_token_ids]
+    got_b += [t for o in b for t in o.new_token_ids]
+    assert [got_a, got_b, mid.token_ids] == alone
+    assert not llm.engine.has_unfinished() and not llm._queues
+
+
 def test_context_limit_finishes_with_length():
     tiny = jaxserve.LLM(max_model_len=32, kv_cache_tokens=64)
     prompt = list(range(100, 120))
@@ -145,6 +158,10 @@ def test_context_limit_finishes_with_length():
         (lambda llm: llm.generate([[]]), "prompt is empty"),
         (lambda llm: llm.generate(list(range(3000))), "context"),
         (lambda llm: llm.generate([1, 2, 10**6]), "token ids"),
+        (lambda llm: llm.generate(["fine", list(range(3000))]), "context"),  # nothing of it stays queued
+        (lambda llm: llm.generate([[1, 2.5]]), "integer token ids"),
+        (lambda llm: llm.prompt_logits([10**6]), "token ids"),
+        (lambda llm: llm.stream(""), "prompt is empty"),
         (lambda llm: llm.generate("hi", SamplingParams(max_tokens=-1)), "max_tokens"),
         (lambda llm: llm.generate("hi", SamplingParams(top_p=0.0)), "top_p"),
         (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "top_p"),
@@ -152,13 +169,15 @@ def test_context_limit_finishes_with_length():
         (lambda llm: llm.chat([{"role": "user"}]), "content"),
         (lambda llm: jaxserve.LLM("no-such-model"), "unknown model"),
         (lambda llm: jaxserve.LLM("/no/such/path.gguf"), "unknown model"),
+        (lambda llm: jaxserve.LLM(block_size=0), "block_size"),
+        (lambda llm: jaxserve.LLM(max_num_seqs=0, kv_cache_tokens=64, max_model_len=32), "max_num_seqs"),
     ],
 )
 def test_bad_input_gets_a_clear_error(llm, make, message):
     free = llm.engine.pool.num_free
     with pytest.raises(ValueError, match=message):
         make(llm)
-    assert llm.engine.pool.num_free == free and not llm.engine.has_unfinished()
+    assert llm.engine.pool.num_free == free and not llm.engine.has_unfinished() and not llm._queues
     assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].token_ids  # still serving
 
 

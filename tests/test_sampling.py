@@ -61,8 +61,14 @@ def test_seed_and_counter_determine_the_draw(logits):
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=-3), dict(max_tokens=2.5),
-                                    dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.01),
+                                    dict(temperature=-0.1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.01),
                                     dict(seed=-1), dict(stop=("",)), dict(stop_token_ids=(-2,))])
 def test_invalid_sampling_params_are_rejected(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_vllm_spellings_are_normalised():
+    sp = SamplingParams(top_k=-1, stop=None, stop_token_ids=None, temperature=1e-7)
+    assert (sp.top_k, sp.stop, sp.stop_token_ids, sp.temperature, sp.greedy) == (0, (), (), 0.0, True)
+    assert SamplingParams(stop="END", stop_token_ids=[5]).stop == ("END",)

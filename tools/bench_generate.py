@@ -5,7 +5,8 @@
 
 Both sides are timed the same way, through their generate APIs, after a warm-up (jaxserve compiles its step
 functions then): decode tokens/s = batch * (N - 1) / (t(N tokens) - t(1 token)), so prefill time cancels out;
-prefill tokens/s = prompt tokens / t(1 token). Medians over --repeats. Prints a table and the ratios.
+prefill tokens/s = prompt tokens / t(1 token). The two sides' runs alternate; medians over --repeats. Prints a
+table and the ratios (transformers runs batch 16 too, for reference; the target compares against its batch 1).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import statistics
 import time
 from typing import Callable
 
+import jax
 import numpy as np
 import torch
 from absl import app, flags
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 import jaxserve
@@ -76,32 +79,37 @@ class TransformersSide:
         assert out.shape[1] == ids.shape[1] + n
 
 
-def measure(side, batch: int, short: int, long: int, n: int, repeats: int, with_batch: bool) -> dict[str, float]:
-    one, many, big = prompts(1, short, 0), prompts(batch, short, 1), prompts(1, long, 2)
-    for p in ([one, big] + ([many] if with_batch else [])):  # warm-up: compiles every shape used below
-        side.generate(p, 2)
-        side.generate(p, n)
-    res = {}
-    t1, tn = median_time(lambda: side.generate(one, 1), repeats), median_time(lambda: side.generate(one, n), repeats)
-    res["decode_tok_s_batch1"] = (n - 1) / (tn - t1)
-    if with_batch:
-        t1 = median_time(lambda: side.generate(many, 1), repeats)
-        tn = median_time(lambda: side.generate(many, n), repeats)
-        res[f"decode_tok_s_batch{batch}"] = batch * (n - 1) / (tn - t1)
-    res[f"prefill_tok_s_{long}"] = long / median_time(lambda: side.generate(big, 1), repeats)
+def measure(sides: list, batch: int, short: int, long: int, n: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Every metric for every side; the sides' repetitions interleave so background load hits both alike."""
+    decode = {"decode_tok_s_batch1": prompts(1, short, 0), f"decode_tok_s_batch{batch}": prompts(batch, short, 1)}
+    prefill_key, big = f"prefill_tok_s_{long}", prompts(1, long, 2)
+    runs = [(key, p, tokens) for key, p in decode.items() for tokens in (1, n)] + [(prefill_key, big, 1)]
+    times: dict[tuple[str, str, int], list[float]] = {}
+    for side in sides:  # warm-up: jaxserve compiles every shape used below
+        for key, p, tokens in runs:
+            side.generate(p, max(tokens, 2))
+    with tqdm(total=len(sides) * repeats * len(runs), desc="bench") as bar:
+        for _ in range(repeats):
+            for key, p, tokens in runs:
+                for side in sides:
+                    start = time.perf_counter()
+                    side.generate(p, tokens)
+                    times.setdefault((side.name, key, tokens), []).append(time.perf_counter() - start)
+                    bar.update()
+    res: dict[str, dict[str, float]] = {}
+    for side in sides:
+        t = {k[1:]: statistics.median(v) for k, v in times.items() if k[0] == side.name}
+        res[side.name] = {key: len(p) * (n - 1) / (t[key, n] - t[key, 1]) for key, p in decode.items()}
+        res[side.name][prefill_key] = long / t[prefill_key, 1]
     return res
 
 
 def main(argv: list[str]) -> None:
     del argv
     f = FLAGS
-    results = {}
-    print(f"torch threads: {torch.get_num_threads()}")
-    hf = TransformersSide(f.model)
-    results["transformers"] = measure(hf, f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats, False)
-    del hf
-    js = JaxServeSide(f.model, f.batch, f.long_prompt)
-    results["jaxserve"] = measure(js, f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats, True)
+    print(f"torch {torch.__version__} threads {torch.get_num_threads()}; jax {jax.__version__} {jax.devices()}")
+    sides = [TransformersSide(f.model), JaxServeSide(f.model, f.batch, f.long_prompt)]
+    results = measure(sides, f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats)
     hf_r, js_r = results["transformers"], results["jaxserve"]
     b1 = js_r["decode_tok_s_batch1"] / hf_r["decode_tok_s_batch1"]
     agg = js_r[f"decode_tok_s_batch{f.batch}"] / hf_r["decode_tok_s_batch1"]
@@ -109,7 +117,7 @@ def main(argv: list[str]) -> None:
     results["ratios"] = {"decode_batch1": b1, f"decode_batch{f.batch}_vs_hf_batch1": agg, "prefill": pre}
     print(f"{'metric':<28}{'transformers':>14}{'jaxserve':>12}")
     for key in js_r:
-        print(f"{key:<28}{hf_r.get(key, float('nan')):>14.1f}{js_r[key]:>12.1f}")
+        print(f"{key:<28}{hf_r[key]:>14.1f}{js_r[key]:>12.1f}")
     print(f"ratio decode batch 1 (jaxserve / transformers):          {b1:.2f}x  (target >= 1.0x)")
     print(f"ratio decode batch {f.batch} aggregate / transformers batch 1: {agg:.2f}x  (target >= 4x)")
     print(f"ratio prefill {f.long_prompt} tokens (jaxserve / transformers):     {pre:.2f}x")

@@ -1,8 +1,12 @@
-"""Incremental detokenization: text deltas for a growing list of token ids in O(1) decode work per token."""
+"""Incremental detokenization: text deltas for a growing output in O(1) decode work per token."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from jaxserve.models.tokenizer import TextTokenizer
+
+_PROMPT_CONTEXT = 6  # prompt tokens decoded as context, so a first output token keeps its leading space
 
 
 class IncrementalDetokenizer:
@@ -10,19 +14,29 @@ class IncrementalDetokenizer:
 
     `ids[prefix:read]` have been turned into text already; they are decoded again with the new tokens as
     context so that merges across token boundaries come out right. A delta ending in U+FFFD is an incomplete
-    UTF-8 character and waits for the next token.
+    UTF-8 character and waits for the next token (or for `flush` at the end).
     """
 
-    def __init__(self, tokenizer: TextTokenizer):
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int]):
         self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
         self.prefix = 0
-        self.read = 0
+        self.read = len(self.ids)
 
-    def push(self, ids: list[int]) -> str:
-        """New text produced by the tokens appended to `ids` since the last call."""
-        before = self.tokenizer.decode(ids[self.prefix:self.read])
-        after = self.tokenizer.decode(ids[self.prefix:])
+    def _pending(self) -> tuple[str, str]:
+        return self.tokenizer.decode(self.ids[self.prefix:self.read]), self.tokenizer.decode(self.ids[self.prefix:])
+
+    def push(self, token: int) -> str:
+        """The text that `token` completes ('' while a character is still incomplete)."""
+        self.ids.append(token)
+        before, after = self._pending()
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        self.prefix, self.read = self.read, len(ids)
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character decodes as U+FFFD), at the end of a request."""
+        before, after = self._pending()
+        self.prefix = self.read = len(self.ids)
         return after[len(before):]

@@ -15,6 +15,8 @@ import itertools
 import random
 from typing import Sequence
 
+import numpy as np
+
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.kv_cache import BlockPool, OutOfBlocks
 from jaxserve.engine.sampling import SamplingParams
@@ -66,8 +68,12 @@ class Request:
 class Engine:
     def __init__(self, runner: StepRunner, pool: BlockPool, tokenizer: TextTokenizer, *, max_model_len: int,
                  max_num_seqs: int = 16, prefill_chunk: int = 512):
-        if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
-            raise ValueError(f"prefill_chunk must be a power of two, got {prefill_chunk}")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two, got {prefill_chunk!r}")
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         if max_model_len > pool.capacity * pool.block_size:
             raise ValueError(f"max_model_len {max_model_len} exceeds the KV cache's "
                              f"{pool.capacity * pool.block_size} tokens; give it more blocks")
@@ -83,25 +89,29 @@ class Engine:
         self._seed_rng = random.Random()
 
     # ---- requests -------------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ints, or ValueError naming what is wrong with the request."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt_ids):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
             raise ValueError("prompt is empty")
         vocab = self.runner.model.cfg.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt_ids):
+        if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} "
-                "(prompt plus at least one generated token)"
-            )
-        if self.pool.blocks_for(len(prompt_ids) + 1) > self.pool.capacity:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit in the KV cache "
-                             f"({self.pool.capacity * self.pool.block_size} tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                             "(prompt plus at least one generated token)")
+        return ids
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+        ids = self.check_request(prompt_ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        self.waiting.append(Request(rid, prompt_ids, params, seed, IncrementalDetokenizer(self.tokenizer)))
+        self.waiting.append(Request(rid, ids, params, seed, IncrementalDetokenizer(self.tokenizer, ids)))
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -123,10 +133,9 @@ class Engine:
         prefill = next((r for r in self.running if r.prefilling), None)
         if prefill is not None:
             outputs += self._run_prefill_chunk(prefill)
-        decoding = [r for r in self.running if not r.prefilling and r.finish_reason is None]
+        decoding = [r for r in self.running if not r.prefilling]
         if decoding:
             outputs += self._run_decode(decoding)
-        self.running = [r for r in self.running if r.finish_reason is None]
         return outputs
 
     def _admit(self) -> None:
@@ -170,9 +179,9 @@ class Engine:
         return [self._append(r, int(token))]
 
     def _run_decode(self, batch: list[Request]) -> list[RequestOutput]:
-        for r in list(batch):
-            if r in self.running and not self._reserve(r, r.num_cached + 1):
-                batch.remove(r)
+        for r in batch:
+            if r in self.running:  # reserving for an earlier row may have preempted this one
+                self._reserve(r, r.num_cached + 1)
         batch = [r for r in batch if r in self.running]
         if not batch:
             return []
@@ -190,13 +199,13 @@ class Engine:
         p = r.params
         r.output_ids.append(token)
         searched = max(len(r.text) - max((len(s) for s in p.stop), default=0), 0)
-        r.text += r.detokenizer.push(r.output_ids)
+        r.text += r.detokenizer.push(token)
         text = r.text
         stop_at = min((i for s in p.stop if (i := text.find(s, searched)) >= 0), default=-1)
         if stop_at >= 0:
             text = text[:stop_at]
             r.finish_reason = FinishReason.STOP
-        elif token in p.stop_token_ids or (token == self.tokenizer.eos_id and not p.ignore_eos):
+        elif token in p.stop_token_ids or (token in self.tokenizer.stop_ids and not p.ignore_eos):
             r.finish_reason = FinishReason.STOP
         elif len(r.output_ids) >= p.max_tokens or len(r.all_ids) >= self.max_model_len:
             r.finish_reason = FinishReason.LENGTH
@@ -205,7 +214,10 @@ class Engine:
             held = max((k for s in p.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             text = text[:max(len(text) - held, r.emitted_chars)]
         else:
+            if stop_at < 0:
+                text = r.text = r.text + r.detokenizer.flush()
             self.pool.release(r.block_table)
+            self.running.remove(r)  # at once: a finished request must never be chosen for preemption
         delta = text[r.emitted_chars:]
         r.emitted_chars = len(text)
         return RequestOutput(r.request_id, [token], delta, r.finish_reason is not None, r.finish_reason)

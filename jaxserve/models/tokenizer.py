@@ -24,6 +24,9 @@ _LLAMA3_REGEX = (
 )
 
 
+_GPT2_PRE = {None, "default", "gpt2", "gpt-2"}
+
+
 def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     if pre in _LLAMA3_PRE:
         return pre_tokenizers.Sequence([
@@ -33,17 +36,23 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":  # every digit is its own pre-token
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    return byte_level
+    if pre in _GPT2_PRE:
+        return byte_level
+    known = sorted(p for p in _LLAMA3_PRE | _GPT2_PRE | {"smollm"} if p)
+    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(known)})")
 
 
 class TextTokenizer:
-    """Encode/decode text and render the model's chat template."""
+    """Encode/decode text and render the model's chat template.
 
-    def __init__(self, tokenizer: Tokenizer, *, bos_id: int | None, eos_id: int, add_bos: bool,
+    stop_ids: every token that ends generation (EOS, end-of-turn, generation_config's list).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, bos_id: int | None, stop_ids: Sequence[int], add_bos: bool,
                  chat_template: str | None, special_tokens: dict[str, str]):
         self.tokenizer = tokenizer
         self.bos_id = bos_id
-        self.eos_id = eos_id
+        self.stop_ids = frozenset(stop_ids)
         self.add_bos = add_bos
         self.chat_template = chat_template
         self.special_tokens = special_tokens
@@ -56,27 +65,31 @@ class TextTokenizer:
         tokens: list[str] = f.field("tokenizer.ggml.tokens")
         merges = [tuple(m.split(" ", 1)) for m in f.field("tokenizer.ggml.merges")]
         types: list[int] = f.field("tokenizer.ggml.token_type")
+        pre = f.field("tokenizer.ggml.pre")
         tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
-                                   byte_fallback=False))
-        tok.pre_tokenizer = _gguf_pre_tokenizer(f.field("tokenizer.ggml.pre"))
+                                   byte_fallback=False, ignore_merges=pre in _LLAMA3_PRE))
+        tok.pre_tokenizer = _gguf_pre_tokenizer(pre)
         tok.decoder = decoders.ByteLevel()
         specials = [t for t, ty in zip(tokens, types) if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)]
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
         bos = f.field("tokenizer.ggml.bos_token_id")
         eos = int(f.field("tokenizer.ggml.eos_token_id"))
+        stop = {eos} | {int(i) for key in ("eot_token_id", "eom_token_id")
+                        if (i := f.field(f"tokenizer.ggml.{key}")) is not None}
         names = {"eos_token": tokens[eos]}
         if bos is not None:
             names["bos_token"] = tokens[int(bos)]
-        return cls(tok, bos_id=None if bos is None else int(bos), eos_id=eos,
+        return cls(tok, bos_id=None if bos is None else int(bos), stop_ids=sorted(stop),
                    add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
                    chat_template=f.field("tokenizer.chat_template"), special_tokens=names)
 
     @classmethod
     def from_hf_dir(cls, root: str | pathlib.Path) -> "TextTokenizer":
         root = pathlib.Path(root)
+        if not (root / "tokenizer.json").is_file():
+            raise ValueError(f"{root}: no tokenizer.json (only fast-tokenizer directories are supported)")
         tok = Tokenizer.from_file(str(root / "tokenizer.json"))
-        cfg_path = root / "tokenizer_config.json"
-        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        cfg = _read_json(root / "tokenizer_config.json")
 
         def token_text(key: str) -> str | None:
             v = cfg.get(key)
@@ -86,17 +99,21 @@ class TextTokenizer:
         if "eos_token" not in names:
             raise ValueError(f"{root}: tokenizer_config.json names no eos_token")
         bos = names.get("bos_token")
+        gen_eos = _read_json(root / "generation_config.json").get("eos_token_id", [])
+        stop = {tok.token_to_id(names["eos_token"])} | set([gen_eos] if isinstance(gen_eos, int) else gen_eos)
         template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if template is None and (root / "chat_template.jinja").is_file():
             template = (root / "chat_template.jinja").read_text()
-        # tokenizer.json's post-processor already adds BOS where the model wants it.
-        return cls(tok, bos_id=None if bos is None else tok.token_to_id(bos), eos_id=tok.token_to_id(names["eos_token"]),
-                   add_bos=False, chat_template=template, special_tokens=names)
+        # tokenizer.json's post-processor adds BOS where the model wants it; add_bos covers files without one.
+        return cls(tok, bos_id=None if bos is None else tok.token_to_id(bos), stop_ids=sorted(stop),
+                   add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template, special_tokens=names)
 
     def save(self, root: pathlib.Path) -> None:
         """Write tokenizer.json + jaxserve_tokenizer.json, so a later start needs neither GGUF nor HF files."""
         self.tokenizer.save(str(root / "tokenizer.json"))
-        meta = {"bos_id": self.bos_id, "eos_id": self.eos_id, "add_bos": self.add_bos,
+        meta = {"bos_id": self.bos_id, "stop_ids": sorted(self.stop_ids), "add_bos": self.add_bos,
                 "chat_template": self.chat_template, "special_tokens": self.special_tokens}
         (root / "jaxserve_tokenizer.json").write_text(json.dumps(meta))
 
@@ -105,9 +122,10 @@ class TextTokenizer:
         meta = json.loads((root / "jaxserve_tokenizer.json").read_text())
         return cls(Tokenizer.from_file(str(root / "tokenizer.json")), **meta)
 
-    def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=True).ids
-        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. A rendered chat template carries its own BOS: pass add_special_tokens=False."""
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
 
@@ -120,9 +138,15 @@ class TextTokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i} must be a dict with string 'role' and 'content'")
-        return _compile(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
-        )
+        try:
+            return _compile(self.chat_template).render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate")
+            raise ValueError(f"chat template rejected the messages: {e}") from e
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _raise(message: str) -> None:
