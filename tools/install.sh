@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet --config-settings editable_mode=compat -e .
+.venv/bin/python -m pip install --quiet -e .
 .venv/bin/python -m jaxserve fetch
