@@ -1,0 +1,69 @@
+"""Ring attention for a prefill chunk over an SP group (call inside `shard_map` over the 'sp' axis).
+
+Each device holds a shard of the chunk's queries and K/V (any layout: the shards carry their positions) and its
+shard of the request's history KV. Two parts, merged by log-sum-exp:
+- history: the (short) queries move, not the (long) history: the chunk's queries are all-gathered, every device
+  attends them over its history shard, and the partials come back to their owners by a weighted
+  reduce-scatter (the max trick keeps it exact);
+- chunk: the chunk's K/V blocks travel around the ring with `ppermute`; the send of the next block is issued
+  before the current block is computed so XLA can overlap the two.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxserve.pallas_kernels import reference as kernels
+from jaxserve.sharding.mesh import SP
+
+
+def merge_two(o_a, lse_a, o_b, lse_b):
+    return kernels.merge_attention(jnp.stack([o_a, o_b]), jnp.stack([lse_a, lse_b]))
+
+
+def history_attention(q, q_pos, hist_k, hist_v, hist_pos, *, axis_name: str = SP):
+    """This device's queries over every device's history shard: (o [t, h, d], lse [t, h])."""
+    t = q.shape[0]
+    o, lse = kernels.chunk_attention(jax.lax.all_gather(q, axis_name, tiled=True), hist_k, hist_v,
+                                     jax.lax.all_gather(q_pos, axis_name, tiled=True), hist_pos)
+    m = jax.lax.pmax(lse, axis_name)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m)  # 0 for a device whose shard this query cannot see
+    num = jax.lax.psum_scatter(o * w[..., None], axis_name, scatter_dimension=0, tiled=True)
+    den = jax.lax.psum_scatter(w, axis_name, scatter_dimension=0, tiled=True)
+    m_own = jax.lax.dynamic_slice_in_dim(m, jax.lax.axis_index(axis_name) * t, t)
+    seen = den > 0
+    return num / jnp.where(seen, den, 1.0)[..., None], jnp.where(seen, m_own + jnp.log(jnp.where(seen, den, 1.0)),
+                                                                   -jnp.inf)
+
+
+def ring_attention(
+    q: Float[Array, "t h d"],
+    k: Float[Array, "t kvh d"],
+    v: Float[Array, "t kvh d"],
+    q_pos: Int[Array, "t"],
+    k_pos: Int[Array, "t"],
+    hist_k: Float[Array, "n kvh d"],
+    hist_v: Float[Array, "n kvh d"],
+    hist_pos: Int[Array, "n"],
+    *,
+    axis_size: int,
+    axis_name: str = SP,
+) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
+    """Local shard of the chunk's attention output (and log-sum-exp) over history + the whole chunk.
+
+    Padding: queries at position -1, chunk keys and history entries at NO_POSITION.
+    """
+    o, lse = history_attention(q, q_pos, hist_k, hist_v, hist_pos, axis_name=axis_name)
+    ring = [(i, (i + 1) % axis_size) for i in range(axis_size)]
+    block = (k, v, k_pos)
+    for step in range(axis_size):
+        if step + 1 < axis_size:
+            incoming = jax.lax.ppermute(block, axis_name, ring)  # in flight while this block is computed
+        o_s, lse_s = kernels.chunk_attention(q, block[0], block[1], q_pos, block[2])
+        o, lse = merge_two(o, lse, o_s, lse_s)
+        if step + 1 < axis_size:
+            block = incoming
+    return o, lse
