@@ -10,6 +10,9 @@ import pytest
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
+# Needs 8 devices: run by tests/test_multidevice.py in its own process.
+collect_ignore = ["multidevice"]
+
 
 @pytest.fixture(scope="session")
 def llm():

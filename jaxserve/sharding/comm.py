@@ -7,6 +7,9 @@ t new tokens on p devices, h query / kvh KV heads of head_dim d, history of n to
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
+
+from jaxserve.sharding.rebalance import moved_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +29,17 @@ class Shape:
 
 
 def ring_bytes(s: Shape) -> int:
-    """Each device forwards every other device's chunk K/V block once: (p - 1) hops of t/p tokens each."""
-    return (s.devices - 1) * s.tokens * s.kv_token_bytes
+    """Chunk K/V: every device forwards each other device's block once, (p - 1) hops of t/p tokens each.
+    History (when there is one): the queries move instead, all-gathered, and the float32 (o, weight) partials
+    return by reduce-scatter, plus an all-reduce of the log-sum-exp maxima."""
+    p = s.devices
+    chunk = (p - 1) * s.tokens * s.kv_token_bytes
+    if s.history == 0:
+        return chunk
+    queries = (p - 1) * s.tokens * s.heads * s.head_dim * s.dtype_bytes
+    partials = (p - 1) * s.tokens * s.heads * (s.head_dim + 1) * 4 // p
+    maxima = 2 * (p - 1) * s.tokens * s.heads * 4
+    return chunk + queries + partials + maxima
 
 
 def ulysses_bytes(s: Shape) -> int:
@@ -55,15 +67,9 @@ def query_moving_decode_bytes(s: Shape) -> int:
     return (s.devices - 1) * s.tokens * (q + partial)
 
 
-def rebalance_bytes(history: int, old_devices: int, new_devices: int, kv_token_bytes: int) -> int:
-    """KV moved when a contiguous equal split over the first old_devices becomes one over new_devices."""
-    old = [history * i // old_devices for i in range(old_devices + 1)]
-    new = [history * i // new_devices for i in range(new_devices + 1)]
-    moved = 0
-    for j in range(new_devices):  # tokens device j receives that it did not hold
-        kept = max(0, min(new[j + 1], old[j + 1]) - max(new[j], old[j])) if j < old_devices else 0
-        moved += new[j + 1] - new[j] - kept
-    return moved * kv_token_bytes
+def rebalance_bytes(counts: Sequence[int], kv_token_bytes: int) -> int:
+    """KV moved to balance a history held as `counts` tokens per device of the new group (joiners hold 0)."""
+    return moved_tokens(counts) * kv_token_bytes
 
 
 def per_layer_bytes(s: Shape) -> dict[str, int]:

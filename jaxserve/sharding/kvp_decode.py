@@ -7,10 +7,10 @@ cross the network, not the KV.
 
 from __future__ import annotations
 
-import jax
 from jaxtyping import Array, Float, Int
 
-from jaxserve.pallas_kernels import reference as kernels
+from jaxserve.pallas_kernels import dispatch as kernels
+from jaxserve.sharding.lse import merge_over
 from jaxserve.sharding.mesh import SP
 
 
@@ -27,6 +27,4 @@ def kv_parallel_decode(
     """q is the same on every device; the cache, block tables and kv_lens describe this device's shard."""
     o, lse = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, kv_lens,
                                             block_size=block_size, num_splits=1)
-    o_all = jax.lax.all_gather(o[:, 0], axis_name)  # [p, b, h, d]
-    lse_all = jax.lax.all_gather(lse[:, 0], axis_name)
-    return kernels.merge_attention(o_all, lse_all)[0]
+    return merge_over(o[:, 0], lse[:, 0], axis_name)[0]

@@ -2,9 +2,9 @@
 
 A request's history KV is held by the devices of group G, n_i valid tokens on device i (any tokens: they carry
 their positions). Before a chunk runs on a larger group G' (G a prefix of G'), the history moves so every device
-of G' holds an equal share. Devices are ranked by their order in G'; the valid tokens take global ranks in
-device order, and rank r goes to device r // q at slot r % q, with q = ceil(N / |G'|). The counts are known to
-the planner, so `plan` runs on the host and only the moves run on devices.
+of G' holds an equal share (targets differ by at most one). Each device keeps as many of its own tokens as its
+target allows and only the excess moves, into the other devices' free slots: the fewest bytes possible. The
+counts are known to the planner, so `plan` runs on the host and only the moves run on devices.
 """
 
 from __future__ import annotations
@@ -20,43 +20,64 @@ from jaxserve.pallas_kernels.reference import NO_POSITION
 from jaxserve.sharding.mesh import SP
 
 
-def plan(counts: Sequence[int]) -> tuple[np.ndarray, int]:
-    """Per-device first global rank, and q: the tokens each device holds afterwards (the last may hold fewer)."""
-    counts = np.asarray(counts, np.int32)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
-    return starts, max(1, -(-int(counts.sum()) // len(counts)))
+def targets(total: int, devices: int, width: int | None = None) -> np.ndarray:
+    """Balanced token counts for the first `devices` of a group of `width` (the rest get none)."""
+    width = width or devices
+    return np.array([total // devices + (j < total % devices) if j < devices else 0 for j in range(width)])
+
+
+def plan(counts: Sequence[int], cap: int, devices: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """For every device's `cap` buffer slots: destination device and slot there ([p, cap] each), and the share.
+
+    counts: tokens per device of the mesh the move runs on (0 for devices that join). The history ends up
+    balanced over its first `devices` (default: all; fewer scales the group down). Padding slots get
+    destination p (dropped)."""
+    counts = [int(c) for c in counts]
+    p = len(counts)
+    want = targets(sum(counts), devices or p, p)
+    share = max(1, int(want.max()))
+    dest = np.full((p, cap), p, np.int32)
+    at = np.zeros((p, cap), np.int32)
+    keep = [min(n, int(w)) for n, w in zip(counts, want)]
+    free = iter([(j, s) for j in range(p) for s in range(keep[j], int(want[j]))])
+    for i, n in enumerate(counts):
+        dest[i, : keep[i]], at[i, : keep[i]] = i, np.arange(keep[i])
+        for slot in range(keep[i], n):
+            dest[i, slot], at[i, slot] = next(free)
+    return dest, at, share
+
+
+def moved_tokens(counts: Sequence[int], devices: int | None = None) -> int:
+    """Tokens that change device under `plan`."""
+    want = targets(sum(counts), devices or len(counts), len(counts))
+    return int(sum(max(0, n - w) for n, w in zip(counts, want)))
 
 
 def rebalance(
     k: Float[Array, "cap kvh d"],
     v: Float[Array, "cap kvh d"],
     pos: Int[Array, "cap"],
-    start: Int[Array, ""],
-    count: Int[Array, ""],
+    dest: Int[Array, "cap"],
+    at: Int[Array, "cap"],
     *,
     share: int,
     axis_size: int,
     axis_name: str = SP,
 ) -> tuple[Float[Array, "q kvh d"], Float[Array, "q kvh d"], Int[Array, "q"]]:
-    """This device's balanced share: `share` (= q from `plan`) slots, padding at position NO_POSITION.
+    """This device's balanced share: `share` slots, padding at position NO_POSITION.
 
-    k/v/pos: this device's buffer with its `count` valid tokens first; start: their first global rank.
+    k/v/pos: this device's buffer; dest/at: this device's rows of `plan`.
     """
-    slot = jnp.arange(k.shape[0])
-    rank = start + slot
-    # Invalid slots aim past the last device and are dropped by the scatter.
-    dest = jnp.where(slot < count, rank // share, axis_size)
-    at = rank % share
 
     def scatter(x, fill):
         buf = jnp.full((axis_size, share) + x.shape[1:], fill, x.dtype)
-        return buf.at[dest, at].set(x, mode="drop")
+        return buf.at[dest, at].set(x, mode="drop")  # destination axis_size: padding, dropped
 
     recv_k, recv_v, recv_pos = (
         jax.lax.all_to_all(scatter(x, fill), axis_name, split_axis=0, concat_axis=0, tiled=False)
         for x, fill in ((k, 0), (v, 0), (pos, NO_POSITION))
     )
-    # Each slot of the share is filled by exactly one source device: the one whose position is valid.
-    valid = recv_pos != NO_POSITION
-    pick = lambda x: jnp.sum(jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, 0), axis=0)
-    return pick(recv_k), pick(recv_v), jnp.min(recv_pos, axis=0)
+    # Each slot of the share is filled by at most one source device: the one whose position is valid.
+    valid = (recv_pos != NO_POSITION)[..., None, None]
+    return (jnp.sum(jnp.where(valid, recv_k, 0), axis=0), jnp.sum(jnp.where(valid, recv_v, 0), axis=0),
+            jnp.min(recv_pos, axis=0))

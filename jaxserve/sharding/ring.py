@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxserve.pallas_kernels import reference as kernels
+from jaxserve.pallas_kernels import dispatch as kernels
+from jaxserve.sharding.lse import merge_scatter
 from jaxserve.sharding.mesh import SP
 
 
@@ -25,18 +26,9 @@ def merge_two(o_a, lse_a, o_b, lse_b):
 
 def history_attention(q, q_pos, hist_k, hist_v, hist_pos, *, axis_name: str = SP):
     """This device's queries over every device's history shard: (o [t, h, d], lse [t, h])."""
-    t = q.shape[0]
     o, lse = kernels.chunk_attention(jax.lax.all_gather(q, axis_name, tiled=True), hist_k, hist_v,
                                      jax.lax.all_gather(q_pos, axis_name, tiled=True), hist_pos)
-    m = jax.lax.pmax(lse, axis_name)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m)  # 0 for a device whose shard this query cannot see
-    num = jax.lax.psum_scatter(o * w[..., None], axis_name, scatter_dimension=0, tiled=True)
-    den = jax.lax.psum_scatter(w, axis_name, scatter_dimension=0, tiled=True)
-    m_own = jax.lax.dynamic_slice_in_dim(m, jax.lax.axis_index(axis_name) * t, t)
-    seen = den > 0
-    return num / jnp.where(seen, den, 1.0)[..., None], jnp.where(seen, m_own + jnp.log(jnp.where(seen, den, 1.0)),
-                                                                   -jnp.inf)
+    return merge_scatter(o, lse, axis_name)
 
 
 def ring_attention(

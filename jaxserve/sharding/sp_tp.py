@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxserve.pallas_kernels import reference as kernels
+from jaxserve.pallas_kernels import dispatch as kernels
 from jaxserve.sharding.mesh import SP
 
 Rope = Callable[[Array, Array], Array]  # (x [t, heads, d], positions [t]) -> rotated x

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxserve.pallas_kernels import reference as kernels
+from jaxserve.pallas_kernels import dispatch as kernels
 from jaxserve.sharding.mesh import SP
 
 

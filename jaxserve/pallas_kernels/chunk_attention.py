@@ -1,0 +1,94 @@
+"""Flash-attention Pallas kernel for a chunk of queries over keys with arbitrary positions.
+
+Same signature and semantics as `reference.chunk_attention`: key j is visible to query i iff k_pos[j] <= q_pos[i];
+rows that see nothing give o=0, lse=-inf. Grid over (query head, query block); each program walks the key
+blocks with an online softmax in float32, skipping blocks whose smallest position is past the block's last
+query (causal tail, padding). GQA: the K/V BlockSpecs map query head i to KV head i // (h // kvh).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from jaxserve.pallas_kernels import common
+from jaxserve.pallas_kernels.reference import NO_POSITION
+
+
+def _kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int, scale: float):
+    q = q_ref[...]  # [block_q, d]
+    q_pos = q_pos_ref[...]
+    q_last = jnp.max(q_pos)
+
+    def body(j, carry):
+        start = pl.multiple_of(j * block_k, block_k)
+        k_pos = k_pos_ref[pl.ds(start, block_k)]
+
+        def visit(carry):
+            s = common.scores(q, k_ref[pl.ds(start, block_k), :], scale)
+            s = jnp.where(k_pos[None, :] <= q_pos[:, None], s, -jnp.inf)
+            return common.online_softmax(carry, s, v_ref[pl.ds(start, block_k), :])
+
+        return lax.cond(jnp.min(k_pos) <= q_last, visit, lambda c: c, carry)
+
+    carry = lax.fori_loop(0, k_ref.shape[0] // block_k, body, common.init_carry(*q.shape))
+    o, lse = common.finish(carry)
+    o_ref[...] = o
+    lse_ref[...] = lse
+
+
+# block_q / block_k: 128 / 64 suit head_dim 128 on H100 in Triton flash kernels; tune with tools/bench_attention.py.
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "interpret"))
+def chunk_attention(
+    q: Float[Array, "t h d"],
+    k: Float[Array, "s kvh d"],
+    v: Float[Array, "s kvh d"],
+    q_pos: Int[Array, "t"],
+    k_pos: Int[Array, "s"],
+    *,
+    block_q: int = 128,
+    block_k: int = 64,
+    interpret: bool = False,
+) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
+    """Softmax attention of each query over the keys with k_pos <= q_pos: float32 output and log-sum-exp."""
+    t, h, d = q.shape
+    s, kvh = k.shape[:2]
+    group = h // kvh
+    block_q, block_k = common.tile(t, block_q), common.tile(s, block_k)
+    t_pad, s_pad, d_pad = common.round_up(t, block_q), common.round_up(s, block_k), pl.next_power_of_2(d)
+    # Padded queries see nothing, padded keys are never seen; zero head-dim padding leaves q.k unchanged.
+    q_pos = common.pad_axis(q_pos.astype(jnp.int32), 0, t_pad, -1)
+    k_pos = common.pad_axis(k_pos.astype(jnp.int32), 0, s_pad, NO_POSITION)
+    q = common.pad_axis(common.pad_axis(q, 0, t_pad), 2, d_pad)
+    k = common.pad_axis(common.pad_axis(k, 0, s_pad), 2, d_pad)
+    v = common.pad_axis(common.pad_axis(v, 0, s_pad), 2, d_pad)
+
+    kv_spec = pl.BlockSpec((s_pad, None, d_pad), lambda i, j: (0, i // group, 0))
+    o, lse = pl.pallas_call(
+        functools.partial(_kernel, block_k=block_k, scale=d**-0.5),
+        grid=(h, t_pad // block_q),
+        in_specs=[
+            pl.BlockSpec((block_q,), lambda i, j: (j,)),
+            pl.BlockSpec((s_pad,), lambda i, j: (0,)),
+            pl.BlockSpec((block_q, None, d_pad), lambda i, j: (j, i, 0)),
+            kv_spec,
+            kv_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((block_q, None, d_pad), lambda i, j: (j, i, 0)),
+            pl.BlockSpec((block_q, None), lambda i, j: (j, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((t_pad, h, d_pad), jnp.float32),
+            jax.ShapeDtypeStruct((t_pad, h), jnp.float32),
+        ],
+        compiler_params=common.gpu_params(d_pad, interpret),
+        interpret=interpret,
+        name="chunk_attention",
+    )(q_pos, k_pos, q, k, v)
+    return o[:t, :, :d], lse[:t]

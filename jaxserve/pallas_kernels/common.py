@@ -1,0 +1,79 @@
+"""Pieces shared by the Pallas kernels: tile sizes and padding, the online-softmax update, GPU compiler options.
+
+The kernels keep to the portable Pallas subset (BlockSpecs with index maps, ref loads/stores with `pl.ds`,
+`fori_loop`/`cond`, jnp math and `lax.dot_general`), so one body runs in interpret mode on CPU and compiles on
+GPU. On GPU they compile through the Triton lowering, requested explicitly with Triton compiler params: the
+Mosaic GPU lowering (the default for `pl.pallas_call` since JAX 0.9) has no rule for `dot_general` and wants
+kernels written with `plgpu.kernel` and wgmma instead. Triton is deprecated from JAX 0.11 but still selected by
+its params; if it is removed, these kernels need that Mosaic GPU port.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float
+
+Carry = tuple[Float[Array, "r d"], Float[Array, "r"], Float[Array, "r"]]  # unnormalised output, running max, sum
+
+
+def tile(n: int, block: int, minimum: int = 16) -> int:
+    """Tile size for an axis of n: `block`, shrunk for short axes to a power of two of at least `minimum`.
+
+    Triton wants power-of-two tiles, and `dot` operands with every side >= 16.
+    """
+    return min(block, max(minimum, pl.next_power_of_2(n)))
+
+
+def pad_axis(x: Array, axis: int, size: int, value: float | int = 0) -> Array:
+    """x padded with `value` at the end of `axis` up to `size` (no copy when it is already that long)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def gpu_params(head_dim: int, interpret: bool):
+    """Triton compiler params for GPU (None in interpret mode). Warps/stages are first guesses, to tune on H100."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as pl_triton
+
+    return pl_triton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+
+
+def scores(q: Float[Array, "r d"], k: Float[Array, "c d"], scale: float) -> Float[Array, "r c"]:
+    """Scaled q.k^T accumulated in float32 (inputs stay in their dtype so bf16 runs on tensor cores)."""
+    return lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+
+
+def init_carry(rows: int, d: int) -> Carry:
+    return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def online_softmax(carry: Carry, s: Float[Array, "r c"], v: Float[Array, "c d"]) -> Carry:
+    """Fold one key block into the running softmax. Masked scores are -inf; a row with no visible key so far
+    keeps max -inf, so the max is replaced by 0 where it is -inf to keep exp() free of inf - inf."""
+    acc, m, l = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe[:, None])
+    alpha = jnp.exp(m - m_safe)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return alpha[:, None] * acc + pv, m_new, alpha * l + jnp.sum(p, axis=1)
+
+
+def finish(carry: Carry) -> tuple[Float[Array, "r d"], Float[Array, "r"]]:
+    """Normalised output and log-sum-exp; rows that saw no key get 0 and -inf (the reference's convention)."""
+    acc, m, l = carry
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    return jnp.where(seen[:, None], acc / l_safe[:, None], 0.0), jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)

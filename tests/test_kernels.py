@@ -1,0 +1,150 @@
+"""Pallas attention kernels (interpret mode) against their pure-jnp references on random data.
+
+Shapes are small because interpret mode is slow on CPU; sizes are chosen so t and s are not multiples of the
+tiles, GQA ratios 1 and 3, head dims both powers of two and not.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from jaxserve.pallas_kernels import chunk_attention, decode_attention, dispatch, merge, reference
+from jaxserve.pallas_kernels.reference import NO_POSITION
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def random_qkv(rng, t, s, h, kvh, d):
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in
+               ((t, h, d), (s, kvh, d), (s, kvh, d)))
+    return q, k, v
+
+
+def check_chunk(q, k, v, q_pos, k_pos, **tiles):
+    q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
+    o, lse = dispatch.chunk_attention(q, k, v, q_pos, k_pos, implementation="interpret", **tiles)
+    ro, rlse = reference.chunk_attention(q, k, v, q_pos, k_pos)
+    assert o.dtype == lse.dtype == jnp.float32
+    np.testing.assert_allclose(o, ro, **TOL)
+    np.testing.assert_allclose(lse, rlse, **TOL)
+    return np.asarray(o), np.asarray(lse)
+
+
+@pytest.mark.parametrize(
+    "h, kvh, d, hist, t, block_q, block_k",
+    [(6, 2, 16, 32, 40, 16, 32), (4, 4, 32, 19, 27, 16, 16), (6, 2, 24, 0, 33, 16, 16)],
+    ids=["gqa3-history", "mha-history", "gqa3-d24-causal"],
+)
+def test_chunk_history_plus_causal(h, kvh, d, hist, t, block_q, block_k):
+    rng = np.random.default_rng(hist * 100 + t)
+    q, k, v = random_qkv(rng, t, hist + t, h, kvh, d)
+    _, lse = check_chunk(q, k, v, hist + np.arange(t), np.arange(hist + t), block_q=block_q, block_k=block_k)
+    assert np.isfinite(lse).all()
+
+
+def test_chunk_zigzag_positions():
+    # One device's zigzag shard of a 64-token chunk over 2 devices (blocks 0 and 3 of 4) after 20 history tokens;
+    # the keys are the shuffled history and the whole chunk in zigzag device-major order.
+    rng = np.random.default_rng(7)
+    hist, n, h, kvh, d = 20, 64, 6, 2, 16
+    blocks = np.arange(n).reshape(4, n // 4)
+    zigzag = np.concatenate([blocks[0], blocks[3], blocks[1], blocks[2]])
+    q_pos = hist + zigzag[: n // 2]
+    k_pos = np.concatenate([rng.permutation(hist), hist + zigzag])
+    q, k, v = random_qkv(rng, len(q_pos), len(k_pos), h, kvh, d)
+    check_chunk(q, k, v, q_pos, k_pos, block_q=16, block_k=32)
+
+
+def test_chunk_padding_sees_nothing():
+    rng = np.random.default_rng(11)
+    t, s, h, kvh, d = 29, 45, 4, 4, 16
+    q_pos = 10 + np.arange(t)
+    q_pos[-5:] = -1  # padded queries
+    q_pos[0] = 0  # a real query before every real key
+    k_pos = 3 + np.arange(s)
+    k_pos[-9:] = NO_POSITION  # padded keys
+    q, k, v = random_qkv(rng, t, s, h, kvh, d)
+    o, lse = check_chunk(q, k, v, q_pos, k_pos, block_q=16, block_k=16)
+    blind = np.r_[0, np.arange(t - 5, t)]
+    assert (lse[blind] == -np.inf).all() and (o[blind] == 0).all()
+    assert np.isfinite(np.delete(lse, blind, axis=0)).all()
+
+
+def decode_case(rng, h, kvh, d, block_size, nblk, kv_lens):
+    b = len(kv_lens)
+    num_blocks = b * nblk + 3
+    tables = rng.permutation(num_blocks)[: b * nblk].reshape(b, nblk)  # blocks scattered over the pool
+    caches = (jnp.asarray(rng.standard_normal((num_blocks * block_size, kvh, d)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32)
+    return (q, *caches, jnp.asarray(tables, jnp.int32), jnp.asarray(kv_lens, jnp.int32))
+
+
+@pytest.mark.parametrize(
+    "h, kvh, d, block_size, nblk, num_splits, kv_lens",
+    [(6, 2, 16, 8, 8, 4, [1, 17, 64, 0, 37]), (4, 4, 32, 16, 4, 2, [50, 3])],
+    ids=["gqa3-4splits", "mha-2splits"],
+)
+def test_paged_decode(h, kvh, d, block_size, nblk, num_splits, kv_lens):
+    args = decode_case(np.random.default_rng(block_size + nblk), h, kvh, d, block_size, nblk, kv_lens)
+    split = dict(block_size=block_size, num_splits=num_splits)
+    o, lse = dispatch.paged_decode_attention(*args, implementation="interpret", **split)
+    ro, rlse = reference.paged_decode_attention(*args, **split)
+    np.testing.assert_allclose(o, ro, **TOL)
+    np.testing.assert_allclose(lse, rlse, **TOL)
+    # A split starting at or past kv_len is empty: o=0, lse=-inf.
+    per_split = nblk // num_splits * block_size
+    empty = np.arange(num_splits)[None, :] * per_split >= np.asarray(kv_lens)[:, None]
+    assert empty.any() and (np.asarray(lse)[empty] == -np.inf).all() and (np.asarray(o)[empty] == 0).all()
+    assert np.isfinite(np.asarray(lse)[~empty]).all()
+
+
+def test_decode_partials_merge_to_unsplit():
+    args = decode_case(np.random.default_rng(3), 6, 2, 16, 8, 8, [1, 17, 64, 0, 37])
+    o, lse = dispatch.paged_decode_attention(*args, block_size=8, num_splits=4, implementation="interpret")
+    mo, mlse = dispatch.merge_attention(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0), implementation="interpret")
+    ro, rlse = reference.paged_decode_attention(*args, block_size=8, num_splits=1)
+    np.testing.assert_allclose(mo, ro[:, 0], **TOL)
+    np.testing.assert_allclose(mlse, rlse[:, 0], **TOL)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 4, 16), (2, 7, 24)], ids=["n3-rows20-d16", "n2-rows7-d24"])
+def test_merge_with_empty_partials(shape):
+    rng = np.random.default_rng(len(shape))
+    o = rng.standard_normal(shape).astype(np.float32)
+    lse = 3 * rng.standard_normal(shape[:-1]).astype(np.float32)
+    lse[rng.random(lse.shape) < 0.4] = -np.inf  # some partials empty
+    all_empty = (slice(None), 1) + (0,) * (lse.ndim - 2)
+    lse[all_empty] = -np.inf  # one row where every partial is empty
+    out, out_lse = dispatch.merge_attention(jnp.asarray(o), jnp.asarray(lse), implementation="interpret")
+    ro, rlse = reference.merge_attention(jnp.asarray(o), jnp.asarray(lse))
+    np.testing.assert_allclose(out, ro, **TOL)
+    np.testing.assert_allclose(out_lse, rlse, **TOL)
+    assert np.asarray(out_lse)[all_empty[1:]] == -np.inf and (np.asarray(out)[all_empty[1:]] == 0).all()
+
+
+def test_kernels_lower_to_triton_for_cuda():
+    """Without a GPU, lowering for CUDA still runs the Pallas -> Triton lowering: tile sizes, supported ops."""
+    f32, bf16, i32 = (functools.partial(jax.ShapeDtypeStruct, dtype=t) for t in (jnp.float32, jnp.bfloat16, jnp.int32))
+    cases = [
+        (chunk_attention.chunk_attention, (bf16((100, 9, 64)), bf16((300, 3, 64)), bf16((300, 3, 64)), i32((100,)),
+                                           i32((300,)))),
+        (functools.partial(decode_attention.paged_decode_attention, block_size=16, num_splits=4),
+         (bf16((3, 32, 80)), bf16((4096, 8, 80)), bf16((4096, 8, 80)), i32((3, 16)), i32((3,)))),
+        (merge.merge_attention, (f32((3, 5, 32, 128)), f32((3, 5, 32)))),
+    ]
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    for fn, args in cases:
+        module = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
+        assert "xla.gpu.triton" in module
+
+
+def test_dispatch_defaults_and_rejects_unknown():
+    assert dispatch.resolve(None) == ("kernel" if jax.default_backend() == "gpu" else "reference")
+    with pytest.raises(ValueError, match="unknown implementation"):
+        dispatch.resolve("triton")
