@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from jaxserve.engine.engine import Engine, RequestOutput
-from jaxserve.engine.kv_cache import BlockPool, allocate_caches
+from jaxserve.engine.kv_cache import BlockPool, PagedBackend, allocate_caches
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.engine.steps import Row, StepRunner
 from jaxserve.models import registry
@@ -76,10 +76,10 @@ def _load(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextToken
 
 
 def _init_shapes(cfg: LlamaConfig, dtype) -> Any:
-    model = Llama(cfg, dtype)
+    model = Llama(cfg, PagedBackend(1), dtype)
     caches = allocate_caches(cfg, 1, 1, dtype)
     one = jnp.zeros((1, 1), jnp.int32)
-    return model.init(jax.random.key(0), one, one, caches, one, one, jnp.ones((1,), jnp.int32))
+    return model.init(jax.random.key(0), one, one, caches, (one, one, jnp.ones((1,), jnp.int32)))
 
 
 def _enable_compilation_cache() -> None:
@@ -117,7 +117,7 @@ class LLM:
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, kv_tokens)
         num_blocks = -(-kv_tokens // block_size) + 1  # + the scratch block
         pool = BlockPool(num_blocks, block_size)
-        runner = StepRunner(Llama(cfg, _DTYPES[dtype], block_size), params,
+        runner = StepRunner(Llama(cfg, PagedBackend(block_size), _DTYPES[dtype]), params,
                             allocate_caches(cfg, num_blocks, block_size, _DTYPES[dtype]), block_size)
         self.engine = Engine(runner, pool, self.tokenizer, max_model_len=self.max_model_len,
                              max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk)

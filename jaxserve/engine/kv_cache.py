@@ -1,11 +1,17 @@
-"""Paged KV cache: fixed-size blocks, a free-block pool, and per-request block tables."""
+"""Paged KV cache: fixed-size blocks, a free-block pool, per-request block tables, and the model's attention
+backend that writes new K/V into the blocks and attends over them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
+from jaxtyping import Array, Float
 
 from jaxserve.models.config import LlamaConfig
-from jaxserve.models.llama import LayerCache
+from jaxserve.pallas_kernels.paged_attention import paged_attention
+
+LayerCache = tuple[Float[Array, "slots kvh d"], Float[Array, "slots kvh d"]]
 
 SCRATCH_BLOCK = 0  # never handed out: padded tokens write here, so real blocks are never touched by padding
 
@@ -48,6 +54,23 @@ class BlockPool:
     def release(self, table: list[int]) -> None:
         self._free.extend(reversed(table))
         table.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedBackend:
+    """Attention backend over the paged cache; ctx = (write_slots [b, t], block_tables [b, nblk], kv_lens [b])."""
+
+    block_size: int
+
+    def __call__(self, q, k, v, positions, cache: LayerCache, ctx):
+        write_slots, block_tables, kv_lens = ctx
+        b, t = write_slots.shape
+        k_cache, v_cache = cache
+        flat = write_slots.reshape(-1)
+        k_cache = k_cache.at[flat].set(k.reshape(b * t, *k.shape[2:]).astype(k_cache.dtype))
+        v_cache = v_cache.at[flat].set(v.reshape(b * t, *v.shape[2:]).astype(v_cache.dtype))
+        out = paged_attention(q, k_cache, v_cache, block_tables, positions, kv_lens, block_size=self.block_size)
+        return out, (k_cache, v_cache)
 
 
 def allocate_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> list[LayerCache]:

@@ -56,7 +56,7 @@ class StepRunner:
 
     def _apply(self, params, caches, arrays, all_logits: bool = False):
         tokens, positions, slots, tables, kv_lens, last = arrays
-        return self.model.apply(params, tokens, positions, caches, slots, tables, kv_lens,
+        return self.model.apply(params, tokens, positions, caches, (slots, tables, kv_lens),
                                 None if all_logits else last)
 
     def _forward_logits(self, params, caches, arrays):

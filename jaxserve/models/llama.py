@@ -1,13 +1,15 @@
 """Llama-family decoder in Flax: RMSNorm, RoPE (Llama-3 scaling), GQA, SwiGLU, tied or untied embeddings.
 
-One forward serves prefill chunks and decode: new tokens are written into a paged KV cache (one (k, v) pair of
-`[slots, kv_heads, head_dim]` arrays per layer) and attend over their request's blocks. Parameter names follow
-Hugging Face's so that loaders map tensors one to one.
+The model does not know where its KV lives or how many devices hold the sequence: each layer hands its
+rotated q/k/v to an attention backend, `backend(q, k, v, positions, layer_cache, ctx) -> (out, layer_cache)`.
+The engine's paged-cache backend serves prefill chunks and decode on one device; the sharding layer's ring
+backend runs the same layers over an SP group inside `shard_map`. Parameter names follow Hugging Face's so that
+loaders map tensors one to one.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import flax.linen as nn
 import jax
@@ -15,9 +17,16 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxserve.models.config import LlamaConfig
-from jaxserve.pallas_kernels.paged_attention import paged_attention
 
-LayerCache = tuple[Float[Array, "slots kvh d"], Float[Array, "slots kvh d"]]
+LayerCache = Any  # whatever the backend keeps per layer, e.g. (k, v) arrays
+
+
+class AttentionBackend(Protocol):
+    """Attention over wherever the KV lives. ctx holds the arrays shared by all layers (slots, tables, ...)."""
+
+    def __call__(self, q: Float[Array, "b t h d"], k: Float[Array, "b t kvh d"], v: Float[Array, "b t kvh d"],
+                 positions: Int[Array, "b t"], cache: LayerCache, ctx: Any
+                 ) -> tuple[Float[Array, "b t h d"], LayerCache]: ...
 
 
 class RMSNorm(nn.Module):
@@ -53,23 +62,19 @@ def _dense(features: int, dtype: jnp.dtype, name: str) -> nn.Dense:
 class Attention(nn.Module):
     cfg: LlamaConfig
     dtype: jnp.dtype
-    block_size: int
+    backend: AttentionBackend
 
     @nn.compact
-    def __call__(self, x, cos, sin, cache: LayerCache, write_slots, block_tables, positions, kv_lens):
+    def __call__(self, x, cos, sin, positions, cache: LayerCache, ctx):
         cfg = self.cfg
         b, t, _ = x.shape
         q = _dense(cfg.num_heads * cfg.head_dim, self.dtype, "q_proj")(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = _dense(cfg.num_kv_heads * cfg.head_dim, self.dtype, "k_proj")(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = _dense(cfg.num_kv_heads * cfg.head_dim, self.dtype, "v_proj")(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = cache
-        flat = write_slots.reshape(-1)
-        k_cache = k_cache.at[flat].set(k.reshape(b * t, *k.shape[2:]).astype(k_cache.dtype))
-        v_cache = v_cache.at[flat].set(v.reshape(b * t, *v.shape[2:]).astype(v_cache.dtype))
-        out = paged_attention(q, k_cache, v_cache, block_tables, positions, kv_lens, block_size=self.block_size)
-        out = _dense(cfg.hidden_size, self.dtype, "o_proj")(out.reshape(b, t, -1))
-        return out, (k_cache, v_cache)
+        out, cache = self.backend(q, k, v, positions, cache, ctx)
+        out = _dense(cfg.hidden_size, self.dtype, "o_proj")(out.reshape(b, t, -1).astype(self.dtype))
+        return out, cache
 
 
 class MLP(nn.Module):
@@ -86,31 +91,28 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     cfg: LlamaConfig
     dtype: jnp.dtype
-    block_size: int
+    backend: AttentionBackend
 
     @nn.compact
-    def __call__(self, x, cos, sin, cache, write_slots, block_tables, positions, kv_lens):
+    def __call__(self, x, cos, sin, positions, cache, ctx):
         eps = self.cfg.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
-        attn, cache = Attention(self.cfg, self.dtype, self.block_size, name="self_attn")(
-            h, cos, sin, cache, write_slots, block_tables, positions, kv_lens
-        )
+        attn, cache = Attention(self.cfg, self.dtype, self.backend, name="self_attn")(h, cos, sin, positions, cache, ctx)
         x = x + attn
         x = x + MLP(self.cfg, self.dtype, name="mlp")(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
         return x, cache
 
 
 class Llama(nn.Module):
-    """Decoder over a paged cache.
+    """Decoder over the backend's KV.
 
-    tokens/positions: the new tokens of each request (padding rows write to a scratch slot and are masked).
-    write_slots: cache slot of every new token. block_tables/kv_lens: each request's blocks and length after
-    this step. logits_index: which new token's logits to return per request; None returns all of them.
+    tokens/positions: the new tokens of each request. caches: one entry per layer for the backend; ctx: the
+    backend's shared arrays. logits_index: which new token's logits to return per request; None returns all.
     """
 
     cfg: LlamaConfig
+    backend: AttentionBackend
     dtype: jnp.dtype = jnp.float32
-    block_size: int = 16
 
     @nn.compact
     def __call__(
@@ -118,9 +120,7 @@ class Llama(nn.Module):
         tokens: Int[Array, "b t"],
         positions: Int[Array, "b t"],
         caches: Sequence[LayerCache],
-        write_slots: Int[Array, "b t"],
-        block_tables: Int[Array, "b nblk"],
-        kv_lens: Int[Array, "b"],
+        ctx: Any,
         logits_index: Int[Array, "b"] | None = None,
     ) -> tuple[Float[Array, "b n vocab"], list[LayerCache]]:
         cfg = self.cfg
@@ -129,9 +129,8 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(cfg, positions)
         new_caches = []
         for i in range(cfg.num_layers):
-            x, cache = DecoderLayer(cfg, self.dtype, self.block_size, name=f"layers_{i}")(
-                x, cos, sin, caches[i], write_slots, block_tables, positions, kv_lens
-            )
+            x, cache = DecoderLayer(cfg, self.dtype, self.backend, name=f"layers_{i}")(
+                x, cos, sin, positions, caches[i], ctx)
             new_caches.append(cache)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)

@@ -26,29 +26,28 @@ def targets(total: int, devices: int, width: int | None = None) -> np.ndarray:
     return np.array([total // devices + (j < total % devices) if j < devices else 0 for j in range(width)])
 
 
-def plan(counts: Sequence[int], cap: int, devices: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
-    """For every device's `cap` buffer slots: destination device and slot there ([p, cap] each), and the share.
+def plan(pos: np.ndarray, devices: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """For every device's buffer slot: destination device and slot there ([p, cap] each), and the share.
 
-    counts: tokens per device of the mesh the move runs on (0 for devices that join). The history ends up
-    balanced over its first `devices` (default: all; fewer scales the group down). Padding slots get
-    destination p (dropped)."""
-    counts = [int(c) for c in counts]
-    p = len(counts)
-    want = targets(sum(counts), devices or p, p)
+    pos: [p, cap] positions of each device's buffer on the mesh the move runs on (NO_POSITION: empty slot;
+    devices that join hold only empty slots). The history ends up balanced over the first `devices` (default:
+    all; fewer scales the group down). Empty slots get destination p (dropped)."""
+    valid = np.asarray(pos) != NO_POSITION
+    p, cap = valid.shape
+    counts = valid.sum(axis=1)
+    want = targets(int(counts.sum()), devices or p, p)
     share = max(1, int(want.max()))
     dest = np.full((p, cap), p, np.int32)
     at = np.zeros((p, cap), np.int32)
-    keep = [min(n, int(w)) for n, w in zip(counts, want)]
-    free = iter([(j, s) for j in range(p) for s in range(keep[j], int(want[j]))])
-    for i, n in enumerate(counts):
-        dest[i, : keep[i]], at[i, : keep[i]] = i, np.arange(keep[i])
-        for slot in range(keep[i], n):
-            dest[i, slot], at[i, slot] = next(free)
+    free = iter([(j, s) for j in range(p) for s in range(min(counts[j], want[j]), want[j])])
+    for i in range(p):
+        for rank, slot in enumerate(np.flatnonzero(valid[i])):
+            dest[i, slot], at[i, slot] = (i, rank) if rank < want[i] else next(free)
     return dest, at, share
 
 
 def moved_tokens(counts: Sequence[int], devices: int | None = None) -> int:
-    """Tokens that change device under `plan`."""
+    """Tokens that change device under `plan`, given each device's token count."""
     want = targets(sum(counts), devices or len(counts), len(counts))
     return int(sum(max(0, n - w) for n, w in zip(counts, want)))
 

@@ -11,6 +11,8 @@ shard of the request's history KV. Two parts, merged by log-sum-exp:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -59,3 +61,24 @@ def ring_attention(
         if step + 1 < axis_size:
             block = incoming
     return o, lse
+
+
+@dataclasses.dataclass(frozen=True)
+class RingBackend:
+    """The model's attention backend inside `shard_map`: one request's chunk shard, ring attention over the group.
+
+    Per layer the cache is this device's history (k, v); ctx = (history positions, this shard's key positions).
+    The returned cache appends the shard's new K/V, so it stays aligned with concat(history pos, key pos).
+    """
+
+    axis_size: int
+    axis_name: str = SP
+
+    def __call__(self, q, k, v, positions, cache, ctx):
+        hist_k, hist_v = cache
+        hist_pos, k_pos = ctx
+        o, _ = ring_attention(q[0], k[0], v[0], positions[0], k_pos, hist_k, hist_v, hist_pos,
+                              axis_size=self.axis_size, axis_name=self.axis_name)
+        new_k = jnp.concatenate([hist_k, k[0].astype(hist_k.dtype)])
+        new_v = jnp.concatenate([hist_v, v[0].astype(hist_v.dtype)])
+        return o[None].astype(q.dtype), (new_k, new_v)

@@ -132,7 +132,7 @@ def test_rebalance_spreads_history_evenly(devices, old, new):
     V = np.concatenate([V, np.zeros((pad * cap, kvh, D), np.float32)])
     Pos = np.concatenate([Pos, np.full(pad * cap, NO_POSITION, np.int32)])
     counts = counts + [0] * pad
-    dest, at, share = rb.plan(counts, cap, devices=new)
+    dest, at, share = rb.plan(Pos.reshape(p, cap), devices=new)
     mesh = group_mesh(devices, [d.id for d in devices[:p]])
     fn = jax.shard_map(
         lambda k_, v_, pos_, d_, a_: rb.rebalance(k_, v_, pos_, d_[0], a_[0], share=share, axis_size=p),
