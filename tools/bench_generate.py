@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Callable
 
 import jax
 import numpy as np
@@ -35,15 +34,6 @@ flags.DEFINE_integer("long_prompt", 1024, "Prompt tokens for the prefill measure
 flags.DEFINE_integer("batch", 16, "Batch size of the aggregate decode measurement.")
 flags.DEFINE_integer("repeats", 3, "Timed repetitions; the median is reported.")
 flags.DEFINE_string("out", None, "Optional JSON file for the results.")
-
-
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
