@@ -1,0 +1,1 @@
+"""The scheduler: pure Python + numpy, never imports jax (see ../shared/DESIGN.md)."""
