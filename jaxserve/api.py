@@ -133,7 +133,10 @@ class LLM:
 
     def chat_prompt(self, messages: Messages) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template (which carries its own BOS)."""
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
+        return self._encode_rendered(self.render_chat(messages))
+
+    def _encode_rendered(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template carries its own BOS
 
     def render_chat(self, messages: Messages) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -211,9 +214,10 @@ class LLM:
         """Reply to one conversation (a list of {'role', 'content'} messages) or to several."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        completions = self.generate([self.chat_prompt(c) for c in conversations], params)
-        for c, conv in zip(completions, conversations):
-            c.prompt = self.render_chat(conv)
+        texts = [self.render_chat(c) for c in conversations]
+        completions = self.generate([self._encode_rendered(t) for t in texts], params)
+        for c, text in zip(completions, texts):
+            c.prompt = text
         return completions
 
     def prompt_logits(self, prompt: str | Sequence[int]) -> np.ndarray:

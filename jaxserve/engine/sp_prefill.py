@@ -8,6 +8,7 @@ The history lives device-major: per layer (k, v) of shape [p * cap, kvh, d], dev
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -40,6 +41,32 @@ class ShardedHistory:
         return int((self.pos != NO_POSITION).sum())
 
 
+def _place(mesh: Mesh, x: np.ndarray) -> jax.Array:
+    return jax.device_put(x, NamedSharding(mesh, P(SP)))
+
+
+# Compiled once per (model, group) and per (group, share): a CDSP prefill reuses them chunk after chunk.
+@functools.lru_cache(maxsize=64)
+def _chunk_step(cfg: LlamaConfig, mesh: Mesh, dtype) -> Any:
+    model = Llama(cfg, RingBackend(mesh.shape[SP]), dtype)
+
+    def body(params, ids, q_pos, k_pos, caches, hist_pos):
+        logits, caches = model.apply(params, ids[None], q_pos[None], caches, (hist_pos, k_pos))
+        return logits[0], caches
+
+    seq = P(SP)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), seq, seq, seq, seq, seq), out_specs=(seq, seq)))
+
+
+@functools.lru_cache(maxsize=64)
+def _rebalance_step(mesh: Mesh, share: int) -> Any:
+    def body(k, v, pos, dest, at):
+        return rebalance.rebalance(k, v, pos, dest[0], at[0], share=share, axis_size=mesh.shape[SP])
+
+    seq = P(SP)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 5, out_specs=(seq,) * 3))
+
+
 def prefill_chunk(cfg: LlamaConfig, params: Any, history: ShardedHistory, tokens: np.ndarray, start: int,
                   layout: layouts.Layout = "zigzag", dtype=jnp.float32) -> tuple[np.ndarray, ShardedHistory]:
     """Logits [len(tokens), vocab] of a chunk at positions start.., computed on history.mesh."""
@@ -54,16 +81,9 @@ def prefill_chunk(cfg: LlamaConfig, params: Any, history: ShardedHistory, tokens
     ids = np.where(valid, np.pad(np.asarray(tokens, np.int32), (0, padded - n)), 0)[perm]
     q_pos = np.where(valid, start + idx, -1).astype(np.int32)[perm]
     k_pos = np.where(valid, start + idx, NO_POSITION).astype(np.int32)[perm]
-    model = Llama(cfg, RingBackend(p), dtype)
-
-    def body(params, ids, q_pos, k_pos, caches, hist_pos):
-        logits, caches = model.apply(params, ids[None], q_pos[None], caches, (hist_pos, k_pos))
-        return logits[0], caches
-
-    seq = P(SP)
-    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), seq, seq, seq, seq, seq), out_specs=(seq, seq)))
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, seq))
-    logits, caches = run(params, put(ids), put(q_pos), put(k_pos), history.layers, put(history.pos.reshape(-1)))
+    put = functools.partial(_place, mesh)
+    logits, caches = _chunk_step(cfg, mesh, dtype)(params, put(ids), put(q_pos), put(k_pos), history.layers,
+                                                    put(history.pos.reshape(-1)))
     new_pos = np.concatenate([history.pos, k_pos.reshape(p, -1)], axis=1)
     logits = np.asarray(logits)[layouts.inverse(perm)][:n]
     return logits, ShardedHistory(mesh, [tuple(c) for c in caches], new_pos)
@@ -91,17 +111,11 @@ def move_to(history: ShardedHistory, mesh: Mesh) -> ShardedHistory:
     extra = new_p - old_p  # joining devices start with empty buffers
     pos = np.concatenate([history.pos, np.full((extra, cap), NO_POSITION, np.int32)])
     dest, at, share = rebalance.plan(pos)
-    seq = P(SP)
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, seq))
-
-    def body(k, v, pos, dest, at):
-        return rebalance.rebalance(k, v, pos, dest[0], at[0], share=share, axis_size=new_p)
-
-    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 5, out_specs=(seq,) * 3))
+    run = _rebalance_step(mesh, share)
+    placed = [_place(mesh, x) for x in (pos.reshape(-1), dest[:, None], at[:, None])]
     layers = []
     for k, v in history.layers:
-        k2, v2, _ = run(_extend(k, mesh), _extend(v, mesh), put(pos.reshape(-1)), put(dest[:, None]),
-                        put(at[:, None]))
+        k2, v2, _ = run(_extend(k, mesh), _extend(v, mesh), *placed)
         layers.append((k2, v2))
     new_pos = np.full((new_p, share), NO_POSITION, np.int32)
     for i in range(new_p):

@@ -6,13 +6,16 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
+def page_slots(block_tables: Int[Array, "b nblk"], block_size: int) -> Int[Array, "b s"]:
+    """Cache rows of each request's blocks, in logical order: s = nblk * block_size key positions."""
+    offsets = jnp.arange(block_size, dtype=block_tables.dtype)
+    return (block_tables[:, :, None] * block_size + offsets).reshape(block_tables.shape[0], -1)
+
+
 def gather_pages(
     cache: Float[Array, "slots kvh d"], block_tables: Int[Array, "b nblk"], block_size: int
 ) -> Float[Array, "b s kvh d"]:
-    """Rows of each request's blocks, in logical order: s = nblk * block_size key positions."""
-    offsets = jnp.arange(block_size, dtype=block_tables.dtype)
-    slots = (block_tables[:, :, None] * block_size + offsets).reshape(block_tables.shape[0], -1)
-    return cache[slots]
+    return cache[page_slots(block_tables, block_size)]
 
 
 def paged_attention(

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxserve.pallas_kernels.paged_attention import page_slots
+
 NO_POSITION = 2**30  # position of a padded key: larger than any query position
 
 
@@ -69,7 +71,7 @@ def paged_decode_attention(
     if nblk % num_splits:
         raise ValueError(f"block table width {nblk} is not a multiple of num_splits {num_splits}")
     per = nblk // num_splits
-    slots = (block_tables[:, :, None] * block_size + jnp.arange(block_size)).reshape(b, num_splits, per * block_size)
+    slots = page_slots(block_tables, block_size).reshape(b, num_splits, per * block_size)
     pos = jnp.arange(nblk * block_size).reshape(num_splits, per * block_size)
 
     def one(qb, slot_b, kv_len):
