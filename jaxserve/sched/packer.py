@@ -1,0 +1,121 @@
+"""Medha's batch packer (appendix Algorithms 1-3): decodes first, then prefill chunks in priority order, each
+the largest chunk that keeps the predicted iteration time within the budget (adaptive chunking: early chunks of
+a long prompt are large, late ones small because attention over the history grows), with space sharing and at
+most one long prefill per batch. The prefill-time cache (Algorithm 3) gives LARS its remaining-work estimates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable, Sequence
+
+from jaxserve.sched.batch_cost import BatchCost, PiecewiseLinear
+from jaxserve.sched.request import Request
+
+
+@dataclasses.dataclass
+class BatchState:
+    """Running totals of a batch under construction: enough to predict its time in O(1)."""
+
+    tokens: int = 0
+    attention: float = 0.0
+
+    def time(self, cost: BatchCost) -> float:
+        return cost.time(self.tokens, self.attention)
+
+
+def max_chunk(cost: BatchCost, state: BatchState, h: int, limit: int, budget: float, align: int = 1) -> int:
+    """Largest n <= limit (a multiple of `align` unless n == limit) such that adding a chunk of n tokens after h
+    cached ones keeps the batch within `budget` seconds; 0 if none fits. Time grows with n: exponential probe,
+    then bisection."""
+
+    def fits(n: int) -> bool:
+        return cost.time(state.tokens + n, state.attention + cost.prefill_attention(n, h)) <= budget
+
+    if limit <= 0 or not fits(min(align, limit)):
+        return 0
+    if fits(limit):
+        return limit
+    lo, hi = min(align, limit), align * 2
+    while hi < limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit)
+    while hi - lo > align:  # invariant: fits(lo), not fits(hi) (or hi == limit, which did not fit)
+        mid = (lo + hi) // 2 // align * align
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+class PrefillTimeCache:
+    """Algorithm 3: time to prefill l tokens alone with adaptive chunking under the budget, precomputed once as
+    the cumulative curve of one max-length prefill; remaining work is a difference of two lookups."""
+
+    def __init__(self, cost: BatchCost, t_target: float, max_len: int = 1 << 20, align: int = 1, stages: int = 1):
+        """stages: pipeline stages the cost model's time is one of; each chunk passes through all of them."""
+        points, done, elapsed = [0], 0, 0.0
+        times = [0.0]
+        while done < max_len:
+            # a chunk that overruns the budget still runs (the scheduler does the same), at the minimum size
+            n = max_chunk(cost, BatchState(), done, max_len - done, t_target, align) or min(align, max_len - done)
+            elapsed += cost.time(n, cost.prefill_attention(n, done)) * stages
+            done += n
+            points.append(done)
+            times.append(elapsed)
+        self._curve = PiecewiseLinear(points, times)
+        self.max_len = max_len
+
+    def __call__(self, tokens: int) -> float:
+        return self._curve(tokens)
+
+    def remaining(self, total: int, processed: int) -> float:
+        return self(total) - self(processed)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackerConfig:
+    t_target: float  # iteration budget, seconds (from the TPOT SLO)
+    long_threshold: int = 32768  # prompts this long count as long: at most one per batch
+    space_sharing: bool = False
+    max_share: float = 0.4  # rho_max: the most of the budget a long prefill yields
+    chunk_align: int = 32
+    max_batch_tokens: int = 1 << 16
+
+    def __post_init__(self):
+        if self.t_target <= 0:
+            raise ValueError(f"t_target must be > 0, got {self.t_target}")
+        if not 0 <= self.max_share < 1:
+            raise ValueError(f"max_share must be in [0, 1), got {self.max_share}")
+
+
+def pack(cost: BatchCost, config: PackerConfig, decodes: Sequence[Request], prefills: Iterable[Request],
+         relative_slack: Callable[[Request], float], more_waiting: Callable[[Request], bool]
+         ) -> tuple[list[tuple[Request, int]], BatchState]:
+    """Algorithms 1 and 2. `prefills` come in priority order; more_waiting(r) tells whether any prefill ranks
+    after r (a long prefill yields budget only when someone could use it)."""
+    state = BatchState(tokens=len(decodes), attention=sum(cost.decode_attention(r.kv_len) for r in decodes))
+    chunks: list[tuple[Request, int]] = []
+    has_long = False
+    # cheapest possible chunk: a fresh prompt's first `align` tokens; if even that does not fit, stop
+    cheapest = cost.prefill_attention(config.chunk_align, 0)
+    for r in prefills:
+        if state.time(cost) >= config.t_target or state.tokens >= config.max_batch_tokens:
+            break
+        if cost.time(state.tokens + config.chunk_align, state.attention + cheapest) > config.t_target:
+            break
+        is_long = r.prompt_len >= config.long_threshold
+        if is_long and has_long:
+            continue
+        budget = config.t_target
+        if config.space_sharing and is_long and more_waiting(r):
+            budget *= 1.0 - min(config.max_share, max(0.0, relative_slack(r)))
+        limit = min(r.prompt_len - r.prefilled, config.max_batch_tokens - state.tokens)
+        n = max_chunk(cost, state, r.prefilled, limit, budget, config.chunk_align)
+        if n == 0:
+            continue
+        chunks.append((r, n))
+        state.tokens += n
+        state.attention += cost.prefill_attention(n, r.prefilled)
+        has_long |= is_long
+    return chunks, state

@@ -1,0 +1,59 @@
+"""The Plan -> Outcome contract between the scheduler and its executors (engine, simulator); see DESIGN.md."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Mapping
+
+
+class Phase(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItem:
+    request_id: str
+    start: int  # first token position this item computes
+    end: int  # one past the last
+    phase: Phase
+    group: tuple[int, ...]  # device ids, ordered: the SP ring order
+    sp: int = 1
+    layout: str = "zigzag"
+    chunk_index: int = 0
+    history: int = 0  # tokens already cached before `start` (attention reads them)
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class KVMove:
+    request_id: str
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    tokens: int
+    kind: str  # "rebalance" (between chunk groups) or "transfer" (prefill -> decode instance)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    items: tuple[WorkItem, ...]
+    moves: tuple[KVMove, ...] = ()
+    predicted_time: float = 0.0  # the scheduler's cost-model estimate, seconds
+
+    @property
+    def request_ids(self) -> frozenset[str]:
+        return frozenset(item.request_id for item in self.items)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What an executor reports for one Plan: when it ended, how long each item took, the tokens it produced."""
+
+    end_time: float
+    durations: tuple[float, ...]  # one per plan item
+    tokens: Mapping[str, tuple[int, ...]]  # request id -> new token ids (the simulator produces placeholder ids)
+    stopped: frozenset[str] = frozenset()  # requests that hit a stop condition before output_len

@@ -1,0 +1,150 @@
+"""Built-in cost profiles from real GPU measurements (../shared/data/profiles, from microsoft/vidur, MIT):
+per-layer operator timings by token count and TP degree, collective timings by message size. Attention is not
+in the data, so it comes from FLOPs and bytes at an assumed utilisation of the GPU's peak (see GPU below).
+
+The CSVs ship inside the package (jaxserve/sched/data/) so a pip install has them.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+from importlib import resources
+
+from jaxserve.sched.batch_cost import BatchCost, PiecewiseLinear
+from jaxserve.sched.cost_models import Transfer
+
+_LINEAR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
+               "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float  # dense bf16, per second
+    hbm_bandwidth: float  # bytes per second
+    memory: float  # bytes
+    mfu: float = 0.5  # assumed attention utilisation of peak FLOPs (FlashAttention-2 reaches 50-70%)
+    mbu: float = 0.7  # assumed utilisation of HBM bandwidth when attention is memory-bound (decode)
+
+
+GPUS = {
+    "a100": GPU("A100-SXM4-80GB", 312e12, 2.039e12, 80e9),
+    "h100": GPU("H100-SXM5-80GB", 989e12, 3.35e12, 80e9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    heads: int
+    kv_heads: int
+    hidden: int
+    ffn: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def weight_bytes(self, dtype_bytes: int = 2) -> float:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * self.ffn
+        return dtype_bytes * (self.layers * (attn + mlp) + 2 * self.vocab * self.hidden)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> float:
+        return dtype_bytes * 2 * self.layers * self.kv_heads * self.head_dim
+
+
+# profile name -> (gpu, csv file, layer count: the CSV times one layer)
+PROFILES = {
+    "a100_llama3_8b": ("a100", "a100_llama3_8b_mlp.csv", 32),
+    "h100_llama2_7b": ("h100", "h100_llama2_7b_mlp.csv", 32),
+    "h100_llama2_70b": ("h100", "h100_llama2_70b_mlp.csv", 80),
+}
+
+
+def _read(name: str) -> list[dict[str, str]]:
+    with resources.files("jaxserve.sched.data").joinpath(name).open() as f:
+        return list(csv.DictReader(f))
+
+
+@functools.cache
+def model_shape(profile: str) -> ModelShape:
+    _, file, layers = _profile(profile)
+    row = _read(file)[0]
+    return ModelShape(profile.split("_", 1)[1], layers, int(row["n_head"]), int(row["n_kv_head"]),
+                      int(row["n_embd"]), int(row["n_expanded_embd"]), int(row["vocab_size"]))
+
+
+def _profile(profile: str) -> tuple[str, str, int]:
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; built in: {sorted(PROFILES)}")
+    return PROFILES[profile]
+
+
+@functools.cache
+def linear_ops_per_layer(profile: str, tp: int) -> PiecewiseLinear:
+    """Seconds per layer for the non-attention operators, by batch token count (median of the measurements)."""
+    _, file, _ = _profile(profile)
+    rows = [r for r in _read(file) if int(r["num_tensor_parallel_workers"]) == tp]
+    if not rows:
+        raise ValueError(f"profile {profile} has no TP={tp} measurements")
+    return PiecewiseLinear([int(r["num_tokens"]) for r in rows],
+                           [sum(float(r[f"time_stats.{op}.median"]) for op in _LINEAR_OPS) / 1e3 for r in rows])
+
+
+@functools.cache
+def all_reduce(gpu: str, workers: int) -> PiecewiseLinear:
+    """Seconds for an all-reduce inside one node, by message bytes."""
+    rows = [r for r in _read(f"net_{gpu}_dgx_all_reduce.csv")
+            if int(r["num_workers"]) == workers and int(r["devices_per_node"]) == workers]
+    if not rows:
+        raise ValueError(f"no {gpu} all-reduce measurements for {workers} workers in one node")
+    return PiecewiseLinear([int(r["size"]) for r in rows], [float(r["time_stats.all_reduce.median"]) / 1e3 for r in rows])
+
+
+@functools.cache
+def network(gpu: str) -> Transfer:
+    """Point-to-point transfer model fitted to send/recv timings: links 'intra_node' (NVLink) and 'inter_node'."""
+    samples = []
+    for r in _read(f"net_{gpu}_dgx_send_recv.csv"):
+        link = "inter_node" if int(r["devices_per_node"]) == 1 else "intra_node"
+        samples.append((link, (int(r["size"]),), float(r["time_stats.send_recv.median"]) / 1e3))
+    return Transfer.fit(samples)
+
+
+class ProfileBatchCost(BatchCost):
+    """Iteration time on a real GPU model: measured linear operators (plus TP all-reduces) for `layers` layers
+    (one pipeline stage holds layers / stages), attention from FLOPs and bytes."""
+
+    def __init__(self, profile: str = "a100_llama3_8b", tp: int = 1, stages: int = 1):
+        gpu_name, _, layers = _profile(profile)
+        if layers % stages:
+            raise ValueError(f"{layers} layers do not split into {stages} pipeline stages")
+        self.gpu, self.shape, self.tp = GPUS[gpu_name], model_shape(profile), tp
+        self.layers = layers // stages
+        self._linear = linear_ops_per_layer(profile, tp)
+        self._all_reduce = all_reduce(gpu_name, tp) if tp > 1 else None
+        s = self.shape
+        self._flops_per_pair = 4.0 * s.head_dim * s.heads / tp  # QK^T and PV, per (query, key) pair
+        self._kv_bytes_per_token = 2.0 * 2 * s.kv_heads * s.head_dim / tp  # K and V, bf16, one layer
+        self._flop_rate = self.gpu.peak_flops * self.gpu.mfu
+        self._byte_rate = self.gpu.hbm_bandwidth * self.gpu.mbu
+
+    def linear_ops(self, tokens: int) -> float:
+        per_layer = self._linear(tokens)
+        if self._all_reduce is not None:  # after attention and after the MLP, activations in bf16
+            per_layer += 2 * self._all_reduce(tokens * self.shape.hidden * 2)
+        return self.layers * per_layer
+
+    def prefill_attention(self, n: int, h: int) -> float:
+        pairs = n * (h + (n + 1) / 2)  # causal within the chunk
+        return self.layers * max(pairs * self._flops_per_pair / self._flop_rate,
+                                 (h + n) * self._kv_bytes_per_token / self._byte_rate)
+
+    def decode_attention(self, kv: int) -> float:
+        return self.layers * max(kv * self._flops_per_pair / self._flop_rate,
+                                 kv * self._kv_bytes_per_token / self._byte_rate)

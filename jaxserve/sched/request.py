@@ -1,0 +1,55 @@
+"""A request as the scheduler sees it: sizes, deadlines and progress. Progress moves only in Scheduler.apply(),
+from an Outcome, so the live engine and the simulator advance it the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: str
+    arrival: float
+    prompt_len: int
+    output_len: int  # tokens to generate: the trace's count in simulation, max_tokens on the engine
+    ttft_deadline: float = math.inf  # absolute time by which the first token is due
+    tpot_slo: float = math.inf  # seconds per output token after the first
+    # progress
+    prefilled: int = 0
+    generated: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    token_gaps: list[float] = dataclasses.field(default_factory=list)  # time between consecutive tokens
+
+    def __post_init__(self):
+        if self.prompt_len < 1:
+            raise ValueError(f"request {self.id}: prompt_len must be >= 1, got {self.prompt_len}")
+        if self.output_len < 1:
+            raise ValueError(f"request {self.id}: output_len must be >= 1, got {self.output_len}")
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is cached: the prompt so far plus generated tokens already fed back."""
+        return self.prefilled + max(self.generated - 1, 0)
+
+    def add_tokens(self, count: int, now: float) -> None:
+        """Record `count` new output tokens produced at `now` (prefill's last chunk yields the first)."""
+        for _ in range(count):
+            if self.first_token_at is None:
+                self.first_token_at = now
+            else:
+                self.token_gaps.append(now - self.last_token_at)
+            self.last_token_at = now
+            self.generated += 1
+        if self.generated >= self.output_len:
+            self.finished_at = now

@@ -1,0 +1,162 @@
+"""Discrete-event cluster simulator: replicas, each driven by the real ReplicaScheduler, execute its Plans with a
+cost model instead of devices. Events are arrivals, pipeline-stage frees and batch completions; the clock jumps
+from one to the next. Deterministic: no randomness beyond the workload's seed.
+
+A replica is `tp * stages` devices. With pipeline stages (Medha's stream pipeline parallelism) a new batch can
+start whenever the first stage frees up, so up to `stages` batches are in flight; a request sits in at most one
+(its next chunk waits for the previous one to leave the last stage). The packer's budget is per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import time
+from typing import Callable
+
+from tqdm.auto import tqdm
+
+from jaxserve.sched.batch_cost import BatchCost
+from jaxserve.sched.packer import PackerConfig, PrefillTimeCache
+from jaxserve.sched.plan import Outcome, Phase, Plan
+from jaxserve.sched.policies import make_policy
+from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, model_shape
+from jaxserve.sched.request import Request
+from jaxserve.sched.scheduler import ReplicaScheduler
+from jaxserve.sched.slo import SLO
+from jaxserve.sim.metrics import Results
+from jaxserve.sim.workload import Workload
+
+PLACEHOLDER_TOKEN = 0  # the simulator produces token counts, not text
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    replicas: int = 1
+    profile: str = "a100_llama3_8b"  # built-in GPU profile (sched/profiles.py)
+    tp: int = 1
+    stages: int = 1
+    policy: str = "lars"
+    sjf_batch: int = 16  # TetriInfer's scheduling batch for sjf / ljf
+    packer: PackerConfig = PackerConfig(t_target=0.05)
+    slo: SLO = SLO()
+    kv_capacity: int | None = None  # tokens per replica; None: what the GPUs' memory holds beside the weights
+    memory_utilization: float = 0.9
+    dispatch: str = "least_work"  # or "round_robin"
+
+    def __post_init__(self):
+        for field in ("replicas", "tp", "stages"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.dispatch not in ("least_work", "round_robin"):
+            raise ValueError(f"dispatch must be least_work or round_robin, got {self.dispatch!r}")
+
+    def replica_kv_capacity(self) -> int:
+        if self.kv_capacity is not None:
+            return self.kv_capacity
+        shape, gpu = model_shape(self.profile), GPUS[PROFILES[self.profile][0]]
+        free = self.tp * self.stages * gpu.memory * self.memory_utilization - shape.weight_bytes()
+        if free <= 0:
+            raise ValueError(f"{shape.name} does not fit {self.tp * self.stages} x {gpu.name}")
+        return int(free // shape.kv_bytes_per_token())
+
+
+class Replica:
+    def __init__(self, index: int, config: ClusterConfig, cost: BatchCost, cache: PrefillTimeCache):
+        policy = make_policy(config.policy, **({"batch": config.sjf_batch} if config.policy in ("sjf", "ljf") else {}))
+        group = tuple(range(index * config.tp * config.stages, (index + 1) * config.tp * config.stages))
+        self.scheduler = ReplicaScheduler(policy, cost, config.packer, config.replica_kv_capacity(), group,
+                                          config.slo, prefill_cache=cache)
+        self.cost, self.stages = cost, config.stages
+        self.stage_free_at = 0.0
+        self.requests: dict[str, Request] = {}
+
+    def execute(self, plan: Plan, start: float) -> tuple[float, Outcome]:
+        """Charge a Plan on the cost model: per-stage time, ready again after one stage, done after all."""
+        stage_time = self.cost.batch_time(
+            [(i.tokens, i.history) for i in plan.items if i.phase is Phase.PREFILL],
+            [i.history for i in plan.items if i.phase is Phase.DECODE])
+        end = start + stage_time * self.stages
+        tokens = {}
+        for item in plan.items:
+            if item.phase is Phase.DECODE or item.end == self.requests[item.request_id].prompt_len:
+                tokens[item.request_id] = (PLACEHOLDER_TOKEN,)
+        per_item = tuple(stage_time * self.stages for _ in plan.items)
+        self.stage_free_at = start + stage_time
+        return self.stage_free_at, Outcome(end, per_item, tokens)
+
+
+class Simulator:
+    def __init__(self, config: ClusterConfig = ClusterConfig(), cost: BatchCost | None = None):
+        """cost: the iteration cost model of one pipeline stage; defaults to the config's built-in profile."""
+        self.config = config
+        self.cost = cost or ProfileBatchCost(config.profile, config.tp, config.stages)
+        # a chunk passes through every stage before the request's next chunk can start
+        self.cache = PrefillTimeCache(self.cost, config.packer.t_target, align=config.packer.chunk_align,
+                                      stages=config.stages)
+
+    def run(self, workload: Workload, progress: bool = True, max_time: float | None = None) -> Results:
+        """Replay a workload; deadlines come from the config's SLO."""
+        requests = [Request(str(i), float(t), int(p), int(o)) for i, (t, p, o) in
+                    enumerate(zip(workload.arrivals, workload.prompt_lens, workload.output_lens))]
+        return self.run_requests(requests, workload.name, progress, max_time)
+
+    def run_requests(self, requests: list[Request], name: str = "requests", progress: bool = True,
+                     max_time: float | None = None) -> Results:
+        """Replay requests as given (a request with a finite ttft_deadline keeps it)."""
+        cfg = self.config
+        replicas = [Replica(i, cfg, self.cost, self.cache) for i in range(cfg.replicas)]
+        requests = sorted(requests, key=lambda r: r.arrival)
+        # at equal times: completions first (they free requests and memory), then stage frees, then arrivals
+        events: list[tuple[float, int, int, str, object]] = []
+        seq = itertools.count()
+        for r in requests:
+            events.append((r.arrival, 2, next(seq), "arrive", r))
+        heapq.heapify(events)
+        rejected, accepted, rr = [], [], itertools.cycle(range(len(replicas)))
+        choose: Callable[[], Replica] = (
+            (lambda: min(replicas, key=lambda x: (x.scheduler.outstanding_work(), x.scheduler.pending)))
+            if cfg.dispatch == "least_work" else (lambda: replicas[next(rr)]))
+        started = time.perf_counter()
+        now = 0.0
+        bar = tqdm(total=len(requests), desc=f"simulate {cfg.policy}", unit="req", disable=not progress,
+                   mininterval=0.5)
+
+        def launch(rep: Replica) -> None:
+            if rep.stage_free_at > now + 1e-12:
+                return
+            plan = rep.scheduler.schedule(now)
+            if plan is None:
+                return
+            free_at, outcome = rep.execute(plan, now)
+            heapq.heappush(events, (free_at, 1, next(seq), "stage_free", rep))
+            heapq.heappush(events, (outcome.end_time, 0, next(seq), "complete", (rep, plan, outcome)))
+
+        while events:
+            now, _, _, kind, payload = heapq.heappop(events)
+            if max_time is not None and now > max_time:
+                break
+            if kind == "arrive":
+                rep = choose()
+                try:
+                    rep.scheduler.add(payload)
+                except ValueError:
+                    rejected.append(payload)
+                    bar.update()
+                    continue
+                rep.requests[payload.id] = payload
+                accepted.append(payload)
+                launch(rep)
+            elif kind == "stage_free":
+                launch(payload)
+            else:
+                rep, plan, outcome = payload
+                bar.update(len(rep.scheduler.apply(plan, outcome)))
+                launch(rep)
+        bar.close()
+        first = requests[0].arrival if requests else 0.0
+        last = max((r.finished_at for r in accepted if r.finished_at is not None), default=first)
+        return Results(accepted, rejected, span=max(last - first, 1e-9), wall_seconds=time.perf_counter() - started,
+                       config=dataclasses.asdict(cfg) | {"workload": name, "requests": len(requests)},
+                       long_threshold=cfg.packer.long_threshold)

@@ -1,0 +1,219 @@
+"""Workloads for the simulator: when requests arrive and how long their prompts and outputs are.
+
+Real traces keep their own burstiness (Azure LLM inference traces, 2023) or, where a trace has lengths only
+(arXiv summarization), get Poisson arrivals. `synthetic_mix` adds the rare very long requests (128K-1M tokens)
+that long-context serving is about to a short-request trace. Everything is seeded and pure numpy (no jax).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import functools
+import importlib.resources
+import io
+import math
+
+import numpy as np
+
+TRACES = ("azure_conv", "azure_code", "arxiv")
+
+# name -> (file, arrival column or None, prompt column, output column)
+_TRACE_FILES = {
+    "azure_conv": ("azure_llm_2023_conv.csv", "TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+    "azure_code": ("azure_llm_2023_code.csv", "TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+    "arxiv": ("arxiv_summarization_lengths.csv", None, "num_prefill_tokens", "num_decode_tokens"),
+}
+
+ARRIVALS = ("poisson", "gamma")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Requests in arrival order. Validated on construction so a simulator can trust the arrays blindly."""
+
+    arrivals: np.ndarray  # float64 seconds, sorted ascending, first may be > 0
+    prompt_lens: np.ndarray  # int64 >= 1
+    output_lens: np.ndarray  # int64 >= 1
+    name: str
+
+    def __post_init__(self):
+        n = len(self.arrivals)
+        for field, dtype in (("arrivals", np.float64), ("prompt_lens", np.int64), ("output_lens", np.int64)):
+            arr = np.asarray(getattr(self, field), dtype=dtype)
+            if arr.ndim != 1 or len(arr) != n:
+                raise ValueError(f"workload {self.name}: {field} must be 1-D with one entry per request")
+            object.__setattr__(self, field, arr)
+        if np.any(np.diff(self.arrivals) < 0) or not np.all(np.isfinite(self.arrivals)):
+            raise ValueError(f"workload {self.name}: arrivals must be finite and sorted ascending")
+        if np.any(self.prompt_lens < 1) or np.any(self.output_lens < 1):
+            raise ValueError(f"workload {self.name}: prompt_lens and output_lens must be >= 1")
+
+    def __len__(self) -> int:
+        return len(self.arrivals)
+
+    def scaled(self, factor: float) -> Workload:
+        """Stretch (factor > 1) or compress (factor < 1) time: the same requests at 1/factor times the load."""
+        if not factor > 0:
+            raise ValueError(f"factor must be > 0, got {factor}")
+        return dataclasses.replace(self, arrivals=self.arrivals * factor)
+
+    @property
+    def rate(self) -> float:
+        """Mean requests per second between the first and last arrival; inf when they coincide (or n < 2)."""
+        if len(self) < 2:
+            return math.inf
+        span = float(self.arrivals[-1] - self.arrivals[0])
+        return (len(self) - 1) / span if span > 0 else math.inf
+
+    def head(self, n: int) -> Workload:
+        """The first n requests: a shorter run with the same arrival pattern."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        return dataclasses.replace(
+            self, arrivals=self.arrivals[:n], prompt_lens=self.prompt_lens[:n], output_lens=self.output_lens[:n]
+        )
+
+
+def _check_rate(rate: float) -> None:
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"rate must be a finite number > 0 (requests per second), got {rate}")
+
+
+def _check_n(n: int) -> None:
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+
+
+def _check_trace(name: str) -> None:
+    if name not in _TRACE_FILES:
+        raise ValueError(f"unknown trace {name!r}; known traces: {', '.join(TRACES)}")
+
+
+@functools.cache
+def _read_trace(name: str) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """(arrival seconds relative to the first row or None, prompt lengths, output lengths), parsed once per
+    process. Shared by every caller: index into them (a copy), never write to them."""
+    file, time_col, prompt_col, output_col = _TRACE_FILES[name]
+    text = importlib.resources.files("jaxserve.sim.traces").joinpath(file).read_text(encoding="utf-8")
+    rows = csv.DictReader(io.StringIO(text, newline=""))
+    times, prompts, outputs = [], [], []
+    for row in rows:
+        if time_col is not None:
+            # fromisoformat keeps 6 of the trace's 7 fractional digits: microsecond precision.
+            times.append(datetime.datetime.fromisoformat(row[time_col]))
+        prompts.append(int(row[prompt_col]))
+        outputs.append(int(row[output_col]))
+    arrivals = None
+    if time_col is not None:
+        us = datetime.timedelta(microseconds=1)
+        arrivals = np.array([(t - times[0]) // us for t in times], dtype=np.int64) / 1e6
+    prompt_lens = np.maximum(np.array(prompts, dtype=np.int64), 1)
+    output_lens = np.maximum(np.array(outputs, dtype=np.int64), 1)
+    return arrivals, prompt_lens, output_lens
+
+
+def load_trace(
+    name: str, rate: float | None = None, seed: int = 0, limit: int | None = None, max_len: int | None = None
+) -> Workload:
+    """A packaged trace as a Workload.
+
+    Azure traces keep their recorded arrival times (relative to the trace's first request); with `rate`, time is
+    rescaled so the mean rate is `rate` while the burstiness stays. The arXiv trace has no timestamps: its
+    lengths are taken in file order and arrivals are a Poisson process at `rate` (required) seeded by `seed`.
+    `max_len` drops requests whose prompt + output exceed it (they could never fit a replica); `limit` then keeps
+    the first `limit` requests. Rescaling to `rate` happens last, so the result's `.rate` is `rate` (a single
+    request has no rate to rescale).
+    """
+    _check_trace(name)
+    if rate is not None:
+        _check_rate(rate)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    arrivals, prompt_lens, output_lens = _read_trace(name)
+    idx = np.arange(len(prompt_lens))
+    if max_len is not None:
+        idx = np.flatnonzero(prompt_lens + output_lens <= max_len)
+        if len(idx) == 0:
+            raise ValueError(f"max_len={max_len} drops every request of trace {name!r}")
+    idx = idx[:limit]
+    prompt_lens, output_lens = prompt_lens[idx], output_lens[idx]
+    if arrivals is None:
+        if rate is None:
+            raise ValueError(f"trace {name!r} has no timestamps: pass rate= (requests per second) for its arrivals")
+        return Workload(poisson_arrivals(len(idx), rate, np.random.default_rng(seed)), prompt_lens, output_lens, name)
+    workload = Workload(arrivals[idx], prompt_lens, output_lens, name)
+    if rate is not None and math.isfinite(workload.rate):
+        workload = workload.scaled(workload.rate / rate)
+    return workload
+
+
+def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """n arrival times of a Poisson process at `rate` per second (exponential gaps; the first is one gap in)."""
+    _check_n(n)
+    _check_rate(rate)
+    return np.cumsum(rng.exponential(1.0 / rate, size=n))
+
+
+def gamma_arrivals(n: int, rate: float, cv: float, rng: np.random.Generator) -> np.ndarray:
+    """n arrival times with gamma gaps of mean 1/rate and coefficient of variation `cv`: cv > 1 is burstier than
+    Poisson (cv = 1), cv < 1 more regular. Shape k = 1/cv^2, scale = 1/(rate*k)."""
+    _check_n(n)
+    _check_rate(rate)
+    if not (cv > 0 and math.isfinite(cv)):
+        raise ValueError(f"cv must be a finite number > 0, got {cv}")
+    k = 1.0 / cv**2
+    return np.cumsum(rng.gamma(k, 1.0 / (rate * k), size=n))
+
+
+def _check_range(arg: str, bounds: tuple[int, int]) -> None:
+    lo, hi = bounds
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{arg} must be (lo, hi) with 1 <= lo <= hi, got {bounds}")
+
+
+def synthetic_mix(
+    n: int,
+    rate: float,
+    long_fraction: float = 0.05,
+    long_range: tuple[int, int] = (131072, 1048576),
+    short_trace: str = "azure_conv",
+    arrival: str = "poisson",
+    cv: float = 1.0,
+    seed: int = 0,
+    long_output: tuple[int, int] = (128, 1024),
+) -> Workload:
+    """ShareGPT-like short requests plus a `long_fraction` of 128K-1M-token ones: the mix where one long prefill
+    can block many short requests, which long-context schedulers must handle.
+
+    Short requests' (prompt, output) pairs are sampled with replacement from `short_trace`; each request is long
+    with probability `long_fraction`, with a log-uniform prompt length in `long_range` (so every scale is
+    represented) and a uniform output length in `long_output`. Arrivals are Poisson or gamma (`cv`) at `rate`.
+    One seeded generator drives everything, so a seed gives identical arrays.
+    """
+    _check_n(n)
+    _check_rate(rate)
+    if not 0 <= long_fraction <= 1:
+        raise ValueError(f"long_fraction must be in [0, 1], got {long_fraction}")
+    _check_range("long_range", long_range)
+    _check_range("long_output", long_output)
+    _check_trace(short_trace)
+    if arrival not in ARRIVALS:
+        raise ValueError(f"arrival must be one of {ARRIVALS}, got {arrival!r}")
+    rng = np.random.default_rng(seed)
+    _, short_prompts, short_outputs = _read_trace(short_trace)
+    pick = rng.integers(0, len(short_prompts), size=n)
+    is_long = rng.random(n) < long_fraction
+    lo, hi = long_range
+    long_prompts = np.rint(np.exp(rng.uniform(math.log(lo), math.log(hi), size=n))).astype(np.int64)
+    long_outputs = rng.integers(long_output[0], long_output[1], size=n, endpoint=True)
+    prompt_lens = np.where(is_long, long_prompts, short_prompts[pick])
+    output_lens = np.where(is_long, long_outputs, short_outputs[pick])
+    if arrival == "poisson":
+        arrivals = poisson_arrivals(n, rate, rng)
+        name = f"mix{long_fraction:g}-{short_trace}"
+    else:
+        arrivals = gamma_arrivals(n, rate, cv, rng)
+        name = f"mix{long_fraction:g}-{short_trace}-gamma{cv:g}"
+    return Workload(arrivals, prompt_lens, output_lens, name)
