@@ -77,6 +77,7 @@ class PrefillTimeCache:
 class PackerConfig:
     t_target: float  # iteration budget, seconds (from the TPOT SLO)
     long_threshold: int = 32768  # prompts this long count as long: at most one per batch
+    multi_prefill: bool = True  # several prefill chunks per batch (Medha 4.2); False: one, as the baselines of Fig. 13
     space_sharing: bool = False
     max_share: float = 0.4  # rho_max: the most of the budget a long prefill yields
     chunk_align: int = 32
@@ -118,4 +119,6 @@ def pack(cost: BatchCost, config: PackerConfig, decodes: Sequence[Request], pref
         state.tokens += n
         state.attention += cost.prefill_attention(n, r.prefilled)
         has_long |= is_long
+        if not config.multi_prefill:
+            break
     return chunks, state
