@@ -115,7 +115,7 @@ def test_more_replicas_and_pipeline_stages_raise_capacity():
     for more in (_config(replicas=2), _config(replicas=2, dispatch="round_robin"), _config(stages=2)):
         res = Simulator(more).run(w, progress=False)
         assert res.span < 0.8 * one.span
-        assert res.summary()["all"]["throughput_tok_s"] > 1.3 * one.summary()["all"]["throughput_tok_s"]
+        assert res.summary()["all"]["throughput_tok_s"] > 1.2 * one.summary()["all"]["throughput_tok_s"]
 
 
 def test_results_write_json_and_csv(tmp_path):
