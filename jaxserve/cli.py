@@ -3,6 +3,7 @@
 Commands:
   generate  reply to --prompt (through the model's chat template unless --nochat), streaming to stdout
   fetch     download a registered model into the local cache (the only step that needs the package index)
+  simulate  replay a trace or synthetic mix through the scheduler on a simulated cluster (no devices needed)
 """
 
 from __future__ import annotations
@@ -24,7 +25,25 @@ flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and KV cache dtype.")
 flags.DEFINE_integer("max_model_len", None, "Context length (default: the model's).")
 
-COMMANDS = ("generate", "fetch")
+flags.DEFINE_string("policy", "lars", "simulate: prefill policy (fcfs, sjf, ljf, edf, lrs, lars).")
+flags.DEFINE_string("trace", "azure_conv", "simulate: azure_conv, azure_code, arxiv, or mix (short + long requests).")
+flags.DEFINE_float("rate", None, "simulate: arrival rate, requests/s (traces: rescaled to it; default: as recorded).")
+flags.DEFINE_integer("requests", None, "simulate: number of requests (default: the whole trace).")
+flags.DEFINE_string("out", None, "simulate: directory for summary.json, requests.csv and ttft_cdf.png.")
+flags.DEFINE_string("profile", "a100_llama3_8b", "simulate: GPU/model profile (a100_llama3_8b, h100_llama2_7b, "
+                    "h100_llama2_70b).")
+flags.DEFINE_integer("tp", 8, "simulate: tensor parallel degree per replica.")
+flags.DEFINE_integer("stages", 1, "simulate: pipeline stages per replica.")
+flags.DEFINE_integer("replicas", 1, "simulate: number of replicas.")
+flags.DEFINE_float("t_target", 0.05, "simulate: iteration time budget, seconds (from the TPOT SLO).")
+flags.DEFINE_bool("space_sharing", False, "simulate: long prefills yield budget by relative slack (Medha).")
+flags.DEFINE_bool("multi_prefill", True, "simulate: several prefill chunks per batch.")
+flags.DEFINE_float("long_fraction", 0.05, "simulate: share of long requests in --trace=mix.")
+flags.DEFINE_float("ttft_min", 1.0, "simulate: smallest TTFT deadline, seconds.")
+flags.DEFINE_float("ttft_factor", 3.0, "simulate: TTFT deadline = max(ttft_min, factor * prefill time alone).")
+flags.DEFINE_float("tpot_slo", 0.1, "simulate: time-per-output-token SLO, seconds.")
+
+COMMANDS = ("generate", "fetch", "simulate")
 
 
 def _generate() -> None:
@@ -48,13 +67,37 @@ def _fetch() -> None:
     print(registry.fetch_model(FLAGS.model))
 
 
+def _simulate() -> None:
+    import json
+    import os
+
+    from jaxserve.sched.slo import SLO
+    from jaxserve.sim import plots, run
+
+    workload = run.make_workload(FLAGS.trace, FLAGS.rate, FLAGS.requests, seed=FLAGS.seed or 0,
+                                 long_fraction=FLAGS.long_fraction)
+    config = run.config_for(FLAGS.policy, FLAGS.profile, FLAGS.tp, FLAGS.stages, FLAGS.replicas, FLAGS.t_target,
+                            FLAGS.space_sharing, FLAGS.multi_prefill,
+                            slo=SLO(FLAGS.ttft_min, FLAGS.ttft_factor, FLAGS.tpot_slo))
+    results = run.simulate(workload, config)
+    summary = results.summary()
+    print(json.dumps(summary, indent=1))
+    if FLAGS.out:
+        os.makedirs(FLAGS.out, exist_ok=True)
+        results.to_json(os.path.join(FLAGS.out, "summary.json"))
+        results.to_csv(os.path.join(FLAGS.out, "requests.csv"))
+        plots.ttft_cdf({FLAGS.policy: results}, os.path.join(FLAGS.out, "ttft_cdf.png"), which="all",
+                       title=f"{workload.name}, {workload.rate:.2f} req/s")
+        print(f"wrote {FLAGS.out}/summary.json, requests.csv, ttft_cdf.png")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[1] not in COMMANDS:
         raise app.UsageError(f"usage: python -m jaxserve {{{'|'.join(COMMANDS)}}} [--flags]; got {argv[1:]}")
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # keep library INFO logs (orbax) off the reply
     try:
-        {"generate": _generate, "fetch": _fetch}[argv[1]]()
+        {"generate": _generate, "fetch": _fetch, "simulate": _simulate}[argv[1]]()
     except (ValueError, RuntimeError, OSError) as e:  # bad input or set-up: one line, not a traceback
         sys.stderr.write(f"error: {e}\n")
         sys.exit(2)

@@ -32,10 +32,12 @@ def max_chunk(cost: BatchCost, state: BatchState, h: int, limit: int, budget: fl
     def fits(n: int) -> bool:
         return cost.time(state.tokens + n, state.attention + cost.prefill_attention(n, h)) <= budget
 
-    if limit <= 0 or not fits(min(align, limit)):
+    if limit <= 0:
         return 0
-    if fits(limit):
+    if fits(limit):  # most short prompts fit whole: one evaluation
         return limit
+    if not fits(min(align, limit)):
+        return 0
     lo, hi = min(align, limit), align * 2
     while hi < limit and fits(hi):
         lo, hi = hi, hi * 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 
 class Phase(str, enum.Enum):
@@ -12,8 +12,9 @@ class Phase(str, enum.Enum):
     DECODE = "decode"
 
 
-@dataclasses.dataclass(frozen=True)
-class WorkItem:
+class WorkItem(NamedTuple):
+    """A named tuple, not a dataclass: a Plan holds hundreds and the scheduler builds one every iteration."""
+
     request_id: str
     start: int  # first token position this item computes
     end: int  # one past the last

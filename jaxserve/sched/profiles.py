@@ -116,6 +116,18 @@ def network(gpu: str) -> Transfer:
     return Transfer.fit(samples)
 
 
+def _with_all_reduce(linear: PiecewiseLinear, gpu: str, tp: int, hidden: int, layers: int) -> PiecewiseLinear:
+    """One table for `layers` layers of linear ops plus, under TP, their two all-reduces of bf16 activations
+    (after attention and after the MLP): the sum of two piecewise-linear curves on the union of their knots,
+    so the packer's many lookups cost one bisection."""
+    if tp == 1:
+        return PiecewiseLinear(linear.xs, [layers * y for y in linear.ys])
+    ar = all_reduce(gpu, tp)
+    bytes_per_token = 2 * hidden
+    xs = sorted(set(linear.xs) | {x / bytes_per_token for x in ar.xs if x >= bytes_per_token})
+    return PiecewiseLinear(xs, [layers * (linear(x) + 2 * ar(x * bytes_per_token)) for x in xs])
+
+
 class ProfileBatchCost(BatchCost):
     """Iteration time on a real GPU model: measured linear operators (plus TP all-reduces) for `layers` layers
     (one pipeline stage holds layers / stages), attention from FLOPs and bytes."""
@@ -126,8 +138,8 @@ class ProfileBatchCost(BatchCost):
             raise ValueError(f"{layers} layers do not split into {stages} pipeline stages")
         self.gpu, self.shape, self.tp = GPUS[gpu_name], model_shape(profile), tp
         self.layers = layers // stages
-        self._linear = linear_ops_per_layer(profile, tp)
-        self._all_reduce = all_reduce(gpu_name, tp) if tp > 1 else None
+        self._linear = _with_all_reduce(linear_ops_per_layer(profile, tp), gpu_name, tp, self.shape.hidden,
+                                        self.layers)
         s = self.shape
         self._flops_per_pair = 4.0 * s.head_dim * s.heads / tp  # QK^T and PV, per (query, key) pair
         self._kv_bytes_per_token = 2.0 * 2 * s.kv_heads * s.head_dim / tp  # K and V, bf16, one layer
@@ -135,10 +147,7 @@ class ProfileBatchCost(BatchCost):
         self._byte_rate = self.gpu.hbm_bandwidth * self.gpu.mbu
 
     def linear_ops(self, tokens: int) -> float:
-        per_layer = self._linear(tokens)
-        if self._all_reduce is not None:  # after attention and after the MLP, activations in bf16
-            per_layer += 2 * self._all_reduce(tokens * self.shape.hidden * 2)
-        return self.layers * per_layer
+        return self._linear(tokens)
 
     def prefill_attention(self, n: int, h: int) -> float:
         pairs = n * (h + (n + 1) / 2)  # causal within the chunk

@@ -56,7 +56,10 @@ class ReplicaScheduler:
 
     # -- Plan out --------------------------------------------------------------------------------------------
     def schedule(self, now: float) -> Plan | None:
-        decodes = [r for r in self.decoding.values() if r.id not in self.in_flight][: self.max_decode_batch]
+        decodes = list(self.decoding.values())
+        if self.in_flight:
+            decodes = [r for r in decodes if r.id not in self.in_flight]
+        decodes = decodes[: self.max_decode_batch]
         order = self.policy.order(self.queue, now)
         slack = self.policy.relative_slack(self.queue, now) if self.packer.space_sharing else None
         last = self.queue.requests[order[-1]] if len(order) else None
@@ -78,7 +81,7 @@ class ReplicaScheduler:
                     tentative.append(r)
                 yield r
 
-        chunks, _ = pack(self.cost, self.packer, decodes, candidates(),
+        chunks, state = pack(self.cost, self.packer, decodes, candidates(),
                          relative_slack=lambda r: float(slack[self.queue.index(r)]),
                          more_waiting=lambda r: r is not last)
         if not chunks and not decodes:
@@ -86,18 +89,20 @@ class ReplicaScheduler:
             if first is None:
                 return None
             # even the smallest chunk overruns the budget (a huge history): run it anyway, or nothing moves
-            chunks = [(first, min(self.packer.chunk_align, first.prompt_len - first.prefilled))]
+            n = min(self.packer.chunk_align, first.prompt_len - first.prefilled)
+            chunks = [(first, n)]
+            state.tokens, state.attention = n, self.cost.prefill_attention(n, first.prefilled)
         chosen = {r.id for r, _ in chunks}
         for r in tentative:
             if r.id not in chosen:
                 self.kv_reserved -= r.prompt_len + r.output_len
                 self.admitted.discard(r.id)
-        items = [WorkItem(r.id, r.kv_len, r.kv_len + 1, Phase.DECODE, self.group, history=r.kv_len)
-                 for r in decodes]
+        group, decode = self.group, Phase.DECODE
+        items = [WorkItem(r.id, kv, kv + 1, decode, group, 1, "zigzag", 0, kv)
+                 for r in decodes for kv in (r.kv_len,)]
         items += [WorkItem(r.id, r.prefilled, r.prefilled + n, Phase.PREFILL, self.group, history=r.prefilled)
                   for r, n in chunks]
-        predicted = self.cost.batch_time([(n, r.prefilled) for r, n in chunks], [r.kv_len for r in decodes])
-        plan = Plan(tuple(items), predicted_time=predicted)
+        plan = Plan(tuple(items), predicted_time=state.time(self.cost))
         self.in_flight |= plan.request_ids
         return plan
 

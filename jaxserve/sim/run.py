@@ -1,0 +1,60 @@
+"""The simulator's front door, shared by `python -m jaxserve simulate` and notebooks: build a workload, run it
+under a cluster config, search for the highest load that still meets the SLOs."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from jaxserve.sched.packer import PackerConfig
+from jaxserve.sched.slo import SLO
+from jaxserve.sim.metrics import Results
+from jaxserve.sim.simulator import ClusterConfig, Simulator
+from jaxserve.sim.workload import TRACES, Workload, load_trace, synthetic_mix
+
+WORKLOADS = TRACES + ("mix",)
+
+
+def make_workload(trace: str, rate: float | None, requests: int | None = None, seed: int = 0,
+                  long_fraction: float = 0.05, max_len: int | None = None) -> Workload:
+    """A trace (rescaled to `rate` when given) or 'mix': short requests from Azure conv plus `long_fraction`
+    long ones of 128K-1M tokens."""
+    if trace == "mix":
+        if rate is None or requests is None:
+            raise ValueError("the 'mix' workload needs --rate and --requests")
+        return synthetic_mix(requests, rate, long_fraction=long_fraction, seed=seed)
+    if trace not in TRACES:
+        raise ValueError(f"unknown trace {trace!r}; choose from {list(WORKLOADS)}")
+    return load_trace(trace, rate=rate, seed=seed, limit=requests, max_len=max_len)
+
+
+def simulate(workload: Workload, config: ClusterConfig = ClusterConfig(), progress: bool = True) -> Results:
+    return Simulator(config).run(workload, progress=progress)
+
+
+def config_for(policy: str = "lars", profile: str = "a100_llama3_8b", tp: int = 8, stages: int = 1,
+               replicas: int = 1, t_target: float = 0.05, space_sharing: bool = False, multi_prefill: bool = True,
+               long_threshold: int = 32768, slo: SLO = SLO()) -> ClusterConfig:
+    return ClusterConfig(replicas=replicas, profile=profile, tp=tp, stages=stages, policy=policy, slo=slo,
+                         packer=PackerConfig(t_target=t_target, space_sharing=space_sharing,
+                                             multi_prefill=multi_prefill, long_threshold=long_threshold))
+
+
+def max_sustainable_rate(config: ClusterConfig, workload_at: Callable[[float], Workload], lo: float, hi: float,
+                         target: float = 0.9, iterations: int = 8) -> tuple[float, list[dict]]:
+    """Highest arrival rate in [lo, hi] whose SLO attainment stays >= target, by geometric bisection (attainment
+    falls as load rises). Returns the rate and every probe (rate, attainment)."""
+    probes = []
+
+    def ok(rate: float) -> bool:
+        att = Simulator(config).run(workload_at(rate), progress=False).summary()["all"]["slo_attainment"]
+        probes.append({"rate": rate, "slo_attainment": att})
+        return att >= target
+
+    if not ok(lo):
+        return 0.0, probes
+    if ok(hi):
+        return hi, probes
+    for _ in range(iterations):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo, probes
