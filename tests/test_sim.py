@@ -60,9 +60,10 @@ def test_medha_scenario_lars_protects_the_long_request_and_defers_shorts_by_rela
     out = scenario("lars")
     assert met(out["L"])
     # r_L runs with relative slack 6/10 = 0.6; the shorts arrive at 1.0 and wait until theirs,
-    # (0.5 - wait) / 0.5, falls below 0.6: 0.2 s. Then the two shorts share the machine.
+    # (0.5 - wait) / 0.5, falls below 0.6 at the end of the iteration being planned (0.01 s): 0.19 s.
+    # Then the two shorts share the machine.
     first_short_start = min(out["S1"].first_token_at, out["S2"].first_token_at) - 0.5
-    assert first_short_start >= 5.19
+    assert first_short_start >= 5.18
 
 
 def test_no_policy_meets_both_shorts_unless_it_starts_them_at_once():

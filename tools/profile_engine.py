@@ -51,6 +51,7 @@ FULL_PREFILL = [(n, h) for n in (16, 32, 64, 128, 256, 512, 1024, 2048) for h in
 FULL_DECODE = [(b, kv) for b in (1, 2, 4, 8, 16, 32) for kv in (128, 512, 1024, 2048, 4096)]
 
 SP, TP = 1, 1  # one device: the engine serves on one device today
+BLOCK_SIZE = 16  # the engine's default KV block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +82,15 @@ def _timed(runner: StepRunner, rows: Sequence[Row], repeats: int) -> float:
 
 
 def _copy_blocks(runner: StepRunner, src: Sequence[int], dst: Sequence[int]) -> None:
-    """Give the blocks `dst` the K/V held in the blocks `src`, in every layer."""
-    bs = runner.block_size
-    slots = lambda blocks: (np.asarray(blocks)[:, None] * bs + np.arange(bs)).ravel()  # noqa: E731
-    s, d = slots(src), slots(dst)
+    """Give the blocks `dst` the K/V held in the blocks `src` (same length), in every layer, in one pass."""
+    offsets = np.arange(runner.block_size)
+    s = (np.asarray(src)[:, None] * runner.block_size + offsets).ravel()
+    d = (np.asarray(dst)[:, None] * runner.block_size + offsets).ravel()
     runner.caches = [(k.at[d].set(k[s]), v.at[d].set(v[s])) for k, v in runner.caches]
+
+
+def _longest(prefill_grid: Sequence[tuple[int, int]], decode_grid: Sequence[tuple[int, int]]) -> int:
+    return max([n + h for n, h in prefill_grid] + [kv for _, kv in decode_grid])
 
 
 def profile(llm: jaxserve.LLM, prefill_grid: Sequence[tuple[int, int]], decode_grid: Sequence[tuple[int, int]],
@@ -99,7 +104,7 @@ def profile(llm: jaxserve.LLM, prefill_grid: Sequence[tuple[int, int]], decode_g
         raise ValueError(f"no grid point fits max_model_len {limit}")
     runner, pool = llm.engine.runner, llm.engine.pool
     greedy = SamplingParams()
-    longest = max([n + h for n, h in prefill_grid] + [kv for _, kv in decode_grid])
+    longest = _longest(prefill_grid, decode_grid)
     history = max([h for _, h in prefill_grid] + [kv - 1 for _, kv in decode_grid])
     # Fixed ordinary token ids (above the special tokens), so rewriting a position rewrites the same K/V.
     ids = np.random.default_rng(0).integers(100, llm.config.vocab_size, size=longest).tolist()
@@ -115,7 +120,8 @@ def profile(llm: jaxserve.LLM, prefill_grid: Sequence[tuple[int, int]], decode_g
         for _ in range(max_batch - 1):
             tables.append([])
             pool.grow(tables[-1], used * pool.block_size)
-            _copy_blocks(runner, tables[0][:used], tables[-1])
+        if max_batch > 1:
+            _copy_blocks(runner, tables[0][:used] * (max_batch - 1), [blk for t in tables[1:] for blk in t])
         with tqdm(total=len(prefill_grid) + len(decode_grid), desc="profile") as bar:
             for n, h in prefill_grid:
                 t = _timed(runner, [Row(ids[h: h + n], h, tables[0], greedy, 0, 0)], repeats)
@@ -132,11 +138,14 @@ def profile(llm: jaxserve.LLM, prefill_grid: Sequence[tuple[int, int]], decode_g
     return samples
 
 
-def pool_tokens(prefill_grid: Sequence[tuple[int, int]], decode_grid: Sequence[tuple[int, int]]) -> int:
-    """KV tokens `profile` holds at once: the profiled sequence plus the other decode rows' copies."""
-    longest = max([n + h for n, h in prefill_grid] + [kv for _, kv in decode_grid])
-    b, kv = max(b for b, _ in decode_grid), max(kv for _, kv in decode_grid)
-    return longest + (b - 1) * kv
+def pool_tokens(prefill_grid: Sequence[tuple[int, int]], decode_grid: Sequence[tuple[int, int]],
+                block_size: int) -> int:
+    """KV tokens `profile` holds at once, in whole blocks: the profiled sequence plus the other decode rows."""
+    def whole_blocks(tokens: int) -> int:
+        return -(-tokens // block_size) * block_size
+
+    b, kv = max((b for b, _ in decode_grid), default=1), max((kv for _, kv in decode_grid), default=0)
+    return whole_blocks(_longest(prefill_grid, decode_grid)) + (b - 1) * whole_blocks(kv)
 
 
 def fit(samples: Sequence[Sample]) -> tuple[TetrisPrefill, Decode]:
@@ -164,7 +173,7 @@ def report(samples: Sequence[Sample], prefill: TetrisPrefill, decode: Decode) ->
     worst: dict[str, float] = {}
     for s in samples:
         fitted = (prefill.predict(s.sp, s.n, s.h) if s.kind == "prefill"
-                  else float(decode.features(s.batch, s.sum_kv) @ decode.coef((s.sp, s.tp))))
+                  else decode.predict(s.sp, s.tp, [s.sum_kv // s.batch] * s.batch))
         err = abs(fitted - s.seconds) / s.seconds
         worst[s.kind] = max(worst.get(s.kind, 0.0), err)
         print(f"{s.kind:<8}{s.n:>6}{s.h:>6}{s.batch:>6}{s.sum_kv:>8}{1e3 * s.seconds:>13.2f}{1e3 * fitted:>11.2f}"
@@ -176,8 +185,9 @@ def report(samples: Sequence[Sample], prefill: TetrisPrefill, decode: Decode) ->
 def main(argv: list[str]) -> None:
     del argv
     prefill_grid, decode_grid = (FULL_PREFILL, FULL_DECODE) if FLAGS.full else (QUICK_PREFILL, QUICK_DECODE)
-    longest = max([n + h for n, h in prefill_grid] + [kv for _, kv in decode_grid])
-    llm = jaxserve.LLM(max_model_len=longest, kv_cache_tokens=pool_tokens(prefill_grid, decode_grid))
+    longest = _longest(prefill_grid, decode_grid)
+    llm = jaxserve.LLM(max_model_len=longest, block_size=BLOCK_SIZE,
+                       kv_cache_tokens=pool_tokens(prefill_grid, decode_grid, BLOCK_SIZE))
     if llm.max_model_len < longest:
         logging.warning("the model's context (%d tokens) cuts the grid", llm.max_model_len)
     device = jax.devices()[0]

@@ -60,8 +60,11 @@ class ReplicaScheduler:
         if self.in_flight:
             decodes = [r for r in decodes if r.id not in self.in_flight]
         decodes = decodes[: self.max_decode_batch]
-        order = self.policy.order(self.queue, now)
-        slack = self.policy.relative_slack(self.queue, now) if self.packer.space_sharing else None
+        # this decision holds for one iteration, so slack is measured at its end: a request that cannot afford
+        # to wait one more iteration ranks as such now, not one iteration too late
+        horizon = now + self.packer.t_target
+        order = self.policy.order(self.queue, horizon)
+        slack = self.policy.relative_slack(self.queue, horizon) if self.packer.space_sharing else None
         last = self.queue.requests[order[-1]] if len(order) else None
         tentative: list[Request] = []
 
