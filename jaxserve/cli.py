@@ -39,6 +39,8 @@ flags.DEFINE_float("t_target", 0.05, "simulate: iteration time budget, seconds (
 flags.DEFINE_bool("space_sharing", False, "simulate: long prefills yield budget by relative slack (Medha).")
 flags.DEFINE_bool("multi_prefill", True, "simulate: several prefill chunks per batch.")
 flags.DEFINE_float("long_fraction", 0.05, "simulate: share of long requests in --trace=mix.")
+flags.DEFINE_enum("arrival", "poisson", ["poisson", "gamma"], "simulate: arrival process of --trace=mix.")
+flags.DEFINE_float("cv", 1.0, "simulate: coefficient of variation of gamma inter-arrival times (1 = Poisson).")
 flags.DEFINE_float("ttft_min", 1.0, "simulate: smallest TTFT deadline, seconds.")
 flags.DEFINE_float("ttft_factor", 3.0, "simulate: TTFT deadline = max(ttft_min, factor * prefill time alone).")
 flags.DEFINE_float("tpot_slo", 0.1, "simulate: time-per-output-token SLO, seconds.")
@@ -75,7 +77,7 @@ def _simulate() -> None:
     from jaxserve.sim import plots, run
 
     workload = run.make_workload(FLAGS.trace, FLAGS.rate, FLAGS.requests, seed=FLAGS.seed or 0,
-                                 long_fraction=FLAGS.long_fraction)
+                                 long_fraction=FLAGS.long_fraction, arrival=FLAGS.arrival, cv=FLAGS.cv)
     config = run.config_for(FLAGS.policy, FLAGS.profile, FLAGS.tp, FLAGS.stages, FLAGS.replicas, FLAGS.t_target,
                             FLAGS.space_sharing, FLAGS.multi_prefill,
                             slo=SLO(FLAGS.ttft_min, FLAGS.ttft_factor, FLAGS.tpot_slo))

@@ -135,3 +135,18 @@ def test_bad_cluster_config_is_an_error():
         ClusterConfig(dispatch="random")
     with pytest.raises(ValueError, match="does not fit"):
         ClusterConfig(profile="h100_llama2_70b", tp=1).replica_kv_capacity()
+
+
+def test_max_sustainable_rate_brackets_the_slo_knee():
+    from jaxserve.sim.run import max_sustainable_rate
+
+    def workload_at(rate):
+        return synthetic_mix(150, rate, long_fraction=0.0, seed=1)
+
+    cfg = _config(policy="fcfs", tp=1)
+    rate, probes = max_sustainable_rate(cfg, workload_at, lo=0.5, hi=64.0, iterations=5)
+    assert 0.5 < rate < 64.0
+    passing = [p["rate"] for p in probes if p["slo_attainment"] >= 0.9]
+    failing = [p["rate"] for p in probes if p["slo_attainment"] < 0.9]
+    assert rate == max(passing) and min(failing) > rate
+    assert min(failing) / rate < (64.0 / 0.5) ** (1 / 2**5) + 1e-9  # five halvings of the log-bracket

@@ -15,13 +15,14 @@ WORKLOADS = TRACES + ("mix",)
 
 
 def make_workload(trace: str, rate: float | None, requests: int | None = None, seed: int = 0,
-                  long_fraction: float = 0.05, max_len: int | None = None) -> Workload:
+                  long_fraction: float = 0.05, max_len: int | None = None, arrival: str = "poisson",
+                  cv: float = 1.0) -> Workload:
     """A trace (rescaled to `rate` when given) or 'mix': short requests from Azure conv plus `long_fraction`
-    long ones of 128K-1M tokens."""
+    long ones of 128K-1M tokens, arriving as a Poisson or gamma (coefficient of variation `cv`) process."""
     if trace == "mix":
         if rate is None or requests is None:
             raise ValueError("the 'mix' workload needs --rate and --requests")
-        return synthetic_mix(requests, rate, long_fraction=long_fraction, seed=seed)
+        return synthetic_mix(requests, rate, long_fraction=long_fraction, seed=seed, arrival=arrival, cv=cv)
     if trace not in TRACES:
         raise ValueError(f"unknown trace {trace!r}; choose from {list(WORKLOADS)}")
     return load_trace(trace, rate=rate, seed=seed, limit=requests, max_len=max_len)
