@@ -63,9 +63,11 @@ class PiecewiseLinear:
     """y(x) through sorted points, extended linearly past the last one (profiles stop at a max token count)."""
 
     def __init__(self, xs: Sequence[float], ys: Sequence[float]):
-        pairs = sorted(zip(xs, ys))
-        self.xs = [float(x) for x, _ in pairs]
-        self.ys = [float(y) for _, y in pairs]
+        merged: dict[float, list[float]] = {}  # repeated measurements of one x: their mean
+        for x, y in zip(xs, ys):
+            merged.setdefault(float(x), []).append(float(y))
+        self.xs = sorted(merged)
+        self.ys = [sum(merged[x]) / len(merged[x]) for x in self.xs]
         if len(self.xs) < 2:
             raise ValueError("a piecewise-linear profile needs at least two points")
         tail = max(len(self.xs) // 8, 1)  # slope of the last eighth: robust to one noisy point

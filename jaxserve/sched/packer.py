@@ -6,6 +6,7 @@ most one long prefill per batch. The prefill-time cache (Algorithm 3) gives LARS
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Callable, Iterable, Sequence
 
@@ -51,25 +52,32 @@ def max_chunk(cost: BatchCost, state: BatchState, h: int, limit: int, budget: fl
 
 
 class PrefillTimeCache:
-    """Algorithm 3: time to prefill l tokens alone with adaptive chunking under the budget, precomputed once as
-    the cumulative curve of one max-length prefill; remaining work is a difference of two lookups."""
+    """Algorithm 3: time to prefill l tokens alone with adaptive chunking under the budget. Chunk sizes depend
+    only on the history, so one max-length prefill gives every prompt's chunks: a prompt of l tokens takes the
+    whole chunks before l plus its own shorter last chunk, timed exactly (a short prompt pays a whole
+    iteration's fixed cost, not a pro-rated share of the first chunk). Remaining work is a difference."""
 
-    def __init__(self, cost: BatchCost, t_target: float, max_len: int = 1 << 20, align: int = 1, stages: int = 1):
-        """stages: pipeline stages the cost model's time is one of; each chunk passes through all of them."""
-        points, done, elapsed = [0], 0, 0.0
-        times = [0.0]
+    def __init__(self, cost: BatchCost, t_target: float, max_len: int = 1 << 20, align: int = 1):
+        self.cost, self.max_len = cost, max_len
+        self._points, self._times = [0], [0.0]  # chunk boundaries and the time to reach each
+        done, elapsed = 0, 0.0
         while done < max_len:
             # a chunk that overruns the budget still runs (the scheduler does the same), at the minimum size
             n = max_chunk(cost, BatchState(), done, max_len - done, t_target, align) or min(align, max_len - done)
-            elapsed += cost.time(n, cost.prefill_attention(n, done)) * stages
+            elapsed += cost.time(n, cost.prefill_attention(n, done))
             done += n
-            points.append(done)
-            times.append(elapsed)
-        self._curve = PiecewiseLinear(points, times)
-        self.max_len = max_len
+            self._points.append(done)
+            self._times.append(elapsed)
+        self._tail = PiecewiseLinear(self._points[-2:], self._times[-2:])  # past max_len: the last chunk's rate
 
     def __call__(self, tokens: int) -> float:
-        return self._curve(tokens)
+        if tokens >= self.max_len:
+            return self._tail(tokens)
+        k = bisect.bisect_right(self._points, tokens) - 1
+        rest, history = tokens - self._points[k], self._points[k]
+        if rest == 0:
+            return self._times[k]
+        return self._times[k] + self.cost.time(rest, self.cost.prefill_attention(rest, history))
 
     def remaining(self, total: int, processed: int) -> float:
         return self(total) - self(processed)
@@ -93,19 +101,21 @@ class PackerConfig:
 
 
 def pack(cost: BatchCost, config: PackerConfig, decodes: Sequence[Request], prefills: Iterable[Request],
-         relative_slack: Callable[[Request], float], more_waiting: Callable[[Request], bool]
-         ) -> tuple[list[tuple[Request, int]], BatchState]:
+         relative_slack: Callable[[Request], float], more_waiting: Callable[[Request], bool],
+         smallest_chunk: int | None = None) -> tuple[list[tuple[Request, int]], BatchState]:
     """Algorithms 1 and 2. `prefills` come in priority order; more_waiting(r) tells whether any prefill ranks
-    after r (a long prefill yields budget only when someone could use it)."""
+    after r (a long prefill yields budget only when someone could use it); smallest_chunk: the fewest tokens any
+    of them could take (default chunk_align), below which looking further is pointless."""
     state = BatchState(tokens=len(decodes), attention=sum(cost.decode_attention(r.kv_len) for r in decodes))
     chunks: list[tuple[Request, int]] = []
     has_long = False
-    # cheapest possible chunk: a fresh prompt's first `align` tokens; if even that does not fit, stop
-    cheapest = cost.prefill_attention(config.chunk_align, 0)
+    # no chunk is cheaper than the smallest one starting a fresh prompt: once even that does not fit, stop
+    smallest = smallest_chunk or config.chunk_align
+    cheapest = cost.prefill_attention(smallest, 0)
     for r in prefills:
         if state.time(cost) >= config.t_target or state.tokens >= config.max_batch_tokens:
             break
-        if cost.time(state.tokens + config.chunk_align, state.attention + cheapest) > config.t_target:
+        if cost.time(state.tokens + smallest, state.attention + cheapest) > config.t_target:
             break
         is_long = r.prompt_len >= config.long_threshold
         if is_long and has_long:
@@ -113,13 +123,13 @@ def pack(cost: BatchCost, config: PackerConfig, decodes: Sequence[Request], pref
         budget = config.t_target
         if config.space_sharing and is_long and more_waiting(r):
             budget *= 1.0 - min(config.max_share, max(0.0, relative_slack(r)))
-        limit = min(r.prompt_len - r.prefilled, config.max_batch_tokens - state.tokens)
-        n = max_chunk(cost, state, r.prefilled, limit, budget, config.chunk_align)
+        limit = min(r.prompt_len - r.planned, config.max_batch_tokens - state.tokens)
+        n = max_chunk(cost, state, r.planned, limit, budget, config.chunk_align)
         if n == 0:
             continue
         chunks.append((r, n))
         state.tokens += n
-        state.attention += cost.prefill_attention(n, r.prefilled)
+        state.attention += cost.prefill_attention(n, r.planned)
         has_long |= is_long
         if not config.multi_prefill:
             break

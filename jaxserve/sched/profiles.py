@@ -12,6 +12,8 @@ import dataclasses
 import functools
 from importlib import resources
 
+import numpy as np
+
 from jaxserve.sched.batch_cost import BatchCost, PiecewiseLinear
 from jaxserve.sched.cost_models import Transfer
 
@@ -92,8 +94,11 @@ def linear_ops_per_layer(profile: str, tp: int) -> PiecewiseLinear:
     rows = [r for r in _read(file) if int(r["num_tensor_parallel_workers"]) == tp]
     if not rows:
         raise ValueError(f"profile {profile} has no TP={tp} measurements")
-    return PiecewiseLinear([int(r["num_tokens"]) for r in rows],
-                           [sum(float(r[f"time_stats.{op}.median"]) for op in _LINEAR_OPS) / 1e3 for r in rows])
+    curve = PiecewiseLinear([int(r["num_tokens"]) for r in rows],
+                            [sum(float(r[f"time_stats.{op}.median"]) for op in _LINEAR_OPS) / 1e3 for r in rows])
+    # measurement noise makes a few points dip below smaller batches; more tokens never take less time, and
+    # the packer's bisection relies on that
+    return PiecewiseLinear(curve.xs, np.maximum.accumulate(curve.ys).tolist())
 
 
 @functools.cache

@@ -13,8 +13,8 @@ class PrefillQueue:
         self.requests: list[Request] = []
         self._slot: dict[str, int] = {}
         self._next_seq = 0
-        self._arrays = {name: np.zeros(capacity) for name in ("seq", "arrival", "deadline", "prompt_len",
-                                                              "total_work", "remaining_work")}
+        self._arrays = {name: np.zeros(capacity) for name in ("seq", "deadline", "prompt_len", "left",
+                                                              "total_work", "remaining_work", "admitted")}
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -35,15 +35,23 @@ class PrefillQueue:
         if i == len(self._arrays["seq"]):
             self._arrays = {k: np.concatenate([v, np.zeros_like(v)]) for k, v in self._arrays.items()}
         a = self._arrays
-        a["seq"][i], a["arrival"][i], a["deadline"][i] = self._next_seq, request.arrival, request.ttft_deadline
+        a["seq"][i], a["deadline"][i] = self._next_seq, request.ttft_deadline
         a["prompt_len"][i], a["total_work"][i] = request.prompt_len, total_work
+        a["left"][i] = request.prompt_len - request.planned  # prompt tokens not yet planned
+        a["admitted"][i] = 0.0  # holds a KV reservation (the scheduler sets it)
         a["remaining_work"][i] = total_work if remaining_work is None else remaining_work
         self._next_seq += 1
         self._slot[request.id] = i
         self.requests.append(request)
 
     def set_remaining(self, request: Request, remaining_work: float) -> None:
-        self._arrays["remaining_work"][self._slot[request.id]] = remaining_work
+        """After more of the request's prompt was planned."""
+        i = self._slot[request.id]
+        self._arrays["remaining_work"][i] = remaining_work
+        self._arrays["left"][i] = request.prompt_len - request.planned
+
+    def set_admitted(self, request: Request, admitted: bool) -> None:
+        self._arrays["admitted"][self._slot[request.id]] = admitted
 
     def remove(self, request: Request) -> None:
         """Swap-remove: the last entry takes the freed slot."""

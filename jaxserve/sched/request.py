@@ -16,7 +16,8 @@ class Request:
     ttft_deadline: float = math.inf  # absolute time by which the first token is due
     tpot_slo: float = math.inf  # seconds per output token after the first
     # progress
-    prefilled: int = 0
+    planned: int = 0  # prompt tokens handed to executors (ahead of `prefilled` while chunks are in flight)
+    prefilled: int = 0  # prompt tokens whose KV is computed
     generated: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None

@@ -1,15 +1,23 @@
 """One replica's scheduler: requests in, a Plan per iteration out, state advanced only from Outcomes.
 
 KV memory is reserved for prompt + output when a request is first scheduled (reserve-static), so a running
-request never has to be preempted for memory; the rest wait in the prefill queue.
+request never has to be preempted for memory; at most `max_running` requests hold KV at once (vLLM's
+max_num_seqs), which bounds the decode batch. A request that ranks first but does not fit yet holds back the
+admission of lower-ranked newcomers, so a large request is not overtaken forever by a stream of small ones.
+
+Prefill chunks of one request may be in flight together (stream pipeline parallelism: chunk i+1 enters the
+first stage while chunk i is in the second); a decode is planned only once its previous token is back.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
+import numpy as np
+
 from jaxserve.sched.batch_cost import BatchCost
-from jaxserve.sched.packer import PackerConfig, PrefillTimeCache, pack
+from jaxserve.sched.packer import BatchState, PackerConfig, PrefillTimeCache, pack
 from jaxserve.sched.plan import Outcome, Phase, Plan, WorkItem
 from jaxserve.sched.policies import Policy
 from jaxserve.sched.queue import PrefillQueue
@@ -19,36 +27,34 @@ from jaxserve.sched.slo import SLO
 
 class ReplicaScheduler:
     def __init__(self, policy: Policy, cost: BatchCost, packer: PackerConfig, kv_capacity: int,
-                 group: tuple[int, ...] = (0,), slo: SLO | None = None, max_decode_batch: int = 256,
+                 group: tuple[int, ...] = (0,), slo: SLO | None = None, max_running: int = 256,
                  prefill_cache: PrefillTimeCache | None = None):
         self.policy, self.cost, self.packer, self.slo = policy, cost, packer, slo
         self.kv_capacity, self.kv_reserved = kv_capacity, 0
-        self.group, self.max_decode_batch = group, max_decode_batch
+        self.group, self.max_running = group, max_running  # requests holding KV at once: bounds a decode batch
         self.prefill_time = prefill_cache or PrefillTimeCache(cost, packer.t_target, align=packer.chunk_align)
-        self.queue = PrefillQueue()
+        self.queue = PrefillQueue()  # requests with prompt tokens not yet planned
         self.decoding: dict[str, Request] = {}
         self.admitted: set[str] = set()  # holds a KV reservation
-        self.in_flight: set[str] = set()  # in a Plan whose Outcome has not come back (pipeline stages)
+        self.decode_in_flight: set[str] = set()  # a decode token planned, its Outcome not back
         self.finished: list[Request] = []
-        self._requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every request not finished
 
     # -- requests in -----------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         need = request.prompt_len + request.output_len
         if need > self.kv_capacity:
             raise ValueError(f"request {request.id} needs {need} KV tokens; this replica holds {self.kv_capacity}")
-        if request.id in self._requests:
+        if request.id in self.requests:
             raise ValueError(f"request id {request.id} is already in use")
         total = self.prefill_time(request.prompt_len)
-        if self.slo is not None and request.ttft_deadline == float("inf"):
-            request.ttft_deadline = request.arrival + self.slo.ttft(total)
-            request.tpot_slo = self.slo.tpot
-        self._requests[request.id] = request
-        self.queue.add(request, total, self.prefill_time.remaining(request.prompt_len, request.prefilled))
-
-    @property
-    def pending(self) -> int:
-        return len(self._requests)
+        if self.slo is not None:
+            if math.isinf(request.ttft_deadline):
+                request.ttft_deadline = request.arrival + self.slo.ttft(total)
+            if math.isinf(request.tpot_slo):
+                request.tpot_slo = self.slo.tpot
+        self.requests[request.id] = request
+        self.queue.add(request, total, self.prefill_time.remaining(request.prompt_len, request.planned))
 
     def outstanding_work(self) -> float:
         """Seconds of prefill work queued: what a dispatcher balances."""
@@ -56,85 +62,105 @@ class ReplicaScheduler:
 
     # -- Plan out --------------------------------------------------------------------------------------------
     def schedule(self, now: float) -> Plan | None:
-        decodes = list(self.decoding.values())
-        if self.in_flight:
-            decodes = [r for r in decodes if r.id not in self.in_flight]
-        decodes = decodes[: self.max_decode_batch]
+        decodes = [r for r in self.decoding.values() if r.id not in self.decode_in_flight]
         # this decision holds for one iteration, so slack is measured at its end: a request that cannot afford
         # to wait one more iteration ranks as such now, not one iteration too late
         horizon = now + self.packer.t_target
+        queued = self.queue.requests
         order = self.policy.order(self.queue, horizon)
-        slack = self.policy.relative_slack(self.queue, horizon) if self.packer.space_sharing else None
-        last = self.queue.requests[order[-1]] if len(order) else None
         tentative: list[Request] = []
 
+        def fits(r: Request) -> bool:
+            return r.id in self.admitted or (len(self.admitted) < self.max_running and
+                                             self.kv_reserved + r.prompt_len + r.output_len <= self.kv_capacity)
+
+        def admit(r: Request, yes: bool) -> None:
+            self.kv_reserved += (1 if yes else -1) * (r.prompt_len + r.output_len)
+            (self.admitted.add if yes else self.admitted.discard)(r.id)
+            self.queue.set_admitted(r, yes)
+
         def candidates() -> Iterator[Request]:
-            """Requests in priority order; each newly looked at gets a tentative KV reservation, so two cannot
-            both count on the same free memory."""
-            for i in order:
-                r = self.queue.requests[i]
-                if r.id in self.in_flight:
-                    continue
+            """Requests in priority order that may get a chunk. A newcomer is reserved KV tentatively (two cannot
+            count on the same free memory); once one does not fit, no lower-ranked newcomer is admitted and only
+            the admitted rest of the order is walked."""
+            for k, i in enumerate(order):
+                r = queued[i]
                 if r.id not in self.admitted:
-                    need = r.prompt_len + r.output_len
-                    if self.kv_reserved + need > self.kv_capacity:
-                        continue
-                    self.kv_reserved += need
-                    self.admitted.add(r.id)
+                    if not fits(r):
+                        rest = order[k + 1:]
+                        for j in rest[self.queue.column("admitted")[rest] > 0]:
+                            yield queued[j]
+                        return
+                    admit(r, True)
                     tentative.append(r)
                 yield r
 
+        sharing = self.packer.space_sharing and len(order)
+        slack = self.policy.relative_slack(self.queue, horizon) if sharing else None
+        # the lowest-ranked request that could get a chunk: a long prefill ranked there yields to nobody
+        last = queued[order[-1]] if sharing else None
+        if sharing and not fits(last):
+            admitted = np.flatnonzero(self.queue.column("admitted")[order] > 0)
+            last = queued[order[admitted[-1]]] if len(admitted) else None
+        smallest = min(self.packer.chunk_align, int(self.queue.column("left").min(initial=self.packer.chunk_align)))
         chunks, state = pack(self.cost, self.packer, decodes, candidates(),
-                         relative_slack=lambda r: float(slack[self.queue.index(r)]),
-                         more_waiting=lambda r: r is not last)
-        if not chunks and not decodes:
+                             relative_slack=lambda r: float(slack[self.queue.index(r)]),
+                             more_waiting=lambda r: r is not last, smallest_chunk=smallest)
+        if not chunks:
+            # The top request's smallest chunk overruns the budget (a huge history, or decodes fill it): run it
+            # anyway, or a long prefill would stall for as long as anything decodes.
             first = next(candidates(), None)
-            if first is None:
-                return None
-            # even the smallest chunk overruns the budget (a huge history): run it anyway, or nothing moves
-            n = min(self.packer.chunk_align, first.prompt_len - first.prefilled)
-            chunks = [(first, n)]
-            state.tokens, state.attention = n, self.cost.prefill_attention(n, first.prefilled)
+            if first is not None:
+                n = min(self.packer.chunk_align, first.prompt_len - first.planned)
+                chunks = [(first, n)]
+                state.tokens += n
+                state.attention += self.cost.prefill_attention(n, first.planned)
         chosen = {r.id for r, _ in chunks}
         for r in tentative:
             if r.id not in chosen:
-                self.kv_reserved -= r.prompt_len + r.output_len
-                self.admitted.discard(r.id)
+                admit(r, False)
+        if not chunks and not decodes:
+            return None
         group, decode = self.group, Phase.DECODE
         items = [WorkItem(r.id, kv, kv + 1, decode, group, 1, "zigzag", 0, kv)
                  for r in decodes for kv in (r.kv_len,)]
-        items += [WorkItem(r.id, r.prefilled, r.prefilled + n, Phase.PREFILL, self.group, history=r.prefilled)
-                  for r, n in chunks]
-        plan = Plan(tuple(items), predicted_time=state.time(self.cost))
-        self.in_flight |= plan.request_ids
-        return plan
+        for r, n in chunks:
+            items.append(WorkItem(r.id, r.planned, r.planned + n, Phase.PREFILL, group, history=r.planned))
+            r.planned += n
+            if r.planned < r.prompt_len:
+                self.queue.set_remaining(r, self.prefill_time.remaining(r.prompt_len, r.planned))
+            else:
+                self.queue.remove(r)
+        self.decode_in_flight.update(r.id for r in decodes)
+        return Plan(tuple(items), predicted_time=state.time(self.cost))
 
     # -- Outcome in ------------------------------------------------------------------------------------------
     def apply(self, plan: Plan, outcome: Outcome) -> list[Request]:
         """Advance state from an executed Plan; returns the requests that finished."""
         done = []
         for item in plan.items:
-            r = self._requests[item.request_id]
+            r = self.requests[item.request_id]
             if item.phase is Phase.PREFILL:
-                r.prefilled = item.end
+                r.prefilled = max(r.prefilled, item.end)
                 if r.in_prefill:
-                    self.queue.set_remaining(r, self.prefill_time.remaining(r.prompt_len, r.prefilled))
                     continue
-                self.queue.remove(r)
+            else:
+                self.decode_in_flight.discard(r.id)
             r.add_tokens(len(outcome.tokens.get(r.id, ())), outcome.end_time)
             if r.id in outcome.stopped and not r.finished:
                 r.finished_at = outcome.end_time
             if r.finished:
                 self._finish(r)
                 done.append(r)
-            elif not r.in_prefill:
+            else:
                 self.decoding[r.id] = r
-        self.in_flight -= plan.request_ids
         return done
 
     def _finish(self, r: Request) -> None:
         self.decoding.pop(r.id, None)
-        del self._requests[r.id]
+        if r in self.queue:  # stopped before its prompt was fully planned (an engine abort)
+            self.queue.remove(r)
+        del self.requests[r.id]
         self.admitted.discard(r.id)
         self.kv_reserved -= r.prompt_len + r.output_len
         self.finished.append(r)

@@ -16,11 +16,13 @@ from jaxserve.sched.request import Request
 PERCENTILES = (50, 90, 99)
 
 
+def met_ttft(r: Request) -> bool:
+    return r.first_token_at is not None and r.first_token_at <= r.ttft_deadline + 1e-9
+
+
 def met_slo(r: Request) -> bool:
     """First token by the deadline and the mean time per later token within the TPOT target."""
-    if not r.finished or r.first_token_at is None:
-        return False
-    return r.first_token_at <= r.ttft_deadline + 1e-9 and tpot(r) <= r.tpot_slo + 1e-12
+    return r.finished and met_ttft(r) and tpot(r) <= r.tpot_slo + 1e-12
 
 
 def tpot(r: Request) -> float:
@@ -37,7 +39,8 @@ def _percentiles(values: Sequence[float], prefix: str) -> dict[str, float]:
 
 
 def summarize(requests: Sequence[Request], span: float) -> dict[str, float]:
-    """Latency percentiles over finished requests; SLO attainment over all of them (unfinished ones miss)."""
+    """Latency percentiles over finished requests; SLO attainment over all of them (unfinished and rejected
+    ones miss)."""
     done = [r for r in requests if r.finished]
     out: dict[str, float] = {"requests": len(requests), "finished": len(done)}
     out |= _percentiles([r.first_token_at - r.arrival for r in done], "ttft")
@@ -46,8 +49,7 @@ def summarize(requests: Sequence[Request], span: float) -> dict[str, float]:
     out |= _percentiles([r.finished_at - r.arrival for r in done], "e2e")
     good = sum(met_slo(r) for r in requests)
     out["slo_attainment"] = good / len(requests) if requests else math.nan
-    out["ttft_attainment"] = (sum(r.first_token_at is not None and r.first_token_at <= r.ttft_deadline + 1e-9
-                                  for r in requests) / len(requests)) if requests else math.nan
+    out["ttft_attainment"] = sum(map(met_ttft, requests)) / len(requests) if requests else math.nan
     out["goodput_rps"] = good / span if span > 0 else math.nan
     out["throughput_tok_s"] = sum(r.generated for r in done) / span if span > 0 else math.nan
     return out
@@ -65,9 +67,10 @@ class Results:
     long_threshold: int = 32768
 
     def summary(self) -> dict[str, dict[str, float]]:
-        short = [r for r in self.requests if r.prompt_len < self.long_threshold]
-        long = [r for r in self.requests if r.prompt_len >= self.long_threshold]
-        out = {"all": summarize(self.requests, self.span)}
+        everyone = self.requests + self.rejected  # a rejected request is a missed SLO, not a smaller sample
+        short = [r for r in everyone if r.prompt_len < self.long_threshold]
+        long = [r for r in everyone if r.prompt_len >= self.long_threshold]
+        out = {"all": summarize(everyone, self.span)}
         if long:
             out |= {"short": summarize(short, self.span), "long": summarize(long, self.span)}
         out["all"]["rejected"] = len(self.rejected)

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-import matplotlib
+import numpy as np
+from matplotlib.figure import Figure  # not pyplot: no global backend switch in the caller's notebook
 
-matplotlib.use("Agg")  # files only; no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxserve.sim.metrics import Results  # noqa: E402
+from jaxserve.sim.metrics import Results
 
 
 def ttft_cdf(runs: Mapping[str, Results], path: str, which: str = "short", title: str = "") -> None:
     """One CDF line per labelled run; `which`: 'short', 'long' or 'all' requests (by the run's long threshold)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     for label, res in runs.items():
         ttft = [r.first_token_at - r.arrival for r in res.requests if r.first_token_at is not None and
                 (which == "all" or (r.prompt_len >= res.long_threshold) == (which == "long"))]
@@ -30,13 +28,13 @@ def ttft_cdf(runs: Mapping[str, Results], path: str, which: str = "short", title
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def metric_vs_load(rows: Sequence[Mapping], path: str, metric: str, ylabel: str, title: str = "",
                    log: bool = True) -> None:
     """rows: {'label', 'rate', metric}: one line per label across arrival rates."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     for label in dict.fromkeys(r["label"] for r in rows):
         pts = sorted((r["rate"], r[metric]) for r in rows if r["label"] == label)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
@@ -49,4 +47,3 @@ def metric_vs_load(rows: Sequence[Mapping], path: str, metric: str, ylabel: str,
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

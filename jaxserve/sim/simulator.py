@@ -2,9 +2,10 @@
 cost model instead of devices. Events are arrivals, pipeline-stage frees and batch completions; the clock jumps
 from one to the next. Deterministic: no randomness beyond the workload's seed.
 
-A replica is `tp * stages` devices. With pipeline stages (Medha's stream pipeline parallelism) a new batch can
-start whenever the first stage frees up, so up to `stages` batches are in flight; a request sits in at most one
-(its next chunk waits for the previous one to leave the last stage). The packer's budget is per stage.
+A replica is `tp * stages` devices. With pipeline stages (Medha's stream pipeline parallelism) a new batch
+starts whenever the first stage frees up, so up to `stages` batches are in flight: a long prompt's next chunk
+enters the first stage while its previous one is still further down, and decodes wait for their token. Each
+stage gets t_target / stages, so the time between tokens stays near t_target.
 """
 
 from __future__ import annotations
@@ -66,11 +67,10 @@ class Replica:
     def __init__(self, index: int, config: ClusterConfig, cost: BatchCost, cache: PrefillTimeCache):
         policy = make_policy(config.policy, **({"batch": config.sjf_batch} if config.policy in ("sjf", "ljf") else {}))
         group = tuple(range(index * config.tp * config.stages, (index + 1) * config.tp * config.stages))
-        self.scheduler = ReplicaScheduler(policy, cost, config.packer, config.replica_kv_capacity(), group,
+        self.scheduler = ReplicaScheduler(policy, cost, _per_stage(config), config.replica_kv_capacity(), group,
                                           config.slo, prefill_cache=cache)
         self.cost, self.stages = cost, config.stages
         self.stage_free_at = 0.0
-        self.requests: dict[str, Request] = {}
 
     def execute(self, plan: Plan, start: float) -> tuple[float, Outcome]:
         """Charge a Plan on the cost model: per-stage time, ready again after one stage, done after all."""
@@ -78,13 +78,18 @@ class Replica:
             [(i.tokens, i.history) for i in plan.items if i.phase is Phase.PREFILL],
             [i.history for i in plan.items if i.phase is Phase.DECODE])
         end = start + stage_time * self.stages
-        tokens = {}
-        for item in plan.items:
-            if item.phase is Phase.DECODE or item.end == self.requests[item.request_id].prompt_len:
-                tokens[item.request_id] = (PLACEHOLDER_TOKEN,)
+        requests = self.scheduler.requests
+        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items
+                  if i.phase is Phase.DECODE or i.end == requests[i.request_id].prompt_len}
         per_item = tuple(stage_time * self.stages for _ in plan.items)
         self.stage_free_at = start + stage_time
         return self.stage_free_at, Outcome(end, per_item, tokens)
+
+
+def _per_stage(config: ClusterConfig) -> PackerConfig:
+    """A token passes every stage once per iteration: each stage gets 1/stages of the iteration budget, so time
+    between tokens stays near t_target however deep the pipeline."""
+    return dataclasses.replace(config.packer, t_target=config.packer.t_target / config.stages)
 
 
 class Simulator:
@@ -92,9 +97,10 @@ class Simulator:
         """cost: the iteration cost model of one pipeline stage; defaults to the config's built-in profile."""
         self.config = config
         self.cost = cost or ProfileBatchCost(config.profile, config.tp, config.stages)
-        # a chunk passes through every stage before the request's next chunk can start
-        self.cache = PrefillTimeCache(self.cost, config.packer.t_target, align=config.packer.chunk_align,
-                                      stages=config.stages)
+        # chunks of one prompt stream through the stages back to back: a prompt costs the sum of its chunks'
+        # stage times (plus a pipeline fill, left out)
+        packer = _per_stage(config)
+        self.cache = PrefillTimeCache(self.cost, packer.t_target, align=packer.chunk_align)
 
     def run(self, workload: Workload, progress: bool = True, max_time: float | None = None) -> Results:
         """Replay a workload; deadlines come from the config's SLO."""
@@ -116,12 +122,13 @@ class Simulator:
         heapq.heapify(events)
         rejected, accepted, rr = [], [], itertools.cycle(range(len(replicas)))
         choose: Callable[[], Replica] = (
-            (lambda: min(replicas, key=lambda x: (x.scheduler.outstanding_work(), x.scheduler.pending)))
+            (lambda: min(replicas, key=lambda x: (x.scheduler.outstanding_work(), len(x.scheduler.requests))))
             if cfg.dispatch == "least_work" else (lambda: replicas[next(rr)]))
         started = time.perf_counter()
         now = 0.0
         bar = tqdm(total=len(requests), desc=f"simulate {cfg.policy}", unit="req", disable=not progress,
                    mininterval=0.5)
+        ready: dict[int, Replica] = {}  # replicas to offer a batch once every event at `now` is in
 
         def launch(rep: Replica) -> None:
             if rep.stage_free_at > now + 1e-12:
@@ -145,15 +152,17 @@ class Simulator:
                     rejected.append(payload)
                     bar.update()
                     continue
-                rep.requests[payload.id] = payload
                 accepted.append(payload)
-                launch(rep)
             elif kind == "stage_free":
-                launch(payload)
+                rep = payload
             else:
                 rep, plan, outcome = payload
                 bar.update(len(rep.scheduler.apply(plan, outcome)))
-                launch(rep)
+            ready[id(rep)] = rep
+            if not events or events[0][0] > now:  # simultaneous arrivals share one batch
+                for rep in ready.values():
+                    launch(rep)
+                ready.clear()
         bar.close()
         first = requests[0].arrival if requests else 0.0
         last = max((r.finished_at for r in accepted if r.finished_at is not None), default=first)
