@@ -97,15 +97,19 @@ class ReplicaScheduler:
 
         sharing = self.packer.space_sharing and len(order)
         slack = self.policy.relative_slack(self.queue, horizon) if sharing else None
-        # the lowest-ranked request that could get a chunk: a long prefill ranked there yields to nobody
-        last = queued[order[-1]] if sharing else None
-        if sharing and not fits(last):
-            admitted = np.flatnonzero(self.queue.column("admitted")[order] > 0)
-            last = queued[order[admitted[-1]]] if len(admitted) else None
+
+        def more_waiting(r: Request) -> bool:
+            """Could a request ranked below r get a chunk, with the memory r now holds? If not, r (a long
+            prefill) yields its share of the budget to nobody."""
+            last = queued[order[-1]]
+            if not fits(last):
+                admitted = np.flatnonzero(self.queue.column("admitted")[order] > 0)
+                last = queued[order[admitted[-1]]]  # r is admitted: never empty
+            return r is not last
         smallest = min(self.packer.chunk_align, int(self.queue.column("left").min(initial=self.packer.chunk_align)))
         chunks, state = pack(self.cost, self.packer, decodes, candidates(),
                              relative_slack=lambda r: float(slack[self.queue.index(r)]),
-                             more_waiting=lambda r: r is not last, smallest_chunk=smallest)
+                             more_waiting=more_waiting, smallest_chunk=smallest)
         if not chunks:
             # The top request's smallest chunk overruns the budget (a huge history, or decodes fill it): run it
             # anyway, or a long prefill would stall for as long as anything decodes.
