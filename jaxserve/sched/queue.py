@@ -51,6 +51,7 @@ class PrefillQueue:
         self._arrays["left"][i] = request.prompt_len - request.planned
 
     def set_admitted(self, request: Request, admitted: bool) -> None:
+        """Mirrors the scheduler's admitted set for queued requests, so it can skip the rest by array mask."""
         self._arrays["admitted"][self._slot[request.id]] = admitted
 
     def remove(self, request: Request) -> None:

@@ -106,6 +106,7 @@ class ReplicaScheduler:
                 admitted = np.flatnonzero(self.queue.column("admitted")[order] > 0)
                 last = queued[order[admitted[-1]]]  # r is admitted: never empty
             return r is not last
+
         smallest = min(self.packer.chunk_align, int(self.queue.column("left").min(initial=self.packer.chunk_align)))
         chunks, state = pack(self.cost, self.packer, decodes, candidates(),
                              relative_slack=lambda r: float(slack[self.queue.index(r)]),
