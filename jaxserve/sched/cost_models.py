@@ -49,8 +49,12 @@ class KeyedLinearModel:
             xs = [np.asarray(c, np.float64) for c in zip(*(x for x, _ in rows))]
             times = np.array([t for _, t in rows])
             w = None if weight is None else np.array([weight(t) for t in times])
-            model.coefficients[key] = weighted_lstsq(cls.features(*xs), times, w)
+            model.coefficients[key] = cls._fit_one(xs, times, w)
         return model
+
+    @classmethod
+    def _fit_one(cls, xs: list[np.ndarray], times: np.ndarray, w: np.ndarray | None) -> np.ndarray:
+        return weighted_lstsq(cls.features(*xs), times, w)
 
     def coef(self, key: Any) -> np.ndarray:
         if key not in self.coefficients:
@@ -89,6 +93,16 @@ class TetrisPrefill(KeyedLinearModel):
 
     def predict(self, sp: int, n: float, h: float = 0.0) -> float:
         return float(self.features(n, h) @ self.coef(sp))
+
+    @classmethod
+    def _fit_one(cls, xs, times, w):
+        n, h = xs
+        if np.any(h):
+            return weighted_lstsq(cls.features(n, h), times, w)
+        # Whole prompts only (Tetris Table 1): c2 is not identifiable. A chunk's queries meet h history keys
+        # each and n/2 of their own on average, so attention costs c3*(2*n*h + n^2): c2 = 2*c3.
+        c0, c1, c3 = weighted_lstsq(np.stack([np.ones_like(n), n, n * n], axis=-1), times, w)
+        return np.array([c0, c1, 2 * c3, c3])
 
 
 class LoongServePrefill(KeyedLinearModel):
