@@ -7,6 +7,7 @@ from typing import Callable
 
 from jaxserve.sched.packer import PackerConfig
 from jaxserve.sched.slo import SLO
+from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.simulator import ClusterConfig, Simulator
 from jaxserve.sim.workload import TRACES, Workload, load_trace, synthetic_mix
@@ -51,11 +52,4 @@ def max_sustainable_rate(config: ClusterConfig, workload_at: Callable[[float], W
         probes.append({"rate": rate, "slo_attainment": att})
         return att >= target
 
-    if not ok(lo):
-        return 0.0, probes
-    if ok(hi):
-        return hi, probes
-    for _ in range(iterations):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo, probes
+    return highest_rate(ok, lo, hi, iterations), probes

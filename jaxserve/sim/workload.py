@@ -217,3 +217,25 @@ def synthetic_mix(
         arrivals = gamma_arrivals(n, rate, cv, rng)
         name = f"mix{long_fraction:g}-{short_trace}-gamma{cv:g}"
     return Workload(arrivals, prompt_lens, output_lens, name)
+
+
+# Tetris 7.1's production traces are not public; their ranges and means (short 4K-95K, mean 23.6K; medium
+# 8K-142K, 32.8K; long 16K-190K, 50.1K) are reproduced by log-normals (sigma 0.8) truncated to the range:
+# name -> (min, max, mu of log tokens).
+LONG_CONTEXT = {"short": (4096, 97280, 9.836), "medium": (8192, 145408, 10.089), "long": (16384, 194560, 10.45)}
+
+
+def long_context(kind: str, n: int, rate: float, seed: int = 0, output: tuple[int, int] = (64, 512)) -> Workload:
+    """Long-context prompts shaped like Tetris's Short / Medium / Long traces, Poisson arrivals at `rate`."""
+    if kind not in LONG_CONTEXT:
+        raise ValueError(f"unknown long-context trace {kind!r}; choose from {sorted(LONG_CONTEXT)}")
+    _check_n(n)
+    _check_rate(rate)
+    lo, hi, mu = LONG_CONTEXT[kind]
+    rng = np.random.default_rng(seed)
+    prompts = np.empty(0, np.int64)
+    while len(prompts) < n:  # rejection: keep the draws inside the range
+        draw = np.rint(rng.lognormal(mu, 0.8, size=2 * n)).astype(np.int64)
+        prompts = np.concatenate([prompts, draw[(draw >= lo) & (draw <= hi)]])
+    outputs = rng.integers(output[0], output[1], size=n, endpoint=True)
+    return Workload(poisson_arrivals(n, rate, rng), prompts[:n], outputs, f"longctx-{kind}")

@@ -1,0 +1,86 @@
+"""Tetris's load-aware improvement rate (Section 5.1): an offline simulator sweep picks, for each arrival rate,
+the improvement rate with the lowest mean TTFT; online, a sliding-window arrival-rate estimate selects the
+recorded rate closest to what is observed, refreshed every `update_every` seconds (Tetris: 30 s)."""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import json
+from typing import Sequence
+
+import numpy as np
+
+from jaxserve.sched.cdsp import CDSPPlanner, ChunkPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class RateTable:
+    arrival_rates: tuple[float, ...]  # ascending, requests/s
+    improvement_rates: tuple[float, ...]  # the best one at each arrival rate
+
+    def __post_init__(self):
+        if not self.arrival_rates or len(self.arrival_rates) != len(self.improvement_rates):
+            raise ValueError("a rate table needs one improvement rate per arrival rate, and at least one")
+        if list(self.arrival_rates) != sorted(self.arrival_rates):
+            raise ValueError("arrival rates must be ascending")
+
+    def lookup(self, arrival_rate: float) -> float:
+        """The improvement rate recorded for the arrival rate closest to `arrival_rate`."""
+        rates = self.arrival_rates
+        i = bisect.bisect_left(rates, arrival_rate)
+        if i == len(rates) or (i > 0 and arrival_rate - rates[i - 1] <= rates[i] - arrival_rate):
+            i -= 1
+        return self.improvement_rates[i]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RateTable":
+        raw = json.loads(text)
+        return cls(tuple(raw["arrival_rates"]), tuple(raw["improvement_rates"]))
+
+
+class ArrivalRate:
+    """Requests per second over the last `window` seconds (over the time seen so far while shorter)."""
+
+    def __init__(self, window: float = 30.0):
+        if window <= 0:
+            raise ValueError(f"window must be > 0, got {window}")
+        self.window = window
+        self._times: collections.deque[float] = collections.deque()
+        self._first: float | None = None
+
+    def observe(self, t: float) -> None:
+        if self._first is None:
+            self._first = t
+        self._times.append(t)
+        while self._times[0] < t - self.window:
+            self._times.popleft()
+
+    def rate(self, now: float) -> float:
+        if self._first is None:
+            return 0.0
+        span = min(self.window, now - self._first)
+        return len(self._times) / span if span > 0 else 0.0
+
+
+class AdaptiveCDSP:
+    """A CDSP planner whose improvement rate follows the observed load through a RateTable."""
+
+    def __init__(self, planner: CDSPPlanner, table: RateTable, window: float = 30.0, update_every: float = 30.0):
+        self.planner, self.table, self.update_every = planner, table, update_every
+        self.arrivals = ArrivalRate(window)
+        self._next_update = -np.inf
+        planner.improvement_rate = table.lookup(0.0)
+
+    def on_arrival(self, t: float) -> None:
+        self.arrivals.observe(t)
+        if t >= self._next_update:
+            self.planner.improvement_rate = self.table.lookup(self.arrivals.rate(t))
+            self._next_update = t + self.update_every
+
+    def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan:
+        return self.planner.plan(tokens, queues)

@@ -1,0 +1,92 @@
+"""A prefill pool in simulation: requests arrive, a planner (CDSP, fixed SP, request-level SP) turns each into
+chunks on instance groups given how long every instance is booked, and the booking advances (Tetris's own
+profiler simulates prefill the same way, from Eq. (1)). TTFT is the end of a request's last chunk. Each
+request is planned once, on arrival, as Tetris's dispatcher does."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from jaxserve.sched.cdsp import ChunkPlan
+from jaxserve.sched.improvement_rate import RateTable
+from jaxserve.sched.slo import SLO
+from jaxserve.sim.capacity import highest_rate
+from jaxserve.sim.workload import Workload
+
+
+class Planner(Protocol):
+    def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan: ...
+
+
+@dataclasses.dataclass
+class PoolRun:
+    ttft: np.ndarray  # seconds, per request in arrival order
+    deadline: np.ndarray  # seconds after arrival
+    chunks: np.ndarray  # chunks per request
+    busy: float  # instance-seconds of prefill computed
+    span: float  # first arrival to last first token
+
+    @property
+    def slo_attainment(self) -> float:
+        return float(np.mean(self.ttft <= self.deadline + 1e-9))
+
+    def summary(self) -> dict[str, float]:
+        p = np.percentile(self.ttft, [50, 90, 99])
+        return {"ttft_p50": float(p[0]), "ttft_p90": float(p[1]), "ttft_p99": float(p[2]),
+                "ttft_mean": float(self.ttft.mean()), "slo_attainment": self.slo_attainment,
+                "chunks_mean": float(self.chunks.mean())}
+
+
+# Tetris and LoongServe call a load sustainable while latency stays within 25x of the light-load latency;
+# per request, that is 25x its fastest isolated prefill.
+SUSTAINABLE = SLO(ttft_min=0.0, ttft_factor=25.0)
+
+
+def run_pool(planner: Planner, workload: Workload, pool_size: int, best_latency: Callable[[int], float],
+             slo: SLO = SUSTAINABLE) -> PoolRun:
+    """best_latency(tokens): the prompt's fastest isolated prefill, which its TTFT deadline scales with. A
+    planner with an on_arrival(t) method (AdaptiveCDSP) sees every arrival time before planning it."""
+    on_arrival = getattr(planner, "on_arrival", None)
+    free_at = np.zeros(pool_size)
+    n = len(workload)
+    ttft, deadline, chunks = np.empty(n), np.empty(n), np.empty(n, np.int64)
+    busy = 0.0
+    for k, (t, tokens) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist())):
+        if on_arrival is not None:
+            on_arrival(t)
+        queues = np.maximum(free_at - t, 0.0)
+        plan = planner.plan(tokens, queues)
+        free_at = t + plan.commit(queues)
+        ttft[k], chunks[k] = plan.ttft, len(plan.chunks)
+        deadline[k] = slo.ttft(best_latency(tokens))
+        busy += sum((c.end - c.start) * c.sp for c in plan.chunks)
+    span = float(np.max(workload.arrivals + ttft) - workload.arrivals[0]) if n else 0.0
+    return PoolRun(ttft, deadline, chunks, busy, span)
+
+
+def max_sustainable_rate(make_planner: Callable[[], Planner], workload_at: Callable[[float], Workload],
+                         pool_size: int, best_latency: Callable[[int], float], lo: float, hi: float,
+                         target: float = 0.9, iterations: int = 10, slo: SLO = SUSTAINABLE) -> float:
+    """Highest arrival rate in [lo, hi] with SLO attainment >= target."""
+    def ok(rate: float) -> bool:
+        run = run_pool(make_planner(), workload_at(rate), pool_size, best_latency, slo)
+        return run.slo_attainment >= target
+
+    return highest_rate(ok, lo, hi, iterations)
+
+
+def profile_improvement_rates(make_planner: Callable[[float], Planner], workload_at: Callable[[float], Workload],
+                              pool_size: int, best_latency: Callable[[int], float], arrival_rates: Sequence[float],
+                              candidates: Sequence[float] = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75)
+                              ) -> RateTable:
+    """Tetris's offline profiler: at each arrival rate, the improvement rate with the lowest mean TTFT.
+    make_planner(improvement_rate) builds a fresh planner; workload_at(rate) samples the length distribution."""
+    best = []
+    for rate in arrival_rates:
+        workload = workload_at(rate)
+        ttft = {r: run_pool(make_planner(r), workload, pool_size, best_latency).ttft.mean() for r in candidates}
+        best.append(min(candidates, key=ttft.__getitem__))
+    return RateTable(tuple(arrival_rates), tuple(best))
