@@ -203,3 +203,16 @@ def test_workload_validates_its_arrays():
 def test_importing_the_workload_module_does_not_import_jax():
     code = "import sys, jaxserve.sim.workload; sys.exit('jax' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kind, lo, hi, mean_k", [("short", 4096, 97280, 23.6), ("medium", 8192, 145408, 32.8),
+                                                  ("long", 16384, 194560, 50.1)])
+def test_long_context_traces_match_tetris_ranges_and_means(kind, lo, hi, mean_k):
+    from jaxserve.sim.workload import long_context
+
+    w = long_context(kind, 20000, 2.0, seed=0)
+    assert w.prompt_lens.min() >= lo and w.prompt_lens.max() <= hi
+    assert w.prompt_lens.mean() / 1024 == pytest.approx(mean_k, rel=0.05)
+    assert np.array_equal(w.prompt_lens, long_context(kind, 20000, 2.0, seed=0).prompt_lens)
+    with pytest.raises(ValueError, match="unknown long-context trace"):
+        long_context("huge", 10, 1.0)
