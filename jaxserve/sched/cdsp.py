@@ -98,18 +98,14 @@ class CDSPPlanner:
         return _Booking(self.pool, np.asarray(queues, np.float64)).extend(prev, sp)
 
     # -- Algorithm 2 -----------------------------------------------------------------------------------------
-    def single_chunk(self, tokens: int, h: int, prev: tuple[int, ...], book: "_Booking") -> Chunk:
+    def single_chunk(self, tokens: int, book: "_Booking") -> Chunk:
         best: Chunk | None = None
-        for sp in self.sizes:
-            group = book.extend(prev, sp)
-            if group is None:
-                continue
+        for sp in self.sizes:  # every size fits the pool (checked at construction)
+            group = book.extend((), sp)
             start = book.ready(group)
-            chunk = Chunk(tokens, h, group, start, start + self.latency(sp, tokens, h))
+            chunk = Chunk(tokens, 0, group, start, start + self.latency(sp, tokens, 0))
             if best is None or chunk.end < best.end * (1 - self.improvement_rate):
                 best = chunk
-        if best is None:
-            raise ValueError(f"no SP size in {self.sizes} can extend a group of {len(prev)} instances")
         return best
 
     # -- Algorithm 1 -----------------------------------------------------------------------------------------
@@ -120,16 +116,18 @@ class CDSPPlanner:
         if q.shape != (self.pool.size,):
             raise ValueError(f"need one queue time per instance ({self.pool.size}), got shape {q.shape}")
         book = _Booking(self.pool, np.maximum(q, 0.0))
-        single = self.single_chunk(tokens, 0, (), book)
+        single = self.single_chunk(tokens, book)
         best = ChunkPlan((single,))
         if not self.chunking:
             return best
         sizes = [s for s in self.sizes if s <= single.sp]
         for first in range(len(sizes) - 1):
-            best = min(best, self._chains(tokens, sizes[first:], book), key=lambda p: p.ttft)
+            chained = self._chains(tokens, sizes[first:], book)
+            if chained is not None and chained.ttft < best.ttft:
+                best = chained
         return best
 
-    def _chains(self, tokens: int, sizes: list[int], book: "_Booking") -> ChunkPlan:
+    def _chains(self, tokens: int, sizes: list[int], book: "_Booking") -> ChunkPlan | None:
         """The best plan whose chunks run on nested groups G_1 < G_2 < ... built by extending from sizes[0].
         Algorithm 1's recursion over (current, next) SP pairs, evaluated as a dynamic programme: a chunk on G_j
         runs from when G_j is ready until a larger G_i is (Eq. 2 books G_j exactly that long), so reaching G_i
@@ -145,14 +143,14 @@ class CDSPPlanner:
             groups.append((sp, group, book.ready(group)))
         done: list[int | None] = [0] + [None] * (len(groups) - 1)  # most prompt tokens done when G_i is ready
         trail: list[tuple[Chunk, ...]] = [()] * len(groups)
-        best = ChunkPlan((Chunk(tokens, 0, (), math.inf, math.inf),))
+        best: ChunkPlan | None = None
         for j, (sp, group, ready) in enumerate(groups):
             h = done[j]
             if h is None:
                 continue
             if trail[j]:  # finish the prompt on G_j
                 end = ready + self.latency(sp, tokens - h, h)
-                if end < best.ttft:
+                if best is None or end < best.ttft:
                     best = ChunkPlan(trail[j] + (Chunk(tokens - h, h, group, ready, end),))
             for i in range(j + 1, len(groups)):
                 n = self.chunk_for(sp, groups[i][2] - ready, h)  # until G_i's extra instances free up
@@ -164,8 +162,8 @@ class CDSPPlanner:
 
 
 class _Booking:
-    """Instance queue times with what group extension needs precomputed: each node's instances in queue order.
-    One per search level (queues change only between levels), and group extensions are memoised within it."""
+    """Instance queue times with what group extension needs precomputed (each node's instances in queue order),
+    and group extensions memoised: one per plan."""
 
     def __init__(self, pool: Pool, q: np.ndarray):
         self.pool, self.q = pool, q
@@ -178,11 +176,6 @@ class _Booking:
     def ready(self, group: Sequence[int]) -> float:
         queue = self.queue
         return max(queue[i] for i in group)
-
-    def booked(self, group: Sequence[int], until: float) -> "_Booking":
-        q = self.q.copy()
-        q[list(group)] = until
-        return _Booking(self.pool, q)
 
     def extend(self, prev: tuple[int, ...], sp: int) -> tuple[int, ...] | None:
         key = (prev, sp)
