@@ -1,0 +1,157 @@
+"""A prefill/decode-disaggregated cluster in simulation (Tetris 3.2, 4.2, 5.2): a prefill pool planned by an SP
+planner (CDSP, fixed SP, request-level), chunk-wise KV transfer to a decode instance of larger TP, and decode
+instances running the real ReplicaScheduler (decode only) on a GPU profile.
+
+- Prefill: each arrival is planned once on the pool's booked times; its first token comes with the last chunk.
+- Dispatch (Tetris 5.2, Llumnix's virtual usage): at planning time the request goes to the decode instance with
+  the highest freeness rate, (KV slots free - slots promised to transfers in flight) / active batch size.
+- Transfer: each chunk's KV leaves when the chunk ends, its SP group's instances sending their shares in
+  parallel over the inter-node link (fitted to the send/recv profile). A decode instance has a few receive
+  backends (GPU buffers): a chunk waits for one (the handshake Tetris overlaps with prefill compute), so under
+  load transfers queue instead of starving. Decoding starts when the last chunk has landed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import time
+from typing import Callable
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.sched.cdsp import ChunkPlan
+from jaxserve.sched.packer import PackerConfig
+from jaxserve.sched.plan import Outcome
+from jaxserve.sched.policies import make_policy
+from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, model_shape, network
+from jaxserve.sched.request import Request
+from jaxserve.sched.scheduler import ReplicaScheduler
+from jaxserve.sched.slo import SLO
+from jaxserve.sim.metrics import Results
+from jaxserve.sim.prefill_pool import Planner
+from jaxserve.sim.simulator import PLACEHOLDER_TOKEN
+from jaxserve.sim.workload import Workload
+
+
+@dataclasses.dataclass(frozen=True)
+class DisaggConfig:
+    prefill_instances: int = 16
+    decode_instances: int = 4
+    decode_tp: int = 4
+    profile: str = "a100_llama3_8b"  # decode instances' GPU profile; KV bytes per token from its model
+    recv_backends: int = 4  # transfer buffers per decode instance
+    t_target: float = 0.05  # decode iteration budget
+    slo: SLO = SLO()
+    memory_utilization: float = 0.9
+
+    def decode_kv_capacity(self) -> int:
+        shape, gpu = model_shape(self.profile), GPUS[PROFILES[self.profile][0]]
+        free = self.decode_tp * gpu.memory * self.memory_utilization - shape.weight_bytes()
+        if free <= 0:
+            raise ValueError(f"{shape.name} does not fit {self.decode_tp} x {gpu.name}")
+        return int(free // shape.kv_bytes_per_token())
+
+
+class DecodeInstance:
+    def __init__(self, index: int, config: DisaggConfig, cost: ProfileBatchCost):
+        self.index, self.cost = index, cost
+        self.scheduler = ReplicaScheduler(make_policy("fcfs"), cost, PackerConfig(t_target=config.t_target),
+                                          config.decode_kv_capacity(), group=(index,), slo=config.slo)
+        self.virtual = 0  # KV slots promised to requests whose transfer is in flight
+        self.waiting: collections.deque[Request] = collections.deque()  # KV landed, memory not free yet
+        self.backends = [0.0] * config.recv_backends  # when each receive buffer frees
+        self.busy_until = 0.0
+
+    def freeness(self) -> float:
+        s = self.scheduler
+        return (s.kv_capacity - s.kv_reserved - self.virtual) / max(len(s.decoding), 1)
+
+    def admit_waiting(self) -> None:
+        s = self.scheduler
+        while self.waiting and s.kv_reserved + self.waiting[0].prompt_len + self.waiting[0].output_len <= s.kv_capacity:
+            s.add_prefilled(self.waiting.popleft())
+
+    def receive(self, ready_at: float, seconds: float) -> float:
+        """Book the earliest free receive buffer for a chunk ready to send at `ready_at`; when it lands."""
+        start = max(ready_at, heapq.heappop(self.backends))
+        heapq.heappush(self.backends, start + seconds)
+        return start + seconds
+
+
+class DisaggSimulator:
+    def __init__(self, planner: Planner, best_latency: Callable[[int], float], config: DisaggConfig = DisaggConfig()):
+        """best_latency(tokens): a prompt's fastest isolated prefill, which its TTFT deadline scales with."""
+        self.planner, self.best_latency, self.config = planner, best_latency, config
+        self.cost = ProfileBatchCost(config.profile, config.decode_tp)
+        gpu = PROFILES[config.profile][0]
+        self.link = network(gpu)
+        self.kv_bytes = model_shape(config.profile).kv_bytes_per_token()
+
+    def transfer_seconds(self, tokens: int, senders: int) -> float:
+        return self.link.predict("inter_node", tokens * self.kv_bytes / senders)
+
+    def run(self, workload: Workload, progress: bool = True) -> Results:
+        cfg = self.config
+        decoders = self.decoders = [DecodeInstance(i, cfg, self.cost) for i in range(cfg.decode_instances)]
+        free_at = np.zeros(cfg.prefill_instances)
+        events: list[tuple[float, int, int, str, object]] = []  # (time, order, seq, kind, payload)
+        seq = itertools.count()
+        requests, rejected = [], []
+        bar = tqdm(total=len(workload), desc="simulate disaggregated", unit="req", disable=not progress)
+        started = time.perf_counter()
+        on_arrival = getattr(self.planner, "on_arrival", None)
+        for i, (t, p, o) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist(),
+                                          workload.output_lens.tolist())):
+            r = Request(str(i), t, p, o)
+            need = p + o
+            dec = max(decoders, key=lambda d: (d.freeness(), -d.index))
+            if need > dec.scheduler.kv_capacity:
+                rejected.append(r)
+                bar.update()
+                continue
+            if on_arrival is not None:
+                on_arrival(t)
+            queues = np.maximum(free_at - t, 0.0)
+            plan: ChunkPlan = self.planner.plan(p, queues)
+            free_at = t + plan.commit(queues)
+            r.ttft_deadline, r.tpot_slo = t + cfg.slo.ttft(self.best_latency(p)), cfg.slo.tpot
+            r.add_tokens(1, t + plan.ttft)  # the first token comes with the last prefill chunk
+            requests.append(r)
+            if r.finished:
+                bar.update()
+                continue
+            landed = max(dec.receive(t + c.end, self.transfer_seconds(c.tokens, c.sp)) for c in plan.chunks)
+            dec.virtual += need
+            heapq.heappush(events, (landed, 1, next(seq), "kv_ready", (dec, r)))
+
+        def launch(dec: DecodeInstance, now: float) -> None:
+            if dec.busy_until > now + 1e-12:
+                return
+            plan = dec.scheduler.schedule(now)
+            if plan is None:
+                return
+            end = now + self.cost.batch_time([], [i.history for i in plan.items])
+            dec.busy_until = end
+            tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items}
+            heapq.heappush(events, (end, 0, next(seq), "done", (dec, plan, Outcome(end, (), tokens))))
+
+        while events:
+            now, _, _, kind, payload = heapq.heappop(events)
+            if kind == "kv_ready":
+                dec, r = payload
+                dec.virtual -= r.prompt_len + r.output_len
+                dec.waiting.append(r)
+            else:
+                dec, plan, outcome = payload
+                bar.update(len(dec.scheduler.apply(plan, outcome)))
+            dec.admit_waiting()
+            launch(dec, now)
+        bar.close()
+        first = requests[0].arrival if requests else 0.0
+        last = max((r.finished_at for r in requests if r.finished_at is not None), default=first)
+        return Results(requests, rejected, span=max(last - first, 1e-9), wall_seconds=time.perf_counter() - started,
+                       config=dataclasses.asdict(cfg) | {"workload": workload.name, "requests": len(workload)})
