@@ -3,8 +3,8 @@ planner (CDSP, fixed SP, request-level), chunk-wise KV transfer to a decode inst
 instances running the real ReplicaScheduler (decode only) on a GPU profile.
 
 - Prefill: each arrival is planned once on the pool's booked times; its first token comes with the last chunk.
-- Dispatch (Tetris 5.2, Llumnix's virtual usage): at planning time the request goes to the decode instance with
-  the highest freeness rate, (KV slots free - slots promised to transfers in flight) / active batch size.
+- Dispatch at planning time (sched/decode_dispatch.py): Tetris's freeness rate with virtual usage, or
+  TetriInfer's power of two over instances with room for the predicted footprint, balancing heavy decodes.
 - Transfer: each chunk's KV leaves when the chunk ends, its SP group's instances sending their shares in
   parallel over the inter-node link (fitted to the send/recv profile). A decode instance has a few receive
   backends (GPU buffers): a chunk waits for one (the handshake Tetris overlaps with prefill compute), so under
@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import random
 import time
 from typing import Callable
 
@@ -24,6 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.sched.cdsp import ChunkPlan
+from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
 from jaxserve.sched.packer import PackerConfig
 from jaxserve.sched.plan import Outcome
 from jaxserve.sched.policies import make_policy
@@ -44,6 +46,8 @@ class DisaggConfig:
     decode_tp: int = 4
     profile: str = "a100_llama3_8b"  # decode instances' GPU profile; KV bytes per token from its model
     recv_backends: int = 4  # transfer buffers per decode instance
+    dispatch: str = "freeness"  # or "power_of_two" (TetriInfer; needs a length predictor)
+    seed: int = 0  # power of two's sampling
     t_target: float = 0.05  # decode iteration budget
     slo: SLO = SLO()
     memory_utilization: float = 0.9
@@ -63,12 +67,14 @@ class DecodeInstance:
                                           config.decode_kv_capacity(), group=(index,), slo=config.slo)
         self.virtual = 0  # KV slots promised to requests whose transfer is in flight
         self.waiting: collections.deque[Request] = collections.deque()  # KV landed, memory not free yet
+        self.heavy = self.light = 0  # assigned requests by predicted decode length
+        self.is_heavy: dict[str, bool] = {}
         self.backends = [0.0] * config.recv_backends  # when each receive buffer frees
         self.busy_until = 0.0
 
-    def freeness(self) -> float:
+    def load(self) -> DecodeLoad:
         s = self.scheduler
-        return (s.kv_capacity - s.kv_reserved - self.virtual) / max(len(s.decoding), 1)
+        return DecodeLoad(s.kv_capacity - s.kv_reserved - self.virtual, len(s.decoding), self.heavy, self.light)
 
     def admit_waiting(self) -> None:
         s = self.scheduler
@@ -83,9 +89,15 @@ class DecodeInstance:
 
 
 class DisaggSimulator:
-    def __init__(self, planner: Planner, best_latency: Callable[[int], float], config: DisaggConfig = DisaggConfig()):
-        """best_latency(tokens): a prompt's fastest isolated prefill, which its TTFT deadline scales with."""
-        self.planner, self.best_latency, self.config = planner, best_latency, config
+    def __init__(self, planner: Planner, best_latency: Callable[[int], float], config: DisaggConfig = DisaggConfig(),
+                 predictor: LengthPredictor | None = None):
+        """best_latency(tokens): a prompt's fastest isolated prefill, which its TTFT deadline scales with;
+        predictor: decode-length ranges for power-of-two dispatch."""
+        if config.dispatch not in ("freeness", "power_of_two"):
+            raise ValueError(f"dispatch must be freeness or power_of_two, got {config.dispatch!r}")
+        if config.dispatch == "power_of_two" and predictor is None:
+            raise ValueError("power_of_two dispatch needs a decode-length predictor")
+        self.planner, self.best_latency, self.config, self.predictor = planner, best_latency, config, predictor
         self.cost = ProfileBatchCost(config.profile, config.decode_tp)
         gpu = PROFILES[config.profile][0]
         self.link = network(gpu)
@@ -104,11 +116,18 @@ class DisaggSimulator:
         bar = tqdm(total=len(workload), desc="simulate disaggregated", unit="req", disable=not progress)
         started = time.perf_counter()
         on_arrival = getattr(self.planner, "on_arrival", None)
+        rng = random.Random(cfg.seed)
         for i, (t, p, o) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist(),
                                           workload.output_lens.tolist())):
             r = Request(str(i), t, p, o)
             need = p + o
-            dec = max(decoders, key=lambda d: (d.freeness(), -d.index))
+            loads = [d.load() for d in decoders]
+            if cfg.dispatch == "freeness":
+                dec, heavy = decoders[by_freeness(loads)], False
+            else:
+                _, hi = self.predictor.predict(p)
+                heavy = hi > HEAVY_DECODE
+                dec = decoders[power_of_two(loads, p + hi, heavy, rng)]
             if need > dec.scheduler.kv_capacity:
                 rejected.append(r)
                 bar.update()
@@ -126,6 +145,8 @@ class DisaggSimulator:
                 continue
             landed = max(dec.receive(t + c.end, self.transfer_seconds(c.tokens, c.sp)) for c in plan.chunks)
             dec.virtual += need
+            dec.is_heavy[r.id] = heavy
+            dec.heavy, dec.light = dec.heavy + heavy, dec.light + (not heavy)
             heapq.heappush(events, (landed, 1, next(seq), "kv_ready", (dec, r)))
 
         def launch(dec: DecodeInstance, now: float) -> None:
@@ -147,7 +168,11 @@ class DisaggSimulator:
                 dec.waiting.append(r)
             else:
                 dec, plan, outcome = payload
-                bar.update(len(dec.scheduler.apply(plan, outcome)))
+                done = dec.scheduler.apply(plan, outcome)
+                for r in done:
+                    heavy = dec.is_heavy.pop(r.id)
+                    dec.heavy, dec.light = dec.heavy - heavy, dec.light - (not heavy)
+                bar.update(len(done))
             dec.admit_waiting()
             launch(dec, now)
         bar.close()
