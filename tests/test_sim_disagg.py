@@ -7,6 +7,8 @@ import pytest
 
 from jaxserve.sched import cost_models as cm
 from jaxserve.sched.cdsp import CDSPPlanner, Pool
+from jaxserve.sched.decode import ADMISSION, DecodeScheduler
+from jaxserve.sched.plan import Outcome
 from jaxserve.sched.request import Request
 from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
 from jaxserve.sim.workload import long_context
@@ -53,20 +55,81 @@ def test_scarce_receive_backends_delay_decoding_but_lose_nothing():
     assert first_gap(scarce) > first_gap(plenty)
 
 
-def test_add_prefilled_checks_memory_and_state():
-    from jaxserve.sched.policies import make_policy
-    from jaxserve.sched.packer import PackerConfig
-    from jaxserve.sched.profiles import ProfileBatchCost
-    from jaxserve.sched.scheduler import ReplicaScheduler
+def landed(rid, prompt, output):
+    r = Request(rid, 0.0, prompt, output)
+    r.add_tokens(1, 0.0)
+    return r
 
-    sched = ReplicaScheduler(make_policy("fcfs"), ProfileBatchCost(tp=4), PackerConfig(t_target=0.05), 1000)
-    r = Request("a", 0.0, 500, 10)
+
+def drive(sched, steps=10_000):
+    now = 0.0
+    for _ in range(steps):
+        plan = sched.schedule(now)
+        if plan is None:
+            return now
+        assert sched.used() <= sched.kv_capacity
+        now += 0.01
+        sched.apply(plan, Outcome(now, (), {i.request_id: (0,) for i in plan.items}))
+    raise AssertionError("did not drain")
+
+
+@pytest.mark.parametrize("admission", ADMISSION)
+def test_every_admission_policy_drains_within_memory(admission):
+    sched = DecodeScheduler(kv_capacity=3000, admission=admission)
+    reqs = [landed(str(i), 400, 50 + 40 * i) for i in range(12)]
+    for r in reqs:
+        sched.add(r, predicted=r.output_len // 2 if admission != "oracle" else None)  # predictions too short
+    drive(sched)
+    assert all(r.finished and r.generated == r.output_len for r in reqs)
+    assert not sched.running and not sched.waiting
+
+
+def test_greedy_swaps_when_memory_runs_out_and_reserving_avoids_it():
+    def run(admission, predicted):
+        sched = DecodeScheduler(kv_capacity=2000, admission=admission)
+        for i in range(6):
+            sched.add(landed(str(i), 300, 300), predicted)
+        drive(sched)
+        return sched.swaps
+
+    assert run("greedy", None) > 0
+    assert run("reserve_static", 300) == 0 and run("oracle", None) == 0
+    assert run("reserve_dynamic", 300) == 0
+
+
+def test_reserve_dynamic_admits_earlier_than_static():
+    def admitted(admission):
+        sched = DecodeScheduler(kv_capacity=2000, admission=admission)
+        sched.add(landed("a", 600, 400), 400)
+        sched.add(landed("b", 600, 20), 20)
+        sched.add(landed("c", 600, 100), 100)
+        sched.schedule(0.0)
+        return set(sched.running)
+
+    assert admitted("reserve_static") == {"a", "b"}  # 1000 + 620 reserved; c's 700 does not fit
+    assert admitted("reserve_dynamic") == {"a", "b", "c"}  # in the ~19 steps until b ends, all three fit
+
+
+def test_decode_scheduler_rejects_bad_requests():
+    sched = DecodeScheduler(kv_capacity=1000)
     with pytest.raises(ValueError, match="first token"):
-        sched.add_prefilled(r)
-    r.add_tokens(1, 0.5)
-    sched.add_prefilled(r)
-    assert r.prefilled == 500 and "a" in sched.decoding and sched.kv_reserved == 510
-    big = Request("b", 0.0, 600, 10)
-    big.add_tokens(1, 0.5)
-    with pytest.raises(ValueError, match="are free"):
-        sched.add_prefilled(big)
+        sched.add(Request("x", 0.0, 10, 5))
+    with pytest.raises(ValueError, match="needs 1100 KV tokens"):
+        sched.add(landed("y", 1000, 100))
+    with pytest.raises(ValueError, match="admission must be"):
+        DecodeScheduler(100, admission="lazy")
+
+
+@pytest.mark.parametrize("admission", ADMISSION)
+def test_the_cluster_runs_every_admission_policy_with_a_predictor(admission):
+    from jaxserve.sched.decode_dispatch import BucketPredictor
+    from jaxserve.sim.workload import load_trace, synthetic_mix
+
+    w = load_trace("azure_conv")
+    pred = BucketPredictor.fit(w.prompt_lens, w.output_lens)
+    sim = DisaggSimulator(CDSPPlanner(MODEL, POOL, 0.2), best,
+                          DisaggConfig(decode_instances=2, admission=admission, dispatch="power_of_two"), pred)
+    res = sim.run(synthetic_mix(150, 3.0, long_fraction=0.0, seed=2), progress=False)
+    assert all(r.finished for r in res.requests)
+    if admission == "oracle":
+        assert sum(d.scheduler.swaps for d in sim.decoders) == 0

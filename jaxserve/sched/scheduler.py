@@ -56,22 +56,6 @@ class ReplicaScheduler:
         self.requests[request.id] = request
         self.queue.add(request, total, self.prefill_time.remaining(request.prompt_len, request.planned))
 
-    def add_prefilled(self, request: Request) -> None:
-        """A request prefilled elsewhere (disaggregation): its KV has arrived and its first token is out, so it
-        joins the decode batch at once, holding KV for prompt + output."""
-        need = request.prompt_len + request.output_len
-        if request.id in self.requests:
-            raise ValueError(f"request id {request.id} is already in use")
-        if self.kv_reserved + need > self.kv_capacity:
-            raise ValueError(f"request {request.id} needs {need} KV tokens; {self.kv_capacity - self.kv_reserved} "
-                             "are free")
-        if request.generated < 1 or request.finished:
-            raise ValueError(f"request {request.id} must have its first token and not be finished")
-        request.planned = request.prefilled = request.prompt_len
-        self.requests[request.id] = self.decoding[request.id] = request
-        self.admitted.add(request.id)
-        self.kv_reserved += need
-
     def outstanding_work(self) -> float:
         """Seconds of prefill work queued: what a dispatcher balances."""
         return float(self.queue.column("remaining_work").sum())

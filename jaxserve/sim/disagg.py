@@ -1,6 +1,6 @@
 """A prefill/decode-disaggregated cluster in simulation (Tetris 3.2, 4.2, 5.2): a prefill pool planned by an SP
 planner (CDSP, fixed SP, request-level), chunk-wise KV transfer to a decode instance of larger TP, and decode
-instances running the real ReplicaScheduler (decode only) on a GPU profile.
+instances running sched/decode.py's DecodeScheduler (admission policies, swaps) on a GPU profile.
 
 - Prefill: each arrival is planned once on the pool's booked times; its first token comes with the last chunk.
 - Dispatch at planning time (sched/decode_dispatch.py): Tetris's freeness rate with virtual usage, or
@@ -13,7 +13,6 @@ instances running the real ReplicaScheduler (decode only) on a GPU profile.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import heapq
 import itertools
@@ -26,12 +25,10 @@ from tqdm.auto import tqdm
 
 from jaxserve.sched.cdsp import ChunkPlan
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
-from jaxserve.sched.packer import PackerConfig
+from jaxserve.sched.decode import DecodeScheduler
 from jaxserve.sched.plan import Outcome
-from jaxserve.sched.policies import make_policy
 from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, model_shape, network
 from jaxserve.sched.request import Request
-from jaxserve.sched.scheduler import ReplicaScheduler
 from jaxserve.sched.slo import SLO
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.prefill_pool import Planner
@@ -47,8 +44,9 @@ class DisaggConfig:
     profile: str = "a100_llama3_8b"  # decode instances' GPU profile; KV bytes per token from its model
     recv_backends: int = 4  # transfer buffers per decode instance
     dispatch: str = "freeness"  # or "power_of_two" (TetriInfer; needs a length predictor)
+    admission: str = "oracle"  # decode admission (sched/decode.py); predictions come from the predictor
+    host_bandwidth: float = 25e9  # bytes/s per GPU to host memory (PCIe 4 x16), for swaps
     seed: int = 0  # power of two's sampling
-    t_target: float = 0.05  # decode iteration budget
     slo: SLO = SLO()
     memory_utilization: float = 0.9
 
@@ -63,23 +61,16 @@ class DisaggConfig:
 class DecodeInstance:
     def __init__(self, index: int, config: DisaggConfig, cost: ProfileBatchCost):
         self.index, self.cost = index, cost
-        self.scheduler = ReplicaScheduler(make_policy("fcfs"), cost, PackerConfig(t_target=config.t_target),
-                                          config.decode_kv_capacity(), group=(index,), slo=config.slo)
+        self.scheduler = DecodeScheduler(config.decode_kv_capacity(), config.admission, group=(index,))
         self.virtual = 0  # KV slots promised to requests whose transfer is in flight
-        self.waiting: collections.deque[Request] = collections.deque()  # KV landed, memory not free yet
+        self.backends = [0.0] * config.recv_backends  # when each receive buffer frees
         self.heavy = self.light = 0  # assigned requests by predicted decode length
         self.is_heavy: dict[str, bool] = {}
-        self.backends = [0.0] * config.recv_backends  # when each receive buffer frees
-        self.busy_until = 0.0
 
     def load(self) -> DecodeLoad:
         s = self.scheduler
-        return DecodeLoad(s.kv_capacity - s.kv_reserved - self.virtual, len(s.decoding), self.heavy, self.light)
-
-    def admit_waiting(self) -> None:
-        s = self.scheduler
-        while self.waiting and s.kv_reserved + self.waiting[0].prompt_len + self.waiting[0].output_len <= s.kv_capacity:
-            s.add_prefilled(self.waiting.popleft())
+        return DecodeLoad(s.kv_capacity - s.committed() - self.virtual, len(s.running) + len(s.waiting),
+                          self.heavy, self.light)
 
     def receive(self, ready_at: float, seconds: float) -> float:
         """Book the earliest free receive buffer for a chunk ready to send at `ready_at`; when it lands."""
@@ -95,8 +86,10 @@ class DisaggSimulator:
         predictor: decode-length ranges for power-of-two dispatch."""
         if config.dispatch not in ("freeness", "power_of_two"):
             raise ValueError(f"dispatch must be freeness or power_of_two, got {config.dispatch!r}")
-        if config.dispatch == "power_of_two" and predictor is None:
-            raise ValueError("power_of_two dispatch needs a decode-length predictor")
+        if (config.dispatch == "power_of_two" or config.admission in ("reserve_static", "reserve_dynamic")) \
+                and predictor is None:
+            raise ValueError(f"{config.dispatch} dispatch with {config.admission} admission needs a decode-length "
+                             "predictor")
         self.planner, self.best_latency, self.config, self.predictor = planner, best_latency, config, predictor
         self.cost = ProfileBatchCost(config.profile, config.decode_tp)
         gpu = PROFILES[config.profile][0]
@@ -122,11 +115,11 @@ class DisaggSimulator:
             r = Request(str(i), t, p, o)
             need = p + o
             loads = [d.load() for d in decoders]
+            hi = self.predictor.predict(p)[1] if self.predictor is not None else o
+            heavy = hi > HEAVY_DECODE
             if cfg.dispatch == "freeness":
-                dec, heavy = decoders[by_freeness(loads)], False
+                dec = decoders[by_freeness(loads)]
             else:
-                _, hi = self.predictor.predict(p)
-                heavy = hi > HEAVY_DECODE
                 dec = decoders[power_of_two(loads, p + hi, heavy, rng)]
             if need > dec.scheduler.kv_capacity:
                 rejected.append(r)
@@ -147,25 +140,23 @@ class DisaggSimulator:
             dec.virtual += need
             dec.is_heavy[r.id] = heavy
             dec.heavy, dec.light = dec.heavy + heavy, dec.light + (not heavy)
-            heapq.heappush(events, (landed, 1, next(seq), "kv_ready", (dec, r)))
+            heapq.heappush(events, (landed, 1, next(seq), "kv_ready", (dec, r, hi)))
 
         def launch(dec: DecodeInstance, now: float) -> None:
-            if dec.busy_until > now + 1e-12:
-                return
             plan = dec.scheduler.schedule(now)
             if plan is None:
                 return
-            end = now + self.cost.batch_time([], [i.history for i in plan.items])
-            dec.busy_until = end
+            swapped = sum(m.tokens for m in plan.moves) * self.kv_bytes / (cfg.host_bandwidth * cfg.decode_tp)
+            end = now + self.cost.batch_time([], [i.history for i in plan.items]) + swapped
             tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items}
             heapq.heappush(events, (end, 0, next(seq), "done", (dec, plan, Outcome(end, (), tokens))))
 
         while events:
             now, _, _, kind, payload = heapq.heappop(events)
             if kind == "kv_ready":
-                dec, r = payload
+                dec, r, predicted = payload
                 dec.virtual -= r.prompt_len + r.output_len
-                dec.waiting.append(r)
+                dec.scheduler.add(r, predicted)
             else:
                 dec, plan, outcome = payload
                 done = dec.scheduler.apply(plan, outcome)
@@ -173,7 +164,6 @@ class DisaggSimulator:
                     heavy = dec.is_heavy.pop(r.id)
                     dec.heavy, dec.light = dec.heavy - heavy, dec.light - (not heavy)
                 bar.update(len(done))
-            dec.admit_waiting()
             launch(dec, now)
         bar.close()
         first = requests[0].arrival if requests else 0.0
