@@ -133,3 +133,28 @@ def test_the_cluster_runs_every_admission_policy_with_a_predictor(admission):
     assert all(r.finished for r in res.requests)
     if admission == "oracle":
         assert sum(d.scheduler.swaps for d in sim.decoders) == 0
+
+
+def test_instances_flip_toward_the_busy_role():
+    """A prefill-heavy phase (64K prompts, 2 output tokens) leaves decode idle: a decode instance turns into 4
+    prefill GPUs. A decode-heavy phase after it (short prompts, long outputs) fills decode: prefill GPUs flip
+    back. Nothing is lost on the way."""
+    import numpy as np
+
+    from jaxserve.sched.flip import FlipPolicy
+    from jaxserve.sim.workload import Workload
+
+    a = np.arange(0, 40, 1.0)
+    b = 60 + np.arange(0, 30, 1 / 20)
+    w = Workload(np.concatenate([a, b]), np.array([65536] * len(a) + [100] * len(b)),
+                 np.array([2] * len(a) + [800] * len(b)), "phases")
+    cfg = DisaggConfig(prefill_instances=8, decode_instances=2, decode_tp=4, memory_utilization=0.09,
+                       flip=FlipPolicy(window=20.0, check_every=2.0))
+    sim = DisaggSimulator(CDSPPlanner(MODEL, Pool(2, 8), 0.2), best, cfg)
+    res = sim.run(w, progress=False)
+    flips = [kind for _, kind in res.config["flips"]]
+    assert "to_prefill" in flips and "to_decode" in flips
+    assert flips.index("to_prefill") < flips.index("to_decode")
+    assert len(res.requests) == len(w) and all(r.finished for r in res.requests)
+    with pytest.raises(ValueError, match="GPU slots"):
+        DisaggSimulator(CDSPPlanner(MODEL, Pool(1, 8), 0.2), best, cfg).run(w, progress=False)

@@ -24,8 +24,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.sched.cdsp import ChunkPlan
-from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
 from jaxserve.sched.decode import DecodeScheduler
+from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
+from jaxserve.sched.flip import FlipPolicy, LoadWindow
 from jaxserve.sched.plan import Outcome
 from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, model_shape, network
 from jaxserve.sched.request import Request
@@ -46,6 +47,7 @@ class DisaggConfig:
     dispatch: str = "freeness"  # or "power_of_two" (TetriInfer; needs a length predictor)
     admission: str = "oracle"  # decode admission (sched/decode.py); predictions come from the predictor
     host_bandwidth: float = 25e9  # bytes/s per GPU to host memory (PCIe 4 x16), for swaps
+    flip: FlipPolicy | None = None  # TetriInfer's instance flip: decode_tp prefill GPUs <-> one decode instance
     seed: int = 0  # power of two's sampling
     slo: SLO = SLO()
     memory_utilization: float = 0.9
@@ -66,6 +68,12 @@ class DecodeInstance:
         self.backends = [0.0] * config.recv_backends  # when each receive buffer frees
         self.heavy = self.light = 0  # assigned requests by predicted decode length
         self.is_heavy: dict[str, bool] = {}
+        self.slots: tuple[int, ...] = ()  # its GPUs in the planner's pool (with flips)
+
+    def busy(self) -> float:
+        """Load for the flip policy: the fuller of KV memory and the batch."""
+        s = self.scheduler
+        return max(s.committed() / s.kv_capacity, len(s.running) / s.max_running)
 
     def load(self) -> DecodeLoad:
         s = self.scheduler
@@ -100,73 +108,179 @@ class DisaggSimulator:
         return self.link.predict("inter_node", tokens * self.kv_bytes / senders)
 
     def run(self, workload: Workload, progress: bool = True) -> Results:
-        cfg = self.config
-        decoders = self.decoders = [DecodeInstance(i, cfg, self.cost) for i in range(cfg.decode_instances)]
-        free_at = np.zeros(cfg.prefill_instances)
-        events: list[tuple[float, int, int, str, object]] = []  # (time, order, seq, kind, payload)
-        seq = itertools.count()
-        requests, rejected = [], []
-        bar = tqdm(total=len(workload), desc="simulate disaggregated", unit="req", disable=not progress)
-        started = time.perf_counter()
-        on_arrival = getattr(self.planner, "on_arrival", None)
-        rng = random.Random(cfg.seed)
+        return _Run(self, workload, progress).results()
+
+
+UNAVAILABLE = 1e9  # queue time the planner sees for a GPU that is not a prefill instance (now or any more)
+
+
+class _Run:
+    """One simulation: arrivals, KV landings, decode steps and (with a flip policy) role checks, in time
+    order. GPU slots 0..P-1 start as prefill instances; with flips, the planner's pool also holds the decode
+    instances' GPUs (decode_tp each, after the prefill ones), unavailable to it while they decode."""
+
+    def __init__(self, sim: DisaggSimulator, workload: Workload, progress: bool):
+        cfg = self.cfg = sim.config
+        self.sim, self.workload = sim, workload
+        pool_size = getattr(getattr(sim.planner, "pool", None), "size", None)
+        slots = cfg.prefill_instances + (cfg.decode_instances * cfg.decode_tp if cfg.flip else 0)
+        if pool_size is not None and pool_size != slots:
+            raise ValueError(f"the planner's pool has {pool_size} instances; this cluster has {slots} GPU slots "
+                             "for it (prefill instances, plus the decode instances' GPUs when flips are on)")
+        self.free_at = np.zeros(slots)
+        self.unavailable = np.zeros(slots, bool)
+        self.decoders: list[DecodeInstance] = []
+        self.retired: list[DecodeInstance] = []
+        for i in range(cfg.decode_instances):
+            first = cfg.prefill_instances + i * cfg.decode_tp
+            self._new_decoder(tuple(range(first, first + cfg.decode_tp)) if cfg.flip else ())
+        sim.decoders = self.decoders
+        self.draining: set[int] = set()  # decode instances on their way to prefill
+        self.joining: list[tuple[int, ...]] = []  # prefill slots on their way to decode
+        self.flips: list[tuple[float, str]] = []
+        self.loads: dict[object, LoadWindow] = {}
+        self.events: list[tuple[float, int, int, str, object]] = []  # (time, order, seq, kind, payload)
+        self.seq = itertools.count()
         for i, (t, p, o) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist(),
                                           workload.output_lens.tolist())):
-            r = Request(str(i), t, p, o)
-            need = p + o
-            loads = [d.load() for d in decoders]
-            hi = self.predictor.predict(p)[1] if self.predictor is not None else o
-            heavy = hi > HEAVY_DECODE
-            if cfg.dispatch == "freeness":
-                dec = decoders[by_freeness(loads)]
-            else:
-                dec = decoders[power_of_two(loads, p + hi, heavy, rng)]
-            if need > dec.scheduler.kv_capacity:
-                rejected.append(r)
-                bar.update()
-                continue
-            if on_arrival is not None:
-                on_arrival(t)
-            queues = np.maximum(free_at - t, 0.0)
-            plan: ChunkPlan = self.planner.plan(p, queues)
-            free_at = t + plan.commit(queues)
-            r.ttft_deadline, r.tpot_slo = t + cfg.slo.ttft(self.best_latency(p)), cfg.slo.tpot
-            r.add_tokens(1, t + plan.ttft)  # the first token comes with the last prefill chunk
-            requests.append(r)
-            if r.finished:
-                bar.update()
-                continue
-            landed = max(dec.receive(t + c.end, self.transfer_seconds(c.tokens, c.sp)) for c in plan.chunks)
-            dec.virtual += need
-            dec.is_heavy[r.id] = heavy
-            dec.heavy, dec.light = dec.heavy + heavy, dec.light + (not heavy)
-            heapq.heappush(events, (landed, 1, next(seq), "kv_ready", (dec, r, hi)))
+            self._push(t, 2, "arrive", Request(str(i), t, p, o))
+        if cfg.flip and len(workload):
+            self._push(float(workload.arrivals[0]), 3, "check", None)
+        self.pending = len(workload)
+        self.requests: list[Request] = []
+        self.rejected: list[Request] = []
+        self.rng = random.Random(cfg.seed)
+        self.bar = tqdm(total=len(workload), desc="simulate disaggregated", unit="req", disable=not progress)
 
-        def launch(dec: DecodeInstance, now: float) -> None:
-            plan = dec.scheduler.schedule(now)
-            if plan is None:
-                return
-            swapped = sum(m.tokens for m in plan.moves) * self.kv_bytes / (cfg.host_bandwidth * cfg.decode_tp)
-            end = now + self.cost.batch_time([], [i.history for i in plan.items]) + swapped
-            tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items}
-            heapq.heappush(events, (end, 0, next(seq), "done", (dec, plan, Outcome(end, (), tokens))))
+    def _push(self, t: float, order: int, kind: str, payload: object) -> None:
+        heapq.heappush(self.events, (t, order, next(self.seq), kind, payload))
 
-        while events:
-            now, _, _, kind, payload = heapq.heappop(events)
-            if kind == "kv_ready":
+    def _new_decoder(self, slots: tuple[int, ...]) -> DecodeInstance:
+        dec = DecodeInstance(len(self.decoders) + len(self.retired), self.cfg, self.sim.cost)
+        dec.slots = slots
+        self.unavailable[list(slots)] = True
+        self.decoders.append(dec)
+        return dec
+
+    def _done(self, n: int) -> None:
+        self.pending -= n
+        self.bar.update(n)
+
+    def results(self) -> Results:
+        started = time.perf_counter()
+        while self.events:
+            now, _, _, kind, payload = heapq.heappop(self.events)
+            if kind == "arrive":
+                self._arrive(now, payload)
+            elif kind == "kv_ready":
                 dec, r, predicted = payload
                 dec.virtual -= r.prompt_len + r.output_len
                 dec.scheduler.add(r, predicted)
-            else:
+                self._launch(dec, now)
+            elif kind == "done":
                 dec, plan, outcome = payload
                 done = dec.scheduler.apply(plan, outcome)
                 for r in done:
                     heavy = dec.is_heavy.pop(r.id)
                     dec.heavy, dec.light = dec.heavy - heavy, dec.light - (not heavy)
-                bar.update(len(done))
-            launch(dec, now)
-        bar.close()
-        first = requests[0].arrival if requests else 0.0
-        last = max((r.finished_at for r in requests if r.finished_at is not None), default=first)
-        return Results(requests, rejected, span=max(last - first, 1e-9), wall_seconds=time.perf_counter() - started,
-                       config=dataclasses.asdict(cfg) | {"workload": workload.name, "requests": len(workload)})
+                self._done(len(done))
+                self._launch(dec, now)
+            elif self.pending:  # a flip check, while work remains
+                self._check(now)
+                self._push(now + self.cfg.flip.check_every, 3, "check", None)
+        self.bar.close()
+        reqs = self.requests
+        first = reqs[0].arrival if reqs else 0.0
+        last = max((r.finished_at for r in reqs if r.finished_at is not None), default=first)
+        return Results(reqs, self.rejected, span=max(last - first, 1e-9),
+                       wall_seconds=time.perf_counter() - started,
+                       config=dataclasses.asdict(self.cfg) | {"workload": self.workload.name,
+                                                              "requests": len(self.workload),
+                                                              "flips": self.flips})
+
+    def _arrive(self, t: float, r: Request) -> None:
+        cfg, sim = self.cfg, self.sim
+        p, o = r.prompt_len, r.output_len
+        on_arrival = getattr(sim.planner, "on_arrival", None)
+        if on_arrival is not None:
+            on_arrival(t)
+        active = [d for d in self.decoders if d.index not in self.draining]
+        loads = [d.load() for d in active]
+        hi = sim.predictor.predict(p)[1] if sim.predictor is not None else o
+        heavy = hi > HEAVY_DECODE
+        if cfg.dispatch == "freeness":
+            dec = active[by_freeness(loads)]
+        else:
+            dec = active[power_of_two(loads, p + hi, heavy, self.rng)]
+        if p + o > dec.scheduler.kv_capacity:
+            self.rejected.append(r)
+            self._done(1)
+            return
+        queues = np.where(self.unavailable, UNAVAILABLE, np.maximum(self.free_at - t, 0.0))
+        plan: ChunkPlan = sim.planner.plan(p, queues)
+        if plan.ttft >= UNAVAILABLE:
+            raise RuntimeError("the prefill planner used a GPU that is not a prefill instance")
+        self.free_at = np.where(self.unavailable, self.free_at, t + plan.commit(queues))
+        r.ttft_deadline, r.tpot_slo = t + cfg.slo.ttft(sim.best_latency(p)), cfg.slo.tpot
+        r.add_tokens(1, t + plan.ttft)  # the first token comes with the last prefill chunk
+        self.requests.append(r)
+        if r.finished:
+            self._done(1)
+            return
+        landed = max(dec.receive(t + c.end, sim.transfer_seconds(c.tokens, c.sp)) for c in plan.chunks)
+        dec.virtual += p + o
+        dec.is_heavy[r.id] = heavy
+        dec.heavy, dec.light = dec.heavy + heavy, dec.light + (not heavy)
+        self._push(landed, 1, "kv_ready", (dec, r, hi))
+
+    def _launch(self, dec: DecodeInstance, now: float) -> None:
+        cfg, sim = self.cfg, self.sim
+        plan = dec.scheduler.schedule(now)
+        if plan is None:
+            return
+        swapped = sum(m.tokens for m in plan.moves) * sim.kv_bytes / (cfg.host_bandwidth * cfg.decode_tp)
+        end = now + sim.cost.batch_time([], [i.history for i in plan.items]) + swapped
+        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items}
+        self._push(end, 0, "done", (dec, plan, Outcome(end, (), tokens)))
+
+    # -- flips (TetriInfer 3.5) ------------------------------------------------------------------------------
+    def _check(self, now: float) -> None:
+        cfg, policy = self.cfg, self.cfg.flip
+        for slots in list(self.joining):  # drained prefill slots become a decode instance
+            if self.free_at[list(slots)].max() <= now:
+                self.joining.remove(slots)
+                self._new_decoder(slots)
+                self.flips.append((now, "to_decode"))
+        for dec in list(self.decoders):  # drained decode instances give their GPUs to the prefill pool
+            s = dec.scheduler
+            if dec.index in self.draining and not (s.running or s.waiting or s.in_flight or dec.virtual):
+                self.draining.discard(dec.index)
+                self.decoders.remove(dec)
+                self.retired.append(dec)
+                self.unavailable[list(dec.slots)] = False
+                self.free_at[list(dec.slots)] = now
+                self.flips.append((now, "to_prefill"))
+        slices = [tuple(range(a, a + cfg.decode_tp)) for a in range(0, len(self.free_at), cfg.decode_tp)]
+        prefill = [sl for sl in slices if not self.unavailable[list(sl)].any()]
+        active = [d for d in self.decoders if d.index not in self.draining]
+        for sl in prefill:
+            self._window(sl).add(now, float(np.mean(self.free_at[list(sl)] > now)))
+        for d in active:
+            self._window(d.index).add(now, d.busy())
+        if self.joining or self.draining:
+            return  # one flip at a time
+        choice = policy.choose([self._window(sl).mean(now) for sl in prefill],
+                               [self._window(d.index).mean(now) for d in active])
+        if choice is None:
+            return
+        kind, i = choice
+        if kind == "to_decode":
+            self.unavailable[list(prefill[i])] = True  # no new chunks; booked ones finish
+            self.joining.append(prefill[i])
+        else:
+            self.draining.add(active[i].index)  # no new requests; running ones finish
+
+    def _window(self, key: object) -> LoadWindow:
+        if key not in self.loads:
+            self.loads[key] = LoadWindow(self.cfg.flip.window)
+        return self.loads[key]

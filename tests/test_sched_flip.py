@@ -1,0 +1,25 @@
+"""TetriInfer's flip policy and its load window."""
+
+from __future__ import annotations
+
+from jaxserve.sched.flip import FlipPolicy, LoadWindow
+
+
+def test_flip_toward_the_busy_role_only_from_an_idle_unit():
+    policy = FlipPolicy(idle=0.1, busy=0.8)
+    assert policy.choose([0.95, 0.9], [0.05, 0.5]) == ("to_prefill", 0)
+    assert policy.choose([0.05, 0.5, 0.02], [0.9, 0.85]) == ("to_decode", 2)
+    assert policy.choose([0.5, 0.5], [0.05, 0.5]) is None  # prefill not busy enough to take a decode instance
+    assert policy.choose([0.95], [0.05, 0.01]) == ("to_prefill", 1)
+    assert policy.choose([0.05], [0.9]) is None  # the last prefill unit stays
+    assert policy.choose([None, 0.9], [0.9, None]) is None  # not watched for a whole window yet
+
+
+def test_load_window_needs_a_whole_window_and_forgets_old_samples():
+    w = LoadWindow(window=10.0)
+    for t in range(0, 10):
+        w.add(float(t), 1.0)
+    assert w.mean(9.0) is None
+    for t in range(10, 30):
+        w.add(float(t), 0.0)
+    assert w.mean(29.0) == 0.0
