@@ -295,7 +295,7 @@ def test_profile_cost_matches_tetris_table1_order_of_magnitude():
 def test_sched_and_sim_never_import_jax():
     code = ("import sys, jaxserve.sched.scheduler, jaxserve.sched.profiles, jaxserve.sched.cdsp, "
             "jaxserve.sched.improvement_rate, jaxserve.sched.decode_dispatch, jaxserve.sched.decode, "
-            "jaxserve.sched.flip, "
+            "jaxserve.sched.flip, jaxserve.sched.esp, "
             "jaxserve.sim.prefill_pool, "
             "jaxserve.sim.disagg, jaxserve.sim, "
             "jaxserve.sim.run, "

@@ -1,0 +1,110 @@
+"""LoongServe ESP scheduling: admission under memory and compute, elastic allocation by gain and cost, and the
+batching DP checked against brute force."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+
+from jaxserve.sched import cost_models as cm
+from jaxserve.sched.esp import ElasticInstance, ESPScheduler
+from jaxserve.sched.request import Request
+
+from test_sched_cost_models import TABLE1, LENGTHS_K
+
+# LoongServe's model at TP=1, fitted to Tetris Table 1 (one request per sample: sum(l) = l, sum(l^2) = l^2)
+MODEL = cm.LoongServePrefill.fit([((sp, 1), (k * 1024, (k * 1024) ** 2), t) for sp, row in TABLE1.items()
+                                  for k, t in zip(LENGTHS_K, row) if t is not None])
+KV_BYTES = 131072.0  # LLaMA3-8B, bf16
+
+
+def esp(**kw):
+    return ESPScheduler(MODEL, tp=1, knee=kw.pop("knee", 30.0), migration_bandwidth=kw.pop("bw", 25e9),
+                        kv_bytes_per_token=KV_BYTES, **kw)
+
+
+def req(i, n):
+    return Request(str(i), 0.0, n, 64)
+
+
+def test_latency_interpolates_between_fitted_sp_sizes():
+    s = esp()
+    assert s.latency([32768], 8) == pytest.approx(MODEL.predict(8, 1, [32768]))
+    between = s.latency([32768], 12)
+    assert min(s.latency([32768], 8), s.latency([32768], 16)) <= between <= max(
+        s.latency([32768], 8), s.latency([32768], 16))
+
+
+def test_admission_stops_at_memory_then_at_the_knee_in_fcfs_order():
+    inst = [ElasticInstance(i, 100_000) for i in range(4)]
+    s = esp(output_estimate=1000)
+    pending = [req(i, 60_000) for i in range(10)]
+    assert len(s.admit(pending, inst)) == 6  # 6 x 61K <= 400K < 7 x 61K
+    inst[0].kv_used = 90_000  # decoding requests hold memory now
+    assert len(s.admit(pending, inst)) == 5
+    tight = esp(knee=s.latency([60_000] * 2, 4) + 1e-6, output_estimate=1000)
+    assert len(tight.admit(pending, [ElasticInstance(i, 10**6) for i in range(4)])) == 2
+    big_first = [req(0, 10**6), req(1, 10)]
+    assert s.admit(big_first, inst) == []  # FCFS: the small one does not overtake
+
+
+def test_allocation_takes_a_busy_instance_only_when_its_gain_beats_moving_its_kv():
+    reqs = [req(0, 131072)]
+    idle = [ElasticInstance(i, 10**6) for i in range(2)]
+    light = ElasticInstance(2, 10**6, kv_used=1000)
+    heavy = ElasticInstance(3, 10**6, kv_used=900_000)
+    chosen = esp(bw=25e9).allocate(reqs, idle + [heavy, light])
+    assert [e.id for e in chosen] == [0, 1, 2]  # light joins (little to move); then heavy's KV costs too much
+    assert [e.id for e in esp(bw=1e18).allocate(reqs, idle + [heavy, light])] == [0, 1, 2, 3]
+
+
+def brute_force(s, reqs, ins):
+    reqs = sorted(reqs, key=lambda r: -r.prompt_len)
+    ins = sorted(ins, key=lambda e: e.kv_used)
+
+    @functools.cache
+    def best(i, k):  # place reqs[i:] on ins[k:]
+        if i == len(reqs):
+            return 0.0
+        out = math.inf
+        for i2 in range(i + 1, len(reqs) + 1):
+            need = sum(r.prompt_len + s.output_estimate for r in reqs[i:i2])
+            for k1 in range(k, len(ins)):  # skip instances k..k1-1
+                for k2 in range(k1 + 1, len(ins) + 1):
+                    if sum(e.free for e in ins[k1:k2]) >= need:
+                        t = s.latency([r.prompt_len for r in reqs[i:i2]], k2 - k1)
+                        out = min(out, t + best(i2, k2))
+        return out
+
+    return best(0, 0)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_batching_dp_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    s = esp(output_estimate=256)
+    reqs = [req(i, int(rng.integers(1000, 200_000))) for i in range(int(rng.integers(1, 6)))]
+    ins = [ElasticInstance(i, 300_000, int(rng.integers(0, 200_000))) for i in range(int(rng.integers(2, 6)))]
+    try:
+        batches = s.batch(reqs, ins)
+    except ValueError:
+        assert brute_force(s, reqs, ins) == math.inf
+        return
+    assert sum(b.time for b in batches) == pytest.approx(brute_force(s, reqs, ins))
+    placed = [r.id for b in batches for r in b.requests]
+    assert sorted(placed) == sorted(r.id for r in reqs)
+    used = [i for b in batches for i in b.instances]
+    assert len(used) == len(set(used))  # batches run on disjoint instance groups
+    for b in batches:
+        assert sum(r.prompt_len + 256 for r in b.requests) <= sum(e.free for e in ins if e.id in b.instances)
+
+
+def test_plan_runs_admission_allocation_and_batching():
+    s = esp(output_estimate=512)
+    ins = [ElasticInstance(i, 400_000) for i in range(8)]
+    batches = s.plan([req(i, n) for i, n in enumerate([200_000, 8000, 6000, 4000])], ins)
+    assert sum(len(b.requests) for b in batches) == 4
+    assert max(len(b.instances) for b in batches) >= 2  # the long prompt gets SP
