@@ -8,11 +8,11 @@ import pytest
 
 from jaxserve.sched import cost_models as cm
 from jaxserve.sched.cdsp import CDSPPlanner, FixedSPPlanner, Pool
+from jaxserve.sched.profiles import tetris_table1_samples
 
-from test_sched_cost_models import table1_samples
 
 K = 1024
-MODEL = cm.TetrisPrefill.fit(table1_samples())
+MODEL = cm.TetrisPrefill.fit(tetris_table1_samples())
 POOL = Pool(nodes=2, per_node=8)  # 16 LLaMA3-8B instances, TP=1
 
 

@@ -9,25 +9,11 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-
-# Tetris Table 1: LLaMA3-8B prefill latency (s) on A100, TP=1, batch 1, by SP size; None = OOM.
-LENGTHS_K = [4, 8, 16, 32, 64, 128, 256]
-TABLE1 = {
-    1: [0.28, 0.57, 1.29, 3.22, 9.05, 29.20, None],
-    2: [0.16, 0.31, 0.69, 1.67, 4.61, 14.30, 50.07],
-    4: [0.13, 0.20, 0.39, 0.92, 2.43, 7.32, 24.77],
-    8: [0.21, 0.24, 0.31, 0.58, 1.37, 3.96, 12.81],
-    16: [0.39, 0.43, 0.46, 0.53, 0.96, 2.31, 7.02],
-}
-
-
-def table1_samples():
-    return [(sp, (k * 1024, 0), t) for sp, row in TABLE1.items() for k, t in zip(LENGTHS_K, row) if t is not None]
-
+from jaxserve.sched.profiles import tetris_table1_samples
 
 def test_tetris_eq1_reproduces_table1_within_10_percent():
-    model = cm.TetrisPrefill.fit(table1_samples())
-    for sp, (n, h), t in table1_samples():
+    model = cm.TetrisPrefill.fit(tetris_table1_samples())
+    for sp, (n, h), t in tetris_table1_samples():
         assert abs(model.predict(sp, n, h) - t) / t < 0.10, (sp, n, t, model.predict(sp, n, h))
 
 

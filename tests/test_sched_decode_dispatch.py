@@ -50,12 +50,11 @@ def test_power_of_two_only_picks_instances_with_room_and_spreads_heavy_decodes()
 def test_power_of_two_dispatch_in_the_disaggregated_cluster_balances_heavy_decodes():
     from jaxserve.sched import cost_models as cm
     from jaxserve.sched.cdsp import CDSPPlanner, Pool
+    from jaxserve.sched.profiles import tetris_table1_samples
     from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
     from jaxserve.sim.workload import synthetic_mix
 
-    from test_sched_cost_models import table1_samples
-
-    model = cm.TetrisPrefill.fit(table1_samples())
+    model = cm.TetrisPrefill.fit(tetris_table1_samples())
     w = load_trace("azure_conv")
     pred = BucketPredictor.fit(w.prompt_lens, w.output_lens)
     sim = DisaggSimulator(CDSPPlanner(model, Pool(2, 8)), lambda n: model.predict(16, n),

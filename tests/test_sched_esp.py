@@ -11,13 +11,12 @@ import pytest
 
 from jaxserve.sched import cost_models as cm
 from jaxserve.sched.esp import ElasticInstance, ESPScheduler
+from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 
-from test_sched_cost_models import TABLE1, LENGTHS_K
 
 # LoongServe's model at TP=1, fitted to Tetris Table 1 (one request per sample: sum(l) = l, sum(l^2) = l^2)
-MODEL = cm.LoongServePrefill.fit([((sp, 1), (k * 1024, (k * 1024) ** 2), t) for sp, row in TABLE1.items()
-                                  for k, t in zip(LENGTHS_K, row) if t is not None])
+MODEL = cm.LoongServePrefill.fit([((sp, 1), (n, n * n), t) for sp, (n, _), t in tetris_table1_samples()])
 KV_BYTES = 131072.0  # LLaMA3-8B, bf16
 
 

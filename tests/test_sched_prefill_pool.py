@@ -9,17 +9,16 @@ import pytest
 from jaxserve.sched import cost_models as cm
 from jaxserve.sched.cdsp import CDSPPlanner, FixedSPPlanner, Pool
 from jaxserve.sched.improvement_rate import AdaptiveCDSP, ArrivalRate, RateTable
+from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sim.prefill_pool import max_sustainable_rate, profile_improvement_rates, run_pool
 from jaxserve.sim.workload import long_context
 
-from test_sched_cost_models import table1_samples
 
-MODEL = cm.TetrisPrefill.fit(table1_samples())
+MODEL = cm.TetrisPrefill.fit(tetris_table1_samples())
 POOL = Pool(nodes=2, per_node=8)
 
 
-def best(tokens):
-    return min(MODEL.predict(sp, tokens) for sp in MODEL.coefficients)
+best = MODEL.fastest
 
 
 def test_rate_table_picks_the_nearest_recorded_rate_and_round_trips():

@@ -9,18 +9,17 @@ from jaxserve.sched import cost_models as cm
 from jaxserve.sched.cdsp import CDSPPlanner, Pool
 from jaxserve.sched.decode import ADMISSION, DecodeScheduler
 from jaxserve.sched.plan import Outcome
+from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
 from jaxserve.sim.workload import long_context
 
-from test_sched_cost_models import table1_samples
 
-MODEL = cm.TetrisPrefill.fit(table1_samples())
+MODEL = cm.TetrisPrefill.fit(tetris_table1_samples())
 POOL = Pool(nodes=2, per_node=8)
 
 
-def best(tokens):
-    return min(MODEL.predict(sp, tokens) for sp in MODEL.coefficients)
+best = MODEL.fastest
 
 
 def run(config=DisaggConfig(), n=120, rate=1.0):

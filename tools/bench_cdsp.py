@@ -14,20 +14,17 @@ from absl import app, flags
 
 from jaxserve.sched.cdsp import CDSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sched.profiles import tetris_table1_samples
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("plans", 1000, "Plans timed per pool size.")
 flags.DEFINE_float("improvement_rate", 0.1, "The planner's improvement rate.")
 
-# Eq. (1) per SP size, LLaMA3-8B on A100 (fitted to Tetris Table 1 and extended to SP 32-128 by halving the
-# per-token terms per doubling, as Table 1 does from 8 to 16)
-_TABLE1_FIT = {1: [0.030, 5.58e-5, 2.53e-9, 1.26e-9], 2: [0.026, 3.01e-5, 1.22e-9, 6.09e-10],
-               4: [0.059, 1.55e-5, 6.10e-10, 3.05e-10], 8: [0.174, 6.74e-6, 3.29e-10, 1.64e-10],
-               16: [0.387, 2.47e-6, 1.79e-10, 8.94e-11]}
-
-
 def model() -> TetrisPrefill:
-    coef = {sp: np.array(c) for sp, c in _TABLE1_FIT.items()}
+    """Eq. (1) fitted to Tetris Table 1 (SP 1-16), extended to SP 32-128 as Table 1 goes from 8 to 16: the
+    per-token terms halve per doubling, the constant grows by half."""
+    fitted = TetrisPrefill.fit(tetris_table1_samples())
+    coef = dict(fitted.coefficients)
     for sp in (32, 64, 128):
         c0, c1, c2, c3 = coef[sp // 2]
         coef[sp] = np.array([c0 * 1.5, c1 / 2, c2 / 2, c3 / 2])

@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
 from jaxserve.sched.cdsp import CDSPPlanner, FixedSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.improvement_rate import AdaptiveCDSP
+from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sim import plots
 from jaxserve.sim.prefill_pool import max_sustainable_rate, profile_improvement_rates, run_pool
 from jaxserve.sim.workload import LONG_CONTEXT, long_context
@@ -30,19 +30,9 @@ flags.DEFINE_integer("requests", 600, "Requests per simulated run.")
 flags.DEFINE_list("traces", sorted(LONG_CONTEXT), "Long-context traces to run.")
 flags.DEFINE_string("out", "docs/figures", "Where plots and cdsp.json go.")
 
-LENGTHS_K = [4, 8, 16, 32, 64, 128, 256]
-TABLE1 = {  # Tetris Table 1: LLaMA3-8B prefill seconds on A100, TP=1; None = OOM
-    1: [0.28, 0.57, 1.29, 3.22, 9.05, 29.20, None], 2: [0.16, 0.31, 0.69, 1.67, 4.61, 14.30, 50.07],
-    4: [0.13, 0.20, 0.39, 0.92, 2.43, 7.32, 24.77], 8: [0.21, 0.24, 0.31, 0.58, 1.37, 3.96, 12.81],
-    16: [0.39, 0.43, 0.46, 0.53, 0.96, 2.31, 7.02]}
-MODEL = TetrisPrefill.fit([(sp, (k * 1024, 0), t) for sp, row in TABLE1.items()
-                           for k, t in zip(LENGTHS_K, row) if t is not None])
+MODEL = TetrisPrefill.fit(tetris_table1_samples())
 POOL = Pool(nodes=2, per_node=8)
 PROFILE_RATES = [0.25 * 2 ** (i / 2) for i in range(11)]  # 0.25 .. 8 req/s
-
-
-def best_latency(tokens: int) -> float:
-    return min(MODEL.predict(sp, tokens) for sp in MODEL.coefficients)
 
 
 def main(argv):
@@ -54,7 +44,7 @@ def main(argv):
 
         profile = {chunking: profile_improvement_rates(
             lambda r, c=chunking: CDSPPlanner(MODEL, POOL, r, chunking=c), lambda rate: workload_at(rate, seed=1),
-            POOL.size, best_latency, PROFILE_RATES) for chunking in (True, False)}
+            POOL.size, MODEL.fastest, PROFILE_RATES) for chunking in (True, False)}
         planners = {
             "CDSP (Tetris)": lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL), profile[True]),
             "request-level SP": lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL, chunking=False), profile[False]),
@@ -62,7 +52,7 @@ def main(argv):
             "fixed SP 8": lambda: FixedSPPlanner(MODEL, POOL, 8),
             "fixed SP 16": lambda: FixedSPPlanner(MODEL, POOL, 16),
         }
-        capacity = {name: max_sustainable_rate(make, workload_at, POOL.size, best_latency, 0.05, 20.0)
+        capacity = {name: max_sustainable_rate(make, workload_at, POOL.size, MODEL.fastest, 0.05, 20.0)
                     for name, make in tqdm(planners.items(), desc=f"{kind}: max sustainable rate")}
         best_fixed = max(capacity["fixed SP 8"], capacity["fixed SP 16"])
         ratio = capacity["CDSP (Tetris)"] / best_fixed
@@ -73,10 +63,10 @@ def main(argv):
         for frac in (0.25, 0.5, 0.75, 0.9):
             rate = frac * capacity["CDSP (Tetris)"]
             for name, make in planners.items():
-                s = run_pool(make(), workload_at(rate), POOL.size, best_latency).summary()
+                s = run_pool(make(), workload_at(rate), POOL.size, MODEL.fastest).summary()
                 load_rows.append({"label": f"{kind}: {name}", "trace": kind, "rate": rate, **s})
             for r in (0.1, 0.3, 0.5, 0.7):
-                s = run_pool(CDSPPlanner(MODEL, POOL, r), workload_at(rate), POOL.size, best_latency).summary()
+                s = run_pool(CDSPPlanner(MODEL, POOL, r), workload_at(rate), POOL.size, MODEL.fastest).summary()
                 sweep_rows.append({"label": f"{kind}: rate {r}", "trace": kind, "rate": rate, **s})
     adaptive = {(r["trace"], r["rate"]): r["ttft_mean"] for r in load_rows if r["label"].endswith("CDSP (Tetris)")}
     for r in sweep_rows:

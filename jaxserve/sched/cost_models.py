@@ -94,6 +94,10 @@ class TetrisPrefill(KeyedLinearModel):
     def predict(self, sp: int, n: float, h: float = 0.0) -> float:
         return float(self.features(n, h) @ self.coef(sp))
 
+    def fastest(self, n: float, h: float = 0.0) -> float:
+        """The latency at the best fitted SP size: a prompt's light-load TTFT, which SLOs scale with."""
+        return min(self.predict(sp, n, h) for sp in self.coefficients)
+
     @classmethod
     def _fit_one(cls, xs, times, w):
         n, h = xs

@@ -60,6 +60,15 @@ class ModelShape:
         return dtype_bytes * 2 * self.layers * self.kv_heads * self.head_dim
 
 
+def kv_capacity(profile: str, gpus: int, memory_utilization: float = 0.9) -> int:
+    """KV tokens that `gpus` GPUs of the profile hold beside one copy of the weights."""
+    shape, gpu = model_shape(profile), GPUS[_profile(profile)[0]]
+    free = gpus * gpu.memory * memory_utilization - shape.weight_bytes()
+    if free <= 0:
+        raise ValueError(f"{shape.name} does not fit {gpus} x {gpu.name}")
+    return int(free // shape.kv_bytes_per_token())
+
+
 # profile name -> (gpu, csv file, layer count: the CSV times one layer)
 PROFILES = {
     "a100_llama3_8b": ("a100", "a100_llama3_8b_mlp.csv", 32),
@@ -119,6 +128,23 @@ def network(gpu: str) -> Transfer:
         link = "inter_node" if int(r["devices_per_node"]) == 1 else "intra_node"
         samples.append((link, (int(r["size"]),), float(r["time_stats.send_recv.median"]) / 1e3))
     return Transfer.fit(samples)
+
+
+# Tetris Table 1: LLaMA3-8B prefill seconds on one A100 per SP instance (TP=1), batch 1; None = out of memory.
+TETRIS_TABLE1_K = (4, 8, 16, 32, 64, 128, 256)  # prompt length, thousands of tokens
+TETRIS_TABLE1 = {
+    1: (0.28, 0.57, 1.29, 3.22, 9.05, 29.20, None),
+    2: (0.16, 0.31, 0.69, 1.67, 4.61, 14.30, 50.07),
+    4: (0.13, 0.20, 0.39, 0.92, 2.43, 7.32, 24.77),
+    8: (0.21, 0.24, 0.31, 0.58, 1.37, 3.96, 12.81),
+    16: (0.39, 0.43, 0.46, 0.53, 0.96, 2.31, 7.02),
+}
+
+
+def tetris_table1_samples() -> list[tuple[int, tuple[int, int], float]]:
+    """Table 1 as cost-model samples: (SP size, (prompt tokens, history 0), seconds)."""
+    return [(sp, (k * 1024, 0), t) for sp, row in TETRIS_TABLE1.items()
+            for k, t in zip(TETRIS_TABLE1_K, row) if t is not None]
 
 
 def _with_all_reduce(linear: PiecewiseLinear, gpu: str, tp: int, hidden: int, layers: int) -> PiecewiseLinear:

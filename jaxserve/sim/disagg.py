@@ -28,7 +28,7 @@ from jaxserve.sched.decode import DecodeScheduler
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
 from jaxserve.sched.flip import FlipPolicy, LoadWindow
 from jaxserve.sched.plan import Outcome
-from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, model_shape, network
+from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
 from jaxserve.sched.slo import SLO
 from jaxserve.sim.metrics import Results
@@ -53,11 +53,7 @@ class DisaggConfig:
     memory_utilization: float = 0.9
 
     def decode_kv_capacity(self) -> int:
-        shape, gpu = model_shape(self.profile), GPUS[PROFILES[self.profile][0]]
-        free = self.decode_tp * gpu.memory * self.memory_utilization - shape.weight_bytes()
-        if free <= 0:
-            raise ValueError(f"{shape.name} does not fit {self.decode_tp} x {gpu.name}")
-        return int(free // shape.kv_bytes_per_token())
+        return kv_capacity(self.profile, self.decode_tp, self.memory_utilization)
 
 
 class DecodeInstance:

@@ -22,7 +22,7 @@ from jaxserve.sched.batch_cost import BatchCost
 from jaxserve.sched.packer import PackerConfig, PrefillTimeCache
 from jaxserve.sched.plan import Outcome, Phase, Plan
 from jaxserve.sched.policies import make_policy
-from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, model_shape
+from jaxserve.sched.profiles import ProfileBatchCost, kv_capacity
 from jaxserve.sched.request import Request
 from jaxserve.sched.scheduler import ReplicaScheduler
 from jaxserve.sched.slo import SLO
@@ -56,11 +56,7 @@ class ClusterConfig:
     def replica_kv_capacity(self) -> int:
         if self.kv_capacity is not None:
             return self.kv_capacity
-        shape, gpu = model_shape(self.profile), GPUS[PROFILES[self.profile][0]]
-        free = self.tp * self.stages * gpu.memory * self.memory_utilization - shape.weight_bytes()
-        if free <= 0:
-            raise ValueError(f"{shape.name} does not fit {self.tp * self.stages} x {gpu.name}")
-        return int(free // shape.kv_bytes_per_token())
+        return kv_capacity(self.profile, self.tp * self.stages, self.memory_utilization)
 
 
 class Replica:
