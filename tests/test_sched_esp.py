@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-from jaxserve.sched.esp import ElasticInstance, ESPScheduler
+from jaxserve.sched.esp import ElasticInstance, ESPBatch, ESPScheduler, split_evenly
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 
@@ -60,7 +60,7 @@ def test_allocation_takes_a_busy_instance_only_when_its_gain_beats_moving_its_kv
     assert [e.id for e in esp(bw=1e18).allocate(reqs, idle + [heavy, light])] == [0, 1, 2, 3]
 
 
-def brute_force(s, reqs, ins):
+def brute_force(s, reqs, ins, max_sp=None):
     reqs = sorted(reqs, key=lambda r: -r.prompt_len)
     ins = sorted(ins, key=lambda e: e.kv_used)
 
@@ -70,35 +70,37 @@ def brute_force(s, reqs, ins):
             return 0.0
         out = math.inf
         for i2 in range(i + 1, len(reqs) + 1):
-            need = sum(r.prompt_len + s.output_estimate for r in reqs[i:i2])
+            need = sum(map(s.kv_need, reqs[i:i2]))
             for k1 in range(k, len(ins)):  # skip instances k..k1-1
-                for k2 in range(k1 + 1, len(ins) + 1):
+                for k2 in range(k1 + 1, min(len(ins), k1 + (max_sp or len(ins))) + 1):
                     if sum(e.free for e in ins[k1:k2]) >= need:
                         t = s.latency([r.prompt_len for r in reqs[i:i2]], k2 - k1)
-                        out = min(out, t + best(i2, k2))
+                        out = min(out, (i2 - i) * t + best(i2, k2))
         return out
 
     return best(0, 0)
 
 
+@pytest.mark.parametrize("max_sp", [None, 1, 2])
 @pytest.mark.parametrize("seed", range(8))
-def test_batching_dp_matches_brute_force(seed):
+def test_batching_dp_matches_brute_force(seed, max_sp):
     rng = np.random.default_rng(seed)
-    s = esp(output_estimate=256)
+    s = esp(output_estimate=256, max_sp=max_sp)
     reqs = [req(i, int(rng.integers(1000, 200_000))) for i in range(int(rng.integers(1, 6)))]
     ins = [ElasticInstance(i, 300_000, int(rng.integers(0, 200_000))) for i in range(int(rng.integers(2, 6)))]
     try:
         batches = s.batch(reqs, ins)
     except ValueError:
-        assert brute_force(s, reqs, ins) == math.inf
+        assert brute_force(s, reqs, ins, max_sp) == math.inf
         return
-    assert sum(b.time for b in batches) == pytest.approx(brute_force(s, reqs, ins))
+    assert sum(b.time * len(b.requests) for b in batches) == pytest.approx(brute_force(s, reqs, ins, max_sp))
+    assert all(len(b.instances) <= (max_sp or len(ins)) for b in batches)
     placed = [r.id for b in batches for r in b.requests]
     assert sorted(placed) == sorted(r.id for r in reqs)
     used = [i for b in batches for i in b.instances]
     assert len(used) == len(set(used))  # batches run on disjoint instance groups
     for b in batches:
-        assert sum(r.prompt_len + 256 for r in b.requests) <= sum(e.free for e in ins if e.id in b.instances)
+        assert sum(map(s.kv_need, b.requests)) <= sum(e.free for e in ins if e.id in b.instances)
 
 
 def test_plan_runs_admission_allocation_and_batching():
@@ -107,3 +109,64 @@ def test_plan_runs_admission_allocation_and_batching():
     batches = s.plan([req(i, n) for i, n in enumerate([200_000, 8000, 6000, 4000])], ins)
     assert sum(len(b.requests) for b in batches) == 4
     assert max(len(b.instances) for b in batches) >= 2  # the long prompt gets SP
+
+
+def test_plan_holds_back_the_latest_admitted_when_the_allocated_instances_cannot_hold_them():
+    s = esp(output_estimate=0, bw=1.0)  # moving any KV costs more than it gains: busy instances stay out
+    ins = [ElasticInstance(0, 100_000), ElasticInstance(1, 1_000_000, kv_used=900_000)]
+    pending = [req(0, 60_000), req(1, 60_000)]
+    assert len(s.admit(pending, ins)) == 2  # the pool as a whole has room for both ...
+    batches = s.plan(pending, ins)  # ... but the idle instance holds only the first
+    assert [r.id for b in batches for r in b.requests] == ["0"]
+
+
+def test_admission_counts_the_growth_of_requests_already_decoding():
+    ins = [ElasticInstance(i, 100_000) for i in range(2)]
+    s = esp(output_estimate=0)
+    assert len(s.admit([req(0, 50_000), req(1, 50_000)], ins)) == 2
+    assert len(s.admit([req(0, 50_000), req(1, 50_000)], ins, growth=110_000)) == 1  # 210K > 200K
+
+
+def test_scale_down_keeps_kv_on_the_fewest_instances_that_hold_prompt_and_output():
+    s = esp(output_estimate=10_000)
+    ins = [ElasticInstance(i, 100_000, kv_used=u) for i, u in enumerate([0, 50_000, 20_000, 0])]
+    batch = ESPBatch((req(0, 120_000), req(1, 30_000)), (0, 1, 2, 3), 1.0)
+    shards = s.scale_down(batch, ins)
+    # the long one first, on the two emptiest (200K free >= 130K), split evenly
+    assert shards["0"] == {0: 60_000, 3: 60_000} or shards["0"] == {3: 60_000, 0: 60_000}
+    # then the short one: 2's 80K free now beats 0/3's 40K
+    assert shards["1"] == {2: 30_000}
+    assert [e.kv_used for e in ins] == [60_000, 50_000, 50_000, 60_000]
+    for placed in shards.values():  # the member with the most room left is last: it takes new tokens
+        tail = next(reversed(placed))
+        assert ins[tail].free == max(ins[i].free for i in placed)
+
+
+def test_scale_down_spreads_over_every_instance_when_none_suffice():
+    s = esp(output_estimate=0)
+    ins = [ElasticInstance(i, 10_000, kv_used=u) for i, u in enumerate([9_000, 0, 5_000])]
+    assert s.scale_down(ESPBatch((req(0, 14_000),), (0, 1, 2), 1.0), ins)["0"] == {2: 5_000, 1: 9_000}
+    for e, used in zip(ins, [9_000, 0, 5_000]):
+        e.kv_used = used
+    shards = s.scale_down(ESPBatch((req(0, 15_500),), (0, 1, 2), 1.0), ins)  # 16K free in all: all three
+    assert shards["0"] == {0: 1_000, 2: 5_000, 1: 9_500}  # the nearly full ones give what they can
+    assert split_evenly(7, ins[1:2] * 1) == {1: 7}
+
+
+def test_scale_up_grows_onto_the_emptiest_instance_outside_the_group():
+    ins = [ElasticInstance(i, 1000, kv_used=u) for i, u in enumerate([1000, 300, 100, 1000])]
+    assert ESPScheduler.scale_up({0: 1000}, ins) == 2
+    assert ESPScheduler.scale_up({0: 1000, 2: 900}, ins) == 1
+    assert ESPScheduler.scale_up({0: 1000, 1: 700, 2: 900}, ins) is None  # 3 is full
+
+
+def test_multi_master_spreads_masters_over_the_group():
+    mastered: dict[int, int] = {}
+    picks = []
+    for _ in range(6):
+        m = ESPScheduler.master({0: 500, 1: 100, 2: 100}, mastered)
+        mastered[m] = mastered.get(m, 0) + 1
+        picks.append(m)
+    assert picks[0] == 0  # ties go to the instance holding more of the KV
+    assert sorted(mastered.values()) == [2, 2, 2]
+    assert ESPScheduler.master({2: 10, 0: 500}, {2: 9}, multi_master=False) == 2  # single master: the first

@@ -1,5 +1,6 @@
 """Tetris in simulation: CDSP vs fixed SP 8/16 vs request-level SP on 16 LLaMA3-8B prefill instances (2 nodes
-x 8 A100, TP=1; Eq. (1) fitted to Tetris Table 1) over Tetris-shaped Short / Medium / Long traces.
+x 8 A100, TP=1; Eq. (1) fitted to Tetris Table 1) over Tetris-shaped Short / Medium / Long traces and the Azure
+LLM inference traces (conv, code: their own prompt lengths and burstiness, rescaled to each load).
 
 For each trace: the offline improvement-rate profile (Section 5.1, on a separate sample), then each planner's
 max sustainable rate (90% of requests within 25x their fastest isolated prefill, the light-load bound Tetris and
@@ -11,6 +12,7 @@ rates vs the adaptive one (Fig. 11). Prints the CDSP / best-fixed-SP capacity ra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -23,11 +25,12 @@ from jaxserve.sched.improvement_rate import AdaptiveCDSP
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sim import plots
 from jaxserve.sim.prefill_pool import max_sustainable_rate, profile_improvement_rates, run_pool
-from jaxserve.sim.workload import LONG_CONTEXT, long_context
+from jaxserve.sim.workload import LONG_CONTEXT, Workload, load_trace, long_context
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("requests", 600, "Requests per simulated run.")
-flags.DEFINE_list("traces", sorted(LONG_CONTEXT), "Long-context traces to run.")
+AZURE = ("azure_conv", "azure_code")
+flags.DEFINE_list("traces", sorted(LONG_CONTEXT) + list(AZURE), "Traces to run: long-context shapes or Azure.")
 flags.DEFINE_string("out", "docs/figures", "Where plots and cdsp.json go.")
 
 MODEL = TetrisPrefill.fit(tetris_table1_samples())
@@ -39,12 +42,20 @@ def main(argv):
     del argv
     results, load_rows, sweep_rows = {}, [], []
     for kind in FLAGS.traces:
-        def workload_at(rate, seed=0):
+        rates = [r * (16 if kind in AZURE else 1) for r in PROFILE_RATES]  # short prompts: far higher loads
+
+        def workload_at(rate: float, seed: int = 0) -> Workload:
+            if kind in AZURE:  # the profile sample is the next stretch of the trace
+                trace = load_trace(kind, limit=(1 + seed) * FLAGS.requests)
+                tail = dataclasses.replace(trace, arrivals=trace.arrivals[seed * FLAGS.requests:],
+                                           prompt_lens=trace.prompt_lens[seed * FLAGS.requests:],
+                                           output_lens=trace.output_lens[seed * FLAGS.requests:])
+                return tail.scaled(tail.rate / rate)
             return long_context(kind, FLAGS.requests, rate, seed=seed)
 
         profile = {chunking: profile_improvement_rates(
             lambda r, c=chunking: CDSPPlanner(MODEL, POOL, r, chunking=c), lambda rate: workload_at(rate, seed=1),
-            POOL.size, MODEL.fastest, PROFILE_RATES) for chunking in (True, False)}
+            POOL.size, MODEL.fastest, rates) for chunking in (True, False)}
         planners = {
             "CDSP (Tetris)": lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL), profile[True]),
             "request-level SP": lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL, chunking=False), profile[False]),
@@ -52,7 +63,7 @@ def main(argv):
             "fixed SP 8": lambda: FixedSPPlanner(MODEL, POOL, 8),
             "fixed SP 16": lambda: FixedSPPlanner(MODEL, POOL, 16),
         }
-        capacity = {name: max_sustainable_rate(make, workload_at, POOL.size, MODEL.fastest, 0.05, 20.0)
+        capacity = {name: max_sustainable_rate(make, workload_at, POOL.size, MODEL.fastest, rates[0] / 5, rates[-1] * 2.5)
                     for name, make in tqdm(planners.items(), desc=f"{kind}: max sustainable rate")}
         best_fixed = max(capacity["fixed SP 8"], capacity["fixed SP 16"])
         ratio = capacity["CDSP (Tetris)"] / best_fixed

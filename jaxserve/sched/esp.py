@@ -8,8 +8,15 @@ elastic instances, and split into which batches (LoongServe Section 5; slides in
   it saves, Gain = sum_r (T(R, E) - T(R, E + e)) / l_r, exceeds the time to move its KV away,
   Cost = sum_r V(e) / (bandwidth * l_r) (both per prompt token, so long prompts weigh less per token).
 - Batching by dynamic programming: requests sorted longest first, instances emptiest first;
-  f[i][k] = min over j, l of f[j][l] + T(R[j..i], E[l..k]) with the batch's tokens fitting those instances' free
-  KV. Evaluated over contiguous ranges with numpy along one axis (O(n^2 m) Python steps).
+  f[i][k] = min over j, l of f[j][l] + (i - j) T(R[j..i], E[l..k]) (the summed prefill time of the requests) with
+  the batch's tokens fitting those instances' free KV. Evaluated over contiguous ranges with numpy along one axis (O(n^2 m) Python steps).
+- Scale-down after prefill with proactive migration: a request decodes on the fewest of its batch's instances
+  whose free memory holds its prompt plus room to grow; while the prefill ring circulates K/V, each block is kept
+  by the instance that will decode it, so nothing moves after the prefill ends (reactive migration would move the
+  shares of the instances that leave).
+- Multi-master scale-up in decode: a request whose KV tail instance is full grows its group by the emptiest other
+  instance, which takes the new tokens; no KV moves. Each request has a master (computes its query and
+  non-attention layers); with several masters per group the masters spread over the group's instances.
 
 T(R, E) is LoongServe's model a + b*sum(l) + c*sum(l^2) at SP = |E|; SP sizes between fitted ones interpolate
 in log2(SP). Pure Python + numpy.
@@ -47,10 +54,11 @@ class ESPBatch:
 
 class ESPScheduler:
     def __init__(self, model: LoongServePrefill, tp: int, knee: float, migration_bandwidth: float,
-                 kv_bytes_per_token: float, output_estimate: int = 1024):
+                 kv_bytes_per_token: float, output_estimate: int = 1024, max_sp: int | None = None):
         """knee: seconds per prefill iteration past which admitting more stops paying (profiled);
-        migration_bandwidth: bytes/s an instance's KV moves at; output_estimate: predicted decode length."""
-        self.tp, self.knee, self.bandwidth = tp, knee, migration_bandwidth
+        migration_bandwidth: bytes/s an instance's KV moves at; output_estimate: predicted decode length;
+        max_sp: the most instances one batch may span (1 = independent replicas, the no-ESP baseline)."""
+        self.tp, self.knee, self.bandwidth, self.max_sp = tp, knee, migration_bandwidth, max_sp
         self.kv_bytes, self.output_estimate = kv_bytes_per_token, output_estimate
         self._sp = sorted(sp for sp, t in model.coefficients if t == tp)
         if not self._sp:
@@ -68,13 +76,20 @@ class ESPScheduler:
         lengths = np.asarray(lengths, np.float64)
         return float(a + b * lengths.sum() + c * (lengths**2).sum())
 
+    def kv_need(self, r: Request) -> int:
+        """KV tokens a request is predicted to hold at its end: the prompt plus the predicted output, which never
+        exceeds what it may generate (max_tokens)."""
+        return r.prompt_len + min(self.output_estimate, r.output_len)
+
     # -- admission -------------------------------------------------------------------------------------------
-    def admit(self, pending: Sequence[Request], instances: Sequence[ElasticInstance]) -> list[Request]:
+    def admit(self, pending: Sequence[Request], instances: Sequence[ElasticInstance],
+              growth: int = 0) -> list[Request]:
+        """growth: tokens the requests already decoding are predicted to add before they finish."""
         capacity = sum(e.kv_capacity for e in instances)
-        held = sum(e.kv_used for e in instances)
+        held = sum(e.kv_used for e in instances) + growth
         admitted: list[Request] = []
         for r in pending:  # FCFS: stop at the first that does not fit, so nobody is overtaken
-            future = held + sum(x.prompt_len + self.output_estimate for x in admitted + [r])
+            future = held + sum(map(self.kv_need, admitted + [r]))
             if future > capacity:
                 break
             if admitted and self.latency([x.prompt_len for x in admitted + [r]], len(instances)) > self.knee:
@@ -100,7 +115,9 @@ class ESPScheduler:
     # -- batching --------------------------------------------------------------------------------------------
     def batch(self, requests: Sequence[Request], instances: Sequence[ElasticInstance]) -> list[ESPBatch]:
         """Contiguous batches of the requests (longest first) on contiguous instance ranges (emptiest first)
-        minimising the summed batch time; every request is placed or ValueError says why it cannot be."""
+        minimising the requests' summed prefill time (each waits for its whole batch, so a batch's time counts
+        once per request in it: side-by-side batches beat one stacked on a single instance); every request is
+        placed or ValueError says why it cannot be."""
         reqs = sorted(requests, key=lambda r: -r.prompt_len)
         ins = sorted(instances, key=lambda e: e.kv_used)
         n, m = len(reqs), len(ins)
@@ -108,7 +125,7 @@ class ESPScheduler:
             return []
         if not m:
             raise ValueError("no instances to batch onto")
-        lens = np.array([r.prompt_len + self.output_estimate for r in reqs], np.float64)  # KV each will hold
+        lens = np.array([self.kv_need(r) for r in reqs], np.float64)
         p1 = np.concatenate([[0.0], np.cumsum([r.prompt_len for r in reqs])])
         p2 = np.concatenate([[0.0], np.cumsum([float(r.prompt_len) ** 2 for r in reqs])])
         pk = np.concatenate([[0.0], np.cumsum(lens)])
@@ -122,14 +139,14 @@ class ESPScheduler:
                 best, where = f[i, k - 1], None  # instance k unused
                 for j in range(i):  # batch = requests j+1..i
                     s1, s2, need = p1[i] - p1[j], p2[i] - p2[j], pk[i] - pk[j]
-                    ls = np.arange(k)  # instances l+1..k
+                    ls = np.arange(0 if self.max_sp is None else max(k - self.max_sp, 0), k)  # instances l+1..k
                     sp = k - ls
                     fits = free[k] - free[ls] >= need
-                    cand = f[j, ls] + coef[sp - 1, 0] + coef[sp - 1, 1] * s1 + coef[sp - 1, 2] * s2
+                    cand = f[j, ls] + (i - j) * (coef[sp - 1, 0] + coef[sp - 1, 1] * s1 + coef[sp - 1, 2] * s2)
                     cand = np.where(fits, cand, np.inf)
                     l_best = int(np.argmin(cand))
                     if cand[l_best] < best:
-                        best, where = float(cand[l_best]), (j, l_best)
+                        best, where = float(cand[l_best]), (j, int(ls[l_best]))
                 f[i, k] = best
                 if where is not None:
                     arg[(i, k)] = where
@@ -146,9 +163,63 @@ class ESPScheduler:
             i, k = j, l
         return out[::-1]
 
-    def plan(self, pending: Sequence[Request], instances: Sequence[ElasticInstance]) -> list[ESPBatch]:
-        """One scheduling round: admit, allocate, batch."""
-        admitted = self.admit(pending, instances)
-        if not admitted:
-            return []
-        return self.batch(admitted, self.allocate(admitted, instances))
+    def plan(self, pending: Sequence[Request], instances: Sequence[ElasticInstance],
+             growth: int = 0) -> list[ESPBatch]:
+        """One scheduling round: admit, allocate, batch. Admission checks memory over the whole pool; when the
+        allocated instances' free memory cannot hold every admitted request, the latest admitted wait."""
+        admitted = self.admit(pending, instances, growth)
+        while admitted:
+            try:
+                return self.batch(admitted, self.allocate(admitted, instances))
+            except ValueError:
+                admitted.pop()
+        return []
+
+    # -- decode: scale-down and scale-up ---------------------------------------------------------------------
+    def scale_down(self, batch: ESPBatch, instances: Sequence[ElasticInstance]) -> dict[str, dict[int, int]]:
+        """Where each request of a finished prefill batch keeps its KV to decode: request id -> {instance id:
+        prompt tokens held}, on the fewest of the batch's instances (most free first) that hold the prompt plus
+        the predicted output, split evenly; with no such set, on all of them. Updates the instances' kv_used."""
+        by_id = {e.id: e for e in instances}
+        out = {}
+        for r in sorted(batch.requests, key=lambda r: -r.prompt_len):
+            group = sorted((by_id[i] for i in batch.instances), key=lambda e: -e.free)
+            need, room, size = self.kv_need(r), 0, len(group)
+            for k, e in enumerate(group):
+                room += e.free
+                if room >= need:
+                    size = k + 1
+                    break
+            out[r.id] = split_evenly(r.prompt_len, group[:size])
+            for i, tokens in out[r.id].items():
+                by_id[i].kv_used += tokens
+        return out
+
+    @staticmethod
+    def scale_up(shards: dict[int, int], instances: Sequence[ElasticInstance]) -> int | None:
+        """The instance a decoding request grows onto when its tail instance is full: the emptiest one outside
+        its group with room; None when there is none (the request must wait or be preempted)."""
+        outside = [e for e in instances if e.id not in shards and e.free > 0]
+        return max(outside, key=lambda e: e.free).id if outside else None
+
+    @staticmethod
+    def master(shards: dict[int, int], mastered: dict[int, int], multi_master: bool = True) -> int:
+        """The instance that runs a request's query and non-attention layers this step: with multi-master, the
+        group's instance mastering the fewest requests so far (ties: the one holding more of its KV); otherwise
+        the first instance of its group."""
+        if not multi_master:
+            return next(iter(shards))
+        return min(shards, key=lambda i: (mastered.get(i, 0), -shards[i]))
+
+
+def split_evenly(tokens: int, group: Sequence[ElasticInstance]) -> dict[int, int]:
+    """Spread tokens over the group as evenly as each member's free memory allows (members with little room take
+    what they can, the rest share the remainder); anything still left goes to the first member."""
+    out, left = {}, tokens
+    for k, e in enumerate(sorted(group, key=lambda e: e.free)):
+        share = min(max(e.free, 0), -(-left // (len(group) - k)))
+        out[e.id] = share
+        left -= share
+    out[group[0].id] += left
+    # the member with the most room left goes last: it takes the new tokens
+    return dict(sorted(out.items(), key=lambda kv: next(e.free for e in group if e.id == kv[0]) - kv[1]))
