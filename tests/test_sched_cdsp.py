@@ -104,6 +104,24 @@ def test_groups_fill_a_node_before_spilling_and_prefer_short_queues():
     assert planner.extend((), 32, q) is None
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_chained_extensions_match_extending_afresh(seed):
+    """Planning extends each group from the last one's bookkeeping (its free instances and nodes, shared between
+    chains that meet); every step must give the group that extending the same instances afresh gives."""
+    rng = np.random.default_rng(seed)
+    pool = Pool(nodes=4, per_node=4)
+    q = rng.choice([0.0, 1.0, 2.0, 3.0], pool.size)  # ties on purpose
+    planner = CDSPPlanner(MODEL, pool, sizes=[1, 2, 4, 8])
+    book = planner._booking(q)
+    for sp in range(1, pool.size + 1):  # as planning does first: every size from no instances
+        book.extend(book.root, sp)
+    sizes = sorted(rng.choice(np.arange(1, pool.size + 1), size=5, replace=False).tolist())
+    group, members = book.root, ()
+    for sp in sizes:
+        group, members = book.extend(group, sp), planner.extend(members, sp, q)
+        assert group.members == members and group.ready == q[list(members)].max()
+
+
 def test_fixed_sp_sends_a_request_to_the_group_that_frees_first():
     q = np.zeros(16)
     q[:8] = 2.0

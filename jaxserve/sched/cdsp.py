@@ -66,6 +66,29 @@ class Pool:
         return self.nodes * self.per_node
 
 
+Coef = tuple[float, float, float, float]  # Eq. (1)'s c0..c3 for one SP size
+Step = tuple["_Group", int, int]  # a chunk before its times are filled in: (group, tokens, history)
+
+
+def _latency(coef: Coef, n: int, h: int) -> float:
+    c0, c1, c2, c3 = coef
+    return c0 + c1 * n + c2 * n * h + c3 * n * n
+
+
+def _chunks_for(coef: Coef, h: int, start: float, ends: Sequence[float]) -> list[int]:
+    """For each of `ends`, the largest chunk that runs from `start` until then after h history tokens (0 if none):
+    the positive root of c3*n^2 + (c1 + c2*h)*n + (c0 - budget) = 0 (Algorithm 3's Newton iteration converges to
+    it). Batched per history, with the terms that do not depend on the budget hoisted: this is the DP's inner loop."""
+    c0, c1, c2, a = coef
+    b = c1 + c2 * h
+    bb, a2, a4 = b * b, 2 * a, 4 * a  # b * b - 4 * a * c evaluates as bb - a4 * c: the same floats
+    out = []
+    for end in ends:
+        c = c0 - (end - start)
+        out.append(0 if c >= 0 else int((-b + math.sqrt(bb - a4 * c)) / a2) if a > 0 else int(-c / b))
+    return out
+
+
 class CDSPPlanner:
     def __init__(self, model: TetrisPrefill, pool: Pool, improvement_rate: float = 0.1,
                  sizes: Sequence[int] | None = None, min_chunk: int = 1024, chunking: bool = True):
@@ -75,38 +98,38 @@ class CDSPPlanner:
         self.sizes = sorted(sizes or [s for s in model.coefficients if s <= pool.size])
         if not self.sizes or self.sizes[-1] > pool.size:
             raise ValueError(f"SP sizes {self.sizes} do not fit a pool of {pool.size} instances")
-        self._coef = {s: tuple(float(c) for c in model.coef(s)) for s in self.sizes}
+        # plain floats: Eq. (1) on numpy scalars costs more than the planning arithmetic itself
+        self._coef: dict[int, Coef] = {s: tuple(float(c) for c in model.coef(s)) for s in self.sizes}
+        self._node_base = np.arange(0, pool.size, pool.per_node)[:, None]  # each node's first instance id
 
     def latency(self, sp: int, n: int, h: int) -> float:
-        c0, c1, c2, c3 = self._coef[sp]
-        return c0 + c1 * n + c2 * n * h + c3 * n * n
+        return _latency(self._coef[sp], n, h)
 
     def chunk_for(self, sp: int, budget: float, h: int) -> int:
-        """Largest chunk that runs within `budget` seconds after h history tokens: the positive root of
-        c3*n^2 + (c1 + c2*h)*n + (c0 - budget) = 0 (Algorithm 3's Newton iteration converges to it)."""
-        c0, c1, c2, c3 = self._coef[sp]
-        a, b, c = c3, c1 + c2 * h, c0 - budget
-        if c >= 0:
-            return 0
-        root = (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a) if a > 0 else -c / b
-        return int(root)
+        """Largest chunk that runs within `budget` seconds after h history tokens (see _chunks_for)."""
+        return _chunks_for(self._coef[sp], h, 0.0, [budget])[0]
 
     # -- groups ----------------------------------------------------------------------------------------------
     def extend(self, prev: tuple[int, ...], sp: int, queues: Sequence[float]) -> tuple[int, ...] | None:
         """A group of `sp` instances holding `prev`: first the free instances on prev's nodes, then whole nodes
         with the shortest queues, then the node whose needed-th shortest queue is shortest (its shortest ones)."""
-        return _Booking(self.pool, np.asarray(queues, np.float64)).extend(prev, sp)
+        book = self._booking(np.asarray(queues, np.float64))
+        group = book.extend(book.group(prev), sp)
+        return None if group is None else group.members
+
+    def _booking(self, q: np.ndarray) -> "_Booking":
+        return _Booking(self.pool, q, self._node_base)
 
     # -- Algorithm 2 -----------------------------------------------------------------------------------------
-    def single_chunk(self, tokens: int, book: "_Booking") -> Chunk:
-        best: Chunk | None = None
+    def _single_chunk(self, tokens: int, book: "_Booking") -> tuple[float, "_Group"]:
+        """The TTFT and group of the whole prompt as one chunk."""
+        best_end, best = 0.0, None
         for sp in self.sizes:  # every size fits the pool (checked at construction)
-            group = book.extend((), sp)
-            start = book.ready(group)
-            chunk = Chunk(tokens, 0, group, start, start + self.latency(sp, tokens, 0))
-            if best is None or chunk.end < best.end * (1 - self.improvement_rate):
-                best = chunk
-        return best
+            group = book.extend(book.root, sp)
+            end = group.ready + self.latency(sp, tokens, 0)
+            if best is None or end < best_end * (1 - self.improvement_rate):
+                best_end, best = end, group
+        return best_end, best
 
     # -- Algorithm 1 -----------------------------------------------------------------------------------------
     def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan:
@@ -115,100 +138,148 @@ class CDSPPlanner:
         q = np.asarray(queues, np.float64)
         if q.shape != (self.pool.size,):
             raise ValueError(f"need one queue time per instance ({self.pool.size}), got shape {q.shape}")
-        book = _Booking(self.pool, np.maximum(q, 0.0))
-        single = self.single_chunk(tokens, book)
-        best = ChunkPlan((single,))
-        if not self.chunking:
-            return best
-        sizes = [s for s in self.sizes if s <= single.sp]
-        for first in range(len(sizes) - 1):
-            chained = self._chains(tokens, sizes[first:], book)
-            if chained is not None and chained.ttft < best.ttft:
-                best = chained
-        return best
+        book = self._booking(np.maximum(q, 0.0))
+        ttft, single = self._single_chunk(tokens, book)
+        steps: tuple[Step, ...] = ((single, tokens, 0),)
+        if self.chunking:
+            sizes = [s for s in self.sizes if s <= single.sp]
+            coefs = [self._coef[s] for s in sizes]
+            for first in range(len(sizes) - 1):
+                chained = self._chains(tokens, book.chain(sizes[first:]), coefs[first:], ttft)
+                if chained is not None:
+                    ttft, steps = chained
+        # Chunks are built for the chosen plan only: the search itself runs on (group, tokens, history) steps
+        return ChunkPlan(tuple(self._chunk(*step) for step in steps))
 
-    def _chains(self, tokens: int, sizes: list[int], book: "_Booking") -> ChunkPlan | None:
-        """The best plan whose chunks run on nested groups G_1 < G_2 < ... built by extending from sizes[0].
-        Algorithm 1's recursion over (current, next) SP pairs, evaluated as a dynamic programme: a chunk on G_j
-        runs from when G_j is ready until a larger G_i is (Eq. 2 books G_j exactly that long), so reaching G_i
-        with more of the prompt done is never worse (the chunk solved for a budget shrinks by less than the
-        history grows, and the rest's latency falls with history). Keeping the most progress per group makes
-        the search O(sizes^2) instead of exponential."""
-        groups: list[tuple[int, tuple[int, ...], float]] = []
-        group: tuple[int, ...] = ()
-        for sp in sizes:
-            group = book.extend(group, sp)
-            if group is None:
-                break
-            groups.append((sp, group, book.ready(group)))
+    def _chains(self, tokens: int, groups: list["_Group"], coefs: list[Coef],
+                bound: float) -> tuple[float, tuple[Step, ...]] | None:
+        """The TTFT and steps of the best plan that beats `bound` with chunks on the nested groups G_1 < G_2 < ...
+        (a _Booking.chain; coefs[i]: Eq. (1) at G_i's size). Algorithm 1's recursion over (current, next) SP
+        pairs, evaluated as a dynamic programme: a chunk on G_j runs from when G_j is ready until a larger G_i is
+        (Eq. 2 books G_j exactly that long), so reaching G_i with more of the prompt done is never worse (the
+        chunk solved for a budget shrinks by less than the history grows, and the rest's latency falls with
+        history). Keeping the most progress per group makes the search O(sizes^2) instead of exponential."""
+        ready = [g.ready for g in groups]
         done: list[int | None] = [0] + [None] * (len(groups) - 1)  # most prompt tokens done when G_i is ready
-        trail: list[tuple[Chunk, ...]] = [()] * len(groups)
-        best: ChunkPlan | None = None
-        for j, (sp, group, ready) in enumerate(groups):
-            h = done[j]
+        back = [0] * len(groups)  # the group whose chunk ran until G_i was ready
+        best, min_chunk = 0, self.min_chunk
+        for j, h in enumerate(done):
             if h is None:
                 continue
-            if trail[j]:  # finish the prompt on G_j
-                end = ready + self.latency(sp, tokens - h, h)
-                if best is None or end < best.ttft:
-                    best = ChunkPlan(trail[j] + (Chunk(tokens - h, h, group, ready, end),))
-            for i in range(j + 1, len(groups)):
-                n = self.chunk_for(sp, groups[i][2] - ready, h)  # until G_i's extra instances free up
-                if n < self.min_chunk or h + n >= tokens or (done[i] is not None and h + n <= done[i]):
-                    continue
-                done[i] = h + n
-                trail[i] = trail[j] + (Chunk(n, h, group, ready, ready + self.latency(sp, n, h)),)
-        return best
+            coef, start = coefs[j], ready[j]
+            if j:  # finish the prompt on G_j
+                end = start + _latency(coef, tokens - h, h)
+                if end < bound:
+                    bound, best = end, j
+            # each chunk runs until a larger group's extra instances free up
+            for i, n in enumerate(_chunks_for(coef, h, start, ready[j + 1:]), j + 1):
+                if min_chunk <= n < tokens - h and (done[i] is None or h + n > done[i]):
+                    done[i], back[i] = h + n, j
+        if not best:
+            return None
+        steps = [(groups[best], tokens - done[best], done[best])]
+        i = best
+        while i:  # back to G_1
+            j = back[i]
+            steps.append((groups[j], done[i] - done[j], done[j]))
+            i = j
+        return bound, tuple(reversed(steps))
+
+    def _chunk(self, group: "_Group", n: int, h: int) -> Chunk:
+        return Chunk(n, h, group.members, group.ready, group.ready + self.latency(group.sp, n, h))
+
+
+@dataclasses.dataclass(slots=True)
+class _Group:
+    """Instances in ring order with what extending them needs, so that no extension rescans them."""
+
+    members: tuple[int, ...]
+    ready: float  # when its busiest instance frees up (-inf for none)
+    near: list[int]  # the free instances on its nodes, shortest queue first
+    free: list[int]  # the nodes it does not touch, in _Booking.node_order
+    grown: dict[int, "_Group | None"] = dataclasses.field(default_factory=dict)  # its extensions by size
+
+    @property
+    def sp(self) -> int:
+        return len(self.members)
 
 
 class _Booking:
-    """Instance queue times with what group extension needs precomputed (each node's instances in queue order),
-    and group extensions memoised: one per plan."""
+    """Instance queue times with what group extension needs precomputed (each node's instances in queue order,
+    nodes in order of their longest queue), and group extensions memoised: one per plan. Groups are interned by
+    their members, so chains that meet share the rest of their extensions."""
 
-    def __init__(self, pool: Pool, q: np.ndarray):
-        self.pool, self.q = pool, q
+    def __init__(self, pool: Pool, q: np.ndarray, node_base: np.ndarray):
+        """node_base: each node's first instance id, as a column."""
+        self.pool = pool
         self.queue = q.tolist()
-        k = pool.per_node
-        order = np.argsort(q.reshape(pool.nodes, k), axis=1, kind="stable") + (np.arange(pool.nodes) * k)[:, None]
+        order = q.reshape(pool.nodes, pool.per_node).argsort(axis=1, kind="stable")
+        order += node_base
         self.by_queue = order.tolist()  # node -> its instances, shortest queue first
-        self._memo: dict[tuple[tuple[int, ...], int], tuple[int, ...] | None] = {}
+        self.kth = q[order].T.tolist()  # kth[r][node]: its (r+1)-th shortest queue; kth[-1]: when all are free
+        # a whole node is ready when its last instance is; among equals, the least loaded (stable: lower id) first
+        self.node_order = sorted(range(pool.nodes), key=self.kth[-1].__getitem__)
+        self.root = _Group((), -math.inf, [], self.node_order)
+        self._groups = {(): self.root}  # one object per distinct group, so each is extended once per size
 
-    def ready(self, group: Sequence[int]) -> float:
-        queue = self.queue
-        return max(queue[i] for i in group)
+    def group(self, members: Sequence[int]) -> _Group:
+        """Any instances as a group (the planner only extends its own, from the root)."""
+        if not members:
+            return self.root
+        k, queue = self.pool.per_node, self.queue
+        nodes = {i // k for i in members}
+        taken = set(members)
+        near = sorted((i for nd in nodes for i in self.by_queue[nd] if i not in taken), key=queue.__getitem__)
+        free = [nd for nd in self.node_order if nd not in nodes]
+        return _Group(tuple(members), max(queue[i] for i in members), near, free)
 
-    def extend(self, prev: tuple[int, ...], sp: int) -> tuple[int, ...] | None:
-        key = (prev, sp)
-        if key not in self._memo:
-            self._memo[key] = self._extend(prev, sp)
-        return self._memo[key]
+    def chain(self, sizes: list[int]) -> list[_Group]:
+        """Nested groups of these sizes, each extending the last, from the root (as many as fit)."""
+        groups, group = [], self.root
+        for sp in sizes:
+            group = self.extend(group, sp)
+            if group is None:
+                break
+            groups.append(group)
+        return groups
 
-    def _extend(self, prev: tuple[int, ...], sp: int) -> tuple[int, ...] | None:
-        need = sp - len(prev)
-        if need < 0 or sp > self.pool.size:
+    def extend(self, prev: _Group, sp: int) -> _Group | None:
+        if sp not in prev.grown:
+            group = self._extend(prev, sp)
+            prev.grown[sp] = group and self._groups.setdefault(group.members, group)
+        return prev.grown[sp]
+
+    def _extend(self, prev: _Group, sp: int) -> _Group | None:
+        need = sp - len(prev.members)
+        if need < 0 or sp > len(self.queue):
             return None
         if need == 0:
             return prev
-        k, queue, by_queue = self.pool.per_node, self.queue, self.by_queue
-        group = list(prev)
-        prev_nodes = {i // k for i in prev}
-        if prev:
-            taken = set(prev)
-            near = sorted((i for nd in prev_nodes for i in by_queue[nd] if i not in taken), key=queue.__getitem__)
-            group += near[:need]
-            need -= len(near[:need])
-        free_nodes = [nd for nd in range(self.pool.nodes) if nd not in prev_nodes]
-        whole, rest = divmod(need, k)
-        if whole > len(free_nodes) or (whole == len(free_nodes) and rest):
+        if prev is not self.root and not prev.near and self.root.grown.get(len(prev.members)) is prev:
+            return self.extend(self.root, sp)  # whole nodes in the root's order: the same as from the root
+        members, ready, near, free = list(prev.members), prev.ready, prev.near, prev.free
+        if near:  # fill prev's nodes first
+            took = near[:need]
+            members += took
+            ready = max(ready, self.queue[took[-1]])  # near is in queue order
+            near, need = near[need:], need - len(took)
+            if not need:
+                return _Group(tuple(members), ready, near, free)
+        whole, rest = divmod(need, self.pool.per_node)
+        if whole > len(free) or (whole == len(free) and rest):
             return None
-        # a whole node is ready when its last instance is; among equals, the least loaded node goes first
-        free_nodes.sort(key=lambda nd: queue[by_queue[nd][-1]])
-        for nd in free_nodes[:whole]:
-            group += by_queue[nd]
-        if rest:
-            nd = min(free_nodes[whole:], key=lambda nd: queue[by_queue[nd][rest - 1]])
-            group += by_queue[nd][:rest]
-        return tuple(group)
+        for nd in free[:whole]:
+            members += self.by_queue[nd]
+        if whole:
+            ready = max(ready, self.kth[-1][free[whole - 1]])  # free nodes are in order of readiness
+        free = free[whole:]
+        if rest:  # the node whose rest-th shortest queue is shortest
+            nd = min(free, key=self.kth[rest - 1].__getitem__)
+            members += self.by_queue[nd][:rest]
+            ready = max(ready, self.kth[rest - 1][nd])
+            near = self.by_queue[nd][rest:]
+            free.remove(nd)
+        return _Group(tuple(members), ready, near, free)
 
 
 class FixedSPPlanner:
