@@ -63,7 +63,8 @@ def main(argv):
             "fixed SP 8": lambda: FixedSPPlanner(MODEL, POOL, 8),
             "fixed SP 16": lambda: FixedSPPlanner(MODEL, POOL, 16),
         }
-        capacity = {name: max_sustainable_rate(make, workload_at, POOL.size, MODEL.fastest, rates[0] / 5, rates[-1] * 2.5)
+        capacity = {name: max_sustainable_rate(make, workload_at, POOL.size, MODEL.fastest, rates[0] / 5,
+                                               rates[-1] * 2.5)
                     for name, make in tqdm(planners.items(), desc=f"{kind}: max sustainable rate")}
         best_fixed = max(capacity["fixed SP 8"], capacity["fixed SP 16"])
         ratio = capacity["CDSP (Tetris)"] / best_fixed

@@ -9,7 +9,8 @@ elastic instances, and split into which batches (LoongServe Section 5; slides in
   Cost = sum_r V(e) / (bandwidth * l_r) (both per prompt token, so long prompts weigh less per token).
 - Batching by dynamic programming: requests sorted longest first, instances emptiest first;
   f[i][k] = min over j, l of f[j][l] + (i - j) T(R[j..i], E[l..k]) (the summed prefill time of the requests) with
-  the batch's tokens fitting those instances' free KV. Evaluated over contiguous ranges with numpy along one axis (O(n^2 m) Python steps).
+  the batch's tokens fitting those instances' free KV. Evaluated over contiguous ranges with numpy along one axis
+  (O(n^2 m) Python steps).
 - Scale-down after prefill with proactive migration: a request decodes on the fewest of its batch's instances
   whose free memory holds its prompt plus room to grow; while the prefill ring circulates K/V, each block is kept
   by the instance that will decode it, so nothing moves after the prefill ends (reactive migration would move the
@@ -221,5 +222,5 @@ def split_evenly(tokens: int, group: Sequence[ElasticInstance]) -> dict[int, int
         out[e.id] = share
         left -= share
     out[group[0].id] += left
-    # the member with the most room left goes last: it takes the new tokens
-    return dict(sorted(out.items(), key=lambda kv: next(e.free for e in group if e.id == kv[0]) - kv[1]))
+    room = {e.id: e.free - out[e.id] for e in group}
+    return dict(sorted(out.items(), key=lambda kv: room[kv[0]]))  # the most room left goes last: it takes new tokens

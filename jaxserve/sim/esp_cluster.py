@@ -141,7 +141,6 @@ class _Run:
             # a request whose prompt and max_tokens outgrow the KV it may span could never finish
             fits = p + o <= self.sim.capacity * (cfg.max_sp or cfg.instances)
             (self.requests if fits else self.rejected).append(r)
-        self.arrivals = list(self.requests)
 
     # -- the loop --------------------------------------------------------------------------------------------
     def _loop(self, progress: bool) -> None:
@@ -150,13 +149,13 @@ class _Run:
         while True:
             times = [e for e, _ in self.prefilling] + [e for e, _, _ in self.steps]
             times += [d.ready_at for d in self.decoding.values() if d.ready_at > self.now]  # migrations landing
-            if arrived < len(self.arrivals):
-                times.append(self.arrivals[arrived].arrival)
+            if arrived < len(self.requests):
+                times.append(self.requests[arrived].arrival)
             if not times:
                 break
             self.now = now = min(times)
-            while arrived < len(self.arrivals) and self.arrivals[arrived].arrival <= now:
-                r = self.arrivals[arrived]
+            while arrived < len(self.requests) and self.requests[arrived].arrival <= now:
+                r = self.requests[arrived]
                 self.pending.append(r)
                 self.origin[r.id] = r
                 arrived += 1
@@ -197,11 +196,11 @@ class _Run:
     def _evacuate(self, taken: set[int], now: float) -> None:
         """A prefill took instances holding decode KV: move those shares to idle instances with room (the cost the
         allocation weighed); a request whose share finds no room waits for the prefill instead."""
+        idle = [e for e in self.instances if e.id in self._idle()]
         for d in self.decoding.values():
             for i in [i for i in d.shards if i in taken]:
                 tokens = d.shards[i]
-                room = [e for e in self.instances if e.id in self._idle() and e.id not in d.shards
-                        and e.free >= tokens + 1]
+                room = [e for e in idle if e.id not in d.shards and e.free >= tokens + 1]
                 if not room:
                     continue
                 target = max(room, key=lambda e: e.free)
