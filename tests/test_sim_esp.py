@@ -95,3 +95,13 @@ def test_reactive_migration_delays_decoding_after_scale_down():
     reactive = ESPSimulator(ESPConfig(instances=4, proactive=False)).run(w, progress=False)
     assert [r.first_token_at for r in proactive.requests] == [r.first_token_at for r in reactive.requests]
     assert max(r.finished_at for r in reactive.requests) > max(r.finished_at for r in proactive.requests)
+
+
+def test_a_preemption_with_nothing_else_in_flight_is_planned_again():
+    """Under tight memory at load, the last decoding request can be preempted while no prefill, step or arrival
+    is pending: its recompute must still be planned (this run used to stop with requests waiting)."""
+    w = long_context("short", 80, 1.0, output=(64, 2048))
+    for cfg in (ESPConfig(**TIGHT), ESPConfig(scale_up=False, **TIGHT)):
+        res = ESPSimulator(cfg).run(w, progress=False)
+        assert res.config["preemptions"] > 0
+        check_complete(res, w)

@@ -177,6 +177,15 @@ class _Run:
         return {e.id for e in self.instances} - busy
 
     def _schedule(self, now: float) -> None:
+        """Prefill rounds, then decode steps; a preemption while starting the steps frees memory and re-queues a
+        request, so planning runs again (else, with nothing in flight, no later event would wake it)."""
+        preempted = -1
+        while preempted != self.preemptions:
+            preempted = self.preemptions
+            self._plan_prefills(now)
+            self._start_steps(now, self._idle())
+
+    def _plan_prefills(self, now: float) -> None:
         idle = self._idle()
         while self.pending and idle:  # rounds until nothing more starts (the knee bounds each round)
             growth = sum(max(min(self.cfg.output_estimate, d.request.output_len) - d.request.generated, 0)
@@ -191,7 +200,6 @@ class _Run:
                 self.pending = [r for r in self.pending if r.id not in planned]
                 self._evacuate(set(batch.instances), now)
             idle = self._idle()
-        self._start_steps(now, idle)
 
     def _evacuate(self, taken: set[int], now: float) -> None:
         """A prefill took instances holding decode KV: move those shares to idle instances with room (the cost the
