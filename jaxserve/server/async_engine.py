@@ -1,0 +1,275 @@
+"""The engine behind the servers: one thread drives `Engine.step()`; asyncio handlers submit requests and read
+their outputs as async streams.
+
+The engine is not thread-safe, so only the engine thread touches it. Handlers send commands (add, abort) that
+the thread applies between steps; that is why a client that leaves has its request aborted and its KV blocks
+freed within one engine step. Outputs go back to each request's asyncio queue through the event loop's
+call_soon_threadsafe. The steps themselves run outside the event loop, so handlers, health checks and
+/metrics stay responsive while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any
+
+from absl import logging
+
+from jaxserve.engine.engine import Engine, FinishReason, RequestOutput
+from jaxserve.engine.sampling import SamplingParams
+from jaxserve.server.metrics import ServerMetrics
+
+
+class QueueFull(Exception):
+    """Admission refused: the running batch and the waiting queue are full."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining: new requests are refused, and unfinished ones are ended when it stops."""
+
+
+class EngineFailed(Exception):
+    """An engine step raised; the requests in the engine at that moment were dropped."""
+
+
+def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
+    """max_tokens for a prompt: `requested` if the context has room for it, else ValueError; unset: `default`
+    (None: the whole rest of the context), capped by the room left."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ValueError(f"prompt has {prompt_len} tokens; the context holds {max_model_len} "
+                         "(prompt plus at least one generated token)")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if isinstance(requested, int) and not isinstance(requested, bool) and requested > room:
+        raise ValueError(f"max_tokens {requested} does not fit: the prompt has {prompt_len} tokens and the "
+                         f"context holds {max_model_len}, leaving {room}")
+    return requested  # a bad type or value is named by SamplingParams' validation
+
+
+@dataclasses.dataclass
+class _TokenEvent:
+    output: RequestOutput
+    time: float  # time.monotonic() when the step that produced it ended
+
+
+class RequestStream:
+    """One request's outputs, as an async iterator. Closing it before the end aborts the request and frees its
+    KV blocks; use it as `async with` so that a cancelled handler closes it."""
+
+    def __init__(self, server: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_generated = 0
+        self.finish_reason: FinishReason | None = None
+        self._server = server
+        self._queue: asyncio.Queue[_TokenEvent | BaseException] = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._end(abort=False)  # whoever queued the error also ended the request in the engine
+            raise item
+        out = item.output
+        self.first_token_time = self.first_token_time or item.time
+        self.last_token_time = item.time
+        self.num_generated += len(out.new_token_ids)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self._end(abort=False)
+        return out
+
+    def close(self) -> None:
+        if not self._done:
+            self._end(abort=True)
+
+    def _end(self, abort: bool) -> None:
+        self._done = True
+        self._server._forget(self, abort)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@dataclasses.dataclass
+class _Live:
+    """The engine thread's record of a request it holds."""
+
+    stream: RequestStream
+    last_token_time: float | None = None
+
+
+class AsyncEngine:
+    """Runs an Engine in its own thread for asyncio servers. Capacity: the engine's running batch
+    (max_num_seqs) plus `max_queue` waiting requests; beyond that `submit` raises QueueFull."""
+
+    def __init__(self, engine: Engine, *, max_queue: int, metrics: ServerMetrics | None = None):
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.engine = engine
+        self.capacity = engine.max_num_seqs + max_queue
+        self.metrics = metrics or ServerMetrics()
+        self.accepting = True
+        self.steps = 0  # engine iterations run (read by tests and the drain loop)
+        self._open: dict[str, RequestStream] = {}  # event-loop side: submitted, not yet ended
+        self._live: dict[str, _Live] = {}  # engine-thread side: in the engine
+        self._commands: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake = threading.Event()
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._update_gauges()
+
+    # ---- lifecycle (event-loop side) ------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will read the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the engine thread (after the current step). Unfinished requests should be ended first."""
+        self._command("stop", None)
+        if self._thread is not None:
+            self._thread.join()
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until every submitted request has ended; False if `timeout` seconds passed first."""
+        deadline = time.monotonic() + timeout
+        while self._open and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self._open
+
+    def abort_all(self, error: BaseException) -> None:
+        """End every open request with `error` (raised to its reader) and abort it in the engine."""
+        for stream in list(self._open.values()):
+            stream._queue.put_nowait(error)
+            self._command("abort", stream.request_id)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    # ---- requests (event-loop side) -------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request; ValueError names what is wrong with it, QueueFull / ShuttingDown refuse it."""
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down and accepts no new requests")
+        ids = self.engine.check_request(prompt_ids, params)  # reads only the model's fixed config
+        if len(self._open) >= self.capacity:
+            raise QueueFull(f"the server is at capacity ({len(self._open)} requests running or queued); "
+                            "retry later")
+        stream = RequestStream(self, f"req-{next(self._ids)}", ids, params)
+        self._open[stream.request_id] = stream
+        self._command("add", stream)
+        return stream
+
+    def _forget(self, stream: RequestStream, abort: bool) -> None:
+        self._open.pop(stream.request_id, None)
+        if abort:
+            self._command("abort", stream.request_id)
+
+    def _command(self, kind: str, arg: Any) -> None:
+        self._commands.append((kind, arg))
+        self._wake.set()
+
+    # ---- the engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            if not self._apply_commands():
+                return
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+                self._wake.clear()  # commands queued meanwhile are applied at the top of the loop
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
+                logging.exception("engine step failed; dropping the requests in the engine")
+                self._fail_all(EngineFailed(f"the engine failed while running this request: {e}"))
+                continue
+            now = time.monotonic()
+            self.steps += 1
+            self.metrics.steps.inc()
+            for out in outputs:
+                self._deliver(out, now)
+            self._update_gauges()
+
+    def _apply_commands(self) -> bool:
+        """Apply queued commands in order; False on stop."""
+        while self._commands:
+            kind, arg = self._commands.popleft()
+            if kind == "stop":
+                return False
+            if kind == "add":
+                try:
+                    self.engine.add_request(arg.prompt_ids, arg.params, request_id=arg.request_id)
+                except ValueError as e:  # submit checked it already; never lose the thread over one request
+                    self._post(arg, e)
+                    continue
+                self._live[arg.request_id] = _Live(arg)
+                self.metrics.prompt_tokens.inc(len(arg.prompt_ids))
+            elif kind == "abort" and self._live.pop(arg, None) is not None:
+                self.engine.abort(arg)
+                self.metrics.finished.labels("abort").inc()
+        self._update_gauges()
+        return True
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        live = self._live.get(out.request_id)
+        if live is None:
+            return
+        m = self.metrics
+        m.generated_tokens.inc(len(out.new_token_ids))
+        if live.last_token_time is None:
+            m.ttft.observe(now - live.stream.arrival)
+        else:
+            m.itl.observe(now - live.last_token_time)
+        live.last_token_time = now
+        if out.finished:
+            del self._live[out.request_id]
+            m.finished.labels(out.finish_reason.value).inc()
+            m.e2e.observe(now - live.stream.arrival)
+        self._post(live.stream, _TokenEvent(out, now))
+
+    def _fail_all(self, error: EngineFailed) -> None:
+        for rid, live in list(self._live.items()):
+            self.engine.abort(rid)
+            self.metrics.finished.labels("abort").inc()
+            self._post(live.stream, error)
+        self._live.clear()
+        self._update_gauges()
+
+    def _post(self, stream: RequestStream, item: _TokenEvent | BaseException) -> None:
+        try:
+            self._loop.call_soon_threadsafe(stream._queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody is reading any more
+            pass
+
+    def _update_gauges(self) -> None:
+        pool, m = self.engine.pool, self.metrics
+        m.waiting.set(len(self.engine.waiting))
+        m.running.set(len(self.engine.running))
+        m.kv_free.set(pool.num_free)
+        m.kv_used.set(pool.capacity - pool.num_free)

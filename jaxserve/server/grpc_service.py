@@ -1,0 +1,115 @@
+"""The gRPC service (jaxserve.v1.JaxServe, see protos/jaxserve.proto) on grpc.aio, with the standard health
+service and server reflection.
+
+A cancelled call (the client left, or its deadline passed: grpc cancels the handler) closes the request's
+stream, which aborts it in the engine and frees its KV blocks. With an API key, JaxServe calls need the
+metadata `authorization: Bearer <key>`; health and reflection stay open for probes and tools.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxserve.engine.engine import FinishReason
+from jaxserve.server.frontend import REFUSED, Frontend, refusal
+from jaxserve.server.proto import jaxserve_pb2 as pb
+from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
+_FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+_DEFAULT_MAX_TOKENS = 128  # as SamplingParams
+
+
+class JaxServeServicer(pb_grpc.JaxServeServicer):
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
+        r = refusal(error)
+        self.frontend.engine.metrics.errors.labels(r.reason).inc()
+        await context.abort(grpc.StatusCode[r.grpc_code], str(error))
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        self.frontend.authorize(metadata.get("authorization"))
+
+    def _prompt_ids(self, which: str, request: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
+        f = self.frontend
+        if which == "text":
+            return f.encode(request.text)
+        if which == "chat":
+            return f.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        raise ValueError("the request has no prompt: set text, token_ids or chat")
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        f, p = self.frontend, request.params
+        try:
+            self._authorize(context)
+            f.check_model(request.model)
+            ids = self._prompt_ids(request.WhichOneof("prompt"), request)
+            stream = f.submit(
+                ids, max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+                default_max_tokens=_DEFAULT_MAX_TOKENS, temperature=p.temperature, top_k=p.top_k,
+                top_p=p.top_p if p.HasField("top_p") else None, seed=p.seed if p.HasField("seed") else None,
+                stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+        except REFUSED as e:
+            await self._refuse(context, e)
+        async with stream:
+            try:
+                async for out in stream:
+                    reply = pb.GenerateResponse(request_id=stream.request_id, token_ids=out.new_token_ids,
+                                                text=out.new_text)
+                    if out.finished:
+                        reply.finish_reason = _FINISH[out.finish_reason]
+                        reply.usage.prompt_tokens = len(stream.prompt_ids)
+                        reply.usage.completion_tokens = stream.num_generated
+                        reply.timings.time_to_first_token_s = stream.first_token_time - stream.arrival
+                        reply.timings.total_s = stream.last_token_time - stream.arrival
+                    yield reply
+            except REFUSED as e:  # the server shut down or the engine failed mid-stream
+                await self._refuse(context, e)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            self._authorize(context)
+            self.frontend.check_model(request.model)
+            ids = self._prompt_ids(request.WhichOneof("input"), request)
+        except REFUSED as e:
+            await self._refuse(context, e)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=self.frontend.max_model_len)
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        try:
+            self._authorize(context)
+        except REFUSED as e:
+            await self._refuse(context, e)
+        f = self.frontend
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=f.model_name, max_model_len=f.max_model_len,
+                                                          vocab_size=f.vocab_size)])
+
+
+def build_grpc_server(frontend: Frontend, address: str) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """The server (not started), its health servicer, and the bound port (address may end in :0)."""
+    server = grpc.aio.server()
+    pb_grpc.add_JaxServeServicer_to_server(JaxServeServicer(frontend), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the gRPC server to {address}")
+    return server, health_servicer, port
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", SERVICE_NAME):  # "": the server as a whole
+        await health_servicer.set(service, status)

@@ -1,0 +1,251 @@
+"""OpenAI-compatible HTTP API (FastAPI): /v1/completions and /v1/chat/completions (SSE streaming or one JSON
+reply), /v1/models, /health, /metrics.
+
+Errors use OpenAI's shape, {"error": {"message", "type", "code"}}, with 400 for bad input (bad JSON and wrong
+types included), 401 without the API key, 429 when the queue is full, 503 while shutting down. /health and
+/metrics need no key, so probes and scrapers work unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from jaxserve.engine.engine import RequestOutput
+from jaxserve.server.async_engine import RequestStream
+from jaxserve.server.frontend import REFUSED, Frontend, Unauthenticated, refusal
+from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+_END = object()
+
+
+def _error_body(message: str, error_type: str, status: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+
+
+class _RequireApiKey:
+    """ASGI middleware: /v1/ requests must carry the API key, checked before the body is read."""
+
+    def __init__(self, app: Any, frontend: Frontend):
+        self.app = app
+        self.frontend = frontend
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = dict(scope["headers"]).get(b"authorization")
+            try:
+                self.frontend.authorize(header.decode("latin-1") if header else None)
+            except Unauthenticated as e:
+                await _refuse(self.frontend, e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _refuse(frontend: Frontend, error: Exception) -> JSONResponse:
+    r = refusal(error)
+    frontend.engine.metrics.errors.labels(r.reason).inc()
+    return JSONResponse(_error_body(str(error), r.error_type, r.http_status), status_code=r.http_status)
+
+
+def _validation_message(error: RequestValidationError) -> str:
+    parts = []
+    for e in error.errors():
+        where = ".".join(str(x) for x in e["loc"] if x != "body")
+        parts.append(f"{where}: {e['msg']}" if where else e["msg"])
+    return "invalid request: " + "; ".join(parts)
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several requests as they come, with each one's index; closing this closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, _END))
+        except REFUSED as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        unfinished = len(streams)
+        while unfinished:
+            i, item = await queue.get()
+            if item is _END:
+                unfinished -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Reply:
+    """Builds one request's reply: the JSON object or the SSE chunks, in completion or chat form."""
+
+    def __init__(self, frontend: Frontend, streams: list[RequestStream], chat: bool, include_usage: bool):
+        self.frontend = frontend
+        self.streams = streams
+        self.chat = chat
+        self.include_usage = include_usage
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, **fields: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.frontend.model_name, **fields}
+
+    def _usage(self) -> dict[str, int]:
+        prompt = sum(len(s.prompt_ids) for s in self.streams)
+        completion = sum(s.num_generated for s in self.streams)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def whole(self, request: Request) -> JSONResponse:
+        """Wait for every request to finish; a client that leaves first has its requests aborted."""
+        texts: list[list[str]] = [[] for _ in self.streams]
+        reasons: list[str | None] = [None] * len(self.streams)
+
+        async def collect() -> None:
+            async with contextlib.aclosing(_merged(self.streams)) as outputs:
+                async for i, out in outputs:
+                    texts[i].append(out.new_text)
+                    if out.finished:
+                        reasons[i] = out.finish_reason.value
+
+        work = asyncio.ensure_future(collect())
+        watch = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()  # the client left: closing the streams aborts the requests
+        if work.cancelled():
+            return Response(status_code=499)  # nobody is listening
+        if isinstance(work.exception(), REFUSED):
+            return _refuse(self.frontend, work.exception())
+        work.result()
+        choices = []
+        for i, (parts, reason) in enumerate(zip(texts, reasons)):
+            text = "".join(parts)
+            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            choices.append({"index": i, **body, "logprobs": None, "finish_reason": reason})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return JSONResponse(self._envelope(obj, choices=choices, usage=self._usage()))
+
+    def streaming(self) -> StreamingResponse:
+        return StreamingResponse(self._events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    def _chunk(self, i: int, text: str | None, reason: str | None, role: bool = False) -> str:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+            body = self._envelope("chat.completion.chunk", choices=[choice])
+        else:
+            choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}
+            body = self._envelope("text_completion", choices=[choice])
+        return _sse(body)
+
+    async def _events(self) -> AsyncIterator[str]:
+        if self.chat:  # OpenAI opens each chat choice with the role
+            for i in range(len(self.streams)):
+                yield self._chunk(i, None, None, role=True)
+        try:
+            async with contextlib.aclosing(_merged(self.streams)) as outputs:
+                async for i, out in outputs:
+                    if out.new_text:
+                        yield self._chunk(i, out.new_text, None)
+                    if out.finished:
+                        yield self._chunk(i, None, out.finish_reason.value)
+        except REFUSED as e:  # e.g. the server shut down mid-stream: say so in the stream, then end it
+            r = refusal(e)
+            self.frontend.engine.metrics.errors.labels(r.reason).inc()
+            yield _sse(_error_body(str(e), r.error_type, r.http_status))
+        else:
+            if self.include_usage:
+                obj = "chat.completion.chunk" if self.chat else "text_completion"
+                yield _sse(self._envelope(obj, choices=[], usage=self._usage()))
+        yield "data: [DONE]\n\n"
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _submit_all(frontend: Frontend, prompts: list[list[int]], default_max_tokens: int | None,
+                sampling: dict[str, Any]) -> list[RequestStream]:
+    """Queue every prompt, or none: if one is refused, the ones already queued are withdrawn."""
+    streams: list[RequestStream] = []
+    try:
+        for ids in prompts:
+            streams.append(frontend.submit(ids, default_max_tokens=default_max_tokens, **sampling))
+    except REFUSED:
+        for s in streams:
+            s.close()
+        raise
+    return streams
+
+
+def build_http_app(frontend: Frontend) -> FastAPI:
+    app = FastAPI(title="jaxserve", description="OpenAI-compatible API of a jaxserve server.")
+    app.add_middleware(_RequireApiKey, frontend=frontend)
+    started = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        return _refuse(frontend, ValueError(_validation_message(error)))
+
+    for kind in REFUSED:
+        app.add_exception_handler(kind, lambda _, error: _refuse(frontend, error))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        frontend.check_model(body.model)
+        sampling = body.sampling()
+        prompts = [frontend.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        reply = _Reply(frontend, _submit_all(frontend, prompts, 16, sampling), chat=False,
+                       include_usage=body.include_usage)  # 16: OpenAI's default max_tokens for completions
+        return reply.streaming() if body.stream else await reply.whole(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        frontend.check_model(body.model)
+        sampling = body.sampling()
+        prompt = frontend.encode_chat([m.as_dict() for m in body.messages])
+        reply = _Reply(frontend, _submit_all(frontend, [prompt], None, sampling), chat=True,
+                       include_usage=body.include_usage)
+        return reply.streaming() if body.stream else await reply.whole(request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": started,
+                                            "owned_by": "jaxserve", "max_model_len": frontend.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if frontend.engine.accepting else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(frontend.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,137 @@
+"""Both interfaces over one engine in one asyncio loop: start, serve until SIGTERM/SIGINT, drain, stop.
+
+Draining: new requests are refused (UNAVAILABLE / HTTP 503) and health reports NOT_SERVING; in-flight requests
+get `drain_timeout` seconds to finish; whatever is still running then ends with UNAVAILABLE (or an SSE error
+event) naming the shutdown, and the servers stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+import uvicorn
+
+from jaxserve.server.async_engine import AsyncEngine, ShuttingDown
+from jaxserve.server.frontend import Frontend
+from jaxserve.server.grpc_service import build_grpc_server, set_serving
+from jaxserve.server.http_app import build_http_app
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: the Server below owns SIGTERM/SIGINT and drains first."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+class Server:
+    def __init__(self, llm: Any, *, host: str = "127.0.0.1", grpc_port: int = 50051, http_port: int = 8000,
+                 model_name: str | None = None, api_key: str | None = None, max_queue: int = 256,
+                 drain_timeout: float = 30.0):
+        """llm: a jaxserve.LLM, from then on driven by this server only. Port 0 picks a free port."""
+        self.host = host
+        self.drain_timeout = drain_timeout
+        self.engine = AsyncEngine(llm.engine, max_queue=max_queue)
+        self.frontend = Frontend(llm, self.engine, model_name=model_name or llm.model_name, api_key=api_key)
+        self._grpc_port, self._http_port = grpc_port, http_port
+        self.grpc_port = self.http_port = None  # the bound ports, once started
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        self.engine.start()
+        address = f"[{self.host}]:{self._grpc_port}" if ":" in self.host else f"{self.host}:{self._grpc_port}"
+        self._grpc, self._health, self.grpc_port = build_grpc_server(self.frontend, address)
+        await self._grpc.start()
+        sock = _listening_socket(self.host, self._http_port)
+        self.http_port = sock.getsockname()[1]
+        config = uvicorn.Config(build_http_app(self.frontend), log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self._http = _Uvicorn(config)
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
+        while not self._http.started:
+            if self._http_task.done():  # failed to start: surface its error
+                self._http_task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        await set_serving(self._health, True)
+
+    def request_stop(self) -> None:
+        """Begin draining (safe to call from a signal handler on the loop)."""
+        self._stop.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stop.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        self.engine.stop_accepting()
+        await set_serving(self._health, False)
+        if not await self.engine.wait_idle(self.drain_timeout):
+            self.engine.abort_all(ShuttingDown(
+                f"the server shut down before this request finished (drain timeout {self.drain_timeout:g} s)"))
+            await self.engine.wait_idle(5.0)  # let the handlers send that status
+        await self._grpc.stop(grace=1.0)
+        self._http.should_exit = True
+        await self._http_task
+        self.engine.stop()
+
+    async def serve_until_signalled(self) -> None:
+        """Start, print where it listens, serve until SIGTERM or SIGINT, then drain and stop."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        f = self.frontend
+        print(f"jaxserve: serving {f.model_name} (context {f.max_model_len}); gRPC on {self.host}:{self.grpc_port}, "
+              f"HTTP on http://{self.host}:{self.http_port}", flush=True)
+        await self.wait_stopped()
+        print("jaxserve: stopped", file=sys.stderr, flush=True)
+
+
+class BackgroundServer:
+    """A Server on its own event loop in a background thread, for notebooks and tests:
+
+        with BackgroundServer(llm, grpc_port=0, http_port=0) as s:
+            openai.OpenAI(base_url=f"http://127.0.0.1:{s.server.http_port}/v1", api_key="-")
+    """
+
+    def __init__(self, llm: Any, **server_args: Any):
+        self.server = Server(llm, **server_args)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-server", daemon=True)
+
+    def start(self) -> BackgroundServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result()
+        return self
+
+    def stop(self) -> None:
+        """Drain and stop, as on SIGTERM."""
+        asyncio.run_coroutine_threadsafe(self.server.shutdown(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run fn(*args) on the server's loop and return its result (for a look at state from another thread)."""
+        async def run() -> Any:
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

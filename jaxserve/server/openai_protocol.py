@@ -1,0 +1,116 @@
+"""OpenAI-compatible request bodies (pydantic) and the sampling options they map to.
+
+Fields jaxserve does not implement (n > 1, logprobs, penalties, ...) are refused with a message rather than
+silently ignored; fields it does not know are ignored, as OpenAI-compatible servers do, so that clients and
+load tools that send extras still work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0  # OpenAI's default
+    top_p: float = 1.0
+    top_k: int | None = None  # vLLM's extension; -1 or 0: no cut
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extension
+    ignore_eos: bool = False  # vLLM's extension
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Not implemented: accepted only at the value that means "off".
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+
+    def sampling(self) -> dict[str, Any]:
+        """Keyword arguments for Frontend.submit; ValueError names an option jaxserve does not implement."""
+        for name, off in self._off_values().items():
+            value = getattr(self, name)
+            if value not in (None, off, {}, []):
+                raise ValueError(f"{name}={value!r} is not supported by jaxserve")
+        return dict(max_tokens=self._max_tokens(), temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                    ignore_eos=self.ignore_eos)
+
+    def _off_values(self) -> dict[str, Any]:
+        """Options jaxserve does not implement, with the value that means "off"."""
+        return {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "min_tokens": 0}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions. prompt: text, token ids, or a list of either (one choice per prompt)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def _off_values(self) -> dict[str, Any]:
+        return {**super()._off_values(), "echo": False, "logprobs": None, "best_of": 1, "suffix": None}
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ValueError("prompt is empty")
+        return list(p)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # OpenAI's "developer" role is the newer name of "system"; chat templates know only the latter.
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def _off_values(self) -> dict[str, Any]:
+        return {**super()._off_values(), "logprobs": False, "top_logprobs": None, "tools": None,
+                "response_format": {"type": "text"}}
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
