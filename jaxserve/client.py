@@ -1,0 +1,175 @@
+"""gRPC clients of a jaxserve server: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    with Client("127.0.0.1:50051") as c:
+        for delta in c.stream("Once upon a time", max_tokens=32):
+            print(delta.text, end="")
+        print(c.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=16).text)
+
+Sampling options are the fields of jaxserve.v1.SamplingParams (max_tokens, temperature, top_k, top_p, seed,
+stop, stop_token_ids, ignore_eos). Errors arrive as grpc.RpcError with the server's status and message.
+Imports no jax: it runs anywhere grpcio does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxserve.server.proto import jaxserve_pb2 as pb
+from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
+
+Messages = Sequence[dict[str, str]]
+
+
+@dataclasses.dataclass
+class Generation:
+    """A whole reply, assembled from the streamed messages."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    time_to_first_token_s: float
+    total_s: float
+
+
+def _generate_request(prompt: str | Sequence[int] | None, messages: Messages | None, model: str,
+                      params: dict[str, Any]) -> pb.GenerateRequest:
+    if (prompt is None) == (messages is None):
+        raise ValueError("give either a prompt (text or token ids) or chat messages")
+    request = pb.GenerateRequest(model=model, params=pb.SamplingParams(
+        **{k: v for k, v in params.items() if v is not None}))
+    if messages is not None:
+        request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    elif isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+def _tokenize_request(text: str | None, messages: Messages | None, model: str) -> pb.TokenizeRequest:
+    if (text is None) == (messages is None):
+        raise ValueError("give either text or chat messages")
+    if messages is None:
+        return pb.TokenizeRequest(model=model, text=text)
+    return pb.TokenizeRequest(model=model, chat=pb.Chat(
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]))
+
+
+class _Assembler:
+    def __init__(self) -> None:
+        self.parts: list[pb.GenerateResponse] = []
+
+    def add(self, reply: pb.GenerateResponse) -> None:
+        self.parts.append(reply)
+
+    def result(self) -> Generation:
+        last = self.parts[-1]
+        return Generation(last.request_id, "".join(p.text for p in self.parts),
+                          [t for p in self.parts for t in p.token_ids],
+                          pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower(),
+                          last.usage.prompt_tokens, last.timings.time_to_first_token_s, last.timings.total_s)
+
+
+class _Base:
+    def __init__(self, target: str, api_key: str | None, model: str, channel: Any):
+        self.target = target
+        self.model = model
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channel = channel
+        self._stub = pb_grpc.JaxServeStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+
+
+class Client(_Base):
+    """Blocking client. timeout: seconds per call (the server sees it as the request's deadline)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, model: str = ""):
+        super().__init__(target, api_key, model, grpc.insecure_channel(target))
+
+    def stream(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
+               timeout: float | None = None, **params: Any) -> Iterator[pb.GenerateResponse]:
+        """The server's messages as they arrive; leaving the loop early cancels the request."""
+        call = self._stub.Generate(_generate_request(prompt, messages, self.model, params), timeout=timeout,
+                                   metadata=self._metadata)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # no-op once the stream ended
+
+    def generate(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
+                 timeout: float | None = None, **params: Any) -> Generation:
+        whole = _Assembler()
+        for reply in self.stream(prompt, messages=messages, timeout=timeout, **params):
+            whole.add(reply)
+        return whole.result()
+
+    def tokenize(self, text: str | None = None, *, messages: Messages | None = None) -> list[int]:
+        return list(self._stub.Tokenize(_tokenize_request(text, messages, self.model),
+                                        metadata=self._metadata).token_ids)
+
+    def list_models(self) -> list[pb.ModelInfo]:
+        return list(self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata).models)
+
+    def health(self, service: str = "") -> str:
+        """SERVING or NOT_SERVING."""
+        status = self._health.Check(health_pb2.HealthCheckRequest(service=service)).status
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio client; create it inside the event loop that uses it."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, model: str = ""):
+        super().__init__(target, api_key, model, grpc.aio.insecure_channel(target))
+
+    async def stream(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
+                     timeout: float | None = None, **params: Any) -> AsyncIterator[pb.GenerateResponse]:
+        call = self._stub.Generate(_generate_request(prompt, messages, self.model, params), timeout=timeout,
+                                   metadata=self._metadata)
+        try:
+            async for reply in call:
+                yield reply
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
+                       timeout: float | None = None, **params: Any) -> Generation:
+        whole = _Assembler()
+        async for reply in self.stream(prompt, messages=messages, timeout=timeout, **params):
+            whole.add(reply)
+        return whole.result()
+
+    async def tokenize(self, text: str | None = None, *, messages: Messages | None = None) -> list[int]:
+        reply = await self._stub.Tokenize(_tokenize_request(text, messages, self.model), metadata=self._metadata)
+        return list(reply.token_ids)
+
+    async def list_models(self) -> list[pb.ModelInfo]:
+        return list((await self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata)).models)
+
+    async def health(self, service: str = "") -> str:
+        status = (await self._health.Check(health_pb2.HealthCheckRequest(service=service))).status
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

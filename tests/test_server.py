@@ -1,0 +1,299 @@
+"""The real server on loopback (gRPC + OpenAI-compatible HTTP over one engine), driven by real clients: the
+jaxserve gRPC client, the official `openai` client, the standard health and reflection clients."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import time
+
+import grpc
+import openai
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+import jaxserve
+from jaxserve import SamplingParams
+from jaxserve.client import AsyncClient, Client
+from jaxserve.server.launch import BackgroundServer
+from jaxserve.server.proto import jaxserve_pb2 as pb
+from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
+
+KEY = "test-key"
+MODEL = "smollm2-135m-instruct"
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def served():
+    # Its own LLM (the session one answers the reference calls): a small pool and batch, so queueing happens.
+    llm = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=8)
+    with BackgroundServer(llm, grpc_port=0, http_port=0, api_key=KEY, max_queue=32) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def grpc_client(served):
+    with Client(f"127.0.0.1:{served.server.grpc_port}", api_key=KEY) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{served.server.http_port}/v1", api_key=KEY, max_retries=0)
+
+
+def free_blocks(served) -> int:
+    return served.call(lambda: served.server.engine.engine.pool.num_free)
+
+
+def initial_blocks(served) -> int:
+    return served.server.engine.engine.pool.capacity
+
+
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def post(served, path: str, body: bytes | str, key: str | None = KEY) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=60)
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    conn.request("POST", path, body=body, headers=headers)
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, json.loads(payload) if payload else {}
+
+
+# ---- the same tokens as the Python API ------------------------------------------------------------------
+def test_grpc_greedy_stream_is_exactly_llm_generate(llm, grpc_client):
+    (expected,) = llm.generate(PROMPT, SamplingParams(max_tokens=24))
+    replies = list(grpc_client.stream(PROMPT, max_tokens=24))
+    assert [t for r in replies for t in r.token_ids] == expected.token_ids
+    assert "".join(r.text for r in replies) == expected.text
+    last = replies[-1]
+    assert last.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert last.usage.completion_tokens == len(expected.token_ids)
+    assert 0 < last.timings.time_to_first_token_s <= last.timings.total_s
+    assert all(r.finish_reason == 0 for r in replies[:-1])  # unspecified until the end
+
+
+def test_grpc_chat_and_token_id_prompts(llm, grpc_client):
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    (expected,) = llm.chat(messages, SamplingParams(max_tokens=12))
+    got = grpc_client.generate(messages=messages, max_tokens=12)
+    assert (got.token_ids, got.text, got.finish_reason) == (expected.token_ids, expected.text,
+                                                            expected.finish_reason)
+    ids = grpc_client.tokenize(messages=messages)
+    assert ids == llm.chat_prompt(messages)
+    assert grpc_client.generate(ids, max_tokens=12).token_ids == expected.token_ids
+
+
+def test_openai_client_streamed_chat_and_whole_completion(llm, oai):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    (chat_ref,) = llm.chat(messages, SamplingParams(max_tokens=16))
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat_ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat_ref.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(chat_ref.token_ids)
+
+    (ref,) = llm.generate(PROMPT, SamplingParams(max_tokens=20))
+    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    assert done.choices[0].text == ref.text
+    assert done.choices[0].finish_reason == ref.finish_reason
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ref.prompt_token_ids),
+                                                                        len(ref.token_ids))
+
+
+def test_completion_of_several_prompts_and_stop_strings(llm, oai):
+    prompts = [PROMPT, "def fibonacci(n):"]
+    refs = llm.generate(prompts, SamplingParams(max_tokens=12, stop=("\n",)))
+    done = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=12, temperature=0, stop="\n")
+    assert [c.text for c in sorted(done.choices, key=lambda c: c.index)] == [r.text for r in refs]
+
+
+def test_models_tokenize_and_async_client(served, grpc_client, oai):
+    (model,) = oai.models.list().data
+    assert model.id == MODEL
+    (info,) = grpc_client.list_models()
+    assert (info.id, info.max_model_len) == (MODEL, 1024)
+    assert grpc_client.tokenize("Hello world") == served.server.frontend.llm.tokenizer.encode("Hello world")
+
+    async def run():
+        async with AsyncClient(f"127.0.0.1:{served.server.grpc_port}", api_key=KEY) as c:
+            return await c.health(), await c.generate(PROMPT, max_tokens=8)
+
+    health, gen = asyncio.run(run())
+    assert health == "SERVING"
+    assert gen.token_ids == grpc_client.generate(PROMPT, max_tokens=8).token_ids
+
+
+def test_health_and_reflection(served, grpc_client):
+    assert grpc_client.health() == "SERVING"
+    assert grpc_client.health("jaxserve.v1.JaxServe") == "SERVING"
+    with grpc.insecure_channel(f"127.0.0.1:{served.server.grpc_port}") as channel:  # no key: both stay open
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert "jaxserve.v1.JaxServe" in services and "grpc.health.v1.Health" in services
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+
+
+# ---- concurrency and the KV blocks ----------------------------------------------------------------------
+def test_32_concurrent_streams_finish_and_every_block_returns(served):
+    assert free_blocks(served) == initial_blocks(served)
+    base = f"http://127.0.0.1:{served.server.http_port}/v1"
+
+    async def one_http(client: openai.AsyncOpenAI, i: int) -> str | None:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=8 + i,
+            temperature=0.8, seed=i, stream=True)
+        reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
+        return reasons[-1]
+
+    async def one_grpc(client: AsyncClient, i: int) -> str:
+        return (await client.generate(f"Story {i}:", max_tokens=8 + i, temperature=0.8, seed=i)).finish_reason
+
+    async def run():
+        async with AsyncClient(f"127.0.0.1:{served.server.grpc_port}", api_key=KEY) as g:
+            async with openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0) as h:
+                return await asyncio.gather(*[one_http(h, i) if i % 2 else one_grpc(g, i) for i in range(32)])
+
+    reasons = asyncio.run(run())
+    assert len(reasons) == 32 and all(r in ("stop", "length") for r in reasons)
+    wait_until(lambda: served.server.engine.num_open == 0)
+    assert free_blocks(served) == initial_blocks(served)
+
+
+def test_grpc_cancel_frees_blocks_within_one_engine_step(served):
+    engine = served.server.engine
+    with grpc.insecure_channel(f"127.0.0.1:{served.server.grpc_port}") as channel:
+        call = pb_grpc.JaxServeStub(channel).Generate(
+            pb.GenerateRequest(text=PROMPT, params=pb.SamplingParams(max_tokens=600, ignore_eos=True)),
+            metadata=(("authorization", f"Bearer {KEY}"),))
+        for _, _ in zip(range(3), call):
+            pass
+        assert free_blocks(served) < initial_blocks(served)
+        steps = engine.steps
+        call.cancel()
+        wait_until(lambda: free_blocks(served) == initial_blocks(served), timeout=10)
+        # The step running when the cancel arrived finishes; the abort is applied before the next one.
+        assert engine.steps - steps <= 2
+
+
+def test_http_disconnect_frees_blocks_within_one_engine_step(served, oai):
+    engine = served.server.engine
+    stream = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=600, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    for _, _ in zip(range(3), stream):
+        pass
+    steps = engine.steps
+    stream.close()
+    wait_until(lambda: free_blocks(served) == initial_blocks(served), timeout=10)
+    assert engine.steps - steps <= 2
+
+
+def test_grpc_deadline_ends_the_request_and_frees_its_blocks(served, grpc_client):
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_client.generate(PROMPT, max_tokens=600, ignore_eos=True, timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: free_blocks(served) == initial_blocks(served), timeout=10)
+
+
+# ---- bad input: a clear refusal, and the server goes on --------------------------------------------------
+def _chat(**fields) -> str:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+@pytest.mark.parametrize("path, body, key, status, message", [
+    ("/v1/chat/completions", "{not json", KEY, 400, "JSON"),
+    ("/v1/chat/completions", _chat(max_tokens="lots"), KEY, 400, "max_tokens"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hi"}), KEY, 400, "messages"),
+    ("/v1/chat/completions", _chat(model="gpt-9"), KEY, 400, "unknown model 'gpt-9'"),
+    ("/v1/chat/completions", _chat(max_tokens=-5), KEY, 400, "max_tokens must be >= 1"),
+    ("/v1/chat/completions", _chat(max_tokens=5000), KEY, 400, "does not fit"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [1] * 1024}), KEY, 400, "context holds 1024"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [10**7]}), KEY, 400, "token ids must be in"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": ""}), KEY, 400, "prompt is empty"),
+    ("/v1/chat/completions", _chat(n=2), KEY, 400, "n=2 is not supported"),
+    ("/v1/chat/completions", _chat(top_p=0), KEY, 400, "top_p must be in (0, 1]"),
+    ("/v1/chat/completions", json.dumps({"messages": []}), KEY, 400, "model"),
+    ("/v1/chat/completions", _chat(), None, 401, "API key"),
+    ("/v1/chat/completions", "{not json", "wrong", 401, "API key"),
+])
+def test_bad_http_requests_are_refused_with_a_message(served, oai, path, body, key, status, message):
+    got, payload = post(served, path, body, key)
+    assert got == status
+    assert message in payload["error"]["message"]
+    assert oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text  # still serving
+
+
+def test_the_openai_client_sees_the_refusals(served):
+    bad = openai.OpenAI(base_url=f"http://127.0.0.1:{served.server.http_port}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    good = openai.OpenAI(base_url=f"http://127.0.0.1:{served.server.http_port}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
+        good.completions.create(model=MODEL, prompt=PROMPT, max_tokens=-1)
+
+
+@pytest.mark.parametrize("request_fields, key, code, message", [
+    (dict(model="gpt-9", text=PROMPT), KEY, "INVALID_ARGUMENT", "unknown model"),
+    (dict(text=PROMPT, params=dict(max_tokens=-1)), KEY, "INVALID_ARGUMENT", "max_tokens must be >= 1"),
+    (dict(token_ids=dict(ids=[1] * 1024)), KEY, "INVALID_ARGUMENT", "context holds 1024"),
+    (dict(token_ids=dict(ids=[-3])), KEY, "INVALID_ARGUMENT", "token ids must be in"),
+    (dict(), KEY, "INVALID_ARGUMENT", "has no prompt"),
+    (dict(chat=dict(messages=[dict(role="user", content="hi")]), params=dict(top_p=2.0)), KEY,
+     "INVALID_ARGUMENT", "top_p"),
+    (dict(text=PROMPT), None, "UNAUTHENTICATED", "API key"),
+])
+def test_bad_grpc_requests_are_refused_with_a_message(served, grpc_client, request_fields, key, code, message):
+    with grpc.insecure_channel(f"127.0.0.1:{served.server.grpc_port}") as channel:
+        call = pb_grpc.JaxServeStub(channel).Generate(
+            pb.GenerateRequest(**request_fields), metadata=(("authorization", f"Bearer {key}"),) if key else ())
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+    assert err.value.code().name == code
+    assert message in err.value.details()
+    assert grpc_client.generate(PROMPT, max_tokens=2).token_ids  # still serving
+
+
+def test_a_full_queue_is_refused_with_429_and_resource_exhausted(served, grpc_client, oai):
+    engine = served.server.engine
+    capacity = engine.capacity
+    served.call(setattr, engine, "capacity", 0)
+    try:
+        got, payload = post(served, "/v1/completions", json.dumps({"model": MODEL, "prompt": PROMPT}))
+        assert got == 429 and "capacity" in payload["error"]["message"]
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_client.generate(PROMPT, max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        served.call(setattr, engine, "capacity", capacity)
+    assert oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text
+
+
+def test_metrics_are_exported_for_prometheus(served, oai):
+    oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port)
+    conn.request("GET", "/metrics")  # no key needed: scrapers work unchanged
+    resp = conn.getresponse()
+    assert resp.status == 200
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {s.name + json.dumps(s.labels, sort_keys=True): s.value
+               for family in text_string_to_metric_families(resp.read().decode()) for s in family.samples}
+    assert samples["jaxserve_time_to_first_token_seconds_count{}"] >= 1
+    assert samples["jaxserve_inter_token_latency_seconds_count{}"] >= 3
+    assert samples["jaxserve_generation_tokens_total{}"] >= 4
+    assert samples["jaxserve_kv_cache_blocks_free{}"] + samples["jaxserve_kv_cache_blocks_used{}"] == \
+        initial_blocks(served)
+    for gauge in ("jaxserve_num_requests_waiting{}", "jaxserve_num_requests_running{}"):
+        assert gauge in samples
