@@ -297,3 +297,19 @@ def test_metrics_are_exported_for_prometheus(served, oai):
         initial_blocks(served)
     for gauge in ("jaxserve_num_requests_waiting{}", "jaxserve_num_requests_running{}"):
         assert gauge in samples
+
+
+def test_a_failed_engine_step_ends_its_requests_and_the_server_goes_on(served, grpc_client, monkeypatch):
+    runner = served.server.engine.engine.runner
+    real_step = runner.step
+
+    def fail_once(rows):
+        monkeypatch.setattr(runner, "step", real_step)
+        raise RuntimeError("injected device failure")
+
+    monkeypatch.setattr(runner, "step", fail_once)
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_client.generate(PROMPT, max_tokens=4)
+    assert err.value.code() == grpc.StatusCode.INTERNAL and "injected device failure" in err.value.details()
+    wait_until(lambda: free_blocks(served) == initial_blocks(served))
+    assert len(grpc_client.generate(PROMPT, max_tokens=4).token_ids) == 4
