@@ -145,7 +145,7 @@ class LLM:
     def _submit(self, requests: Sequence[tuple[list[int], SamplingParams]]) -> list[str]:
         """Queue all requests, or none: every one is checked before the first is added."""
         checked = [(self.engine.check_request(ids, sp), sp) for ids, sp in requests]
-        rids = [self.engine.add_request(ids, sp) for ids, sp in checked]
+        rids = [self.engine.enqueue(ids, sp) for ids, sp in checked]
         self._queues.update({rid: collections.deque() for rid in rids})
         return rids
 

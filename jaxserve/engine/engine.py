@@ -108,7 +108,11 @@ class Engine:
         return ids
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
-        ids = self.check_request(prompt_ids, params)
+        return self.enqueue(self.check_request(prompt_ids, params), params, request_id)
+
+    def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request whose prompt and params check_request already passed; checking is O(prompt), so a
+        caller that checked first (to refuse bad input early) does not pay for a long prompt twice."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         self.waiting.append(Request(rid, ids, params, seed, IncrementalDetokenizer(self.tokenizer, ids)))

@@ -20,7 +20,7 @@ from typing import Any
 
 from absl import logging
 
-from jaxserve.engine.engine import Engine, FinishReason, RequestOutput
+from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 
@@ -70,7 +70,6 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_generated = 0
-        self.finish_reason: FinishReason | None = None
         self._server = server
         self._queue: asyncio.Queue[_TokenEvent | BaseException] = asyncio.Queue()
         self._done = False
@@ -90,7 +89,6 @@ class RequestStream:
         self.last_token_time = item.time
         self.num_generated += len(out.new_token_ids)
         if out.finished:
-            self.finish_reason = out.finish_reason
             self._end(abort=False)
         return out
 
@@ -128,7 +126,7 @@ class AsyncEngine:
         self.capacity = engine.max_num_seqs + max_queue
         self.metrics = metrics or ServerMetrics()
         self.accepting = True
-        self.steps = 0  # engine iterations run (read by tests and the drain loop)
+        self.steps = 0  # engine iterations run (tests read it to bound how soon an abort lands)
         self._open: dict[str, RequestStream] = {}  # event-loop side: submitted, not yet ended
         self._live: dict[str, _Live] = {}  # engine-thread side: in the engine
         self._commands: collections.deque[tuple[str, Any]] = collections.deque()
@@ -222,12 +220,8 @@ class AsyncEngine:
             kind, arg = self._commands.popleft()
             if kind == "stop":
                 return False
-            if kind == "add":
-                try:
-                    self.engine.add_request(arg.prompt_ids, arg.params, request_id=arg.request_id)
-                except ValueError as e:  # submit checked it already; never lose the thread over one request
-                    self._post(arg, e)
-                    continue
+            if kind == "add":  # submit checked the request
+                self.engine.enqueue(arg.prompt_ids, arg.params, request_id=arg.request_id)
                 self._live[arg.request_id] = _Live(arg)
                 self.metrics.prompt_tokens.inc(len(arg.prompt_ids))
             elif kind == "abort" and self._live.pop(arg, None) is not None:
