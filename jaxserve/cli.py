@@ -64,13 +64,18 @@ flags.DEFINE_float("tpot_slo", 0.1, "simulate: time-per-output-token SLO, second
 COMMANDS = ("generate", "serve", "client", "fetch", "simulate")
 
 
+def _sampling_flags() -> dict:
+    """The sampling flags `generate` and `client` share, once --prompt is known to be there."""
+    if not FLAGS.prompt:
+        raise ValueError("--prompt is required and must not be empty")
+    return dict(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                seed=FLAGS.seed, stop=tuple(FLAGS.stop))
+
+
 def _generate() -> None:
     import jaxserve
 
-    if not FLAGS.prompt:
-        raise ValueError("--prompt is required and must not be empty")
-    params = jaxserve.SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
-                                     top_p=FLAGS.top_p, seed=FLAGS.seed, stop=tuple(FLAGS.stop))
+    params = jaxserve.SamplingParams(**_sampling_flags())
     llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
     prompt = llm.chat_prompt([{"role": "user", "content": FLAGS.prompt}]) if FLAGS.chat else FLAGS.prompt
     for out in llm.stream(prompt, params):
@@ -92,7 +97,7 @@ def _serve() -> None:
     llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
                        kv_cache_gib=FLAGS.kv_cache_gib, max_num_seqs=FLAGS.max_num_seqs)
     server = Server(llm, host=FLAGS.host, grpc_port=FLAGS.grpc_port, http_port=FLAGS.http_port,
-                    model_name=FLAGS.served_model_name or FLAGS.model, api_key=_api_key(),
+                    model_name=FLAGS.served_model_name, api_key=_api_key(),
                     max_queue=FLAGS.max_queue, drain_timeout=FLAGS.drain_timeout)
     asyncio.run(server.serve_until_signalled())
 
@@ -102,10 +107,7 @@ def _client() -> None:
 
     from jaxserve.client import Client
 
-    if not FLAGS.prompt:
-        raise ValueError("--prompt is required and must not be empty")
-    params = dict(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                  seed=FLAGS.seed, stop=FLAGS.stop)
+    params = _sampling_flags()
     prompt = dict(messages=[{"role": "user", "content": FLAGS.prompt}]) if FLAGS.chat else dict(prompt=FLAGS.prompt)
     with Client(FLAGS.target, api_key=_api_key()) as client:
         try:

@@ -15,13 +15,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.engine import FinishReason
+from jaxserve.engine.sampling import SamplingParams
 from jaxserve.server.frontend import REFUSED, Frontend, refusal
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
-_DEFAULT_MAX_TOKENS = 128  # as SamplingParams
+_DEFAULT_MAX_TOKENS = SamplingParams.max_tokens  # the proto leaves it unset: the Python API's default
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
