@@ -14,16 +14,22 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
+from jaxserve.engine import profile, scoring
+from jaxserve.engine.batch import Buckets
 from jaxserve.engine.engine import Engine, RequestOutput
-from jaxserve.engine.kv_cache import BlockPool, PagedBackend, allocate_caches
+from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
-from jaxserve.engine.steps import Row, StepRunner
 from jaxserve.models import registry
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.gguf_loader import load_gguf
 from jaxserve.models.hf_loader import load_hf_dir
 from jaxserve.models.llama import Llama
 from jaxserve.models.tokenizer import TextTokenizer
+from jaxserve.sched.kv_manager import KVCacheManager
+from jaxserve.sched.packer import PackerConfig
+from jaxserve.sched.policies import make_policy
+from jaxserve.sched.scheduler import ReplicaScheduler
+from jaxserve.sched.slo import SLO
 
 Messages = Sequence[dict[str, str]]
 
@@ -39,7 +45,7 @@ class Completion:
     finish_reason: str
 
 
-_CONVERTED_FORMAT = 2  # bump when what _load saves changes, so old caches are not misread
+_CONVERTED_FORMAT = 3  # bump when what _load saves changes, so old caches are not misread
 
 
 def _converted_dir(source: pathlib.Path, dtype: str) -> pathlib.Path:
@@ -76,10 +82,8 @@ def _load(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextToken
 
 
 def _init_shapes(cfg: LlamaConfig, dtype) -> Any:
-    model = Llama(cfg, PagedBackend(1), dtype)
-    caches = allocate_caches(cfg, 1, 1, dtype)
     one = jnp.zeros((1, 1), jnp.int32)
-    return model.init(jax.random.key(0), one, one, caches, (one, one, jnp.ones((1,), jnp.int32)))
+    return Llama(cfg, scoring.DenseCausalBackend(), dtype).init(jax.random.key(0), one, one, (), one[0])
 
 
 def _enable_compilation_cache() -> None:
@@ -90,7 +94,7 @@ def _enable_compilation_cache() -> None:
 
 
 class LLM:
-    """A model with its engine.
+    """A model with its engine: the scheduler in sched/ drives one compiled step per iteration.
 
     Several generate/stream callers may interleave (e.g. two open streams): every engine step's outputs are
     routed to per-request queues, so no caller loses another's tokens. Not thread-safe: one thread drives it.
@@ -98,14 +102,27 @@ class LLM:
 
     def __init__(self, model: str = registry.DEFAULT_MODEL, *, dtype: str = "float32",
                  max_model_len: int | None = None, kv_cache_tokens: int | None = None,
-                 kv_cache_gib: float = 2.0, block_size: int = 16, max_num_seqs: int = 16, prefill_chunk: int = 512):
+                 kv_cache_gib: float = 2.0, block_size: int = 16, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, policy: str = "lars", space_sharing: bool = True,
+                 multi_prefill: bool = True, iteration_budget: float | None = None, ttft_slo: float = 1.0,
+                 prefix_caching: bool = True, cost_profile: str | None = None, key_block: int = 256,
+                 progress: bool = True):
         """kv_cache_tokens sizes the KV pool directly; otherwise it holds as many tokens as fit in kv_cache_gib.
-        max_model_len defaults to the model's context, capped by what the pool holds."""
+        max_model_len defaults to the model's context, capped by what the pool holds.
+
+        Scheduling: `policy` orders prefills (fcfs, sjf, ljf, edf, lrs, lars); each step holds at most
+        max_num_batched_tokens tokens and, by the cost model, takes at most `iteration_budget` seconds (default:
+        the measured time of a full step); `multi_prefill` lets several prompts' chunks share a step and
+        `space_sharing` makes a long prefill yield budget to urgent short ones. A prompt's first token is due
+        `ttft_slo` seconds after arrival (or 3x its prefill time alone, if longer). The cost model is measured on
+        this device at first start and cached (`cost_profile` names the file to load or write instead).
+        Every step program is compiled here, before the first request."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, value in (("block_size", block_size), ("kv_cache_tokens", kv_cache_tokens or 1),
-                            ("max_model_len", max_model_len or 2)):
-            if not isinstance(value, int) or value < 1:
+                            ("max_model_len", max_model_len or 2), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         source = registry.resolve(model)
         _enable_compilation_cache()
@@ -116,11 +133,21 @@ class LLM:
         kv_tokens = kv_cache_tokens or int(kv_cache_gib * 2**30 // token_bytes)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, kv_tokens)
         num_blocks = -(-kv_tokens // block_size) + 1  # + the scratch block
-        pool = BlockPool(num_blocks, block_size)
-        runner = StepRunner(Llama(cfg, PagedBackend(block_size), _DTYPES[dtype]), params,
-                            allocate_caches(cfg, num_blocks, block_size, _DTYPES[dtype]), block_size)
-        self.engine = Engine(runner, pool, self.tokenizer, max_model_len=self.max_model_len,
-                             max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk)
+        buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, key_block)
+        runner = ModelRunner(cfg, params, _DTYPES[dtype], num_blocks=num_blocks, block_size=block_size,
+                             buckets=buckets, key_block=key_block)
+        runner.warmup(progress)
+        path = pathlib.Path(cost_profile) if cost_profile else profile.default_path(model, dtype, runner)
+        self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
+        budget = iteration_budget or self.cost.time(max_num_batched_tokens, 0.0)
+        packer = PackerConfig(t_target=budget, multi_prefill=multi_prefill, space_sharing=space_sharing,
+                              chunk_align=buckets.tokens[0], max_batch_tokens=max_num_batched_tokens,
+                              long_threshold=max(self.max_model_len // 4, 2 * buckets.tokens[0]))
+        kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+        scheduler = ReplicaScheduler(make_policy(policy), self.cost, packer, kv, slo=SLO(ttft_min=ttft_slo),
+                                     max_running=max_num_seqs)
+        self.engine = Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
+        self._dtype = _DTYPES[dtype]
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
 
     # ---- prompts ------------------------------------------------------------------------------------
@@ -221,12 +248,7 @@ class LLM:
         return completions
 
     def prompt_logits(self, prompt: str | Sequence[int]) -> np.ndarray:
-        """Logits [tokens, vocab] of every prompt position (a scoring pass; the cache blocks are returned)."""
+        """Logits [tokens, vocab] of every prompt position: a scoring pass outside the serving path."""
         _, ids = self._prompt_ids(prompt)
         ids = self.engine.check_request(ids, SamplingParams())
-        pool, table = self.engine.pool, []
-        pool.grow(table, len(ids))
-        try:
-            return self.engine.runner.logits(Row(ids, 0, table, SamplingParams(), 0, 0))
-        finally:
-            pool.release(table)
+        return scoring.prompt_logits(self.config, self.engine.runner.params, self._dtype, ids)

@@ -41,7 +41,8 @@ flags.DEFINE_float("kv_cache_gib", 2.0, "serve: KV cache size, GiB.")
 flags.DEFINE_float("drain_timeout", 30.0, "serve: on SIGTERM, seconds in-flight requests get to finish.")
 flags.DEFINE_string("target", "127.0.0.1:50051", "client: the server's gRPC address.")
 
-flags.DEFINE_string("policy", "lars", "simulate: prefill policy (fcfs, sjf, ljf, edf, lrs, lars).")
+flags.DEFINE_string("policy", "lars", "serve/generate/simulate: the scheduler's prefill ordering policy (fcfs, sjf, "
+                    "ljf, edf, lrs, lars).")
 flags.DEFINE_string("trace", "azure_conv", "simulate: azure_conv, azure_code, arxiv, or mix (short + long requests).")
 flags.DEFINE_float("rate", None, "simulate: arrival rate, requests/s (traces: rescaled to it; default: as recorded).")
 flags.DEFINE_integer("requests", None, "simulate: number of requests (default: the whole trace).")
@@ -52,8 +53,18 @@ flags.DEFINE_integer("tp", 8, "simulate: tensor parallel degree per replica.")
 flags.DEFINE_integer("stages", 1, "simulate: pipeline stages per replica.")
 flags.DEFINE_integer("replicas", 1, "simulate: number of replicas.")
 flags.DEFINE_float("t_target", 0.05, "simulate: iteration time budget, seconds (from the TPOT SLO).")
-flags.DEFINE_bool("space_sharing", False, "simulate: long prefills yield budget by relative slack (Medha).")
-flags.DEFINE_bool("multi_prefill", True, "simulate: several prefill chunks per batch.")
+flags.DEFINE_bool("space_sharing", True, "serve/generate/simulate: long prefills yield budget by relative slack "
+                  "(Medha).")
+flags.DEFINE_bool("multi_prefill", True, "serve/generate/simulate: several prefill chunks per batch (--nomulti_prefill "
+                  "with --policy=fcfs is one prompt's chunk per step, the old engine's behaviour).")
+flags.DEFINE_float("iteration_budget", None, "serve/generate: most seconds a step may take by the cost model "
+                   "(default: the measured time of a full step of --max_num_batched_tokens).")
+flags.DEFINE_integer("max_num_batched_tokens", 512, "serve/generate: most tokens in one step.")
+flags.DEFINE_float("ttft_slo", 1.0, "serve/generate: seconds to the first token a prompt is due (or 3x its prefill "
+                   "time alone, if longer); a request may set its own (gRPC/HTTP field ttft_slo).")
+flags.DEFINE_bool("prefix_caching", True, "serve/generate: reuse cached KV of shared prompt prefixes.")
+flags.DEFINE_string("cost_profile", None, "serve/generate: the step cost profile to load, or to measure and write "
+                    "(default: measured at first start, cached per device, model and dtype).")
 flags.DEFINE_float("long_fraction", 0.05, "simulate: share of long requests in --trace=mix.")
 flags.DEFINE_enum("arrival", "poisson", ["poisson", "gamma"], "simulate: arrival process of --trace=mix.")
 flags.DEFINE_float("cv", 1.0, "simulate: coefficient of variation of gamma inter-arrival times (1 = Poisson).")
@@ -72,11 +83,19 @@ def _sampling_flags() -> dict:
                 seed=FLAGS.seed, stop=tuple(FLAGS.stop))
 
 
+def _engine_flags() -> dict:
+    """The engine and scheduler flags `generate` and `serve` share."""
+    return dict(dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, policy=FLAGS.policy,
+                space_sharing=FLAGS.space_sharing, multi_prefill=FLAGS.multi_prefill,
+                iteration_budget=FLAGS.iteration_budget, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                ttft_slo=FLAGS.ttft_slo, prefix_caching=FLAGS.prefix_caching, cost_profile=FLAGS.cost_profile)
+
+
 def _generate() -> None:
     import jaxserve
 
     params = jaxserve.SamplingParams(**_sampling_flags())
-    llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
+    llm = jaxserve.LLM(FLAGS.model, **_engine_flags())
     prompt = llm.chat_prompt([{"role": "user", "content": FLAGS.prompt}]) if FLAGS.chat else FLAGS.prompt
     for out in llm.stream(prompt, params):
         sys.stdout.write(out.new_text)
@@ -94,8 +113,8 @@ def _serve() -> None:
     import jaxserve
     from jaxserve.server.launch import Server
 
-    llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
-                       kv_cache_gib=FLAGS.kv_cache_gib, max_num_seqs=FLAGS.max_num_seqs)
+    llm = jaxserve.LLM(FLAGS.model, kv_cache_gib=FLAGS.kv_cache_gib, max_num_seqs=FLAGS.max_num_seqs,
+                       **_engine_flags())
     server = Server(llm, host=FLAGS.host, grpc_port=FLAGS.grpc_port, http_port=FLAGS.http_port,
                     model_name=FLAGS.served_model_name, api_key=_api_key(),
                     max_queue=FLAGS.max_queue, drain_timeout=FLAGS.drain_timeout)

@@ -35,6 +35,7 @@ class Generation:
     prompt_tokens: int
     time_to_first_token_s: float
     total_s: float
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache
 
 
 def _generate_request(prompt: str | Sequence[int] | None, messages: Messages | None, model: str,
@@ -73,7 +74,8 @@ class _Assembler:
         return Generation(last.request_id, "".join(p.text for p in self.parts),
                           [t for p in self.parts for t in p.token_ids],
                           pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower(),
-                          last.usage.prompt_tokens, last.timings.time_to_first_token_s, last.timings.total_s)
+                          last.usage.prompt_tokens, last.timings.time_to_first_token_s, last.timings.total_s,
+                          last.usage.cached_tokens)
 
 
 class _Base:

@@ -1,7 +1,12 @@
-"""Paged KV cache, chunked prefill, continuous batching, preemption, sampling and stopping on the real model."""
+"""Paged KV cache, chunked prefill, continuous batching, preemption, prefix caching, sampling and stopping on the
+real model, driven by the scheduler's Plans."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 
@@ -31,35 +36,50 @@ MIXED = [
 ]
 
 
+@contextlib.contextmanager
+def step_tokens(llm, tokens: int, prefix_caching: bool = True):
+    """At most `tokens` tokens per step (prefill chunks of a few tokens), optionally without prefix caching."""
+    sched = llm.engine.scheduler
+    packer, caching = sched.packer, sched.kv.enable_prefix_caching
+    sched.packer = dataclasses.replace(packer, max_batch_tokens=tokens, chunk_align=min(tokens, packer.chunk_align))
+    sched.kv.enable_prefix_caching = prefix_caching
+    try:
+        yield
+    finally:
+        sched.packer, sched.kv.enable_prefix_caching = packer, caching
+
+
 @pytest.fixture(scope="module")
 def one_at_a_time(llm):
-    llm.engine.prefill_chunk = 512
-    return [llm.generate(p, sp)[0] for p, sp in zip(PROMPTS, MIXED)]
+    with step_tokens(llm, 512, prefix_caching=False):
+        return [llm.generate(p, sp)[0] for p, sp in zip(PROMPTS, MIXED)]
 
 
-@pytest.mark.parametrize("chunk", [8, 32, 512])
-def test_batched_chunked_equals_one_at_a_time(llm, one_at_a_time, chunk):
-    free_before = llm.engine.pool.num_free
-    llm.engine.prefill_chunk = chunk
-    try:
+@pytest.mark.parametrize("chunk, prefix_caching", [(24, False), (32, True), (512, True)])
+def test_batched_chunked_equals_one_at_a_time(llm, one_at_a_time, chunk, prefix_caching):
+    """Several prompts' chunks per step, decodes beside them, prefix hits (the prompts ran before): greedy and
+    seeded outputs are those of each request alone."""
+    free_before = llm.engine.kv.num_free
+    with step_tokens(llm, chunk, prefix_caching):
+        if prefix_caching:  # cache the prompts' full blocks, so the batched run starts from hits
+            llm.generate(PROMPTS[3])
+        hits = llm.engine.kv.stats.hit_tokens
         batched = llm.generate(PROMPTS, MIXED)
-    finally:
-        llm.engine.prefill_chunk = 512
     for ref, got in zip(one_at_a_time, batched):
         assert got.token_ids == ref.token_ids, got.prompt
         assert got.text == ref.text and got.finish_reason == ref.finish_reason
-    assert llm.engine.pool.num_free == free_before
+    assert llm.engine.kv.num_free == free_before
+    assert (llm.engine.kv.stats.hit_tokens > hits) == prefix_caching
 
 
 def test_requests_join_and_leave_between_steps(llm, one_at_a_time):
     """Requests arrive while others decode; every output is still the one-at-a-time output."""
     engine = llm.engine
-    engine.prefill_chunk = 16
     ids = {}
     tokens: dict[str, list[int]] = {}
     pending = list(range(len(PROMPTS)))
     steps = 0
-    try:
+    with step_tokens(llm, 24):
         while pending or engine.has_unfinished():
             if pending and steps % 3 == 0:  # one new arrival every third step
                 i = pending.pop(0)
@@ -67,21 +87,21 @@ def test_requests_join_and_leave_between_steps(llm, one_at_a_time):
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             steps += 1
-    finally:
-        engine.prefill_chunk = 512
     for rid, i in ids.items():
         assert tokens[rid] == one_at_a_time[i].token_ids
 
 
 def test_preemption_under_memory_pressure_keeps_outputs():
     """A KV pool far smaller than the batch needs: requests are preempted, recomputed, and outputs unchanged."""
-    small = jaxserve.LLM(max_model_len=96, kv_cache_tokens=160, block_size=16, prefill_chunk=32)
+    small = jaxserve.LLM(max_model_len=96, kv_cache_tokens=160, block_size=16, max_num_seqs=4,
+                         max_num_batched_tokens=32)
     params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=t, seed=7) for t in (0.0, 0.9, 0.0, 0.9)]
     alone = [small.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS[:4], params)]
-    free = small.engine.pool.num_free
+    free = small.engine.kv.num_free
     together = small.generate(PROMPTS[:4], params)
     assert [c.token_ids for c in together] == alone
-    assert small.engine.pool.num_free == free
+    assert small.engine.num_preemptions > 0
+    assert small.engine.kv.num_free == free
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
@@ -122,13 +142,13 @@ def test_eos_and_max_tokens_finish_reasons(llm, reference):
 
 
 def test_abandoned_stream_frees_its_blocks(llm):
-    free = llm.engine.pool.num_free
+    free = llm.engine.kv.num_free
     stream = llm.stream("Tell me everything about the ocean.", SamplingParams(max_tokens=50, ignore_eos=True))
     next(stream)
     next(stream)
-    assert llm.engine.pool.num_free < free
+    assert llm.engine.kv.num_free < free
     stream.close()
-    assert llm.engine.pool.num_free == free and not llm.engine.has_unfinished()
+    assert llm.engine.kv.num_free == free and not llm.engine.has_unfinished()
 
 
 def test_interleaved_streams_and_generate_lose_nothing(llm):
@@ -171,17 +191,42 @@ def test_context_limit_finishes_with_length():
         (lambda llm: jaxserve.LLM("/no/such/path.gguf"), "unknown model"),
         (lambda llm: jaxserve.LLM(block_size=0), "block_size"),
         (lambda llm: jaxserve.LLM(max_num_seqs=0, kv_cache_tokens=64, max_model_len=32), "max_num_seqs"),
+        (lambda llm: jaxserve.LLM(policy="nope", kv_cache_tokens=64, max_model_len=32), "unknown policy"),
     ],
 )
 def test_bad_input_gets_a_clear_error(llm, make, message):
-    free = llm.engine.pool.num_free
+    free = llm.engine.kv.num_free
     with pytest.raises(ValueError, match=message):
         make(llm)
-    assert llm.engine.pool.num_free == free and not llm.engine.has_unfinished() and not llm._queues
+    assert llm.engine.kv.num_free == free and not llm.engine.has_unfinished() and not llm._queues
     assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].token_ids  # still serving
 
 
-def test_prompt_logits_shape_and_finiteness(llm):
-    logits = llm.prompt_logits("A quick test")
-    assert logits.shape == (len(llm.tokenizer.encode("A quick test")), llm.config.vocab_size)
-    assert np.isfinite(logits).all()
+def test_prompt_logits_predict_what_greedy_generation_takes(llm):
+    """The scoring pass and the serving path agree: the argmax of the last prompt position's logits is the first
+    greedy token, and appending it, the next position's argmax is the second."""
+    ids = llm.tokenizer.encode("A quick test of the scoring pass")
+    first, second = llm.generate(ids, SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+    logits = llm.prompt_logits(ids + [first])
+    assert logits.shape == (len(ids) + 1, llm.config.vocab_size)
+    assert logits[-2].argmax() == first and logits[-1].argmax() == second
+
+
+def test_no_compiles_while_serving_after_warm_up(llm):
+    """200 varied requests (prompt lengths 1-900, greedy and sampled, top-k/top-p, chunked and batched) after the
+    start-up warm-up: XLA compiles nothing."""
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, llm.config.vocab_size, int(n)).tolist()
+               for n in np.concatenate([rng.integers(1, 40, 150), rng.integers(40, 900, 50)])]
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 4)), ignore_eos=True,
+                             temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])),
+                             top_p=float(rng.choice([1.0, 0.9])), seed=i) for i in range(len(prompts))]
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert all(o.finish_reason == "length" for o in outs)
+    assert compiles == []

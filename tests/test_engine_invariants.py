@@ -14,10 +14,14 @@ import types
 import numpy as np
 import pytest
 
+from jaxserve.engine.batch import Row
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.kv_cache import BlockPool
 from jaxserve.engine.sampling import SamplingParams
-from jaxserve.engine.steps import Row
+from jaxserve.sched.batch_cost import BucketedBatchCost
+from jaxserve.sched.kv_manager import KVCacheManager
+from jaxserve.sched.packer import PackerConfig
+from jaxserve.sched.policies import make_policy
+from jaxserve.sched.scheduler import ReplicaScheduler
 
 VOCAB = 40
 EOS = 0
@@ -35,25 +39,37 @@ class FakeTokenizer:
 
 
 class CheckingRunner:
+    """Stands in for ModelRunner. `expected[seed]` is a request's whole token sequence (prompt + output), known
+    in advance: every row must read exactly that at every position it attends, whichever request wrote the block
+    (a prefix-cache hit reads another request's blocks)."""
+
     def __init__(self, block_size: int):
-        self.model = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=VOCAB))
+        self.cfg = types.SimpleNamespace(vocab_size=VOCAB)
         self.block_size = block_size
         self.cache: dict[int, int] = {}
-        self.fed: dict[int, dict[int, int]] = {}  # seed -> position -> token
+        self.expected: dict[int, list[int]] = {}
+        self.caches_lost = False
 
-    def step(self, rows: list[Row]) -> np.ndarray:
+    def execute(self, rows: list[Row]) -> np.ndarray:
         bs = self.block_size
         for r in rows:
-            fed = self.fed.setdefault(r.seed, {})
             for i, tok in enumerate(r.tokens):
                 pos = r.start + i
-                assert fed.get(pos, tok) == tok, "a position was fed two different tokens"
-                fed[pos] = tok
+                assert self.expected[r.seed][pos] == tok, "a position was fed the wrong token"
                 self.cache[r.block_table[pos // bs] * bs + pos % bs] = tok
-        for r in rows:  # after all writes: every row still sees exactly its own history
+        for r in rows:  # after all writes: every row sees exactly its own history
             for pos in range(r.start + len(r.tokens)):
-                assert self.cache[r.block_table[pos // bs] * bs + pos % bs] == self.fed[r.seed][pos]
+                assert self.cache[r.block_table[pos // bs] * bs + pos % bs] == self.expected[r.seed][pos]
         return np.array([fake_token(r.seed, r.counter) for r in rows])
+
+
+def make_engine(runner, *, num_blocks: int, max_model_len: int, max_num_seqs: int = 4, step_tokens: int = 64,
+                policy: str = "fcfs", prefix_caching: bool = True) -> Engine:
+    cost = BucketedBatchCost([16, 1 << 20], [0.01, 0.02], prefill_pair=1e-7, decode_key=1e-7)
+    packer = PackerConfig(t_target=1.0, chunk_align=min(8, step_tokens), max_batch_tokens=step_tokens)
+    kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=prefix_caching)
+    scheduler = ReplicaScheduler(make_policy(policy), cost, packer, kv, max_running=max_num_seqs)
+    return Engine(runner, scheduler, FakeTokenizer(), max_model_len=max_model_len)
 
 
 def expected_output(prompt: list[int], sp: SamplingParams, max_model_len: int) -> list[int]:
@@ -67,22 +83,40 @@ def expected_output(prompt: list[int], sp: SamplingParams, max_model_len: int) -
 
 @pytest.mark.parametrize("trial", range(40))
 def test_random_workload_keeps_every_invariant(trial):
+    run_random_workload(trial)
+
+
+def test_random_workloads_preempt_and_hit_the_prefix_cache():
+    """The workloads above are not vacuous: memory pressure preempts, shared prefixes hit."""
+    engines = [run_random_workload(trial) for trial in range(40)]
+    assert sum(e.num_preemptions for e in engines) > 20
+    assert sum(e.kv.stats.hit_tokens for e in engines) > 0.1 * sum(e.kv.stats.query_tokens for e in engines)
+
+
+def run_random_workload(trial: int) -> Engine:
     rng = random.Random(trial)
     bs = rng.choice([1, 2, 4, 16])
     max_model_len = rng.choice([16, 40, 100])
     capacity_tokens = max_model_len + rng.choice([0, 7, 60, 400])
-    pool = BlockPool(-(-capacity_tokens // bs) + 1, bs)
     runner = CheckingRunner(bs)
-    engine = Engine(runner, pool, FakeTokenizer(), max_model_len=max_model_len,
-                    max_num_seqs=rng.choice([1, 3, 8]), prefill_chunk=rng.choice([1, 4, 8, 64]))
-    free = pool.num_free
+    max_num_seqs = rng.choice([1, 3, 8])
+    engine = make_engine(runner, num_blocks=-(-capacity_tokens // bs) + 1, max_model_len=max_model_len,
+                         max_num_seqs=max_num_seqs, step_tokens=rng.choice([8, 16, 64]) + max_num_seqs,
+                         policy=rng.choice(["fcfs", "lars", "edf", "sjf"]), prefix_caching=rng.random() < 0.8)
+    kv = engine.kv
+    free = kv.num_free
+    # a few shared prefixes, so prefix-cache hits (and blocks shared between requests) happen
+    prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, max_model_len))] for _ in range(3)]
     requests, aborted, finished, outputs = {}, set(), set(), {}
     arrivals = sorted(rng.randrange(60) for _ in range(rng.randrange(1, 14)))
     for step in range(5000):
         while arrivals and arrivals[0] <= step:
             arrivals.pop(0)
-            prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, max_model_len))]
+            prompt = rng.choice(prefixes)[:rng.randrange(0, max_model_len)]
+            prompt = (prompt + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, max_model_len))])
+            prompt = prompt[:rng.randrange(1, max_model_len)]
             sp = SamplingParams(max_tokens=rng.randrange(1, 30), seed=len(requests) + 100 * trial)
+            runner.expected[sp.seed] = prompt + expected_output(prompt, sp, max_model_len)
             rid = engine.add_request(prompt, sp)
             requests[rid] = (prompt, sp)
             outputs[rid] = []
@@ -105,14 +139,16 @@ def test_random_workload_keeps_every_invariant(trial):
         tokens = [t for o in outputs[rid] for t in o.new_token_ids]
         assert tokens == expected_output(prompt, sp, max_model_len)
         assert "".join(o.new_text for o in outputs[rid]) == FakeTokenizer().decode(tokens)
-    assert pool.num_free == free
+    assert kv.num_free == free and not engine.scheduler.requests
+    return engine
 
 
 def test_stop_string_held_back_then_released():
     """A tail that could start a stop string is held, then emitted once it turns out not to be one."""
     runner = CheckingRunner(4)
-    engine = Engine(runner, BlockPool(20, 4), FakeTokenizer(), max_model_len=64)
+    engine = make_engine(runner, num_blocks=20, max_model_len=64)
     sp = SamplingParams(max_tokens=12, seed=5, ignore_eos=True)
+    runner.expected[5] = [1, 2] + expected_output([1, 2], sp, 64)
     text = FakeTokenizer().decode(expected_output([1, 2], sp, 64))
     stop = text[3] + "#"  # starts like the output but never completes
     rid = engine.add_request([1, 2], SamplingParams(max_tokens=12, seed=5, ignore_eos=True, stop=(stop,)))
@@ -123,12 +159,6 @@ def test_stop_string_held_back_then_released():
     assert deltas[3] == "" and len(deltas[4]) >= 2  # held at the 4th token, released at the 5th
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(prefill_chunk=3), "prefill_chunk"),
-    (dict(max_model_len=1000), "exceeds the KV cache"),
-])
-def test_bad_engine_settings_are_rejected(kwargs, message):
-    args = dict(max_model_len=32, max_num_seqs=4, prefill_chunk=8) | kwargs
-    with pytest.raises(ValueError, match=message):
-        Engine(CheckingRunner(4), BlockPool(20, 4), FakeTokenizer(), **args)
+def test_max_model_len_beyond_the_kv_cache_is_rejected():
+    with pytest.raises(ValueError, match="exceeds the KV cache"):
+        make_engine(CheckingRunner(4), num_blocks=20, max_model_len=1000)

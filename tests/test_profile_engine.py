@@ -1,35 +1,23 @@
-"""tools/profile_engine.py on a tiny grid: samples from the real engine, CSV columns, fits that load back."""
+"""The step cost model measured on the engine itself (engine/profile.py): what the session's LLM measured at start,
+and the on-disk cache it is loaded from."""
 
 from __future__ import annotations
 
-import csv
-import pathlib
-import sys
+import json
 
-from jaxserve.sched.cost_models import Decode, TetrisPrefill
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tools"))
-import profile_engine  # noqa: E402  (tools/ is not a package)
-
-# History 16 (not more) keeps most points in shared block buckets: fewer compiles, so a cold run stays fast.
-PREFILL = [(n, h) for n in (16, 32, 64, 128) for h in (0, 16)]
-DECODE = [(b, kv) for b in (1, 2) for kv in (64, 128)]
+from jaxserve.engine import profile
+from jaxserve.sched.batch_cost import BucketedBatchCost
 
 
-def test_profile_writes_positive_samples_and_loadable_fits(llm, tmp_path):
-    free = llm.engine.pool.num_free
-    samples = profile_engine.profile(llm, PREFILL, DECODE, repeats=1)
-    assert llm.engine.pool.num_free == free  # every block it took went back
-    profile_engine.write(samples, tmp_path)
-
-    with open(tmp_path / "samples.csv", newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    assert list(rows[0]) == ["kind", "sp", "tp", "n", "h", "batch", "sum_kv", "seconds"]
-    assert sorted((int(r["n"]), int(r["h"])) for r in rows if r["kind"] == "prefill") == sorted(PREFILL)
-    assert sorted((int(r["batch"]), int(r["sum_kv"])) for r in rows if r["kind"] == "decode") == sorted(
-        (b, b * kv) for b, kv in DECODE)
-    assert all(float(r["seconds"]) > 0 for r in rows)
-
-    prefill = TetrisPrefill.from_json((tmp_path / "tetris_prefill.json").read_text())
-    decode = Decode.from_json((tmp_path / "decode.json").read_text())
-    assert set(prefill.coefficients) == {1} and set(decode.coefficients) == {(1, 1)}
+def test_the_measured_profile_prices_steps_and_round_trips(llm, tmp_path):
+    cost = llm.cost
+    buckets = llm.engine.runner.buckets
+    assert cost.token_buckets == list(buckets.tokens) and all(t > 0 for t in cost.step_times)
+    assert cost.prefill_pair >= 0 and cost.decode_key >= 0
+    # a batch is priced by the program that runs it: the smallest token bucket that holds it
+    assert cost.time(buckets.tokens[0] + 1, 0.0) == cost.step_times[1]
+    assert cost.time(40, cost.prefill_attention(40, 1000)) > cost.time(40, 0.0) or cost.prefill_pair == 0
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(cost.to_dict()))
+    loaded = profile.load_or_measure(path, llm.engine.runner, llm.max_model_len, progress=False)
+    assert isinstance(loaded, BucketedBatchCost) and loaded.to_dict() == cost.to_dict()

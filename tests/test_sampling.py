@@ -16,7 +16,7 @@ def draw(logits, temperature=1.0, top_k=0, top_p=1.0, n=2000, seed=0):
     rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (b, V))
     return np.asarray(sample(rows, jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k, jnp.int32),
                              jnp.full((b,), top_p, jnp.float32), jnp.full((b,), seed, jnp.uint32),
-                             jnp.arange(b, dtype=jnp.int32), all_greedy=False))
+                             jnp.arange(b, dtype=jnp.int32)))
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def test_greedy_rows_take_the_argmax(logits):
     rows = jnp.asarray(np.random.default_rng(1).standard_normal((5, V)), jnp.float32)
     zeros = jnp.zeros((5,), jnp.float32)
     got = sample(rows, zeros, jnp.zeros(5, jnp.int32), jnp.ones(5), jnp.zeros(5, jnp.uint32),
-                 jnp.zeros(5, jnp.int32), all_greedy=True)
+                 jnp.zeros(5, jnp.int32))
     assert (np.asarray(got) == np.asarray(rows).argmax(-1)).all()
 
 

@@ -17,6 +17,7 @@ from jaxserve.sched.policies import make_policy
 from jaxserve.sched.profiles import ProfileBatchCost
 from jaxserve.sched.queue import PrefillQueue
 from jaxserve.sched.request import Request
+from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.scheduler import ReplicaScheduler
 
 # Eq. (1) shaped like Llama-3-8B on one A100 (fitted to Tetris Table 1, SP=1)
@@ -176,35 +177,39 @@ def test_space_sharing_makes_a_long_prefill_yield_its_relative_slack():
     assert EQ1.batch_time([(chunks[0][1] + 1, 0)]) > 0.2
 
 
+def _kv(tokens: int) -> KVCacheManager:
+    return KVCacheManager.for_tokens(tokens, 16, enable_prefix_caching=False)
+
+
 def _drive(sched, now=0.0, steps=10000):
     """Execute Plans with the scheduler's own cost model until it has nothing left."""
     for _ in range(steps):
         plan = sched.schedule(now)
         if plan is None:
             return now
-        assert sched.kv_reserved <= sched.kv_capacity
+        for r in sched.running.values():  # every running request holds blocks for the KV it has or is computing
+            assert sched.kv.num_blocks_held(r.id) >= sched.kv.blocks_for(max(r.planned, r.kv_len))
         now += plan.predicted_time
-        tokens = {i.request_id: (7,) for i in plan.items
-                  if i.phase is Phase.DECODE or i.end == sched.requests[i.request_id].prompt_len}
+        tokens = {i.request_id: (7,) for i in plan.items if sched.yields_token(i)}
         sched.apply(plan, Outcome(now, tuple(plan.predicted_time for _ in plan.items), tokens))
     raise AssertionError("scheduler did not drain")
 
 
 def test_replica_scheduler_runs_requests_to_completion_within_kv_memory():
-    sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(t_target=0.05), kv_capacity=12000)
+    sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(t_target=0.05), _kv(12000))
     reqs = [Request(str(i), 0.0, 1000 + 700 * i, 20 + i) for i in range(10)]
     for r in reqs:
         sched.add(r)
     _drive(sched)
     assert sorted(r.id for r in sched.finished) == sorted(r.id for r in reqs)
-    assert sched.kv_reserved == 0 and not sched.decoding and len(sched.queue) == 0
+    assert sched.kv.num_free == sched.kv.capacity and not sched.decoding and len(sched.queue) == 0
     for r in reqs:
         assert r.generated == r.output_len and r.first_token_at <= r.finished_at
         assert len(r.token_gaps) == r.output_len - 1
 
 
 def test_replica_scheduler_state_moves_only_on_outcomes():
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), kv_capacity=10000)
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(10000))
     r = Request("a", 0.0, 5000, 3)
     sched.add(r)
     first = sched.schedule(0.0)
@@ -218,7 +223,7 @@ def test_replica_scheduler_state_moves_only_on_outcomes():
 
 
 def test_a_decode_is_not_planned_again_before_its_token_is_back():
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), kv_capacity=10000)
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(10000))
     sched.add(Request("a", 0.0, 100, 5))
     plan = sched.schedule(0.0)
     sched.apply(plan, Outcome(0.01, (0.01,), {"a": (1,)}))
@@ -228,7 +233,7 @@ def test_a_decode_is_not_planned_again_before_its_token_is_back():
 
 
 def test_a_large_request_is_not_overtaken_forever_by_small_newcomers():
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), kv_capacity=1000)
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(1000))
     for i in range(2):
         sched.add(Request(f"s{i}", 0.0, 150, 50))
     big = Request("big", 0.1, 700, 110)
@@ -240,8 +245,7 @@ def test_a_large_request_is_not_overtaken_forever_by_small_newcomers():
         plan = sched.schedule(now)
         now += plan.predicted_time if plan else 0.01
         if plan:
-            tokens = {i.request_id: (1,) for i in plan.items
-                      if i.phase is Phase.DECODE or i.end == sched.requests[i.request_id].prompt_len}
+            tokens = {i.request_id: (1,) for i in plan.items if sched.yields_token(i)}
             sched.apply(plan, Outcome(now, tuple(0.0 for _ in plan.items), tokens))
         k += 1
         assert k < 2000, "the large request starved"
@@ -249,9 +253,10 @@ def test_a_large_request_is_not_overtaken_forever_by_small_newcomers():
 
 
 def test_a_long_prefill_progresses_while_decodes_fill_the_budget():
-    sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(t_target=0.05), kv_capacity=10**7)
+    sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(t_target=0.05), _kv(10**7))
     d = _running("d", 100)
-    sched.requests[d.id], sched.decoding[d.id] = d, d
+    sched.requests[d.id] = sched.running[d.id] = sched.decoding[d.id] = d
+    sched.kv.allocate(d.id, d.kv_len)
     long = Request("L", 0.0, 3_000_000, 1)
     long.planned = long.prefilled = 2_500_000  # a 32-token chunk at this history overruns the 50 ms budget
     sched.add(long)
@@ -263,15 +268,15 @@ def test_a_long_prefill_progresses_while_decodes_fill_the_budget():
 def test_slo_fills_only_what_a_request_leaves_open():
     from jaxserve.sched.slo import SLO
 
-    sched = ReplicaScheduler(make_policy("edf"), EQ1, PackerConfig(t_target=0.05), 10**6, slo=SLO(tpot=0.07))
+    sched = ReplicaScheduler(make_policy("edf"), EQ1, PackerConfig(t_target=0.05), _kv(10**6), slo=SLO(tpot=0.07))
     given = Request("g", 0.0, 100, 10, ttft_deadline=2.0)
     sched.add(given)
     assert given.ttft_deadline == 2.0 and given.tpot_slo == 0.07
 
 
 def test_replica_scheduler_rejects_what_cannot_fit_and_duplicate_ids():
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), kv_capacity=1000)
-    with pytest.raises(ValueError, match="needs 1100 KV tokens"):
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(1000))
+    with pytest.raises(ValueError, match="needs 1099 KV tokens"):
         sched.add(Request("big", 0.0, 1000, 100))
     sched.add(Request("a", 0.0, 10, 1))
     with pytest.raises(ValueError, match="already in use"):
@@ -321,8 +326,8 @@ def test_network_profiles_fit_send_recv_measurements():
 def test_space_sharing_yields_nothing_to_a_request_that_cannot_start():
     cfg = PackerConfig(t_target=0.2, long_threshold=50000, space_sharing=True, chunk_align=1)
     long = Request("L", 0.0, 100000, 10, ttft_deadline=1000.0)
-    stuck = Request("s", 0.0, 5000, 10, ttft_deadline=1000.0)  # will not fit beside L in KV memory
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, cfg, kv_capacity=104000)
+    stuck = Request("s", 0.0, 5000, 10, ttft_deadline=1000.0)  # may not start: L holds the one running slot
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, cfg, _kv(104000), max_running=1)
     sched.add(long)
     sched.add(stuck)
     (item,) = sched.schedule(0.0).items

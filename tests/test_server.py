@@ -9,6 +9,8 @@ import json
 import time
 
 import grpc
+import jax
+import jax.numpy as jnp
 import openai
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -45,11 +47,11 @@ def oai(served):
 
 
 def free_blocks(served) -> int:
-    return served.call(lambda: served.server.engine.engine.pool.num_free)
+    return served.call(lambda: served.server.engine.engine.kv.num_free)
 
 
 def initial_blocks(served) -> int:
-    return served.server.engine.engine.pool.capacity
+    return served.server.engine.engine.kv.capacity
 
 
 def wait_until(predicate, timeout: float = 30.0) -> None:
@@ -299,17 +301,50 @@ def test_metrics_are_exported_for_prometheus(served, oai):
         assert gauge in samples
 
 
-def test_a_failed_engine_step_ends_its_requests_and_the_server_goes_on(served, grpc_client, monkeypatch):
+def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client, oai):
+    """The fault is raised by a host callback inside the jitted step, after the KV buffers were donated: the cache
+    is rebuilt, the request in that step ends with INTERNAL, and the next requests are served."""
     runner = served.server.engine.engine.runner
-    real_step = runner.step
+    real_step = runner._step
 
-    def fail_once(rows):
-        monkeypatch.setattr(runner, "step", real_step)
+    def boom(x):
         raise RuntimeError("injected device failure")
 
-    monkeypatch.setattr(runner, "step", fail_once)
-    with pytest.raises(grpc.RpcError) as err:
-        grpc_client.generate(PROMPT, max_tokens=4)
+    def failing(params, caches, arrays):
+        tokens, caches = runner._forward_sample(params, caches, arrays)
+        return tokens + jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.int32), tokens[0]), caches
+
+    runner._step = jax.jit(failing, donate_argnums=(1,))
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_client.generate(PROMPT, max_tokens=4)
+    finally:
+        runner._step = real_step
     assert err.value.code() == grpc.StatusCode.INTERNAL and "injected device failure" in err.value.details()
+    assert not runner.caches_lost  # rebuilt
     wait_until(lambda: free_blocks(served) == initial_blocks(served))
     assert len(grpc_client.generate(PROMPT, max_tokens=4).token_ids) == 4
+    assert oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+
+def test_prefix_cache_hits_are_reported_in_usage_and_metrics(served, grpc_client, oai):
+    """A shared system prompt: the second request's cached tokens show in OpenAI usage, in gRPC usage and in
+    /metrics; its output is what it is without the cache (greedy)."""
+    system = "You are a careful assistant. " * 12  # ~70 tokens: several full 16-token blocks
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name a color."}]
+    first = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    again = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 48 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+    other = [{"role": "system", "content": system}, {"role": "user", "content": "Name an animal."}]
+    out = grpc_client.generate(messages=other, max_tokens=3)
+    assert out.cached_tokens >= 48
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    hits = next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("jaxserve_prefix_cache_hits_total"))
+    assert hits >= 96

@@ -13,10 +13,11 @@ from absl import app, flags
 from tqdm import tqdm
 
 from jaxserve.sched.packer import PackerConfig
-from jaxserve.sched.plan import Outcome, Phase
+from jaxserve.sched.plan import Outcome
 from jaxserve.sched.policies import make_policy
 from jaxserve.sched.profiles import ProfileBatchCost
 from jaxserve.sched.request import Request
+from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.scheduler import ReplicaScheduler
 from jaxserve.sched.slo import SLO
 from jaxserve.sim import run
@@ -37,7 +38,7 @@ def batch_formation() -> np.ndarray:
     rng = np.random.default_rng(0)
     cost = ProfileBatchCost("a100_llama3_8b", tp=8)
     sched = ReplicaScheduler(make_policy(FLAGS.policy), cost, PackerConfig(t_target=0.05, space_sharing=True),
-                             kv_capacity=ClusterConfig(tp=8).replica_kv_capacity(), slo=SLO(),
+                             KVCacheManager.for_tokens(ClusterConfig(tp=8).replica_kv_capacity(), 16, False), slo=SLO(),
                              max_running=FLAGS.decodes)
     ids = iter(range(10**9))
 
@@ -54,8 +55,7 @@ def batch_formation() -> np.ndarray:
         plan = sched.schedule(now)
         times.append(time.perf_counter() - t)
         now += plan.predicted_time
-        tokens = {i.request_id: (0,) for i in plan.items
-                  if i.phase is Phase.DECODE or i.end == sched.requests[i.request_id].prompt_len}
+        tokens = {i.request_id: (0,) for i in plan.items if sched.yields_token(i)}
         sched.apply(plan, Outcome(now, tuple(plan.predicted_time for _ in plan.items), tokens))
         while len(sched.queue) < FLAGS.queued:
             arrive(now)

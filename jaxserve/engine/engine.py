@@ -1,27 +1,32 @@
-"""The serving engine: continuous batching over a paged KV cache with chunked prefill.
+"""The serving engine: executes the scheduler's Plans on one device.
 
-Each `step()` runs at most one prefill chunk (the oldest request still prefilling) and one decode step for
-every request that has finished its prefill; requests join and leave between steps. When the block pool runs
-dry the newest running request is preempted: its blocks return to the pool and it later recomputes its prompt
-and the tokens it already generated, so its output is unchanged.
+Each `step()` asks the ReplicaScheduler (sched/) for a Plan (decodes and several prefill chunks under the
+iteration's token and time budget, the KV block ids it grants, the requests it preempted), runs it as one
+compiled call over a flat ragged batch (runner.ModelRunner), turns the sampled tokens into text and stop
+decisions, and hands the Outcome back; the scheduler's state moves only from Outcomes, exactly as in the
+simulator. A preempted request recomputes its prompt and generated tokens (mostly from prefix-cache hits); on
+CPU in float32 its output is unchanged (bf16 on GPU makes no such promise: batch shapes change the rounding).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import itertools
 import random
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxserve.engine.batch import Row
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.kv_cache import BlockPool, OutOfBlocks
+from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
-from jaxserve.engine.steps import Row, StepRunner
 from jaxserve.models.tokenizer import TextTokenizer
+from jaxserve.sched import request as sched_request
+from jaxserve.sched.plan import Outcome, Phase, Plan
+from jaxserve.sched.scheduler import ReplicaScheduler
 
 
 class FinishReason(str, enum.Enum):
@@ -39,52 +44,51 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: FinishReason | None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class StepFailed(RuntimeError):
+    """A step raised. Its requests were ended; the cache was rebuilt if the failure took it (every other request
+    then recomputes). `request_ids`: the requests that were in the step."""
+
+    def __init__(self, message: str, request_ids: Sequence[str]):
+        super().__init__(message)
+        self.request_ids = tuple(request_ids)
 
 
 @dataclasses.dataclass
-class Request:
-    request_id: str
-    prompt_ids: list[int]
+class _Live:
+    """The engine's side of a request: sampling, text and stop state (the scheduler holds sizes and progress)."""
+
+    sched: sched_request.Request
     params: SamplingParams
     seed: int
     detokenizer: IncrementalDetokenizer
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    block_table: list[int] = dataclasses.field(default_factory=list)
-    num_cached: int = 0  # tokens whose K/V are in the cache
     text: str = ""  # decoded output so far
     emitted_chars: int = 0
     finish_reason: FinishReason | None = None
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def prefilling(self) -> bool:
-        # The last known token is fed by the decode step; everything before it is prefill.
-        return self.num_cached < len(self.all_ids) - (1 if self.output_ids else 0)
+    def output_ids(self) -> list[int]:
+        return self.sched.token_ids[self.sched.prompt_len:]
 
 
 class Engine:
-    def __init__(self, runner: StepRunner, pool: BlockPool, tokenizer: TextTokenizer, *, max_model_len: int,
-                 max_num_seqs: int = 16, prefill_chunk: int = 512):
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
-            raise ValueError(f"prefill_chunk must be a power of two, got {prefill_chunk!r}")
+    def __init__(self, runner: ModelRunner, scheduler: ReplicaScheduler, tokenizer: TextTokenizer, *,
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic):
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
-        if max_model_len > pool.capacity * pool.block_size:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the KV cache's "
-                             f"{pool.capacity * pool.block_size} tokens; give it more blocks")
-        self.runner = runner
-        self.pool = pool
-        self.tokenizer = tokenizer
+        if max_model_len > scheduler.kv_capacity:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the KV cache's {scheduler.kv_capacity} "
+                             "tokens; give it more blocks")
+        self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.kv = scheduler.kv
         self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.prefill_chunk = prefill_chunk
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []  # admission order: the last is preempted first
+        self.max_num_seqs = scheduler.max_running
+        self.clock = clock
+        self.num_preemptions = 0
+        self._live: dict[str, _Live] = {}
+        self._tables: dict[str, list[int]] = {}  # block tables as the Plans granted them
         self._ids = itertools.count()
         self._seed_rng = random.Random()
 
@@ -99,7 +103,7 @@ class Engine:
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise ValueError("prompt is empty")
-        vocab = self.runner.model.cfg.vocab_size
+        vocab = self.runner.cfg.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
@@ -107,121 +111,122 @@ class Engine:
                              "(prompt plus at least one generated token)")
         return ids
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
-        return self.enqueue(self.check_request(prompt_ids, params), params, request_id)
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                    ttft_slo: float | None = None) -> str:
+        return self.enqueue(self.check_request(prompt_ids, params), params, request_id, ttft_slo)
 
-    def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request whose prompt and params check_request already passed; checking is O(prompt), so a
-        caller that checked first (to refuse bad input early) does not pay for a long prompt twice."""
+    def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
+                ttft_slo: float | None = None) -> str:
+        """Queue a request whose prompt and params check_request already passed (checking is O(prompt), so a
+        caller that checked first does not pay for a long prompt twice). ttft_slo: seconds to the first token,
+        the deadline the deadline-aware policies (edf, lrs, lars) rank by; None takes the scheduler's SLO."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        now = self.clock()
+        r = sched_request.Request(rid, now, len(ids), min(params.max_tokens, self.max_model_len - len(ids)),
+                                  token_ids=list(ids))
+        if ttft_slo is not None:
+            r.ttft_deadline = now + ttft_slo
+        self.scheduler.add(r)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        self.waiting.append(Request(rid, ids, params, seed, IncrementalDetokenizer(self.tokenizer, ids)))
+        self._live[rid] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, ids))
         return rid
 
     def abort(self, request_id: str) -> bool:
-        for queue in (self.running, self.waiting):
-            for r in queue:
-                if r.request_id == request_id:
-                    queue.remove(r)
-                    self.pool.release(r.block_table)
-                    return True
-        return False
+        if self._live.pop(request_id, None) is None:
+            return False
+        self.scheduler.abort(request_id)
+        self._tables.pop(request_id, None)
+        return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self._live)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._live) - len(self.scheduler.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
 
     # ---- one iteration --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._admit()
-        outputs: list[RequestOutput] = []
-        prefill = next((r for r in self.running if r.prefilling), None)
-        if prefill is not None:
-            outputs += self._run_prefill_chunk(prefill)
-        decoding = [r for r in self.running if not r.prefilling]
-        if decoding:
-            outputs += self._run_decode(decoding)
+        plan = self.scheduler.schedule(self.clock())
+        if plan is None:
+            return []
+        self._grant(plan)
+        rows = [self._row(item) for item in plan.items]
+        start = self.clock()
+        try:
+            sampled = self.runner.execute(rows) if rows else np.zeros(0, np.int32)
+        except Exception as e:
+            self._fail(plan)
+            raise StepFailed(f"the engine step failed: {e}", sorted(plan.request_ids)) from e
+        end = self.clock()
+        outputs, tokens, stopped = [], {}, set()
+        for item, token in zip(plan.items, sampled):
+            if not self.scheduler.yields_token(item):
+                continue
+            live = self._live[item.request_id]
+            out = self._append(live, int(token))
+            tokens[item.request_id] = (int(token),)
+            if out.finished:
+                stopped.add(item.request_id)
+            outputs.append(out)
+        # the step's time split by token share: what a per-item duration means for one fused call
+        total = max(sum(i.tokens for i in plan.items), 1)
+        per_item = tuple((end - start) * i.tokens / total for i in plan.items)
+        done = self.scheduler.apply(plan, Outcome(end, per_item, tokens, frozenset(stopped)))
+        for r in done:
+            self._live.pop(r.id, None)
+            self._tables.pop(r.id, None)
         return outputs
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            r = self.waiting[0]
-            # Admit only if the first chunk fits now; later chunks grow the table as they run.
-            first = min(len(r.all_ids), self.prefill_chunk)
-            if self.pool.blocks_for(first) > self.pool.num_free:
-                break
-            self.running.append(self.waiting.popleft())
+    def _grant(self, plan: Plan) -> None:
+        self.num_preemptions += len(plan.preempted)
+        for rid in plan.preempted:
+            self._tables.pop(rid, None)
+        for rid, ids in plan.blocks.items():
+            self._tables.setdefault(rid, []).extend(ids)
 
-    def _reserve(self, r: Request, tokens: int) -> bool:
-        """Grow r's blocks to cover `tokens`, preempting newer requests if needed; False if r itself was."""
-        while True:
-            try:
-                self.pool.grow(r.block_table, tokens)
-                return True
-            except OutOfBlocks:
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is r:
-                    return False
+    def _row(self, item) -> Row:
+        live = self._live[item.request_id]
+        r = live.sched
+        return Row(r.token_ids[item.start:item.end], item.start, self._tables[item.request_id], live.params,
+                   live.seed, r.generated)
 
-    def _preempt(self, r: Request) -> None:
-        self.running.remove(r)
-        self.pool.release(r.block_table)
-        r.num_cached = 0
-        self.waiting.appendleft(r)
-
-    def _run_prefill_chunk(self, r: Request) -> list[RequestOutput]:
-        ids = r.all_ids
-        end = len(ids) - (1 if r.output_ids else 0)
-        chunk = ids[r.num_cached: min(end, r.num_cached + self.prefill_chunk)]
-        if not self._reserve(r, r.num_cached + len(chunk)):
-            return []
-        token = self.runner.step([Row(chunk, r.num_cached, r.block_table, r.params, r.seed, len(r.output_ids))])[0]
-        r.num_cached += len(chunk)
-        if r.prefilling or r.output_ids:
-            # Mid-prompt chunk, or a recomputed request whose next token is fed by the decode step.
-            return []
-        return [self._append(r, int(token))]
-
-    def _run_decode(self, batch: list[Request]) -> list[RequestOutput]:
-        for r in batch:
-            if r in self.running:  # reserving for an earlier row may have preempted this one
-                self._reserve(r, r.num_cached + 1)
-        batch = [r for r in batch if r in self.running]
-        if not batch:
-            return []
-        rows = [Row([r.output_ids[-1]], r.num_cached, r.block_table, r.params, r.seed, len(r.output_ids))
-                for r in batch]
-        tokens = self.runner.step(rows)
-        outputs = []
-        for r, token in zip(batch, tokens):
-            r.num_cached += 1
-            outputs.append(self._append(r, int(token)))
-        return outputs
+    def _fail(self, plan: Plan) -> None:
+        """End the failed step's requests. If the failure deleted the donated cache, rebuild it: every other
+        request's KV (and every cached prefix) is gone, so they recompute."""
+        for rid in plan.request_ids:
+            self.abort(rid)
+        if self.runner.caches_lost:
+            self.runner.recover()
+            self.scheduler.drop_all_kv()
+            self._tables.clear()
 
     # ---- stopping and text ----------------------------------------------------------------------------
-    def _append(self, r: Request, token: int) -> RequestOutput:
-        p = r.params
-        r.output_ids.append(token)
-        searched = max(len(r.text) - max((len(s) for s in p.stop), default=0), 0)
-        r.text += r.detokenizer.push(token)
-        text = r.text
+    def _append(self, live: _Live, token: int) -> RequestOutput:
+        p, r = live.params, live.sched
+        generated = r.generated + 1  # this token included (the scheduler counts it when the Outcome lands)
+        searched = max(len(live.text) - max((len(s) for s in p.stop), default=0), 0)
+        live.text += live.detokenizer.push(token)
+        text = live.text
         stop_at = min((i for s in p.stop if (i := text.find(s, searched)) >= 0), default=-1)
         if stop_at >= 0:
             text = text[:stop_at]
-            r.finish_reason = FinishReason.STOP
+            live.finish_reason = FinishReason.STOP
         elif token in p.stop_token_ids or (token in self.tokenizer.stop_ids and not p.ignore_eos):
-            r.finish_reason = FinishReason.STOP
-        elif len(r.output_ids) >= p.max_tokens or len(r.all_ids) >= self.max_model_len:
-            r.finish_reason = FinishReason.LENGTH
-        if r.finish_reason is None:
+            live.finish_reason = FinishReason.STOP
+        elif generated >= r.output_len:
+            live.finish_reason = FinishReason.LENGTH
+        if live.finish_reason is None:
             # Hold back any tail that may begin a stop string.
             held = max((k for s in p.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[:max(len(text) - held, r.emitted_chars)]
-        else:
-            if stop_at < 0:
-                text = r.text = r.text + r.detokenizer.flush()
-            self.pool.release(r.block_table)
-            self.running.remove(r)  # at once: a finished request must never be chosen for preemption
-        delta = text[r.emitted_chars:]
-        r.emitted_chars = len(text)
-        return RequestOutput(r.request_id, [token], delta, r.finish_reason is not None, r.finish_reason)
+            text = text[:max(len(text) - held, live.emitted_chars)]
+        elif stop_at < 0:
+            text = live.text = live.text + live.detokenizer.flush()
+        delta = text[live.emitted_chars:]
+        live.emitted_chars = len(text)
+        return RequestOutput(r.id, [token], delta, live.finish_reason is not None, live.finish_reason,
+                             r.cached_tokens)

@@ -11,7 +11,8 @@ from jaxtyping import Array, Float
 from jaxserve.models.config import LlamaConfig
 from jaxserve.pallas_kernels.paged_attention import paged_attention
 
-LayerCache = tuple[Float[Array, "slots kvh d"], Float[Array, "slots kvh d"]]
+# (k_all, v_all): every layer's cache stacked on a leading layer axis.
+Caches = tuple[Float[Array, "layers slots kvh d"], Float[Array, "layers slots kvh d"]]
 
 SCRATCH_BLOCK = 0  # never handed out: padded tokens write here, so real blocks are never touched by padding
 
@@ -58,21 +59,27 @@ class BlockPool:
 
 @dataclasses.dataclass(frozen=True)
 class PagedBackend:
-    """Attention backend over the paged cache; ctx = (write_slots [b, t], block_tables [b, nblk], kv_lens [b])."""
+    """Attention backend over the paged cache; caches = (k_all, v_all) [layers, slots, kvh, d];
+    ctx = (write_slots [b, t], block_tables [b, nblk], kv_lens [b]).
+
+    Writes the new K/V into the rows of `layer` only (a scatter into the whole buffer, done in place when the
+    caller donates it) and attends over that layer's slice."""
 
     block_size: int
 
-    def __call__(self, q, k, v, positions, cache: LayerCache, ctx):
+    def __call__(self, q, k, v, positions, caches: Caches, layer, ctx):
         write_slots, block_tables, kv_lens = ctx
         b, t = write_slots.shape
-        k_cache, v_cache = cache
+        k_all, v_all = caches
         flat = write_slots.reshape(-1)
-        k_cache = k_cache.at[flat].set(k.reshape(b * t, *k.shape[2:]).astype(k_cache.dtype))
-        v_cache = v_cache.at[flat].set(v.reshape(b * t, *v.shape[2:]).astype(v_cache.dtype))
-        out = paged_attention(q, k_cache, v_cache, block_tables, positions, kv_lens, block_size=self.block_size)
-        return out, (k_cache, v_cache)
+        k_all = k_all.at[layer, flat].set(k.reshape(b * t, *k.shape[2:]).astype(k_all.dtype))
+        v_all = v_all.at[layer, flat].set(v.reshape(b * t, *v.shape[2:]).astype(v_all.dtype))
+        out = paged_attention(q, k_all[layer], v_all[layer], block_tables, positions, kv_lens,
+                              block_size=self.block_size)
+        return out, (k_all, v_all)
 
 
-def allocate_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> list[LayerCache]:
-    shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+def allocate_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> Caches:
+    """Zeroed (k_all, v_all), each [num_layers, num_blocks * block_size, kvh, d]."""
+    shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -65,24 +65,33 @@ def sample(
     top_p: Float[Array, "b"],
     seeds: Int[Array, "b"],
     counters: Int[Array, "b"],
-    *,
-    all_greedy: bool,
 ) -> Int[Array, "b"]:
-    """One token per row. A row's randomness depends only on (seed, counter), never on its batch neighbours."""
+    """One token per row. A row's randomness depends only on (seed, counter), never on its batch neighbours.
+
+    Which work runs is decided on the device (lax.cond), not by a static flag, so one compiled program serves
+    greedy and sampled batches: an all-greedy batch skips the draw, and the full-vocabulary sort runs only when
+    some row cuts by top-k or top-p."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if all_greedy:
-        return greedy
     vocab = logits.shape[-1]
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-    desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], desc, -jnp.inf)
-    probs = jax.nn.softmax(desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-    kept = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
-    pth = jnp.take_along_axis(desc, (kept - 1)[:, None], axis=-1)
-    masked = jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds.astype(jnp.uint32), counters)
-    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+
+    def cut(scaled: Float[Array, "b v"]) -> Float[Array, "b v"]:
+        desc = -jnp.sort(-scaled, axis=-1)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+        desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], desc, -jnp.inf)
+        probs = jax.nn.softmax(desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+        kept = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
+        pth = jnp.take_along_axis(desc, (kept - 1)[:, None], axis=-1)
+        return jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
+
+    def draw(_) -> Int[Array, "b"]:
+        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        sampled = temperature > 0
+        needs_cut = jnp.any(sampled & ((top_k > 0) | (top_p < 1.0)))
+        masked = jax.lax.cond(needs_cut, cut, lambda x: x, scaled)
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds.astype(jnp.uint32), counters)
+        drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+        return jnp.where(sampled, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)

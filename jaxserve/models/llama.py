@@ -1,15 +1,21 @@
 """Llama-family decoder in Flax: RMSNorm, RoPE (Llama-3 scaling), GQA, SwiGLU, tied or untied embeddings.
 
 The model does not know where its KV lives or how many devices hold the sequence: each layer hands its
-rotated q/k/v to an attention backend, `backend(q, k, v, positions, layer_cache, ctx) -> (out, layer_cache)`.
+rotated q/k/v to an attention backend, `backend(q, k, v, positions, caches, layer, ctx) -> (out, caches)`.
 The engine's paged-cache backend serves prefill chunks and decode on one device; the sharding layer's ring
 backend runs the same layers over an SP group inside `shard_map`. Parameter names follow Hugging Face's so that
 loaders map tensors one to one.
+
+The layers run under `nn.scan` over one `DecoderLayer`, so a compile does not grow with depth:
+`params['layers']` is the layer's parameter tree with every leaf stacked along a leading layer axis. The
+backend's caches (every array with a leading layer axis) ride in the scan's carry, not as scanned inputs and
+outputs, so XLA updates the (donated) buffers in place; each layer gets its traced index and touches only its
+own slice.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
@@ -18,15 +24,20 @@ from jaxtyping import Array, Float, Int
 
 from jaxserve.models.config import LlamaConfig
 
-LayerCache = Any  # whatever the backend keeps per layer, e.g. (k, v) arrays
+Caches = Any  # the backend's whole KV pytree, every array with a leading layer axis, e.g. (k_all, v_all)
 
 
 class AttentionBackend(Protocol):
-    """Attention over wherever the KV lives. ctx holds the arrays shared by all layers (slots, tables, ...)."""
+    """Attention over wherever the KV lives.
+
+    caches: the whole per-model KV pytree (arrays [num_layers, ...]); layer: traced int32 scalar, the current
+    layer. The backend writes only the slice of `layer` and returns the whole pytree. ctx holds the arrays shared
+    by all layers (slots, tables, ...).
+    """
 
     def __call__(self, q: Float[Array, "b t h d"], k: Float[Array, "b t kvh d"], v: Float[Array, "b t kvh d"],
-                 positions: Int[Array, "b t"], cache: LayerCache, ctx: Any
-                 ) -> tuple[Float[Array, "b t h d"], LayerCache]: ...
+                 positions: Int[Array, "b t"], caches: Caches, layer: Int[Array, ""], ctx: Any
+                 ) -> tuple[Float[Array, "b t h d"], Caches]: ...
 
 
 class RMSNorm(nn.Module):
@@ -65,16 +76,16 @@ class Attention(nn.Module):
     backend: AttentionBackend
 
     @nn.compact
-    def __call__(self, x, cos, sin, positions, cache: LayerCache, ctx):
+    def __call__(self, x, cos, sin, positions, caches: Caches, layer, ctx):
         cfg = self.cfg
         b, t, _ = x.shape
         q = _dense(cfg.num_heads * cfg.head_dim, self.dtype, "q_proj")(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = _dense(cfg.num_kv_heads * cfg.head_dim, self.dtype, "k_proj")(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = _dense(cfg.num_kv_heads * cfg.head_dim, self.dtype, "v_proj")(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, cache = self.backend(q, k, v, positions, cache, ctx)
+        out, caches = self.backend(q, k, v, positions, caches, layer, ctx)
         out = _dense(cfg.hidden_size, self.dtype, "o_proj")(out.reshape(b, t, -1).astype(self.dtype))
-        return out, cache
+        return out, caches
 
 
 class MLP(nn.Module):
@@ -89,25 +100,36 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One layer as a scan body: carry (x, caches), scanned input the layer index, the rest broadcast."""
+
     cfg: LlamaConfig
     dtype: jnp.dtype
     backend: AttentionBackend
 
     @nn.compact
-    def __call__(self, x, cos, sin, positions, cache, ctx):
+    def __call__(self, carry, layer, cos, sin, positions, ctx):
+        x, caches = carry
         eps = self.cfg.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
-        attn, cache = Attention(self.cfg, self.dtype, self.backend, name="self_attn")(h, cos, sin, positions, cache, ctx)
+        attn, caches = Attention(self.cfg, self.dtype, self.backend, name="self_attn")(
+            h, cos, sin, positions, caches, layer, ctx)
         x = x + attn
         x = x + MLP(self.cfg, self.dtype, name="mlp")(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
-        return x, cache
+        return (x, caches), None
+
+
+# Parameters stacked on axis 0 (one slice per layer, each initialised with its own rng); the layer index is
+# the scanned input; cos/sin/positions/ctx are the same for every layer.
+ScannedLayers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast))
 
 
 class Llama(nn.Module):
     """Decoder over the backend's KV.
 
-    tokens/positions: the new tokens of each request. caches: one entry per layer for the backend; ctx: the
-    backend's shared arrays. logits_index: which new token's logits to return per request; None returns all.
+    tokens/positions: the new tokens of each request. caches: the backend's KV pytree (leading layer axis);
+    ctx: the backend's shared arrays. logits_index [b, n]: which new tokens' logits to return per request
+    (indices into the t axis), giving [b, n, vocab]; None returns all [b, t, vocab]. Logits are float32.
     """
 
     cfg: LlamaConfig
@@ -119,24 +141,21 @@ class Llama(nn.Module):
         self,
         tokens: Int[Array, "b t"],
         positions: Int[Array, "b t"],
-        caches: Sequence[LayerCache],
+        caches: Caches,
         ctx: Any,
-        logits_index: Int[Array, "b"] | None = None,
-    ) -> tuple[Float[Array, "b n vocab"], list[LayerCache]]:
+        logits_index: Int[Array, "b n"] | None = None,
+    ) -> tuple[Float[Array, "b n vocab"], Caches]:
         cfg = self.cfg
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
         x = embed(tokens)
         cos, sin = rope_cos_sin(cfg, positions)
-        new_caches = []
-        for i in range(cfg.num_layers):
-            x, cache = DecoderLayer(cfg, self.dtype, self.backend, name=f"layers_{i}")(
-                x, cos, sin, positions, caches[i], ctx)
-            new_caches.append(cache)
+        layers = ScannedLayers(cfg, self.dtype, self.backend, name="layers")
+        (x, caches), _ = layers((x, caches), jnp.arange(cfg.num_layers, dtype=jnp.int32), cos, sin, positions, ctx)
         if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
+            x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
         else:
             logits = _dense(cfg.vocab_size, self.dtype, "lm_head")(x)
-        return logits.astype(jnp.float32), new_caches
+        return logits.astype(jnp.float32), caches

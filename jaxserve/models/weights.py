@@ -1,9 +1,13 @@
-"""Map Hugging Face-named Llama tensors onto the Flax parameter tree of `jaxserve.models.llama.Llama`."""
+"""Map Hugging Face-named Llama tensors onto the Flax parameter tree of `jaxserve.models.llama.Llama`.
+
+The decoder layers run under `nn.scan`: `params['layers']` holds one layer's tree with every leaf stacked along a
+leading layer axis (model.layers.{i}.* is row i)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
 from jaxserve.models.config import LlamaConfig
@@ -23,16 +27,19 @@ def params_from_hf(cfg: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> dic
     def norm(name: str) -> dict[str, np.ndarray]:
         return {"weight": tensor(name)}
 
-    params: dict[str, Any] = {"embed_tokens": {"embedding": tensor("model.embed_tokens.weight")}}
-    for i in range(cfg.num_layers):
+    def layer(i: int) -> dict[str, Any]:
         prefix = f"model.layers.{i}"
-        layer: dict[str, Any] = {
+        tree: dict[str, Any] = {
             "input_layernorm": norm(f"{prefix}.input_layernorm.weight"),
             "post_attention_layernorm": norm(f"{prefix}.post_attention_layernorm.weight"),
         }
         for block, names in _LAYER_LINEARS.items():
-            layer[block] = {n: linear(f"{prefix}.{block}.{n}.weight") for n in names}
-        params[f"layers_{i}"] = layer
+            tree[block] = {n: linear(f"{prefix}.{block}.{n}.weight") for n in names}
+        return tree
+
+    params: dict[str, Any] = {"embed_tokens": {"embedding": tensor("model.embed_tokens.weight")}}
+    per_layer = [layer(i) for i in range(cfg.num_layers)]
+    params["layers"] = jax.tree.map(lambda *xs: np.stack(xs), *per_layer)
     params["norm"] = norm("model.norm.weight")
     if not cfg.tie_word_embeddings:
         params["lm_head"] = linear("lm_head.weight")

@@ -82,3 +82,37 @@ class PiecewiseLinear:
         i = bisect.bisect_right(xs, x)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class BucketedBatchCost(BatchCost):
+    """Iteration time measured on the serving engine itself (engine/profile.py): the engine runs one compiled
+    program per token bucket, so the non-attention time is a step function of the batch's tokens (the measured
+    time of the smallest bucket that holds them); attention adds a measured cost per (query, history key) pair
+    for prefill chunks and per cached key for decodes."""
+
+    def __init__(self, token_buckets: Sequence[int], step_times: Sequence[float], prefill_pair: float,
+                 decode_key: float):
+        if len(token_buckets) != len(step_times) or not token_buckets:
+            raise ValueError("need one measured step time per token bucket")
+        self.token_buckets, self.step_times = list(token_buckets), list(step_times)
+        self.prefill_pair, self.decode_key = prefill_pair, decode_key
+        # past the largest bucket (never run by the engine, asked by Algorithm 3's long prompts): its per-token rate
+        self._tail_rate = self.step_times[-1] / self.token_buckets[-1]
+
+    def linear_ops(self, tokens: int) -> float:
+        i = bisect.bisect_left(self.token_buckets, tokens)
+        return self.step_times[i] if i < len(self.step_times) else tokens * self._tail_rate
+
+    def prefill_attention(self, n: int, h: int) -> float:
+        return self.prefill_pair * n * h
+
+    def decode_attention(self, kv: int) -> float:
+        return self.decode_key * kv
+
+    def to_dict(self) -> dict:
+        return {"token_buckets": self.token_buckets, "step_times": self.step_times,
+                "prefill_pair": self.prefill_pair, "decode_key": self.decode_key}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BucketedBatchCost:
+        return cls(d["token_buckets"], d["step_times"], d["prefill_pair"], d["decode_key"])

@@ -85,7 +85,16 @@ def _chunks_for(coef: Coef, h: int, start: float, ends: Sequence[float]) -> list
     out = []
     for end in ends:
         c = c0 - (end - start)
-        out.append(0 if c >= 0 else int((-b + math.sqrt(bb - a4 * c)) / a2) if a > 0 else int(-c / b))
+        if c >= 0:
+            out.append(0)
+            continue
+        root = (-b + math.sqrt(bb - a4 * c)) / a2 if a > 0 else -c / b
+        # Floor with a relative slack: when the budget is itself the latency of a whole chunk (a gap left by an
+        # earlier booking), the exact root is an integer and rounding lands on either side of it (16383.999999999995
+        # for 16384 on some CPUs), which loses a whole token. The computed root is good to ~1e-12 relative (a few
+        # eps_f64 from the budget's own sum, times < ~1e3 from the -b + sqrt cancellation at long histories), so
+        # 1e-9 * root covers it with margin and stays far below one token for any prompt under 1e8 tokens.
+        out.append(int(root + 1e-9 * root))
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 from jaxserve.sched.batch_cost import BatchCost, PiecewiseLinear
 from jaxserve.sched.request import Request
@@ -100,12 +100,21 @@ class PackerConfig:
             raise ValueError(f"max_share must be in [0, 1), got {self.max_share}")
 
 
+class Room(Protocol):
+    """KV memory as the packer sees it: how many more tokens a request may compute now, and taking them."""
+
+    def limit(self, r: Request) -> int: ...
+
+    def take(self, r: Request, n: int) -> None: ...
+
+
 def pack(cost: BatchCost, config: PackerConfig, decodes: Sequence[Request], prefills: Iterable[Request],
          relative_slack: Callable[[Request], float], more_waiting: Callable[[Request], bool],
-         smallest_chunk: int | None = None) -> tuple[list[tuple[Request, int]], BatchState]:
+         smallest_chunk: int | None = None, room: Room | None = None) -> tuple[list[tuple[Request, int]], BatchState]:
     """Algorithms 1 and 2. `prefills` come in priority order; more_waiting(r) tells whether any prefill ranks
     after r (a long prefill yields budget only when someone could use it); smallest_chunk: the fewest tokens any
-    of them could take (default chunk_align), below which looking further is pointless."""
+    of them could take (default chunk_align), below which looking further is pointless; room: the KV memory a
+    chunk must fit in (taken as each chunk is chosen), unbounded if None."""
     state = BatchState(tokens=len(decodes), attention=sum(cost.decode_attention(r.kv_len) for r in decodes))
     chunks: list[tuple[Request, int]] = []
     has_long = False
@@ -123,10 +132,14 @@ def pack(cost: BatchCost, config: PackerConfig, decodes: Sequence[Request], pref
         budget = config.t_target
         if config.space_sharing and is_long and more_waiting(r):
             budget *= 1.0 - min(config.max_share, max(0.0, relative_slack(r)))
-        limit = min(r.prompt_len - r.planned, config.max_batch_tokens - state.tokens)
+        limit = min(r.prefill_target - r.planned, config.max_batch_tokens - state.tokens)
+        if room is not None:
+            limit = min(limit, room.limit(r))
         n = max_chunk(cost, state, r.planned, limit, budget, config.chunk_align)
         if n == 0:
             continue
+        if room is not None:
+            room.take(r, n)
         chunks.append((r, n))
         state.tokens += n
         state.attention += cost.prefill_attention(n, r.planned)

@@ -41,9 +41,15 @@ class KVMove:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """One iteration's work. The scheduler owns the KV blocks: `blocks` are the ids appended to each request's
+    block table this iteration (a newly admitted request's start with its prefix-cache hits), `preempted` the
+    requests whose blocks were taken back (their tables are dropped; they recompute later)."""
+
     items: tuple[WorkItem, ...]
     moves: tuple[KVMove, ...] = ()
     predicted_time: float = 0.0  # the scheduler's cost-model estimate, seconds
+    blocks: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    preempted: tuple[str, ...] = ()
 
     @property
     def request_ids(self) -> frozenset[str]:

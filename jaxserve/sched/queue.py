@@ -28,30 +28,35 @@ class PrefillQueue:
     def column(self, name: str) -> np.ndarray:
         return self._arrays[name][: len(self.requests)]
 
-    def add(self, request: Request, total_work: float, remaining_work: float | None = None) -> None:
+    def add(self, request: Request, total_work: float, remaining_work: float | None = None,
+            seq: int | None = None) -> int:
+        """Queue a request; seq: its place in arrival order (a preempted request keeps its own). Returns seq."""
         if request.id in self._slot:
             raise ValueError(f"request {request.id} is already queued")
         i = len(self.requests)
         if i == len(self._arrays["seq"]):
             self._arrays = {k: np.concatenate([v, np.zeros_like(v)]) for k, v in self._arrays.items()}
         a = self._arrays
-        a["seq"][i], a["deadline"][i] = self._next_seq, request.ttft_deadline
+        if seq is None:
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+        a["seq"][i], a["deadline"][i] = seq, request.ttft_deadline
         a["prompt_len"][i], a["total_work"][i] = request.prompt_len, total_work
-        a["left"][i] = request.prompt_len - request.planned  # prompt tokens not yet planned
+        a["left"][i] = request.prefill_target - request.planned  # prefill tokens not yet planned
         a["admitted"][i] = 0.0  # holds a KV reservation (the scheduler sets it)
         a["remaining_work"][i] = total_work if remaining_work is None else remaining_work
-        self._next_seq += 1
         self._slot[request.id] = i
         self.requests.append(request)
+        return seq
 
     def set_remaining(self, request: Request, remaining_work: float) -> None:
         """After more of the request's prompt was planned."""
         i = self._slot[request.id]
         self._arrays["remaining_work"][i] = remaining_work
-        self._arrays["left"][i] = request.prompt_len - request.planned
+        self._arrays["left"][i] = request.prefill_target - request.planned
 
     def set_admitted(self, request: Request, admitted: bool) -> None:
-        """Mirrors the scheduler's admitted set for queued requests, so it can skip the rest by array mask."""
+        """Mirrors the scheduler's running set (requests holding KV) for queued requests, so it can skip the rest
+        by array mask."""
         self._arrays["admitted"][self._slot[request.id]] = admitted
 
     def remove(self, request: Request) -> None:

@@ -1,12 +1,17 @@
-"""One replica's scheduler: requests in, a Plan per iteration out, state advanced only from Outcomes.
+"""One replica's scheduler: requests in, a Plan per iteration out, state advanced only from Outcomes. The same
+object drives the live engine and the simulator.
 
-KV memory is reserved for prompt + output when a request is first scheduled (reserve-static), so a running
-request never has to be preempted for memory; at most `max_running` requests hold KV at once (vLLM's
-max_num_seqs), which bounds the decode batch. A request that ranks first but does not fit yet holds back the
-admission of lower-ranked newcomers, so a large request is not overtaken forever by a stream of small ones.
+It owns the KV cache (kv_manager.KVCacheManager) and allocates on demand: a chunk gets the blocks it writes when
+it is planned, a decode one slot per token. When a decode finds no free block, the most recently admitted
+request is preempted: its blocks go back (free but still cached), it re-enters the queue keeping its place, and
+it later recomputes, mostly from prefix-cache hits. A step that preempted admits nothing new. At most
+`max_running` requests hold KV at once (vLLM's max_num_seqs), which bounds the decode batch. A request that ranks
+first but does not fit yet holds back the admission of lower-ranked newcomers, so a large request is not
+overtaken forever by a stream of small ones.
 
 Prefill chunks of one request may be in flight together (stream pipeline parallelism: chunk i+1 enters the
-first stage while chunk i is in the second); a decode is planned only once its previous token is back.
+first stage while chunk i is in the second); a decode is planned only once its previous token is back, and a
+request with work in flight is never preempted.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Iterator
 import numpy as np
 
 from jaxserve.sched.batch_cost import BatchCost
-from jaxserve.sched.packer import BatchState, PackerConfig, PrefillTimeCache, pack
+from jaxserve.sched.kv_manager import KVCacheManager
+from jaxserve.sched.packer import PackerConfig, PrefillTimeCache, pack
 from jaxserve.sched.plan import Outcome, Phase, Plan, WorkItem
 from jaxserve.sched.policies import Policy
 from jaxserve.sched.queue import PrefillQueue
@@ -26,23 +32,28 @@ from jaxserve.sched.slo import SLO
 
 
 class ReplicaScheduler:
-    def __init__(self, policy: Policy, cost: BatchCost, packer: PackerConfig, kv_capacity: int,
+    def __init__(self, policy: Policy, cost: BatchCost, packer: PackerConfig, kv: KVCacheManager,
                  group: tuple[int, ...] = (0,), slo: SLO | None = None, max_running: int = 256,
                  prefill_cache: PrefillTimeCache | None = None):
-        self.policy, self.cost, self.packer, self.slo = policy, cost, packer, slo
-        self.kv_capacity, self.kv_reserved = kv_capacity, 0
-        self.group, self.max_running = group, max_running  # requests holding KV at once: bounds a decode batch
+        self.policy, self.cost, self.packer, self.slo, self.kv = policy, cost, packer, slo, kv
+        self.group, self.max_running = group, max_running
         self.prefill_time = prefill_cache or PrefillTimeCache(cost, packer.t_target, align=packer.chunk_align)
-        self.queue = PrefillQueue()  # requests with prompt tokens not yet planned
+        self.queue = PrefillQueue()  # requests with prefill tokens not yet planned
+        self.running: dict[str, Request] = {}  # requests holding KV, in admission order (the last is preempted first)
         self.decoding: dict[str, Request] = {}
-        self.admitted: set[str] = set()  # holds a KV reservation
         self.decode_in_flight: set[str] = set()  # a decode token planned, its Outcome not back
         self.finished: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request not finished
+        self._seq: dict[str, int] = {}  # arrival order, kept through preemptions
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens the KV cache holds."""
+        return self.kv.capacity * self.kv.block_size
 
     # -- requests in -----------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        need = request.prompt_len + request.output_len
+        need = request.prompt_len + request.output_len - 1  # the last token is never fed back
         if need > self.kv_capacity:
             raise ValueError(f"request {request.id} needs {need} KV tokens; this replica holds {self.kv_capacity}")
         if request.id in self.requests:
@@ -54,45 +65,76 @@ class ReplicaScheduler:
             if math.isinf(request.tpot_slo):
                 request.tpot_slo = self.slo.tpot
         self.requests[request.id] = request
-        self.queue.add(request, total, self.prefill_time.remaining(request.prompt_len, request.planned))
+        self._seq[request.id] = self.queue.add(request, total)
+
+    def abort(self, request_id: str) -> Request | None:
+        """End a request at once (client gone): its blocks go back; an Outcome still in flight for it is ignored."""
+        r = self.requests.get(request_id)
+        if r is not None:
+            self._finish(r)
+        return r
+
+    def drop_all_kv(self) -> None:
+        """The executor lost the cache's contents (a failed step deleted its buffers): every request holding KV
+        recomputes, and no cached prefix may be hit again. Call with nothing in flight."""
+        for r in list(self.running.values()):
+            self._preempt(r, {}, [])
+        self.kv.reset_prefix_cache()
 
     def outstanding_work(self) -> float:
         """Seconds of prefill work queued: what a dispatcher balances."""
         return float(self.queue.column("remaining_work").sum())
 
+    def yields_token(self, item: WorkItem) -> bool:
+        """Does this item sample a token the request keeps? Decodes do, and the last chunk of a first prefill;
+        a recompute after preemption ends where the next decode feeds the last token it had."""
+        r = self.requests[item.request_id]
+        return item.phase is Phase.DECODE or (item.end == r.prefill_target and r.generated == 0)
+
     # -- Plan out --------------------------------------------------------------------------------------------
     def schedule(self, now: float) -> Plan | None:
-        decodes = [r for r in self.decoding.values() if r.id not in self.decode_in_flight]
+        grants: dict[str, list[int]] = {}
+        preempted: list[str] = []
+        decodes = self._grant_decodes(grants, preempted)
         # this decision holds for one iteration, so slack is measured at its end: a request that cannot afford
         # to wait one more iteration ranks as such now, not one iteration too late
         horizon = now + self.packer.t_target
         queued = self.queue.requests
         order = self.policy.order(self.queue, horizon)
         tentative: list[Request] = []
+        smallest = min(self.packer.chunk_align, int(self.queue.column("left").min(initial=self.packer.chunk_align)))
 
-        def fits(r: Request) -> bool:
-            return r.id in self.admitted or (len(self.admitted) < self.max_running and
-                                             self.kv_reserved + r.prompt_len + r.output_len <= self.kv_capacity)
+        def could_admit(r: Request) -> bool:
+            """Room for a newcomer's first (smallest) chunk, before any prefix hit."""
+            return (not preempted and len(self.running) < self.max_running and
+                    self.kv.num_free >= self.kv.blocks_for(min(smallest, r.prefill_target)))
 
-        def admit(r: Request, yes: bool) -> None:
-            self.kv_reserved += (1 if yes else -1) * (r.prompt_len + r.output_len)
-            (self.admitted.add if yes else self.admitted.discard)(r.id)
-            self.queue.set_admitted(r, yes)
+        def admitted(r: Request) -> bool:
+            """Admit a newcomer tentatively: take its prefix hits, then check its first chunk has room."""
+            if preempted or len(self.running) >= self.max_running:
+                return False
+            self._admit(r, grants)
+            need = self.kv.blocks_for(r.planned + min(smallest, r.prefill_target - r.planned))
+            if self.kv.num_free < need - self.kv.num_blocks_held(r.id):
+                self._unadmit(r, grants)
+                return False
+            tentative.append(r)
+            return True
 
         def candidates() -> Iterator[Request]:
-            """Requests in priority order that may get a chunk. A newcomer is reserved KV tentatively (two cannot
+            """Requests in priority order that may get a chunk. A newcomer is admitted tentatively (two cannot
             count on the same free memory); once one does not fit, no lower-ranked newcomer is admitted and only
-            the admitted rest of the order is walked."""
+            the running rest of the order is walked."""
             for k, i in enumerate(order):
                 r = queued[i]
-                if r.id not in self.admitted:
-                    if not fits(r):
+                if r.id not in self.running:
+                    if not admitted(r):
                         rest = order[k + 1:]
                         for j in rest[self.queue.column("admitted")[rest] > 0]:
                             yield queued[j]
                         return
-                    admit(r, True)
-                    tentative.append(r)
+                    if not r.in_prefill:  # every token it needs was cached: it decodes from the next step
+                        continue
                 yield r
 
         sharing = self.packer.space_sharing and len(order)
@@ -102,56 +144,117 @@ class ReplicaScheduler:
             """Could a request ranked below r get a chunk, with the memory r now holds? If not, r (a long
             prefill) yields its share of the budget to nobody."""
             last = queued[order[-1]]
-            if not fits(last):
-                admitted = np.flatnonzero(self.queue.column("admitted")[order] > 0)
-                last = queued[order[admitted[-1]]]  # r is admitted: never empty
+            if last.id not in self.running and not could_admit(last):
+                running = np.flatnonzero(self.queue.column("admitted")[order] > 0)
+                last = queued[order[running[-1]]]  # r is running: never empty
             return r is not last
 
-        smallest = min(self.packer.chunk_align, int(self.queue.column("left").min(initial=self.packer.chunk_align)))
+        room = _Room(self.kv, grants)
         chunks, state = pack(self.cost, self.packer, decodes, candidates(),
                              relative_slack=lambda r: float(slack[self.queue.index(r)]),
-                             more_waiting=more_waiting, smallest_chunk=smallest)
+                             more_waiting=more_waiting, smallest_chunk=smallest, room=room)
         if not chunks:
             # The top request's smallest chunk overruns the budget (a huge history, or decodes fill it): run it
             # anyway, or a long prefill would stall for as long as anything decodes.
             first = next(candidates(), None)
-            if first is not None:
-                n = min(self.packer.chunk_align, first.prompt_len - first.planned)
+            n = 0 if first is None else min(self.packer.chunk_align, first.prefill_target - first.planned,
+                                            room.limit(first))
+            if n > 0:
+                room.take(first, n)
                 chunks = [(first, n)]
                 state.tokens += n
                 state.attention += self.cost.prefill_attention(n, first.planned)
         chosen = {r.id for r, _ in chunks}
         for r in tentative:
-            if r.id not in chosen:
-                admit(r, False)
+            if r.id not in chosen and r.in_prefill:
+                self._unadmit(r, grants)
+            elif not r.in_prefill:
+                self.queue.remove(r)
+                self.decoding[r.id] = r
         if not chunks and not decodes:
-            return None
+            return Plan((), blocks={}, preempted=tuple(preempted)) if preempted else None
         group, decode = self.group, Phase.DECODE
         items = [WorkItem(r.id, kv, kv + 1, decode, group, 1, "zigzag", 0, kv)
                  for r in decodes for kv in (r.kv_len,)]
         for r, n in chunks:
             items.append(WorkItem(r.id, r.planned, r.planned + n, Phase.PREFILL, group, history=r.planned))
             r.planned += n
-            if r.planned < r.prompt_len:
-                self.queue.set_remaining(r, self.prefill_time.remaining(r.prompt_len, r.planned))
+            if r.planned < r.prefill_target:
+                self.queue.set_remaining(r, self.prefill_time.remaining(r.prefill_target, r.planned))
             else:
                 self.queue.remove(r)
         self.decode_in_flight.update(r.id for r in decodes)
-        return Plan(tuple(items), predicted_time=state.time(self.cost))
+        return Plan(tuple(items), predicted_time=state.time(self.cost),
+                    blocks={rid: tuple(ids) for rid, ids in grants.items() if ids}, preempted=tuple(preempted))
+
+    def _grant_decodes(self, grants: dict[str, list[int]], preempted: list[str]) -> list[Request]:
+        """A KV slot for each decode's token, oldest admission first; preempt the newest when none is free."""
+        decodes = []
+        for r in [r for r in self.running.values() if r.id in self.decoding and r.id not in self.decode_in_flight]:
+            if r.id not in self.running:  # preempted for an older request's token
+                continue
+            while (new := self.kv.allocate(r.id, r.kv_len + 1)) is None:
+                victim = next(v for v in reversed(self.running.values()) if not self._in_flight(v))
+                self._preempt(victim, grants, preempted)
+                if victim is r:
+                    break
+            if new is not None:
+                grants.setdefault(r.id, []).extend(new)
+                decodes.append(r)
+        return decodes
+
+    def _in_flight(self, r: Request) -> bool:
+        return r.id in self.decode_in_flight or r.planned > r.prefilled
+
+    def _admit(self, r: Request, grants: dict[str, list[int]]) -> None:
+        """Take a newcomer's prefix-cache hits: a first prefill keeps its last prompt token to compute (its logits
+        give the first output token); a recompute may find everything cached and go straight to decoding."""
+        if r.token_ids is not None:  # simulated requests have no ids to hash
+            limit = r.prefill_target - (1 if r.generated == 0 else 0)
+            r.planned = r.prefilled = self.kv.match_prefix(r.id, r.token_ids, limit)
+            if r.preemptions == 0:
+                r.cached_tokens = r.prefilled
+        self.running[r.id] = r
+        self.queue.set_admitted(r, True)
+        grants[r.id] = self.kv.block_table(r.id)
+
+    def _unadmit(self, r: Request, grants: dict[str, list[int]]) -> None:
+        self.kv.free(r.id)
+        r.planned = r.prefilled = 0
+        del self.running[r.id]
+        self.queue.set_admitted(r, False)
+        grants.pop(r.id, None)
+
+    def _preempt(self, r: Request, grants: dict[str, list[int]], preempted: list[str]) -> None:
+        self.kv.free(r.id)
+        del self.running[r.id]
+        self.decoding.pop(r.id, None)
+        grants.pop(r.id, None)
+        preempted.append(r.id)
+        if r in self.queue:
+            self.queue.remove(r)
+        r.preempt()
+        self.queue.add(r, self.prefill_time(r.prefill_target), seq=self._seq[r.id])
 
     # -- Outcome in ------------------------------------------------------------------------------------------
     def apply(self, plan: Plan, outcome: Outcome) -> list[Request]:
         """Advance state from an executed Plan; returns the requests that finished."""
         done = []
         for item in plan.items:
-            r = self.requests[item.request_id]
+            r = self.requests.get(item.request_id)
+            if r is None:  # aborted while its Plan ran
+                continue
             if item.phase is Phase.PREFILL:
                 r.prefilled = max(r.prefilled, item.end)
-                if r.in_prefill:
-                    continue
             else:
                 self.decode_in_flight.discard(r.id)
-            r.add_tokens(len(outcome.tokens.get(r.id, ())), outcome.end_time)
+            tokens = outcome.tokens.get(r.id, ())
+            if r.token_ids is not None:
+                r.token_ids.extend(tokens)
+                self.kv.commit(r.id, r.token_ids, item.end)
+            if item.phase is Phase.PREFILL and r.in_prefill:
+                continue
+            r.add_tokens(len(tokens), outcome.end_time)
             if r.id in outcome.stopped and not r.finished:
                 r.finished_at = outcome.end_time
             if r.finished:
@@ -162,10 +265,28 @@ class ReplicaScheduler:
         return done
 
     def _finish(self, r: Request) -> None:
+        self.kv.free(r.id)
         self.decoding.pop(r.id, None)
-        if r in self.queue:  # stopped before its prompt was fully planned (an engine abort)
+        self.running.pop(r.id, None)
+        self.decode_in_flight.discard(r.id)
+        if r in self.queue:  # stopped before its prompt was fully planned (an abort)
             self.queue.remove(r)
         del self.requests[r.id]
-        self.admitted.discard(r.id)
-        self.kv_reserved -= r.prompt_len + r.output_len
+        del self._seq[r.id]
         self.finished.append(r)
+
+
+class _Room:
+    """The packer's view of free KV: a chunk may grow its request's blocks into what is free, and taking it
+    allocates at once, so the next chunk sees what is left."""
+
+    def __init__(self, kv: KVCacheManager, grants: dict[str, list[int]]):
+        self.kv, self.grants = kv, grants
+
+    def limit(self, r: Request) -> int:
+        return (self.kv.num_blocks_held(r.id) + self.kv.num_free) * self.kv.block_size - r.planned
+
+    def take(self, r: Request, n: int) -> None:
+        new = self.kv.allocate(r.id, r.planned + n)
+        assert new is not None, "limit() promised these blocks"
+        self.grants.setdefault(r.id, []).extend(new)

@@ -20,7 +20,7 @@ from typing import Any
 
 from absl import logging
 
-from jaxserve.engine.engine import Engine, RequestOutput
+from jaxserve.engine.engine import Engine, RequestOutput, StepFailed
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 
@@ -34,7 +34,7 @@ class ShuttingDown(Exception):
 
 
 class EngineFailed(Exception):
-    """An engine step raised; the requests in the engine at that moment were dropped."""
+    """An engine step raised; the requests in that step were ended (the others go on)."""
 
 
 def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
@@ -62,10 +62,13 @@ class RequestStream:
     """One request's outputs, as an async iterator. Closing it before the end aborts the request and frees its
     KV blocks; use it as `async with` so that a cancelled handler closes it."""
 
-    def __init__(self, server: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, server: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 ttft_slo: float | None = None):
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
+        self.ttft_slo = ttft_slo
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -88,6 +91,7 @@ class RequestStream:
         self.first_token_time = self.first_token_time or item.time
         self.last_token_time = item.time
         self.num_generated += len(out.new_token_ids)
+        self.cached_tokens = out.cached_tokens
         if out.finished:
             self._end(abort=False)
         return out
@@ -127,6 +131,8 @@ class AsyncEngine:
         self.metrics = metrics or ServerMetrics()
         self.accepting = True
         self.steps = 0  # engine iterations run (tests read it to bound how soon an abort lands)
+        self._prefix = (0, 0)  # prefix-cache (queries, hits) already counted in the metrics
+        self._preemptions = 0
         self._open: dict[str, RequestStream] = {}  # event-loop side: submitted, not yet ended
         self._live: dict[str, _Live] = {}  # engine-thread side: in the engine
         self._commands: collections.deque[tuple[str, Any]] = collections.deque()
@@ -169,16 +175,25 @@ class AsyncEngine:
     def num_open(self) -> int:
         return len(self._open)
 
+    @property
+    def healthy(self) -> bool:
+        """The engine can step: false only while a failed step's cache could not be rebuilt."""
+        return not self.engine.runner.caches_lost
+
     # ---- requests (event-loop side) -------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; ValueError names what is wrong with it, QueueFull / ShuttingDown refuse it."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, ttft_slo: float | None = None) -> RequestStream:
+        """Queue a request; ValueError names what is wrong with it, QueueFull / ShuttingDown refuse it.
+        ttft_slo: seconds to its first token (the deadline edf / lrs / lars rank by); None: the server's SLO."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
         ids = self.engine.check_request(prompt_ids, params)  # reads only the model's fixed config
         if len(self._open) >= self.capacity:
             raise QueueFull(f"the server is at capacity ({len(self._open)} requests running or queued); "
                             "retry later")
-        stream = RequestStream(self, f"req-{next(self._ids)}", ids, params)
+        if ttft_slo is not None and not (isinstance(ttft_slo, (int, float)) and not isinstance(ttft_slo, bool)
+                                         and 0 < ttft_slo < float("inf")):
+            raise ValueError(f"ttft_slo must be a positive number of seconds, got {ttft_slo!r}")
+        stream = RequestStream(self, f"req-{next(self._ids)}", ids, params, ttft_slo)
         self._open[stream.request_id] = stream
         self._command("add", stream)
         return stream
@@ -203,9 +218,13 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except StepFailed as e:  # the engine ended that step's requests and rebuilt what it lost
+                logging.exception("engine step failed; ending the requests in it")
+                self._fail(e.request_ids, EngineFailed(f"the engine failed while running this request: {e}"))
+                continue
             except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
-                logging.exception("engine step failed; dropping the requests in the engine")
-                self._fail_all(EngineFailed(f"the engine failed while running this request: {e}"))
+                logging.exception("engine step failed outside the compiled call; dropping every request")
+                self._fail(list(self._live), EngineFailed(f"the engine failed while running this request: {e}"))
                 continue
             now = time.monotonic()
             self.steps += 1
@@ -221,7 +240,7 @@ class AsyncEngine:
             if kind == "stop":
                 return False
             if kind == "add":  # submit checked the request
-                self.engine.enqueue(arg.prompt_ids, arg.params, request_id=arg.request_id)
+                self.engine.enqueue(arg.prompt_ids, arg.params, request_id=arg.request_id, ttft_slo=arg.ttft_slo)
                 self._live[arg.request_id] = _Live(arg)
                 self.metrics.prompt_tokens.inc(len(arg.prompt_ids))
             elif kind == "abort" and self._live.pop(arg, None) is not None:
@@ -247,12 +266,14 @@ class AsyncEngine:
             m.e2e.observe(now - live.stream.arrival)
         self._post(live.stream, _TokenEvent(out, now))
 
-    def _fail_all(self, error: EngineFailed) -> None:
-        for rid, live in list(self._live.items()):
+    def _fail(self, request_ids, error: EngineFailed) -> None:
+        for rid in request_ids:
+            live = self._live.pop(rid, None)
+            if live is None:
+                continue
             self.engine.abort(rid)
             self.metrics.finished.labels("abort").inc()
             self._post(live.stream, error)
-        self._live.clear()
         self._update_gauges()
 
     def _post(self, stream: RequestStream, item: _TokenEvent | BaseException) -> None:
@@ -262,8 +283,15 @@ class AsyncEngine:
             pass
 
     def _update_gauges(self) -> None:
-        pool, m = self.engine.pool, self.metrics
-        m.waiting.set(len(self.engine.waiting))
-        m.running.set(len(self.engine.running))
-        m.kv_free.set(pool.num_free)
-        m.kv_used.set(pool.capacity - pool.num_free)
+        engine, m = self.engine, self.metrics
+        kv = engine.kv
+        m.waiting.set(engine.num_waiting)
+        m.running.set(engine.num_running)
+        m.kv_free.set(kv.num_free)
+        m.kv_used.set(kv.capacity - kv.num_free)
+        queries, hits = kv.stats.query_tokens, kv.stats.hit_tokens
+        m.prefix_queries.inc(queries - self._prefix[0])
+        m.prefix_hits.inc(hits - self._prefix[1])
+        self._prefix = (queries, hits)
+        m.preemptions.inc(engine.num_preemptions - self._preemptions)
+        self._preemptions = engine.num_preemptions

@@ -82,10 +82,10 @@ class Frontend:
         return self.llm.chat_prompt(messages)
 
     def submit(self, prompt_ids: list[int], *, max_tokens: int | None, default_max_tokens: int | None,
-               **sampling: Any) -> RequestStream:
-        """Queue a request. default_max_tokens applies when max_tokens is unset (None: the rest of the context).
-        Raises one of REFUSED."""
+               ttft_slo: float | None = None, **sampling: Any) -> RequestStream:
+        """Queue a request. default_max_tokens applies when max_tokens is unset (None: the rest of the context);
+        ttft_slo: seconds to the first token (None: the server's SLO). Raises one of REFUSED."""
         params = SamplingParams(
             max_tokens=fit_max_tokens(max_tokens, len(prompt_ids), self.max_model_len, default_max_tokens),
             **{k: v for k, v in sampling.items() if v is not None})
-        return self.engine.submit(prompt_ids, params)
+        return self.engine.submit(prompt_ids, params, ttft_slo)

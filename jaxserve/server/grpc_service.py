@@ -59,7 +59,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 ids, max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
                 default_max_tokens=_DEFAULT_MAX_TOKENS, temperature=p.temperature, top_k=p.top_k,
                 top_p=p.top_p if p.HasField("top_p") else None, seed=p.seed if p.HasField("seed") else None,
-                stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+                stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                ttft_slo=p.ttft_slo if p.HasField("ttft_slo") else None)
         except REFUSED as e:
             await self._refuse(context, e)
         async with stream:
@@ -71,6 +72,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                         reply.finish_reason = _FINISH[out.finish_reason]
                         reply.usage.prompt_tokens = len(stream.prompt_ids)
                         reply.usage.completion_tokens = stream.num_generated
+                        reply.usage.cached_tokens = stream.cached_tokens
                         reply.timings.time_to_first_token_s = stream.first_token_time - stream.arrival
                         reply.timings.total_s = stream.last_token_time - stream.arrival
                     yield reply

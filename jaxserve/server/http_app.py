@@ -113,10 +113,12 @@ class _Reply:
     def _envelope(self, obj: str, **fields: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.frontend.model_name, **fields}
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         prompt = sum(len(s.prompt_ids) for s in self.streams)
         completion = sum(s.num_generated for s in self.streams)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(s.cached_tokens for s in self.streams)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def whole(self, request: Request) -> JSONResponse:
         """Wait for every request to finish; a client that leaves first has its requests aborted."""
@@ -242,7 +244,7 @@ def build_http_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if frontend.engine.accepting else 503)
+        return Response(status_code=200 if frontend.engine.accepting and frontend.engine.healthy else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -23,7 +23,14 @@ class ServerMetrics:
                              registry=r)
         self.running = Gauge("jaxserve_num_requests_running", "Requests in the running batch.", registry=r)
         self.kv_used = Gauge("jaxserve_kv_cache_blocks_used", "KV cache blocks held by requests.", registry=r)
-        self.kv_free = Gauge("jaxserve_kv_cache_blocks_free", "KV cache blocks free.", registry=r)
+        self.kv_free = Gauge("jaxserve_kv_cache_blocks_free", "KV cache blocks free (free-but-cached included).",
+                             registry=r)
+        self.prefix_queries = Counter("jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter("jaxserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   registry=r)
+        self.preemptions = Counter("jaxserve_num_preemptions", "Requests preempted for KV memory (they recompute).",
+                                   registry=r)
         self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generated_tokens = Counter("jaxserve_generation_tokens", "Tokens generated.", registry=r)
         self.steps = Counter("jaxserve_engine_steps", "Engine iterations run.", registry=r)

@@ -28,6 +28,7 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
+    ttft_slo: float | None = None  # jaxserve's extension: seconds to the first token (the policies' deadline)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -46,7 +47,7 @@ class _SamplingRequest(BaseModel):
                 raise ValueError(f"{name}={value!r} is not supported by jaxserve")
         return dict(max_tokens=self._max_tokens(), temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                    ignore_eos=self.ignore_eos)
+                    ignore_eos=self.ignore_eos, ttft_slo=self.ttft_slo)
 
     def _off_values(self) -> dict[str, Any]:
         """Options jaxserve does not implement, with the value that means "off"."""

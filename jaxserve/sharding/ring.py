@@ -67,18 +67,24 @@ def ring_attention(
 class RingBackend:
     """The model's attention backend inside `shard_map`: one request's chunk shard, ring attention over the group.
 
-    Per layer the cache is this device's history (k, v); ctx = (history positions, this shard's key positions).
-    The returned cache appends the shard's new K/V, so it stays aligned with concat(history pos, key pos).
+    caches = this device's (hist_k, hist_v), each [layers, n_hist + t, kvh, d]: rows [0, n_hist) are the history,
+    the last t rows are reserved for this chunk; ctx = (history positions [n_hist], this shard's key positions
+    [t]). The backend attends over the history rows of `layer` and writes the shard's new K/V into its reserved
+    rows, so the cache stays aligned with concat(history pos, key pos).
     """
 
     axis_size: int
     axis_name: str = SP
 
-    def __call__(self, q, k, v, positions, cache, ctx):
-        hist_k, hist_v = cache
+    def __call__(self, q, k, v, positions, caches, layer, ctx):
+        hist_k, hist_v = caches
         hist_pos, k_pos = ctx
-        o, _ = ring_attention(q[0], k[0], v[0], positions[0], k_pos, hist_k, hist_v, hist_pos,
+        n_hist = hist_pos.shape[0]
+        layer_k = jax.lax.dynamic_index_in_dim(hist_k, layer, keepdims=False)[:n_hist]
+        layer_v = jax.lax.dynamic_index_in_dim(hist_v, layer, keepdims=False)[:n_hist]
+        o, _ = ring_attention(q[0], k[0], v[0], positions[0], k_pos, layer_k, layer_v, hist_pos,
                               axis_size=self.axis_size, axis_name=self.axis_name)
-        new_k = jnp.concatenate([hist_k, k[0].astype(hist_k.dtype)])
-        new_v = jnp.concatenate([hist_v, v[0].astype(hist_v.dtype)])
-        return o[None].astype(q.dtype), (new_k, new_v)
+        at = (layer, n_hist, 0, 0)
+        hist_k = jax.lax.dynamic_update_slice(hist_k, k.astype(hist_k.dtype), at)  # k: [1, t, kvh, d]
+        hist_v = jax.lax.dynamic_update_slice(hist_v, v.astype(hist_v.dtype), at)
+        return o[None].astype(q.dtype), (hist_k, hist_v)

@@ -19,6 +19,7 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 from jaxserve.sched.batch_cost import BatchCost
+from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.packer import PackerConfig, PrefillTimeCache
 from jaxserve.sched.plan import Outcome, Phase, Plan
 from jaxserve.sched.policies import make_policy
@@ -44,6 +45,8 @@ class ClusterConfig:
     slo: SLO = SLO()
     kv_capacity: int | None = None  # tokens per replica; None: what the GPUs' memory holds beside the weights
     memory_utilization: float = 0.9
+    block_size: int = 16  # KV block, tokens
+    max_running: int = 256  # requests holding KV at once per replica
     dispatch: str = "least_work"  # or "round_robin"
 
     def __post_init__(self):
@@ -63,8 +66,9 @@ class Replica:
     def __init__(self, index: int, config: ClusterConfig, cost: BatchCost, cache: PrefillTimeCache):
         policy = make_policy(config.policy, **({"batch": config.sjf_batch} if config.policy in ("sjf", "ljf") else {}))
         group = tuple(range(index * config.tp * config.stages, (index + 1) * config.tp * config.stages))
-        self.scheduler = ReplicaScheduler(policy, cost, _per_stage(config), config.replica_kv_capacity(), group,
-                                          config.slo, prefill_cache=cache)
+        kv = KVCacheManager.for_tokens(config.replica_kv_capacity(), config.block_size, enable_prefix_caching=False)
+        self.scheduler = ReplicaScheduler(policy, cost, _per_stage(config), kv, group, config.slo,
+                                          max_running=config.max_running, prefill_cache=cache)
         self.cost, self.stages = cost, config.stages
         self.stage_free_at = 0.0
 
@@ -74,9 +78,7 @@ class Replica:
             [(i.tokens, i.history) for i in plan.items if i.phase is Phase.PREFILL],
             [i.history for i in plan.items if i.phase is Phase.DECODE])
         end = start + stage_time * self.stages
-        requests = self.scheduler.requests
-        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items
-                  if i.phase is Phase.DECODE or i.end == requests[i.request_id].prompt_len}
+        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items if self.scheduler.yields_token(i)}
         per_item = tuple(stage_time * self.stages for _ in plan.items)
         self.stage_free_at = start + stage_time
         return self.stage_free_at, Outcome(end, per_item, tokens)

@@ -31,11 +31,12 @@ def params():
     one = jnp.zeros((1, 1), jnp.int32)
     variables = model.init(jax.random.key(1), one, one, allocate_caches(CFG, 2, BLOCK, jnp.float32),
                            (one, one, jnp.ones((1,), jnp.int32)))
-    # Flax's default init leaves norms at 1: randomise everything so every weight matters.
-    leaves, tree = jax.tree.flatten(variables)
+    # Flax's default init leaves norms at 1: randomise everything so every weight matters (norm weights, stacked
+    # [layers, e] in the scanned layers or [e] for the final norm, at scale 1; matrices at 0.3).
+    leaves, tree = jax.tree_util.tree_flatten_with_path(variables)
     keys = jax.random.split(jax.random.key(2), len(leaves))
-    return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * (0.3 if x.ndim > 1 else 1.0)
-                                     for k, x in zip(keys, leaves)])
+    return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * (1.0 if path[-1].key == "weight" else 0.3)
+                                     for k, (path, x) in zip(keys, leaves)])
 
 
 def single_device_logits(params, tokens):

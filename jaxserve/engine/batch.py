@@ -1,0 +1,137 @@
+"""A step's rows packed into the flat ragged arrays the compiled step reads, padded to a (tokens, rows) bucket.
+
+Every row (a prefill chunk or one decode token of a request) lays its new tokens end to end on one token axis.
+The attention regroups them: a one-token row is a decode, any longer row is cut into tiles of `tile` tokens, each
+tile from one request. Padding writes its K/V to the scratch block and is never attended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import numpy as np
+from jaxtyping import Float, Int, UInt
+
+from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sched.kv_manager import SCRATCH_BLOCK
+
+
+class Row(NamedTuple):
+    """One request's part of a step: `tokens` at positions start..start+len-1, cached in `block_table`."""
+
+    tokens: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+    params: SamplingParams
+    seed: int
+    counter: int  # tokens the request has generated so far: the sampler's per-request step
+
+
+class StepArrays(NamedTuple):
+    token_ids: Int[np.ndarray, "t"]
+    positions: Int[np.ndarray, "t"]
+    slots: Int[np.ndarray, "t"]  # where each token's K/V is written
+    tables: Int[np.ndarray, "r w"]
+    decode_token: Int[np.ndarray, "r"]  # flat index of a decode row's token, t for other rows
+    tile_tokens: Int[np.ndarray, "nt tq"]  # flat token indices per tile, t where padded
+    tile_row: Int[np.ndarray, "nt"]
+    logits_index: Int[np.ndarray, "r"]  # each row's last token
+    temperature: Float[np.ndarray, "r"]
+    top_k: Int[np.ndarray, "r"]
+    top_p: Float[np.ndarray, "r"]
+    seeds: UInt[np.ndarray, "r"]
+    counters: Int[np.ndarray, "r"]
+
+
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2lo, 4lo, ... up to the first value >= hi."""
+    out = [lo]
+    while out[-1] < hi:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The fixed shapes of the compiled step: token counts and row counts (powers of two), table width."""
+
+    tokens: tuple[int, ...]
+    rows: tuple[int, ...]
+    width: int  # block-table columns: max_model_len in blocks, rounded up to whole key blocks
+    tile: int
+
+    @classmethod
+    def make(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
+             key_block: int, tile: int = 32, min_tokens: int = 16, min_rows: int = 4) -> Buckets:
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} must be >= max_num_seqs "
+                             f"{max_num_seqs}: a step decodes every running request")
+        if key_block % block_size:
+            raise ValueError(f"key_block {key_block} must be a multiple of block_size {block_size}")
+        per_key_block = key_block // block_size
+        blocks = -(-max_model_len // block_size)
+        return cls(powers_of_two(min_tokens, max_num_batched_tokens), powers_of_two(min_rows, max_num_seqs),
+                   -(-blocks // per_key_block) * per_key_block, tile)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (tokens, rows) program: a step never has more rows than tokens."""
+        return [(t, r) for t in self.tokens for r in self.rows if r <= t]
+
+    def tiles(self, t: int, r: int) -> int:
+        """Tiles a step of t tokens in r rows can need: each row's chunk rounds up to whole tiles."""
+        return t // self.tile + r
+
+    def fit(self, tokens: int, rows: int) -> tuple[int, int]:
+        r = next((b for b in self.rows if b >= rows), None)
+        t = next((b for b in self.tokens if b >= max(tokens, r or 0)), None)
+        if t is None or r is None:
+            raise ValueError(f"a step of {tokens} tokens in {rows} rows exceeds the largest bucket "
+                             f"({self.tokens[-1]} tokens, {self.rows[-1]} rows)")
+        return t, r
+
+
+def pack(rows: Sequence[Row], buckets: Buckets, block_size: int) -> StepArrays:
+    total = sum(len(r.tokens) for r in rows)
+    t, nr = buckets.fit(total, len(rows))
+    nt, tq = buckets.tiles(t, nr), buckets.tile
+    a = StepArrays(
+        token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+        slots=np.full(t, SCRATCH_BLOCK * block_size, np.int32),
+        tables=np.full((nr, buckets.width), SCRATCH_BLOCK, np.int32), decode_token=np.full(nr, t, np.int32),
+        tile_tokens=np.full((nt, tq), t, np.int32), tile_row=np.zeros(nt, np.int32),
+        logits_index=np.zeros(nr, np.int32), temperature=np.zeros(nr, np.float32), top_k=np.zeros(nr, np.int32),
+        top_p=np.ones(nr, np.float32), seeds=np.zeros(nr, np.uint32), counters=np.zeros(nr, np.int32))
+    at, tile = 0, 0
+    for i, r in enumerate(rows):
+        n = len(r.tokens)
+        pos = np.arange(r.start, r.start + n)
+        table = np.asarray(r.block_table, np.int32)
+        a.token_ids[at:at + n] = r.tokens
+        a.positions[at:at + n] = pos
+        a.slots[at:at + n] = table[pos // block_size] * block_size + pos % block_size
+        used = min(len(table), buckets.width)  # a table may hold blocks granted beyond this step
+        a.tables[i, :used] = table[:used]
+        if n == 1:
+            a.decode_token[i] = at
+        else:
+            for lo in range(0, n, tq):
+                hi = min(lo + tq, n)
+                a.tile_tokens[tile, :hi - lo] = np.arange(at + lo, at + hi)
+                a.tile_row[tile] = i
+                tile += 1
+        a.logits_index[i] = at + n - 1
+        a.temperature[i], a.top_k[i], a.top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
+        a.seeds[i], a.counters[i] = r.seed, r.counter
+        at += n
+    return a
+
+
+def empty(buckets: Buckets, t: int, r: int, block_size: int) -> StepArrays:
+    """An all-padding step of shape (t, r): what the warm-up compiles with (it touches only the scratch block)."""
+    nt = buckets.tiles(t, r)
+    z = np.zeros
+    return StepArrays(z(t, np.int32), z(t, np.int32), np.full(t, SCRATCH_BLOCK * block_size, np.int32),
+                      np.full((r, buckets.width), SCRATCH_BLOCK, np.int32), np.full(r, t, np.int32),
+                      np.full((nt, buckets.tile), t, np.int32), z(nt, np.int32), z(r, np.int32),
+                      z(r, np.float32), z(r, np.int32), np.ones(r, np.float32), z(r, np.uint32), z(r, np.int32))

@@ -1,0 +1,83 @@
+"""The compiled step: one jitted call runs any mix of prefill chunks and decodes (a flat ragged batch), writes
+their K/V into the paged cache, and samples one token per row on the device.
+
+Programs are keyed by the (tokens, rows) bucket alone (batch.Buckets), so a warm-up compiles every program a
+configuration can use before the first request, and nothing compiles while serving. The cache buffers are
+donated so XLA updates them in place; a step that fails inside the compiled call leaves them deleted, and
+`recover` allocates fresh ones (their contents are gone: the caller recomputes whatever they held).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.engine import batch
+from jaxserve.engine.kv_cache import allocate_caches
+from jaxserve.engine.sampling import sample
+from jaxserve.models.config import LlamaConfig
+from jaxserve.models.llama import Llama
+from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedPagedBackend:
+    """The model's attention over the paged cache for a flat ragged batch.
+
+    caches = (k [layers, slots, kvh, d], v [...]); ctx = (write slots [t], block tables [r, w], decode_token [r],
+    tile_tokens [nt, tq], tile_row [nt]) as batch.StepArrays describes."""
+
+    block_size: int
+    key_block: int
+
+    def __call__(self, q, k, v, positions, caches, layer, ctx):
+        slots, tables, decode_token, tile_tokens, tile_row = ctx
+        k_all, v_all = caches
+        k_all = k_all.at[layer, slots].set(k[0].astype(k_all.dtype))
+        v_all = v_all.at[layer, slots].set(v[0].astype(v_all.dtype))
+        out = ragged_paged_attention(q[0], positions[0], k_all[layer], v_all[layer], tables, decode_token,
+                                     tile_tokens, tile_row, block_size=self.block_size, key_block=self.key_block)
+        return out[None], (k_all, v_all)
+
+
+class ModelRunner:
+    def __init__(self, cfg: LlamaConfig, params: Any, dtype: jnp.dtype, *, num_blocks: int, block_size: int,
+                 buckets: batch.Buckets, key_block: int):
+        self.cfg, self.params, self.dtype = cfg, params, dtype
+        self.num_blocks, self.block_size, self.buckets = num_blocks, block_size, buckets
+        self.model = Llama(cfg, RaggedPagedBackend(block_size, key_block), dtype)
+        self.caches = allocate_caches(cfg, num_blocks, block_size, dtype)
+        self._step = jax.jit(self._forward_sample, donate_argnums=(1,))
+
+    def _forward_sample(self, params, caches, a: batch.StepArrays):
+        ctx = (a.slots, a.tables, a.decode_token, a.tile_tokens, a.tile_row)
+        logits, caches = self.model.apply(params, a.token_ids[None], a.positions[None], caches, ctx,
+                                          a.logits_index[None])
+        return sample(logits[0], a.temperature, a.top_k, a.top_p, a.seeds, a.counters), caches
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile (or load from the persistent cache) every program serving can run."""
+        shapes = self.buckets.shapes()
+        for t, r in tqdm(shapes, desc="compile step programs", unit="program", disable=not progress):
+            tokens, self.caches = self._step(self.params, self.caches, batch.empty(self.buckets, t, r, self.block_size))
+            jax.block_until_ready(tokens)
+
+    def execute(self, rows: Sequence[batch.Row]) -> np.ndarray:
+        """Run the rows, update the cache, and return the sampled next token of each row."""
+        arrays = batch.pack(rows, self.buckets, self.block_size)
+        tokens, self.caches = self._step(self.params, self.caches, arrays)
+        return np.asarray(tokens)[: len(rows)]
+
+    @property
+    def caches_lost(self) -> bool:
+        return any(x.is_deleted() for x in self.caches)
+
+    def recover(self) -> None:
+        """Fresh (zeroed) cache buffers after a failed step deleted the donated ones."""
+        if self.caches_lost:
+            self.caches = allocate_caches(self.cfg, self.num_blocks, self.block_size, self.dtype)

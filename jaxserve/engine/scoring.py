@@ -1,0 +1,50 @@
+"""Scoring: the logits of every prompt position in one pass, outside the serving path (it touches no KV block,
+so it never competes with requests for the cache; it compiles per prompt-length bucket, which serving never
+does)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.engine.batch import powers_of_two
+from jaxserve.models.config import LlamaConfig
+from jaxserve.models.llama import Llama
+from jaxserve.pallas_kernels.reference import chunk_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseCausalBackend:
+    """Causal attention of one sequence over itself; keeps no cache (caches pass through untouched)."""
+
+    def __call__(self, q, k, v, positions, caches, layer, ctx):
+        out, _ = chunk_attention(q[0], k[0], v[0], positions[0], ctx)
+        return out[None].astype(q.dtype), caches
+
+
+@functools.lru_cache(maxsize=8)
+def _forward(cfg: LlamaConfig, dtype: Any):
+    model = Llama(cfg, DenseCausalBackend(), dtype)
+
+    def run(params, tokens, q_pos, k_pos):
+        logits, _ = model.apply(params, tokens[None], q_pos[None], (), k_pos)
+        return logits[0]
+
+    return jax.jit(run)
+
+
+def prompt_logits(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int]) -> np.ndarray:
+    """Logits [len(ids), vocab] (float32)."""
+    n = len(ids)
+    t = powers_of_two(16, n)[-1]
+    tokens = np.zeros(t, np.int32)
+    tokens[:n] = ids
+    pos = np.arange(t, dtype=np.int32)
+    # padded queries see nothing (position -1) and padded keys are never visible (a position past every query)
+    q_pos, k_pos = np.where(pos < n, pos, -1), np.where(pos < n, pos, 2**30)
+    return np.asarray(_forward(cfg, dtype)(params, tokens, q_pos, k_pos))[:n]

@@ -1,0 +1,155 @@
+"""Paged KV blocks owned by the scheduler, so that admission, prefix hits and eviction are decided in one place; the
+engine only executes the block ids granted here.
+
+Design after vLLM: each block has a reference count; a full block whose KV is computed is published under a hash
+of its tokens chained to its parent's, so a later request with the same prefix reuses it. A block whose count drops
+to 0 keeps its hash (free-but-cached) in an LRU free queue and is evicted only when allocation takes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+SCRATCH_BLOCK = 0  # never handed out: the executor points padding writes at it
+_SEED = bytes(32)  # parent of a request's first block
+
+
+def _block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """sha256, not hash(): a collision would silently serve another prompt's KV."""
+    return hashlib.sha256(parent + np.asarray(tokens, dtype="<i8").tobytes()).digest()
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Token counts for Prometheus: the hit rate is hit_tokens / query_tokens."""
+
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+
+class KVCacheManager:
+    """Paged KV blocks owned by the scheduler: reference counts, prefix hashes over full blocks, LRU eviction of
+    free-but-cached blocks (vLLM's design)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 2 and block_size >= 1, got {num_blocks} and {block_size}")
+        self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
+        self.stats = PrefixCacheStats()
+        self._ref = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks  # set only while the block is published in _cached
+        self._cached: dict[bytes, int] = {}  # hash -> its canonical block
+        # ref-0 blocks as an ordered set: allocate pops the front (least recently freed), free appends at the back
+        self._free: dict[int, None] = dict.fromkeys(range(1, num_blocks))
+        self._tables: dict[str, list[int]] = {}
+        self._chains: dict[str, list[bytes]] = {}  # hashes of each table's committed full blocks, in order
+
+    @classmethod
+    def for_tokens(cls, tokens: int, block_size: int, enable_prefix_caching: bool = True) -> KVCacheManager:
+        """A cache holding `tokens` tokens (rounded up to whole blocks), plus the scratch block."""
+        return cls(-(-tokens // block_size) + 1, block_size, enable_prefix_caching)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def block_table(self, rid: str) -> list[int]:
+        return list(self._tables.get(rid, ()))
+
+    def num_blocks_held(self, rid: str) -> int:
+        return len(self._tables.get(rid, ()))
+
+    def match_prefix(self, rid: str, token_ids: Sequence[int], max_tokens: int) -> int:
+        """Longest cached prefix of token_ids made of full blocks, at most max_tokens tokens (the caller passes
+        len-1 for a fresh prompt so the last prompt token is always computed and yields logits). The hit blocks
+        become the start of rid's table (reference count +1; a hit on a free-but-cached block takes it out of the
+        free queue). Returns the number of tokens covered (a multiple of block_size). rid must hold no blocks yet.
+        With prefix caching off: 0. Counts queries/hits in token units for metrics."""
+        if self._tables.get(rid):
+            raise ValueError(f"request {rid} already holds blocks")
+        if not self.enable_prefix_caching:
+            return 0
+        bs, chain, hits = self.block_size, [], []
+        for i in range(min(max_tokens, len(token_ids)) // bs):
+            h = _block_hash(chain[-1] if chain else _SEED, token_ids[i * bs:(i + 1) * bs])
+            block = self._cached.get(h)
+            if block is None:
+                break
+            chain.append(h)
+            hits.append(block)
+        for block in hits:
+            if self._ref[block] == 0:
+                del self._free[block]
+            self._ref[block] += 1
+        self._tables[rid], self._chains[rid] = hits, chain
+        self.stats.query_tokens += len(token_ids)
+        self.stats.hit_tokens += len(hits) * bs
+        return len(hits) * bs
+
+    def allocate(self, rid: str, total_tokens: int) -> list[int] | None:
+        """Grow rid's table to cover total_tokens positions; returns the new block ids (possibly []), or None
+        (and changes nothing) when not enough blocks are free. Taking a free-but-cached block evicts it: its hash
+        leaves the map."""
+        need = self.blocks_for(total_tokens) - self.num_blocks_held(rid)
+        if need <= 0:
+            return []
+        if need > len(self._free):
+            return None
+        new = []
+        for _ in range(need):
+            block = next(iter(self._free))
+            del self._free[block]
+            if (h := self._hash[block]) is not None:
+                del self._cached[h]
+                self._hash[block] = None
+            self._ref[block] = 1
+            new.append(block)
+        self._tables.setdefault(rid, []).extend(new)
+        self._chains.setdefault(rid, [])
+        return new
+
+    def commit(self, rid: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Record the hashes of rid's full blocks among its first num_computed tokens (token_ids holds at least
+        that many: prompt + generated so far). Incremental: each block is hashed once per table. A block whose
+        hash is already mapped to another block is left unmapped (two requests computed the same prefix at once;
+        the first stays canonical). No-op with prefix caching off."""
+        if not self.enable_prefix_caching:
+            return
+        table, chain, bs = self._tables[rid], self._chains[rid], self.block_size
+        full = min(num_computed, len(token_ids)) // bs
+        if full > len(table):
+            raise ValueError(f"request {rid}: {num_computed} computed tokens but only {len(table)} blocks")
+        for i in range(len(chain), full):
+            h = _block_hash(chain[-1] if chain else _SEED, token_ids[i * bs:(i + 1) * bs])
+            chain.append(h)
+            if h not in self._cached:
+                self._cached[h], self._hash[table[i]] = table[i], h
+
+    def free(self, rid: str) -> None:
+        """Drop rid's references in reverse order (tail blocks first, so they are evicted first). A block whose
+        count reaches 0 goes to the back of the free queue keeping its hash (free-but-cached) if it has one.
+        Unknown rid: no-op."""
+        self._chains.pop(rid, None)
+        for block in reversed(self._tables.pop(rid, [])):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash (e.g. after the device caches were rebuilt). Live requests keep their blocks; their
+        chains restart so a later commit republishes them, and free blocks simply become uncached."""
+        self._cached.clear()
+        self._hash = [None] * self.num_blocks
+        for chain in self._chains.values():
+            chain.clear()

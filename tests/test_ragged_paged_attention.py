@@ -1,0 +1,70 @@
+"""Ragged paged attention (the engine's flat batch: decodes and prefill chunks of many requests in one token
+axis) against plain causal attention per request, on random data packed by the engine's own batch.pack."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.engine import batch
+from jaxserve.engine.sampling import SamplingParams
+from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from test_paged_attention import dense_reference
+
+# float32 softmax over at most a few hundred keys of O(1) scores: the online (blockwise) and the float64 dense
+# reference differ by rounding of ~sqrt(keys) * eps_f32 * |v| ~ 1e-6 on outputs of magnitude ~1.
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("block_size, key_block, tile", [(4, 8, 4), (16, 32, 8), (8, 64, 32)])
+@pytest.mark.parametrize("rows", [
+    [(0, 1)],  # one decode at position 0
+    [(5, 1), (37, 1), (0, 9)],  # two decodes and a prompt
+    [(3, 20), (0, 1), (48, 13), (100, 1), (0, 33)],  # chunks with histories, decodes, uneven lengths
+])
+def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_block, tile, rows):
+    rng = np.random.default_rng(heads * 1000 + block_size * 10 + len(rows))
+    d = 16
+    kv_lens = [h + n for h, n in rows]
+    max_len = max(kv_lens)
+    buckets = batch.Buckets.make(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=max_len,
+                                 block_size=block_size, key_block=key_block, tile=tile, min_tokens=8, min_rows=2)
+    nblk = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(nblk) + 5
+    perm = rng.permutation(np.arange(1, num_blocks))  # blocks scattered over the pool
+    tables, at = [], 0
+    for k in nblk:
+        tables.append(perm[at:at + k].tolist())
+        at += k
+    k_cache = rng.standard_normal((num_blocks * block_size, kv_heads, d)).astype(np.float32)
+    v_cache = rng.standard_normal((num_blocks * block_size, kv_heads, d)).astype(np.float32)
+    step = [batch.Row([0] * n, h, table, SamplingParams(), 0, 0) for (h, n), table in zip(rows, tables)]
+    a = batch.pack(step, buckets, block_size)
+    q = rng.standard_normal((len(a.token_ids), heads, d)).astype(np.float32)
+
+    got = np.asarray(ragged_paged_attention(
+        jnp.asarray(q), jnp.asarray(a.positions), jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(a.tables),
+        jnp.asarray(a.decode_token), jnp.asarray(a.tile_tokens), jnp.asarray(a.tile_row),
+        block_size=block_size, key_block=key_block))
+    start = 0
+    for (h, n), table, kv_len in zip(rows, tables, kv_lens):
+        slots = (np.asarray(table)[:, None] * block_size + np.arange(block_size)).reshape(-1)
+        ref = dense_reference(q[start:start + n].astype(np.float64), k_cache[slots].astype(np.float64),
+                              v_cache[slots].astype(np.float64), np.arange(h, h + n), kv_len)
+        np.testing.assert_allclose(got[start:start + n], ref, **TOL)
+        start += n
+    assert not got[start:].any()  # batch padding attends nothing
+
+
+def test_buckets_bound_the_programs_and_refuse_what_does_not_fit():
+    b = batch.Buckets.make(max_num_batched_tokens=512, max_num_seqs=16, max_model_len=2048, block_size=16,
+                           key_block=256)
+    assert b.tokens == (16, 32, 64, 128, 256, 512) and b.rows == (4, 8, 16) and b.width == 128
+    assert len(b.shapes()) == 18
+    assert b.fit(1, 1) == (16, 4) and b.fit(17, 5) == (32, 8) and b.fit(512, 16) == (512, 16)
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        b.fit(513, 1)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        batch.Buckets.make(8, 16, 2048, 16, 256)
