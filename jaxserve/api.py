@@ -147,7 +147,6 @@ class LLM:
         scheduler = ReplicaScheduler(make_policy(policy), self.cost, packer, kv, slo=SLO(ttft_min=ttft_slo),
                                      max_running=max_num_seqs)
         self.engine = Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
-        self._dtype = _DTYPES[dtype]
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
 
     # ---- prompts ------------------------------------------------------------------------------------
@@ -251,4 +250,4 @@ class LLM:
         """Logits [tokens, vocab] of every prompt position: a scoring pass outside the serving path."""
         _, ids = self._prompt_ids(prompt)
         ids = self.engine.check_request(ids, SamplingParams())
-        return scoring.prompt_logits(self.config, self.engine.runner.params, self._dtype, ids)
+        return scoring.prompt_logits(self.config, self.engine.runner.params, self.engine.runner.dtype, ids)

@@ -216,7 +216,11 @@ def test_no_compiles_while_serving_after_warm_up(llm):
     """200 varied requests (prompt lengths 1-900, greedy and sampled, top-k/top-p, chunked and batched) after the
     start-up warm-up: XLA compiles nothing."""
     compiles = []
-    listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
+
+    def listener(event, duration, **kw):
+        if "backend_compile" in event:
+            compiles.append(event)
+
     jax.monitoring.register_event_duration_secs_listener(listener)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, llm.config.vocab_size, int(n)).tolist()

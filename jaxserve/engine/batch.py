@@ -91,17 +91,23 @@ class Buckets:
         return t, r
 
 
-def pack(rows: Sequence[Row], buckets: Buckets, block_size: int) -> StepArrays:
-    total = sum(len(r.tokens) for r in rows)
-    t, nr = buckets.fit(total, len(rows))
-    nt, tq = buckets.tiles(t, nr), buckets.tile
-    a = StepArrays(
+def empty(buckets: Buckets, t: int, r: int, block_size: int) -> StepArrays:
+    """An all-padding step of shape (t, r): nothing attended, every write to the scratch block. The warm-up
+    compiles with it; pack fills one in."""
+    nt = buckets.tiles(t, r)
+    return StepArrays(
         token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
         slots=np.full(t, SCRATCH_BLOCK * block_size, np.int32),
-        tables=np.full((nr, buckets.width), SCRATCH_BLOCK, np.int32), decode_token=np.full(nr, t, np.int32),
-        tile_tokens=np.full((nt, tq), t, np.int32), tile_row=np.zeros(nt, np.int32),
-        logits_index=np.zeros(nr, np.int32), temperature=np.zeros(nr, np.float32), top_k=np.zeros(nr, np.int32),
-        top_p=np.ones(nr, np.float32), seeds=np.zeros(nr, np.uint32), counters=np.zeros(nr, np.int32))
+        tables=np.full((r, buckets.width), SCRATCH_BLOCK, np.int32), decode_token=np.full(r, t, np.int32),
+        tile_tokens=np.full((nt, buckets.tile), t, np.int32), tile_row=np.zeros(nt, np.int32),
+        logits_index=np.zeros(r, np.int32), temperature=np.zeros(r, np.float32), top_k=np.zeros(r, np.int32),
+        top_p=np.ones(r, np.float32), seeds=np.zeros(r, np.uint32), counters=np.zeros(r, np.int32))
+
+
+def pack(rows: Sequence[Row], buckets: Buckets, block_size: int) -> StepArrays:
+    total = sum(len(r.tokens) for r in rows)
+    a = empty(buckets, *buckets.fit(total, len(rows)), block_size)
+    tq = buckets.tile
     at, tile = 0, 0
     for i, r in enumerate(rows):
         n = len(r.tokens)
@@ -126,12 +132,3 @@ def pack(rows: Sequence[Row], buckets: Buckets, block_size: int) -> StepArrays:
         at += n
     return a
 
-
-def empty(buckets: Buckets, t: int, r: int, block_size: int) -> StepArrays:
-    """An all-padding step of shape (t, r): what the warm-up compiles with (it touches only the scratch block)."""
-    nt = buckets.tiles(t, r)
-    z = np.zeros
-    return StepArrays(z(t, np.int32), z(t, np.int32), np.full(t, SCRATCH_BLOCK * block_size, np.int32),
-                      np.full((r, buckets.width), SCRATCH_BLOCK, np.int32), np.full(r, t, np.int32),
-                      np.full((nt, buckets.tile), t, np.int32), z(nt, np.int32), z(r, np.int32),
-                      z(r, np.float32), z(r, np.int32), np.ones(r, np.float32), z(r, np.uint32), z(r, np.int32))

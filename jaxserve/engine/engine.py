@@ -25,7 +25,7 @@ from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched import request as sched_request
-from jaxserve.sched.plan import Outcome, Phase, Plan
+from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.scheduler import ReplicaScheduler
 
 
@@ -67,10 +67,6 @@ class _Live:
     text: str = ""  # decoded output so far
     emitted_chars: int = 0
     finish_reason: FinishReason | None = None
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.sched.token_ids[self.sched.prompt_len:]
 
 
 class Engine:

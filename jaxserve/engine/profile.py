@@ -38,7 +38,8 @@ def _time(runner: ModelRunner, rows: list[Row], repeats: int) -> float:
 
 def _row(n: int, history: int, first_block: int, block_size: int, num_blocks: int) -> Row:
     """n tokens after `history` cached ones, in consecutive blocks from first_block (wrapping past the last)."""
-    blocks = [1 + (b - 1) % (num_blocks - 1) for b in range(first_block, first_block + -(-(history + n) // block_size))]
+    count = -(-(history + n) // block_size)
+    blocks = [1 + (b - 1) % (num_blocks - 1) for b in range(first_block, first_block + count)]
     return Row(np.ones(n, np.int32).tolist(), history, blocks, _GREEDY, 0, 0)
 
 
@@ -72,7 +73,8 @@ def default_path(model_name: str, dtype: str, runner: ModelRunner) -> pathlib.Pa
 
     b = runner.buckets
     kind = jax.devices()[0].device_kind.replace(" ", "_").replace("/", "_")
-    key = f"{kind}-{pathlib.Path(model_name).stem}-{dtype}-t{b.tokens[-1]}-r{b.rows[-1]}-w{b.width}-bs{runner.block_size}"
+    shape = f"t{b.tokens[-1]}-r{b.rows[-1]}-w{b.width}-bs{runner.block_size}"
+    key = f"{kind}-{pathlib.Path(model_name).stem}-{dtype}-{shape}"
     return registry.cache_dir() / "profiles" / f"{key}.json"
 
 

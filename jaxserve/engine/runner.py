@@ -9,7 +9,6 @@ donated so XLA updates them in place; a step that fails inside the compiled call
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -18,31 +17,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.engine import batch
-from jaxserve.engine.kv_cache import allocate_caches
+from jaxserve.engine.kv_cache import RaggedPagedBackend, allocate_caches
 from jaxserve.engine.sampling import sample
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
-from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
-
-
-@dataclasses.dataclass(frozen=True)
-class RaggedPagedBackend:
-    """The model's attention over the paged cache for a flat ragged batch.
-
-    caches = (k [layers, slots, kvh, d], v [...]); ctx = (write slots [t], block tables [r, w], decode_token [r],
-    tile_tokens [nt, tq], tile_row [nt]) as batch.StepArrays describes."""
-
-    block_size: int
-    key_block: int
-
-    def __call__(self, q, k, v, positions, caches, layer, ctx):
-        slots, tables, decode_token, tile_tokens, tile_row = ctx
-        k_all, v_all = caches
-        k_all = k_all.at[layer, slots].set(k[0].astype(k_all.dtype))
-        v_all = v_all.at[layer, slots].set(v[0].astype(v_all.dtype))
-        out = ragged_paged_attention(q[0], positions[0], k_all[layer], v_all[layer], tables, decode_token,
-                                     tile_tokens, tile_row, block_size=self.block_size, key_block=self.key_block)
-        return out[None], (k_all, v_all)
 
 
 class ModelRunner:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.kv_cache import PagedBackend, allocate_caches
+from jaxserve.engine.scoring import DenseCausalBackend, prompt_logits
 from jaxserve.engine.sp_prefill import ShardedHistory, move_to, prefill_chunk
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
@@ -19,7 +19,6 @@ from jaxserve.sharding.mesh import make_mesh
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2,
                   head_dim=8, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
-BLOCK = 8
 # Attention itself matches to 1e-5 (test_sp_attention); through two random layers float32 rounding of the
 # differently ordered reductions grows to ~1e-5 absolute on logits of magnitude ~5.
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -27,10 +26,8 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 
 @pytest.fixture(scope="module")
 def params():
-    model = Llama(CFG, PagedBackend(BLOCK))
     one = jnp.zeros((1, 1), jnp.int32)
-    variables = model.init(jax.random.key(1), one, one, allocate_caches(CFG, 2, BLOCK, jnp.float32),
-                           (one, one, jnp.ones((1,), jnp.int32)))
+    variables = Llama(CFG, DenseCausalBackend()).init(jax.random.key(1), one, one, (), one[0])
     # Flax's default init leaves norms at 1: randomise everything so every weight matters (norm weights, stacked
     # [layers, e] in the scanned layers or [e] for the final norm, at scale 1; matrices at 0.3).
     leaves, tree = jax.tree_util.tree_flatten_with_path(variables)
@@ -40,15 +37,7 @@ def params():
 
 
 def single_device_logits(params, tokens):
-    n = len(tokens)
-    nblk = -(-n // BLOCK)
-    model = Llama(CFG, PagedBackend(BLOCK))
-    caches = allocate_caches(CFG, nblk + 1, BLOCK, jnp.float32)
-    pos = jnp.arange(n)[None]
-    slots = pos + BLOCK  # block 0 is scratch
-    tables = jnp.arange(1, nblk + 1)[None]
-    logits, _ = model.apply(params, jnp.asarray(tokens)[None], pos, caches, (slots, tables, jnp.array([n])))
-    return np.asarray(logits[0])
+    return prompt_logits(CFG, params, jnp.float32, tokens.tolist())
 
 
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
