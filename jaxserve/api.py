@@ -26,7 +26,7 @@ from jaxserve.models.hf_loader import load_hf_dir
 from jaxserve.models.llama import Llama
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched.kv_manager import KVCacheManager
-from jaxserve.sched.packer import PackerConfig
+from jaxserve.sched.packer import engine_packer
 from jaxserve.sched.policies import make_policy
 from jaxserve.sched.scheduler import ReplicaScheduler
 from jaxserve.sched.slo import SLO
@@ -139,10 +139,9 @@ class LLM:
         runner.warmup(progress)
         path = pathlib.Path(cost_profile) if cost_profile else profile.default_path(model, dtype, runner)
         self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
-        budget = iteration_budget or self.cost.time(max_num_batched_tokens, 0.0)
-        packer = PackerConfig(t_target=budget, multi_prefill=multi_prefill, space_sharing=space_sharing,
-                              chunk_align=buckets.tokens[0], max_batch_tokens=max_num_batched_tokens,
-                              long_threshold=max(self.max_model_len // 4, 2 * buckets.tokens[0]))
+        packer = engine_packer(self.cost, max_batch_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                               chunk_align=buckets.tokens[0], multi_prefill=multi_prefill,
+                               space_sharing=space_sharing, t_target=iteration_budget)
         kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         scheduler = ReplicaScheduler(make_policy(policy), self.cost, packer, kv, slo=SLO(ttft_min=ttft_slo),
                                      max_running=max_num_seqs)

@@ -4,7 +4,6 @@ key on both interfaces, and SIGTERM draining."""
 from __future__ import annotations
 
 import http.client
-import re
 import signal
 import subprocess
 import sys
@@ -15,29 +14,18 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.client import Client
+from jaxserve.server.spawn import ServerProcess
 
 KEY = "cli-key"
 
 
-def start_server(*flags: str) -> tuple[subprocess.Popen, int, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--grpc_port=0", "--http_port=0",
-                             "--max_model_len=1024", "--kv_cache_gib=0.1", f"--api_key={KEY}", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()  # the launcher prints one line once both interfaces listen
-    match = re.search(r"gRPC on 127\.0\.0\.1:(\d+), HTTP on http://127\.0\.0\.1:(\d+)", line)
-    if not match:
-        proc.kill()
-        raise AssertionError(f"server did not start: {line!r}\n{proc.stderr.read()}")
-    return proc, int(match[1]), int(match[2])
-
-
 @pytest.fixture
 def server():
-    proc, grpc_port, http_port = start_server("--drain_timeout=3")
-    yield proc, grpc_port, http_port
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
+    s = ServerProcess("--max_model_len=1024", "--kv_cache_gib=0.1", f"--api_key={KEY}", "--drain_timeout=3")
+    yield s.proc, s.grpc_port, s.http_port
+    if s.proc.poll() is None:
+        s.proc.kill()
+    s.proc.wait()
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

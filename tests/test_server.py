@@ -4,6 +4,7 @@ jaxserve gRPC client, the official `openai` client, the standard health and refl
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import http.client
 import json
 import time
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.client import AsyncClient, Client
+from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.launch import BackgroundServer
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
@@ -301,12 +303,14 @@ def test_metrics_are_exported_for_prometheus(served, oai):
         assert gauge in samples
 
 
-def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client, oai):
-    """The fault is raised by a host callback inside the jitted step, after the KV buffers were donated: the cache
-    is rebuilt, the request in that step ends with INTERNAL, and the next requests are served."""
-    runner = served.server.engine.engine.runner
-    real_step = runner._step
+def http_health(served) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=10)
+    conn.request("GET", "/health")
+    return conn.getresponse().status
 
+
+def failing_inside_the_call(runner):
+    """A step program that raises from a host callback after the KV buffers were donated."""
     def boom(x):
         raise RuntimeError("injected device failure")
 
@@ -314,7 +318,15 @@ def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client
         tokens, caches = runner._forward_sample(params, caches, arrays)
         return tokens + jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.int32), tokens[0]), caches
 
-    runner._step = jax.jit(failing, donate_argnums=(1,))
+    return jax.jit(failing, donate_argnums=(1,))
+
+
+def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client, oai):
+    """The fault is raised by a host callback inside the jitted step: the cache is rebuilt, the request in that
+    step ends with INTERNAL, and the next requests are served."""
+    runner = served.server.engine.engine.runner
+    real_step = runner._step
+    runner._step = failing_inside_the_call(runner)
     try:
         with pytest.raises(grpc.RpcError) as err:
             grpc_client.generate(PROMPT, max_tokens=4)
@@ -325,9 +337,40 @@ def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client
     wait_until(lambda: free_blocks(served) == initial_blocks(served))
     assert len(grpc_client.generate(PROMPT, max_tokens=4).token_ids) == 4
     assert oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
-    conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=10)
-    conn.request("GET", "/health")
-    assert conn.getresponse().status == 200
+    assert http_health(served) == 200 and grpc_client.health() == "SERVING"
+
+
+def test_health_is_not_serving_exactly_while_the_cache_cannot_be_rebuilt(served, grpc_client):
+    """The failed step's cache cannot be rebuilt at first (as if device memory were short): both health checks say
+    NOT_SERVING and a new request waits; once the rebuild succeeds, health is SERVING and the request is served."""
+    runner = served.server.engine.engine.runner
+    real_step, real_recover = runner._step, runner.recover
+    rebuild_fails = True
+
+    def recover():
+        if rebuild_fails:
+            raise RuntimeError("injected: out of device memory")
+        real_recover()
+
+    runner._step, runner.recover = failing_inside_the_call(runner), recover
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_client.generate(PROMPT, max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        runner._step = real_step
+        assert runner.caches_lost
+        wait_until(lambda: grpc_client.health() == "NOT_SERVING")
+        assert http_health(served) == 503
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(grpc_client.generate, PROMPT, max_tokens=4)
+            time.sleep(2 * AsyncEngine.RECOVER_RETRY_S)  # two failed rebuilds: still queued, not failed
+            assert not waiting.done() and grpc_client.health() == "NOT_SERVING"
+            rebuild_fails = False
+            assert len(waiting.result(timeout=60).token_ids) == 4
+    finally:
+        runner._step, runner.recover = real_step, real_recover
+    wait_until(lambda: grpc_client.health() == "SERVING")
+    assert http_health(served) == 200
 
 def test_prefix_cache_hits_are_reported_in_usage_and_metrics(served, grpc_client, oai):
     """A shared system prompt: the second request's cached tokens show in OpenAI usage, in gRPC usage and in

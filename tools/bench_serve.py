@@ -2,14 +2,16 @@
 
 Starts `python -m jaxserve serve`, then for each concurrency runs aiperf against /v1/chat/completions with
 streaming: fixed-length synthetic prompts (--isl tokens) and exactly --osl generated tokens (ignore_eos),
-`concurrency` warm-up requests first (they compile the step shapes), then 3 x concurrency measured requests
-(at least 8). Prints TTFT, inter-token latency and throughput; writes docs/figures/serve.json and serve_load.png.
+`concurrency` warm-up requests first, then 3 x concurrency measured requests (at least 8). With --baseline=COMMIT
+the server of that commit (a temporary git worktree) is measured the same way first, in the same run, and the
+ratios are printed. Prints TTFT, inter-token latency and throughput; writes docs/figures/serve.json and
+serve_load.png.
 
 aiperf lives in its own environment (it pulls in transformers), and reads the tokenizer from a local folder
 this script writes from jaxserve's model cache, so nothing needs the network:
 
     python3 -m venv .venv-bench && .venv-bench/bin/pip install aiperf==0.13.0
-    .venv/bin/python tools/bench_serve.py [--aiperf=.venv-bench/bin/aiperf] [--concurrency=1,8,32]
+    .venv/bin/python tools/bench_serve.py [--aiperf=.venv-bench/bin/aiperf] [--concurrency=1,8,32] [--baseline=2b63ecb]
 """
 
 from __future__ import annotations
@@ -17,9 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +32,7 @@ from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from jaxserve.models import registry  # noqa: E402
+from jaxserve.server.spawn import ServerProcess  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("aiperf", ".venv-bench/bin/aiperf", "The aiperf executable.")
@@ -40,6 +41,7 @@ flags.DEFINE_integer("isl", 128, "Synthetic prompt tokens (the chat template add
 flags.DEFINE_integer("osl", 64, "Generated tokens per request.")
 flags.DEFINE_integer("max_num_seqs", 32, "Server's running batch.")
 flags.DEFINE_string("out", "docs/figures", "Folder for serve.json and serve_load.png.")
+flags.DEFINE_string("baseline", "", "A commit whose server is measured first, beside the current one.")
 
 API_KEY = "bench"
 METRICS = {  # aiperf summary tag -> statistics kept
@@ -66,16 +68,17 @@ def hf_tokenizer_dir(model: str, out: pathlib.Path) -> pathlib.Path:
     return out
 
 
-def start_server() -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--grpc_port=0", "--http_port=0",
-                             f"--max_num_seqs={FLAGS.max_num_seqs}", "--max_model_len=2048",
-                             "--kv_cache_gib=0.5", f"--api_key={API_KEY}"], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    match = re.search(r"HTTP on http://127\.0\.0\.1:(\d+)", line)
-    if not match:
-        proc.kill()
-        raise RuntimeError(f"the server did not start: {line!r}")
-    return proc, int(match[1])
+def server_flags() -> list[str]:
+    return [f"--max_num_seqs={FLAGS.max_num_seqs}", "--max_model_len=2048", "--kv_cache_gib=0.5", f"--api_key={API_KEY}"]
+
+
+def worktree(commit: str, where: pathlib.Path) -> pathlib.Path:
+    """A checkout of `commit` with its gRPC stubs generated (they are build outputs, not in git)."""
+    subprocess.run(["git", "worktree", "add", "--detach", str(where), commit], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-c", "import pathlib; from jaxserve.server import protogen; "
+                    "protogen.generate(pathlib.Path('.'), pathlib.Path('.'))"], cwd=where, check=True,
+                   env={**os.environ, "PYTHONPATH": str(where)})
+    return where
 
 
 def run_aiperf(port: int, tokenizer: pathlib.Path, concurrency: int, out: pathlib.Path) -> dict[str, float]:
@@ -93,24 +96,34 @@ def run_aiperf(port: int, tokenizer: pathlib.Path, concurrency: int, out: pathli
     return {f"{tag}_{stat}": summary[tag][stat] for tag, stats in METRICS.items() for stat in stats}
 
 
-def plot(rows: list[dict[str, float]], path: pathlib.Path) -> None:
-    c = [r["concurrency"] for r in rows]
+def plot(rows: list[dict], path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, tag, label in ((axes[0], "time_to_first_token", "TTFT (ms)"),
-                           (axes[1], "inter_token_latency", "inter-token latency (ms)")):
-        ax.plot(c, [r[f"{tag}_p50"] for r in rows], "o-", label="p50")
-        ax.plot(c, [r[f"{tag}_p99"] for r in rows], "s--", label="p99")
+    for engine in dict.fromkeys(r["engine"] for r in rows):
+        mine = [r for r in rows if r["engine"] == engine]
+        c = [r["concurrency"] for r in mine]
+        for ax, tag in ((axes[0], "time_to_first_token"), (axes[1], "inter_token_latency")):
+            ax.plot(c, [r[f"{tag}_p50"] for r in mine], "o-", label=f"{engine} p50")
+            ax.plot(c, [r[f"{tag}_p99"] for r in mine], "s--", label=f"{engine} p99")
+        axes[2].plot(c, [r["output_token_throughput_avg"] for r in mine], "o-", label=engine)
+    for ax, label in zip(axes, ("TTFT (ms)", "inter-token latency (ms)", "output tokens/s")):
         ax.set_ylabel(label)
-        ax.legend()
-    axes[2].plot(c, [r["output_token_throughput_avg"] for r in rows], "o-")
-    axes[2].set_ylabel("output tokens/s")
-    for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streams")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
     fig.suptitle(f"jaxserve HTTP API under aiperf (CPU, {registry.DEFAULT_MODEL}, {FLAGS.isl} in / {FLAGS.osl} out)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def measure(engine: str, pythonpath: str | None, tokenizer: pathlib.Path, tmp: pathlib.Path) -> list[dict]:
+    rows = []
+    with ServerProcess(*server_flags(), pythonpath=pythonpath) as server:
+        for c in tqdm([int(x) for x in FLAGS.concurrency], desc=f"{engine}: concurrency"):
+            rows.append({"engine": engine, "concurrency": c,
+                         **run_aiperf(server.http_port, tokenizer, c, tmp / f"{engine}-c{c}")})
+    return rows
 
 
 def main(argv: list[str]) -> None:
@@ -120,23 +133,32 @@ def main(argv: list[str]) -> None:
     out = pathlib.Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = hf_tokenizer_dir(registry.DEFAULT_MODEL, pathlib.Path(tmp) / "tokenizer")
-        server, port = start_server()
-        try:
-            for c in tqdm([int(x) for x in FLAGS.concurrency], desc="concurrency"):
-                rows.append({"concurrency": c, **run_aiperf(port, tokenizer, c, pathlib.Path(tmp) / f"c{c}")})
-        finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(120)
-    print(f"{'conc':>4} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'e2e p50 s':>9} {'req/s':>6} {'out tok/s':>9}")
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = pathlib.Path(tmp_name)
+        tokenizer = hf_tokenizer_dir(registry.DEFAULT_MODEL, tmp / "tokenizer")
+        if FLAGS.baseline:
+            tree = worktree(FLAGS.baseline, tmp / "baseline")
+            try:
+                rows += measure(FLAGS.baseline, str(tree), tokenizer, tmp)
+            finally:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=False)
+        rows += measure("current", None, tokenizer, tmp)
+    print(f"{'engine':>8} {'conc':>4} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'e2e p50 s':>9} {'req/s':>6} "
+          f"{'out tok/s':>9}")
     for r in rows:
-        print(f"{r['concurrency']:>4} {r['time_to_first_token_p50']:>7.0f}/{r['time_to_first_token_p99']:<8.0f} "
-              f"{r['inter_token_latency_p50']:>7.1f}/{r['inter_token_latency_p99']:<7.1f} "
-              f"{r['request_latency_p50'] / 1e3:>9.2f} {r['request_throughput_avg']:>6.2f} "
-              f"{r['output_token_throughput_avg']:>9.1f}")
+        print(f"{r['engine']:>8} {r['concurrency']:>4} {r['time_to_first_token_p50']:>7.0f}/"
+              f"{r['time_to_first_token_p99']:<8.0f} {r['inter_token_latency_p50']:>7.1f}/"
+              f"{r['inter_token_latency_p99']:<7.1f} {r['request_latency_p50'] / 1e3:>9.2f} "
+              f"{r['request_throughput_avg']:>6.2f} {r['output_token_throughput_avg']:>9.1f}")
+    if FLAGS.baseline:
+        base = {r["concurrency"]: r for r in rows if r["engine"] == FLAGS.baseline}
+        for r in (r for r in rows if r["engine"] == "current"):
+            b = base[r["concurrency"]]
+            print(f"concurrency {r['concurrency']}: p99 TTFT current / {FLAGS.baseline} = "
+                  f"{r['time_to_first_token_p99'] / b['time_to_first_token_p99']:.3f}; output tok/s "
+                  f"{r['output_token_throughput_avg'] / b['output_token_throughput_avg']:.2f}x")
     (out / "serve.json").write_text(json.dumps({"isl": FLAGS.isl, "osl": FLAGS.osl, "max_num_seqs": FLAGS.max_num_seqs,
-                                                "rows": rows}, indent=1))
+                                                "baseline": FLAGS.baseline, "rows": rows}, indent=1))
     plot(rows, out / "serve_load.png")
     print(f"wrote {out}/serve.json and {out}/serve_load.png")
 

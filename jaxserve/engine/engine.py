@@ -18,6 +18,7 @@ import time
 from typing import Callable, Sequence
 
 import numpy as np
+from absl import logging
 
 from jaxserve.engine.batch import Row
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -146,7 +147,21 @@ class Engine:
         return len(self.scheduler.running)
 
     # ---- one iteration --------------------------------------------------------------------------------
+    @property
+    def can_step(self) -> bool:
+        """False only while a failed step's cache could not be rebuilt (`recover` retries)."""
+        return not self.runner.caches_lost
+
+    def recover(self) -> None:
+        """Rebuild the cache if a failed step took it: every request's KV (and every cached prefix) is gone, so
+        the requests still held recompute. Raises if the rebuild fails (e.g. out of device memory)."""
+        if self.runner.caches_lost:
+            self.scheduler.drop_all_kv()
+            self._tables.clear()
+            self.runner.recover()
+
     def step(self) -> list[RequestOutput]:
+        self.recover()  # a no-op unless an earlier rebuild failed
         plan = self.scheduler.schedule(self.clock())
         if plan is None:
             return []
@@ -192,14 +207,14 @@ class Engine:
                    live.seed, r.generated)
 
     def _fail(self, plan: Plan) -> None:
-        """End the failed step's requests. If the failure deleted the donated cache, rebuild it: every other
-        request's KV (and every cached prefix) is gone, so they recompute."""
+        """End the failed step's requests and rebuild the cache if the failure took it. A failed rebuild is
+        logged and retried before the next step; meanwhile `can_step` is False."""
         for rid in plan.request_ids:
             self.abort(rid)
-        if self.runner.caches_lost:
-            self.runner.recover()
-            self.scheduler.drop_all_kv()
-            self._tables.clear()
+        try:
+            self.recover()
+        except Exception:  # noqa: BLE001 - the step's own error is what its requests see
+            logging.exception("could not rebuild the KV cache after a failed step; will retry")
 
     # ---- stopping and text ----------------------------------------------------------------------------
     def _append(self, live: _Live, token: int) -> RequestOutput:

@@ -31,7 +31,12 @@ class RaggedPagedBackend:
         k_all, v_all = caches
         k_all = k_all.at[layer, slots].set(k[0].astype(k_all.dtype))
         v_all = v_all.at[layer, slots].set(v[0].astype(v_all.dtype))
-        out = ragged_paged_attention(q[0], positions[0], k_all[layer], v_all[layer], tables, decode_token,
+        # k_all[layer] with a traced layer would copy the layer's whole cache every step; the attention reads
+        # the flattened cache instead (a free reshape), the layer's blocks numbered from layer * blocks_per_layer
+        layers, slots_per_layer = k_all.shape[:2]
+        flat = (layers * slots_per_layer, *k_all.shape[2:])
+        out = ragged_paged_attention(q[0], positions[0], k_all.reshape(flat), v_all.reshape(flat),
+                                     tables + layer * (slots_per_layer // self.block_size), decode_token,
                                      tile_tokens, tile_row, block_size=self.block_size, key_block=self.key_block)
         return out[None], (k_all, v_all)
 

@@ -100,6 +100,16 @@ class PackerConfig:
             raise ValueError(f"max_share must be in [0, 1), got {self.max_share}")
 
 
+def engine_packer(cost: BatchCost, *, max_batch_tokens: int, max_model_len: int, chunk_align: int,
+                  multi_prefill: bool, space_sharing: bool, t_target: float | None = None) -> PackerConfig:
+    """The packer the live engine serves with (one place, so a simulator replay can use the same): the budget
+    defaults to the cost of a full step, chunks align to the smallest token bucket, and a prompt of a quarter of
+    the context counts as long."""
+    return PackerConfig(t_target=t_target or cost.time(max_batch_tokens, 0.0), multi_prefill=multi_prefill,
+                        space_sharing=space_sharing, chunk_align=chunk_align, max_batch_tokens=max_batch_tokens,
+                        long_threshold=max(max_model_len // 4, 2 * chunk_align))
+
+
 class Room(Protocol):
     """KV memory as the packer sees it: how many more tokens a request may compute now, and taking them."""
 

@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 
@@ -123,7 +123,10 @@ class AsyncEngine:
     """Runs an Engine in its own thread for asyncio servers. Capacity: the engine's running batch
     (max_num_seqs) plus `max_queue` waiting requests; beyond that `submit` raises QueueFull."""
 
-    def __init__(self, engine: Engine, *, max_queue: int, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: Engine, *, max_queue: int, metrics: ServerMetrics | None = None,
+                 on_health: Callable[[bool], Any] | None = None):
+        """on_health(can_step): called on the event loop whenever the engine loses or regains the ability to
+        step (the server mirrors it in gRPC health)."""
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.engine = engine
@@ -138,6 +141,8 @@ class AsyncEngine:
         self._commands: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._ids = itertools.count()
+        self.on_health = on_health
+        self._reported_healthy = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._update_gauges()
@@ -178,7 +183,7 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         """The engine can step: false only while a failed step's cache could not be rebuilt."""
-        return not self.engine.runner.caches_lost
+        return self.engine.can_step
 
     # ---- requests (event-loop side) -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, ttft_slo: float | None = None) -> RequestStream:
@@ -212,6 +217,10 @@ class AsyncEngine:
         while True:
             if not self._apply_commands():
                 return
+            if not self._recovered():
+                self._wake.wait(self.RECOVER_RETRY_S)
+                self._wake.clear()
+                continue
             if not self.engine.has_unfinished():
                 self._wake.wait()
                 self._wake.clear()  # commands queued meanwhile are applied at the top of the loop
@@ -232,6 +241,21 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out, now)
             self._update_gauges()
+
+    RECOVER_RETRY_S = 1.0  # between attempts to rebuild a lost cache
+
+    def _recovered(self) -> bool:
+        """Try to make the engine able to step again; report any change of health. False: still cannot step."""
+        try:
+            self.engine.recover()
+        except Exception:  # noqa: BLE001 - e.g. out of device memory: retried, health says NOT_SERVING
+            logging.exception("could not rebuild the KV cache; retrying in %g s", self.RECOVER_RETRY_S)
+        healthy = self.healthy
+        if healthy != self._reported_healthy:
+            self._reported_healthy = healthy
+            if self.on_health is not None:
+                self._loop.call_soon_threadsafe(self.on_health, healthy)
+        return healthy
 
     def _apply_commands(self) -> bool:
         """Apply queued commands in order; False on stop."""

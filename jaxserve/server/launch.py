@@ -65,7 +65,13 @@ class Server:
                 self._http_task.result()
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
-        await set_serving(self._health, True)
+        self.engine.on_health = self._engine_health
+        await set_serving(self._health, self.engine.healthy)
+
+    def _engine_health(self, can_step: bool) -> None:
+        """gRPC health follows the engine (HTTP /health reads it directly); draining keeps NOT_SERVING."""
+        if self.engine.accepting:
+            asyncio.ensure_future(set_serving(self._health, can_step))
 
     def request_stop(self) -> None:
         """Begin draining (safe to call from a signal handler on the loop)."""
