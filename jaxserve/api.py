@@ -112,8 +112,8 @@ class LLM:
 
         Scheduling: `policy` orders prefills (fcfs, sjf, ljf, edf, lrs, lars); each step holds at most
         max_num_batched_tokens tokens and, by the cost model, takes at most `iteration_budget` seconds (default:
-        the measured time of a full step); `multi_prefill` lets several prompts' chunks share a step and
-        `space_sharing` makes a long prefill yield budget to urgent short ones. A prompt's first token is due
+        the measured time of a full step, with a full batch of decodes at the longest context); `multi_prefill`
+        lets several prompts' chunks share a step and `space_sharing` makes a long prefill yield budget to urgent short ones. A prompt's first token is due
         `ttft_slo` seconds after arrival (or 3x its prefill time alone, if longer). The cost model is measured on
         this device at first start and cached (`cost_profile` names the file to load or write instead).
         Every step program is compiled here, before the first request."""
@@ -139,9 +139,9 @@ class LLM:
         runner.warmup(progress)
         path = pathlib.Path(cost_profile) if cost_profile else profile.default_path(model, dtype, runner)
         self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
-        packer = engine_packer(self.cost, max_batch_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-                               chunk_align=buckets.tokens[0], multi_prefill=multi_prefill,
-                               space_sharing=space_sharing, t_target=iteration_budget)
+        packer = engine_packer(self.cost, max_batch_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                               max_model_len=self.max_model_len, chunk_align=buckets.tokens[0],
+                               multi_prefill=multi_prefill, space_sharing=space_sharing, t_target=iteration_budget)
         kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         scheduler = ReplicaScheduler(make_policy(policy), self.cost, packer, kv, slo=SLO(ttft_min=ttft_slo),
                                      max_running=max_num_seqs)

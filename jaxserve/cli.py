@@ -58,7 +58,8 @@ flags.DEFINE_bool("space_sharing", True, "serve/generate/simulate: long prefills
 flags.DEFINE_bool("multi_prefill", True, "serve/generate/simulate: several prefill chunks per batch (--nomulti_prefill "
                   "with --policy=fcfs is one prompt's chunk per step, the old engine's behaviour).")
 flags.DEFINE_float("iteration_budget", None, "serve/generate: most seconds a step may take by the cost model "
-                   "(default: the measured time of a full step of --max_num_batched_tokens).")
+                   "(default: the measured time of a full step of --max_num_batched_tokens holding "
+                   "--max_num_seqs decodes at --max_model_len).")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "serve/generate: most tokens in one step.")
 flags.DEFINE_float("ttft_slo", 1.0, "serve/generate: seconds to the first token a prompt is due (or 3x its prefill "
                    "time alone, if longer); a request may set its own (gRPC/HTTP field ttft_slo).")

@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxserve.sched.batch_cost import PiecewiseLinear, TetrisBatchCost
+from jaxserve.sched.batch_cost import BucketedBatchCost, PiecewiseLinear, TetrisBatchCost
 from jaxserve.sched.cost_models import TetrisPrefill
-from jaxserve.sched.packer import BatchState, PackerConfig, PrefillTimeCache, max_chunk, pack
+from jaxserve.sched.packer import BatchState, PackerConfig, PrefillTimeCache, engine_packer, max_chunk, pack
 from jaxserve.sched.plan import Outcome, Phase
 from jaxserve.sched.policies import make_policy
 from jaxserve.sched.profiles import ProfileBatchCost
@@ -150,6 +150,24 @@ def test_packer_puts_decodes_first_and_fills_the_budget_in_priority_order():
     assert [r.id for r, _ in chunks][0] == "p0" and chunks[0][1] > 0
     # the budget is (nearly) used: another aligned chunk would overrun it
     assert EQ1.time(state.tokens + 32, state.attention + EQ1.prefill_attention(32, 0)) > 0.05
+
+
+def test_the_engine_packer_fills_the_largest_bucket_while_requests_decode():
+    # the engine's cost is a step function of the token bucket; its default budget must leave room for the
+    # decodes' attention, or a step with any decode running could never use the largest bucket
+    cost = BucketedBatchCost([16, 32, 64, 128, 256, 512], [0.14, 0.18, 0.19, 0.29, 0.69, 1.02],
+                             prefill_pair=7e-6, decode_key=5e-6)
+    cfg = engine_packer(cost, max_batch_tokens=512, max_num_seqs=32, max_model_len=2048, chunk_align=16,
+                        multi_prefill=True, space_sharing=True)
+    decodes = [_running(f"d{i}", 200) for i in range(4)]
+    prefills = [Request(f"p{i}", 0.0, 158, 64) for i in range(8)]
+    chunks, state = pack(cost, cfg, decodes, prefills, lambda r: 1.0, lambda r: True)
+    assert state.tokens == 512 and [n for _, n in chunks] == [158, 158, 158, 34]
+    # a late chunk of a long prompt is still cut short by its attention (adaptive chunking)
+    long = Request("long", 0.0, 2000, 8)
+    long.planned = 1500
+    chunks, _ = pack(cost, cfg, [], [long], lambda r: 0.0, lambda r: False)
+    assert 0 < chunks[0][1] < 500
 
 
 def test_packer_takes_at_most_one_long_prefill():

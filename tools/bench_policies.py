@@ -33,7 +33,7 @@ from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from jaxserve.sched.batch_cost import BucketedBatchCost  # noqa: E402
-from jaxserve.sched.packer import engine_packer  # noqa: E402
+from jaxserve.sched.packer import PackerConfig, engine_packer  # noqa: E402
 from jaxserve.sched.request import Request  # noqa: E402
 from jaxserve.sched.slo import SLO  # noqa: E402
 from jaxserve.server.spawn import ServerProcess  # noqa: E402
@@ -139,12 +139,17 @@ def summarize(requests: list[Request], long_threshold: int) -> dict[str, float]:
             "ttft_attainment": s["all"]["ttft_attainment"], "short_ttft_attainment": s["short"]["ttft_attainment"]}
 
 
+def packer(cost: BucketedBatchCost, multi: bool, sharing: bool) -> PackerConfig:
+    """The packer the server runs with these flags."""
+    return engine_packer(cost, max_batch_tokens=FLAGS.max_num_batched_tokens, max_num_seqs=FLAGS.max_num_seqs,
+                         max_model_len=FLAGS.max_model_len, chunk_align=cost.token_buckets[0], multi_prefill=multi,
+                         space_sharing=sharing)
+
+
 def simulate(arrivals: list[Arrival], cost: BucketedBatchCost, kv_tokens: int, policy: str, multi: bool,
              sharing: bool) -> list[Request]:
-    packer = engine_packer(cost, max_batch_tokens=FLAGS.max_num_batched_tokens, max_model_len=FLAGS.max_model_len,
-                           chunk_align=cost.token_buckets[0], multi_prefill=multi, space_sharing=sharing)
-    config = ClusterConfig(policy=policy, packer=packer, slo=SLO(ttft_min=FLAGS.ttft_slo), kv_capacity=kv_tokens,
-                           max_running=FLAGS.max_num_seqs)
+    config = ClusterConfig(policy=policy, packer=packer(cost, multi, sharing), slo=SLO(ttft_min=FLAGS.ttft_slo),
+                           kv_capacity=kv_tokens, max_running=FLAGS.max_num_seqs)
     requests = [Request(str(i), a.time, len(a.prompt), a.output_len) for i, a in enumerate(arrivals)]
     return Simulator(config, cost).run_requests(requests, progress=False).requests
 
@@ -193,9 +198,7 @@ def main(argv: list[str]) -> None:
                 kv_tokens = kv_capacity_tokens(server.http_port, block_size=16)
                 with tqdm(total=len(arrivals), desc=label, unit="req") as bar:
                     live[key] = asyncio.run(drive(server.http_port, arrivals, bar))
-            threshold = engine_packer(cost, max_batch_tokens=FLAGS.max_num_batched_tokens,
-                                      max_model_len=FLAGS.max_model_len, chunk_align=cost.token_buckets[0],
-                                      multi_prefill=multi, space_sharing=sharing).long_threshold
+            threshold = packer(cost, multi, sharing).long_threshold
             simulated = simulate(arrivals, cost, kv_tokens, policy, multi, sharing)
             for lr, sr in zip(live[key], simulated):  # the deadline depends on the prompt only: the sim's applies
                 lr.ttft_deadline, lr.tpot_slo = sr.ttft_deadline - sr.arrival + lr.arrival, sr.tpot_slo

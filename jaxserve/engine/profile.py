@@ -23,6 +23,7 @@ from jaxserve.engine.sampling import SamplingParams
 from jaxserve.sched.batch_cost import BucketedBatchCost
 
 _GREEDY = SamplingParams(max_tokens=1)
+VERSION = 2  # of the step and of how it is measured: a change to either must not load an older profile
 
 
 def _time(runner: ModelRunner, rows: list[Row], repeats: int) -> float:
@@ -46,11 +47,13 @@ def _row(n: int, history: int, first_block: int, block_size: int, num_blocks: in
 def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress: bool = True) -> BucketedBatchCost:
     bs, buckets = runner.block_size, runner.buckets
     blocks = runner.num_blocks - 1
-    n = buckets.tokens[0]
+    # the prefill slope from a chunk of whole query tiles (the attention's unit of work), as serving chunks are
+    i = next((i for i, t in enumerate(buckets.tokens) if t >= buckets.tile), len(buckets.tokens) - 1)
+    n = buckets.tokens[i]
     history = min(max_model_len - n, blocks * bs - n)  # the longest history one row can have
     rows = buckets.rows[-1]
     kv = max(min(max_model_len, blocks // rows * bs), 2)  # per decode row, in blocks of its own where they suffice
-    steps = len(buckets.tokens) + 4
+    steps = len(buckets.tokens) + 3
     with tqdm(total=steps, desc="profile the step", unit="step", disable=not progress) as bar:
         def timed(rs: list[Row]) -> float:
             t = _time(runner, rs, repeats)
@@ -59,7 +62,7 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
 
         nb = runner.num_blocks
         step_times = [timed([_row(t, 0, 1, bs, nb)]) for t in buckets.tokens]
-        flat, long = timed([_row(n, 0, 1, bs, nb)]), timed([_row(n, history, 1, bs, nb)])
+        flat, long = step_times[i], timed([_row(n, history, 1, bs, nb)])
         per_row = -(-kv // bs)
         short_kv = [_row(1, 0, 1 + i * per_row, bs, nb) for i in range(rows)]
         long_kv = [_row(1, kv - 1, 1 + i * per_row, bs, nb) for i in range(rows)]
@@ -74,7 +77,7 @@ def default_path(model_name: str, dtype: str, runner: ModelRunner) -> pathlib.Pa
     b = runner.buckets
     kind = jax.devices()[0].device_kind.replace(" ", "_").replace("/", "_")
     shape = f"t{b.tokens[-1]}-r{b.rows[-1]}-w{b.width}-bs{runner.block_size}"
-    key = f"{kind}-{pathlib.Path(model_name).stem}-{dtype}-{shape}"
+    key = f"{kind}-{pathlib.Path(model_name).stem}-{dtype}-{shape}-v{VERSION}"
     return registry.cache_dir() / "profiles" / f"{key}.json"
 
 

@@ -100,12 +100,17 @@ class PackerConfig:
             raise ValueError(f"max_share must be in [0, 1), got {self.max_share}")
 
 
-def engine_packer(cost: BatchCost, *, max_batch_tokens: int, max_model_len: int, chunk_align: int,
-                  multi_prefill: bool, space_sharing: bool, t_target: float | None = None) -> PackerConfig:
-    """The packer the live engine serves with (one place, so a simulator replay can use the same): the budget
-    defaults to the cost of a full step, chunks align to the smallest token bucket, and a prompt of a quarter of
-    the context counts as long."""
-    return PackerConfig(t_target=t_target or cost.time(max_batch_tokens, 0.0), multi_prefill=multi_prefill,
+def engine_packer(cost: BatchCost, *, max_batch_tokens: int, max_num_seqs: int, max_model_len: int,
+                  chunk_align: int, multi_prefill: bool, space_sharing: bool,
+                  t_target: float | None = None) -> PackerConfig:
+    """The packer the live engine serves with (one place, so a simulator replay can use the same). The budget
+    defaults to a full step (max_batch_tokens) with a full batch of decodes at the longest context: a budget of
+    the token bucket's time alone would leave no room for any attention, so once a decode runs, a step could
+    never use the largest bucket. The budget then binds only where attention is dear (late chunks of a long
+    prompt: adaptive chunking). Chunks align to the smallest token bucket; a quarter of the context is long."""
+    if t_target is None:
+        t_target = cost.time(max_batch_tokens, max_num_seqs * cost.decode_attention(max_model_len))
+    return PackerConfig(t_target=t_target, multi_prefill=multi_prefill,
                         space_sharing=space_sharing, chunk_align=chunk_align, max_batch_tokens=max_batch_tokens,
                         long_threshold=max(max_model_len // 4, 2 * chunk_align))
 
