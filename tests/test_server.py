@@ -297,6 +297,10 @@ def test_metrics_are_exported_for_prometheus(served, oai):
     assert samples["jaxserve_time_to_first_token_seconds_count{}"] >= 1
     assert samples["jaxserve_inter_token_latency_seconds_count{}"] >= 3
     assert samples["jaxserve_generation_tokens_total{}"] >= 4
+    # 4 tokens take at least 4 steps; the model's estimate of them is summed beside their measured time
+    assert samples["jaxserve_engine_step_seconds_count{}"] >= 4
+    assert samples["jaxserve_engine_step_seconds_sum{}"] > 0
+    assert samples["jaxserve_engine_step_predicted_seconds_total{}"] > 0
     assert samples["jaxserve_kv_cache_blocks_free{}"] + samples["jaxserve_kv_cache_blocks_used{}"] == \
         initial_blocks(served)
     for gauge in ("jaxserve_num_requests_waiting{}", "jaxserve_num_requests_running{}"):

@@ -7,7 +7,7 @@ fresh server on the same cost profile (measured once, by the first server, into 
 variant: P50/P99 TTFT of the short requests and TTFT-SLO attainment (the deadline the scheduler ranks by:
 max(--ttft_slo, 3 x the prompt's prefill time alone)). Then sim/ replays the same arrivals with the same
 scheduler settings and the engine's fitted cost model, and the simulated P50/P99 TTFT are set beside the live
-ones. Writes docs/figures/live_policies.json, live_policies_ttft.png and live_policies_sim.png.
+ones, with the live steps' wall time over the cost model's estimate of them (the server's /metrics). Writes docs/figures/live_policies.json, live_policies_ttft.png and live_policies_sim.png.
 
     .venv/bin/python tools/bench_policies.py [--rate=3] [--duration=60] [--variants=fcfs,edf,edf_multi,lars_ss]
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import pathlib
-import re
 import tempfile
 import time
 import urllib.request
@@ -30,6 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
 from absl import app, flags  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from jaxserve.sched.batch_cost import BucketedBatchCost  # noqa: E402
@@ -99,11 +100,11 @@ def server_flags(policy: str, multi: bool, sharing: bool, cost_profile: str) -> 
             "--max_queue=4096"]
 
 
-def kv_capacity_tokens(port: int, block_size: int) -> int:
-    """The server's KV pool as its /metrics reports it before any request."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
-    text = urllib.request.urlopen(req, timeout=10).read().decode()
-    return int(float(re.search(r"^jaxserve_kv_cache_blocks_free\S* (\S+)$", text, re.M)[1])) * block_size
+def scrape(port: int) -> dict[str, float]:
+    """The server's /metrics samples (unlabelled ones) by name."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.labels}
 
 
 async def drive(port: int, arrivals: list[Arrival], bar: tqdm) -> list[Request]:
@@ -185,6 +186,7 @@ def plot(rows: list[dict], live: dict[str, list[Request]], path_cdf: pathlib.Pat
 
 def main(argv: list[str]) -> None:
     del argv
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns the progress bar
     arrivals = workload(np.random.default_rng(FLAGS.seed))
     out = pathlib.Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -195,15 +197,19 @@ def main(argv: list[str]) -> None:
             label, policy, multi, sharing = VARIANTS[key]
             with ServerProcess(*server_flags(policy, multi, sharing, cost_path)) as server:
                 cost = BucketedBatchCost.from_dict(json.loads(pathlib.Path(cost_path).read_text()))
-                kv_tokens = kv_capacity_tokens(server.http_port, block_size=16)
+                kv_tokens = int(scrape(server.http_port)["jaxserve_kv_cache_blocks_free"]) * 16  # block size
                 with tqdm(total=len(arrivals), desc=label, unit="req") as bar:
                     live[key] = asyncio.run(drive(server.http_port, arrivals, bar))
+                m = scrape(server.http_port)
+                steps = {"count": m["jaxserve_engine_step_seconds_count"],
+                         "live_s": m["jaxserve_engine_step_seconds_sum"],
+                         "model_s": m["jaxserve_engine_step_predicted_seconds_total"]}
             threshold = packer(cost, multi, sharing).long_threshold
             simulated = simulate(arrivals, cost, kv_tokens, policy, multi, sharing)
             for lr, sr in zip(live[key], simulated):  # the deadline depends on the prompt only: the sim's applies
                 lr.ttft_deadline, lr.tpot_slo = sr.ttft_deadline - sr.arrival + lr.arrival, sr.tpot_slo
             rows.append({"key": key, "label": label, "live": summarize(live[key], threshold),
-                         "sim": summarize(simulated, threshold)})
+                         "sim": summarize(simulated, threshold), "steps": steps})
     shorts = sum(not a.long for a in arrivals)
     print(f"{len(arrivals)} requests ({shorts} short at {FLAGS.rate:g}/s, {len(arrivals) - shorts} long) over "
           f"{FLAGS.duration:g} s; TTFT in seconds")
@@ -221,7 +227,10 @@ def main(argv: list[str]) -> None:
                   f"{by_key['fcfs']['live']['short_ttft_p50'] / r['live']['short_ttft_p50']:.1f}x")
     for r in rows:
         errs = [abs(r["sim"][s] / r["live"][s] - 1) for s in ("ttft_p50", "ttft_p99")]
-        print(f"sim vs live, {r['label']}: P50 off by {errs[0]:.0%}, P99 off by {errs[1]:.0%}")
+        st = r["steps"]
+        print(f"sim vs live, {r['label']}: P50 off by {errs[0]:.0%}, P99 off by {errs[1]:.0%}; live steps took "
+              f"{st['live_s'] / st['model_s']:.2f}x the cost model's estimate ({st['count']:.0f} steps, mean "
+              f"{st['live_s'] / st['count'] * 1e3:.0f} ms)")
     settings = {k: getattr(FLAGS, k) for k in ("rate", "duration", "longs", "short_prompt", "short_output",
                                                 "long_output", "max_model_len", "max_num_seqs",
                                                 "max_num_batched_tokens", "kv_cache_gib", "ttft_slo", "seed")}

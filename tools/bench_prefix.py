@@ -11,6 +11,7 @@ docs/figures/prefix_cache.json.
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import statistics
 import time
@@ -60,6 +61,7 @@ def run(client: openai.OpenAI, system: str, questions: list[str]) -> list[dict]:
 
 def main(argv: list[str]) -> None:
     del argv
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns the progress bar
     rng = np.random.default_rng(0)
     system = system_prompt(rng, FLAGS.system_tokens)
     questions = [f"Question {i}: which of the notes mentions the word '{rng.choice(WORDS)}' first?"

@@ -84,6 +84,7 @@ class Engine:
         self.max_num_seqs = scheduler.max_running
         self.clock = clock
         self.num_preemptions = 0
+        self.last_predicted: float | None = None  # the cost model's time of the last step (None: no Plan)
         self._live: dict[str, _Live] = {}
         self._tables: dict[str, list[int]] = {}  # block tables as the Plans granted them
         self._ids = itertools.count()
@@ -163,6 +164,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         self.recover()  # a no-op unless an earlier rebuild failed
         plan = self.scheduler.schedule(self.clock())
+        self.last_predicted = plan.predicted_time if plan is not None else None
         if plan is None:
             return []
         self._grant(plan)

@@ -47,10 +47,11 @@ def _row(n: int, history: int, first_block: int, block_size: int, num_blocks: in
 def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress: bool = True) -> BucketedBatchCost:
     bs, buckets = runner.block_size, runner.buckets
     blocks = runner.num_blocks - 1
-    # the prefill slope from a chunk of whole query tiles (the attention's unit of work), as serving chunks are
-    i = next((i for i, t in enumerate(buckets.tokens) if t >= buckets.tile), len(buckets.tokens) - 1)
+    # the prefill slope from a chunk of whole query tiles (the attention's unit of work), as serving chunks are,
+    # after as long a history as fits beside it
+    i = next((i for i, t in enumerate(buckets.tokens) if buckets.tile <= t <= max_model_len // 2), 0)
     n = buckets.tokens[i]
-    history = min(max_model_len - n, blocks * bs - n)  # the longest history one row can have
+    history = max(min(max_model_len - n, blocks * bs - n), 0)  # the longest history one row can have
     rows = buckets.rows[-1]
     kv = max(min(max_model_len, blocks // rows * bs), 2)  # per decode row, in blocks of its own where they suffice
     steps = len(buckets.tokens) + 3
@@ -67,7 +68,8 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
         short_kv = [_row(1, 0, 1 + i * per_row, bs, nb) for i in range(rows)]
         long_kv = [_row(1, kv - 1, 1 + i * per_row, bs, nb) for i in range(rows)]
         short, full = timed(short_kv), timed(long_kv)
-    return BucketedBatchCost(buckets.tokens, step_times, prefill_pair=max(long - flat, 0.0) / (n * history),
+    pair = max(long - flat, 0.0) / (n * history) if history else 0.0  # no history fits: attention never grows
+    return BucketedBatchCost(buckets.tokens, step_times, prefill_pair=pair,
                              decode_key=max(full - short, 0.0) / (rows * (kv - 1)))
 
 

@@ -225,6 +225,7 @@ class AsyncEngine:
                 self._wake.wait()
                 self._wake.clear()  # commands queued meanwhile are applied at the top of the loop
                 continue
+            start = time.monotonic()
             try:
                 outputs = self.engine.step()
             except StepFailed as e:  # the engine ended that step's requests and rebuilt what it lost
@@ -237,10 +238,12 @@ class AsyncEngine:
                 continue
             now = time.monotonic()
             self.steps += 1
-            self.metrics.steps.inc()
             for out in outputs:
                 self._deliver(out, now)
             self._update_gauges()
+            if self.engine.last_predicted is not None:  # the step ran a Plan
+                self.metrics.step_seconds.observe(time.monotonic() - start)
+                self.metrics.step_predicted.inc(self.engine.last_predicted)
 
     RECOVER_RETRY_S = 1.0  # between attempts to rebuild a lost cache
 

@@ -33,7 +33,13 @@ class ServerMetrics:
                                    registry=r)
         self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generated_tokens = Counter("jaxserve_generation_tokens", "Tokens generated.", registry=r)
-        self.steps = Counter("jaxserve_engine_steps", "Engine iterations run.", registry=r)
+        self.step_seconds = Histogram("jaxserve_engine_step_seconds", "Engine iterations (count: how many ran), wall "
+                                      "time: scheduling, the compiled step and handing out its tokens.",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_predicted = Counter("jaxserve_engine_step_predicted_seconds", "The scheduler's cost-model "
+                                      "estimate of the same iterations, summed (set beside "
+                                      "jaxserve_engine_step_seconds_sum: how far the model is off live).",
+                                      registry=r)
         self.finished = Counter("jaxserve_requests_finished", "Requests that left the engine, by reason "
                                 "(stop, length, abort: the client left or the server shut down).", ["reason"],
                                 registry=r)
