@@ -9,7 +9,7 @@ max(--ttft_slo, 3 x the prompt's prefill time alone)). Then sim/ replays the sam
 scheduler settings and the engine's fitted cost model, and the simulated P50/P99 TTFT are set beside the live
 ones, with the live steps' wall time over the cost model's estimate of them (the server's /metrics). Writes docs/figures/live_policies.json, live_policies_ttft.png and live_policies_sim.png.
 
-    .venv/bin/python tools/bench_policies.py [--rate=3] [--duration=60] [--variants=fcfs,edf,edf_multi,lars_ss]
+    .venv/bin/python tools/bench_policies.py [--rate=0.75] [--longs=6] [--duration=60] [--variants=fcfs,edf,edf_multi,lars_ss]
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from jaxserve.sim.simulator import ClusterConfig, Simulator  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("variants", ["fcfs", "edf", "edf_multi", "lars_ss"], "Which of VARIANTS to run, in order.")
-flags.DEFINE_float("rate", 3.0, "Short requests per second (Poisson).")
+flags.DEFINE_float("rate", 0.75, "Short requests per second (Poisson).")
 flags.DEFINE_float("duration", 60.0, "Seconds over which requests arrive.")
-flags.DEFINE_integer("longs", 4, "Long prompts, spread evenly over the duration.")
+flags.DEFINE_integer("longs", 6, "Long prompts, spread evenly over the duration.")
 flags.DEFINE_list("short_prompt", ["32", "256"], "Short prompt length range, tokens.")
 flags.DEFINE_list("short_output", ["8", "32"], "Short output length range, tokens.")
 flags.DEFINE_integer("long_output", 8, "Tokens generated for a long prompt.")
