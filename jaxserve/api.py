@@ -113,10 +113,10 @@ class LLM:
         Scheduling: `policy` orders prefills (fcfs, sjf, ljf, edf, lrs, lars); each step holds at most
         max_num_batched_tokens tokens and, by the cost model, takes at most `iteration_budget` seconds (default:
         the measured time of a full step, with a full batch of decodes at the longest context); `multi_prefill`
-        lets several prompts' chunks share a step and `space_sharing` makes a long prefill yield budget to urgent short ones. A prompt's first token is due
-        `ttft_slo` seconds after arrival (or 3x its prefill time alone, if longer). The cost model is measured on
-        this device at first start and cached (`cost_profile` names the file to load or write instead).
-        Every step program is compiled here, before the first request."""
+        lets several prompts' chunks share a step and `space_sharing` makes a long prefill yield budget to urgent
+        short ones. A prompt's first token is due `ttft_slo` seconds after arrival (or 3x its prefill time alone,
+        if longer). The cost model is measured on this device at first start and cached (`cost_profile` names the
+        file to load or write instead). Every step program is compiled here, before the first request."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, value in (("block_size", block_size), ("kv_cache_tokens", kv_cache_tokens or 1),

@@ -376,6 +376,7 @@ def test_health_is_not_serving_exactly_while_the_cache_cannot_be_rebuilt(served,
     wait_until(lambda: grpc_client.health() == "SERVING")
     assert http_health(served) == 200
 
+
 def test_prefix_cache_hits_are_reported_in_usage_and_metrics(served, grpc_client, oai):
     """A shared system prompt: the second request's cached tokens show in OpenAI usage, in gRPC usage and in
     /metrics; its output is what it is without the cache (greedy)."""

@@ -7,9 +7,11 @@ fresh server on the same cost profile (measured once, by the first server, into 
 variant: P50/P99 TTFT of the short requests and TTFT-SLO attainment (the deadline the scheduler ranks by:
 max(--ttft_slo, 3 x the prompt's prefill time alone)). Then sim/ replays the same arrivals with the same
 scheduler settings and the engine's fitted cost model, and the simulated P50/P99 TTFT are set beside the live
-ones, with the live steps' wall time over the cost model's estimate of them (the server's /metrics). Writes docs/figures/live_policies.json, live_policies_ttft.png and live_policies_sim.png.
+ones, with the live steps' wall time over the cost model's estimate of them (the server's /metrics). Writes
+docs/figures/live_policies.json, live_policies_ttft.png and live_policies_sim.png.
 
-    .venv/bin/python tools/bench_policies.py [--rate=0.75] [--longs=6] [--duration=60] [--variants=fcfs,edf,edf_multi,lars_ss]
+    .venv/bin/python tools/bench_policies.py [--rate=0.75] [--longs=6] [--duration=60] \
+        [--variants=fcfs,edf,edf_multi,lars_ss]
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ def main(argv: list[str]) -> None:
         print(f"prefix caching {'on ' if caching else 'off'}: prompt {rows[0]['prompt_tokens']} tokens; first TTFT "
               f"{first * 1e3:.0f} ms, later median {later * 1e3:.0f} ms (ratio {later / first:.2f}); cached tokens "
               f"of the later requests: {sorted({r['cached_tokens'] for r in rows[1:]})}")
-    print(f"later-request TTFT, caching on / off: {result['on']['later_ttft_median'] / result['off']['later_ttft_median']:.2f}")
+    ratio = result["on"]["later_ttft_median"] / result["off"]["later_ttft_median"]
+    print(f"later-request TTFT, caching on / off: {ratio:.2f}")
     out = pathlib.Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefix_cache.json").write_text(json.dumps(result, indent=1))

@@ -69,7 +69,8 @@ def hf_tokenizer_dir(model: str, out: pathlib.Path) -> pathlib.Path:
 
 
 def server_flags() -> list[str]:
-    return [f"--max_num_seqs={FLAGS.max_num_seqs}", "--max_model_len=2048", "--kv_cache_gib=0.5", f"--api_key={API_KEY}"]
+    return [f"--max_num_seqs={FLAGS.max_num_seqs}", "--max_model_len=2048", "--kv_cache_gib=0.5",
+            f"--api_key={API_KEY}"]
 
 
 def worktree(commit: str, where: pathlib.Path) -> pathlib.Path:

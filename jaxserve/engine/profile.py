@@ -49,8 +49,8 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
     blocks = runner.num_blocks - 1
     # the prefill slope from a chunk of whole query tiles (the attention's unit of work), as serving chunks are,
     # after as long a history as fits beside it
-    i = next((i for i, t in enumerate(buckets.tokens) if buckets.tile <= t <= max_model_len // 2), 0)
-    n = buckets.tokens[i]
+    chunk_bucket = next((b for b, t in enumerate(buckets.tokens) if buckets.tile <= t <= max_model_len // 2), 0)
+    n = buckets.tokens[chunk_bucket]
     history = max(min(max_model_len - n, blocks * bs - n), 0)  # the longest history one row can have
     rows = buckets.rows[-1]
     kv = max(min(max_model_len, blocks // rows * bs), 2)  # per decode row, in blocks of its own where they suffice
@@ -63,7 +63,7 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
 
         nb = runner.num_blocks
         step_times = [timed([_row(t, 0, 1, bs, nb)]) for t in buckets.tokens]
-        flat, long = step_times[i], timed([_row(n, history, 1, bs, nb)])
+        flat, long = step_times[chunk_bucket], timed([_row(n, history, 1, bs, nb)])
         per_row = -(-kv // bs)
         short_kv = [_row(1, 0, 1 + i * per_row, bs, nb) for i in range(rows)]
         long_kv = [_row(1, kv - 1, 1 + i * per_row, bs, nb) for i in range(rows)]

@@ -123,10 +123,7 @@ class AsyncEngine:
     """Runs an Engine in its own thread for asyncio servers. Capacity: the engine's running batch
     (max_num_seqs) plus `max_queue` waiting requests; beyond that `submit` raises QueueFull."""
 
-    def __init__(self, engine: Engine, *, max_queue: int, metrics: ServerMetrics | None = None,
-                 on_health: Callable[[bool], Any] | None = None):
-        """on_health(can_step): called on the event loop whenever the engine loses or regains the ability to
-        step (the server mirrors it in gRPC health)."""
+    def __init__(self, engine: Engine, *, max_queue: int, metrics: ServerMetrics | None = None):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.engine = engine
@@ -141,7 +138,9 @@ class AsyncEngine:
         self._commands: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._ids = itertools.count()
-        self.on_health = on_health
+        # on_health(can_step), set by the server once its health service exists: called on the event loop
+        # whenever the engine loses or regains the ability to step
+        self.on_health: Callable[[bool], Any] | None = None
         self._reported_healthy = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
