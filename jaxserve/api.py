@@ -103,7 +103,8 @@ class LLM:
     def __init__(self, model: str = registry.DEFAULT_MODEL, *, dtype: str = "float32",
                  max_model_len: int | None = None, kv_cache_tokens: int | None = None,
                  kv_cache_gib: float = 2.0, block_size: int = 16, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 512, policy: str = "lars", space_sharing: bool = True,
+                 max_num_batched_tokens: int = 512, max_prefills_per_step: int = 8, policy: str = "lars",
+                 space_sharing: bool = True,
                  multi_prefill: bool = True, iteration_budget: float | None = None, ttft_slo: float = 1.0,
                  prefix_caching: bool = True, cost_profile: str | None = None, key_block: int = 256,
                  progress: bool = True):
@@ -111,7 +112,7 @@ class LLM:
         max_model_len defaults to the model's context, capped by what the pool holds.
 
         Scheduling: `policy` orders prefills (fcfs, sjf, ljf, edf, lrs, lars); each step holds at most
-        max_num_batched_tokens tokens and, by the cost model, takes at most `iteration_budget` seconds (default:
+        max_num_batched_tokens tokens and max_prefills_per_step prompts' chunks and, by the cost model, takes at most `iteration_budget` seconds (default:
         the measured time of a full step, with a full batch of decodes at the longest context); `multi_prefill`
         lets several prompts' chunks share a step and `space_sharing` makes a long prefill yield budget to urgent
         short ones. A prompt's first token is due `ttft_slo` seconds after arrival (or 3x its prefill time alone,
@@ -121,7 +122,8 @@ class LLM:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, value in (("block_size", block_size), ("kv_cache_tokens", kv_cache_tokens or 1),
                             ("max_model_len", max_model_len or 2), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_prefills_per_step", max_prefills_per_step)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         source = registry.resolve(model)
@@ -133,7 +135,8 @@ class LLM:
         kv_tokens = kv_cache_tokens or int(kv_cache_gib * 2**30 // token_bytes)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, kv_tokens)
         num_blocks = -(-kv_tokens // block_size) + 1  # + the scratch block
-        buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, key_block)
+        buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, key_block,
+                               max_prefills=max_prefills_per_step)
         runner = ModelRunner(cfg, params, _DTYPES[dtype], num_blocks=num_blocks, block_size=block_size,
                              buckets=buckets, key_block=key_block)
         runner.warmup(progress)
@@ -141,7 +144,7 @@ class LLM:
         self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
         packer = engine_packer(self.cost, max_batch_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                max_model_len=self.max_model_len, chunk_align=buckets.tokens[0],
-                               multi_prefill=multi_prefill, space_sharing=space_sharing, t_target=iteration_budget)
+                               max_prefills=buckets.max_prefills, multi_prefill=multi_prefill, space_sharing=space_sharing, t_target=iteration_budget)
         kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         scheduler = ReplicaScheduler(make_policy(policy), self.cost, packer, kv, slo=SLO(ttft_min=ttft_slo),
                                      max_running=max_num_seqs)

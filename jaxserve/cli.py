@@ -58,9 +58,11 @@ flags.DEFINE_bool("space_sharing", True, "serve/generate/simulate: long prefills
 flags.DEFINE_bool("multi_prefill", True, "serve/generate/simulate: several prefill chunks per batch (--nomulti_prefill "
                   "with --policy=fcfs is one prompt's chunk per step, the old engine's behaviour).")
 flags.DEFINE_float("iteration_budget", None, "serve/generate: most seconds a step may take by the cost model "
-                   "(default: the measured time of a full step of --max_num_batched_tokens holding "
-                   "--max_num_seqs decodes at --max_model_len).")
+                   "(default: the measured time of a full step of --max_num_batched_tokens in --max_num_seqs "
+                   "rows, all decodes at --max_model_len but one fresh prompt's chunk).")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "serve/generate: most tokens in one step.")
+flags.DEFINE_integer("max_prefills_per_step", 8, "serve/generate: most prompts' chunks in one step (the compiled "
+                     "step's attention runs over room for that many partial tiles, used or not).")
 flags.DEFINE_float("ttft_slo", 1.0, "serve/generate: seconds to the first token a prompt is due (or 3x its prefill "
                    "time alone, if longer); a request may set its own (gRPC/HTTP field ttft_slo).")
 flags.DEFINE_bool("prefix_caching", True, "serve/generate: reuse cached KV of shared prompt prefixes.")
@@ -89,7 +91,7 @@ def _engine_flags() -> dict:
     return dict(dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, policy=FLAGS.policy,
                 space_sharing=FLAGS.space_sharing, multi_prefill=FLAGS.multi_prefill,
                 iteration_budget=FLAGS.iteration_budget, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-                ttft_slo=FLAGS.ttft_slo, prefix_caching=FLAGS.prefix_caching, cost_profile=FLAGS.cost_profile)
+                max_prefills_per_step=FLAGS.max_prefills_per_step, ttft_slo=FLAGS.ttft_slo, prefix_caching=FLAGS.prefix_caching, cost_profile=FLAGS.cost_profile)
 
 
 def _generate() -> None:

@@ -17,11 +17,12 @@ import pytest
 from jaxserve.engine.batch import Row
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sampling import SamplingParams
-from jaxserve.sched.batch_cost import BucketedBatchCost
+from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.packer import PackerConfig
 from jaxserve.sched.policies import make_policy
 from jaxserve.sched.scheduler import ReplicaScheduler
+from jaxserve.sched.step_shapes import StepShapes
 
 VOCAB = 40
 EOS = 0
@@ -65,7 +66,7 @@ class CheckingRunner:
 
 def make_engine(runner, *, num_blocks: int, max_model_len: int, max_num_seqs: int = 4, step_tokens: int = 64,
                 policy: str = "fcfs", prefix_caching: bool = True) -> Engine:
-    cost = BucketedBatchCost([16, 1 << 20], [0.01, 0.02], prefill_pair=1e-7, decode_key=1e-7)
+    cost = EngineStepCost(StepShapes((16, 1 << 20), (4,), 32, 4), 256, [[0.01], [0.02]], 1e-7, 1e-7, 1e-7, 1e-7)
     packer = PackerConfig(t_target=1.0, chunk_align=min(8, step_tokens), max_batch_tokens=step_tokens)
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=prefix_caching)
     scheduler = ReplicaScheduler(make_policy(policy), cost, packer, kv, max_running=max_num_seqs)

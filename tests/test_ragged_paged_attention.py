@@ -68,3 +68,10 @@ def test_buckets_bound_the_programs_and_refuse_what_does_not_fit():
         b.fit(513, 1)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         batch.Buckets.make(8, 16, 2048, 16, 256)
+    # the tile axis has room for whole tiles of the tokens plus one partial tile per prefill chunk
+    b = batch.Buckets.make(512, 16, 2048, 16, 256, max_prefills=2)
+    assert b.tiles(512, 16) == 16 + 2 and b.tiles(16, 4) == 0 + 2
+    row = lambda n: batch.Row([1] * n, 0, [1, 2], SamplingParams(), 0, 0)  # noqa: E731
+    batch.pack([row(17), row(17), row(1)], b, 16)  # two chunks and a decode: the (64, 4) program, 2 + 2 tiles
+    with pytest.raises(ValueError, match="3 prefill chunks exceeds the 2"):
+        batch.pack([row(5), row(5), row(5)], b, 16)

@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxserve.sched.batch_cost import BucketedBatchCost, PiecewiseLinear, TetrisBatchCost
+from jaxserve.sched.batch_cost import BatchState, EngineStepCost, PiecewiseLinear, TetrisBatchCost
 from jaxserve.sched.cost_models import TetrisPrefill
-from jaxserve.sched.packer import BatchState, PackerConfig, PrefillTimeCache, engine_packer, max_chunk, pack
+from jaxserve.sched.packer import PackerConfig, PrefillTimeCache, engine_packer, max_chunk, pack
 from jaxserve.sched.plan import Outcome, Phase
 from jaxserve.sched.policies import make_policy
 from jaxserve.sched.profiles import ProfileBatchCost
@@ -19,6 +19,7 @@ from jaxserve.sched.queue import PrefillQueue
 from jaxserve.sched.request import Request
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.scheduler import ReplicaScheduler
+from jaxserve.sched.step_shapes import StepShapes
 
 # Eq. (1) shaped like Llama-3-8B on one A100 (fitted to Tetris Table 1, SP=1)
 EQ1 = TetrisBatchCost(TetrisPrefill({1: np.array([0.004, 6.5e-5, 1.0e-9, 1.2e-9])}))
@@ -87,7 +88,7 @@ def test_max_chunk_is_the_largest_that_fits(h, align):
     for budget in (0.005, 0.02, 0.05, 0.3):
         n = max_chunk(EQ1, state, h, 20000, budget, align)
         def t(k):
-            return EQ1.time(state.tokens + k, state.attention + EQ1.prefill_attention(k, h))
+            return EQ1.time(EQ1.add_prefill(state, k, h))
         if n:
             assert t(n) <= budget and (n == 20000 or n % align == 0)
             assert n == 20000 or t(n + align) > budget
@@ -108,7 +109,7 @@ def test_packer_fits_a_short_remainder_when_an_aligned_chunk_would_not():
     state_time = EQ1.batch_time([], [2000] * 8)
     r = Request("p", 0.0, 1000, 10)
     r.planned = r.prefilled = 990  # 10 tokens left
-    budget_left_for = max_chunk(EQ1, BatchState(8, state_time - EQ1.overhead - EQ1.linear_ops(8)), 990, 10,
+    budget_left_for = max_chunk(EQ1, BatchState(8, 8, state_time - EQ1.overhead - EQ1.linear_ops(8)), 990, 10,
                                 0.05, 1)
     chunks, _ = pack(EQ1, cfg, decodes, [r], lambda r: 1.0, lambda r: False)
     assert budget_left_for == 10 and chunks == [(r, 10)]
@@ -120,7 +121,7 @@ def test_prefill_time_cache_is_the_sum_of_adaptive_chunks():
     while done < 200000:
         n = max_chunk(EQ1, BatchState(), done, 200000 - done, 0.05, 32) or 32
         chunks.append(n)
-        total += EQ1.time(n, EQ1.prefill_attention(n, done))
+        total += EQ1.batch_time([(n, done)])
         done += n
     assert chunks[0] > 4 * chunks[-1]  # adaptive: chunks shrink as the history grows
     assert cache(200000) == pytest.approx(total, rel=0.01)
@@ -149,25 +150,55 @@ def test_packer_puts_decodes_first_and_fills_the_budget_in_priority_order():
     assert state.time(EQ1) <= 0.05
     assert [r.id for r, _ in chunks][0] == "p0" and chunks[0][1] > 0
     # the budget is (nearly) used: another aligned chunk would overrun it
-    assert EQ1.time(state.tokens + 32, state.attention + EQ1.prefill_attention(32, 0)) > 0.05
+    assert EQ1.time(EQ1.add_prefill(state, 32, 0)) > 0.05
+
+
+# the engine's cost as engine/profile.py measured it for SmolLM2 on 2 CPU cores (rounded)
+ENGINE = EngineStepCost(StepShapes((16, 32, 64, 128, 256, 512), (4, 8, 16, 32), 32, 8), 256,
+                        [[0.046, 0.045, 0.049, 0.084], [0.066, 0.066, 0.068, 0.084], [0.105, 0.107, 0.109, 0.125],
+                         [0.171, 0.177, 0.183, 0.191], [0.307, 0.318, 0.313, 0.328], [0.605, 0.59, 0.597, 0.603]],
+                        tile_fixed=5.5e-4, tile_block=7.75e-3, decode_fixed=1e-4, decode_block=1.94e-3)
+
+
+def test_the_engine_cost_prices_a_batch_by_the_program_that_runs_it():
+    e = ENGINE
+    tile = lambda blocks: e.tile_fixed + e.tile_block * blocks  # noqa: E731
+    decode = lambda blocks: e.decode_fixed + e.decode_block * blocks  # noqa: E731
+    # 101 tokens in 3 rows run in the (128, 4) program: 128 / 32 + 4 tiles, every one over the longest prefill
+    # context's key blocks (240 tokens: 1), and 4 decode rows over the longest decode's (300 tokens: 2)
+    assert e.batch_time([(60, 0), (40, 200)], [300]) == pytest.approx(e.base[3][0] + 8 * tile(1) + 4 * decode(2))
+    # a late chunk of a long prompt makes every tile of the batch read its 1,532-token context (6 key blocks)
+    assert e.batch_time([(60, 0), (40, 200), (32, 1500)], [300]) == pytest.approx(
+        e.base[4][0] + (256 // 32 + 4) * tile(6) + 4 * decode(2))
+    assert e.batch_time([(16, 0)]) == pytest.approx(e.base[0][0] + (0 + 4) * tile(1))  # no decode rows to run
+    assert e.batch_time([], [20] * 20) == pytest.approx(e.base[1][3] + 32 * decode(1))  # no tiles: (32, 32)
+    assert e.batch_time([(1024, 0)]) == pytest.approx(2 * e.base[5][0] + (32 + 4) * tile(4))  # past the largest
+    assert e.batch_time() == 0.0
+    assert EngineStepCost.from_dict(e.to_dict()).to_dict() == e.to_dict()
 
 
 def test_the_engine_packer_fills_the_largest_bucket_while_requests_decode():
-    # the engine's cost is a step function of the token bucket; its default budget must leave room for the
-    # decodes' attention, or a step with any decode running could never use the largest bucket
-    cost = BucketedBatchCost([16, 32, 64, 128, 256, 512], [0.14, 0.18, 0.19, 0.29, 0.69, 1.02],
-                             prefill_pair=7e-6, decode_key=5e-6)
-    cfg = engine_packer(cost, max_batch_tokens=512, max_num_seqs=32, max_model_len=2048, chunk_align=16,
-                        multi_prefill=True, space_sharing=True)
+    # the engine's default budget must leave room for the decodes' attention, or a step with any decode running
+    # could never use the largest bucket
+    cfg = engine_packer(ENGINE, max_batch_tokens=512, max_num_seqs=32, max_model_len=2048, chunk_align=16,
+                        max_prefills=8, multi_prefill=True, space_sharing=True)
     decodes = [_running(f"d{i}", 200) for i in range(4)]
     prefills = [Request(f"p{i}", 0.0, 158, 64) for i in range(8)]
-    chunks, state = pack(cost, cfg, decodes, prefills, lambda r: 1.0, lambda r: True)
+    chunks, state = pack(ENGINE, cfg, decodes, prefills, lambda r: 1.0, lambda r: True)
     assert state.tokens == 512 and [n for _, n in chunks] == [158, 158, 158, 34]
     # a late chunk of a long prompt is still cut short by its attention (adaptive chunking)
     long = Request("long", 0.0, 2000, 8)
     long.planned = 1500
-    chunks, _ = pack(cost, cfg, [], [long], lambda r: 0.0, lambda r: False)
+    chunks, _ = pack(ENGINE, cfg, [], [long], lambda r: 0.0, lambda r: False)
     assert 0 < chunks[0][1] < 500
+
+
+def test_the_packer_takes_no_more_prefill_chunks_than_the_engine_has_tiles_for():
+    cfg = engine_packer(ENGINE, max_batch_tokens=512, max_num_seqs=32, max_model_len=2048, chunk_align=16,
+                        max_prefills=2, multi_prefill=True, space_sharing=False)
+    chunks, state = pack(ENGINE, cfg, [], [Request(f"p{i}", 0.0, 40, 8) for i in range(8)], lambda r: 1.0,
+                         lambda r: True)
+    assert [n for _, n in chunks] == [40, 40] and state.prefills == 2
 
 
 def test_packer_takes_at_most_one_long_prefill():

@@ -35,7 +35,7 @@ from absl import app, flags  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jaxserve.sched.batch_cost import BucketedBatchCost  # noqa: E402
+from jaxserve.sched.batch_cost import EngineStepCost  # noqa: E402
 from jaxserve.sched.packer import PackerConfig, engine_packer  # noqa: E402
 from jaxserve.sched.request import Request  # noqa: E402
 from jaxserve.sched.slo import SLO  # noqa: E402
@@ -142,14 +142,15 @@ def summarize(requests: list[Request], long_threshold: int) -> dict[str, float]:
             "ttft_attainment": s["all"]["ttft_attainment"], "short_ttft_attainment": s["short"]["ttft_attainment"]}
 
 
-def packer(cost: BucketedBatchCost, multi: bool, sharing: bool) -> PackerConfig:
+def packer(cost: EngineStepCost, multi: bool, sharing: bool) -> PackerConfig:
     """The packer the server runs with these flags."""
     return engine_packer(cost, max_batch_tokens=FLAGS.max_num_batched_tokens, max_num_seqs=FLAGS.max_num_seqs,
-                         max_model_len=FLAGS.max_model_len, chunk_align=cost.token_buckets[0], multi_prefill=multi,
+                         max_model_len=FLAGS.max_model_len, chunk_align=cost.shapes.tokens[0],
+                         max_prefills=cost.shapes.max_prefills, multi_prefill=multi,
                          space_sharing=sharing)
 
 
-def simulate(arrivals: list[Arrival], cost: BucketedBatchCost, kv_tokens: int, policy: str, multi: bool,
+def simulate(arrivals: list[Arrival], cost: EngineStepCost, kv_tokens: int, policy: str, multi: bool,
              sharing: bool) -> list[Request]:
     config = ClusterConfig(policy=policy, packer=packer(cost, multi, sharing), slo=SLO(ttft_min=FLAGS.ttft_slo),
                            kv_capacity=kv_tokens, max_running=FLAGS.max_num_seqs)
@@ -198,7 +199,7 @@ def main(argv: list[str]) -> None:
         for key in FLAGS.variants:
             label, policy, multi, sharing = VARIANTS[key]
             with ServerProcess(*server_flags(policy, multi, sharing, cost_path)) as server:
-                cost = BucketedBatchCost.from_dict(json.loads(pathlib.Path(cost_path).read_text()))
+                cost = EngineStepCost.from_dict(json.loads(pathlib.Path(cost_path).read_text()))
                 kv_tokens = int(scrape(server.http_port)["jaxserve_kv_cache_blocks_free"]) * 16  # block size
                 with tqdm(total=len(arrivals), desc=label, unit="req") as bar:
                     live[key] = asyncio.run(drive(server.http_port, arrivals, bar))

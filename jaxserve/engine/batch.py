@@ -15,6 +15,7 @@ from jaxtyping import Float, Int, UInt
 
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.sched.kv_manager import SCRATCH_BLOCK
+from jaxserve.sched.step_shapes import StepShapes, powers_of_two
 
 
 class Row(NamedTuple):
@@ -44,51 +45,27 @@ class StepArrays(NamedTuple):
     counters: Int[np.ndarray, "r"]
 
 
-def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
-    """lo, 2lo, 4lo, ... up to the first value >= hi."""
-    out = [lo]
-    while out[-1] < hi:
-        out.append(out[-1] * 2)
-    return tuple(out)
-
-
 @dataclasses.dataclass(frozen=True)
-class Buckets:
-    """The fixed shapes of the compiled step: token counts and row counts (powers of two), table width."""
+class Buckets(StepShapes):
+    """The step's shapes (sched.step_shapes) and the block tables' width."""
 
-    tokens: tuple[int, ...]
-    rows: tuple[int, ...]
     width: int  # block-table columns: max_model_len in blocks, rounded up to whole key blocks
-    tile: int
 
     @classmethod
     def make(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
-             key_block: int, tile: int = 32, min_tokens: int = 16, min_rows: int = 4) -> Buckets:
+             key_block: int, tile: int = 32, min_tokens: int = 16, min_rows: int = 4,
+             max_prefills: int = 8) -> Buckets:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} must be >= max_num_seqs "
                              f"{max_num_seqs}: a step decodes every running request")
         if key_block % block_size:
             raise ValueError(f"key_block {key_block} must be a multiple of block_size {block_size}")
+        if max_prefills < 1:
+            raise ValueError(f"max_prefills must be >= 1, got {max_prefills}")
         per_key_block = key_block // block_size
         blocks = -(-max_model_len // block_size)
         return cls(powers_of_two(min_tokens, max_num_batched_tokens), powers_of_two(min_rows, max_num_seqs),
-                   -(-blocks // per_key_block) * per_key_block, tile)
-
-    def shapes(self) -> list[tuple[int, int]]:
-        """Every (tokens, rows) program: a step never has more rows than tokens."""
-        return [(t, r) for t in self.tokens for r in self.rows if r <= t]
-
-    def tiles(self, t: int, r: int) -> int:
-        """Tiles a step of t tokens in r rows can need: each row's chunk rounds up to whole tiles."""
-        return t // self.tile + r
-
-    def fit(self, tokens: int, rows: int) -> tuple[int, int]:
-        r = next((b for b in self.rows if b >= rows), None)
-        t = next((b for b in self.tokens if b >= max(tokens, r or 0)), None)
-        if t is None or r is None:
-            raise ValueError(f"a step of {tokens} tokens in {rows} rows exceeds the largest bucket "
-                             f"({self.tokens[-1]} tokens, {self.rows[-1]} rows)")
-        return t, r
+                   tile, min(max_prefills, max_num_seqs), -(-blocks // per_key_block) * per_key_block)
 
 
 def empty(buckets: Buckets, t: int, r: int, block_size: int) -> StepArrays:
@@ -106,6 +83,9 @@ def empty(buckets: Buckets, t: int, r: int, block_size: int) -> StepArrays:
 
 def pack(rows: Sequence[Row], buckets: Buckets, block_size: int) -> StepArrays:
     total = sum(len(r.tokens) for r in rows)
+    prefills = sum(len(r.tokens) > 1 for r in rows)
+    if prefills > buckets.max_prefills:
+        raise ValueError(f"a step of {prefills} prefill chunks exceeds the {buckets.max_prefills} it has tiles for")
     a = empty(buckets, *buckets.fit(total, len(rows)), block_size)
     tq = buckets.tile
     at, tile = 0, 0

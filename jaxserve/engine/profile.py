@@ -1,9 +1,12 @@
-"""The scheduler's iteration-time model measured on this engine: every timing is one call of the compiled step
-(ModelRunner.execute: packing, the forward with sampling, the tokens back on the host), so the packer plans
-with what this device, model and dtype actually cost.
+"""The scheduler's iteration-time model measured on this engine (sched.batch_cost.EngineStepCost): every timing is
+one call of the compiled step (packing, the forward with sampling, the tokens back on the host), so the packer
+plans with what this device, model and dtype actually cost.
 
-Measured before serving (the blocks it writes are free, and hold no cached prefix), cached on disk per device
-kind, model, dtype and bucket set, or loaded from an explicit file (--cost_profile).
+What is measured follows the step's structure: each (tokens, rows) program without attention (an all-padding
+step, which skips it), then the attention's cost per tile and per decode row and key block, from one prefill
+chunk and one full batch of decodes each at a short and a long context. Measured before serving (the blocks it
+writes are free, and hold no cached prefix), cached on disk per device kind, model, dtype and bucket set, or
+loaded from an explicit file (--cost_profile).
 """
 
 from __future__ import annotations
@@ -12,27 +15,30 @@ import json
 import pathlib
 import statistics
 import time
+from typing import Callable
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.engine import batch
 from jaxserve.engine.batch import Row
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
-from jaxserve.sched.batch_cost import BucketedBatchCost
+from jaxserve.sched.batch_cost import EngineStepCost
+from jaxserve.sched.step_shapes import StepShapes
 
 _GREEDY = SamplingParams(max_tokens=1)
-VERSION = 2  # of the step and of how it is measured: a change to either must not load an older profile
+VERSION = 3  # of the step and of how it is measured: a change to either must not load an older profile
 
 
-def _time(runner: ModelRunner, rows: list[Row], repeats: int) -> float:
-    """Median seconds of one step over rows (a first call warms caches)."""
-    runner.execute(rows)
+def _time(run: Callable[[], object], repeats: int) -> float:
+    """Median seconds of one call over `repeats` (a first call warms caches)."""
+    run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        runner.execute(rows)
+        run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -44,33 +50,44 @@ def _row(n: int, history: int, first_block: int, block_size: int, num_blocks: in
     return Row(np.ones(n, np.int32).tolist(), history, blocks, _GREEDY, 0, 0)
 
 
-def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress: bool = True) -> BucketedBatchCost:
-    bs, buckets = runner.block_size, runner.buckets
-    blocks = runner.num_blocks - 1
-    # the prefill slope from a chunk of whole query tiles (the attention's unit of work), as serving chunks are,
-    # after as long a history as fits beside it
-    chunk_bucket = next((b for b, t in enumerate(buckets.tokens) if buckets.tile <= t <= max_model_len // 2), 0)
-    n = buckets.tokens[chunk_bucket]
-    history = max(min(max_model_len - n, blocks * bs - n), 0)  # the longest history one row can have
+def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress: bool = True) -> EngineStepCost:
+    bs, nb, buckets, key_block = runner.block_size, runner.num_blocks, runner.buckets, runner.key_block
+    shapes = buckets.shapes()
+    # a prefill chunk of whole tiles, short of the largest bucket so it can have a history (where one fits)
+    n = max(t for t in buckets.tokens if t <= max(max_model_len // 2, buckets.tokens[0]))
+    history = max(min(max_model_len - n, (nb - 1) * bs - n), 0)
     rows = buckets.rows[-1]
-    kv = max(min(max_model_len, blocks // rows * bs), 2)  # per decode row, in blocks of its own where they suffice
-    steps = len(buckets.tokens) + 3
-    with tqdm(total=steps, desc="profile the step", unit="step", disable=not progress) as bar:
-        def timed(rs: list[Row]) -> float:
-            t = _time(runner, rs, repeats)
+    kv = max(min(max_model_len, (nb - 1) // rows * bs), 1)  # per decode row, in blocks of its own
+    per_row = -(-kv // bs)
+    blocks = lambda span: -(-span // key_block)  # noqa: E731 - the attention's loop trip count
+    with tqdm(total=len(shapes) + 4, desc="profile the step", unit="step", disable=not progress) as bar:
+        def timed(run: Callable[[], object]) -> float:
+            t = _time(run, repeats)
             bar.update()
             return t
 
-        nb = runner.num_blocks
-        step_times = [timed([_row(t, 0, 1, bs, nb)]) for t in buckets.tokens]
-        flat, long = step_times[chunk_bucket], timed([_row(n, history, 1, bs, nb)])
-        per_row = -(-kv // bs)
-        short_kv = [_row(1, 0, 1 + i * per_row, bs, nb) for i in range(rows)]
-        long_kv = [_row(1, kv - 1, 1 + i * per_row, bs, nb) for i in range(rows)]
-        short, full = timed(short_kv), timed(long_kv)
-    pair = max(long - flat, 0.0) / (n * history) if history else 0.0  # no history fits: attention never grows
-    return BucketedBatchCost(buckets.tokens, step_times, prefill_pair=pair,
-                             decode_key=max(full - short, 0.0) / (rows * (kv - 1)))
+        def step(rs: list[Row]) -> float:
+            return timed(lambda: runner.execute(rs))
+
+        measured = {(t, r): timed(lambda: runner.execute_arrays(batch.empty(buckets, t, r, bs))) for t, r in shapes}
+        base = [[measured[buckets.fit(t, r)] for r in buckets.rows] for t in buckets.tokens]
+
+        tiles = buckets.tiles(*buckets.fit(n, 1))
+        short, long = step([_row(n, 0, 1, bs, nb)]), step([_row(n, history, 1, bs, nb)])
+        prefill_base = measured[buckets.fit(n, 1)]
+        tile_block = max(long - short, 0.0) / (tiles * max(blocks(history + n) - blocks(n), 1))
+        tile_fixed = max((short - prefill_base) / tiles - tile_block * blocks(n), 0.0)
+
+        decode_base = measured[buckets.fit(rows, rows)]
+        few = step([_row(1, 0, 1 + i * per_row, bs, nb) for i in range(rows)])
+        full = step([_row(1, kv - 1, 1 + i * per_row, bs, nb) for i in range(rows)])
+        decode_block = max(full - few, 0.0) / (rows * max(blocks(kv) - 1, 1))
+        decode_fixed = max((few - decode_base) / rows - decode_block, 0.0)
+    return EngineStepCost(_shapes(buckets), key_block, base, tile_fixed, tile_block, decode_fixed, decode_block)
+
+
+def _shapes(b: batch.Buckets) -> StepShapes:
+    return StepShapes(b.tokens, b.rows, b.tile, b.max_prefills)
 
 
 def default_path(model_name: str, dtype: str, runner: ModelRunner) -> pathlib.Path:
@@ -78,16 +95,21 @@ def default_path(model_name: str, dtype: str, runner: ModelRunner) -> pathlib.Pa
 
     b = runner.buckets
     kind = jax.devices()[0].device_kind.replace(" ", "_").replace("/", "_")
-    shape = f"t{b.tokens[-1]}-r{b.rows[-1]}-w{b.width}-bs{runner.block_size}"
+    shape = f"t{b.tokens[-1]}-r{b.rows[-1]}-p{b.max_prefills}-w{b.width}-bs{runner.block_size}-kb{runner.key_block}"
     key = f"{kind}-{pathlib.Path(model_name).stem}-{dtype}-{shape}-v{VERSION}"
     return registry.cache_dir() / "profiles" / f"{key}.json"
 
 
 def load_or_measure(path: pathlib.Path, runner: ModelRunner, max_model_len: int,
-                    progress: bool = True) -> BucketedBatchCost:
+                    progress: bool = True) -> EngineStepCost:
     """The profile in `path`, measured (and written there) first if the file does not exist."""
     if path.exists():
-        return BucketedBatchCost.from_dict(json.loads(path.read_text()))
+        cost = EngineStepCost.from_dict(json.loads(path.read_text()))
+        b = runner.buckets
+        if cost.shapes != _shapes(b) or cost.key_block != runner.key_block:
+            raise ValueError(f"the cost profile {path} was measured for other step shapes ({cost.shapes}, key block "
+                             f"{cost.key_block}) than this engine's ({_shapes(b)}, key block {runner.key_block})")
+        return cost
     cost = measure(runner, max_model_len, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cost.to_dict(), indent=1))

@@ -27,7 +27,7 @@ class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Any, dtype: jnp.dtype, *, num_blocks: int, block_size: int,
                  buckets: batch.Buckets, key_block: int):
         self.cfg, self.params, self.dtype = cfg, params, dtype
-        self.num_blocks, self.block_size, self.buckets = num_blocks, block_size, buckets
+        self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
         self.model = Llama(cfg, RaggedPagedBackend(block_size, key_block), dtype)
         self.caches = allocate_caches(cfg, num_blocks, block_size, dtype)
         self._step = jax.jit(self._forward_sample, donate_argnums=(1,))
@@ -47,9 +47,12 @@ class ModelRunner:
 
     def execute(self, rows: Sequence[batch.Row]) -> np.ndarray:
         """Run the rows, update the cache, and return the sampled next token of each row."""
-        arrays = batch.pack(rows, self.buckets, self.block_size)
+        return self.execute_arrays(batch.pack(rows, self.buckets, self.block_size))[: len(rows)]
+
+    def execute_arrays(self, arrays: batch.StepArrays) -> np.ndarray:
+        """Run a packed step; the sampled token of every row of its bucket, padding included."""
         tokens, self.caches = self._step(self.params, self.caches, arrays)
-        return np.asarray(tokens)[: len(rows)]
+        return np.asarray(tokens)
 
     @property
     def caches_lost(self) -> bool:

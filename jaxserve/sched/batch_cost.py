@@ -1,22 +1,67 @@
 """Iteration time of a mixed batch (prefill chunks with history + decodes): what the batch packer asks while it
 fills a time budget, and what the simulator charges for a Plan.
 
-    T = overhead + linear_ops(total tokens) + sum(prefill attention) + sum(decode attention)
+A batch is summed up in a BatchState as it is built, chunk by chunk; a cost model prices the state. Two kinds:
 
-Linear ops (projections, MLP, norms) see the batch's tokens together, which is where batching pays: measured
-profiles are flat (memory-bound) up to a knee and grow beyond it. Attention is per sequence.
+- additive (GPU profiles, Tetris Eq. (1)): overhead + linear_ops(total tokens) + the sum of each sequence's
+  attention. Linear ops see the batch's tokens together, which is where batching pays.
+- the engine's own (EngineStepCost, measured by engine/profile.py): the program that runs the batch is chosen by
+  its (tokens, rows) bucket, and its attention runs over every tile of the bucket to the batch's longest context.
 """
 
 from __future__ import annotations
 
 import abc
 import bisect
+import dataclasses
 from typing import Iterable, Sequence
 
 from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sched.step_shapes import StepShapes
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchState:
+    """A batch under construction, as much as any cost model needs to price it in O(1)."""
+
+    tokens: int = 0
+    rows: int = 0
+    attention: float = 0.0  # additive models: the sum of the sequences' attention
+    prefills: int = 0  # prefill chunks
+    prefill_span: int = 0  # the longest context a prefill chunk reaches (history + chunk)
+    decode_span: int = 0  # the longest context a decode reads
+
+    def time(self, cost: BatchCost) -> float:
+        return cost.time(self)
 
 
 class BatchCost(abc.ABC):
+    @abc.abstractmethod
+    def time(self, state: BatchState) -> float:
+        """Seconds for one iteration of the batch `state` sums up (0 for an empty one)."""
+
+    def add_prefill(self, state: BatchState, n: int, h: int) -> BatchState:
+        """`state` with a chunk of n tokens after h cached ones."""
+        return dataclasses.replace(state, tokens=state.tokens + n, rows=state.rows + 1, prefills=state.prefills + 1,
+                                   prefill_span=max(state.prefill_span, h + n))
+
+    def add_decodes(self, state: BatchState, kvs: Sequence[int]) -> BatchState:
+        """`state` with one decode token per entry of kvs, each over that many cached tokens."""
+        if not kvs:
+            return state
+        return dataclasses.replace(state, tokens=state.tokens + len(kvs), rows=state.rows + len(kvs),
+                                   decode_span=max(state.decode_span, max(kvs)))
+
+    def batch_time(self, prefills: Iterable[tuple[int, int]] = (), decode_kvs: Sequence[int] = ()) -> float:
+        state = self.add_decodes(BatchState(), decode_kvs)
+        for n, h in prefills:
+            state = self.add_prefill(state, n, h)
+        return self.time(state)
+
+
+class AdditiveBatchCost(BatchCost):
+    """overhead + linear_ops(tokens) + sum(prefill attention) + sum(decode attention)."""
+
     overhead: float = 0.0
 
     @abc.abstractmethod
@@ -31,18 +76,19 @@ class BatchCost(abc.ABC):
     def decode_attention(self, kv: int) -> float:
         """Seconds of attention for one decode token over kv cached tokens."""
 
-    def time(self, tokens: int, attention: float) -> float:
-        return self.overhead + self.linear_ops(tokens) + attention if tokens else 0.0
+    def time(self, state: BatchState) -> float:
+        return self.overhead + self.linear_ops(state.tokens) + state.attention if state.tokens else 0.0
 
-    def batch_time(self, prefills: Iterable[tuple[int, int]] = (), decode_kvs: Sequence[int] = ()) -> float:
-        tokens, attention = len(decode_kvs), sum(self.decode_attention(kv) for kv in decode_kvs)
-        for n, h in prefills:
-            tokens += n
-            attention += self.prefill_attention(n, h)
-        return self.time(tokens, attention)
+    def add_prefill(self, state: BatchState, n: int, h: int) -> BatchState:
+        state = super().add_prefill(state, n, h)
+        return dataclasses.replace(state, attention=state.attention + self.prefill_attention(n, h))
+
+    def add_decodes(self, state: BatchState, kvs: Sequence[int]) -> BatchState:
+        state = super().add_decodes(state, kvs)
+        return dataclasses.replace(state, attention=state.attention + sum(self.decode_attention(kv) for kv in kvs))
 
 
-class TetrisBatchCost(BatchCost):
+class TetrisBatchCost(AdditiveBatchCost):
     """Tetris Eq. (1) at one SP size, spread over a batch: c0 once, c1 per token, c2*n*h + c3*n^2 per chunk.
     A decode is a chunk of one token after kv."""
 
@@ -84,35 +130,52 @@ class PiecewiseLinear:
         return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-class BucketedBatchCost(BatchCost):
-    """Iteration time measured on the serving engine itself (engine/profile.py): the engine runs one compiled
-    program per token bucket, so the non-attention time is a step function of the batch's tokens (the measured
-    time of the smallest bucket that holds them); attention adds a measured cost per (query, history key) pair
-    for prefill chunks and per cached key for decodes."""
+class EngineStepCost(BatchCost):
+    """The engine's step time, as engine/profile.py measured it: the batch runs in the program of the smallest
+    (tokens, rows) bucket that holds it, which costs `base` without attention. The attention (the jnp reference
+    in pallas_kernels/ragged_paged_attention.py) runs only if the batch has prefill tiles / decodes, and then
+    over every tile / every decode row of the bucket, key block by key block up to the longest context among
+    them: `tile_fixed + tile_block * key_blocks` per tile, `decode_fixed + decode_block * key_blocks` per row."""
 
-    def __init__(self, token_buckets: Sequence[int], step_times: Sequence[float], prefill_pair: float,
-                 decode_key: float):
-        if len(token_buckets) != len(step_times) or not token_buckets:
-            raise ValueError("need one measured step time per token bucket")
-        self.token_buckets, self.step_times = list(token_buckets), list(step_times)
-        self.prefill_pair, self.decode_key = prefill_pair, decode_key
-        # past the largest bucket (never run by the engine, asked by Algorithm 3's long prompts): its per-token rate
-        self._tail_rate = self.step_times[-1] / self.token_buckets[-1]
+    def __init__(self, shapes: StepShapes, key_block: int, base: Sequence[Sequence[float]], tile_fixed: float,
+                 tile_block: float, decode_fixed: float, decode_block: float):
+        if [len(row) for row in base] != [len(shapes.rows)] * len(shapes.tokens):
+            raise ValueError("need one measured base time per (token bucket, row bucket)")
+        self.shapes, self.key_block = shapes, key_block
+        self.base = [list(row) for row in base]
+        self.tile_fixed, self.tile_block = tile_fixed, tile_block
+        self.decode_fixed, self.decode_block = decode_fixed, decode_block
 
-    def linear_ops(self, tokens: int) -> float:
-        i = bisect.bisect_left(self.token_buckets, tokens)
-        return self.step_times[i] if i < len(self.step_times) else tokens * self._tail_rate
+    def _blocks(self, span: int) -> int:
+        return -(-span // self.key_block)
 
-    def prefill_attention(self, n: int, h: int) -> float:
-        return self.prefill_pair * n * h
-
-    def decode_attention(self, kv: int) -> float:
-        return self.decode_key * kv
+    def time(self, state: BatchState) -> float:
+        if not state.tokens:
+            return 0.0
+        shapes = self.shapes
+        # rows past the largest bucket (a simulator's what-if) price at the largest; tokens past it, at its rate
+        r = shapes.rows[min(bisect.bisect_left(shapes.rows, state.rows), len(shapes.rows) - 1)]
+        i = bisect.bisect_left(shapes.tokens, max(state.tokens, r))
+        j = shapes.rows.index(r)
+        if i < len(shapes.tokens):
+            t = shapes.tokens[i]
+            base = self.base[i][j]
+        else:
+            t = state.tokens
+            base = self.base[-1][j] * t / shapes.tokens[-1]
+        out = base
+        if state.prefills:
+            out += shapes.tiles(t, r) * (self.tile_fixed + self.tile_block * self._blocks(state.prefill_span))
+        if state.decode_span:
+            out += r * (self.decode_fixed + self.decode_block * self._blocks(state.decode_span))
+        return out
 
     def to_dict(self) -> dict:
-        return {"token_buckets": self.token_buckets, "step_times": self.step_times,
-                "prefill_pair": self.prefill_pair, "decode_key": self.decode_key}
+        return {"shapes": self.shapes.to_dict(), "key_block": self.key_block, "base": self.base,
+                "tile_fixed": self.tile_fixed, "tile_block": self.tile_block,
+                "decode_fixed": self.decode_fixed, "decode_block": self.decode_block}
 
     @classmethod
-    def from_dict(cls, d: dict) -> BucketedBatchCost:
-        return cls(d["token_buckets"], d["step_times"], d["prefill_pair"], d["decode_key"])
+    def from_dict(cls, d: dict) -> EngineStepCost:
+        return cls(StepShapes.from_dict(d["shapes"]), d["key_block"], d["base"], d["tile_fixed"], d["tile_block"],
+                   d["decode_fixed"], d["decode_block"])

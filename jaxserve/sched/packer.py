@@ -10,19 +10,8 @@ import bisect
 import dataclasses
 from typing import Callable, Iterable, Protocol, Sequence
 
-from jaxserve.sched.batch_cost import BatchCost, PiecewiseLinear
+from jaxserve.sched.batch_cost import BatchCost, BatchState, PiecewiseLinear
 from jaxserve.sched.request import Request
-
-
-@dataclasses.dataclass
-class BatchState:
-    """Running totals of a batch under construction: enough to predict its time in O(1)."""
-
-    tokens: int = 0
-    attention: float = 0.0
-
-    def time(self, cost: BatchCost) -> float:
-        return cost.time(self.tokens, self.attention)
 
 
 def max_chunk(cost: BatchCost, state: BatchState, h: int, limit: int, budget: float, align: int = 1) -> int:
@@ -31,7 +20,7 @@ def max_chunk(cost: BatchCost, state: BatchState, h: int, limit: int, budget: fl
     then bisection."""
 
     def fits(n: int) -> bool:
-        return cost.time(state.tokens + n, state.attention + cost.prefill_attention(n, h)) <= budget
+        return cost.time(cost.add_prefill(state, n, h)) <= budget
 
     if limit <= 0:
         return 0
@@ -57,14 +46,16 @@ class PrefillTimeCache:
     whole chunks before l plus its own shorter last chunk, timed exactly (a short prompt pays a whole
     iteration's fixed cost, not a pro-rated share of the first chunk). Remaining work is a difference."""
 
-    def __init__(self, cost: BatchCost, t_target: float, max_len: int = 1 << 20, align: int = 1):
+    def __init__(self, cost: BatchCost, t_target: float, max_len: int = 1 << 20, align: int = 1,
+                 max_chunk_tokens: int = 1 << 20):
         self.cost, self.max_len = cost, max_len
         self._points, self._times = [0], [0.0]  # chunk boundaries and the time to reach each
         done, elapsed = 0, 0.0
         while done < max_len:
             # a chunk that overruns the budget still runs (the scheduler does the same), at the minimum size
-            n = max_chunk(cost, BatchState(), done, max_len - done, t_target, align) or min(align, max_len - done)
-            elapsed += cost.time(n, cost.prefill_attention(n, done))
+            limit = min(max_len - done, max_chunk_tokens)
+            n = max_chunk(cost, BatchState(), done, limit, t_target, align) or min(align, limit)
+            elapsed += cost.batch_time([(n, done)])
             done += n
             self._points.append(done)
             self._times.append(elapsed)
@@ -77,7 +68,7 @@ class PrefillTimeCache:
         rest, history = tokens - self._points[k], self._points[k]
         if rest == 0:
             return self._times[k]
-        return self._times[k] + self.cost.time(rest, self.cost.prefill_attention(rest, history))
+        return self._times[k] + self.cost.batch_time([(rest, history)])
 
     def remaining(self, total: int, processed: int) -> float:
         return self(total) - self(processed)
@@ -92,6 +83,7 @@ class PackerConfig:
     max_share: float = 0.4  # rho_max: the most of the budget a long prefill yields
     chunk_align: int = 32
     max_batch_tokens: int = 1 << 16
+    max_prefills: int | None = None  # prefill chunks per batch (the engine's programs have tiles for so many)
 
     def __post_init__(self):
         if self.t_target <= 0:
@@ -101,17 +93,19 @@ class PackerConfig:
 
 
 def engine_packer(cost: BatchCost, *, max_batch_tokens: int, max_num_seqs: int, max_model_len: int,
-                  chunk_align: int, multi_prefill: bool, space_sharing: bool,
+                  chunk_align: int, max_prefills: int, multi_prefill: bool, space_sharing: bool,
                   t_target: float | None = None) -> PackerConfig:
     """The packer the live engine serves with (one place, so a simulator replay can use the same). The budget
-    defaults to a full step (max_batch_tokens) with a full batch of decodes at the longest context: a budget of
-    the token bucket's time alone would leave no room for any attention, so once a decode runs, a step could
-    never use the largest bucket. The budget then binds only where attention is dear (late chunks of a long
-    prompt: adaptive chunking). Chunks align to the smallest token bucket; a quarter of the context is long."""
+    defaults to a full step: max_batch_tokens in max_num_seqs rows, all but one of them decodes at the longest
+    context and the rest a fresh prompt's chunk. A budget of the token bucket's time alone would leave no room
+    for any attention, so once a decode runs, a step could never use the largest bucket. The budget then binds
+    only where attention is dear (late chunks of a long prompt: adaptive chunking). Chunks align to the smallest
+    token bucket; a quarter of the context is long."""
     if t_target is None:
-        t_target = cost.time(max_batch_tokens, max_num_seqs * cost.decode_attention(max_model_len))
-    return PackerConfig(t_target=t_target, multi_prefill=multi_prefill,
-                        space_sharing=space_sharing, chunk_align=chunk_align, max_batch_tokens=max_batch_tokens,
+        decodes = max_num_seqs - 1
+        t_target = cost.batch_time([(max(max_batch_tokens - decodes, 1), 0)], [max_model_len] * decodes)
+    return PackerConfig(t_target=t_target, multi_prefill=multi_prefill, space_sharing=space_sharing,
+                        chunk_align=chunk_align, max_batch_tokens=max_batch_tokens, max_prefills=max_prefills,
                         long_threshold=max(max_model_len // 4, 2 * chunk_align))
 
 
@@ -130,16 +124,16 @@ def pack(cost: BatchCost, config: PackerConfig, decodes: Sequence[Request], pref
     after r (a long prefill yields budget only when someone could use it); smallest_chunk: the fewest tokens any
     of them could take (default chunk_align), below which looking further is pointless; room: the KV memory a
     chunk must fit in (taken as each chunk is chosen), unbounded if None."""
-    state = BatchState(tokens=len(decodes), attention=sum(cost.decode_attention(r.kv_len) for r in decodes))
+    state = cost.add_decodes(BatchState(), [r.kv_len for r in decodes])
     chunks: list[tuple[Request, int]] = []
     has_long = False
     # no chunk is cheaper than the smallest one starting a fresh prompt: once even that does not fit, stop
     smallest = smallest_chunk or config.chunk_align
-    cheapest = cost.prefill_attention(smallest, 0)
+    most = config.max_prefills if config.multi_prefill else 1
     for r in prefills:
         if state.time(cost) >= config.t_target or state.tokens >= config.max_batch_tokens:
             break
-        if cost.time(state.tokens + smallest, state.attention + cheapest) > config.t_target:
+        if cost.time(cost.add_prefill(state, smallest, 0)) > config.t_target:
             break
         is_long = r.prompt_len >= config.long_threshold
         if is_long and has_long:
@@ -156,9 +150,8 @@ def pack(cost: BatchCost, config: PackerConfig, decodes: Sequence[Request], pref
         if room is not None:
             room.take(r, n)
         chunks.append((r, n))
-        state.tokens += n
-        state.attention += cost.prefill_attention(n, r.planned)
+        state = cost.add_prefill(state, n, r.planned)
         has_long |= is_long
-        if not config.multi_prefill:
+        if most is not None and len(chunks) >= most:
             break
     return chunks, state

@@ -14,7 +14,7 @@ from importlib import resources
 
 import numpy as np
 
-from jaxserve.sched.batch_cost import BatchCost, PiecewiseLinear
+from jaxserve.sched.batch_cost import AdditiveBatchCost, PiecewiseLinear
 from jaxserve.sched.cost_models import Transfer
 
 _LINEAR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
@@ -159,7 +159,7 @@ def _with_all_reduce(linear: PiecewiseLinear, gpu: str, tp: int, hidden: int, la
     return PiecewiseLinear(xs, [layers * (linear(x) + 2 * ar(x * bytes_per_token)) for x in xs])
 
 
-class ProfileBatchCost(BatchCost):
+class ProfileBatchCost(AdditiveBatchCost):
     """Iteration time on a real GPU model: measured linear operators (plus TP all-reduces) for `layers` layers
     (one pipeline stage holds layers / stages), attention from FLOPs and bytes."""
 

@@ -37,7 +37,8 @@ class ReplicaScheduler:
                  prefill_cache: PrefillTimeCache | None = None):
         self.policy, self.cost, self.packer, self.slo, self.kv = policy, cost, packer, slo, kv
         self.group, self.max_running = group, max_running
-        self.prefill_time = prefill_cache or PrefillTimeCache(cost, packer.t_target, align=packer.chunk_align)
+        self.prefill_time = prefill_cache or PrefillTimeCache(cost, packer.t_target, align=packer.chunk_align,
+                                                                  max_chunk_tokens=packer.max_batch_tokens)
         self.queue = PrefillQueue()  # requests with prefill tokens not yet planned
         self.running: dict[str, Request] = {}  # requests holding KV, in admission order (the last is preempted first)
         self.decoding: dict[str, Request] = {}
@@ -162,8 +163,7 @@ class ReplicaScheduler:
             if n > 0:
                 room.take(first, n)
                 chunks = [(first, n)]
-                state.tokens += n
-                state.attention += self.cost.prefill_attention(n, first.planned)
+                state = self.cost.add_prefill(state, n, first.planned)
         chosen = {r.id for r, _ in chunks}
         for r in tentative:
             if r.id not in chosen and r.in_prefill:

@@ -98,7 +98,8 @@ class Simulator:
         # chunks of one prompt stream through the stages back to back: a prompt costs the sum of its chunks'
         # stage times (plus a pipeline fill, left out)
         packer = _per_stage(config)
-        self.cache = PrefillTimeCache(self.cost, packer.t_target, align=packer.chunk_align)
+        self.cache = PrefillTimeCache(self.cost, packer.t_target, align=packer.chunk_align,
+                                      max_chunk_tokens=packer.max_batch_tokens)
 
     def run(self, workload: Workload, progress: bool = True, max_time: float | None = None) -> Results:
         """Replay a workload; deadlines come from the config's SLO."""
