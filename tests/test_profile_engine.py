@@ -17,7 +17,7 @@ def test_the_measured_profile_prices_steps_and_round_trips(llm, tmp_path):
     b = llm.engine.runner.buckets
     assert (cost.shapes.tokens, cost.shapes.rows, cost.shapes.max_prefills) == (b.tokens, b.rows, b.max_prefills)
     assert all(t > 0 for row in cost.base for t in row)
-    assert min(cost.tile_fixed, cost.tile_block, cost.decode_fixed, cost.decode_block) >= 0
+    assert min(cost.tile_fixed, cost.tile_block, cost.decode_fixed, cost.decode_block, cost.decode_pad_block) >= 0
     # a batch is priced by the program that runs it: the smallest bucket that holds it
     t, r = b.fit(b.tokens[0] + 1, 1)
     assert cost.batch_time([(b.tokens[0] + 1, 0)]) == pytest.approx(

@@ -29,10 +29,10 @@ from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.step_shapes import StepShapes
 
 _GREEDY = SamplingParams(max_tokens=1)
-VERSION = 3  # of the step and of how it is measured: a change to either must not load an older profile
+VERSION = 4  # of the step and of how it is measured: a change to either must not load an older profile
 
 
-def _time(run: Callable[[], object], repeats: int) -> float:
+def median_time(run: Callable[[], object], repeats: int) -> float:
     """Median seconds of one call over `repeats` (a first call warms caches)."""
     run()
     times = []
@@ -43,7 +43,7 @@ def _time(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _row(n: int, history: int, first_block: int, block_size: int, num_blocks: int) -> Row:
+def synthetic_row(n: int, history: int, first_block: int, block_size: int, num_blocks: int) -> Row:
     """n tokens after `history` cached ones, in consecutive blocks from first_block (wrapping past the last)."""
     count = -(-(history + n) // block_size)
     blocks = [1 + (b - 1) % (num_blocks - 1) for b in range(first_block, first_block + count)]
@@ -60,9 +60,9 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
     kv = max(min(max_model_len, (nb - 1) // rows * bs), 1)  # per decode row, in blocks of its own
     per_row = -(-kv // bs)
     blocks = lambda span: -(-span // key_block)  # noqa: E731 - the attention's loop trip count
-    with tqdm(total=len(shapes) + 4, desc="profile the step", unit="step", disable=not progress) as bar:
+    with tqdm(total=len(shapes) + 5, desc="profile the step", unit="step", disable=not progress) as bar:
         def timed(run: Callable[[], object]) -> float:
-            t = _time(run, repeats)
+            t = median_time(run, repeats)
             bar.update()
             return t
 
@@ -73,17 +73,22 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
         base = [[measured[buckets.fit(t, r)] for r in buckets.rows] for t in buckets.tokens]
 
         tiles = buckets.tiles(*buckets.fit(n, 1))
-        short, long = step([_row(n, 0, 1, bs, nb)]), step([_row(n, history, 1, bs, nb)])
+        short, long = step([synthetic_row(n, 0, 1, bs, nb)]), step([synthetic_row(n, history, 1, bs, nb)])
         prefill_base = measured[buckets.fit(n, 1)]
         tile_block = max(long - short, 0.0) / (tiles * max(blocks(history + n) - blocks(n), 1))
         tile_fixed = max((short - prefill_base) / tiles - tile_block * blocks(n), 0.0)
 
+        # decode rows: all short, all long, one long beside short ones (the others then read padding blocks);
+        # per row fixed + per block of its own context + per padding block, solved from the three
         decode_base = measured[buckets.fit(rows, rows)]
-        few = step([_row(1, 0, 1 + i * per_row, bs, nb) for i in range(rows)])
-        full = step([_row(1, kv - 1, 1 + i * per_row, bs, nb) for i in range(rows)])
-        decode_block = max(full - few, 0.0) / (rows * max(blocks(kv) - 1, 1))
-        decode_fixed = max((few - decode_base) / rows - decode_block, 0.0)
-    return EngineStepCost(_shapes(buckets), key_block, base, tile_fixed, tile_block, decode_fixed, decode_block)
+        kvs = ([1] * rows, [kv] * rows, [kv] + [1] * (rows - 1))
+        times = [step([synthetic_row(1, k - 1, 1 + i * per_row, bs, nb) for i, k in enumerate(ks)]) - decode_base
+                 for ks in kvs]
+        own = [sum(ks) / key_block for ks in kvs]
+        terms = np.array([[rows, o, rows * blocks(max(ks)) - o] for ks, o in zip(kvs, own)])
+        decode_fixed, decode_block, decode_pad_block = np.maximum(np.linalg.lstsq(terms, times, rcond=None)[0], 0.0)
+    return EngineStepCost(_shapes(buckets), key_block, base, tile_fixed, tile_block, float(decode_fixed),
+                          float(decode_block), float(decode_pad_block))
 
 
 def _shapes(b: batch.Buckets) -> StepShapes:

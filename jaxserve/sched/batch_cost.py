@@ -30,6 +30,7 @@ class BatchState:
     prefills: int = 0  # prefill chunks
     prefill_span: int = 0  # the longest context a prefill chunk reaches (history + chunk)
     decode_span: int = 0  # the longest context a decode reads
+    decode_kv: int = 0  # the decodes' contexts summed
 
     def time(self, cost: BatchCost) -> float:
         return cost.time(self)
@@ -50,7 +51,7 @@ class BatchCost(abc.ABC):
         if not kvs:
             return state
         return dataclasses.replace(state, tokens=state.tokens + len(kvs), rows=state.rows + len(kvs),
-                                   decode_span=max(state.decode_span, max(kvs)))
+                                   decode_span=max(state.decode_span, max(kvs)), decode_kv=state.decode_kv + sum(kvs))
 
     def batch_time(self, prefills: Iterable[tuple[int, int]] = (), decode_kvs: Sequence[int] = ()) -> float:
         state = self.add_decodes(BatchState(), decode_kvs)
@@ -135,16 +136,18 @@ class EngineStepCost(BatchCost):
     (tokens, rows) bucket that holds it, which costs `base` without attention. The attention (the jnp reference
     in pallas_kernels/ragged_paged_attention.py) runs only if the batch has prefill tiles / decodes, and then
     over every tile / every decode row of the bucket, key block by key block up to the longest context among
-    them: `tile_fixed + tile_block * key_blocks` per tile, `decode_fixed + decode_block * key_blocks` per row."""
+    them: `tile_fixed + tile_block * key_blocks` per tile; per decode row `decode_fixed`, plus `decode_block` per
+    key block of its own context and `decode_pad_block` per block past it (a padding block: the scratch block,
+    read again and again, costs less than a block of real keys), padding rows included."""
 
     def __init__(self, shapes: StepShapes, key_block: int, base: Sequence[Sequence[float]], tile_fixed: float,
-                 tile_block: float, decode_fixed: float, decode_block: float):
+                 tile_block: float, decode_fixed: float, decode_block: float, decode_pad_block: float):
         if [len(row) for row in base] != [len(shapes.rows)] * len(shapes.tokens):
             raise ValueError("need one measured base time per (token bucket, row bucket)")
         self.shapes, self.key_block = shapes, key_block
         self.base = [list(row) for row in base]
         self.tile_fixed, self.tile_block = tile_fixed, tile_block
-        self.decode_fixed, self.decode_block = decode_fixed, decode_block
+        self.decode_fixed, self.decode_block, self.decode_pad_block = decode_fixed, decode_block, decode_pad_block
 
     def _blocks(self, span: int) -> int:
         return -(-span // self.key_block)
@@ -167,15 +170,18 @@ class EngineStepCost(BatchCost):
         if state.prefills:
             out += shapes.tiles(t, r) * (self.tile_fixed + self.tile_block * self._blocks(state.prefill_span))
         if state.decode_span:
-            out += r * (self.decode_fixed + self.decode_block * self._blocks(state.decode_span))
+            own = state.decode_kv / self.key_block
+            out += (r * self.decode_fixed + self.decode_block * own
+                    + self.decode_pad_block * (r * self._blocks(state.decode_span) - own))
         return out
 
     def to_dict(self) -> dict:
         return {"shapes": self.shapes.to_dict(), "key_block": self.key_block, "base": self.base,
                 "tile_fixed": self.tile_fixed, "tile_block": self.tile_block,
-                "decode_fixed": self.decode_fixed, "decode_block": self.decode_block}
+                "decode_fixed": self.decode_fixed, "decode_block": self.decode_block,
+                "decode_pad_block": self.decode_pad_block}
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineStepCost:
         return cls(StepShapes.from_dict(d["shapes"]), d["key_block"], d["base"], d["tile_fixed"], d["tile_block"],
-                   d["decode_fixed"], d["decode_block"])
+                   d["decode_fixed"], d["decode_block"], d["decode_pad_block"])
