@@ -112,12 +112,13 @@ class LLM:
         max_model_len defaults to the model's context, capped by what the pool holds.
 
         Scheduling: `policy` orders prefills (fcfs, sjf, ljf, edf, lrs, lars); each step holds at most
-        max_num_batched_tokens tokens and max_prefills_per_step prompts' chunks and, by the cost model, takes at most `iteration_budget` seconds (default:
-        the measured time of a full step, with a full batch of decodes at the longest context); `multi_prefill`
-        lets several prompts' chunks share a step and `space_sharing` makes a long prefill yield budget to urgent
-        short ones. A prompt's first token is due `ttft_slo` seconds after arrival (or 3x its prefill time alone,
-        if longer). The cost model is measured on this device at first start and cached (`cost_profile` names the
-        file to load or write instead). Every step program is compiled here, before the first request."""
+        max_num_batched_tokens tokens and max_prefills_per_step prompts' chunks and, by the cost model, takes at
+        most `iteration_budget` seconds (default: the measured time of a full step of max_num_seqs rows, all but
+        one decodes at the longest context); `multi_prefill` lets several prompts' chunks share a step and
+        `space_sharing` makes a long prefill yield budget to urgent short ones. A prompt's first token is due
+        `ttft_slo` seconds after arrival (or 3x its prefill time alone, if longer). The cost model is measured on
+        this device at first start and cached (`cost_profile` names the file to load or write instead). Every
+        step program is compiled here, before the first request."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, value in (("block_size", block_size), ("kv_cache_tokens", kv_cache_tokens or 1),
@@ -144,7 +145,8 @@ class LLM:
         self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
         packer = engine_packer(self.cost, max_batch_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                max_model_len=self.max_model_len, chunk_align=buckets.tokens[0],
-                               max_prefills=buckets.max_prefills, multi_prefill=multi_prefill, space_sharing=space_sharing, t_target=iteration_budget)
+                               max_prefills=buckets.max_prefills, multi_prefill=multi_prefill,
+                               space_sharing=space_sharing, t_target=iteration_budget)
         kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         scheduler = ReplicaScheduler(make_policy(policy), self.cost, packer, kv, slo=SLO(ttft_min=ttft_slo),
                                      max_running=max_num_seqs)

@@ -91,7 +91,8 @@ def _engine_flags() -> dict:
     return dict(dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, policy=FLAGS.policy,
                 space_sharing=FLAGS.space_sharing, multi_prefill=FLAGS.multi_prefill,
                 iteration_budget=FLAGS.iteration_budget, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-                max_prefills_per_step=FLAGS.max_prefills_per_step, ttft_slo=FLAGS.ttft_slo, prefix_caching=FLAGS.prefix_caching, cost_profile=FLAGS.cost_profile)
+                max_prefills_per_step=FLAGS.max_prefills_per_step, ttft_slo=FLAGS.ttft_slo,
+                prefix_caching=FLAGS.prefix_caching, cost_profile=FLAGS.cost_profile)
 
 
 def _generate() -> None:

@@ -157,15 +157,13 @@ class EngineStepCost(BatchCost):
             return 0.0
         shapes = self.shapes
         # rows past the largest bucket (a simulator's what-if) price at the largest; tokens past it, at its rate
-        r = shapes.rows[min(bisect.bisect_left(shapes.rows, state.rows), len(shapes.rows) - 1)]
-        i = bisect.bisect_left(shapes.tokens, max(state.tokens, r))
-        j = shapes.rows.index(r)
-        if i < len(shapes.tokens):
-            t = shapes.tokens[i]
-            base = self.base[i][j]
+        rows = min(state.rows, shapes.rows[-1])
+        if max(state.tokens, rows) <= shapes.tokens[-1]:
+            t, r = shapes.fit(state.tokens, rows)
+            base = self.base[shapes.tokens.index(t)][shapes.rows.index(r)]
         else:
-            t = state.tokens
-            base = self.base[-1][j] * t / shapes.tokens[-1]
+            t, r = state.tokens, shapes.fit(0, rows)[1]
+            base = self.base[-1][shapes.rows.index(r)] * t / shapes.tokens[-1]
         out = base
         if state.prefills:
             out += shapes.tiles(t, r) * (self.tile_fixed + self.tile_block * self._blocks(state.prefill_span))
