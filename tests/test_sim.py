@@ -78,6 +78,11 @@ def _mix(n=300, rate=4.0):
     return synthetic_mix(n, rate, long_fraction=0.05, long_range=(32768, 131072), seed=3)
 
 
+def _requests(w):
+    return [Request(str(i), float(t), int(p), int(o))
+            for i, (t, p, o) in enumerate(zip(w.arrivals, w.prompt_lens, w.output_lens))]
+
+
 def _config(**kw):
     base = dict(profile="a100_llama3_8b", tp=8, policy="lars", packer=PackerConfig(t_target=0.05))
     return ClusterConfig(**(base | kw))
@@ -121,6 +126,19 @@ def test_simultaneous_arrivals_share_a_batch():
     assert res.requests[0].first_token_at == res.requests[1].first_token_at
 
 
+def test_time_scale_stretches_the_clock_not_the_plans():
+    """Under FCFS the plans depend only on the arrival order, so with arrivals and step times both doubled every
+    event lands at twice its time (x2 is exact in binary floating point)."""
+    reqs = [Request(r.id, r.arrival, r.prompt_len, r.output_len) for r in _requests(_mix(60))]
+    slow = [Request(r.id, 2 * r.arrival, r.prompt_len, r.output_len) for r in reqs]
+    base = Simulator(_config(policy="fcfs")).run_requests(reqs, progress=False).requests
+    scaled = Simulator(_config(policy="fcfs", time_scale=2.0)).run_requests(slow, progress=False).requests
+    assert [r.id for r in base] == [r.id for r in scaled]
+    for a, b in zip(base, scaled):
+        assert (b.first_token_at, b.finished_at) == (2 * a.first_token_at, 2 * a.finished_at)
+        assert b.token_gaps == [2 * g for g in a.token_gaps]
+
+
 def test_requests_too_big_for_a_replica_are_rejected_not_lost():
     w = _mix()
     res = Simulator(_config(kv_capacity=40000)).run(w, progress=False)
@@ -156,6 +174,8 @@ def test_bad_cluster_config_is_an_error():
         ClusterConfig(replicas=0)
     with pytest.raises(ValueError, match="dispatch"):
         ClusterConfig(dispatch="random")
+    with pytest.raises(ValueError, match="time_scale"):
+        ClusterConfig(time_scale=0.0)
     with pytest.raises(ValueError, match="does not fit"):
         ClusterConfig(profile="h100_llama2_70b", tp=1).replica_kv_capacity()
 

@@ -61,7 +61,8 @@ def run(client: openai.OpenAI, system: str, questions: list[str]) -> list[dict]:
 
 def main(argv: list[str]) -> None:
     del argv
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns the progress bar
+    for name in ("httpx", "httpx2"):  # openai's HTTP client (httpx2 in recent releases)
+        logging.getLogger(name).setLevel(logging.WARNING)  # a line per request drowns the progress bar
     rng = np.random.default_rng(0)
     system = system_prompt(rng, FLAGS.system_tokens)
     questions = [f"Question {i}: which of the notes mentions the word '{rng.choice(WORDS)}' first?"

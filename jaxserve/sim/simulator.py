@@ -48,6 +48,9 @@ class ClusterConfig:
     block_size: int = 16  # KV block, tokens
     max_running: int = 256  # requests holding KV at once per replica
     dispatch: str = "least_work"  # or "round_robin"
+    # what a step takes over what the cost model says: the scheduler plans with the model, the clock charges
+    # model x time_scale (a replay of a live run sets the live steps' measured / predicted ratio here)
+    time_scale: float = 1.0
 
     def __post_init__(self):
         for field in ("replicas", "tp", "stages"):
@@ -55,6 +58,8 @@ class ClusterConfig:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
         if self.dispatch not in ("least_work", "round_robin"):
             raise ValueError(f"dispatch must be least_work or round_robin, got {self.dispatch!r}")
+        if not self.time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
 
     def replica_kv_capacity(self) -> int:
         if self.kv_capacity is not None:
@@ -69,14 +74,14 @@ class Replica:
         kv = KVCacheManager.for_tokens(config.replica_kv_capacity(), config.block_size, enable_prefix_caching=False)
         self.scheduler = ReplicaScheduler(policy, cost, _per_stage(config), kv, group, config.slo,
                                           max_running=config.max_running, prefill_cache=cache)
-        self.cost, self.stages = cost, config.stages
+        self.cost, self.stages, self.time_scale = cost, config.stages, config.time_scale
         self.stage_free_at = 0.0
 
     def execute(self, plan: Plan, start: float) -> tuple[float, Outcome]:
         """Charge a Plan on the cost model: per-stage time, ready again after one stage, done after all."""
         stage_time = self.cost.batch_time(
             [(i.tokens, i.history) for i in plan.items if i.phase is Phase.PREFILL],
-            [i.history for i in plan.items if i.phase is Phase.DECODE])
+            [i.history for i in plan.items if i.phase is Phase.DECODE]) * self.time_scale
         end = start + stage_time * self.stages
         tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items if self.scheduler.yields_token(i)}
         per_item = tuple(stage_time * self.stages for _ in plan.items)
