@@ -46,7 +46,9 @@ class JaxServeSide:
     name = "jaxserve"
 
     def __init__(self, model: str, batch: int, long_prompt: int):
-        self.llm = jaxserve.LLM(model, max_model_len=max(2048, 2 * long_prompt), max_num_seqs=batch)
+        # no prefix caching: every repetition sends the same prompts, and transformers computes them each time
+        self.llm = jaxserve.LLM(model, max_model_len=max(2048, 2 * long_prompt), max_num_seqs=batch,
+                                prefix_caching=False)
 
     def generate(self, batch: list[list[int]], n: int) -> None:
         outs = self.llm.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True))
