@@ -162,11 +162,9 @@ class LLM:
         return None, list(prompt)
 
     def chat_prompt(self, messages: Messages) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template (which carries its own BOS)."""
-        return self._encode_rendered(self.render_chat(messages))
-
-    def _encode_rendered(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template carries its own BOS
+        """Token ids of a conversation rendered by the model's chat template (which carries its own BOS); text in a
+        message that spells a control token stays plain text."""
+        return self.tokenizer.encode_chat(messages)
 
     def render_chat(self, messages: Messages) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -245,7 +243,7 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         texts = [self.render_chat(c) for c in conversations]
-        completions = self.generate([self._encode_rendered(t) for t in texts], params)
+        completions = self.generate([self.chat_prompt(c) for c in conversations], params)
         for c, text in zip(completions, texts):
             c.prompt = text
         return completions

@@ -39,6 +39,12 @@ flags.DEFINE_integer("max_queue", 256, "serve: most requests waiting beyond the 
                      "(RESOURCE_EXHAUSTED / HTTP 429).")
 flags.DEFINE_float("kv_cache_gib", 2.0, "serve: KV cache size, GiB.")
 flags.DEFINE_float("drain_timeout", 30.0, "serve: on SIGTERM, seconds in-flight requests get to finish.")
+flags.DEFINE_integer("max_request_bytes", 32 << 20, "serve: the largest HTTP request body read; larger ones get 413 "
+                     "before any parsing.")
+flags.DEFINE_float("stall_timeout", 60.0, "serve: seconds without engine progress, with requests open, before "
+                   "health reports NOT_SERVING (HTTP /health 503).")
+flags.DEFINE_float("request_read_timeout", 30.0, "serve: seconds an HTTP client may take between two pieces of its "
+                   "request body (408 past it).")
 flags.DEFINE_string("target", "127.0.0.1:50051", "client: the server's gRPC address.")
 
 flags.DEFINE_string("policy", "lars", "serve/generate/simulate: the scheduler's prefill ordering policy (fcfs, sjf, "
@@ -121,7 +127,9 @@ def _serve() -> None:
                        **_engine_flags())
     server = Server(llm, host=FLAGS.host, grpc_port=FLAGS.grpc_port, http_port=FLAGS.http_port,
                     model_name=FLAGS.served_model_name, api_key=_api_key(),
-                    max_queue=FLAGS.max_queue, drain_timeout=FLAGS.drain_timeout)
+                    max_queue=FLAGS.max_queue, drain_timeout=FLAGS.drain_timeout,
+                    max_body_bytes=FLAGS.max_request_bytes, read_timeout=FLAGS.request_read_timeout,
+                    stall_timeout=FLAGS.stall_timeout)
     asyncio.run(server.serve_until_signalled())
 
 

@@ -24,6 +24,7 @@ from jaxserve.engine.batch import Row
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
+from jaxserve.engine.stop_strings import StopMatcher
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched import request as sched_request
 from jaxserve.sched.plan import Outcome, Plan
@@ -65,6 +66,7 @@ class _Live:
     params: SamplingParams
     seed: int
     detokenizer: IncrementalDetokenizer
+    stops: StopMatcher
     text: str = ""  # decoded output so far
     emitted_chars: int = 0
     finish_reason: FinishReason | None = None
@@ -126,7 +128,7 @@ class Engine:
             r.ttft_deadline = now + ttft_slo
         self.scheduler.add(r)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        self._live[rid] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, ids))
+        self._live[rid] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, ids), StopMatcher(params.stop))
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -222,22 +224,20 @@ class Engine:
     def _append(self, live: _Live, token: int) -> RequestOutput:
         p, r = live.params, live.sched
         generated = r.generated + 1  # this token included (the scheduler counts it when the Outcome lands)
-        searched = max(len(live.text) - max((len(s) for s in p.stop), default=0), 0)
-        live.text += live.detokenizer.push(token)
+        new = live.detokenizer.push(token)
+        live.text += new
         text = live.text
-        stop_at = min((i for s in p.stop if (i := text.find(s, searched)) >= 0), default=-1)
-        if stop_at >= 0:
+        stop_at = live.stops.feed(new)
+        if stop_at is not None:
             text = text[:stop_at]
             live.finish_reason = FinishReason.STOP
         elif token in p.stop_token_ids or (token in self.tokenizer.stop_ids and not p.ignore_eos):
             live.finish_reason = FinishReason.STOP
         elif generated >= r.output_len:
             live.finish_reason = FinishReason.LENGTH
-        if live.finish_reason is None:
-            # Hold back any tail that may begin a stop string.
-            held = max((k for s in p.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[:max(len(text) - held, live.emitted_chars)]
-        elif stop_at < 0:
+        if live.finish_reason is None:  # hold back any tail that may begin a stop string
+            text = text[:max(len(text) - live.stops.held, live.emitted_chars)]
+        elif stop_at is None:
             text = live.text = live.text + live.detokenizer.flush()
         delta = text[live.emitted_chars:]
         live.emitted_chars = len(text)

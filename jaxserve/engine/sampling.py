@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,33 +30,54 @@ class SamplingParams:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         set_("stop", tuple(stop))
         set_("stop_token_ids", tuple(self.stop_token_ids or ()))
-        if self.top_k == -1:
+        if self.top_k == -1 and not isinstance(self.top_k, bool):
             set_("top_k", 0)
-        if isinstance(self.temperature, (int, float)) and 0 <= self.temperature < 1e-5:
+        if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) \
+                and 0 <= self.temperature < 1e-5:
             set_("temperature", 0.0)
         self.validate()
+
+    MAX_STOP = 64  # stop strings (and stop token ids: MAX_STOP_TOKEN_IDS) a request may give
+    MAX_STOP_CHARS = 1024
+    MAX_STOP_TOKEN_IDS = 1024
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(msg)
 
-        need(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
-             f"max_tokens must be an integer, got {self.max_tokens!r}")
+        def integer(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def number(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        need(integer(self.max_tokens), f"max_tokens must be an integer, got {_brief(self.max_tokens)}")
         need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-        need(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-             f"temperature must be a number >= 0, got {self.temperature!r}")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
-        need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-             f"top_p must be in (0, 1], got {self.top_p!r}")
-        need(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
-             f"seed must be an integer in [0, 2**32), got {self.seed!r}")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
-        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0")
+        need(number(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {_brief(self.temperature)}")
+        need(integer(self.top_k) and 0 <= self.top_k < 2**31,
+             f"top_k must be -1, 0 (no cut) or an integer < 2**31, got {_brief(self.top_k)}")
+        need(number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {_brief(self.top_p)}")
+        need(self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**32),
+             f"seed must be an integer in [0, 2**32), got {_brief(self.seed)}")
+        need(len(self.stop) <= self.MAX_STOP, f"at most {self.MAX_STOP} stop strings, got {len(self.stop)}")
+        need(all(isinstance(s, str) and 0 < len(s) <= self.MAX_STOP_CHARS for s in self.stop),
+             f"stop must be non-empty strings of at most {self.MAX_STOP_CHARS} characters")
+        need(len(self.stop_token_ids) <= self.MAX_STOP_TOKEN_IDS,
+             f"at most {self.MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        need(all(integer(t) and 0 <= t < 2**31 for t in self.stop_token_ids),
+             "stop_token_ids must be token ids (integers >= 0)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _brief(value: object, limit: int = 40) -> str:
+    """repr of a value for an error message, cut short: a client's input is never echoed at length."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + "..."
 
 
 def sample(

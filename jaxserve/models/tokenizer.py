@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
+import re
+import secrets
 from typing import Any, Sequence
 
 import jinja2
@@ -123,11 +126,66 @@ class TextTokenizer:
         return cls(Tokenizer.from_file(str(root / "tokenizer.json")), **meta)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`. A rendered chat template carries its own BOS: pass add_special_tokens=False."""
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`. A rendered chat template carries its own BOS: pass add_special_tokens=False.
+        Text that spells a control token (e.g. '<|im_end|>') becomes that token: a raw prompt is the model's
+        input as the client wrote it. Safe to call from a worker thread while an event loop runs."""
+        ids = _encode(self.tokenizer, text, add_special_tokens)
         if add_special_tokens and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
+
+    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered by the chat template (which carries its own BOS). Control tokens
+        come from the template only: text in a message that spells one is encoded as the plain text it is, so no
+        content can forge a turn (e.g. end the user's turn and open a system one)."""
+        messages, originals = self._hide_special_text(messages)
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        if not originals:
+            return self.encode(text, add_special_tokens=False)
+        marker = re.compile(re.escape(originals.nonce) + r"(\d+)\ue001")
+        ids = []
+        # the tokenizer encodes the text between control tokens piece by piece too: splitting here changes nothing
+        for i, piece in enumerate(self._special_pattern.split(text)):  # odd pieces: the template's tokens
+            if i % 2:
+                ids.append(self.tokenizer.token_to_id(piece))
+            elif piece:
+                ids += _encode(self._as_text, marker.sub(lambda m: originals[int(m.group(1))], piece), False)
+        return ids
+
+    def _hide_special_text(self, messages: Sequence[dict[str, str]]) -> tuple[list[dict[str, str]], _Originals]:
+        """The messages with each control token's text in their content replaced by a marker the template
+        passes through, and what each marker stands for (empty if no content spells a control token)."""
+        originals = _Originals(f"\ue000{secrets.token_hex(8)}:")
+        pattern = self._special_pattern
+
+        def hide(m: re.Match) -> str:
+            originals.append(m.group(0))
+            return f"{originals.nonce}{len(originals) - 1}\ue001"
+
+        if pattern is None or not any(isinstance(m.get("content"), str) and pattern.search(m["content"])
+                                      for m in messages):
+            return list(messages), originals
+        return [{**m, "content": pattern.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m
+                for m in messages], originals
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern | None:
+        """The control tokens' texts, longest first (the tokenizer matches leftmost-longest), as one group."""
+        texts = sorted((t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special),
+                       key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
+
+    @functools.cached_property
+    def _as_text(self) -> Tokenizer:
+        """This tokenizer, reading control tokens' texts as plain text."""
+        tok = Tokenizer.from_str(self.tokenizer.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (byte-level vocabularies: bytes, an upper bound)."""
+        return max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -143,6 +201,20 @@ class TextTokenizer:
                 messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate")
             raise ValueError(f"chat template rejected the messages: {e}") from e
+
+
+class _Originals(list):
+    """The texts markers stand for, in marker order; nonce: the markers' random prefix."""
+
+    def __init__(self, nonce: str):
+        super().__init__()
+        self.nonce = nonce
+
+
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch releases the GIL while it works and encode does not: a long prompt tokenized in a worker
+    # thread would otherwise stall the server's event loop for as long (1.8 s for 2 MB of text)
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 from absl import logging
 
@@ -123,9 +123,14 @@ class AsyncEngine:
     """Runs an Engine in its own thread for asyncio servers. Capacity: the engine's running batch
     (max_num_seqs) plus `max_queue` waiting requests; beyond that `submit` raises QueueFull."""
 
-    def __init__(self, engine: Engine, *, max_queue: int, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: Engine, *, max_queue: int, metrics: ServerMetrics | None = None,
+                 stall_timeout: float = 60.0):
+        """stall_timeout: seconds the engine thread may go without coming round its loop while requests are
+        open before health says it is stalled (a watchdog: one step or one request's work stuck for everyone)."""
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.stall_timeout = stall_timeout
+        self._alive_at = time.monotonic()  # when the engine thread last came round its loop
         self.engine = engine
         self.capacity = engine.max_num_seqs + max_queue
         self.metrics = metrics or ServerMetrics()
@@ -138,10 +143,6 @@ class AsyncEngine:
         self._commands: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._ids = itertools.count()
-        # on_health(can_step), set by the server once its health service exists: called on the event loop
-        # whenever the engine loses or regains the ability to step
-        self.on_health: Callable[[bool], Any] | None = None
-        self._reported_healthy = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._update_gauges()
@@ -180,9 +181,15 @@ class AsyncEngine:
         return len(self._open)
 
     @property
+    def stalled(self) -> bool:
+        """Requests are open and the engine thread has made no progress for stall_timeout seconds."""
+        return bool(self._open) and time.monotonic() - self._alive_at > self.stall_timeout
+
+    @property
     def healthy(self) -> bool:
-        """The engine can step: false only while a failed step's cache could not be rebuilt."""
-        return self.engine.can_step
+        """The engine can step and is stepping: false while a failed step's cache could not be rebuilt, or
+        while the engine is stalled."""
+        return self.engine.can_step and not self.stalled
 
     # ---- requests (event-loop side) -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, ttft_slo: float | None = None) -> RequestStream:
@@ -191,12 +198,12 @@ class AsyncEngine:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
         ids = self.engine.check_request(prompt_ids, params)  # reads only the model's fixed config
-        if len(self._open) >= self.capacity:
-            raise QueueFull(f"the server is at capacity ({len(self._open)} requests running or queued); "
-                            "retry later")
         if ttft_slo is not None and not (isinstance(ttft_slo, (int, float)) and not isinstance(ttft_slo, bool)
                                          and 0 < ttft_slo < float("inf")):
             raise ValueError(f"ttft_slo must be a positive number of seconds, got {ttft_slo!r}")
+        if len(self._open) >= self.capacity:
+            raise QueueFull(f"the server is at capacity ({len(self._open)} requests running or queued); "
+                            "retry later")
         stream = RequestStream(self, f"req-{next(self._ids)}", ids, params, ttft_slo)
         self._open[stream.request_id] = stream
         self._command("add", stream)
@@ -214,6 +221,7 @@ class AsyncEngine:
     # ---- the engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
+            self._alive_at = time.monotonic()
             if not self._apply_commands():
                 return
             if not self._recovered():
@@ -224,6 +232,7 @@ class AsyncEngine:
                 self._wake.wait()
                 self._wake.clear()  # commands queued meanwhile are applied at the top of the loop
                 continue
+            self._alive_at = time.monotonic()
             start = time.monotonic()
             try:
                 outputs = self.engine.step()
@@ -247,17 +256,12 @@ class AsyncEngine:
     RECOVER_RETRY_S = 1.0  # between attempts to rebuild a lost cache
 
     def _recovered(self) -> bool:
-        """Try to make the engine able to step again; report any change of health. False: still cannot step."""
+        """Try to make the engine able to step again. False: still cannot step."""
         try:
             self.engine.recover()
         except Exception:  # noqa: BLE001 - e.g. out of device memory: retried, health says NOT_SERVING
             logging.exception("could not rebuild the KV cache; retrying in %g s", self.RECOVER_RETRY_S)
-        healthy = self.healthy
-        if healthy != self._reported_healthy:
-            self._reported_healthy = healthy
-            if self.on_health is not None:
-                self._loop.call_soon_threadsafe(self.on_health, healthy)
-        return healthy
+        return self.engine.can_step
 
     def _apply_commands(self) -> bool:
         """Apply queued commands in order; False on stop."""

@@ -3,7 +3,9 @@ how each refusal reads in either protocol."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import hmac
 from typing import Any, Sequence
 
@@ -12,8 +14,25 @@ from jaxserve.server.async_engine import AsyncEngine, EngineFailed, QueueFull, R
     fit_max_tokens
 
 
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def excerpt(value: object, limit: int = 64) -> str:
+    """repr of a client's value for an error message, cut short: input is never echoed at length."""
+    r = repr(value)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
+
+
 class Unauthenticated(Exception):
     """The server has an API key and the request did not carry it."""
+
+
+class TooLarge(Exception):
+    """The request body is over the server's limit."""
+
+
+class ReadTimeout(Exception):
+    """The client did not send its request body in time."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +48,8 @@ class Refusal:
 _REFUSALS: dict[type[Exception], Refusal] = {
     ValueError: Refusal(400, "invalid_request_error", "INVALID_ARGUMENT", "invalid"),
     Unauthenticated: Refusal(401, "authentication_error", "UNAUTHENTICATED", "unauthenticated"),
+    TooLarge: Refusal(413, "invalid_request_error", "INVALID_ARGUMENT", "too_large"),
+    ReadTimeout: Refusal(408, "invalid_request_error", "DEADLINE_EXCEEDED", "read_timeout"),
     QueueFull: Refusal(429, "rate_limit_error", "RESOURCE_EXHAUSTED", "queue_full"),
     ShuttingDown: Refusal(503, "service_unavailable", "UNAVAILABLE", "shutting_down"),
     EngineFailed: Refusal(500, "server_error", "INTERNAL", "engine_failed"),
@@ -54,6 +75,12 @@ class Frontend:
     def max_model_len(self) -> int:
         return self.llm.max_model_len
 
+    @functools.cached_property
+    def max_text_chars(self) -> int:
+        """Longer text cannot fit the context: a token stands for at most max_token_chars characters (x4 for
+        normalizers that fold several characters into one)."""
+        return self.max_model_len * self.llm.tokenizer.max_token_chars * 4
+
     @property
     def vocab_size(self) -> int:
         return self.llm.config.vocab_size
@@ -69,17 +96,52 @@ class Frontend:
     def check_model(self, name: str | None) -> None:
         """An empty name means the served model."""
         if name and name != self.model_name:
-            raise ValueError(f"unknown model {name!r}; this server serves {self.model_name!r}")
+            raise ValueError(f"unknown model {excerpt(name)}; this server serves {self.model_name!r}")
 
-    def encode(self, text: str) -> list[int]:
-        if not text:
+    def _check_text(self, text: object, what: str) -> str:
+        """Text a client sent, refused before any work if it is not a string of valid Unicode or is longer than
+        any text the context could hold."""
+        if not isinstance(text, str):
+            raise ValueError(f"{what} must be a string")
+        if len(text) > self.max_text_chars:
+            raise ValueError(f"{what} has {len(text)} characters; no text over {self.max_text_chars} fits the "
+                             f"context of {self.max_model_len} tokens")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} is not valid Unicode: a lone surrogate at character {e.start}") from None
+        return text
+
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of a raw prompt (control-token text in it is read as the token: the client writes the
+        model's input). Tokenized in a worker thread, off the event loop."""
+        if not self._check_text(text, "prompt"):
             raise ValueError("prompt is empty")
-        return self.llm.tokenizer.encode(text)
+        return await asyncio.to_thread(self.llm.tokenizer.encode, text)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation; only the chat template adds control tokens. Roles are OpenAI's
+        ("developer" is the newer name of "system")."""
         if not messages:
             raise ValueError("messages is empty")
-        return self.llm.chat_prompt(messages)
+        checked, chars = [], 0
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            if role not in ROLES:
+                raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {excerpt(role)}")
+            content = self._check_text(m.get("content"), f"messages[{i}].content")
+            chars += len(content)
+            checked.append({"role": ROLES[role], "content": content})
+        if chars > self.max_text_chars:
+            raise ValueError(f"messages have {chars} characters; no text over {self.max_text_chars} fits the "
+                             f"context of {self.max_model_len} tokens")
+        return await asyncio.to_thread(self.llm.chat_prompt, checked)
+
+    def check_batch(self, n: int) -> None:
+        """A batch of n prompts is queued whole or not at all: one larger than the server's capacity never is."""
+        if n > self.engine.capacity:
+            raise ValueError(f"a batch of {n} prompts can never be admitted: this server holds at most "
+                             f"{self.engine.capacity} requests at once")
 
     def submit(self, prompt_ids: list[int], *, max_tokens: int | None, default_max_tokens: int | None,
                ttft_slo: float | None = None, **sampling: Any) -> RequestStream:

@@ -8,15 +8,16 @@ metadata `authorization: Bearer <key>`; health and reflection stay open for prob
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.engine import FinishReason
 from jaxserve.engine.sampling import SamplingParams
-from jaxserve.server.frontend import REFUSED, Frontend, refusal
+from jaxserve.server.frontend import REFUSED, Frontend, excerpt, refusal
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 
@@ -38,23 +39,24 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         metadata = dict(context.invocation_metadata() or ())
         self.frontend.authorize(metadata.get("authorization"))
 
-    def _prompt_ids(self, which: str, request: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
+    async def _prompt_ids(self, which: str, request: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
         f = self.frontend
         if which == "text":
-            return f.encode(request.text)
+            return await f.encode(request.text)
         if which == "chat":
-            return f.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+            return await f.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
         if which == "token_ids":
             return list(request.token_ids.ids)
         raise ValueError("the request has no prompt: set text, token_ids or chat")
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        f, p = self.frontend, request.params
         try:
             self._authorize(context)
+            _check_parsed(request)
+            f, p = self.frontend, request.params
             f.check_model(request.model)
-            ids = self._prompt_ids(request.WhichOneof("prompt"), request)
+            ids = await self._prompt_ids(request.WhichOneof("prompt"), request)
             stream = f.submit(
                 ids, max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
                 default_max_tokens=_DEFAULT_MAX_TOKENS, temperature=p.temperature, top_k=p.top_k,
@@ -82,8 +84,9 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
             self._authorize(context)
+            _check_parsed(request)
             self.frontend.check_model(request.model)
-            ids = self._prompt_ids(request.WhichOneof("input"), request)
+            ids = await self._prompt_ids(request.WhichOneof("input"), request)
         except REFUSED as e:
             await self._refuse(context, e)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.frontend.max_model_len)
@@ -92,6 +95,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         try:
             self._authorize(context)
+            _check_parsed(request)
         except REFUSED as e:
             await self._refuse(context, e)
         f = self.frontend
@@ -99,10 +103,44 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                                                           vocab_size=f.vocab_size)])
 
 
+class _Malformed:
+    """A request whose bytes did not parse: the handler refuses it with INVALID_ARGUMENT (grpc itself would
+    answer UNKNOWN with the parser's traceback)."""
+
+    def __init__(self, error: DecodeError):
+        self.error = error
+
+
+def _check_parsed(request: object) -> None:
+    if isinstance(request, _Malformed):
+        raise ValueError(f"the request is not a valid protobuf message of its type ({excerpt(str(request.error))})")
+
+
+def _lenient(message: type) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return message.FromString(data)
+        except DecodeError as e:  # includes strings that are not UTF-8
+            return _Malformed(e)
+    return parse
+
+
+def _add_servicer(servicer: JaxServeServicer, server: grpc.aio.Server) -> None:
+    """What the generated add_JaxServeServicer_to_server does, with requests parsed by _lenient."""
+    handlers = {}
+    for m in pb.DESCRIPTOR.services_by_name["JaxServe"].methods:
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(getattr(servicer, m.name),
+                                request_deserializer=_lenient(getattr(pb, m.input_type.name)),
+                                response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def build_grpc_server(frontend: Frontend, address: str) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """The server (not started), its health servicer, and the bound port (address may end in :0)."""
     server = grpc.aio.server()
-    pb_grpc.add_JaxServeServicer_to_server(JaxServeServicer(frontend), server)
+    _add_servicer(JaxServeServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -2,8 +2,10 @@
 reply), /v1/models, /health, /metrics.
 
 Errors use OpenAI's shape, {"error": {"message", "type", "code"}}, with 400 for bad input (bad JSON and wrong
-types included), 401 without the API key, 429 when the queue is full, 503 while shutting down. /health and
-/metrics need no key, so probes and scrapers work unchanged.
+types included), 401 without the API key, 408 for a body that does not arrive in time, 413 for one over the
+limit, 429 when the queue is full, 503 while shutting down, 500 for a fault of the server's own; every one is
+counted in jaxserve_request_errors_total by reason. /health and /metrics need no key, so probes and scrapers
+work unchanged.
 """
 
 from __future__ import annotations
@@ -15,17 +17,20 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
+from absl import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.server.async_engine import RequestStream
-from jaxserve.server.frontend import REFUSED, Frontend, Unauthenticated, refusal
+from jaxserve.server.frontend import REFUSED, Frontend, ReadTimeout, TooLarge, Unauthenticated, excerpt, refusal
 from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 _END = object()
+OPEN_PATHS = ("/health", "/metrics")  # served without the API key
 
 
 def _error_body(message: str, error_type: str, status: int) -> dict[str, Any]:
@@ -33,14 +38,15 @@ def _error_body(message: str, error_type: str, status: int) -> dict[str, Any]:
 
 
 class _RequireApiKey:
-    """ASGI middleware: /v1/ requests must carry the API key, checked before the body is read."""
+    """ASGI middleware: every request but /health and /metrics (probes, scrapers) must carry the API key,
+    checked before the body is read; /docs and /openapi.json included."""
 
     def __init__(self, app: Any, frontend: Frontend):
         self.app = app
         self.frontend = frontend
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             header = dict(scope["headers"]).get(b"authorization")
             try:
                 self.frontend.authorize(header.decode("latin-1") if header else None)
@@ -50,18 +56,68 @@ class _RequireApiKey:
         await self.app(scope, receive, send)
 
 
-def _refuse(frontend: Frontend, error: Exception) -> JSONResponse:
+class _ReadBody:
+    """ASGI middleware: a request body is read whole, up to `max_bytes` (413 past it, from Content-Length before
+    reading) and within `timeout` seconds per read (408 for a client that stalls), before any parsing; the app
+    then reads it from memory."""
+
+    def __init__(self, app: Any, frontend: Frontend, max_bytes: int, timeout: float):
+        self.app, self.frontend, self.max_bytes, self.timeout = app, frontend, max_bytes, timeout
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        body, more = bytearray(), True
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except asyncio.TimeoutError:
+                error = ReadTimeout(f"the request body did not arrive within {self.timeout:g} s")
+                await _refuse(self.frontend, error, headers={"Connection": "close"})(scope, receive, send)
+                return
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: the disconnect the handlers watch for
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: dict, receive: Callable, send: Callable) -> None:
+        error = TooLarge(f"the request body is over this server's limit of {self.max_bytes} bytes")
+        await _refuse(self.frontend, error, headers={"Connection": "close"})(scope, receive, send)
+
+
+def _refuse(frontend: Frontend, error: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
     r = refusal(error)
     frontend.engine.metrics.errors.labels(r.reason).inc()
-    return JSONResponse(_error_body(str(error), r.error_type, r.http_status), status_code=r.http_status)
+    return JSONResponse(_error_body(str(error), r.error_type, r.http_status), status_code=r.http_status,
+                        headers=headers)
 
 
-def _validation_message(error: RequestValidationError) -> str:
+def _validation_message(error: RequestValidationError, most: int = 5) -> str:
+    """What is wrong, field by field (the first few), without echoing the values sent."""
     parts = []
-    for e in error.errors():
-        where = ".".join(str(x) for x in e["loc"] if x != "body")
+    for e in error.errors()[:most]:
+        where = excerpt(".".join(str(x) for x in e["loc"] if x != "body"))[1:-1]
         parts.append(f"{where}: {e['msg']}" if where else e["msg"])
-    return "invalid request: " + "; ".join(parts)
+    more = len(error.errors()) - most
+    return "invalid request: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -207,14 +263,32 @@ def _submit_all(frontend: Frontend, prompts: list[list[int]], default_max_tokens
     return streams
 
 
-def build_http_app(frontend: Frontend) -> FastAPI:
+def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_timeout: float = 30.0) -> FastAPI:
+    """max_body_bytes: the largest request body read (413 past it); read_timeout: seconds a client may take
+    between two pieces of its body (408 past it)."""
     app = FastAPI(title="jaxserve", description="OpenAI-compatible API of a jaxserve server.")
+    # added last, runs first: the key is checked before the body is read
+    app.add_middleware(_ReadBody, frontend=frontend, max_bytes=max_body_bytes, timeout=read_timeout)
     app.add_middleware(_RequireApiKey, frontend=frontend)
     started = int(time.time())
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
         return _refuse(frontend, ValueError(_validation_message(error)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        # e.g. a body FastAPI cannot parse, an unknown path or method: OpenAI's error shape all the same
+        frontend.engine.metrics.errors.labels("invalid" if error.status_code < 500 else "internal").inc()
+        error_type = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return JSONResponse(_error_body(str(error.detail), error_type, error.status_code),
+                            status_code=error.status_code, headers=getattr(error, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, error: Exception) -> JSONResponse:
+        logging.exception("unhandled error in an HTTP handler", exc_info=error)
+        frontend.engine.metrics.errors.labels("internal").inc()
+        return JSONResponse(_error_body("internal server error", "server_error", 500), status_code=500)
 
     for kind in REFUSED:
         app.add_exception_handler(kind, lambda _, error: _refuse(frontend, error))
@@ -223,7 +297,8 @@ def build_http_app(frontend: Frontend) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         frontend.check_model(body.model)
         sampling = body.sampling()
-        prompts = [frontend.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        frontend.check_batch(len(body.prompts()))
+        prompts = [await frontend.encode(p) if isinstance(p, str) else p for p in body.prompts()]
         reply = _Reply(frontend, _submit_all(frontend, prompts, 16, sampling), chat=False,
                        include_usage=body.include_usage)  # 16: OpenAI's default max_tokens for completions
         return reply.streaming() if body.stream else await reply.whole(request)
@@ -232,7 +307,7 @@ def build_http_app(frontend: Frontend) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         frontend.check_model(body.model)
         sampling = body.sampling()
-        prompt = frontend.encode_chat([m.as_dict() for m in body.messages])
+        prompt = await frontend.encode_chat([m.as_dict() for m in body.messages])
         reply = _Reply(frontend, _submit_all(frontend, [prompt], None, sampling), chat=True,
                        include_usage=body.include_usage)
         return reply.streaming() if body.stream else await reply.whole(request)

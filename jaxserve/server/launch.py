@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 import uvicorn
+from absl import logging
 
 from jaxserve.server.async_engine import AsyncEngine, ShuttingDown
 from jaxserve.server.frontend import Frontend
@@ -39,11 +40,15 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 class Server:
     def __init__(self, llm: Any, *, host: str = "127.0.0.1", grpc_port: int = 50051, http_port: int = 8000,
                  model_name: str | None = None, api_key: str | None = None, max_queue: int = 256,
-                 drain_timeout: float = 30.0):
-        """llm: a jaxserve.LLM, from then on driven by this server only. Port 0 picks a free port."""
+                 drain_timeout: float = 30.0, max_body_bytes: int = 32 << 20, read_timeout: float = 30.0,
+                 stall_timeout: float = 60.0):
+        """llm: a jaxserve.LLM, from then on driven by this server only. Port 0 picks a free port.
+        max_body_bytes, read_timeout: the HTTP body limit and the seconds allowed between its pieces;
+        stall_timeout: seconds without engine progress, with requests open, before health says NOT_SERVING."""
         self.host = host
+        self._http_limits = {"max_body_bytes": max_body_bytes, "read_timeout": read_timeout}
         self.drain_timeout = drain_timeout
-        self.engine = AsyncEngine(llm.engine, max_queue=max_queue)
+        self.engine = AsyncEngine(llm.engine, max_queue=max_queue, stall_timeout=stall_timeout)
         self.frontend = Frontend(llm, self.engine, model_name=model_name or llm.model_name, api_key=api_key)
         self._grpc_port, self._http_port = grpc_port, http_port
         self.grpc_port = self.http_port = None  # the bound ports, once started
@@ -56,7 +61,7 @@ class Server:
         await self._grpc.start()
         sock = _listening_socket(self.host, self._http_port)
         self.http_port = sock.getsockname()[1]
-        config = uvicorn.Config(build_http_app(self.frontend), log_level="warning", lifespan="off",
+        config = uvicorn.Config(build_http_app(self.frontend, **self._http_limits), log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=5)
         self._http = _Uvicorn(config)
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
@@ -65,13 +70,23 @@ class Server:
                 self._http_task.result()
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
-        self.engine.on_health = self._engine_health
         await set_serving(self._health, self.engine.healthy)
+        self._health_task = asyncio.create_task(self._follow_health())
 
-    def _engine_health(self, can_step: bool) -> None:
-        """gRPC health follows the engine (HTTP /health reads it directly); draining keeps NOT_SERVING."""
-        if self.engine.accepting:
-            asyncio.ensure_future(set_serving(self._health, can_step))
+    HEALTH_POLL_S = 0.25
+
+    async def _follow_health(self) -> None:
+        """gRPC health follows the engine (HTTP /health reads it directly), polled from the event loop, which
+        a stuck engine thread cannot hold up; draining keeps NOT_SERVING."""
+        reported = self.engine.healthy
+        while self.engine.accepting:
+            healthy = self.engine.healthy
+            if healthy != reported:
+                if not healthy:
+                    logging.warning("the engine cannot step or is stalled: health is NOT_SERVING")
+                await set_serving(self._health, healthy)
+                reported = healthy
+            await asyncio.sleep(self.HEALTH_POLL_S)
 
     def request_stop(self) -> None:
         """Begin draining (safe to call from a signal handler on the loop)."""
@@ -83,6 +98,7 @@ class Server:
 
     async def shutdown(self) -> None:
         self.engine.stop_accepting()
+        self._health_task.cancel()
         await set_serving(self._health, False)
         if not await self.engine.wait_idle(self.drain_timeout):
             self.engine.abort_all(ShuttingDown(

@@ -44,4 +44,5 @@ class ServerMetrics:
                                 "(stop, length, abort: the client left or the server shut down).", ["reason"],
                                 registry=r)
         self.errors = Counter("jaxserve_request_errors", "Requests answered with an error, by reason (invalid, "
-                              "unauthenticated, queue_full, shutting_down, engine_failed).", ["reason"], registry=r)
+                              "unauthenticated, too_large, read_timeout, queue_full, shutting_down, engine_failed, "
+                              "internal).", ["reason"], registry=r)

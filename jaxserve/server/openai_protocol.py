@@ -9,15 +9,20 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    # JSON types as sent: no booleans as numbers, no numbers as strings, integers where integers are meant,
+    # no Infinity/NaN (Python's JSON reads those literals)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _SamplingRequest(_Strict):
 
     model: str
     max_tokens: int | None = None
@@ -82,21 +87,20 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
+class ChatMessage(_Strict):
+    role: str  # checked by the frontend, for gRPC alike
     content: str | list[TextPart] | None = None
 
     def as_dict(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        # OpenAI's "developer" role is the newer name of "system"; chat templates know only the latter.
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        return {"role": self.role, "content": content or ""}
 
 
 class ChatCompletionRequest(_SamplingRequest):
