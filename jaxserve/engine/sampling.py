@@ -30,7 +30,7 @@ class SamplingParams:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         set_("stop", tuple(stop))
         set_("stop_token_ids", tuple(self.stop_token_ids or ()))
-        if self.top_k == -1 and not isinstance(self.top_k, bool):
+        if self.top_k == -1:
             set_("top_k", 0)
         if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) \
                 and 0 <= self.temperature < 1e-5:
@@ -52,15 +52,15 @@ class SamplingParams:
         def number(x: object) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
-        need(integer(self.max_tokens), f"max_tokens must be an integer, got {_brief(self.max_tokens)}")
+        need(integer(self.max_tokens), f"max_tokens must be an integer, got {excerpt(self.max_tokens, 40)}")
         need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         need(number(self.temperature) and self.temperature >= 0,
-             f"temperature must be a finite number >= 0, got {_brief(self.temperature)}")
+             f"temperature must be a finite number >= 0, got {excerpt(self.temperature, 40)}")
         need(integer(self.top_k) and 0 <= self.top_k < 2**31,
-             f"top_k must be -1, 0 (no cut) or an integer < 2**31, got {_brief(self.top_k)}")
-        need(number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {_brief(self.top_p)}")
+             f"top_k must be -1, 0 (no cut) or an integer < 2**31, got {excerpt(self.top_k, 40)}")
+        need(number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {excerpt(self.top_p, 40)}")
         need(self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**32),
-             f"seed must be an integer in [0, 2**32), got {_brief(self.seed)}")
+             f"seed must be an integer in [0, 2**32), got {excerpt(self.seed, 40)}")
         need(len(self.stop) <= self.MAX_STOP, f"at most {self.MAX_STOP} stop strings, got {len(self.stop)}")
         need(all(isinstance(s, str) and 0 < len(s) <= self.MAX_STOP_CHARS for s in self.stop),
              f"stop must be non-empty strings of at most {self.MAX_STOP_CHARS} characters")
@@ -74,10 +74,10 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _brief(value: object, limit: int = 40) -> str:
-    """repr of a value for an error message, cut short: a client's input is never echoed at length."""
+def excerpt(value: object, limit: int = 64) -> str:
+    """repr of a client's value for an error message, cut short: input is never echoed at length."""
     r = repr(value)
-    return r if len(r) <= limit else r[:limit] + "..."
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
 
 
 def sample(

@@ -9,18 +9,12 @@ import functools
 import hmac
 from typing import Any, Sequence
 
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.engine.sampling import SamplingParams, excerpt
 from jaxserve.server.async_engine import AsyncEngine, EngineFailed, QueueFull, RequestStream, ShuttingDown, \
     fit_max_tokens
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-def excerpt(value: object, limit: int = 64) -> str:
-    """repr of a client's value for an error message, cut short: input is never echoed at length."""
-    r = repr(value)
-    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
 
 
 class Unauthenticated(Exception):

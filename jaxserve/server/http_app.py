@@ -77,8 +77,8 @@ class _ReadBody:
             try:
                 message = await asyncio.wait_for(receive(), self.timeout)
             except asyncio.TimeoutError:
-                error = ReadTimeout(f"the request body did not arrive within {self.timeout:g} s")
-                await _refuse(self.frontend, error, headers={"Connection": "close"})(scope, receive, send)
+                await self._answer(ReadTimeout(f"the request body did not arrive within {self.timeout:g} s"),
+                                   scope, receive, send)
                 return
             if message["type"] == "http.disconnect":
                 return
@@ -100,6 +100,10 @@ class _ReadBody:
 
     async def _too_large(self, scope: dict, receive: Callable, send: Callable) -> None:
         error = TooLarge(f"the request body is over this server's limit of {self.max_bytes} bytes")
+        await self._answer(error, scope, receive, send)
+
+    async def _answer(self, error: Exception, scope: dict, receive: Callable, send: Callable) -> None:
+        """Refuse, and close the connection: the rest of the body is never read."""
         await _refuse(self.frontend, error, headers={"Connection": "close"})(scope, receive, send)
 
 
@@ -114,8 +118,8 @@ def _validation_message(error: RequestValidationError, most: int = 5) -> str:
     """What is wrong, field by field (the first few), without echoing the values sent."""
     parts = []
     for e in error.errors()[:most]:
-        where = excerpt(".".join(str(x) for x in e["loc"] if x != "body"))[1:-1]
-        parts.append(f"{where}: {e['msg']}" if where else e["msg"])
+        where = ".".join(str(x) for x in e["loc"] if x != "body")
+        parts.append(f"{excerpt(where)}: {e['msg']}" if where else e["msg"])
     more = len(error.errors()) - most
     return "invalid request: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
