@@ -186,7 +186,10 @@ class LLM:
             for out in self.engine.step():
                 if out.request_id in self._queues:
                     self._queues[out.request_id].append(out)
-        return queue.popleft()
+        out = queue.popleft()
+        if out.error is not None:
+            raise RuntimeError(f"request {rid} failed: {out.error}")
+        return out
 
     def _forget(self, rids: Sequence[str]) -> None:
         """Drop the queues of rids and abort whichever of them is still in the engine."""

@@ -164,6 +164,29 @@ def test_interleaved_streams_and_generate_lose_nothing(llm):
     assert not llm.engine.has_unfinished() and not llm._queues
 
 
+@pytest.mark.parametrize("field, value, cause", [("top_k", 2**40, "OverflowError"), ("top_p", "x", "ValueError")])
+def test_a_request_that_cannot_be_packed_fails_alone(llm, field, value, cause):
+    """A parameter that slipped past validation (set after the check) and does not fit the step's arrays ends
+    that request with an error; its batch-mates' tokens are what they are alone, and its blocks come back."""
+    engine, free = llm.engine, llm.engine.kv.num_free
+    params = [SamplingParams(max_tokens=8, ignore_eos=True) for _ in range(3)]
+    alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS[:3], params)]
+    bad = dataclasses.replace(params[1])
+    rids = [engine.add_request(llm.tokenizer.encode(p), sp) for p, sp in zip(PROMPTS[:3], (params[0], bad, params[2]))]
+    object.__setattr__(bad, field, value)  # past check_request, as a validation gap would let it through
+    tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+    ends: dict[str, object] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                ends[out.request_id] = out
+    assert ends[rids[1]].finish_reason.value == "error" and tokens[rids[1]] == []
+    assert "cannot be packed" in ends[rids[1]].error and cause in ends[rids[1]].error
+    assert [tokens[rids[0]], tokens[rids[2]]] == [alone[0], alone[2]]
+    assert engine.kv.num_free == free and not engine.has_unfinished()
+
+
 def test_context_limit_finishes_with_length():
     tiny = jaxserve.LLM(max_model_len=32, kv_cache_tokens=64)
     prompt = list(range(100, 120))

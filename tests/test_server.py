@@ -445,6 +445,34 @@ def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client
     assert http_health(served) == 200 and grpc_client.health() == "SERVING"
 
 
+def test_a_request_whose_own_work_fails_ends_alone(llm, served, grpc_client, oai):
+    """One request's per-token work on the engine thread raises (here its detokenizing, injected): that request
+    ends with INTERNAL naming it, and a stream decoding in the same steps goes on to its exact greedy text."""
+    engine = served.server.engine.engine
+    real_append = engine._append
+
+    def append(live, token):
+        if live.params.max_tokens == 13:  # the marked request
+            raise RuntimeError("injected: detokenizer fault")
+        return real_append(live, token)
+
+    (ref,) = llm.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
+    engine._append = append
+    try:
+        stream = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+        first = next(iter(stream)).choices[0].text
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_client.generate(PROMPT, max_tokens=13)
+        text = first + "".join(c.choices[0].text for c in stream)
+    finally:
+        del engine._append
+    assert err.value.code() == grpc.StatusCode.INTERNAL and "injected: detokenizer fault" in err.value.details()
+    assert text == ref.text
+    wait_until(lambda: free_blocks(served) == initial_blocks(served))
+    assert http_health(served) == 200
+
+
 def test_health_is_not_serving_exactly_while_the_cache_cannot_be_rebuilt(served, grpc_client):
     """The failed step's cache cannot be rebuilt at first (as if device memory were short): both health checks say
     NOT_SERVING and a new request waits; once the rebuild succeeds, health is SERVING and the request is served."""

@@ -81,34 +81,53 @@ def empty(buckets: Buckets, t: int, r: int, block_size: int) -> StepArrays:
         top_p=np.ones(r, np.float32), seeds=np.zeros(r, np.uint32), counters=np.zeros(r, np.int32))
 
 
+class BadRow(ValueError):
+    """One row cannot be packed (e.g. a parameter that does not fit its array's dtype): the step can run
+    without it. `index`: the row's place in the step."""
+
+    def __init__(self, index: int, cause: Exception):
+        super().__init__(f"this request's step inputs cannot be packed: {type(cause).__name__}: {cause}")
+        self.index = index
+
+
 def pack(rows: Sequence[Row], buckets: Buckets, block_size: int) -> StepArrays:
+    """The rows in one padded step; BadRow names the first row that cannot be written (the arrays are then
+    discarded, and the caller may pack again without it)."""
     total = sum(len(r.tokens) for r in rows)
     prefills = sum(len(r.tokens) > 1 for r in rows)
     if prefills > buckets.max_prefills:
         raise ValueError(f"a step of {prefills} prefill chunks exceeds the {buckets.max_prefills} it has tiles for")
     a = empty(buckets, *buckets.fit(total, len(rows)), block_size)
-    tq = buckets.tile
     at, tile = 0, 0
     for i, r in enumerate(rows):
-        n = len(r.tokens)
-        pos = np.arange(r.start, r.start + n)
-        table = np.asarray(r.block_table, np.int32)
-        a.token_ids[at:at + n] = r.tokens
-        a.positions[at:at + n] = pos
-        a.slots[at:at + n] = table[pos // block_size] * block_size + pos % block_size
-        used = min(len(table), buckets.width)  # a table may hold blocks granted beyond this step
-        a.tables[i, :used] = table[:used]
-        if n == 1:
-            a.decode_token[i] = at
-        else:
-            for lo in range(0, n, tq):
-                hi = min(lo + tq, n)
-                a.tile_tokens[tile, :hi - lo] = np.arange(at + lo, at + hi)
-                a.tile_row[tile] = i
-                tile += 1
-        a.logits_index[i] = at + n - 1
-        a.temperature[i], a.top_k[i], a.top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
-        a.seeds[i], a.counters[i] = r.seed, r.counter
-        at += n
+        try:
+            tile = _write_row(a, i, r, at, tile, buckets, block_size)
+        except (ValueError, TypeError, OverflowError, IndexError) as e:
+            raise BadRow(i, e) from e
+        at += len(r.tokens)
     return a
 
+
+def _write_row(a: StepArrays, i: int, r: Row, at: int, tile: int, buckets: Buckets, block_size: int) -> int:
+    """Write row i, whose tokens start at flat index `at` and whose tiles at `tile`; returns the next tile."""
+    n = len(r.tokens)
+    tq = buckets.tile
+    pos = np.arange(r.start, r.start + n)
+    table = np.asarray(r.block_table, np.int32)
+    a.token_ids[at:at + n] = r.tokens
+    a.positions[at:at + n] = pos
+    a.slots[at:at + n] = table[pos // block_size] * block_size + pos % block_size
+    used = min(len(table), buckets.width)  # a table may hold blocks granted beyond this step
+    a.tables[i, :used] = table[:used]
+    if n == 1:
+        a.decode_token[i] = at
+    else:
+        for lo in range(0, n, tq):
+            hi = min(lo + tq, n)
+            a.tile_tokens[tile, :hi - lo] = np.arange(at + lo, at + hi)
+            a.tile_row[tile] = i
+            tile += 1
+    a.logits_index[i] = at + n - 1
+    a.temperature[i], a.top_k[i], a.top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
+    a.seeds[i], a.counters[i] = r.seed, r.counter
+    return tile

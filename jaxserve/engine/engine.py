@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import logging
 
-from jaxserve.engine.batch import Row
+from jaxserve.engine.batch import BadRow, Row
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
@@ -35,6 +35,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"
+    ERROR = "error"  # this request alone could not be run (its `error` says why); the others went on
 
 
 @dataclasses.dataclass
@@ -47,6 +48,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why, when finish_reason is ERROR
 
 
 class StepFailed(RuntimeError):
@@ -170,20 +172,30 @@ class Engine:
         if plan is None:
             return []
         self._grant(plan)
-        rows = [self._row(item) for item in plan.items]
+        outputs: list[RequestOutput] = []
+        items = list(plan.items)
         start = self.clock()
-        try:
-            sampled = self.runner.execute(rows) if rows else np.zeros(0, np.int32)
-        except Exception as e:
-            self._fail(plan)
-            raise StepFailed(f"the engine step failed: {e}", sorted(plan.request_ids)) from e
+        while True:
+            try:
+                sampled = self.runner.execute([self._row(i) for i in items]) if items else np.zeros(0, np.int32)
+                break
+            except BadRow as e:  # one request's inputs: it fails alone, the step runs without it
+                outputs.append(self._error(items.pop(e.index).request_id, str(e)))
+            except Exception as e:
+                self._fail(plan)
+                raise StepFailed(f"the engine step failed: {e}", sorted(plan.request_ids)) from e
         end = self.clock()
-        outputs, tokens, stopped = [], {}, set()
-        for item, token in zip(plan.items, sampled):
+        tokens, stopped = {}, set()
+        for item, token in zip(items, sampled):
             if not self.scheduler.yields_token(item):
                 continue
             live = self._live[item.request_id]
-            out = self._append(live, int(token))
+            try:
+                out = self._append(live, int(token))
+            except Exception as e:  # noqa: BLE001 - e.g. detokenizing: this request's own work
+                logging.exception("request %s failed after its step", item.request_id)
+                outputs.append(self._error(item.request_id, f"turning its token into text failed: {e}"))
+                continue
             tokens[item.request_id] = (int(token),)
             if out.finished:
                 stopped.add(item.request_id)
@@ -209,6 +221,12 @@ class Engine:
         r = live.sched
         return Row(r.token_ids[item.start:item.end], item.start, self._tables[item.request_id], live.params,
                    live.seed, r.generated)
+
+    def _error(self, request_id: str, message: str) -> RequestOutput:
+        """End one request with an error; the scheduler ignores the rest of its Plan."""
+        cached = self._live[request_id].sched.cached_tokens
+        self.abort(request_id)
+        return RequestOutput(request_id, [], "", True, FinishReason.ERROR, cached, error=message)
 
     def _fail(self, plan: Plan) -> None:
         """End the failed step's requests and rebuild the cache if the failure took it. A failed rebuild is

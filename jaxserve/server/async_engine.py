@@ -34,7 +34,8 @@ class ShuttingDown(Exception):
 
 
 class EngineFailed(Exception):
-    """An engine step raised; the requests in that step were ended (the others go on)."""
+    """An engine step raised, or one request's part of it could not run; those requests were ended (the others
+    go on)."""
 
 
 def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
@@ -282,6 +283,9 @@ class AsyncEngine:
     def _deliver(self, out: RequestOutput, now: float) -> None:
         live = self._live.get(out.request_id)
         if live is None:
+            return
+        if out.error is not None:  # this request failed alone
+            self._fail([out.request_id], EngineFailed(f"the engine could not run this request: {out.error}"))
             return
         m = self.metrics
         m.generated_tokens.inc(len(out.new_token_ids))
