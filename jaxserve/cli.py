@@ -38,7 +38,7 @@ flags.DEFINE_integer("max_num_seqs", 16, "serve: most requests in the running ba
 flags.DEFINE_integer("max_queue", 256, "serve: most requests waiting beyond the batch; more are refused "
                      "(RESOURCE_EXHAUSTED / HTTP 429).")
 flags.DEFINE_float("kv_cache_gib", 2.0, "serve: KV cache size, GiB.")
-flags.DEFINE_float("drain_timeout", 30.0, "serve: on SIGTERM, seconds in-flight requests get to finish.")
+flags.DEFINE_float("drain_timeout", 30.0, "serve: on SIGTERM, seconds the whole shutdown may take (in-flight requests get most of it to finish).")
 flags.DEFINE_integer("max_request_bytes", 32 << 20, "serve: the largest HTTP request body read; larger ones get 413 "
                      "before any parsing.")
 flags.DEFINE_float("stall_timeout", 60.0, "serve: seconds without engine progress, with requests open, before "

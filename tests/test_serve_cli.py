@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import http.client
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -17,11 +19,12 @@ from jaxserve.client import Client
 from jaxserve.server.spawn import ServerProcess
 
 KEY = "cli-key"
+DRAIN_S = 3.0
 
 
 @pytest.fixture
 def server():
-    s = ServerProcess("--max_model_len=1024", "--kv_cache_gib=0.1", f"--api_key={KEY}", "--drain_timeout=3")
+    s = ServerProcess("--max_model_len=1024", "--kv_cache_gib=0.1", f"--api_key={KEY}", f"--drain_timeout={DRAIN_S:g}")
     yield s.proc, s.grpc_port, s.http_port
     if s.proc.poll() is None:
         s.proc.kill()
@@ -80,6 +83,11 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(server):
     assert started["long"].wait(120)
     threads[1].start()
     assert started["short"].wait(120)
+    # A client that sends half its body and goes quiet (the read timeout, 30 s, is far beyond the drain)
+    stalled = socket.create_connection(("127.0.0.1", http_port))
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n{\"model\"")
+    signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
 
     # While draining: new requests are refused, health says so.
@@ -99,4 +107,8 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(server):
     assert isinstance(long, grpc.RpcError) and long.code() == grpc.StatusCode.UNAVAILABLE
     assert "shut down before this request finished" in long.details()
     assert proc.wait(60) == 0
+    # drain_timeout bounds the whole shutdown, the stalled client included (+1.5 s for the interpreter to exit;
+    # before, uvicorn's own 5 s grace came on top)
+    assert time.monotonic() - signalled < DRAIN_S + 1.5
+    stalled.close()
     client.close()

@@ -155,11 +155,15 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the engine thread (after the current step). Unfinished requests should be ended first."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the engine thread after its current step, waiting at most `timeout` seconds (None: for as long
+        as it takes); a thread still in its step then is left to end with the process (it is a daemon).
+        Unfinished requests should be ended first."""
         self._command("stop", None)
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logging.warning("the engine thread is still in a step after %g s; not waiting for it", timeout)
 
     def stop_accepting(self) -> None:
         self.accepting = False

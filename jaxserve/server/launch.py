@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import uvicorn
@@ -61,8 +62,7 @@ class Server:
         await self._grpc.start()
         sock = _listening_socket(self.host, self._http_port)
         self.http_port = sock.getsockname()[1]
-        config = uvicorn.Config(build_http_app(self.frontend, **self._http_limits), log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(build_http_app(self.frontend, **self._http_limits), log_level="warning", lifespan="off")
         self._http = _Uvicorn(config)
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
         while not self._http.started:
@@ -97,17 +97,29 @@ class Server:
         await self.shutdown()
 
     async def shutdown(self) -> None:
+        """Drain and stop within drain_timeout in all: requests get most of it, and the last part (a quarter, at
+        most END_S) ends what is left, stops both servers (cancelling any handler still stuck on its client, e.g.
+        one sending a body slowly) and the engine thread, so a supervisor's grace period of drain_timeout holds."""
+        deadline = time.monotonic() + self.drain_timeout
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.0)
+
         self.engine.stop_accepting()
         self._health_task.cancel()
         await set_serving(self._health, False)
-        if not await self.engine.wait_idle(self.drain_timeout):
+        end = min(self.END_S, self.drain_timeout / 4)
+        if not await self.engine.wait_idle(left() - end):
             self.engine.abort_all(ShuttingDown(
                 f"the server shut down before this request finished (drain timeout {self.drain_timeout:g} s)"))
-            await self.engine.wait_idle(5.0)  # let the handlers send that status
-        await self._grpc.stop(grace=1.0)
+            await self.engine.wait_idle(left() / 2)  # let the handlers send that status
+        # uvicorn notices should_exit within 0.1 s and waits 0.1 s more before its graceful wait
+        self._http.config.timeout_graceful_shutdown = max(left() - 0.25, 0.0)
         self._http.should_exit = True
-        await self._http_task
-        self.engine.stop()
+        await asyncio.gather(self._grpc.stop(grace=left()), self._http_task)
+        self.engine.stop(timeout=left())
+
+    END_S = 2.0  # the most of drain_timeout kept for ending what is left and stopping
 
     async def serve_until_signalled(self) -> None:
         """Start, print where it listens, serve until SIGTERM or SIGINT, then drain and stop."""
