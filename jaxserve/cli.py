@@ -43,8 +43,8 @@ flags.DEFINE_integer("max_request_bytes", 32 << 20, "serve: the largest HTTP req
                      "before any parsing.")
 flags.DEFINE_float("stall_timeout", 60.0, "serve: seconds without engine progress, with requests open, before "
                    "health reports NOT_SERVING (HTTP /health 503).")
-flags.DEFINE_float("request_read_timeout", 30.0, "serve: seconds an HTTP client may take between two pieces of its "
-                   "request body (408 past it).")
+flags.DEFINE_float("request_read_timeout", 30.0, "serve: seconds an HTTP client may take to send its request "
+                   "headers (the connection is closed past it) and between two pieces of its body (408 past it).")
 flags.DEFINE_string("target", "127.0.0.1:50051", "client: the server's gRPC address.")
 
 flags.DEFINE_string("policy", "lars", "serve/generate/simulate: the scheduler's prefill ordering policy (fcfs, sjf, "

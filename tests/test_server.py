@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import http.client
 import json
+import socket
 import threading
 import time
 
@@ -296,6 +297,36 @@ def test_a_body_over_the_limit_or_too_slow_is_refused_before_parsing(served, oai
         assert resp.status == status and message in json.loads(resp.read())["error"]["message"]
         conn.close()
     assert oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Does the server close this connection (EOF or reset) within `seconds`?"""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_headers_that_never_end_are_cut_off(served):
+    """D12 (slowloris): a client holding a connection open with half its headers was kept for ever; now it is
+    closed after the read timeout (1 s here), on a fresh connection and on a kept-alive one's next request."""
+    counted = served.server.engine.metrics.errors.labels("read_timeout")._value.get()
+    fresh = socket.create_connection(("127.0.0.1", served.server.http_port))
+    fresh.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    kept = socket.create_connection(("127.0.0.1", served.server.http_port))
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    kept.settimeout(10)
+    assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+    kept.sendall(b"GET /health HTTP/1.1\r\nHo")  # the next request, stalled inside its headers
+    assert closed_within(fresh, 10) and closed_within(kept, 10)
+    fresh.close(), kept.close()
+    assert served.server.engine.metrics.errors.labels("read_timeout")._value.get() == counted + 2
+    assert http_health(served) == 200
 
 
 def test_docs_and_unknown_paths_need_the_key_and_answer_in_openai_shape(served):

@@ -23,6 +23,7 @@ from jaxserve.server.async_engine import AsyncEngine, ShuttingDown
 from jaxserve.server.frontend import Frontend
 from jaxserve.server.grpc_service import build_grpc_server, set_serving
 from jaxserve.server.http_app import build_http_app
+from jaxserve.server.http_protocol import header_deadline_protocol
 
 
 class _Uvicorn(uvicorn.Server):
@@ -44,7 +45,8 @@ class Server:
                  drain_timeout: float = 30.0, max_body_bytes: int = 32 << 20, read_timeout: float = 30.0,
                  stall_timeout: float = 60.0):
         """llm: a jaxserve.LLM, from then on driven by this server only. Port 0 picks a free port.
-        max_body_bytes, read_timeout: the HTTP body limit and the seconds allowed between its pieces;
+        max_body_bytes, read_timeout: the HTTP body limit, and the seconds allowed for a request's headers and
+        between pieces of its body;
         stall_timeout: seconds without engine progress, with requests open, before health says NOT_SERVING."""
         self.host = host
         self._http_limits = {"max_body_bytes": max_body_bytes, "read_timeout": read_timeout}
@@ -62,7 +64,9 @@ class Server:
         await self._grpc.start()
         sock = _listening_socket(self.host, self._http_port)
         self.http_port = sock.getsockname()[1]
-        config = uvicorn.Config(build_http_app(self.frontend, **self._http_limits), log_level="warning", lifespan="off")
+        slow_headers = self.engine.metrics.errors.labels("read_timeout").inc
+        config = uvicorn.Config(build_http_app(self.frontend, **self._http_limits), log_level="warning", lifespan="off",
+                                http=header_deadline_protocol(self._http_limits["read_timeout"], slow_headers))
         self._http = _Uvicorn(config)
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
         while not self._http.started:
