@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from jaxserve.engine.sampling import excerpt
+
 
 class _Strict(BaseModel):
     # JSON types as sent: no booleans as numbers, no numbers as strings, integers where integers are meant,
@@ -49,7 +51,7 @@ class _SamplingRequest(_Strict):
         for name, off in self._off_values().items():
             value = getattr(self, name)
             if value not in (None, off, {}, []):
-                raise ValueError(f"{name}={value!r} is not supported by jaxserve")
+                raise ValueError(f"{name}={excerpt(value)} is not supported by jaxserve")
         return dict(max_tokens=self._max_tokens(), temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                     ignore_eos=self.ignore_eos, ttft_slo=self.ttft_slo)
