@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 
 import jax
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 import jaxserve
 from jaxserve import SamplingParams
+from jaxserve.sched.request import Request as SchedRequest
 
 PROMPTS = [
     "The capital of France is",
@@ -185,6 +187,22 @@ def test_a_request_that_cannot_be_packed_fails_alone(llm, field, value, cause):
     assert "cannot be packed" in ends[rids[1]].error and cause in ends[rids[1]].error
     assert [tokens[rids[0]], tokens[rids[2]]] == [alone[0], alone[2]]
     assert engine.kv.num_free == free and not engine.has_unfinished()
+
+
+def test_finished_requests_leave_nothing_behind(llm):
+    """A server runs for months: once a request ends (finished or aborted), no scheduler or engine structure
+    keeps it (the scheduler used to list every finished request, prompt and output ids included)."""
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, SchedRequest) for o in gc.get_objects())
+
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3))
+    before = alive()
+    llm.generate(PROMPTS, SamplingParams(max_tokens=3))
+    stream = llm.stream(PROMPTS[0], SamplingParams(max_tokens=50))
+    next(stream)
+    stream.close()  # aborted
+    assert alive() == before
 
 
 def test_context_limit_finishes_with_length():

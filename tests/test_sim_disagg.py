@@ -41,7 +41,7 @@ def test_every_request_prefills_transfers_and_decodes():
 def test_dispatch_spreads_requests_over_decode_instances():
     sim = DisaggSimulator(CDSPPlanner(MODEL, POOL, 0.2), best, DisaggConfig(decode_instances=4))
     res = sim.run(long_context("short", 200, 2.0, seed=1), progress=False)
-    served = [len(d.scheduler.finished) for d in sim.decoders]
+    served = [d.scheduler.num_finished for d in sim.decoders]
     assert sum(served) == sum(r.output_len > 1 for r in res.requests)
     assert min(served) > 0.15 * sum(served)  # freeness keeps every instance in use
 

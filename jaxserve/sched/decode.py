@@ -33,7 +33,7 @@ class DecodeScheduler:
         self.swapped: set[str] = set()
         self.in_flight = False
         self.swaps = 0
-        self.finished: list[Request] = []
+        self.num_finished = 0  # a count, not a list: a live instance keeps nothing of what it has served
 
     def add(self, request: Request, predicted: int | None = None) -> None:
         """A prefilled request whose KV has arrived; predicted: its predicted decode length (upper end)."""
@@ -110,6 +110,6 @@ class DecodeScheduler:
             if r.finished:
                 del self.running[r.id]
                 del self.predicted[r.id]
-                self.finished.append(r)
+                self.num_finished += 1
                 done.append(r)
         return done

@@ -43,7 +43,6 @@ class ReplicaScheduler:
         self.running: dict[str, Request] = {}  # requests holding KV, in admission order (the last is preempted first)
         self.decoding: dict[str, Request] = {}
         self.decode_in_flight: set[str] = set()  # a decode token planned, its Outcome not back
-        self.finished: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request not finished
         self._seq: dict[str, int] = {}  # arrival order, kept through preemptions
 
@@ -273,7 +272,6 @@ class ReplicaScheduler:
             self.queue.remove(r)
         del self.requests[r.id]
         del self._seq[r.id]
-        self.finished.append(r)
 
 
 class _Room:
