@@ -477,6 +477,20 @@ def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client
     assert http_health(served) == 200 and grpc_client.health() == "SERVING"
 
 
+def test_health_stays_serving_through_busy_steps(served, grpc_client):
+    """Health read the engine's cache buffers, which a step donates while it runs: probes during a step saw
+    them deleted and answered 503 / NOT_SERVING (found by tools/fuzz_server.py). A busy healthy engine says
+    SERVING every time."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        work = [pool.submit(grpc_client.generate, PROMPT, max_tokens=40, ignore_eos=True) for _ in range(4)]
+        answers = []
+        while not all(w.done() for w in work):
+            answers += [http_health(served), served.call(lambda: served.server.engine.healthy)]
+        for w in work:
+            w.result()
+    assert len(answers) > 20 and set(answers) == {200, True}
+
+
 def test_a_request_whose_own_work_fails_ends_alone(llm, served, grpc_client, oai):
     """One request's per-token work on the engine thread raises (here its detokenizing, injected): that request
     ends with INTERNAL naming it, and a stream decoding in the same steps goes on to its exact greedy text."""

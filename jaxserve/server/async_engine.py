@@ -131,7 +131,11 @@ class AsyncEngine:
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.stall_timeout = stall_timeout
+        # What health reads, written by the engine thread only between steps: reading the engine itself from
+        # another thread would see a step's donated cache buffers as deleted while it runs.
         self._alive_at = time.monotonic()  # when the engine thread last came round its loop
+        self._waiting = False  # the engine thread is idle, waiting for work (alive, however long that lasts)
+        self._can_step = True
         self.engine = engine
         self.capacity = engine.max_num_seqs + max_queue
         self.metrics = metrics or ServerMetrics()
@@ -187,14 +191,16 @@ class AsyncEngine:
 
     @property
     def stalled(self) -> bool:
-        """Requests are open and the engine thread has made no progress for stall_timeout seconds."""
-        return bool(self._open) and time.monotonic() - self._alive_at > self.stall_timeout
+        """Requests are open and the engine thread has made no progress for stall_timeout seconds (not idle:
+        a request submitted to an idle thread is picked up at once)."""
+        return (bool(self._open) and not self._waiting
+                and time.monotonic() - self._alive_at > self.stall_timeout)
 
     @property
     def healthy(self) -> bool:
         """The engine can step and is stepping: false while a failed step's cache could not be rebuilt, or
         while the engine is stalled."""
-        return self.engine.can_step and not self.stalled
+        return self._can_step and not self.stalled
 
     # ---- requests (event-loop side) -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, ttft_slo: float | None = None) -> RequestStream:
@@ -234,7 +240,9 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             if not self.engine.has_unfinished():
+                self._waiting = True
                 self._wake.wait()
+                self._alive_at, self._waiting = time.monotonic(), False
                 self._wake.clear()  # commands queued meanwhile are applied at the top of the loop
                 continue
             self._alive_at = time.monotonic()
@@ -266,7 +274,8 @@ class AsyncEngine:
             self.engine.recover()
         except Exception:  # noqa: BLE001 - e.g. out of device memory: retried, health says NOT_SERVING
             logging.exception("could not rebuild the KV cache; retrying in %g s", self.RECOVER_RETRY_S)
-        return self.engine.can_step
+        self._can_step = self.engine.can_step
+        return self._can_step
 
     def _apply_commands(self) -> bool:
         """Apply queued commands in order; False on stop."""

@@ -24,6 +24,7 @@ from jaxserve.server.frontend import Frontend
 from jaxserve.server.grpc_service import build_grpc_server, set_serving
 from jaxserve.server.http_app import build_http_app
 from jaxserve.server.http_protocol import header_deadline_protocol
+from jaxserve.server.memory import release_free_memory
 
 
 class _Uvicorn(uvicorn.Server):
@@ -76,6 +77,7 @@ class Server:
             await asyncio.sleep(0.01)
         await set_serving(self._health, self.engine.healthy)
         self._health_task = asyncio.create_task(self._follow_health())
+        self._trim_task = asyncio.create_task(self._trim_when_idle())
 
     HEALTH_POLL_S = 0.25
 
@@ -91,6 +93,16 @@ class Server:
                 await set_serving(self._health, healthy)
                 reported = healthy
             await asyncio.sleep(self.HEALTH_POLL_S)
+
+    TRIM_S = 5.0
+
+    async def _trim_when_idle(self) -> None:
+        """Every TRIM_S seconds with no request open, give the heap's free pages back (server/memory.py), so
+        RSS returns to its level after a burst instead of keeping its peak."""
+        while True:
+            await asyncio.sleep(self.TRIM_S)
+            if self.engine.num_open == 0:
+                await asyncio.to_thread(release_free_memory)
 
     def request_stop(self) -> None:
         """Begin draining (safe to call from a signal handler on the loop)."""
@@ -111,6 +123,7 @@ class Server:
 
         self.engine.stop_accepting()
         self._health_task.cancel()
+        self._trim_task.cancel()
         await set_serving(self._health, False)
         end = min(self.END_S, self.drain_timeout / 4)
         if not await self.engine.wait_idle(left() - end):
