@@ -5,6 +5,7 @@ a server that misbehaves on purpose."""
 from __future__ import annotations
 
 import http.server
+import platform
 import random
 import socketserver
 import threading
@@ -14,6 +15,7 @@ import pytest
 from jaxserve.fuzz.grpc_cases import grpc_cases
 from jaxserve.fuzz.http_cases import HttpCase, http_cases, request
 from jaxserve.fuzz.runner import fuzz, send_http
+from jaxserve.server.memory import release_free_memory
 from jaxserve.server.spawn import ServerProcess
 
 KEY = "fuzz-key"
@@ -80,3 +82,8 @@ def misbehaving_port():
 def test_the_judge_flags_each_kind_of_failure(misbehaving_port, path, failure):
     outcome = send_http(misbehaving_port, HttpCase("t", request("POST", path, b"{}")), timeout=10)
     assert (outcome.failure is None) if failure is None else (failure in outcome.failure)
+
+
+def test_the_idle_server_can_give_free_heap_back():
+    """Server._trim_when_idle relies on it: glibc's malloc_trim, found and called (elsewhere, a no-op)."""
+    assert release_free_memory() == (platform.libc_ver()[0] == "glibc")
