@@ -4,17 +4,19 @@ a server that misbehaves on purpose."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.server
 import platform
 import random
 import socketserver
 import threading
 
+import grpc
 import pytest
 
-from jaxserve.fuzz.grpc_cases import grpc_cases
+from jaxserve.fuzz.grpc_cases import GrpcCase, grpc_cases
 from jaxserve.fuzz.http_cases import HttpCase, http_cases, request
-from jaxserve.fuzz.runner import fuzz, send_http
+from jaxserve.fuzz.runner import fuzz, send_grpc, send_http
 from jaxserve.server.memory import release_free_memory
 from jaxserve.server.spawn import ServerProcess
 
@@ -87,3 +89,30 @@ def test_the_judge_flags_each_kind_of_failure(misbehaving_port, path, failure):
 def test_the_idle_server_can_give_free_heap_back():
     """Server._trim_when_idle relies on it: glibc's malloc_trim, found and called (elsewhere, a no-op)."""
     assert release_free_memory() == (platform.libc_ver()[0] == "glibc")
+
+
+@pytest.fixture(scope="module")
+def misbehaving_grpc():
+    """A gRPC server whose one method answers with the status code named in the request."""
+    def answer(request: bytes, context: grpc.ServicerContext) -> bytes:
+        code = grpc.StatusCode[request.decode()]
+        if code is not grpc.StatusCode.OK:
+            context.abort(code, "m" * 5000 if code is grpc.StatusCode.INVALID_ARGUMENT else "x")
+        return b""
+
+    handler = grpc.method_handlers_generic_handler("t.S", {"M": grpc.unary_unary_rpc_method_handler(answer)})
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield channel
+    server.stop(0)
+
+
+@pytest.mark.parametrize("code, failure", [("INTERNAL", "INTERNAL"), ("UNKNOWN", "UNKNOWN"),
+                                           ("UNAVAILABLE", "dropped"), ("CANCELLED", "cancelled"),
+                                           ("INVALID_ARGUMENT", "echoed"), ("RESOURCE_EXHAUSTED", None),
+                                           ("OK", None)])
+def test_the_judge_flags_each_kind_of_grpc_failure(misbehaving_grpc, code, failure):
+    outcome = send_grpc(misbehaving_grpc, GrpcCase("t", "/t.S/M", code.encode(), False, None, 10.0))
+    assert (outcome.failure is None) if failure is None else (failure in outcome.failure)

@@ -25,7 +25,7 @@ DRAIN_S = 3.0
 @pytest.fixture
 def server():
     s = ServerProcess("--max_model_len=1024", "--kv_cache_gib=0.1", f"--api_key={KEY}", f"--drain_timeout={DRAIN_S:g}")
-    yield s.proc, s.grpc_port, s.http_port
+    yield s.proc, s.grpc_port, s.http_port, s.log
     if s.proc.poll() is None:
         s.proc.kill()
     s.proc.wait()
@@ -43,7 +43,7 @@ def http_status(port: int, method: str, path: str, key: str | None = None) -> in
 
 
 def test_client_command_streams_the_reply_and_the_key_guards_both_interfaces(llm, server):
-    _, grpc_port, http_port = server
+    _, grpc_port, http_port, _ = server
     prompt = "What is the capital of France?"
     args = ("client", f"--target=127.0.0.1:{grpc_port}", f"--prompt={prompt}", "--max_tokens=12")
     proc = run_cli(*args, f"--api_key={KEY}")
@@ -60,7 +60,7 @@ def test_client_command_streams_the_reply_and_the_key_guards_both_interfaces(llm
 
 
 def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(server):
-    proc, grpc_port, http_port = server
+    proc, grpc_port, http_port, server_log = server
     client = Client(f"127.0.0.1:{grpc_port}", api_key=KEY)
     started = {name: threading.Event() for name in ("long", "short")}
     results: dict[str, object] = {}
@@ -107,8 +107,13 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(server):
     assert isinstance(long, grpc.RpcError) and long.code() == grpc.StatusCode.UNAVAILABLE
     assert "shut down before this request finished" in long.details()
     assert proc.wait(60) == 0
-    # drain_timeout bounds the whole shutdown, the stalled client included (+1.5 s for the interpreter to exit;
-    # before, uvicorn's own 5 s grace came on top)
-    assert time.monotonic() - signalled < DRAIN_S + 1.5
+    # drain_timeout bounds the whole shutdown, the stalled client included (+2 s for the interpreter to exit;
+    # before, uvicorn's own 5 s grace came on top: drain + 6 s)
+    assert time.monotonic() - signalled < DRAIN_S + 2.0
+    # the body still arriving when draining began was refused at once, in OpenAI's shape, not cut off
+    stalled.settimeout(10)
+    reply = stalled.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 503") and b"shutting down" in reply, reply
     stalled.close()
+    assert "Traceback" not in server_log(), server_log()
     client.close()

@@ -180,7 +180,9 @@ class Engine:
                 sampled = self.runner.execute([self._row(i) for i in items]) if items else np.zeros(0, np.int32)
                 break
             except BadRow as e:  # one request's inputs: it fails alone, the step runs without it
-                outputs.append(self._error(items.pop(e.index).request_id, str(e)))
+                rid = items.pop(e.index).request_id
+                logging.warning("request %s fails alone: %s", rid, e)
+                outputs.append(self._error(rid, str(e)))
             except Exception as e:
                 self._fail(plan)
                 raise StepFailed(f"the engine step failed: {e}", sorted(plan.request_ids)) from e

@@ -9,7 +9,7 @@ import json
 import random
 from typing import Any
 
-from jaxserve.fuzz.values import CONTROL_TEXT, hostile_string, hostile_value, nested
+from jaxserve.fuzz.values import CONTROL_TEXT, NUMBERS, hostile_string, hostile_value, nested
 
 COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                      "stop_token_ids", "ignore_eos", "ttft_slo", "stream", "stream_options", "user", "n",
@@ -100,6 +100,8 @@ def _field_case(rng: random.Random, chat: bool, model: str, key: str | None) -> 
             body["prompt"] = _mutate_prompt(rng)
         elif name == "messages":
             body["messages"] = _mutate_messages(rng)
+        elif name == "max_tokens":  # not null either: a chat would run to the end of the context
+            body[name] = rng.choice([v for v in NUMBERS if v is not None] + ["8", True, [], {}])
         else:
             body[name] = hostile_value(rng)
     path = "/v1/chat/completions" if chat else "/v1/completions"

@@ -1,8 +1,8 @@
 """Sends fuzz cases to a running server from several threads while a canary stream checks that everyone else is
 still served: the canary's greedy text must never change and its inter-token gaps show any stall. Classifies
-every reply: a failure is a 5xx (or an SSE error event with a 5xx code), a connection dropped without a reply,
-an error body not in OpenAI's shape or echoing the input at length, a gRPC UNKNOWN or INTERNAL, or a call that did
-not end in time (a hang)."""
+every reply: a failure is a 5xx (or an SSE error event with a 5xx code), a connection dropped (without a reply;
+gRPC UNAVAILABLE, or CANCELLED the client did not ask for), an error body not in OpenAI's shape or echoing the
+input at length, a gRPC UNKNOWN or INTERNAL, or a call that did not end in time (a hang)."""
 
 from __future__ import annotations
 
@@ -79,15 +79,15 @@ def send_http(port: int, case: HttpCase, timeout: float) -> Outcome:
         except (http.client.RemoteDisconnected, ConnectionResetError, http.client.BadStatusLine) as e:
             return out("dropped", f"no reply: {type(e).__name__}: {e}")
         status = reply.status
-        body = reply.read(64) if case.leave_early else reply.read()
+        body = reply.read(64) if case.leave_early and status == 200 else reply.read()
         if status >= 500 or _sse_server_error(body):
             return out(str(status), f"server error: {body[:500]!r}")
         problem = _error_problem(body) if case.in_app and status >= 400 else None
         return out(str(status), problem)
     except TimeoutError:
         return out("timeout", f"no complete reply within {timeout:g} s")
-    except (ConnectionResetError, http.client.IncompleteRead) as e:
-        return out("cut", f"reply cut off: {type(e).__name__}")
+    except (http.client.HTTPException, OSError) as e:  # a reply begun, then broken off or garbled
+        return out("cut", f"reply cut off: {type(e).__name__}: {e}")
     finally:
         sock.close()
 
@@ -111,6 +111,10 @@ def send_grpc(channel: grpc.Channel, case: GrpcCase) -> Outcome:
     failure = None
     if code in BAD_GRPC:
         failure = f"{code.name}: {details[:500]}"
+    elif code is grpc.StatusCode.UNAVAILABLE:  # the connection dropped (the server is never shutting down here)
+        failure = f"dropped: {details[:500]}"
+    elif code is grpc.StatusCode.CANCELLED and not case.cancel_after_first:
+        failure = f"cancelled by the server: {details[:500]}"
     elif code is grpc.StatusCode.DEADLINE_EXCEEDED and case.timeout >= 10:
         failure = f"no end within its {case.timeout:g} s deadline"
     elif len(details) > MAX_MESSAGE:

@@ -140,6 +140,7 @@ class AsyncEngine:
         self.capacity = engine.max_num_seqs + max_queue
         self.metrics = metrics or ServerMetrics()
         self.accepting = True
+        self.closing = asyncio.Event()  # set with accepting = False: a request still arriving is refused at once
         self.steps = 0  # engine iterations run (tests read it to bound how soon an abort lands)
         self._prefix = (0, 0)  # prefix-cache (queries, hits) already counted in the metrics
         self._preemptions = 0
@@ -170,7 +171,9 @@ class AsyncEngine:
                 logging.warning("the engine thread is still in a step after %g s; not waiting for it", timeout)
 
     def stop_accepting(self) -> None:
+        """Refuse new requests from now on (draining); call from the event loop."""
         self.accepting = False
+        self.closing.set()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until every submitted request has ended; False if `timeout` seconds passed first."""
@@ -319,7 +322,7 @@ class AsyncEngine:
             if live is None:
                 continue
             self.engine.abort(rid)
-            self.metrics.finished.labels("abort").inc()
+            self.metrics.finished.labels("error").inc()
             self._post(live.stream, error)
         self._update_gauges()
 

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine.engine import RequestOutput
-from jaxserve.server.async_engine import RequestStream
+from jaxserve.server.async_engine import RequestStream, ShuttingDown
 from jaxserve.server.frontend import REFUSED, Frontend, ReadTimeout, TooLarge, Unauthenticated, excerpt, refusal
 from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
@@ -58,8 +58,8 @@ class _RequireApiKey:
 
 class _ReadBody:
     """ASGI middleware: a request body is read whole, up to `max_bytes` (413 past it, from Content-Length before
-    reading) and within `timeout` seconds per read (408 for a client that stalls), before any parsing; the app
-    then reads it from memory."""
+    reading) and within `timeout` seconds per read (408 for a client that stalls; 503 if the server begins to
+    drain meanwhile), before any parsing; the app then reads it from memory."""
 
     def __init__(self, app: Any, frontend: Frontend, max_bytes: int, timeout: float):
         self.app, self.frontend, self.max_bytes, self.timeout = app, frontend, max_bytes, timeout
@@ -73,20 +73,27 @@ class _ReadBody:
             await self._too_large(scope, receive, send)
             return
         body, more = bytearray(), True
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), self.timeout)
-            except asyncio.TimeoutError:
-                await self._answer(ReadTimeout(f"the request body did not arrive within {self.timeout:g} s"),
-                                   scope, receive, send)
-                return
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                await self._too_large(scope, receive, send)
-                return
-            more = message.get("more_body", False)
+        closing = asyncio.ensure_future(self.frontend.engine.closing.wait())  # draining: refuse at once
+        try:
+            while more:
+                receiving = asyncio.ensure_future(receive())
+                await asyncio.wait((receiving, closing), timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+                if not receiving.done():
+                    receiving.cancel()
+                    error = ShuttingDown("the server is shutting down and accepts no new requests") if closing.done() \
+                        else ReadTimeout(f"the request body did not arrive within {self.timeout:g} s")
+                    await self._answer(error, scope, receive, send)
+                    return
+                message = receiving.result()
+                if message["type"] == "http.disconnect":
+                    return
+                body += message.get("body", b"")
+                if len(body) > self.max_bytes:
+                    await self._too_large(scope, receive, send)
+                    return
+                more = message.get("more_body", False)
+        finally:
+            closing.cancel()
         replayed = False
 
         async def replay() -> dict:

@@ -112,31 +112,34 @@ class Server:
         await self._stop.wait()
         await self.shutdown()
 
+    END_S = 2.0  # the most of drain_timeout kept for ending what is left and stopping
+
     async def shutdown(self) -> None:
-        """Drain and stop within drain_timeout in all: requests get most of it, and the last part (a quarter, at
-        most END_S) ends what is left, stops both servers (cancelling any handler still stuck on its client, e.g.
-        one sending a body slowly) and the engine thread, so a supervisor's grace period of drain_timeout holds."""
+        """Drain and stop within drain_timeout in all. Requests get most of it; the last part (a quarter, at most
+        END_S) ends what is left (half of it), stops both servers (cancelling any handler still stuck on its
+        client) and, in the last eighth, the engine thread; so a supervisor's grace period of drain_timeout
+        holds. Bodies still arriving when draining begins are refused at once (503)."""
         deadline = time.monotonic() + self.drain_timeout
 
         def left() -> float:
             return max(deadline - time.monotonic(), 0.0)
 
+        end = min(self.END_S, self.drain_timeout / 4)
         self.engine.stop_accepting()
         self._health_task.cancel()
         self._trim_task.cancel()
-        await set_serving(self._health, False)
-        end = min(self.END_S, self.drain_timeout / 4)
-        if not await self.engine.wait_idle(left() - end):
-            self.engine.abort_all(ShuttingDown(
-                f"the server shut down before this request finished (drain timeout {self.drain_timeout:g} s)"))
-            await self.engine.wait_idle(left() / 2)  # let the handlers send that status
-        # uvicorn notices should_exit within 0.1 s and waits 0.1 s more before its graceful wait
-        self._http.config.timeout_graceful_shutdown = max(left() - 0.25, 0.0)
-        self._http.should_exit = True
-        await asyncio.gather(self._grpc.stop(grace=left()), self._http_task)
-        self.engine.stop(timeout=left())
-
-    END_S = 2.0  # the most of drain_timeout kept for ending what is left and stopping
+        try:
+            await set_serving(self._health, False)
+            if not await self.engine.wait_idle(left() - end):
+                self.engine.abort_all(ShuttingDown(
+                    f"the server shut down before this request finished (drain timeout {self.drain_timeout:g} s)"))
+                await self.engine.wait_idle(left() - end / 2)  # let the handlers send that status
+            # uvicorn notices should_exit within 0.1 s and waits 0.1 s more before its graceful wait
+            self._http.config.timeout_graceful_shutdown = max(left() - end / 8 - 0.25, 0.0)
+            self._http.should_exit = True
+            await asyncio.gather(self._grpc.stop(grace=max(left() - end / 8, 0.0)), self._http_task)
+        finally:
+            await asyncio.to_thread(self.engine.stop, max(left(), end / 8))
 
     async def serve_until_signalled(self) -> None:
         """Start, print where it listens, serve until SIGTERM or SIGINT, then drain and stop."""

@@ -41,7 +41,8 @@ class ServerMetrics:
                                       "jaxserve_engine_step_seconds_sum: how far the model is off live).",
                                       registry=r)
         self.finished = Counter("jaxserve_requests_finished", "Requests that left the engine, by reason "
-                                "(stop, length, abort: the client left or the server shut down).", ["reason"],
+                                "(stop, length, abort: the client left or the server shut down, error: the engine "
+                                "could not run it).", ["reason"],
                                 registry=r)
         self.errors = Counter("jaxserve_request_errors", "Requests answered with an error, by reason (invalid, "
                               "unauthenticated, too_large, read_timeout, queue_full, shutting_down, engine_failed, "
