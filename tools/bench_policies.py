@@ -25,7 +25,6 @@ import logging
 import pathlib
 import tempfile
 import time
-import urllib.request
 
 import matplotlib
 
@@ -34,7 +33,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
 from absl import app, flags  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from jaxserve.sched.batch_cost import EngineStepCost  # noqa: E402
@@ -102,13 +100,6 @@ def server_flags(policy: str, multi: bool, sharing: bool, cost_profile: str) -> 
             f"--max_num_batched_tokens={FLAGS.max_num_batched_tokens}", f"--kv_cache_gib={FLAGS.kv_cache_gib}",
             f"--ttft_slo={FLAGS.ttft_slo}", f"--served_model_name={MODEL}", f"--api_key={API_KEY}",
             "--max_queue=4096"]
-
-
-def scrape(port: int) -> dict[str, float]:
-    """The server's /metrics samples (unlabelled ones) by name."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if not s.labels}
 
 
 async def drive(port: int, arrivals: list[Arrival], bar: tqdm) -> list[Request]:
@@ -204,10 +195,10 @@ def main(argv: list[str]) -> None:
             label, policy, multi, sharing = VARIANTS[key]
             with ServerProcess(*server_flags(policy, multi, sharing, cost_path)) as server:
                 cost = EngineStepCost.from_dict(json.loads(pathlib.Path(cost_path).read_text()))
-                kv_tokens = int(scrape(server.http_port)["jaxserve_kv_cache_blocks_free"]) * 16  # block size
+                kv_tokens = int(server.metrics()["jaxserve_kv_cache_blocks_free"]) * 16  # block size
                 with tqdm(total=len(arrivals), desc=label, unit="req") as bar:
                     live[key] = asyncio.run(drive(server.http_port, arrivals, bar))
-                m = scrape(server.http_port)
+                m = server.metrics()
                 steps = {"count": m["jaxserve_engine_step_seconds_count"],
                          "live_s": m["jaxserve_engine_step_seconds_sum"],
                          "model_s": m["jaxserve_engine_step_predicted_seconds_total"]}

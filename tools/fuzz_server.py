@@ -16,7 +16,6 @@ import json
 import pathlib
 import sys
 import time
-import urllib.request
 
 from absl import app, flags
 from tqdm import tqdm
@@ -48,17 +47,11 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{") or
-               line.startswith(name + " "))
-
-
-def settle(port: int, timeout: float = 60.0) -> None:
+def settle(server: ServerProcess, timeout: float = 60.0) -> None:
     """Wait until nothing is running or waiting (aborted requests leave within a step), then for the idle
     server's heap trim (Server.TRIM_S)."""
     deadline = time.monotonic() + timeout
-    while metric(port, "jaxserve_num_requests_running") + metric(port, "jaxserve_num_requests_waiting") > 0:
+    while (m := server.metrics())["jaxserve_num_requests_running"] + m["jaxserve_num_requests_waiting"] > 0:
         if time.monotonic() > deadline:
             raise RuntimeError("the server did not go idle")
         time.sleep(0.2)
@@ -68,20 +61,20 @@ def settle(port: int, timeout: float = 60.0) -> None:
 def main(_) -> None:
     with ServerProcess(*SERVER_FLAGS) as server:
         pid = server.proc.pid
-        settle(server.http_port)
+        settle(server)
         rss_idle = rss_bytes(pid)
         # A warm-up round of the same mix (another seed): the pools and arenas a server fills on first use
         # (gRPC's above all) are its working size, not growth
         fuzz(server.http_port, server.grpc_port, model=MODEL, key=KEY, n_http=FLAGS.warmup // 4 * 3,
              n_grpc=FLAGS.warmup // 4, seed=FLAGS.seed + 1, workers=FLAGS.workers)
-        settle(server.http_port)
+        settle(server)
         rss_start = rss_bytes(pid)
         with tqdm(total=FLAGS.http + FLAGS.grpc, desc="fuzz", unit="req") as bar:
             report = fuzz(server.http_port, server.grpc_port, model=MODEL, key=KEY, n_http=FLAGS.http,
                           n_grpc=FLAGS.grpc, seed=FLAGS.seed, workers=FLAGS.workers, progress=bar.update)
-        settle(server.http_port)
+        settle(server)
         rss_end = rss_bytes(pid)
-        kv_used = metric(server.http_port, "jaxserve_kv_cache_blocks_used")
+        kv_used = server.metrics()["jaxserve_kv_cache_blocks_used"]
         alive = server.proc.poll() is None
         summary = {**report.summary(), "seed": FLAGS.seed, "workers": FLAGS.workers,
                    "warmup_requests": FLAGS.warmup, "rss_idle_mib": round(rss_idle / 2**20, 1),

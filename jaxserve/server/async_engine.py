@@ -33,6 +33,9 @@ class ShuttingDown(Exception):
     """The server is draining: new requests are refused, and unfinished ones are ended when it stops."""
 
 
+NOT_ACCEPTING = "the server is shutting down and accepts no new requests"
+
+
 class EngineFailed(Exception):
     """An engine step raised, or one request's part of it could not run; those requests were ended (the others
     go on)."""
@@ -210,7 +213,7 @@ class AsyncEngine:
         """Queue a request; ValueError names what is wrong with it, QueueFull / ShuttingDown refuse it.
         ttft_slo: seconds to its first token (the deadline edf / lrs / lars rank by); None: the server's SLO."""
         if not self.accepting:
-            raise ShuttingDown("the server is shutting down and accepts no new requests")
+            raise ShuttingDown(NOT_ACCEPTING)
         ids = self.engine.check_request(prompt_ids, params)  # reads only the model's fixed config
         if ttft_slo is not None and not (isinstance(ttft_slo, (int, float)) and not isinstance(ttft_slo, bool)
                                          and 0 < ttft_slo < float("inf")):

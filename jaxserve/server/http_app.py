@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine.engine import RequestOutput
-from jaxserve.server.async_engine import RequestStream, ShuttingDown
+from jaxserve.server.async_engine import NOT_ACCEPTING, RequestStream, ShuttingDown
 from jaxserve.server.frontend import REFUSED, Frontend, ReadTimeout, TooLarge, Unauthenticated, excerpt, refusal
 from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
@@ -80,7 +80,7 @@ class _ReadBody:
                 await asyncio.wait((receiving, closing), timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
                 if not receiving.done():
                     receiving.cancel()
-                    error = ShuttingDown("the server is shutting down and accepts no new requests") if closing.done() \
+                    error = ShuttingDown(NOT_ACCEPTING) if closing.done() \
                         else ReadTimeout(f"the request body did not arrive within {self.timeout:g} s")
                     await self._answer(error, scope, receive, send)
                     return

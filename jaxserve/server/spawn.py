@@ -13,7 +13,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 _LISTENING = re.compile(r"gRPC on 127\.0\.0\.1:(\d+), HTTP on http://127\.0\.0\.1:(\d+)")
 
@@ -36,6 +39,12 @@ class ServerProcess:
             self.proc.wait()
             raise RuntimeError(f"the server did not start: {line!r}\n{self.log()}")
         self.grpc_port, self.http_port = int(match[1]), int(match[2])
+
+    def metrics(self) -> dict[str, float]:
+        """The server's /metrics samples without labels (gauges, counters, histogram sums), by name."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=30).read().decode()
+        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if not s.labels}
 
     def log(self) -> str:
         """What the server has written to stderr so far."""
