@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.sharding import layouts
 from jaxserve.sharding.mesh import SP
 from jaxserve.sharding.ring import ring_attention
@@ -27,7 +28,7 @@ def sp_size(mesh: Mesh) -> int:
     return mesh.shape[SP]
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "strategy", "layout"))
+@functools.partial(jax.jit, static_argnames=("mesh", "strategy", "layout", "implementation"))
 def chunk_attention_sp(
     mesh: Mesh,
     q: Float[Array, "n h d"],
@@ -41,17 +42,21 @@ def chunk_attention_sp(
     *,
     strategy: Strategy = "ring",
     layout: layouts.Layout = "zigzag",
+    implementation: Implementation | None = None,
 ) -> Float[Array, "n h d"]:
+    """implementation: the attention kernel's (pallas_kernels.dispatch); default the backend's choice."""
     p = sp_size(mesh)
     perm = layouts.permutation(q.shape[0], p, layout)
-    local = functools.partial(ring_attention if strategy == "ring" else ulysses_attention, axis_size=p)
+    local = functools.partial(ring_attention if strategy == "ring" else ulysses_attention, axis_size=p,
+                              implementation=implementation)
 
     def body(*args):
         out = local(*args)
         return out[0] if strategy == "ring" else out
 
     seq = P(SP)
-    out = jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 8, out_specs=seq)(
+    # check_vma=False: a Pallas kernel inside shard_map has no varying-axes rule (trace-time error otherwise)
+    out = jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 8, out_specs=seq, check_vma=False)(
         *(jax.lax.with_sharding_constraint(x, NamedSharding(mesh, seq))
           for x in (q[perm], k[perm], v[perm], q_pos[perm], k_pos[perm], hist_k, hist_v, hist_pos)))
     return out[jnp.asarray(layouts.inverse(perm))]

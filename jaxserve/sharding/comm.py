@@ -37,7 +37,7 @@ def ring_bytes(s: Shape) -> int:
     if s.history == 0:
         return chunk
     queries = (p - 1) * s.tokens * s.heads * s.head_dim * s.dtype_bytes
-    partials = (p - 1) * s.tokens * s.heads * (s.head_dim + 1) * 4 // p
+    partials = (p - 1) * s.tokens * s.heads * (s.head_dim + 1) * 4  # every device's [t, h, d + 1] for the others
     maxima = 2 * (p - 1) * s.tokens * s.heads * 4
     return chunk + queries + partials + maxima
 

@@ -23,8 +23,10 @@ def kv_parallel_decode(
     *,
     block_size: int,
     axis_name: str = SP,
+    implementation: kernels.Implementation | None = None,
 ) -> Float[Array, "b h d"]:
     """q is the same on every device; the cache, block tables and kv_lens describe this device's shard."""
     o, lse = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, kv_lens,
-                                            block_size=block_size, num_splits=1)
+                                            block_size=block_size, num_splits=1,
+                                            implementation=implementation)
     return merge_over(o[:, 0], lse[:, 0], axis_name)[0]

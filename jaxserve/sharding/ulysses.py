@@ -41,6 +41,7 @@ def ulysses_attention(
     *,
     axis_size: int,
     axis_name: str = SP,
+    implementation: kernels.Implementation | None = None,
 ) -> Float[Array, "t h d"]:
     h, kvh = q.shape[1], k.shape[1]
     rep = kv_heads_for(h, kvh, axis_size) // kvh
@@ -50,5 +51,6 @@ def ulysses_attention(
     key_pos = jax.lax.all_gather(jnp.concatenate([hist_pos, k_pos]), axis_name, tiled=True)
     all_q_pos = jax.lax.all_gather(q_pos, axis_name, tiled=True)
     o, _ = kernels.chunk_attention(_seq_to_heads(q, axis_name), _seq_to_heads(keys, axis_name),
-                                   _seq_to_heads(values, axis_name), all_q_pos, key_pos)
+                                   _seq_to_heads(values, axis_name), all_q_pos, key_pos,
+                                   implementation=implementation)
     return jax.lax.all_to_all(o, axis_name, split_axis=0, concat_axis=1, tiled=True)

@@ -66,6 +66,22 @@ def test_chunk_attention_sp_matches_dense(devices, strategy, layout, p, h, kvh, 
     close(np.asarray(got)[:valid], want, terms=history + valid)  # the last query's keys
 
 
+@pytest.mark.parametrize("p", [2, 4])
+def test_ring_with_pallas_kernels_inside_shard_map(devices, p):
+    """The Pallas kernels (interpret mode on CPU) under shard_map: what a GPU traces (needs check_vma=False)."""
+    rng = np.random.default_rng([p, 11])
+    n, h, kvh, history = 32, 6, 2, 13
+    q, k, v = rand(rng, n, h, D), rand(rng, n, kvh, D), rand(rng, n, kvh, D)
+    pos = (history + np.arange(n)).astype(np.int32)
+    hk, hv = rand(rng, history, kvh, D), rand(rng, history, kvh, D)
+    HK, HV, HP, _ = scatter_history(rng, hk, hv, p, history)
+    got = chunk_attention_sp(make_mesh(devices[:p]), *(jnp.asarray(x) for x in (q, k, v, pos, pos, HK, HV, HP)),
+                             implementation="interpret")
+    want = dense_attention(q, np.concatenate([hk, k]), np.concatenate([hv, v]), pos,
+                           np.concatenate([np.arange(history), pos]))
+    close(got, want, terms=history + n)
+
+
 @pytest.mark.parametrize("p", SIZES)
 @pytest.mark.parametrize("h, kvh", HEADS)
 @pytest.mark.parametrize("history", [0, 12])
@@ -99,7 +115,8 @@ def test_sp_tp_attention_matches_dense(devices, p, h, kvh, history):
 
 @pytest.mark.parametrize("p", SIZES)
 @pytest.mark.parametrize("h, kvh", HEADS)
-def test_kv_parallel_decode_matches_dense(devices, p, h, kvh):
+@pytest.mark.parametrize("implementation", ["reference", "interpret"])
+def test_kv_parallel_decode_matches_dense(devices, p, h, kvh, implementation):
     rng = np.random.default_rng([p, h, 3])
     b, bs, per_dev_blocks = 3, 4, 24
     total = [37, 5, 80]  # uneven lengths; the 5-token request leaves most devices empty
@@ -121,8 +138,9 @@ def test_kv_parallel_decode_matches_dense(devices, p, h, kvh):
             K[i, sl], V[i, sl], lens[i, r] = full_k[r][lo:hi], full_v[r][lo:hi], hi - lo
     mesh = make_mesh(devices[:p])
     fn = jax.shard_map(
-        lambda q_, k_, v_, t_, l_: kv_parallel_decode(q_, k_[0], v_[0], t_[0], l_[0], block_size=bs),
-        mesh=mesh, in_specs=(P(), P(SP), P(SP), P(SP), P(SP)), out_specs=P())
+        lambda q_, k_, v_, t_, l_: kv_parallel_decode(q_, k_[0], v_[0], t_[0], l_[0], block_size=bs,
+                                                      implementation=implementation),
+        mesh=mesh, in_specs=(P(), P(SP), P(SP), P(SP), P(SP)), out_specs=P(), check_vma=False)
     got = np.asarray(fn(q, K, V, tables, lens))
     for r, n in enumerate(total):
         want = dense_attention(q[r:r + 1], full_k[r], full_v[r], [n - 1], np.arange(n))
@@ -189,4 +207,9 @@ def test_comm_bytes_orders_strategies_sensibly():
     decode = comm.per_layer_bytes(comm.Shape(tokens=1, devices=8, history=100_000, **model))
     assert decode["decode_query_moving"] < decode["decode_kv_moving"] / 100  # long history: move q, not KV
     assert comm.per_layer_bytes(comm.Shape(tokens=4096, devices=1, **model))["ring"] == 0
+    # with history: the chunk's K/V, the all-gathered queries, every device's float32 [t, h, d + 1] partials for
+    # the p - 1 others (a reduce-scatter of the whole group's), and the log-sum-exp maxima
+    t, p, h, d = 4096, 8, 32, 128
+    assert with_history["ring"] == (prefill["ring"] + (p - 1) * t * h * d * 2 + (p - 1) * t * h * (d + 1) * 4
+                                    + 2 * (p - 1) * t * h * 4)
     assert comm.rebalance_bytes([400, 400, 0, 0], 1) == 400  # 2 -> 4: half of the history moves
