@@ -129,29 +129,45 @@ class LLM:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         source = registry.resolve(model)
         _enable_compilation_cache()
-        self.model_name = model
+        self.model_name, self._dtype_name = model, dtype
         self.config, params, self.tokenizer = _load(source, dtype)
         cfg = self.config
         token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(_DTYPES[dtype]).itemsize
         kv_tokens = kv_cache_tokens or int(kv_cache_gib * 2**30 // token_bytes)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, kv_tokens)
-        num_blocks = -(-kv_tokens // block_size) + 1  # + the scratch block
-        buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, key_block,
-                               max_prefills=max_prefills_per_step)
-        runner = ModelRunner(cfg, params, _DTYPES[dtype], num_blocks=num_blocks, block_size=block_size,
-                             buckets=buckets, key_block=key_block)
-        runner.warmup(progress)
-        path = pathlib.Path(cost_profile) if cost_profile else profile.default_path(model, dtype, runner)
-        self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
-        packer = engine_packer(self.cost, max_batch_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                               max_model_len=self.max_model_len, chunk_align=buckets.tokens[0],
-                               max_prefills=buckets.max_prefills, multi_prefill=multi_prefill,
-                               space_sharing=space_sharing, t_target=iteration_budget)
-        kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-        scheduler = ReplicaScheduler(make_policy(policy), self.cost, packer, kv, slo=SLO(ttft_min=ttft_slo),
-                                     max_running=max_num_seqs)
-        self.engine = Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
+        self._params, self._dtype = params, _DTYPES[dtype]
+        self._num_blocks = -(-kv_tokens // block_size) + 1  # + the scratch block
+        self._block_size, self._key_block, self._cost_profile = block_size, key_block, cost_profile
+        self._buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, key_block,
+                                     max_prefills=max_prefills_per_step)
+        self._sched_args = dict(policy=policy, ttft_slo=ttft_slo, prefix_caching=prefix_caching,
+                                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                multi_prefill=multi_prefill, space_sharing=space_sharing,
+                                iteration_budget=iteration_budget)
+        self.cost = None
+        self.engine = self.make_engine(None, progress)
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
+
+    def make_engine(self, device: jax.Device | None, progress: bool = True) -> Engine:
+        """An engine with this LLM's settings on `device` (default: JAX's default device), its step programs
+        compiled; the step cost model is measured once (on the first engine) and shared."""
+        a = self._sched_args
+        runner = ModelRunner(self.config, self._params, self._dtype, num_blocks=self._num_blocks,
+                             block_size=self._block_size, buckets=self._buckets, key_block=self._key_block,
+                             device=device)
+        runner.warmup(progress)
+        if self.cost is None:
+            path = (pathlib.Path(self._cost_profile) if self._cost_profile else
+                    profile.default_path(self.model_name, self._dtype_name, runner))
+            self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
+        packer = engine_packer(self.cost, max_batch_tokens=a["max_num_batched_tokens"], max_num_seqs=a["max_num_seqs"],
+                               max_model_len=self.max_model_len, chunk_align=self._buckets.tokens[0],
+                               max_prefills=self._buckets.max_prefills, multi_prefill=a["multi_prefill"],
+                               space_sharing=a["space_sharing"], t_target=a["iteration_budget"])
+        kv = KVCacheManager(self._num_blocks, self._block_size, enable_prefix_caching=a["prefix_caching"])
+        scheduler = ReplicaScheduler(make_policy(a["policy"]), self.cost, packer, kv, slo=SLO(ttft_min=a["ttft_slo"]),
+                                     max_running=a["max_num_seqs"])
+        return Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
 
     # ---- prompts ------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -255,4 +271,4 @@ class LLM:
         """Logits [tokens, vocab] of every prompt position: a scoring pass outside the serving path."""
         _, ids = self._prompt_ids(prompt)
         ids = self.engine.check_request(ids, SamplingParams())
-        return scoring.prompt_logits(self.config, self.engine.runner.params, self.engine.runner.dtype, ids)
+        return scoring.prompt_logits(self.config, self._params, self._dtype, ids)

@@ -10,8 +10,8 @@ import pytest
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
-# Needs 8 devices: run by tests/test_multidevice.py in its own process.
-collect_ignore = ["multidevice"]
+# Need 8 and 12 devices: run by tests/test_multidevice.py and tests/test_cluster.py in their own processes.
+collect_ignore = ["multidevice", "cluster"]
 
 
 @pytest.fixture(scope="session")

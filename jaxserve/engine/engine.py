@@ -133,6 +133,40 @@ class Engine:
         self._live[rid] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, ids), StopMatcher(params.stop))
         return rid
 
+    # ---- requests prefilled elsewhere (a prefill pool; cluster/) ------------------------------------------
+    def expect(self, ids: list[int], params: SamplingParams, request_id: str, seed: int) -> None:
+        """A checked request whose prompt is prefilled elsewhere: its text and stop state live here from now;
+        its first token comes from the prefill (first_token), its KV lands in blocks it reserves (reserve, then
+        the runner's land), and it decodes once admitted (admit_prefilled)."""
+        r = sched_request.Request(request_id, self.clock(), len(ids),
+                                  min(params.max_tokens, self.max_model_len - len(ids)), token_ids=list(ids))
+        self._live[request_id] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, ids),
+                                       StopMatcher(params.stop))
+
+    def first_token(self, request_id: str, token: int) -> RequestOutput:
+        """The prefill's sampled token, turned into text and stop decisions; a request it finishes ends here."""
+        live = self._live[request_id]
+        out = self._append(live, token)
+        live.sched.token_ids.append(token)
+        live.sched.add_tokens(1, self.clock())
+        if out.finished:
+            self.abort(request_id)
+        return out
+
+    def reserve(self, request_id: str) -> list[int] | None:
+        """The block table its prompt's KV lands in (None while the blocks or the batch are full)."""
+        blocks = self.scheduler.reserve(self._live[request_id].sched)
+        if blocks is not None:
+            self._tables[request_id] = list(blocks)
+        return blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables[request_id]
+
+    def admit_prefilled(self, request_id: str) -> None:
+        """Its prompt's KV has landed: it decodes from the next step."""
+        self.scheduler.add_prefilled(self._live[request_id].sched)
+
     def abort(self, request_id: str) -> bool:
         if self._live.pop(request_id, None) is None:
             return False

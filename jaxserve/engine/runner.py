@@ -21,15 +21,18 @@ from jaxserve.engine.kv_cache import RaggedPagedBackend, allocate_caches
 from jaxserve.engine.sampling import sample
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
+from jaxserve.sharding import rows
 
 
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Any, dtype: jnp.dtype, *, num_blocks: int, block_size: int,
-                 buckets: batch.Buckets, key_block: int):
-        self.cfg, self.params, self.dtype = cfg, params, dtype
+                 buckets: batch.Buckets, key_block: int, device: jax.Device | None = None):
+        """device: where the weights, the cache and the step run (default: JAX's default device)."""
+        self.device = device or jax.devices()[0]
+        self.cfg, self.params, self.dtype = cfg, jax.device_put(params, self.device), dtype
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
         self.model = Llama(cfg, RaggedPagedBackend(block_size, key_block), dtype)
-        self.caches = allocate_caches(cfg, num_blocks, block_size, dtype)
+        self.caches = self._allocate()
         self._step = jax.jit(self._forward_sample, donate_argnums=(1,))
 
     def _forward_sample(self, params, caches, a: batch.StepArrays):
@@ -54,6 +57,10 @@ class ModelRunner:
         tokens, self.caches = self._step(self.params, self.caches, arrays)
         return np.asarray(tokens)
 
+    def land(self, k_rows: jax.Array, v_rows: jax.Array, slots: np.ndarray) -> None:
+        """Write KV computed elsewhere (a prefill pool's rows, [layers, n, kvh, d]) into the cache's `slots`."""
+        self.caches = rows.scatter(*self.caches, k_rows, v_rows, slots)
+
     @property
     def caches_lost(self) -> bool:
         return any(x.is_deleted() for x in self.caches)
@@ -61,4 +68,8 @@ class ModelRunner:
     def recover(self) -> None:
         """Fresh (zeroed) cache buffers after a failed step deleted the donated ones."""
         if self.caches_lost:
-            self.caches = allocate_caches(self.cfg, self.num_blocks, self.block_size, self.dtype)
+            self.caches = self._allocate()
+
+    def _allocate(self):
+        with jax.default_device(self.device):
+            return allocate_caches(self.cfg, self.num_blocks, self.block_size, self.dtype)

@@ -1,143 +1,246 @@
 """CDSP prefill on devices: each chunk of a prompt runs the whole model over its own SP group (ring attention
-inside `shard_map`), and the request's history KV is rebalanced onto the next chunk's larger group in between.
+inside `shard_map`), the request's history read from per-device stores, and the history is rebalanced onto the
+next chunk's larger group in between.
 
-The history lives device-major, every layer stacked: (k, v) of shape [layers, p * cap, kvh, d] sharded
-P(None, SP), device i holding rows [i * cap, (i + 1) * cap) of every layer; its positions are also kept on the
-host (the planner knows where every token is).
+Every device of the pool owns one store: K/V buffers [layers, cap, kvh, d] preallocated on it, for the one
+request whose prefill it is serving (the planner books a device for a request from its first chunk there to its
+last, so no two requests share one), with each row's position kept on the host (NO_POSITION: empty or padding).
+A chunk's step appends this device's shard of the chunk at row `fill` and reads the history through a loop with
+a traced trip count, so programs are compiled once per (group, local chunk bucket): none per history length,
+none per chunk. The stores are donated (updated in place); only the sampled first token leaves the devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Int
 
+from jaxserve.engine.sampling import SamplingParams, sample
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
+from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.pallas_kernels.reference import NO_POSITION
-from jaxserve.sharding import layouts, rebalance
-from jaxserve.sharding.mesh import SP
-from jaxserve.sharding.ring import RingBackend
+from jaxserve.sharding import layouts, rebalance, rows
+from jaxserve.sharding.mesh import SP, make_mesh
+from jaxserve.sharding.ring import StoreRingBackend
 
-
-# The stacked history's sharding: layer axis replicated, rows split over the SP group.
-KV_SPEC = P(None, SP)
+Group = tuple[int, ...]  # device ids in ring order
 
 
 @dataclasses.dataclass
-class ShardedHistory:
-    mesh: Mesh
-    kv: tuple[jax.Array, jax.Array]  # (k, v), each [layers, p * cap, kvh, d] sharded KV_SPEC
-    pos: np.ndarray  # [p, cap] host copy of the positions, NO_POSITION for empty slots
+class Store:
+    """One device's history buffers and, on the host, the position of each row."""
 
-    @classmethod
-    def empty(cls, cfg: LlamaConfig, mesh: Mesh, dtype=jnp.float32) -> "ShardedHistory":
-        p = mesh.shape[SP]
-        zeros = jax.device_put(jnp.zeros((cfg.num_layers, p, cfg.num_kv_heads, cfg.head_dim), dtype),
-                               NamedSharding(mesh, KV_SPEC))
-        return cls(mesh, (zeros, zeros), np.full((p, 1), NO_POSITION, np.int32))
+    k: jax.Array  # [layers, cap, kvh, d] on its device
+    v: jax.Array
+    pos: np.ndarray  # [cap] int32
+    fill: int = 0  # rows written (padding rows included)
+    owner: str | None = None
+
+    def valid_rows(self) -> np.ndarray:
+        return np.flatnonzero(self.pos[:self.fill] != NO_POSITION)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRun:
+    """A dispatched chunk: its sampled token (fetch when needed) and the store rows it wrote on each device."""
+
+    tokens: jax.Array  # [p]: each device's draw; the one at `owner` is the chunk's last token's
+    owner: int
+    written: dict[int, tuple[int, int]]  # device id -> [lo, hi) rows
+
+    def token(self) -> int:
+        return int(np.asarray(self.tokens)[self.owner])
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class SPPrefill:
+    def __init__(self, cfg: LlamaConfig, params: Any, devices: Sequence[jax.Device], *, capacity: int,
+                 dtype=jnp.float32, key_block: int = 256, min_local: int = 16, layout: layouts.Layout = "zigzag",
+                 implementation: Implementation | None = None):
+        """capacity: history rows each device's store holds (rounded up to key blocks); min_local: the smallest
+        per-device chunk bucket."""
+        self.cfg, self.dtype, self.key_block, self.layout = cfg, dtype, key_block, layout
+        self.min_local, self.implementation = max(min_local, 2), implementation
+        self.cap = -(-capacity // key_block) * key_block
+        self.devices = {d.id: d for d in devices}
+        self._params = {i: jax.device_put(params, d) for i, d in self.devices.items()}
+        shape = (cfg.num_layers, self.cap, cfg.num_kv_heads, cfg.head_dim)
+        self.stores = {i: Store(jax.device_put(jnp.zeros(shape, dtype), d), jax.device_put(jnp.zeros(shape, dtype), d),
+                                np.full(self.cap, NO_POSITION, np.int32)) for i, d in self.devices.items()}
+        self._steps: dict[tuple[Group, int], Any] = {}
+        self._group_params: dict[Group, Any] = {}
+
+    # ---- shapes ---------------------------------------------------------------------------------------------
+    def local_bucket(self, sp: int, tokens: int) -> int:
+        """Per-device rows of a chunk of `tokens` on `sp` devices: a power of two (zigzag: even)."""
+        return max(self.min_local, next_power_of_two(-(-tokens // sp)))
+
+    def buckets(self, sp: int, max_tokens: int) -> list[int]:
+        """Every local bucket a chunk of up to max_tokens on sp devices can use."""
+        top = self.local_bucket(sp, max_tokens)
+        return [b for b in (self.min_local << i for i in range(top.bit_length())) if b <= top]
+
+    # ---- compiled steps -------------------------------------------------------------------------------------
+    def program(self, group: Group, local: int) -> Any:
+        """The compiled chunk step for `group` and local bucket (compiled ahead of time on first use)."""
+        key = (group, local)
+        if key not in self._steps:
+            self._steps[key] = self._compile(group, local)
+        return self._steps[key]
 
     @property
-    def tokens(self) -> int:
-        return int((self.pos != NO_POSITION).sum())
+    def num_programs(self) -> int:
+        return len(self._steps)
 
+    def _mesh_params(self, group: Group) -> Any:
+        """The weights replicated over the group, assembled from the per-device copies (no copy)."""
+        if group not in self._group_params:
+            sharding = NamedSharding(make_mesh([self.devices[i] for i in group]), P())
+            self._group_params[group] = jax.tree.map(
+                lambda *xs: jax.make_array_from_single_device_arrays(xs[0].shape, sharding, list(xs)),
+                *(self._params[i] for i in group))
+        return self._group_params[group]
 
-def _place(mesh: Mesh, x: np.ndarray, spec: P = P(SP)) -> jax.Array:
-    return jax.device_put(x, NamedSharding(mesh, spec))
+    def _compile(self, group: Group, local: int) -> Any:
+        p = len(group)
+        mesh = make_mesh([self.devices[i] for i in group])
+        model = Llama(self.cfg, StoreRingBackend(p, self.key_block, implementation=self.implementation), self.dtype)
 
+        def body(params, ids, q_pos, k_pos, hist_pos, fill, blocks, last, temperature, top_k, top_p, seed, counter,
+                 k_store, v_store):
+            ctx = (hist_pos, k_pos, fill[0], blocks[0])
+            logits, caches = model.apply(params, ids[None], q_pos[None], (k_store, v_store), ctx, last[None])
+            return (sample(logits[0], temperature, top_k, top_p, seed, counter),) + caches
 
-# Compiled once per (model, group) and per (group, share): a CDSP prefill reuses them chunk after chunk.
-@functools.lru_cache(maxsize=64)
-def _chunk_step(cfg: LlamaConfig, mesh: Mesh, dtype) -> Any:
-    model = Llama(cfg, RingBackend(mesh.shape[SP]), dtype)
+        seq = P(SP)
+        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) + (seq,) * 14, out_specs=(seq,) * 3,
+                                     check_vma=False),  # a Pallas kernel inside shard_map needs check_vma=False
+                       donate_argnums=(13, 14))
+        sharded = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, seq))  # noqa: E731
+        i32, f32 = jnp.int32, jnp.float32
+        t = p * local
+        layers, *rest = self.stores[group[0]].k.shape
+        store = (p * layers, *rest)  # the group's stores side by side on the layer axis, one per device
+        args = (sharded((t,), i32),) * 3 + (sharded((p * self.cap,), i32),) + (sharded((p,), i32),) * 3 + (
+            sharded((p,), f32), sharded((p,), i32), sharded((p,), f32), sharded((p,), jnp.uint32),
+            sharded((p,), i32), sharded(store, self.dtype), sharded(store, self.dtype))
+        return step.lower(self._mesh_params(group), *args).compile()
 
-    def body(params, ids, q_pos, k_pos, caches, hist_pos):
-        # Reserve t rows per layer after this device's history for the chunk's K/V: the carry keeps one shape.
-        t = ids.shape[0]
-        caches = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, t), (0, 0), (0, 0))), caches)
-        logits, caches = model.apply(params, ids[None], q_pos[None], caches, (hist_pos, k_pos))
-        return logits[0], caches
+    # ---- chunks ---------------------------------------------------------------------------------------------
+    def claim(self, request_id: str, group: Group) -> None:
+        """Give request_id the stores of `group` it does not hold yet (they must be free)."""
+        for i in group:
+            s = self.stores[i]
+            if s.owner not in (None, request_id):
+                raise RuntimeError(f"device {i} still holds request {s.owner}'s history; {request_id} cannot "
+                                   "use it (the planner books a device for one request at a time)")
+            s.owner = request_id
 
-    seq = P(SP)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), seq, seq, seq, KV_SPEC, seq),
-                                 out_specs=(seq, KV_SPEC)))
+    def release(self, request_id: str) -> None:
+        for s in self.stores.values():
+            if s.owner == request_id:
+                s.owner, s.fill = None, 0
+                s.pos[:] = NO_POSITION
 
+    def run_chunk(self, request_id: str, group: Group, tokens: Sequence[int], start: int,
+                  params: SamplingParams, seed: int) -> ChunkRun:
+        """Dispatch the chunk of `tokens` at positions start.. on `group` (whose stores hold all of the request's
+        history; rebalance first when the group grew). Returns without waiting for the devices."""
+        p, n = len(group), len(tokens)
+        local = self.local_bucket(p, n)
+        t = p * local
+        perm = layouts.permutation(t, p, self.layout)
+        idx = np.arange(t)
+        valid = idx < n
+        ids = np.where(valid, np.pad(np.asarray(tokens, np.int32), (0, t - n)), 0)[perm]
+        q_pos = np.where(valid, start + idx, -1).astype(np.int32)[perm]
+        k_pos = np.where(valid, start + idx, NO_POSITION).astype(np.int32)[perm]
+        flat = int(layouts.inverse(perm)[n - 1])
+        owner, row = divmod(flat, local)
+        self.claim(request_id, group)
+        held = [d for d, s in self.stores.items() if s.owner == request_id and d not in group and s.fill]
+        if held:
+            raise RuntimeError(f"request {request_id}'s history is also on devices {held}, outside {group}")
+        stores = [self.stores[i] for i in group]
+        for i, s in zip(group, stores):
+            if s.fill + local > self.cap:
+                raise RuntimeError(f"device {i}'s history store is full ({self.cap} rows)")
+        mesh = make_mesh([self.devices[i] for i in group])
+        put = lambda x: jax.device_put(x, NamedSharding(mesh, P(SP)))  # noqa: E731
+        fill = np.array([s.fill for s in stores], np.int32)
+        last = np.where(np.arange(p) == owner, row, 0).astype(np.int32)
+        rep = lambda x, dtype: np.full(p, x, dtype)  # noqa: E731
+        sharding = NamedSharding(mesh, P(SP))
+        layers, *rest = stores[0].k.shape
+        kv = [jax.make_array_from_single_device_arrays((p * layers, *rest), sharding, xs)
+              for xs in ([s.k for s in stores], [s.v for s in stores])]
+        out, k2, v2 = self.program(group, local)(
+            self._mesh_params(group), put(ids), put(q_pos), put(k_pos), put(np.concatenate([s.pos for s in stores])),
+            put(fill), put(-(-fill // self.key_block)), put(last), put(rep(params.temperature, np.float32)),
+            put(rep(params.top_k, np.int32)), put(rep(params.top_p, np.float32)), put(rep(seed, np.uint32)),
+            put(rep(0, np.int32)), *kv)
+        new_k = {s.device.id: s.data for s in k2.addressable_shards}
+        new_v = {s.device.id: s.data for s in v2.addressable_shards}
+        written = {}
+        for j, (i, s) in enumerate(zip(group, stores)):
+            s.k, s.v = new_k[i], new_v[i]
+            s.pos[s.fill:s.fill + local] = k_pos[j * local:(j + 1) * local]
+            written[i] = (s.fill, s.fill + local)
+            s.fill += local
+        return ChunkRun(out, owner, written)
 
-@functools.lru_cache(maxsize=64)
-def _rebalance_step(mesh: Mesh, share: int) -> Any:
-    def body(k, v, pos, dest, at):
-        # Every layer moves the same rows: fold the layer axis into the heads and move all layers at once.
-        layers, cap, kvh, d = k.shape
+    # ---- moving history -------------------------------------------------------------------------------------
+    def rebalance(self, request_id: str, group: Group) -> int:
+        """Spread request_id's history evenly over `group` (every device holding it must be in the group):
+        each device keeps its share and only the excess rows move, into devices below their share. Returns the
+        tokens moved."""
+        self.claim(request_id, group)
+        stores = [self.stores[i] for i in group]
+        valid = [s.valid_rows() for s in stores]
+        want = rebalance.targets(sum(len(v) for v in valid), len(group))
+        excess = [v[w:] for v, w in zip(valid, want)]  # each device's last rows beyond its share
+        sending = iter([(j, r) for j, e in enumerate(excess) for r in e])
+        moved = 0
+        for dst, (s, v, w) in enumerate(zip(stores, valid, want)):
+            need = int(w) - len(v)
+            if need <= 0:
+                continue
+            got = [next(sending) for _ in range(need)]
+            for src in sorted({j for j, _ in got}):
+                picked = np.array([r for j, r in got if j == src])
+                for lo, hi in rows.runs(picked):
+                    self._move(stores[src], s, lo, hi)
+                moved += len(picked)
+        for s, e in zip(stores, excess):  # compact the senders: drop the rows that left (a tail of valid rows)
+            if len(e):
+                s.pos[e] = NO_POSITION
+                s.fill = int(s.valid_rows().max(initial=-1)) + 1
+        return moved
 
-        def fold(x):  # [layers, cap, kvh, d] -> [cap, layers * kvh, d]
-            return x.transpose(1, 0, 2, 3).reshape(cap, layers * kvh, d)
+    def _move(self, src: Store, dst: Store, lo: int, hi: int) -> None:
+        device = next(iter(dst.k.devices()))
+        for at, size in rows.pieces(lo, hi):
+            k, v = rows.take(src.k, src.v, at, size=size)
+            dst.k, dst.v = rows.put(dst.k, dst.v, *jax.device_put((k, v), device), dst.fill)
+            dst.pos[dst.fill:dst.fill + size] = src.pos[at:at + size]
+            dst.fill += size
 
-        def unfold(x):  # [share, layers * kvh, d] -> [layers, share, kvh, d]
-            return x.reshape(share, layers, kvh, d).transpose(1, 0, 2, 3)
-
-        k2, v2, pos2 = rebalance.rebalance(fold(k), fold(v), pos, dest[0], at[0], share=share,
-                                           axis_size=mesh.shape[SP])
-        return unfold(k2), unfold(v2), pos2
-
-    seq = P(SP)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(KV_SPEC, KV_SPEC, seq, seq, seq),
-                                 out_specs=(KV_SPEC, KV_SPEC, seq)))
-
-
-def prefill_chunk(cfg: LlamaConfig, params: Any, history: ShardedHistory, tokens: np.ndarray, start: int,
-                  layout: layouts.Layout = "zigzag", dtype=jnp.float32) -> tuple[np.ndarray, ShardedHistory]:
-    """Logits [len(tokens), vocab] of a chunk at positions start.., computed on history.mesh."""
-    mesh = history.mesh
-    p = mesh.shape[SP]
-    n = len(tokens)
-    quantum = 2 * p if layout == "zigzag" else p
-    padded = -(-n // quantum) * quantum
-    perm = layouts.permutation(padded, p, layout)
-    idx = np.arange(padded)
-    valid = idx < n
-    ids = np.where(valid, np.pad(np.asarray(tokens, np.int32), (0, padded - n)), 0)[perm]
-    q_pos = np.where(valid, start + idx, -1).astype(np.int32)[perm]
-    k_pos = np.where(valid, start + idx, NO_POSITION).astype(np.int32)[perm]
-    put = functools.partial(_place, mesh)
-    logits, kv = _chunk_step(cfg, mesh, dtype)(params, put(ids), put(q_pos), put(k_pos), history.kv,
-                                               put(history.pos.reshape(-1)))
-    new_pos = np.concatenate([history.pos, k_pos.reshape(p, -1)], axis=1)
-    logits = np.asarray(logits)[layouts.inverse(perm)][:n]
-    return logits, ShardedHistory(mesh, tuple(kv), new_pos)
-
-
-def _extend(x: jax.Array, mesh: Mesh) -> jax.Array:
-    """x [layers, rows, ...], its rows sharded over a prefix of mesh's devices, as an array over all of them: the
-    shards stay where they are and the joining devices get empty (zero) buffers of the same size."""
-    by_device = {s.device: s.data for s in x.addressable_shards}
-    local = next(iter(by_device.values())).shape
-    devices = list(mesh.devices.reshape(-1))
-    shards = [by_device[d] if d in by_device else jax.device_put(jnp.zeros(local, x.dtype), d) for d in devices]
-    return jax.make_array_from_single_device_arrays((local[0], local[1] * len(devices)) + local[2:],
-                                                    NamedSharding(mesh, KV_SPEC), shards)
-
-
-def move_to(history: ShardedHistory, mesh: Mesh) -> ShardedHistory:
-    """Rebalance the history onto `mesh`, whose first devices are history.mesh's (a larger or equal group)."""
-    old_p, new_p = history.mesh.shape[SP], mesh.shape[SP]
-    old_devices = list(history.mesh.devices.reshape(-1))
-    if list(mesh.devices.reshape(-1))[:old_p] != old_devices:
-        raise ValueError("the new group must extend the old one (the old group is its prefix)")
-    cap = history.pos.shape[1]
-    extra = new_p - old_p  # joining devices start with empty buffers
-    pos = np.concatenate([history.pos, np.full((extra, cap), NO_POSITION, np.int32)])
-    dest, at, share = rebalance.plan(pos)
-    run = _rebalance_step(mesh, share)
-    placed = [_place(mesh, x) for x in (pos.reshape(-1), dest[:, None], at[:, None])]
-    k, v = history.kv
-    k2, v2, _ = run(_extend(k, mesh), _extend(v, mesh), *placed)
-    new_pos = np.full((new_p, share), NO_POSITION, np.int32)
-    for i in range(new_p):
-        sel = dest[i] < new_p
-        new_pos[dest[i][sel], at[i][sel]] = pos[i][sel]
-    return ShardedHistory(mesh, (k2, v2), new_pos)
+    def rows_of(self, device: int, lo: int, hi: int) -> list[tuple[jax.Array, jax.Array, np.ndarray]]:
+        """The valid rows of [lo, hi) on `device`, as power-of-two pieces (k, v [layers, n, kvh, d], positions)
+        taken out of its store (so the store may be reused before they are sent)."""
+        s = self.stores[device]
+        out = []
+        for a, b in rows.runs(lo + np.flatnonzero(s.pos[lo:hi] != NO_POSITION)):
+            for at, size in rows.pieces(a, b):
+                out.append((*rows.take(s.k, s.v, at, size=size), s.pos[at:at + size].copy()))
+        return out

@@ -38,7 +38,7 @@ class PrefillQueue:
             self._arrays = {k: np.concatenate([v, np.zeros_like(v)]) for k, v in self._arrays.items()}
         a = self._arrays
         if seq is None:
-            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            seq = self.new_seq()
         a["seq"][i], a["deadline"][i] = seq, request.ttft_deadline
         a["prompt_len"][i], a["total_work"][i] = request.prompt_len, total_work
         a["left"][i] = request.prefill_target - request.planned  # prefill tokens not yet planned
@@ -46,6 +46,11 @@ class PrefillQueue:
         a["remaining_work"][i] = total_work if remaining_work is None else remaining_work
         self._slot[request.id] = i
         self.requests.append(request)
+        return seq
+
+    def new_seq(self) -> int:
+        """The next place in arrival order (also for a request that skips the queue: prefilled elsewhere)."""
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
         return seq
 
     def set_remaining(self, request: Request, remaining_work: float) -> None:

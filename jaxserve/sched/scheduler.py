@@ -52,12 +52,15 @@ class ReplicaScheduler:
         return self.kv.capacity * self.kv.block_size
 
     # -- requests in -----------------------------------------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def _check_new(self, request: Request) -> None:
         need = request.prompt_len + request.output_len - 1  # the last token is never fed back
         if need > self.kv_capacity:
             raise ValueError(f"request {request.id} needs {need} KV tokens; this replica holds {self.kv_capacity}")
         if request.id in self.requests:
             raise ValueError(f"request id {request.id} is already in use")
+
+    def add(self, request: Request) -> None:
+        self._check_new(request)
         total = self.prefill_time(request.prompt_len)
         if self.slo is not None:
             if math.isinf(request.ttft_deadline):
@@ -66,6 +69,32 @@ class ReplicaScheduler:
                 request.tpot_slo = self.slo.tpot
         self.requests[request.id] = request
         self._seq[request.id] = self.queue.add(request, total)
+
+    def reserve(self, request: Request) -> list[int] | None:
+        """Blocks for the prompt of a request prefilled elsewhere (disaggregation), for its KV to land in; None
+        (nothing changes) while they are not free or the batch is full. From here the request holds KV but is
+        not planned (nor preempted: its prefill counts as in flight) until add_prefilled."""
+        self._check_new(request)
+        if len(self.running) >= self.max_running:
+            return None
+        blocks = self.kv.allocate(request.id, request.prompt_len)
+        if blocks is None:
+            return None
+        request.planned, request.prefilled = request.prompt_len, 0
+        self.requests[request.id] = request
+        self._seq[request.id] = self.queue.new_seq()
+        self.running[request.id] = request
+        return blocks
+
+    def add_prefilled(self, request: Request) -> None:
+        """Its prompt's KV has landed in the reserved blocks and its first token is counted: it decodes from the
+        next Plan on."""
+        if self.running.get(request.id) is not request or request.generated < 1:
+            raise ValueError(f"request {request.id} must hold reserved blocks and have its first token")
+        request.prefilled = request.prompt_len
+        if request.token_ids is not None:
+            self.kv.commit(request.id, request.token_ids, request.prompt_len)
+        self.decoding[request.id] = request
 
     def abort(self, request_id: str) -> Request | None:
         """End a request at once (client gone): its blocks go back; an Outcome still in flight for it is ignored."""

@@ -7,6 +7,9 @@ shard of the request's history KV. Two parts, merged by log-sum-exp:
   reduce-scatter (the max trick keeps it exact);
 - chunk: the chunk's K/V blocks travel around the ring with `ppermute`; the send of the next block is issued
   before the current block is computed so XLA can overlap the two.
+
+`implementation` picks the attention kernel (pallas_kernels.dispatch); a `shard_map` around a Pallas call needs
+`check_vma=False`.
 """
 
 from __future__ import annotations
@@ -22,15 +25,65 @@ from jaxserve.sharding.lse import merge_scatter
 from jaxserve.sharding.mesh import SP
 
 
-def merge_two(o_a, lse_a, o_b, lse_b):
-    return kernels.merge_attention(jnp.stack([o_a, o_b]), jnp.stack([lse_a, lse_b]))
+def merge_two(o_a, lse_a, o_b, lse_b, implementation: kernels.Implementation | None = None):
+    return kernels.merge_attention(jnp.stack([o_a, o_b]), jnp.stack([lse_a, lse_b]), implementation=implementation)
 
 
-def history_attention(q, q_pos, hist_k, hist_v, hist_pos, *, axis_name: str = SP):
+def history_attention(q, q_pos, hist_k, hist_v, hist_pos, *, axis_name: str = SP,
+                      implementation: kernels.Implementation | None = None):
     """This device's queries over every device's history shard: (o [t, h, d], lse [t, h])."""
     o, lse = kernels.chunk_attention(jax.lax.all_gather(q, axis_name, tiled=True), hist_k, hist_v,
-                                     jax.lax.all_gather(q_pos, axis_name, tiled=True), hist_pos)
+                                     jax.lax.all_gather(q_pos, axis_name, tiled=True), hist_pos,
+                                     implementation=implementation)
     return merge_scatter(o, lse, axis_name)
+
+
+def stored_history_attention(
+    q: Float[Array, "t h d"],
+    q_pos: Int[Array, "t"],
+    k_store: Float[Array, "layers cap kvh d"],
+    v_store: Float[Array, "layers cap kvh d"],
+    hist_pos: Int[Array, "cap"],
+    layer: Int[Array, ""],
+    blocks: Int[Array, ""],
+    *,
+    key_block: int,
+    axis_name: str = SP,
+    implementation: kernels.Implementation | None = None,
+) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
+    """history_attention over this device's first `blocks` key blocks of `layer` in a preallocated store: the
+    trip count is a traced value, so one compiled program serves every history length (each device its own)."""
+    qa = jax.lax.all_gather(q, axis_name, tiled=True)
+    qa_pos = jax.lax.all_gather(q_pos, axis_name, tiled=True)
+    _, kvh, d = k_store.shape[1:]
+
+    def block(i, carry):
+        at = i * key_block
+        ks = jax.lax.dynamic_slice(k_store, (layer, at, 0, 0), (1, key_block, kvh, d))[0]
+        vs = jax.lax.dynamic_slice(v_store, (layer, at, 0, 0), (1, key_block, kvh, d))[0]
+        ps = jax.lax.dynamic_slice_in_dim(hist_pos, at, key_block)
+        o_b, lse_b = kernels.chunk_attention(qa, ks, vs, qa_pos, ps, implementation=implementation)
+        return merge_two(*carry, o_b, lse_b, implementation)
+
+    t, h = qa.shape[:2]
+    empty = (jnp.zeros((t, h, q.shape[-1]), jnp.float32), jnp.full((t, h), -jnp.inf, jnp.float32))
+    o, lse = jax.lax.fori_loop(0, blocks, block, empty)
+    return merge_scatter(o, lse, axis_name)
+
+
+def chunk_ring(o, lse, q, k, v, q_pos, k_pos, *, axis_size: int, axis_name: str = SP,
+               implementation: kernels.Implementation | None = None):
+    """Merge into (o, lse) this device's queries over the whole chunk's K/V, whose shards circulate the ring."""
+    ring = [(i, (i + 1) % axis_size) for i in range(axis_size)]
+    block = (k, v, k_pos)
+    for step in range(axis_size):
+        if step + 1 < axis_size:
+            incoming = jax.lax.ppermute(block, axis_name, ring)  # in flight while this block is computed
+        o_s, lse_s = kernels.chunk_attention(q, block[0], block[1], q_pos, block[2], implementation=implementation)
+        o, lse = merge_two(o, lse, o_s, lse_s, implementation)
+        if step + 1 < axis_size:
+            block = incoming
+    return o, lse
 
 
 def ring_attention(
@@ -45,46 +98,41 @@ def ring_attention(
     *,
     axis_size: int,
     axis_name: str = SP,
+    implementation: kernels.Implementation | None = None,
 ) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
     """Local shard of the chunk's attention output (and log-sum-exp) over history + the whole chunk.
 
     Padding: queries at position -1, chunk keys and history entries at NO_POSITION.
     """
-    o, lse = history_attention(q, q_pos, hist_k, hist_v, hist_pos, axis_name=axis_name)
-    ring = [(i, (i + 1) % axis_size) for i in range(axis_size)]
-    block = (k, v, k_pos)
-    for step in range(axis_size):
-        if step + 1 < axis_size:
-            incoming = jax.lax.ppermute(block, axis_name, ring)  # in flight while this block is computed
-        o_s, lse_s = kernels.chunk_attention(q, block[0], block[1], q_pos, block[2])
-        o, lse = merge_two(o, lse, o_s, lse_s)
-        if step + 1 < axis_size:
-            block = incoming
-    return o, lse
+    o, lse = history_attention(q, q_pos, hist_k, hist_v, hist_pos, axis_name=axis_name, implementation=implementation)
+    return chunk_ring(o, lse, q, k, v, q_pos, k_pos, axis_size=axis_size, axis_name=axis_name,
+                      implementation=implementation)
 
 
 @dataclasses.dataclass(frozen=True)
-class RingBackend:
-    """The model's attention backend inside `shard_map`: one request's chunk shard, ring attention over the group.
+class StoreRingBackend:
+    """The model's attention backend inside `shard_map` for a CDSP chunk: ring attention over the group, the
+    request's history read from each device's preallocated store.
 
-    caches = this device's (hist_k, hist_v), each [layers, n_hist + t, kvh, d]: rows [0, n_hist) are the history,
-    the last t rows are reserved for this chunk; ctx = (history positions [n_hist], this shard's key positions
-    [t]). The backend attends over the history rows of `layer` and writes the shard's new K/V into its reserved
-    rows, so the cache stays aligned with concat(history pos, key pos).
+    caches = this device's (k_store, v_store), each [layers, cap, kvh, d]; ctx = (hist_pos [cap]: the store's
+    row positions, NO_POSITION where empty; k_pos [t]: this shard's key positions; fill: the store row where this
+    shard's K/V goes; blocks: key blocks of the store holding history). Each layer attends, then writes the
+    shard's K/V at rows [fill, fill + t) of its own slice (the store is donated: updated in place).
     """
 
     axis_size: int
+    key_block: int
     axis_name: str = SP
+    implementation: kernels.Implementation | None = None
 
     def __call__(self, q, k, v, positions, caches, layer, ctx):
-        hist_k, hist_v = caches
-        hist_pos, k_pos = ctx
-        n_hist = hist_pos.shape[0]
-        layer_k = jax.lax.dynamic_index_in_dim(hist_k, layer, keepdims=False)[:n_hist]
-        layer_v = jax.lax.dynamic_index_in_dim(hist_v, layer, keepdims=False)[:n_hist]
-        o, _ = ring_attention(q[0], k[0], v[0], positions[0], k_pos, layer_k, layer_v, hist_pos,
-                              axis_size=self.axis_size, axis_name=self.axis_name)
-        at = (layer, n_hist, 0, 0)
-        hist_k = jax.lax.dynamic_update_slice(hist_k, k.astype(hist_k.dtype), at)  # k: [1, t, kvh, d]
-        hist_v = jax.lax.dynamic_update_slice(hist_v, v.astype(hist_v.dtype), at)
-        return o[None].astype(q.dtype), (hist_k, hist_v)
+        k_store, v_store = caches
+        hist_pos, k_pos, fill, blocks = ctx
+        kw = dict(axis_name=self.axis_name, implementation=self.implementation)
+        o, lse = stored_history_attention(q[0], positions[0], k_store, v_store, hist_pos, layer, blocks,
+                                          key_block=self.key_block, **kw)
+        o, _ = chunk_ring(o, lse, q[0], k[0], v[0], positions[0], k_pos, axis_size=self.axis_size, **kw)
+        at = (layer, fill, 0, 0)
+        k_store = jax.lax.dynamic_update_slice(k_store, k.astype(k_store.dtype), at)  # k: [1, t, kvh, d]
+        v_store = jax.lax.dynamic_update_slice(v_store, v.astype(v_store.dtype), at)
+        return o[None].astype(q.dtype), (k_store, v_store)

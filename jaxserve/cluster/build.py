@@ -1,0 +1,93 @@
+"""Assembling a live cluster from `jax.devices()`: the prefill pool, the CDSP planner over it, decode instances,
+and the warm-up that compiles every program the layout can run before the first request."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.cluster.decode import DecodeInstance
+from jaxserve.cluster.engine import ClusterEngine
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.sp_prefill import SPPrefill
+from jaxserve.sched.cdsp import CDSPPlanner, Pool
+from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sharding import rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which of `jax.devices()` do what: the first `prefill_instances` form the prefill pool (`node_size` to a
+    node, as the planner's Pool), each of the next `decode_instances` is a decode instance."""
+
+    prefill_instances: int
+    decode_instances: int
+    node_size: int = 2
+    receive_buffers: int = 4
+
+    def check(self, available: int) -> None:
+        need = self.prefill_instances + self.decode_instances
+        if self.prefill_instances < 1 or self.decode_instances < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode instance")
+        if need > available:
+            raise ValueError(f"the layout needs {need} devices ({self.prefill_instances} prefill + "
+                             f"{self.decode_instances} decode); there are {available}")
+        if self.prefill_instances % self.node_size:
+            raise ValueError(f"{self.prefill_instances} prefill instances do not form nodes of {self.node_size}")
+
+    @property
+    def pool(self) -> Pool:
+        return Pool(self.prefill_instances // self.node_size, self.node_size)
+
+
+def planner_groups(pool: Pool, sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every group (as sorted instance ids) the CDSP planner can give a chunk: groups of a multiple of the node
+    size are unions of whole nodes (its node-aware extension), others any instances of that size."""
+    out = []
+    for s in sizes:
+        if s % pool.per_node == 0:
+            for nodes in itertools.combinations(range(pool.nodes), s // pool.per_node):
+                out.append(tuple(i for n in nodes for i in range(n * pool.per_node, (n + 1) * pool.per_node)))
+        else:
+            out += list(itertools.combinations(range(pool.size), s))
+    return out
+
+
+def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> int:
+    """Compile every chunk program (planner group x local bucket), every KV-move piece program on every device,
+    and every decode instance's step programs. Returns the number of chunk programs."""
+    sp = cluster.prefill
+    groups = [tuple(cluster.pool_ids[i] for i in g) for g in planner_groups(cluster.pool, cluster.sizes)]
+    work = [(g, b) for g in groups for b in sp.buckets(len(g), max_tokens)]
+    for g, b in tqdm(work, desc="compile chunk programs", unit="program", disable=not progress):
+        sp.program(g, b)
+    pieces = [1 << i for i in range(sp.cap.bit_length()) if 1 << i <= sp.cap]
+    for s in tqdm(sp.stores.values(), desc="compile KV moves", unit="device", disable=not progress):
+        for n in pieces:  # free stores: what these write is never read
+            s.k, s.v = rows.put(s.k, s.v, *rows.take(s.k, s.v, 0, size=n), 0)
+    first = sp.stores[cluster.pool_ids[0]]
+    for d in cluster.decoders:
+        for n in pieces:  # into the scratch block
+            d.engine.runner.land(*jax.device_put(rows.take(first.k, first.v, 0, size=n), d.device), np.zeros(n, np.int32))
+        d.engine.runner.warmup(progress)
+    return len(work)
+
+
+def build(cfg, params, layout: Layout, make_engine: Callable[[jax.Device], Engine], prefill_cost: TetrisPrefill, *,
+          capacity: int, dtype=jnp.float32, sizes: Sequence[int] | None = None, improvement_rate: float = 0.1,
+          min_chunk: int = 1024, dispatch: str = "freeness", key_block: int = 256, min_local: int = 64,
+          devices: Sequence[jax.Device] | None = None) -> ClusterEngine:
+    devices = list(devices or jax.devices())
+    layout.check(len(devices))
+    pool_devices = devices[:layout.prefill_instances]
+    sp = SPPrefill(cfg, params, pool_devices, capacity=capacity, dtype=dtype, key_block=key_block, min_local=min_local)
+    planner = CDSPPlanner(prefill_cost, layout.pool, improvement_rate, sizes=sizes, min_chunk=min_chunk)
+    decoders = [DecodeInstance(i, make_engine(d), d, layout.receive_buffers)
+                for i, d in enumerate(devices[layout.prefill_instances:layout.prefill_instances + layout.decode_instances])]
+    return ClusterEngine(sp, planner, decoders, dispatch=dispatch)

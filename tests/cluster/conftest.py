@@ -1,0 +1,66 @@
+"""Tests of the live cluster: 8 prefill devices (groups of 2 -> 4 -> 8) and decode instances on other devices, so
+12 CPU devices. tests/test_cluster.py runs this folder in its own process with
+XLA_FLAGS=--xla_force_host_platform_device_count=12 (the flag must be set before JAX starts)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve.cluster.build import Layout, build, warmup
+from jaxserve.sched.cost_models import TetrisPrefill
+
+MAX_MODEL_LEN = 4096
+
+
+@pytest.fixture(scope="session")
+def devices():
+    devs = jax.devices()
+    if len(devs) < 12:
+        pytest.fail(f"need 12 devices, got {len(devs)}: run through tests/test_cluster.py")
+    return devs
+
+
+@pytest.fixture(scope="session")
+def llm(devices):
+    """SmolLM2 in float32 with a small batch; its engine (on device 0) is the single-device reference."""
+    return jaxserve.LLM(max_model_len=MAX_MODEL_LEN, kv_cache_tokens=2 * MAX_MODEL_LEN, max_num_seqs=4,
+                        max_num_batched_tokens=256, progress=False)
+
+
+def eq1_model() -> TetrisPrefill:
+    """A stand-in Eq. (1) (the planner's decisions are what these tests set up, not its accuracy): larger groups
+    are faster per token, a chunk has a small fixed cost."""
+    return TetrisPrefill({s: np.array([0.01, 4e-4 / s, 2e-7 / s, 1e-7 / s]) for s in (2, 4, 8)})
+
+
+def make_cluster(llm, devices, decode_instances: int = 1, receive_buffers: int = 4, warm: bool = True):
+    layout = Layout(prefill_instances=8, decode_instances=decode_instances, node_size=2,
+                    receive_buffers=receive_buffers)
+    cluster = build(llm.config, llm._params, layout, lambda d: llm.make_engine(d, progress=False), eq1_model(),
+                    capacity=MAX_MODEL_LEN, min_chunk=256, min_local=128, devices=devices)
+    if warm:
+        warmup(cluster, MAX_MODEL_LEN, progress=False)
+    return cluster
+
+
+def busy(cluster, seconds_by_device: dict[int, float]) -> None:
+    """Book prefill devices as if earlier work held them for these seconds (the queues the planner sees)."""
+    now = cluster.clock()
+    for i, s in seconds_by_device.items():
+        cluster.free_at[cluster.pool_ids.index(i)] = now + s
+
+
+def run(cluster, requests):
+    """Submit (ids, params) pairs and step until all finish; each request's tokens."""
+    rids = [cluster.add_request(ids, params) for ids, params in requests]
+    tokens = {rid: [] for rid in rids}
+    for _ in range(100_000):
+        if not cluster.has_unfinished():
+            break
+        for out in cluster.step():
+            assert out.error is None, out.error
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[r] for r in rids]
