@@ -1,27 +1,31 @@
-"""The Llama forward with ring attention over SP groups equals the single-device forward (small random Llama):
-one chunk over 1/2/4/8 devices in every layout, and a CDSP prefill whose chunks grow 2 -> 4 -> 8 devices with
-the history rebalanced in between."""
+"""CDSP chunks through the whole Llama over SP groups (engine/sp_prefill.py) equal the single-device forward
+(small random Llama): one chunk over 1/2/4/8 devices in every layout, and a prefill whose chunks grow
+2 -> 4 -> 8 devices with the history rebalanced in between. Checked: every layer's K/V in the stores (each
+position exactly once) and each chunk's sampled (greedy) last token."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.scoring import DenseCausalBackend, prompt_logits
-from jaxserve.engine.sp_prefill import ShardedHistory, move_to, prefill_chunk
+from jaxserve.engine.sampling import SamplingParams
+from jaxserve.engine.scoring import DenseCausalBackend
+from jaxserve.engine.sp_prefill import SPPrefill
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
-from jaxserve.pallas_kernels.reference import NO_POSITION
-from jaxserve.sharding import layouts
-from jaxserve.sharding.mesh import make_mesh
+from jaxserve.pallas_kernels.reference import chunk_attention
+from jaxserve.sharding import layouts, rebalance
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2,
                   head_dim=8, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
 # Attention itself matches to 1e-5 (test_sp_attention); through two random layers float32 rounding of the
-# differently ordered reductions grows to ~1e-5 absolute on logits of magnitude ~5.
+# differently ordered reductions grows to ~1e-5 absolute on values of magnitude ~5.
 TOL = dict(rtol=1e-4, atol=1e-4)
+GREEDY = SamplingParams()
 
 
 @pytest.fixture(scope="module")
@@ -36,31 +40,74 @@ def params():
                                      for k, (path, x) in zip(keys, leaves)])
 
 
-def single_device_logits(params, tokens):
-    return prompt_logits(CFG, params, jnp.float32, tokens.tolist())
+@dataclasses.dataclass(frozen=True)
+class RecordingBackend:
+    """Dense causal attention over the whole sequence that also keeps every layer's K/V (the reference)."""
+
+    def __call__(self, q, k, v, positions, caches, layer, ctx):
+        out, _ = chunk_attention(q[0], k[0], v[0], positions[0], positions[0])
+        caches = tuple(jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (layer, 0, 0, 0))
+                       for c, x in zip(caches, (k, v)))
+        return out[None].astype(q.dtype), caches
+
+
+def reference(params, tokens):
+    """Logits [n, vocab] and K/V [layers, n, kvh, d] of the whole sequence on one device."""
+    n = len(tokens)
+    shape = (CFG.num_layers, n, CFG.num_kv_heads, CFG.head_dim)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    logits, (k, v) = Llama(CFG, RecordingBackend()).apply(params, jnp.asarray(tokens)[None], pos,
+                                                           (jnp.zeros(shape), jnp.zeros(shape)), None)
+    return np.asarray(logits[0]), np.asarray(k), np.asarray(v)
+
+
+def stored_kv(sp, devices):
+    """Every stored row as position -> (k, v) [layers, kvh, d], checking no position is held twice."""
+    out = {}
+    for d in devices:
+        s = sp.stores[d.id]
+        k, v = np.asarray(s.k), np.asarray(s.v)
+        for row in s.valid_rows():
+            assert int(s.pos[row]) not in out
+            out[int(s.pos[row])] = (k[:, row], v[:, row])
+    return out
+
+
+def check_kv(sp, devices, ref_k, ref_v):
+    held = stored_kv(sp, devices)
+    assert sorted(held) == list(range(ref_k.shape[1]))
+    np.testing.assert_allclose(np.stack([held[i][0] for i in sorted(held)], 1), ref_k, **TOL)
+    np.testing.assert_allclose(np.stack([held[i][1] for i in sorted(held)], 1), ref_v, **TOL)
 
 
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
 def test_one_chunk_over_an_sp_group_equals_single_device(devices, params, p, layout):
     tokens = np.random.default_rng(p).integers(0, CFG.vocab_size, 45)
-    history = ShardedHistory.empty(CFG, make_mesh(devices[:p]))
-    logits, history = prefill_chunk(CFG, params, history, tokens, 0, layout)
-    np.testing.assert_allclose(logits, single_device_logits(params, tokens), **TOL)
-    assert history.tokens == len(tokens)
+    sp = SPPrefill(CFG, params, devices[:p], capacity=128, key_block=32, min_local=8, layout=layout)
+    run = sp.run_chunk("r", tuple(d.id for d in devices[:p]), tokens, 0, GREEDY, 0)
+    logits, ref_k, ref_v = reference(params, tokens)
+    assert run.token() == int(np.argmax(logits[-1]))
+    check_kv(sp, devices[:p], ref_k, ref_v)
 
 
 def test_chunks_on_growing_groups_with_rebalancing_equal_single_device(devices, params):
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, 61)
-    history = ShardedHistory.empty(CFG, make_mesh(devices[:2]))
-    pieces, start = [], 0
+    logits, ref_k, ref_v = reference(params, tokens)
+    sp = SPPrefill(CFG, params, devices, capacity=128, key_block=16, min_local=4)
+    start, group = 0, ()
     for size, p in ((21, 2), (27, 4), (13, 8)):
-        if p != history.mesh.shape["sp"]:
-            history = move_to(history, make_mesh(devices[:p]))
-            held = (history.pos != NO_POSITION).sum(axis=1)
-            assert held.max() - held.min() <= 1  # balanced over the new, larger group
-        logits, history = prefill_chunk(CFG, params, history, tokens[start:start + size], start)
-        pieces.append(logits)
+        new = tuple(d.id for d in devices[:p])
+        if group:
+            before = [len(sp.stores[i].valid_rows()) for i in new]  # joiners hold none
+            moved = sp.rebalance("r", new)
+            held = [len(sp.stores[i].valid_rows()) for i in new]
+            assert max(held) - min(held) <= 1  # balanced over the new, larger group
+            assert moved == rebalance.moved_tokens(before) > 0  # only each device's excess moved
+        group = new
+        run = sp.run_chunk("r", group, tokens[start:start + size], start, GREEDY, 0)
         start += size
-    np.testing.assert_allclose(np.concatenate(pieces), single_device_logits(params, tokens), **TOL)
-    assert sorted(history.pos[history.pos != NO_POSITION].tolist()) == list(range(len(tokens)))
+        assert run.token() == int(np.argmax(logits[start - 1]))
+    check_kv(sp, devices, ref_k, ref_v)
+    sp.release("r")
+    assert all(s.owner is None and s.fill == 0 for s in sp.stores.values())
