@@ -10,7 +10,7 @@ import pytest
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
-# Need 8 and 12 devices: run by tests/test_multidevice.py and tests/test_cluster.py in their own processes.
+# Need 8 and 12 devices: run by tests/test_multidevice.py, each in its own process.
 collect_ignore = ["multidevice", "cluster"]
 
 

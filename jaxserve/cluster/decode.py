@@ -18,7 +18,6 @@ from jaxserve.sched.decode_dispatch import DecodeLoad
 class _Incoming:
     prompt_len: int
     predicted: int  # decode tokens
-    heavy: bool
     reserved: bool = False
     landed_last: bool = False
 
@@ -31,7 +30,7 @@ class DecodeInstance:
         self.heavy: dict[str, bool] = {}  # every request dispatched here and not finished: is it a heavy decode?
 
     def expect(self, request_id: str, prompt_len: int, predicted: int, heavy: bool) -> None:
-        self.incoming[request_id] = _Incoming(prompt_len, predicted, heavy)
+        self.incoming[request_id] = _Incoming(prompt_len, predicted)
         self.heavy[request_id] = heavy
 
     def load(self) -> DecodeLoad:

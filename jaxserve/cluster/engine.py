@@ -22,7 +22,6 @@ import time
 from typing import Callable, Sequence
 
 import numpy as np
-from absl import logging
 
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.transfer import LocalTransport, Transfer, Transport
@@ -30,7 +29,8 @@ from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.engine.sp_prefill import ChunkRun, SPPrefill
 from jaxserve.sched.cdsp import Chunk, ChunkPlan
-from jaxserve.sched.decode_dispatch import HEAVY_DECODE, LengthPredictor, by_freeness, power_of_two
+from jaxserve.sched.decode_dispatch import (HEAVY_DECODE, LengthPredictor, ObservedLengths, by_freeness,
+                                             power_of_two)
 from jaxserve.sim.prefill_pool import Planner
 
 
@@ -62,22 +62,6 @@ class _Prefill:
     group: tuple[int, ...] = ()  # devices holding its history
 
 
-class ObservedLengths:
-    """The default decode-length predictor: the mean output of the requests finished so far (a bucket of
-    `granularity` around it), or `prior` before any."""
-
-    def __init__(self, prior: int = 256, granularity: int = 64):
-        self.prior, self.granularity, self.total, self.count = prior, granularity, 0, 0
-
-    def observe(self, generated: int) -> None:
-        self.total, self.count = self.total + generated, self.count + 1
-
-    def predict(self, prompt_len: int) -> tuple[int, int]:
-        mean = self.total / self.count if self.count else self.prior
-        lo = int(mean) // self.granularity * self.granularity
-        return lo, lo + self.granularity
-
-
 class ClusterEngine:
     def __init__(self, prefill: SPPrefill, planner: Planner, decoders: Sequence[DecodeInstance], *,
                  dispatch: str = "freeness", predictor: LengthPredictor | None = None,
@@ -93,7 +77,6 @@ class ClusterEngine:
         self.prefill, self.planner, self.decoders = prefill, planner, list(decoders)
         self.dispatch, self.transport, self.clock = dispatch, transport or LocalTransport(), clock
         self.predictor = predictor or ObservedLengths()
-        self._observed = isinstance(self.predictor, ObservedLengths)
         first = self.decoders[0].engine
         self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
         self.max_num_seqs = sum(d.engine.max_num_seqs for d in self.decoders)
@@ -108,7 +91,6 @@ class ClusterEngine:
         self._generated: dict[str, int] = {}
         self._ids = itertools.count()
         self._rng = random.Random(seed)
-        self._seed_rng = random.Random()
 
     # ---- the Engine interface -----------------------------------------------------------------------------
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -134,8 +116,7 @@ class ClusterEngine:
         queues = np.maximum(self.free_at - now, 0.0)
         plan = self.planner.plan(len(ids), queues)
         self.free_at = now + plan.commit(queues)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        decoder.engine.expect(ids, params, rid, seed)
+        seed = decoder.engine.expect(ids, params, rid)
         decoder.expect(rid, len(ids), hi, hi > HEAVY_DECODE)
         # the planner's instance i is the pool's i-th device; a group runs on its devices in id order
         chunks = tuple(dataclasses.replace(c, group=tuple(sorted(self.pool_ids[i] for i in c.group)))
@@ -219,8 +200,9 @@ class ClusterEngine:
             decoder.forget(request_id)
         self._prefills.pop(request_id, None)
         generated = self._generated.pop(request_id, 0)
-        if self._observed and generated:
-            self.predictor.observe(generated)
+        observe = getattr(self.predictor, "observe", None)  # a predictor that learns from what it served
+        if observe is not None and generated:
+            observe(generated)
 
     def _count(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

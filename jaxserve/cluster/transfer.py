@@ -41,10 +41,6 @@ class Transfer:
     sent: float | None = None
     landed: float | None = None
 
-    @property
-    def tokens(self) -> int:
-        return sum(len(pos) for *_, pos in self.pieces)
-
 
 class ReceiveBuffers:
     def __init__(self, count: int):

@@ -122,26 +122,29 @@ class Engine:
         """Queue a request whose prompt and params check_request already passed (checking is O(prompt), so a
         caller that checked first does not pay for a long prompt twice). ttft_slo: seconds to the first token,
         the deadline the deadline-aware policies (edf, lrs, lars) rank by; None takes the scheduler's SLO."""
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        now = self.clock()
-        r = sched_request.Request(rid, now, len(ids), min(params.max_tokens, self.max_model_len - len(ids)),
-                                  token_ids=list(ids))
+        live = self._new_live(ids, params, request_id if request_id is not None else f"req-{next(self._ids)}")
+        r = live.sched
         if ttft_slo is not None:
-            r.ttft_deadline = now + ttft_slo
+            r.ttft_deadline = r.arrival + ttft_slo
         self.scheduler.add(r)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        self._live[rid] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, ids), StopMatcher(params.stop))
-        return rid
+        return r.id
 
-    # ---- requests prefilled elsewhere (a prefill pool; cluster/) ------------------------------------------
-    def expect(self, ids: list[int], params: SamplingParams, request_id: str, seed: int) -> None:
-        """A checked request whose prompt is prefilled elsewhere: its text and stop state live here from now;
-        its first token comes from the prefill (first_token), its KV lands in blocks it reserves (reserve, then
-        the runner's land), and it decodes once admitted (admit_prefilled)."""
+    def _new_live(self, ids: list[int], params: SamplingParams, request_id: str) -> _Live:
+        """The engine's side of a new request (its seed: the params' or a random one), kept in _live."""
         r = sched_request.Request(request_id, self.clock(), len(ids),
                                   min(params.max_tokens, self.max_model_len - len(ids)), token_ids=list(ids))
-        self._live[request_id] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, ids),
-                                       StopMatcher(params.stop))
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
+        live = self._live[request_id] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, ids),
+                                              StopMatcher(params.stop))
+        return live
+
+    # ---- requests prefilled elsewhere (a prefill pool; cluster/) ------------------------------------------
+    def expect(self, ids: list[int], params: SamplingParams, request_id: str) -> int:
+        """A checked request whose prompt is prefilled elsewhere: its text and stop state live here from now;
+        its first token comes from the prefill (first_token), its KV lands in blocks it reserves (reserve, then
+        the runner's land), and it decodes once admitted (admit_prefilled). Returns its sampling seed, which the
+        prefill's draw of the first token must use."""
+        return self._new_live(ids, params, request_id).seed
 
     def first_token(self, request_id: str, token: int) -> RequestOutput:
         """The prefill's sampled token, turned into text and stop decisions; a request it finishes ends here."""

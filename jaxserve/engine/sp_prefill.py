@@ -18,8 +18,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Int
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.engine.sampling import SamplingParams, sample
 from jaxserve.models.config import LlamaConfig
@@ -79,6 +78,7 @@ class SPPrefill:
                                 np.full(self.cap, NO_POSITION, np.int32)) for i, d in self.devices.items()}
         self._steps: dict[tuple[Group, int], Any] = {}
         self._group_params: dict[Group, Any] = {}
+        self._meshes: dict[Group, Mesh] = {}
 
     # ---- shapes ---------------------------------------------------------------------------------------------
     def local_bucket(self, sp: int, tokens: int) -> int:
@@ -102,10 +102,15 @@ class SPPrefill:
     def num_programs(self) -> int:
         return len(self._steps)
 
+    def _mesh(self, group: Group) -> Mesh:
+        if group not in self._meshes:
+            self._meshes[group] = make_mesh([self.devices[i] for i in group])
+        return self._meshes[group]
+
     def _mesh_params(self, group: Group) -> Any:
         """The weights replicated over the group, assembled from the per-device copies (no copy)."""
         if group not in self._group_params:
-            sharding = NamedSharding(make_mesh([self.devices[i] for i in group]), P())
+            sharding = NamedSharding(self._mesh(group), P())
             self._group_params[group] = jax.tree.map(
                 lambda *xs: jax.make_array_from_single_device_arrays(xs[0].shape, sharding, list(xs)),
                 *(self._params[i] for i in group))
@@ -113,7 +118,7 @@ class SPPrefill:
 
     def _compile(self, group: Group, local: int) -> Any:
         p = len(group)
-        mesh = make_mesh([self.devices[i] for i in group])
+        mesh = self._mesh(group)
         model = Llama(self.cfg, StoreRingBackend(p, self.key_block, implementation=self.implementation), self.dtype)
 
         def body(params, ids, q_pos, k_pos, hist_pos, fill, blocks, last, temperature, top_k, top_p, seed, counter,
@@ -175,12 +180,11 @@ class SPPrefill:
         for i, s in zip(group, stores):
             if s.fill + local > self.cap:
                 raise RuntimeError(f"device {i}'s history store is full ({self.cap} rows)")
-        mesh = make_mesh([self.devices[i] for i in group])
-        put = lambda x: jax.device_put(x, NamedSharding(mesh, P(SP)))  # noqa: E731
+        sharding = NamedSharding(self._mesh(group), P(SP))
+        put = lambda x: jax.device_put(x, sharding)  # noqa: E731
         fill = np.array([s.fill for s in stores], np.int32)
         last = np.where(np.arange(p) == owner, row, 0).astype(np.int32)
         rep = lambda x, dtype: np.full(p, x, dtype)  # noqa: E731
-        sharding = NamedSharding(mesh, P(SP))
         layers, *rest = stores[0].k.shape
         kv = [jax.make_array_from_single_device_arrays((p * layers, *rest), sharding, xs)
               for xs in ([s.k for s in stores], [s.v for s in stores])]

@@ -9,6 +9,7 @@ TetriInfer's choice relies on.
 - BucketPredictor: TetriInfer predicts a decode-length range (a bucket), not a count. The baseline here is the
   Bayes classifier from trace statistics: per prompt-length band, the most frequent output bucket. Anything with
   the same `predict` can replace it (TetriInfer fine-tunes a small LLM).
+- ObservedLengths: what a live server predicts with no trace to fit on: the mean output served so far.
 """
 
 from __future__ import annotations
@@ -57,6 +58,23 @@ class BucketPredictor:
         """Share of requests whose decode length falls in the predicted bucket."""
         hits = [lo <= o < hi for p, o in zip(prompt_lens, output_lens) for lo, hi in (self.predict(p),)]
         return float(np.mean(hits))
+
+
+class ObservedLengths:
+    """The default decode-length predictor: the mean output of the requests finished so far (a bucket of
+    `granularity` around it), or `prior` before any."""
+
+    def __init__(self, prior: int = 256, granularity: int = 64):
+        self.prior, self.granularity, self.total, self.count = prior, granularity, 0, 0
+
+    def observe(self, generated: int) -> None:
+        self.total, self.count = self.total + generated, self.count + 1
+
+    def predict(self, prompt_len: int) -> tuple[int, int]:
+        mean = self.total / self.count if self.count else self.prior
+        lo = int(mean) // self.granularity * self.granularity
+        return lo, lo + self.granularity
+
 
 
 @dataclasses.dataclass
