@@ -15,6 +15,9 @@ import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from jaxserve.engine import profile, scoring
+from jaxserve.cluster import profile as cluster_profile
+from jaxserve.cluster.build import Layout, build, warmup
+from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.engine.batch import Buckets
 from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.runner import ModelRunner
@@ -107,6 +110,8 @@ class LLM:
                  space_sharing: bool = True,
                  multi_prefill: bool = True, iteration_budget: float | None = None, ttft_slo: float = 1.0,
                  prefix_caching: bool = True, cost_profile: str | None = None, key_block: int = 256,
+                 prefill_instances: int = 0, decode_instances: int = 1, decode_kvp: int = 1, node_size: int = 2,
+                 receive_buffers: int = 4, min_chunk: int = 1024, prefill_profile: str | None = None,
                  progress: bool = True):
         """kv_cache_tokens sizes the KV pool directly; otherwise it holds as many tokens as fit in kv_cache_gib.
         max_model_len defaults to the model's context, capped by what the pool holds.
@@ -118,7 +123,13 @@ class LLM:
         `space_sharing` makes a long prefill yield budget to urgent short ones. A prompt's first token is due
         `ttft_slo` seconds after arrival (or 3x its prefill time alone, if longer). The cost model is measured on
         this device at first start and cached (`cost_profile` names the file to load or write instead). Every
-        step program is compiled here, before the first request."""
+        step program is compiled here, before the first request.
+
+        Layout: with prefill_instances > 0 the engine is a live cluster (cluster/) over `jax.devices()`: the first
+        prefill_instances devices form a CDSP prefill pool (node_size to a node; chunks of at least min_chunk
+        tokens), then decode_instances decode instances of decode_kvp devices each (KV-parallel when more than
+        one), each with receive_buffers receive buffers. The pool's Eq. (1) is measured at first start and cached
+        (`prefill_profile` names the file instead). Default: one engine on one device."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, value in (("block_size", block_size), ("kv_cache_tokens", kv_cache_tokens or 1),
@@ -145,16 +156,26 @@ class LLM:
                                 multi_prefill=multi_prefill, space_sharing=space_sharing,
                                 iteration_budget=iteration_budget)
         self.cost = None
-        self.engine = self.make_engine(None, progress)
+        if prefill_instances:
+            self.engine = self._make_cluster(Layout(prefill_instances, decode_instances, node_size, receive_buffers,
+                                                    decode_kvp), min_chunk, prefill_profile, progress)
+        else:
+            self.engine = self.make_engine(progress=progress)
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
 
-    def make_engine(self, device: jax.Device | None, progress: bool = True) -> Engine:
-        """An engine with this LLM's settings on `device` (default: JAX's default device), its step programs
-        compiled; the step cost model is measured once (on the first engine) and shared."""
+    def make_engine(self, devices: Sequence[jax.Device] | None = None, progress: bool = True,
+                    kv_cache_tokens: int | None = None) -> Engine:
+        """An engine with this LLM's settings on `devices` (default: JAX's default device; several form a
+        KV-parallel group whose KV pool is the sum of theirs), its step programs compiled; the step cost model is
+        measured once (on the first engine) and shared. kv_cache_tokens: each device's pool (default: this
+        LLM's)."""
         a = self._sched_args
-        runner = ModelRunner(self.config, self._params, self._dtype, num_blocks=self._num_blocks,
+        devices = list(devices or jax.devices()[:1])
+        per_device = -(-kv_cache_tokens // self._block_size) + 1 if kv_cache_tokens else self._num_blocks
+        num_blocks = per_device * len(devices)  # + a scratch block on each device
+        runner = ModelRunner(self.config, self._params, self._dtype, num_blocks=num_blocks,
                              block_size=self._block_size, buckets=self._buckets, key_block=self._key_block,
-                             device=device)
+                             devices=devices)
         runner.warmup(progress)
         if self.cost is None:
             path = (pathlib.Path(self._cost_profile) if self._cost_profile else
@@ -164,10 +185,23 @@ class LLM:
                                max_model_len=self.max_model_len, chunk_align=self._buckets.tokens[0],
                                max_prefills=self._buckets.max_prefills, multi_prefill=a["multi_prefill"],
                                space_sharing=a["space_sharing"], t_target=a["iteration_budget"])
-        kv = KVCacheManager(self._num_blocks, self._block_size, enable_prefix_caching=a["prefix_caching"])
+        kv = KVCacheManager(num_blocks, self._block_size, enable_prefix_caching=a["prefix_caching"],
+                            scratch_blocks=len(devices))
         scheduler = ReplicaScheduler(make_policy(a["policy"]), self.cost, packer, kv, slo=SLO(ttft_min=a["ttft_slo"]),
                                      max_running=a["max_num_seqs"])
         return Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
+
+    def _make_cluster(self, layout: Layout, min_chunk: int, prefill_profile: str | None,
+                      progress: bool) -> ClusterEngine:
+        layout.check(len(jax.devices()))
+        path = (pathlib.Path(prefill_profile) if prefill_profile else
+                cluster_profile.default_path(self.model_name, self._dtype_name, layout.prefill_instances,
+                                             layout.node_size, self.max_model_len, self._key_block))
+        cluster = build(self.config, self._params, layout, lambda ds: self.make_engine(ds, progress), path,
+                        capacity=self.max_model_len, dtype=self._dtype, min_chunk=min_chunk,
+                        key_block=self._key_block, progress=progress)
+        warmup(cluster, self.max_model_len, progress)
+        return cluster
 
     # ---- prompts ------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

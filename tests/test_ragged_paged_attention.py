@@ -10,6 +10,7 @@ import pytest
 from jaxserve.engine import batch
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxserve.pallas_kernels.reference import merge_attention
 from test_paged_attention import dense_reference
 
 # float32 softmax over at most a few hundred keys of O(1) scores: the online (blockwise) and the float64 dense
@@ -44,10 +45,17 @@ def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_b
     a = batch.pack(step, buckets, block_size)
     q = rng.standard_normal((len(a.token_ids), heads, d)).astype(np.float32)
 
-    got = np.asarray(ragged_paged_attention(
-        jnp.asarray(q), jnp.asarray(a.positions), jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(a.tables),
+    attend = lambda tables: ragged_paged_attention(  # noqa: E731
+        jnp.asarray(q), jnp.asarray(a.positions), jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(tables),
         jnp.asarray(a.decode_token), jnp.asarray(a.tile_tokens), jnp.asarray(a.tile_row),
-        block_size=block_size, key_block=key_block))
+        block_size=block_size, key_block=key_block)
+    got, lse = (np.asarray(x) for x in attend(a.tables))
+    # a KV-parallel group's view: each of 3 devices sees the blocks b % 3 == i (the others are -1); the partials
+    # merged by their log-sum-exp are the whole attention again
+    parts = [attend(np.where(a.tables % 3 == i, a.tables, -1)) for i in range(3)]
+    merged, merged_lse = merge_attention(jnp.stack([o for o, _ in parts]), jnp.stack([s for _, s in parts]))
+    np.testing.assert_allclose(merged, got, **TOL)
+    np.testing.assert_allclose(merged_lse, lse, **TOL)
     start = 0
     for (h, n), table, kv_len in zip(rows, tables, kv_lens):
         slots = (np.asarray(table)[:, None] * block_size + np.arange(block_size)).reshape(-1)
@@ -55,7 +63,7 @@ def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_b
                               v_cache[slots].astype(np.float64), np.arange(h, h + n), kv_len)
         np.testing.assert_allclose(got[start:start + n], ref, **TOL)
         start += n
-    assert not got[start:].any()  # batch padding attends nothing
+    assert not got[start:].any() and np.isneginf(lse[start:]).all()  # batch padding attends nothing
 
 
 def test_buckets_bound_the_programs_and_refuse_what_does_not_fit():

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import pathlib
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.cluster import profile
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.engine.engine import Engine
@@ -24,20 +25,23 @@ from jaxserve.sharding import rows
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Which of `jax.devices()` do what: the first `prefill_instances` form the prefill pool (`node_size` to a
-    node, as the planner's Pool), each of the next `decode_instances` is a decode instance."""
+    node, as the planner's Pool), then `decode_instances` decode instances of `decode_kvp` devices each (a
+    KV-parallel group when more than one)."""
 
     prefill_instances: int
     decode_instances: int
     node_size: int = 2
     receive_buffers: int = 4
+    decode_kvp: int = 1
 
     def check(self, available: int) -> None:
-        need = self.prefill_instances + self.decode_instances
-        if self.prefill_instances < 1 or self.decode_instances < 1:
-            raise ValueError("a cluster needs at least one prefill and one decode instance")
+        need = self.prefill_instances + self.decode_instances * self.decode_kvp
+        if min(self.prefill_instances, self.decode_instances, self.decode_kvp, self.node_size) < 1:
+            raise ValueError(f"a cluster needs at least one prefill and one decode instance, of one device or more, "
+                             f"in nodes of one or more; got {self}")
         if need > available:
             raise ValueError(f"the layout needs {need} devices ({self.prefill_instances} prefill + "
-                             f"{self.decode_instances} decode); there are {available}")
+                             f"{self.decode_instances} decode x {self.decode_kvp}); there are {available}")
         if self.prefill_instances % self.node_size:
             raise ValueError(f"{self.prefill_instances} prefill instances do not form nodes of {self.node_size}")
 
@@ -71,23 +75,32 @@ def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> in
     for s in tqdm(sp.stores.values(), desc="compile KV moves", unit="device", disable=not progress):
         for n in pieces:  # free stores: what these write is never read
             s.k, s.v = rows.put(s.k, s.v, *rows.take(s.k, s.v, 0, size=n), 0)
-    first = sp.stores[cluster.pool_ids[0]]
     for d in cluster.decoders:
-        for n in pieces:  # into the scratch block
-            d.engine.runner.land(*jax.device_put(rows.take(first.k, first.v, 0, size=n), d.device), np.zeros(n, np.int32))
+        d.engine.runner.warmup_land(sp.cap)
         d.engine.runner.warmup(progress)
     return len(work)
 
 
-def build(cfg, params, layout: Layout, make_engine: Callable[[jax.Device], Engine], prefill_cost: TetrisPrefill, *,
-          capacity: int, dtype=jnp.float32, sizes: Sequence[int] | None = None, improvement_rate: float = 0.1,
-          min_chunk: int = 1024, dispatch: str = "freeness", key_block: int = 256, min_local: int = 64,
-          devices: Sequence[jax.Device] | None = None) -> ClusterEngine:
+def build(cfg, params, layout: Layout, make_engine: Callable[[list[jax.Device]], Engine],
+          prefill_cost: TetrisPrefill | pathlib.Path, *, capacity: int, dtype=jnp.float32,
+          sizes: Sequence[int] | None = None, improvement_rate: float = 0.1, min_chunk: int = 1024,
+          dispatch: str = "freeness", key_block: int = 256, min_local: int = 64,
+          devices: Sequence[jax.Device] | None = None, progress: bool = True) -> ClusterEngine:
+    """prefill_cost: Eq. (1) for the planner, or the file to load it from (measured on this pool and written
+    there first if it does not exist). sizes: the SP sizes chunks may use (default: the fitted ones, or the
+    powers of two from a node to the pool when measuring)."""
     devices = list(devices or jax.devices())
     layout.check(len(devices))
-    pool_devices = devices[:layout.prefill_instances]
-    sp = SPPrefill(cfg, params, pool_devices, capacity=capacity, dtype=dtype, key_block=key_block, min_local=min_local)
+    sp = SPPrefill(cfg, params, devices[:layout.prefill_instances], capacity=capacity, dtype=dtype,
+                   key_block=key_block, min_local=min_local)
+    if isinstance(prefill_cost, pathlib.Path):
+        pool = layout.pool
+        sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]
+        first_group = {len(g): g for g in reversed(planner_groups(pool, sizes))}  # the first group of each size
+        groups = {s: tuple(devices[i].id for i in g) for s, g in first_group.items()}
+        prefill_cost = profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
     planner = CDSPPlanner(prefill_cost, layout.pool, improvement_rate, sizes=sizes, min_chunk=min_chunk)
-    decoders = [DecodeInstance(i, make_engine(d), d, layout.receive_buffers)
-                for i, d in enumerate(devices[layout.prefill_instances:layout.prefill_instances + layout.decode_instances])]
+    first, g = layout.prefill_instances, layout.decode_kvp
+    decoders = [DecodeInstance(i, make_engine(devices[first + i * g:first + (i + 1) * g]), layout.receive_buffers)
+                for i in range(layout.decode_instances)]
     return ClusterEngine(sp, planner, decoders, dispatch=dispatch)

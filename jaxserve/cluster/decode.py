@@ -1,12 +1,13 @@
-"""A decode instance of the live cluster: the Plan-executing engine on its own device, with receive buffers for
-KV arriving from the prefill pool, and the load a dispatcher sees (virtual usage: KV promised to requests on
-their way, sized by the predicted decode length)."""
+"""A decode instance of the live cluster: the Plan-executing engine on its own device or KV-parallel group of
+devices, with receive buffers for KV arriving from the prefill pool (on the instance's first device; landing
+sends each row on to the device that owns its block), and the load a dispatcher sees (virtual usage: KV promised
+to requests on their way, sized by the predicted decode length)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
-import jax
 import numpy as np
 
 from jaxserve.cluster.transfer import ReceiveBuffers, Transfer, Transport
@@ -23,8 +24,8 @@ class _Incoming:
 
 
 class DecodeInstance:
-    def __init__(self, index: int, engine: Engine, device: jax.Device, receive_buffers: int):
-        self.index, self.engine, self.device = index, engine, device
+    def __init__(self, index: int, engine: Engine, receive_buffers: int):
+        self.index, self.engine, self.device = index, engine, engine.runner.device
         self.buffers = ReceiveBuffers(receive_buffers)
         self.incoming: dict[str, _Incoming] = {}  # dispatched here, not yet decoding
         self.heavy: dict[str, bool] = {}  # every request dispatched here and not finished: is it a heavy decode?
@@ -41,10 +42,10 @@ class DecodeInstance:
                           len(self.engine.scheduler.running) + sum(not r.reserved for r in self.incoming.values()),
                           heavy, len(self.heavy) - heavy)
 
-    def pump(self, transport: Transport, now: float) -> list[Transfer]:
+    def pump(self, transport: Transport, clock: Callable[[], float]) -> list[Transfer]:
         """Send waiting transfers into free buffers and land the held ones whose request has its blocks (in
         order; a request without room keeps its buffer). Returns the transfers that landed."""
-        self.buffers.send(transport, self.device, now)
+        self.buffers.send(transport, self.device, clock)
         landed = []
         for t in list(self.buffers.held):
             inc = self.incoming.get(t.request_id)
@@ -60,10 +61,10 @@ class DecodeInstance:
             for k, v, pos in t.pieces:
                 self.engine.runner.land(k, v, table[pos // bs] * bs + pos % bs)
             inc.landed_last |= t.last
-            t.landed, t.pieces = now, []
+            t.landed, t.pieces = clock(), []
             self.buffers.release(t)
             landed.append(t)
-        self.buffers.send(transport, self.device, now)
+        self.buffers.send(transport, self.device, clock)
         return landed
 
     def ready(self, request_id: str) -> bool:

@@ -29,6 +29,7 @@ from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.engine.sp_prefill import ChunkRun, SPPrefill
 from jaxserve.sched.cdsp import Chunk, ChunkPlan
+from jaxserve.sched.kv_manager import PrefixCacheStats
 from jaxserve.sched.decode_dispatch import (HEAVY_DECODE, LengthPredictor, ObservedLengths, by_freeness,
                                              power_of_two)
 from jaxserve.sim.prefill_pool import Planner
@@ -47,6 +48,15 @@ class ChunkRecord:
     end: float
     predicted_start: float
     predicted_end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTotals:
+    """The decode instances' KV pools summed, as the server's gauges read a KVCacheManager (blocks)."""
+
+    num_free: int
+    capacity: int
+    stats: PrefixCacheStats
 
 
 @dataclasses.dataclass
@@ -154,6 +164,12 @@ class ClusterEngine:
         return len(self._owner) - self.num_running
 
     @property
+    def kv(self) -> KVTotals:
+        kvs = [d.engine.kv for d in self.decoders]
+        return KVTotals(sum(k.num_free for k in kvs), sum(k.capacity for k in kvs),
+                        PrefixCacheStats(sum(k.stats.query_tokens for k in kvs), sum(k.stats.hit_tokens for k in kvs)))
+
+    @property
     def num_preemptions(self) -> int:
         return sum(d.engine.num_preemptions for d in self.decoders)
 
@@ -168,9 +184,8 @@ class ClusterEngine:
     # ---- one iteration ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = self._run_chunks()  # counted there
-        now = self.clock()
         for i, d in enumerate(self.decoders):
-            for t in d.pump(self.transport, now):
+            for t in d.pump(self.transport, self.clock):
                 self.transfers.append((i, t))
             for rid in [rid for rid in d.incoming if d.ready(rid) and rid not in self._prefills]:
                 d.admit(rid)

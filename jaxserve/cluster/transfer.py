@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Protocol
+from typing import Callable, Protocol
 
 import jax
 import numpy as np
@@ -53,11 +53,11 @@ class ReceiveBuffers:
     def offer(self, transfer: Transfer) -> None:
         self.waiting.append(transfer)
 
-    def send(self, transport: Transport, device: jax.Device, now: float) -> None:
+    def send(self, transport: Transport, device: jax.Device, clock: Callable[[], float]) -> None:
         """Send waiting transfers, in order, into the free buffers."""
         while self.waiting and len(self.held) < self.count:
             t = self.waiting.popleft()
-            t.pieces, t.sent = transport.send(t.pieces, device), now
+            t.pieces, t.sent = transport.send(t.pieces, device), clock()
             self.held.append(t)
 
     def release(self, transfer: Transfer) -> None:

@@ -1,16 +1,26 @@
 """The paged KV cache on the device: one (k, v) pair of arrays over every layer, and the model's attention backend
 that writes a step's new K/V into the blocks the scheduler granted and attends over them. Which blocks a request
-holds is decided by sched/kv_manager.py; block 0 is scratch (padding writes there)."""
+holds is decided by sched/kv_manager.py; block 0 is scratch (padding writes there).
+
+A KV-parallel group (Medha's KVP) spreads one cache over `kvp` devices: block b lives on device b % kvp as its
+local block b // kvp, so the blocks 0..kvp-1 are the devices' scratch blocks and a request's consecutive blocks
+alternate devices (each holds about 1/kvp of every context and reads that much per decode). The step runs on
+every device of the group with the same batch; each writes the new K/V it owns, attends over its own blocks, and
+one all-gather of (output, log-sum-exp) per layer merges the partials: the query moves, the KV stays.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jaxserve.models.config import LlamaConfig
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxserve.sharding.lse import merge_gathered
+from jaxserve.sharding.mesh import SP
 
 # (k_all, v_all): every layer's cache stacked on a leading layer axis.
 Caches = tuple[Float[Array, "layers slots kvh d"], Float[Array, "layers slots kvh d"]]
@@ -20,25 +30,40 @@ Caches = tuple[Float[Array, "layers slots kvh d"], Float[Array, "layers slots kv
 class RaggedPagedBackend:
     """The model's attention over the paged cache for a flat ragged batch.
 
-    caches = (k [layers, slots, kvh, d], v [...]); ctx = (write slots [t], block tables [r, w], decode_token [r],
-    tile_tokens [nt, tq], tile_row [nt]) as batch.StepArrays describes."""
+    caches = (k [layers, slots, kvh, d], v [...]) (this device's share when kvp > 1, inside shard_map over the
+    'sp' axis); ctx = (write slots [t], block tables [r, w], decode_token [r], tile_tokens [nt, tq],
+    tile_row [nt]) as batch.StepArrays describes, in the group's global block numbers."""
 
     block_size: int
     key_block: int
+    kvp: int = 1
 
     def __call__(self, q, k, v, positions, caches, layer, ctx):
         slots, tables, decode_token, tile_tokens, tile_row = ctx
         k_all, v_all = caches
+        if self.kvp > 1:
+            slots, tables = self._local(slots, tables)
         k_all = k_all.at[layer, slots].set(k[0].astype(k_all.dtype))
         v_all = v_all.at[layer, slots].set(v[0].astype(v_all.dtype))
         # k_all[layer] with a traced layer would copy the layer's whole cache every step; the attention reads
         # the flattened cache instead (a free reshape), the layer's blocks numbered from layer * blocks_per_layer
         layers, slots_per_layer = k_all.shape[:2]
         flat = (layers * slots_per_layer, *k_all.shape[2:])
-        out = ragged_paged_attention(q[0], positions[0], k_all.reshape(flat), v_all.reshape(flat),
-                                     tables + layer * (slots_per_layer // self.block_size), decode_token,
-                                     tile_tokens, tile_row, block_size=self.block_size, key_block=self.key_block)
+        tables = jnp.where(tables >= 0, tables + layer * (slots_per_layer // self.block_size), -1)
+        out, lse = ragged_paged_attention(q[0], positions[0], k_all.reshape(flat), v_all.reshape(flat), tables,
+                                          decode_token, tile_tokens, tile_row, block_size=self.block_size,
+                                          key_block=self.key_block)
+        if self.kvp > 1:
+            out, _ = merge_gathered(out, lse, SP)
         return out[None], (k_all, v_all)
+
+    def _local(self, slots, tables):
+        """This device's view of the global slots and tables: the slots it owns as local slots (the others write
+        to its scratch block), the blocks it holds as local ids and -1 for the others'."""
+        me, bs = jax.lax.axis_index(SP), self.block_size
+        block = slots // bs
+        slots = jnp.where(block % self.kvp == me, (block // self.kvp) * bs + slots % bs, slots % bs)
+        return slots, jnp.where(tables % self.kvp == me, tables // self.kvp, -1)
 
 
 def allocate_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> Caches:

@@ -9,7 +9,6 @@ import functools
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.batch import powers_of_two

@@ -104,6 +104,7 @@ class CDSPPlanner:
         """sizes: candidate SP sizes (default: the fitted powers of two that fit the pool); min_chunk: a chunk
         smaller than this is not worth its own step; chunking=False gives request-level SP (Algorithm 2 only)."""
         self.pool, self.improvement_rate, self.min_chunk, self.chunking = pool, improvement_rate, min_chunk, chunking
+        self.model = model
         self.sizes = sorted(sizes or [s for s in model.coefficients if s <= pool.size])
         if not self.sizes or self.sizes[-1] > pool.size:
             raise ValueError(f"SP sizes {self.sizes} do not fit a pool of {pool.size} instances")

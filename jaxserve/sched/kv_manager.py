@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-SCRATCH_BLOCK = 0  # never handed out: the executor points padding writes at it
+SCRATCH_BLOCK = 0  # never handed out: the executor points padding writes at it (blocks below scratch_blocks too)
 _SEED = bytes(32)  # parent of a request's first block
 
 
@@ -35,16 +35,20 @@ class KVCacheManager:
     """Paged KV blocks owned by the scheduler: reference counts, prefix hashes over full blocks, LRU eviction of
     free-but-cached blocks (vLLM's design)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 2 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 2 and block_size >= 1, got {num_blocks} and {block_size}")
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, scratch_blocks: int = 1):
+        """scratch_blocks: blocks 0..scratch_blocks-1 are never handed out (one per device of a KV-parallel
+        group, whose block b lives on device b % group)."""
+        if scratch_blocks < 1 or num_blocks <= scratch_blocks or block_size < 1:
+            raise ValueError(f"need num_blocks > scratch_blocks >= 1 and block_size >= 1, got {num_blocks}, "
+                             f"{scratch_blocks} and {block_size}")
         self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
+        self.scratch_blocks = scratch_blocks
         self.stats = PrefixCacheStats()
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks  # set only while the block is published in _cached
         self._cached: dict[bytes, int] = {}  # hash -> its canonical block
         # ref-0 blocks as an ordered set: allocate pops the front (least recently freed), free appends at the back
-        self._free: dict[int, None] = dict.fromkeys(range(1, num_blocks))
+        self._free: dict[int, None] = dict.fromkeys(range(scratch_blocks, num_blocks))
         self._tables: dict[str, list[int]] = {}
         self._chains: dict[str, list[bytes]] = {}  # hashes of each table's committed full blocks, in order
 
@@ -55,7 +59,7 @@ class KVCacheManager:
 
     @property
     def capacity(self) -> int:
-        return self.num_blocks - 1
+        return self.num_blocks - self.scratch_blocks
 
     @property
     def num_free(self) -> int:

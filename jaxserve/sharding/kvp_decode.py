@@ -2,7 +2,7 @@
 
 A long request's KV stays split across the group's devices; the query moves instead: every device attends over
 its own paged shard, and the (output, log-sum-exp) partials merge exactly. Only b*h*(d+1) values per device
-cross the network, not the KV.
+cross the network (one all-gather), not the KV.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from jaxtyping import Array, Float, Int
 
 from jaxserve.pallas_kernels import dispatch as kernels
-from jaxserve.sharding.lse import merge_over
+from jaxserve.sharding.lse import merge_gathered
 from jaxserve.sharding.mesh import SP
 
 
@@ -29,4 +29,4 @@ def kv_parallel_decode(
     o, lse = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, kv_lens,
                                             block_size=block_size, num_splits=1,
                                             implementation=implementation)
-    return merge_over(o[:, 0], lse[:, 0], axis_name)[0]
+    return merge_gathered(o[:, 0], lse[:, 0], axis_name)[0]

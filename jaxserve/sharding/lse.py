@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels.reference import merge_attention
+
 
 def weigh(o, lse, axis_name: str):
     """(o * w, w, m) for this device's partial."""
@@ -25,10 +27,14 @@ def finish(num, den, m):
     return num / safe[..., None], jnp.where(seen, m + jnp.log(safe), -jnp.inf)
 
 
-def merge_over(o, lse, axis_name: str):
-    """Every device gets the merged result of all devices' partials (an all-reduce)."""
-    num, w, m = weigh(o, lse, axis_name)
-    return finish(jax.lax.psum(num, axis_name), jax.lax.psum(w, axis_name), m)
+def merge_gathered(o, lse, axis_name: str):
+    """Every device gets the merged result of all devices' partials: one all-gather of (o, lse) packed as
+    [..., d + 1] and a local merge (KV-parallel decode's exchange: one collective per layer, not a pmax and two
+    psums)."""
+    packed = jnp.concatenate([o.astype(jnp.float32), lse[..., None].astype(jnp.float32)], axis=-1)
+    every = jax.lax.all_gather(packed, axis_name)  # [p, ..., d + 1]
+    out, merged = merge_attention(every[..., :-1], every[..., -1])
+    return out.astype(o.dtype), merged
 
 
 def merge_scatter(o, lse, axis_name: str):

@@ -38,6 +38,12 @@ def take(k: Float[Array, "layers cap kvh d"], v: Float[Array, "layers cap kvh d"
     return cut(k), cut(v)
 
 
+@jax.jit
+def select(k: Float[Array, "layers n kvh d"], v: Float[Array, "layers n kvh d"], idx: Int[Array, "m"]):
+    """Rows `idx` of every layer (on the rows' device)."""
+    return k[:, idx], v[:, idx]
+
+
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def put(k: Float[Array, "layers cap kvh d"], v: Float[Array, "layers cap kvh d"],
         k_rows: Float[Array, "layers n kvh d"], v_rows: Float[Array, "layers n kvh d"], at: Int[Array, ""]):

@@ -28,6 +28,7 @@ class PoolRun:
     chunks: np.ndarray  # chunks per request
     busy: float  # instance-seconds of prefill computed
     span: float  # first arrival to last first token
+    plans: list[ChunkPlan]  # per request, chunk times relative to its arrival
 
     @property
     def slo_attainment(self) -> float:
@@ -54,17 +55,19 @@ def run_pool(planner: Planner, workload: Workload, pool_size: int, best_latency:
     n = len(workload)
     ttft, deadline, chunks = np.empty(n), np.empty(n), np.empty(n, np.int64)
     busy = 0.0
+    plans = []
     for k, (t, tokens) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist())):
         if on_arrival is not None:
             on_arrival(t)
         queues = np.maximum(free_at - t, 0.0)
         plan = planner.plan(tokens, queues)
         free_at = t + plan.commit(queues)
+        plans.append(plan)
         ttft[k], chunks[k] = plan.ttft, len(plan.chunks)
         deadline[k] = slo.ttft(best_latency(tokens))
         busy += sum((c.end - c.start) * c.sp for c in plan.chunks)
     span = float(np.max(workload.arrivals + ttft) - workload.arrivals[0]) if n else 0.0
-    return PoolRun(ttft, deadline, chunks, busy, span)
+    return PoolRun(ttft, deadline, chunks, busy, span, plans)
 
 
 def max_sustainable_rate(make_planner: Callable[[], Planner], workload_at: Callable[[float], Workload],

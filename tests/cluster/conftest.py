@@ -39,7 +39,7 @@ def eq1_model() -> TetrisPrefill:
 def make_cluster(llm, devices, decode_instances: int = 1, receive_buffers: int = 4, warm: bool = True):
     layout = Layout(prefill_instances=8, decode_instances=decode_instances, node_size=2,
                     receive_buffers=receive_buffers)
-    cluster = build(llm.config, llm._params, layout, lambda d: llm.make_engine(d, progress=False), eq1_model(),
+    cluster = build(llm.config, llm._params, layout, lambda ds: llm.make_engine(ds, progress=False), eq1_model(),
                     capacity=MAX_MODEL_LEN, min_chunk=256, min_local=128, devices=devices)
     if warm:
         warmup(cluster, MAX_MODEL_LEN, progress=False)

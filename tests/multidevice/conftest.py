@@ -4,10 +4,18 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 (the flag must be set before 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.engine.scoring import DenseCausalBackend
+from jaxserve.models.config import LlamaConfig
+from jaxserve.models.llama import Llama
 from jaxserve.pallas_kernels.reference import NO_POSITION
+
+# A small random Llama with GQA (6 heads over 2 KV heads) for the sharded model paths.
+CFG = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2,
+                  head_dim=8, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +24,18 @@ def devices():
     if len(devs) < 8:
         pytest.fail(f"need 8 devices, got {len(devs)}: run through tests/test_multidevice.py")
     return devs
+
+
+@pytest.fixture(scope="session")
+def params():
+    """CFG's weights, all random: Flax's default init leaves norms at 1, so every weight is drawn (norm weights,
+    stacked [layers, e] in the scanned layers or [e] for the final norm, at scale 1; matrices at 0.3)."""
+    one = jnp.zeros((1, 1), jnp.int32)
+    variables = Llama(CFG, DenseCausalBackend()).init(jax.random.key(1), one, one, (), one[0])
+    leaves, tree = jax.tree_util.tree_flatten_with_path(variables)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * (1.0 if path[-1].key == "weight" else 0.3)
+                                     for k, (path, x) in zip(keys, leaves)])
 
 
 def dense_attention(q, keys, values, q_pos, k_pos):

@@ -4,7 +4,6 @@ uneven valid lengths. Random inputs throughout."""
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

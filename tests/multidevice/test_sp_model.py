@@ -12,32 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import CFG
 from jaxserve.engine.sampling import SamplingParams
-from jaxserve.engine.scoring import DenseCausalBackend
 from jaxserve.engine.sp_prefill import SPPrefill
-from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
 from jaxserve.pallas_kernels.reference import chunk_attention
 from jaxserve.sharding import layouts, rebalance
 
-CFG = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2,
-                  head_dim=8, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
 # Attention itself matches to 1e-5 (test_sp_attention); through two random layers float32 rounding of the
 # differently ordered reductions grows to ~1e-5 absolute on values of magnitude ~5.
 TOL = dict(rtol=1e-4, atol=1e-4)
 GREEDY = SamplingParams()
-
-
-@pytest.fixture(scope="module")
-def params():
-    one = jnp.zeros((1, 1), jnp.int32)
-    variables = Llama(CFG, DenseCausalBackend()).init(jax.random.key(1), one, one, (), one[0])
-    # Flax's default init leaves norms at 1: randomise everything so every weight matters (norm weights, stacked
-    # [layers, e] in the scanned layers or [e] for the final norm, at scale 1; matrices at 0.3).
-    leaves, tree = jax.tree_util.tree_flatten_with_path(variables)
-    keys = jax.random.split(jax.random.key(2), len(leaves))
-    return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * (1.0 if path[-1].key == "weight" else 0.3)
-                                     for k, (path, x) in zip(keys, leaves)])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,91 @@
+"""Tetris's Eq. (1) measured on the live prefill pool: the latency of a chunk of n tokens after h history tokens on
+an SP group of each size, c0 + c1*n + c2*n*h + c3*n^2, fitted to timed chunks (the compiled program, the ring over
+the group and the sampled token back on the host). The CDSP planner plans with it; measured once per device
+kind, model, dtype and pool shape, cached on disk like the engine's step profile.
+
+A chunk runs in power-of-two per-device buckets, so its time is a step function of n: the grid measures chunks
+that fill their bucket (what a planned chunk costs at worst) at no history and at a long one.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+import time
+from tqdm.auto import tqdm
+
+from jaxserve.engine.sampling import SamplingParams
+from jaxserve.engine.sp_prefill import Group, SPPrefill
+from jaxserve.sched.cost_models import TetrisPrefill
+
+VERSION = 1  # of the chunk step and of how it is measured: a change to either must not load an older profile
+_GREEDY = SamplingParams(max_tokens=1)
+_RID = "eq1-profile"
+
+
+def grid(sp: SPPrefill, size: int, max_tokens: int) -> list[tuple[int, int]]:
+    """(tokens, history) points for one SP size: the smallest, a middle and the largest full bucket at no
+    history, and the smallest and largest after the longest history that leaves room for them."""
+    full = [size * b for b in sp.buckets(size, max_tokens // 2)]
+    small, mid, large = full[0], full[len(full) // 2], full[-1]
+    points = [(small, 0), (mid, 0), (large, 0)]
+    points += [(n, max_tokens - n) for n in (small, large) if max_tokens - n > 0]
+    return sorted(set(points))
+
+
+def time_chunk(sp: SPPrefill, group: Group, tokens: int, history: int, repeats: int) -> float:
+    """Median seconds of a chunk of `tokens` after `history` tokens on `group` (the history written first, untimed).
+    The first repetition compiles nothing (the programs are built first) but warms caches and is dropped."""
+    times = []
+    for _ in range(repeats + 1):
+        sp.claim(_RID, group)
+        try:
+            if history:
+                sp.run_chunk(_RID, group, [1] * history, 0, _GREEDY, 0).token()
+            start = time.perf_counter()
+            sp.run_chunk(_RID, group, [1] * tokens, history, _GREEDY, 0).token()
+            times.append(time.perf_counter() - start)
+        finally:
+            sp.release(_RID)
+    return statistics.median(times[1:])
+
+
+def measure(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, repeats: int = 2,
+            progress: bool = True) -> TetrisPrefill:
+    """Fit Eq. (1) per SP size from chunks timed on one group of that size (groups: size -> device ids)."""
+    work = [(size, n, h) for size in sorted(groups) for n, h in grid(sp, size, max_tokens)]
+    for size, n, h in work:  # compile every program first: the timings must not include it
+        for t in (n, h):
+            if t:
+                sp.program(groups[size], sp.local_bucket(size, t))
+    samples = [(size, (n, h), time_chunk(sp, groups[size], n, h, repeats))
+               for size, n, h in tqdm(work, desc="measure Eq. (1) chunk latency", unit="point", disable=not progress)]
+    return TetrisPrefill.fit(samples)
+
+
+def default_path(model_name: str, dtype: str, pool_size: int, node_size: int, capacity: int,
+                 key_block: int) -> pathlib.Path:
+    """Per device kind, model, dtype and pool shape (what the chunk programs and their timings depend on)."""
+    import jax
+
+    from jaxserve.models import registry
+
+    kind = jax.devices()[0].device_kind.replace(" ", "_").replace("/", "_")
+    shape = f"p{pool_size}x{node_size}-cap{capacity}-kb{key_block}"
+    return registry.cache_dir() / "profiles" / f"{kind}-{pathlib.Path(model_name).stem}-{dtype}-cdsp-{shape}-v{VERSION}.json"
+
+
+def load_or_measure(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
+                    progress: bool = True) -> TetrisPrefill:
+    """The Eq. (1) fit in `path`, measured (and written there) first if the file does not exist."""
+    if path.exists():
+        model = TetrisPrefill.from_json(path.read_text())
+        if set(model.coefficients) != set(groups):
+            raise ValueError(f"the prefill profile {path} was fitted for SP sizes {sorted(model.coefficients)}, "
+                             f"not this pool's {sorted(groups)}")
+        return model
+    model = measure(sp, groups, max_tokens, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(model.to_json())
+    return model
+
