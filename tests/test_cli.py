@@ -34,7 +34,8 @@ def test_generate_prints_the_greedy_chat_reply(llm):
         (["bogus"], "usage: python -m jaxserve"),
         (["generate", "--prompt=hi", "--max_model_len=512", "--prefill_instances=4", "--decode_instances=2",
           "--decode_kvp=2"], "the layout needs 8 devices (4 prefill + 2 decode x 2); there are 1"),
-        (["generate", "--prompt=hi", "--max_model_len=512", "--prefill_instances=3"], "do not form nodes of 2"),
+        (["generate", "--prompt=hi", "--max_model_len=512", "--prefill_instances=2", "--node_size=0"],
+         "in nodes of one or more"),
     ],
 )
 def test_bad_input_exits_with_a_message(args, message):

@@ -1,6 +1,7 @@
 """The live cluster against the single-device engine: a ~3K-token prompt chunked over prefill groups of 2 -> 4 ->
 8 devices, its KV streamed chunk by chunk to a decode instance on other devices, gives the same greedy tokens;
-nothing compiles after warm-up; and the receive-buffer handshake orders transfers and decode starts."""
+the same with the decode on a KV-parallel group; nothing compiles after warm-up; the receive-buffer handshake
+orders transfers and decode starts; and LLM's layout arguments build, profile and serve such a cluster."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import jax
 import numpy as np
 import pytest
 
+import jaxserve
 from conftest import MAX_MODEL_LEN, busy, make_cluster, run
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sched.cost_models import TetrisPrefill
 
 GREEDY = SamplingParams(max_tokens=24)
 
@@ -101,3 +104,19 @@ def test_no_compilation_after_warmup_across_twenty_requests(llm, cluster):
         run(cluster, [(ids, params)])
     assert compiles == []
     assert {len(r.group) for r in cluster.records} == {2, 4, 8}
+
+
+def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(llm, tmp_path):
+    """LLM(prefill_instances=...) (what serve/generate's layout flags build): the pool's Eq. (1) is measured and
+    written where asked, and generation through the cluster (a prefill pool of 2 devices, one decode instance
+    KV-parallel over 2) gives the single-device engine's greedy tokens."""
+    path = tmp_path / "eq1.json"
+    clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4, max_num_batched_tokens=256,
+                             prefill_instances=2, decode_instances=1, decode_kvp=2, min_chunk=256,
+                             prefill_profile=str(path), progress=False)
+    assert isinstance(clustered.engine, ClusterEngine)
+    fit = TetrisPrefill.from_json(path.read_text())
+    assert set(fit.coefficients) == {2} and fit.predict(2, 512) > fit.predict(2, 64) > 0
+    ids = [prompt(llm, 700, 3), prompt(llm, 90, 4)]
+    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
+    assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == want
