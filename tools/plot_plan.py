@@ -6,7 +6,7 @@ The run file is what tools/bench_cluster.py writes (run.json): the trace (arriva
 replays the same arrivals through the same planner and Eq. (1) on sim/'s prefill pool (run_pool), where a
 chunk's time is exactly its prediction and nothing else runs.
 
-    .venv/bin/python tools/plot_plan.py --run=bench_out/run.json [--out=bench_out/plan_gantt.png]
+    .venv/bin/python tools/plot_plan.py --run=bench_out/run.json [--png=bench_out/plan_gantt.png]
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from jaxserve.sim.prefill_pool import PoolRun, run_pool
 from jaxserve.sim.workload import Workload
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("run", None, "run.json written by tools/bench_cluster.py.")
-flags.DEFINE_string("out", None, "PNG to write (default: plan_gantt.png beside the run file).")
 
 
 def simulate(run: dict) -> PoolRun:
@@ -59,11 +57,13 @@ def draw(run: dict, sim: PoolRun, path: str) -> None:
 def main(argv: list[str]) -> None:
     del argv
     run = json.loads(pathlib.Path(FLAGS.run).read_text())
-    out = FLAGS.out or str(pathlib.Path(FLAGS.run).with_name("plan_gantt.png"))
+    out = FLAGS.png or str(pathlib.Path(FLAGS.run).with_name("plan_gantt.png"))
     draw(run, simulate(run), out)
     print(f"wrote {out}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only when run: tools/bench_cluster.py imports draw and simulate
+    flags.DEFINE_string("run", None, "run.json written by tools/bench_cluster.py.")
+    flags.DEFINE_string("png", None, "PNG to write (default: plan_gantt.png beside the run file).")
     flags.mark_flag_as_required("run")
     app.run(main)

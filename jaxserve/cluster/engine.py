@@ -7,9 +7,10 @@ Plan-executing engine.
   of its booked chunks, moved by how late or early the executed ones really ended) and returns the chunks
   (tokens, group); the decode instance is chosen then, by freeness with virtual usage or power of two, from the
   predicted decode length (never the true one).
-- Executing: each step dispatches the next chunks in booked order whose groups are disjoint (they may run at
-  once), rebalancing a request's history before a chunk on a larger group; then it moves KV (ReceiveBuffers)
-  and runs one step on every decode instance with work.
+- Executing: each step starts the next chunks, in booked order, whose groups are free and disjoint (they may run
+  at once), rebalancing a request's history before a chunk on a larger group; takes the chunks that have
+  finished (waiting for one only when no decode instance has work); then moves KV (ReceiveBuffers) and runs one
+  step on every decode instance with work, while the chunks still in flight run on.
 - Observability: every executed chunk and transfer is recorded with measured times (records, transfers).
 """
 
@@ -37,7 +38,8 @@ from jaxserve.sim.prefill_pool import Planner
 
 @dataclasses.dataclass(frozen=True)
 class ChunkRecord:
-    """One executed chunk; times in seconds of the cluster's clock."""
+    """One executed chunk; times in seconds of the cluster's clock: start when it was dispatched, end when the
+    loop took its token (the chunk had finished by then; between steps, that can be later)."""
 
     request_id: str
     index: int
@@ -70,6 +72,17 @@ class _Prefill:
     planned_at: float
     done: int = 0  # chunks executed
     group: tuple[int, ...] = ()  # devices holding its history
+    running: bool = False  # a chunk of it is in flight
+
+
+@dataclasses.dataclass(frozen=True)
+class _Running:
+    """A dispatched chunk (ChunkRun) not yet taken."""
+
+    prefill: _Prefill
+    chunk: Chunk
+    run: ChunkRun
+    start: float
 
 
 class ClusterEngine:
@@ -97,6 +110,7 @@ class ClusterEngine:
         self.plans: dict[str, ChunkPlan] = {}
         self.last_predicted: float | None = None
         self._prefills: dict[str, _Prefill] = {}
+        self._inflight: list[_Running] = []  # chunks dispatched, in dispatch order
         self._owner: dict[str, DecodeInstance] = {}  # every live request's decode instance
         self._generated: dict[str, int] = {}
         self._ids = itertools.count()
@@ -146,11 +160,17 @@ class ClusterEngine:
         decoder = self._owner.pop(request_id, None)
         if decoder is None:
             return False
-        if self._prefills.pop(request_id, None) is not None:
-            self.prefill.release(request_id)
+        self._drop_prefill(request_id)
         decoder.forget(request_id)
         decoder.engine.abort(request_id)
         return True
+
+    def _drop_prefill(self, request_id: str) -> None:
+        """Forget a request's prefill, a chunk in flight included (a later chunk on its stores runs after it:
+        the stores are the programs' donated inputs and outputs)."""
+        if self._prefills.pop(request_id, None) is not None:
+            self._inflight = [f for f in self._inflight if f.prefill.request_id != request_id]
+            self.prefill.release(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._owner)
@@ -213,7 +233,7 @@ class ClusterEngine:
         decoder = self._owner.pop(request_id, None)
         if decoder is not None:
             decoder.forget(request_id)
-        self._prefills.pop(request_id, None)
+        self._drop_prefill(request_id)
         generated = self._generated.pop(request_id, 0)
         observe = getattr(self.predictor, "observe", None)  # a predictor that learns from what it served
         if observe is not None and generated:
@@ -226,12 +246,14 @@ class ClusterEngine:
                 self._end(out.request_id)
 
     def _next_chunks(self) -> list[_Prefill]:
-        """The requests whose next chunk runs now: in booked order, each chunk's devices free of any chunk booked
-        before it, groups disjoint."""
+        """The requests whose next chunk can start now: in booked order, each chunk's devices free of any chunk
+        running or booked before it, groups disjoint."""
+        taken = {i for f in self._inflight for i in f.chunk.group}
         pending = sorted(self._prefills.values(), key=lambda p: (p.planned_at + p.chunks[p.done].start, p.planned_at))
-        taken: set[int] = set()
         chosen = []
         for p in pending:
+            if p.running:  # its devices are in `taken` already
+                continue
             group = set(p.chunks[p.done].group)
             if not group & taken:
                 chosen.append(p)
@@ -239,7 +261,9 @@ class ClusterEngine:
         return chosen
 
     def _run_chunks(self) -> list[RequestOutput]:
-        runs: list[tuple[_Prefill, Chunk, ChunkRun, float]] = []
+        """Start every chunk that can start, then take the finished ones: the loop waits for a chunk only when
+        nothing else has work (no decode to step), so decode steps and new arrivals' chunks go on while a long
+        chunk runs on its group."""
         for p in self._next_chunks():
             chunk = p.chunks[p.done]
             start = self.clock()
@@ -247,20 +271,27 @@ class ClusterEngine:
                 self.prefill.rebalance(p.request_id, chunk.group)
             run = self.prefill.run_chunk(p.request_id, chunk.group, p.ids[chunk.history:chunk.history + chunk.tokens],
                                          chunk.history, p.params, p.seed)
-            p.group = chunk.group
-            runs.append((p, chunk, run, start))
+            p.group, p.running = chunk.group, True
+            self._inflight.append(_Running(p, chunk, run, start))
+        done = [f for f in self._inflight if f.run.ready()]
+        if not done and self._inflight and not any(d.engine.has_work for d in self.decoders):
+            done = [self._inflight[0]]  # nothing else to do: wait for the oldest chunk
         outputs = []
-        for p, chunk, run, start in runs:
-            token = run.token()  # waits for the chunk
+        for f in done:
+            self._inflight.remove(f)
+            p, chunk = f.prefill, f.chunk
+            token = f.run.token()  # waits for the chunk
             end = self.clock()
             predicted_end = p.planned_at + chunk.end
-            self.records.append(ChunkRecord(p.request_id, p.done, chunk.group, chunk.tokens, chunk.history, start,
+            self.records.append(ChunkRecord(p.request_id, p.done, chunk.group, chunk.tokens, chunk.history, f.start,
                                             end, p.planned_at + chunk.start, predicted_end))
             idx = [self.pool_ids.index(i) for i in chunk.group]
             self.free_at[idx] = np.maximum(self.free_at[idx] + (end - predicted_end), end)
             p.done += 1
+            p.running = False
             last = p.done == len(p.chunks)
-            pieces = [piece for device, (lo, hi) in run.written.items() for piece in self.prefill.rows_of(device, lo, hi)]
+            pieces = [piece for device, (lo, hi) in f.run.written.items()
+                      for piece in self.prefill.rows_of(device, lo, hi)]
             p.decoder.buffers.offer(Transfer(p.request_id, p.done - 1, last, pieces, end))
             if last:
                 del self._prefills[p.request_id]

@@ -181,6 +181,12 @@ class Engine:
         return bool(self._live)
 
     @property
+    def has_work(self) -> bool:
+        """A step would run something: a request decoding, or a prompt waiting to be prefilled here (requests
+        expected from a prefill pool are unfinished but give a step nothing to do until they are admitted)."""
+        return bool(self.scheduler.decoding) or len(self.scheduler.queue) > 0
+
+    @property
     def num_waiting(self) -> int:
         return len(self._live) - len(self.scheduler.running)
 

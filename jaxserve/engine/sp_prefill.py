@@ -54,6 +54,10 @@ class ChunkRun:
     owner: int
     written: dict[int, tuple[int, int]]  # device id -> [lo, hi) rows
 
+    def ready(self) -> bool:
+        """The chunk has finished on its devices (token() would not wait)."""
+        return self.tokens.is_ready()
+
     def token(self) -> int:
         return int(np.asarray(self.tokens)[self.owner])
 
