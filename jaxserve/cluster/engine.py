@@ -9,7 +9,7 @@ Plan-executing engine.
   predicted decode length (never the true one).
 - Executing: each step starts the next chunks, in booked order, whose groups are free and disjoint (they may run
   at once), rebalancing a request's history before a chunk on a larger group; takes the chunks that have
-  finished (waiting for one only when no decode instance has work); then moves KV (ReceiveBuffers) and runs one
+  finished (polling briefly when no decode instance has work); then moves KV (ReceiveBuffers) and runs one
   step on every decode instance with work, while the chunks still in flight run on.
 - Observability: every executed chunk and transfer is recorded with measured times (records, transfers).
 """
@@ -34,6 +34,9 @@ from jaxserve.sched.kv_manager import PrefixCacheStats
 from jaxserve.sched.decode_dispatch import (HEAVY_DECODE, LengthPredictor, ObservedLengths, by_freeness,
                                              power_of_two)
 from jaxserve.sim.prefill_pool import Planner
+
+
+WAIT = 0.005  # seconds an idle step polls for a finished chunk before it returns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,10 +263,20 @@ class ClusterEngine:
             taken |= group
         return chosen
 
+    def _wait_for_chunks(self) -> list[_Running]:
+        """Nothing else to do: the chunks that finish within WAIT seconds (polled, not blocked on, so that the
+        step returns and a request arriving meanwhile is planned and started on free devices)."""
+        end = time.perf_counter() + WAIT
+        while time.perf_counter() < end:
+            done = [f for f in self._inflight if f.run.ready()]
+            if done:
+                return done
+            time.sleep(WAIT / 20)
+        return []
+
     def _run_chunks(self) -> list[RequestOutput]:
-        """Start every chunk that can start, then take the finished ones: the loop waits for a chunk only when
-        nothing else has work (no decode to step), so decode steps and new arrivals' chunks go on while a long
-        chunk runs on its group."""
+        """Start every chunk that can start, then take the finished ones: the step never blocks on a chunk, so
+        decode steps and new arrivals' chunks go on while a long chunk runs on its group."""
         for p in self._next_chunks():
             chunk = p.chunks[p.done]
             start = self.clock()
@@ -275,7 +288,7 @@ class ClusterEngine:
             self._inflight.append(_Running(p, chunk, run, start))
         done = [f for f in self._inflight if f.run.ready()]
         if not done and self._inflight and not any(d.engine.has_work for d in self.decoders):
-            done = [self._inflight[0]]  # nothing else to do: wait for the oldest chunk
+            done = self._wait_for_chunks()
         outputs = []
         for f in done:
             self._inflight.remove(f)

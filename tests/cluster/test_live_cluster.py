@@ -84,7 +84,7 @@ def test_one_receive_buffer_sends_transfers_one_after_the_other(llm, cluster):
     want = [c.token_ids for c in llm.generate([ids for ids, _ in requests], requests[0][1])]
     a_id, b_id = (one.add_request(ids, params) for ids, params in requests)
     tokens = {a_id: [], b_id: []}
-    for _ in range(1000):
+    for _ in range(100_000):
         if len(one.records) == 2 and decoder.buffers.waiting:
             break
         for out in one.step():
