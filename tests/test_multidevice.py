@@ -17,6 +17,6 @@ HERE = pathlib.Path(__file__).parent
 def test_many_device_suite(folder, devices):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / folder)],
-                          env=env, capture_output=True, text=True, timeout=1800)
+                          env=env, capture_output=True, text=True, timeout=2400)
     print(proc.stdout[-20000:], proc.stderr[-5000:])
     assert proc.returncode == 0, proc.stdout[-5000:]
