@@ -147,7 +147,7 @@ class LLM:
         kv_tokens = kv_cache_tokens or int(kv_cache_gib * 2**30 // token_bytes)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, kv_tokens)
         self._params, self._dtype = params, _DTYPES[dtype]
-        self._num_blocks = -(-kv_tokens // block_size) + 1  # + the scratch block
+        self._kv_tokens = kv_tokens
         self._block_size, self._key_block, self._cost_profile = block_size, key_block, cost_profile
         self._buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, key_block,
                                      max_prefills=max_prefills_per_step)
@@ -171,8 +171,8 @@ class LLM:
         LLM's)."""
         a = self._sched_args
         devices = list(devices or jax.devices()[:1])
-        per_device = -(-kv_cache_tokens // self._block_size) + 1 if kv_cache_tokens else self._num_blocks
-        num_blocks = per_device * len(devices)  # + a scratch block on each device
+        per_device = -(-(kv_cache_tokens or self._kv_tokens) // self._block_size) + 1  # + its scratch block
+        num_blocks = per_device * len(devices)
         runner = ModelRunner(self.config, self._params, self._dtype, num_blocks=num_blocks,
                              block_size=self._block_size, buckets=self._buckets, key_block=self._key_block,
                              devices=devices)
@@ -193,7 +193,6 @@ class LLM:
 
     def _make_cluster(self, layout: Layout, min_chunk: int, prefill_profile: str | None,
                       progress: bool) -> ClusterEngine:
-        layout.check(len(jax.devices()))
         path = (pathlib.Path(prefill_profile) if prefill_profile else
                 cluster_profile.default_path(self.model_name, self._dtype_name, layout.prefill_instances,
                                              layout.node_size, self.max_model_len, self._key_block))

@@ -75,7 +75,6 @@ class _Prefill:
     planned_at: float
     done: int = 0  # chunks executed
     group: tuple[int, ...] = ()  # devices holding its history
-    running: bool = False  # a chunk of it is in flight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,27 +251,26 @@ class ClusterEngine:
         """The requests whose next chunk can start now: in booked order, each chunk's devices free of any chunk
         running or booked before it, groups disjoint."""
         taken = {i for f in self._inflight for i in f.chunk.group}
-        pending = sorted(self._prefills.values(), key=lambda p: (p.planned_at + p.chunks[p.done].start, p.planned_at))
+        running = {f.prefill.request_id for f in self._inflight}
+        pending = sorted((p for p in self._prefills.values() if p.request_id not in running),
+                         key=lambda p: (p.planned_at + p.chunks[p.done].start, p.planned_at))
         chosen = []
         for p in pending:
-            if p.running:  # its devices are in `taken` already
-                continue
             group = set(p.chunks[p.done].group)
             if not group & taken:
                 chosen.append(p)
             taken |= group
         return chosen
 
-    def _wait_for_chunks(self) -> list[_Running]:
-        """Nothing else to do: the chunks that finish within WAIT seconds (polled, not blocked on, so that the
-        step returns and a request arriving meanwhile is planned and started on free devices)."""
-        end = time.perf_counter() + WAIT
-        while time.perf_counter() < end:
+    def _finished(self, wait: float) -> list[_Running]:
+        """The chunks in flight that have finished, polling up to `wait` seconds while none has (polled, not
+        blocked on, so that the step returns and a request arriving meanwhile is started on free devices)."""
+        end = time.perf_counter() + wait
+        while True:
             done = [f for f in self._inflight if f.run.ready()]
-            if done:
+            if done or time.perf_counter() >= end:
                 return done
             time.sleep(WAIT / 20)
-        return []
 
     def _run_chunks(self) -> list[RequestOutput]:
         """Start every chunk that can start, then take the finished ones: the step never blocks on a chunk, so
@@ -284,16 +282,14 @@ class ClusterEngine:
                 self.prefill.rebalance(p.request_id, chunk.group)
             run = self.prefill.run_chunk(p.request_id, chunk.group, p.ids[chunk.history:chunk.history + chunk.tokens],
                                          chunk.history, p.params, p.seed)
-            p.group, p.running = chunk.group, True
+            p.group = chunk.group
             self._inflight.append(_Running(p, chunk, run, start))
-        done = [f for f in self._inflight if f.run.ready()]
-        if not done and self._inflight and not any(d.engine.has_work for d in self.decoders):
-            done = self._wait_for_chunks()
+        idle = self._inflight and not any(d.engine.has_work for d in self.decoders)  # wait a little for a chunk
         outputs = []
-        for f in done:
+        for f in self._finished(WAIT if idle else 0.0):
             self._inflight.remove(f)
             p, chunk = f.prefill, f.chunk
-            token = f.run.token()  # waits for the chunk
+            token = f.run.token()
             end = self.clock()
             predicted_end = p.planned_at + chunk.end
             self.records.append(ChunkRecord(p.request_id, p.done, chunk.group, chunk.tokens, chunk.history, f.start,
@@ -301,7 +297,6 @@ class ClusterEngine:
             idx = [self.pool_ids.index(i) for i in chunk.group]
             self.free_at[idx] = np.maximum(self.free_at[idx] + (end - predicted_end), end)
             p.done += 1
-            p.running = False
             last = p.done == len(p.chunks)
             pieces = [piece for device, (lo, hi) in f.run.written.items()
                       for piece in self.prefill.rows_of(device, lo, hi)]

@@ -12,8 +12,10 @@ from __future__ import annotations
 import pathlib
 import statistics
 import time
+
 from tqdm.auto import tqdm
 
+from jaxserve.engine import profile as engine_profile
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.engine.sp_prefill import Group, SPPrefill
 from jaxserve.sched.cost_models import TetrisPrefill
@@ -66,13 +68,8 @@ def measure(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, repeats: i
 def default_path(model_name: str, dtype: str, pool_size: int, node_size: int, capacity: int,
                  key_block: int) -> pathlib.Path:
     """Per device kind, model, dtype and pool shape (what the chunk programs and their timings depend on)."""
-    import jax
-
-    from jaxserve.models import registry
-
-    kind = jax.devices()[0].device_kind.replace(" ", "_").replace("/", "_")
-    shape = f"p{pool_size}x{node_size}-cap{capacity}-kb{key_block}"
-    return registry.cache_dir() / "profiles" / f"{kind}-{pathlib.Path(model_name).stem}-{dtype}-cdsp-{shape}-v{VERSION}.json"
+    return engine_profile.cache_file(model_name, dtype, f"cdsp-p{pool_size}x{node_size}-cap{capacity}-kb{key_block}",
+                                     VERSION)
 
 
 def load_or_measure(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
@@ -88,4 +85,3 @@ def load_or_measure(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group],
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(model.to_json())
     return model
-

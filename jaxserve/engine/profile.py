@@ -95,14 +95,18 @@ def _shapes(b: batch.Buckets) -> StepShapes:
     return StepShapes(b.tokens, b.rows, b.tile, b.max_prefills)
 
 
-def default_path(model_name: str, dtype: str, runner: ModelRunner) -> pathlib.Path:
+def cache_file(model_name: str, dtype: str, shape: str, version: int) -> pathlib.Path:
+    """Where a measured profile is cached: per device kind, model, dtype and what else the timings depend on."""
     from jaxserve.models import registry
 
-    b = runner.buckets
     kind = jax.devices()[0].device_kind.replace(" ", "_").replace("/", "_")
+    return registry.cache_dir() / "profiles" / f"{kind}-{pathlib.Path(model_name).stem}-{dtype}-{shape}-v{version}.json"
+
+
+def default_path(model_name: str, dtype: str, runner: ModelRunner) -> pathlib.Path:
+    b = runner.buckets
     shape = f"t{b.tokens[-1]}-r{b.rows[-1]}-p{b.max_prefills}-w{b.width}-bs{runner.block_size}-kb{runner.key_block}"
-    key = f"{kind}-{pathlib.Path(model_name).stem}-{dtype}-{shape}-v{VERSION}"
-    return registry.cache_dir() / "profiles" / f"{key}.json"
+    return cache_file(model_name, dtype, shape, VERSION)
 
 
 def load_or_measure(path: pathlib.Path, runner: ModelRunner, max_model_len: int,
