@@ -6,8 +6,10 @@ configuration can use before the first request, and nothing compiles while servi
 donated so XLA updates them in place; a step that fails inside the compiled call leaves them deleted, and
 `recover` allocates fresh ones (their contents are gone: the caller recomputes whatever they held).
 
-On several devices the runner is a KV-parallel group (kv_cache.py): the weights on each, the cache's blocks
-spread over them, and the step run under shard_map; its interface is the same.
+On several devices the step runs under shard_map over an ('sp', 'tp') mesh: consecutive runs of `tp` devices
+are tensor-parallel (sharding/tp.py: each holds a slice of every layer's heads, its KV heads' share of the
+cache, and the step sums two projections over them), and the `len(devices) / tp` such sets form a KV-parallel
+group (kv_cache.py: the cache's blocks spread over them). Its interface is the same as on one device.
 """
 
 from __future__ import annotations
@@ -26,29 +28,36 @@ from jaxserve.engine.kv_cache import RaggedPagedBackend, allocate_caches
 from jaxserve.engine.sampling import sample
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
-from jaxserve.sharding import rows
-from jaxserve.sharding.mesh import SP, make_mesh
+from jaxserve.sharding import rows, tp as tensor_parallel
+from jaxserve.sharding.mesh import SP, TP, make_mesh
 
 
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Any, dtype: jnp.dtype, *, num_blocks: int, block_size: int,
-                 buckets: batch.Buckets, key_block: int, devices: Sequence[jax.Device] | None = None):
-        """devices: where the weights, the cache and the step run (default: JAX's default device); several form
-        a KV-parallel group holding the num_blocks blocks between them."""
-        self.devices = list(devices or jax.devices()[:1])
-        self.device, kvp = self.devices[0], len(self.devices)
+                 buckets: batch.Buckets, key_block: int, devices: Sequence[jax.Device] | None = None, tp: int = 1):
+        """devices: where the weights, the cache and the step run (default: JAX's first tp devices), consecutive
+        runs of tp devices tensor-parallel; several such runs form a KV-parallel group holding the num_blocks
+        blocks between them."""
+        self.devices = list(devices or jax.devices()[:tp])
+        if len(self.devices) % tp:
+            raise ValueError(f"{len(self.devices)} devices do not form tensor-parallel sets of {tp}")
+        self.device, self.tp, kvp = self.devices[0], tp, len(self.devices) // tp
+        self.share = cfg.split(tp)
         if num_blocks % kvp:
-            raise ValueError(f"{num_blocks} KV blocks do not split over a KV-parallel group of {kvp} devices")
-        mesh = make_mesh(self.devices)
-        self._cache_sharding = NamedSharding(mesh, P(None, SP))
-        self.cfg, self.params, self.dtype = cfg, jax.device_put(params, NamedSharding(mesh, P())), dtype
+            raise ValueError(f"{num_blocks} KV blocks do not split over a KV-parallel group of {kvp} device sets")
+        mesh = make_mesh(self.devices, tp)
+        self._cache_sharding = NamedSharding(mesh, P(None, SP, TP))
+        params, specs = tensor_parallel.shard_params(params, cfg, tp)
+        self.cfg, self.dtype = cfg, dtype
+        self.params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                                          is_leaf=lambda x: isinstance(x, P)))
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
-        self.model = Llama(cfg, RaggedPagedBackend(block_size, key_block, kvp), dtype)
+        self.model = Llama(cfg, RaggedPagedBackend(block_size, key_block, kvp), dtype, TP if tp > 1 else None)
         self.caches = self._allocate()
         step = self._forward_sample
-        if kvp > 1:  # every device runs the same batch: weights and step inputs replicated, the cache split
-            step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(None, SP), P()), out_specs=(P(), P(None, SP)),
-                                 check_vma=False)
+        if len(self.devices) > 1:  # every device runs the same batch: step inputs replicated, weights and cache split
+            step = jax.shard_map(step, mesh=mesh, in_specs=(specs, P(None, SP, TP), P()),
+                                 out_specs=(P(), P(None, SP, TP)), check_vma=False)
         self._step = jax.jit(step, donate_argnums=(1,))
 
     def _forward_sample(self, params, caches, a: batch.StepArrays):
@@ -75,37 +84,40 @@ class ModelRunner:
 
     def warmup_land(self, max_rows: int) -> None:
         """Compile what `land` runs for pieces of up to max_rows rows (powers of two, as rows.pieces cuts them),
-        writing only to scratch blocks. In a group: a whole piece to each device (every device's writes) and
-        each split of a piece between two devices (every selection of rows)."""
+        writing only to scratch blocks. In a group: a whole piece to each KV-parallel rank (every device's
+        writes) and each split of a piece between two ranks (every selection of rows)."""
         sizes = [1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows]
-        kvp, bs = len(self.devices), self.block_size
+        kvp, bs = len(self.devices) // self.tp, self.block_size
         for n in sizes:
             k = jax.device_put(jnp.zeros((self.cfg.num_layers, n, self.cfg.num_kv_heads, self.cfg.head_dim),
                                          self.dtype), self.device)
             splits = [(d, n) for d in range(kvp)] + [(i % kvp, m) for i, m in enumerate(sizes) if m < n and kvp > 1]
-            for d, m in splits:  # m rows to device d's scratch block (global block d), the rest to the next's
+            for d, m in splits:  # m rows to rank d's scratch block (global block d), the rest to the next's
                 self.land(k, k, np.where(np.arange(n) < m, d, (d + 1) % kvp) * bs)
 
     def land(self, k_rows: jax.Array, v_rows: jax.Array, slots: np.ndarray) -> None:
-        """Write KV computed elsewhere (a prefill pool's rows, [layers, n, kvh, d], on the runner's first device)
-        into the cache's `slots`. In a KV-parallel group each device gets only the rows it owns."""
-        kvp = len(self.devices)
-        if kvp == 1:
+        """Write KV computed elsewhere (a prefill pool's rows in the model's head layout, [layers, n, kvh, d], on
+        the runner's first device) into the cache's `slots`. Each device gets only the rows of the blocks its
+        KV-parallel rank owns, and of those only its tensor-parallel share of the heads."""
+        if len(self.devices) == 1:
             self.caches = rows.scatter(*self.caches, k_rows, v_rows, slots)
             return
-        bs = self.block_size
+        tp, kvp, bs = self.tp, len(self.devices) // self.tp, self.block_size
         block = np.asarray(slots) // bs
         owner, local = block % kvp, (block // kvp) * bs + np.asarray(slots) % bs
         shards = [{s.device: s.data for s in c.addressable_shards} for c in self.caches]
-        for d, device in enumerate(self.devices):
+        for d in range(kvp):
             idx = np.flatnonzero(owner == d)
             if not len(idx):
                 continue
             # a power-of-two count (one small program per size): padding repeats the last row, written twice
             idx = np.concatenate([idx, np.full((1 << (len(idx) - 1).bit_length()) - len(idx), idx[-1])])
-            k_own, v_own = jax.device_put(rows.select(k_rows, v_rows, idx), device)
-            shards[0][device], shards[1][device] = rows.scatter(shards[0][device], shards[1][device], k_own, v_own,
-                                                                local[idx])
+            picked = rows.select(k_rows, v_rows, idx)
+            for j, device in enumerate(self.devices[d * tp:(d + 1) * tp]):
+                heads = tensor_parallel.heads_of(*picked, self.share.kv_start(j), size=self.share.kv_heads)
+                k_own, v_own = jax.device_put(heads, device)
+                shards[0][device], shards[1][device] = rows.scatter(shards[0][device], shards[1][device], k_own,
+                                                                    v_own, local[idx])
         self.caches = tuple(jax.make_array_from_single_device_arrays(c.shape, self._cache_sharding,
                                                                      [s[d] for d in self.devices])
                             for c, s in zip(self.caches, shards))
@@ -120,5 +132,5 @@ class ModelRunner:
             self.caches = self._allocate()
 
     def _allocate(self):
-        return jax.jit(lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.dtype),
+        return jax.jit(lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.dtype, self.tp),
                        out_shardings=self._cache_sharding)()

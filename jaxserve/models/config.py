@@ -11,6 +11,21 @@ import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
+class TPShape:
+    """What one device of a tp-way tensor-parallel instance holds (LlamaConfig.split)."""
+
+    tp: int
+    heads: int  # query heads
+    kv_heads: int  # KV heads (1 when repeated)
+    kv_repeat: int  # devices sharing each of the model's KV heads
+    intermediate: int
+
+    def kv_start(self, rank):
+        """The first of the model's KV heads that device `rank` (an int or a traced index) holds."""
+        return rank * self.kv_heads // self.kv_repeat
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
     hidden_size: int
@@ -70,6 +85,22 @@ class LlamaConfig:
             if raw[key] is not None:
                 raw[key] = tuple(raw[key])
         return cls(**raw)
+
+    def split(self, tp: int) -> TPShape:
+        """What one device of a tp-way tensor-parallel instance holds, or a ValueError naming what does not
+        divide. When tp exceeds the KV heads each is repeated on tp / num_kv_heads devices."""
+        if tp < 1:
+            raise ValueError(f"tp must be a positive integer, got {tp}")
+        kvh = self.num_kv_heads
+        problems = [f"{n} {what}" for n, what in ((self.num_heads, "attention heads"),
+                                                  (self.intermediate_size, "MLP features")) if n % tp]
+        if kvh % tp and tp % kvh:
+            problems.append(f"{kvh} KV heads (nor is tp a multiple of them)")
+        if problems:
+            raise ValueError(f"tensor parallelism over {tp} devices does not divide the model's "
+                             + ", ".join(problems))
+        repeat = max(tp // kvh, 1)
+        return TPShape(tp, self.num_heads // tp, kvh * repeat // tp, repeat, self.intermediate_size // tp)
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies (head_dim // 2,), with Llama-3 scaling applied when configured."""

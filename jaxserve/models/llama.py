@@ -3,7 +3,9 @@
 The model does not know where its KV lives or how many devices hold the sequence: each layer hands its
 rotated q/k/v to an attention backend, `backend(q, k, v, positions, caches, layer, ctx) -> (out, caches)`.
 The engine's paged-cache backend serves prefill chunks and decode on one device; the sharding layer's ring
-backend runs the same layers over an SP group inside `shard_map`. Parameter names follow Hugging Face's so that
+backend runs the same layers over an SP group inside `shard_map`. With `tp_axis` (inside shard_map) each device
+holds its tensor-parallel share of the heads and MLP features (sharding/tp.py) and the two row-split projections
+are summed over that axis. Parameter names follow Hugging Face's so that
 loaders map tensors one to one.
 
 The layers run under `nn.scan` over one `DecoderLayer`, so a compile does not grow with depth:
@@ -70,33 +72,46 @@ def _dense(features: int, dtype: jnp.dtype, name: str) -> nn.Dense:
     return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
 
 
+def _split(cfg: LlamaConfig, tp_axis: str | None):
+    """This device's share of the layer: all of it, or its tensor-parallel slice inside shard_map."""
+    return cfg.split(jax.lax.axis_size(tp_axis) if tp_axis else 1)
+
+
+def _reduce(x, tp_axis: str | None):
+    """Sum a row-split projection's partial outputs over the tensor-parallel devices."""
+    return jax.lax.psum(x, tp_axis) if tp_axis else x
+
+
 class Attention(nn.Module):
     cfg: LlamaConfig
     dtype: jnp.dtype
     backend: AttentionBackend
+    tp_axis: str | None = None
 
     @nn.compact
     def __call__(self, x, cos, sin, positions, caches: Caches, layer, ctx):
-        cfg = self.cfg
+        cfg, share = self.cfg, _split(self.cfg, self.tp_axis)
         b, t, _ = x.shape
-        q = _dense(cfg.num_heads * cfg.head_dim, self.dtype, "q_proj")(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = _dense(cfg.num_kv_heads * cfg.head_dim, self.dtype, "k_proj")(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = _dense(cfg.num_kv_heads * cfg.head_dim, self.dtype, "v_proj")(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q = _dense(share.heads * cfg.head_dim, self.dtype, "q_proj")(x).reshape(b, t, share.heads, cfg.head_dim)
+        k = _dense(share.kv_heads * cfg.head_dim, self.dtype, "k_proj")(x).reshape(b, t, share.kv_heads, cfg.head_dim)
+        v = _dense(share.kv_heads * cfg.head_dim, self.dtype, "v_proj")(x).reshape(b, t, share.kv_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, caches = self.backend(q, k, v, positions, caches, layer, ctx)
         out = _dense(cfg.hidden_size, self.dtype, "o_proj")(out.reshape(b, t, -1).astype(self.dtype))
-        return out, caches
+        return _reduce(out, self.tp_axis), caches
 
 
 class MLP(nn.Module):
     cfg: LlamaConfig
     dtype: jnp.dtype
+    tp_axis: str | None = None
 
     @nn.compact
     def __call__(self, x):
-        gate = _dense(self.cfg.intermediate_size, self.dtype, "gate_proj")(x)
-        up = _dense(self.cfg.intermediate_size, self.dtype, "up_proj")(x)
-        return _dense(self.cfg.hidden_size, self.dtype, "down_proj")(nn.silu(gate) * up)
+        features = _split(self.cfg, self.tp_axis).intermediate
+        gate = _dense(features, self.dtype, "gate_proj")(x)
+        up = _dense(features, self.dtype, "up_proj")(x)
+        return _reduce(_dense(self.cfg.hidden_size, self.dtype, "down_proj")(nn.silu(gate) * up), self.tp_axis)
 
 
 class DecoderLayer(nn.Module):
@@ -105,16 +120,18 @@ class DecoderLayer(nn.Module):
     cfg: LlamaConfig
     dtype: jnp.dtype
     backend: AttentionBackend
+    tp_axis: str | None = None
 
     @nn.compact
     def __call__(self, carry, layer, cos, sin, positions, ctx):
         x, caches = carry
         eps = self.cfg.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
-        attn, caches = Attention(self.cfg, self.dtype, self.backend, name="self_attn")(
+        attn, caches = Attention(self.cfg, self.dtype, self.backend, self.tp_axis, name="self_attn")(
             h, cos, sin, positions, caches, layer, ctx)
         x = x + attn
-        x = x + MLP(self.cfg, self.dtype, name="mlp")(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
+        h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
+        x = x + MLP(self.cfg, self.dtype, self.tp_axis, name="mlp")(h)
         return (x, caches), None
 
 
@@ -135,6 +152,7 @@ class Llama(nn.Module):
     cfg: LlamaConfig
     backend: AttentionBackend
     dtype: jnp.dtype = jnp.float32
+    tp_axis: str | None = None  # inside shard_map: the mesh axis over which layers are tensor-parallel
 
     @nn.compact
     def __call__(
@@ -149,7 +167,7 @@ class Llama(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
         x = embed(tokens)
         cos, sin = rope_cos_sin(cfg, positions)
-        layers = ScannedLayers(cfg, self.dtype, self.backend, name="layers")
+        layers = ScannedLayers(cfg, self.dtype, self.backend, self.tp_axis, name="layers")
         (x, caches), _ = layers((x, caches), jnp.arange(cfg.num_layers, dtype=jnp.int32), cos, sin, positions, ctx)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)

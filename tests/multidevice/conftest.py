@@ -26,16 +26,20 @@ def devices():
     return devs
 
 
-@pytest.fixture(scope="session")
-def params():
-    """CFG's weights, all random: Flax's default init leaves norms at 1, so every weight is drawn (norm weights,
+def random_params(cfg: LlamaConfig) -> dict:
+    """cfg's weights, all random: Flax's default init leaves norms at 1, so every weight is drawn (norm weights,
     stacked [layers, e] in the scanned layers or [e] for the final norm, at scale 1; matrices at 0.3)."""
     one = jnp.zeros((1, 1), jnp.int32)
-    variables = Llama(CFG, DenseCausalBackend()).init(jax.random.key(1), one, one, (), one[0])
+    variables = Llama(cfg, DenseCausalBackend()).init(jax.random.key(1), one, one, (), one[0])
     leaves, tree = jax.tree_util.tree_flatten_with_path(variables)
     keys = jax.random.split(jax.random.key(2), len(leaves))
     return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * (1.0 if path[-1].key == "weight" else 0.3)
                                      for k, (path, x) in zip(keys, leaves)])
+
+
+@pytest.fixture(scope="session")
+def params():
+    return random_params(CFG)
 
 
 def dense_attention(q, keys, values, q_pos, k_pos):

@@ -1,7 +1,8 @@
-"""KV-parallel decode (engine/kv_cache.py): the engine's step on a group of 2/4/8 devices whose paged cache is
-split block by block equals the step on one device (small random Llama with GQA): the same greedy tokens through
-prefill chunks, mixed steps and decodes, and the same K/V in every layer at every position, found on the device
-that owns its block. KV landed from elsewhere goes only to the devices that own its slots."""
+"""The engine's step on several devices equals the step on one (small random Llama with GQA, 8 heads over 2 KV
+heads): KV-parallel groups of 2/4/8 (engine/kv_cache.py: the paged cache split block by block), tensor-parallel
+sets of 2/4/8 (sharding/tp.py: heads and MLP features split, KV heads repeated past 2 devices), and both at once.
+The same greedy tokens through prefill chunks, mixed steps and decodes, and the same K/V in every layer at every
+position, found on the devices that own its block and hold its head. KV landed from elsewhere goes only there."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import CFG
+from conftest import random_params
 from jaxserve.engine import batch
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
+from jaxserve.models.config import LlamaConfig
 from jaxserve.sched.kv_manager import KVCacheManager
+
+CFG = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=8, num_kv_heads=2,
+                  head_dim=8, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
 
 # the same tolerance as the SP model test: attention matches to 1e-5, two random layers grow it to ~1e-5 absolute
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -23,15 +28,21 @@ BUCKETS = batch.Buckets.make(max_num_batched_tokens=128, max_num_seqs=4, max_mod
                              key_block=8, tile=8, min_tokens=8, min_rows=4)
 
 
-def runner(params, devices, num_blocks: int) -> ModelRunner:
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG)
+
+
+def runner(params, devices, num_blocks: int, tp: int = 1) -> ModelRunner:
     return ModelRunner(CFG, params, np.float32, num_blocks=num_blocks, block_size=BS, buckets=BUCKETS, key_block=8,
-                       devices=devices)
+                       devices=devices, tp=tp)
 
 
 def kv_of(r: ModelRunner, table: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """A request's K/V [layers, n, kvh, d] read back from wherever its blocks live: block b is device b % kvp's
-    local block b // kvp, and device i's share is rows [i * per, (i + 1) * per) of the global array."""
-    kvp = len(r.devices)
+    """A request's K/V [layers, n, tp * kv heads per device, d] read back from wherever its blocks live: block b
+    is KV-parallel rank b % kvp's local block b // kvp, rank i's share is rows [i * per, (i + 1) * per) of the
+    global array, and its tensor-parallel devices' heads lie side by side."""
+    kvp = len(r.devices) // r.tp
     per = r.num_blocks // kvp * BS
     pos = np.arange(n)
     block = np.asarray(table)[pos // BS]
@@ -39,10 +50,17 @@ def kv_of(r: ModelRunner, table: list[int], n: int) -> tuple[np.ndarray, np.ndar
     return tuple(np.asarray(c)[:, rows] for c in r.caches)
 
 
-@pytest.mark.parametrize("kvp", [2, 4, 8])
-def test_kv_parallel_steps_equal_one_device(devices, params, kvp):
+def heads_held(r: ModelRunner) -> np.ndarray:
+    """The model's KV head behind each head of r's cache (repeated heads appear once per device holding them)."""
+    s = r.share
+    return np.array([s.kv_start(j) + h for j in range(r.tp) for h in range(s.kv_heads)])
+
+
+@pytest.mark.parametrize("kvp,tp", [(2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4)])
+def test_parallel_steps_equal_one_device(devices, params, kvp, tp):
     # the reference holds the group's whole pool on one device, so both read the same tables
-    one, group = runner(params, devices[:1], PER_DEVICE * kvp), runner(params, devices[:kvp], PER_DEVICE * kvp)
+    one = runner(params, devices[:1], PER_DEVICE * kvp)
+    group = runner(params, devices[:kvp * tp], PER_DEVICE * kvp, tp)
     kv = KVCacheManager(PER_DEVICE * kvp, BS, enable_prefix_caching=False, scratch_blocks=kvp)
     rng = np.random.default_rng(kvp)
     prompts = {"a": rng.integers(0, CFG.vocab_size, 37), "b": rng.integers(0, CFG.vocab_size, 70),
@@ -71,22 +89,23 @@ def test_kv_parallel_steps_equal_one_device(devices, params, kvp):
     for rid in "abc":
         table, n = kv.block_table(rid), len(tokens[rid]) - 1  # the last sampled token has no K/V yet
         for got, want in zip(kv_of(group, table, n), kv_of(one, table, n)):
-            np.testing.assert_allclose(got, want, **TOL)
+            np.testing.assert_allclose(got, want[:, :, heads_held(group)], **TOL)
     # the request's blocks really are spread: every device of the group holds part of "b"'s context
     assert {b % kvp for b in kv.block_table("b")} == set(range(kvp))
 
 
-def test_landed_rows_reach_only_their_owners(devices, params):
-    group = runner(params, devices[:4], PER_DEVICE * 4)
+@pytest.mark.parametrize("kvp,tp", [(4, 1), (2, 2)])
+def test_landed_rows_reach_only_their_owners(devices, params, kvp, tp):
+    group = runner(params, devices[:kvp * tp], PER_DEVICE * kvp, tp)
     rng = np.random.default_rng(0)
     n = 23
     shape = (CFG.num_layers, n, CFG.num_kv_heads, CFG.head_dim)
     k, v = (jax.device_put(rng.standard_normal(shape).astype(np.float32), devices[0]) for _ in range(2))
-    table = [5, 10, 7, 12, 9, 6]  # blocks on devices 1, 2, 3, 0, 1, 2
+    table = [5, 10, 7, 12, 9, 6]  # blocks on ranks 1, 2, 3, 0, 1, 2 (of 4) or 1, 0, 1, 0, 1, 0 (of 2)
     slots = np.asarray(table)[np.arange(n) // BS] * BS + np.arange(n) % BS
     group.land(k, v, slots)
     got_k, got_v = kv_of(group, table, n)
-    np.testing.assert_array_equal(got_k, np.asarray(k))
-    np.testing.assert_array_equal(got_v, np.asarray(v))
+    np.testing.assert_array_equal(got_k, np.asarray(k)[:, :, heads_held(group)])
+    np.testing.assert_array_equal(got_v, np.asarray(v)[:, :, heads_held(group)])
     # nothing else was written: the cache holds exactly these rows
     assert np.count_nonzero(np.asarray(group.caches[0]).any(axis=(0, 2, 3))) == n

@@ -1,0 +1,56 @@
+"""Tensor parallelism inside an instance (Megatron): each of `tp` devices holds a slice of every layer's heads and
+of the MLP's intermediate features, and one all-reduce after the output projection and one after the down
+projection sum the partial results. Embeddings, norms and the LM head stay whole on every device.
+
+q/k/v/gate/up are split by output columns, o/down by input rows, so device j computes heads
+[j*h, (j+1)*h) with h = num_heads / tp and, grouped as GQA groups them, their KV heads. When tp exceeds the
+KV heads, each KV head is repeated on the tp / num_kv_heads devices whose query heads read it (as vLLM does):
+the weights are expanded before sharding and the cache holds one KV head per device.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from jaxserve.models.config import LlamaConfig
+from jaxserve.sharding.mesh import TP
+
+_COLUMNS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output features
+_ROWS = ("o_proj", "down_proj")  # split by input features: their outputs are partial sums
+
+
+def shard_params(params: Any, cfg: LlamaConfig, tp: int) -> tuple[Any, Any]:
+    """The model's (Hugging Face-named) parameters arranged for tp devices, and a PartitionSpec per leaf: k/v
+    projections' heads repeated when tp exceeds the KV heads, then every projection split over the 'tp' axis."""
+    shape = cfg.split(tp)
+
+    def arrange(path, x):
+        names = [getattr(k, "key", "") for k in path]
+        if tp == 1 or not set(names) & set(_COLUMNS + _ROWS):
+            return x, P()
+        if shape.kv_repeat > 1 and set(names) & {"k_proj", "v_proj"}:
+            *lead, e, cols = x.shape  # [.., e, kvh * d] -> each head's columns repeated kv_repeat times
+            heads = x.reshape(*lead, e, cfg.num_kv_heads, 1, cfg.head_dim)
+            x = jnp.broadcast_to(heads, (*lead, e, cfg.num_kv_heads, shape.kv_repeat, cfg.head_dim)).reshape(
+                *lead, e, cols * shape.kv_repeat)
+        lead = (None,) * (x.ndim - 2)
+        return x, P(*lead, None, TP) if set(names) & set(_COLUMNS) else P(*lead, TP, None)
+
+    pairs = jax.tree_util.tree_map_with_path(arrange, params)
+    is_pair = lambda p: isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], P)  # noqa: E731
+    return (jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
+            jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
+
+
+@functools.partial(jax.jit, static_argnames="size")
+def heads_of(k: Float[Array, "layers n kvh d"], v: Float[Array, "layers n kvh d"], start: Int[Array, ""], *,
+             size: int):
+    """The KV heads [start, start + size) of rows in the model's head layout (one program per size)."""
+    cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)  # noqa: E731
+    return cut(k), cut(v)
