@@ -110,11 +110,12 @@ class LLM:
                  space_sharing: bool = True,
                  multi_prefill: bool = True, iteration_budget: float | None = None, ttft_slo: float = 1.0,
                  prefix_caching: bool = True, cost_profile: str | None = None, key_block: int = 256,
-                 prefill_instances: int = 0, decode_instances: int = 1, decode_kvp: int = 1, node_size: int = 2,
-                 receive_buffers: int = 4, min_chunk: int = 1024, prefill_profile: str | None = None,
-                 progress: bool = True):
-        """kv_cache_tokens sizes the KV pool directly; otherwise it holds as many tokens as fit in kv_cache_gib.
-        max_model_len defaults to the model's context, capped by what the pool holds.
+                 tp: int = 1, prefill_instances: int = 0, decode_instances: int = 1, decode_kvp: int = 1,
+                 node_size: int = 2, receive_buffers: int = 4, min_chunk: int = 1024,
+                 prefill_profile: str | None = None, progress: bool = True):
+        """kv_cache_tokens sizes the KV pool directly; otherwise it holds as many tokens as fit in kv_cache_gib
+        (per device: with tp > 1 a device holds its share of each token's KV heads). max_model_len defaults to the
+        model's context, capped by what the pool holds.
 
         Scheduling: `policy` orders prefills (fcfs, sjf, ljf, edf, lrs, lars); each step holds at most
         max_num_batched_tokens tokens and max_prefills_per_step prompts' chunks and, by the cost model, takes at
@@ -125,11 +126,12 @@ class LLM:
         this device at first start and cached (`cost_profile` names the file to load or write instead). Every
         step program is compiled here, before the first request.
 
-        Layout: with prefill_instances > 0 the engine is a live cluster (cluster/) over `jax.devices()`: the first
-        prefill_instances devices form a CDSP prefill pool (node_size to a node; chunks of at least min_chunk
-        tokens), then decode_instances decode instances of decode_kvp devices each (KV-parallel when more than
-        one), each with receive_buffers receive buffers. The pool's Eq. (1) is measured at first start and cached
-        (`prefill_profile` names the file instead). Default: one engine on one device."""
+        Layout: an instance is `tp` devices of `jax.devices()`, tensor-parallel (each holds a share of every
+        layer's heads and MLP). By default the engine is one instance. With prefill_instances > 0 it is a live
+        cluster (cluster/): the first prefill_instances instances form a CDSP prefill pool (node_size to a node;
+        chunks of at least min_chunk tokens), then decode_instances decode instances of decode_kvp instances each
+        (KV-parallel when more than one), each with receive_buffers receive buffers. The pool's Eq. (1) is
+        measured at first start and cached (`prefill_profile` names the file instead)."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, value in (("block_size", block_size), ("kv_cache_tokens", kv_cache_tokens or 1),
@@ -143,11 +145,16 @@ class LLM:
         self.model_name, self._dtype_name = model, dtype
         self.config, params, self.tokenizer = _load(source, dtype)
         cfg = self.config
-        token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(_DTYPES[dtype]).itemsize
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tp must be a positive integer, got {tp!r}")
+        kv_heads = cfg.split(tp).kv_heads  # per device; a ValueError when tp does not divide the model
+        if tp > len(jax.devices()):
+            raise ValueError(f"tp={tp} needs {tp} devices; there are {len(jax.devices())}")
+        token_bytes = 2 * cfg.num_layers * kv_heads * cfg.head_dim * jnp.dtype(_DTYPES[dtype]).itemsize
         kv_tokens = kv_cache_tokens or int(kv_cache_gib * 2**30 // token_bytes)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, kv_tokens)
         self._params, self._dtype = params, _DTYPES[dtype]
-        self._kv_tokens = kv_tokens
+        self._kv_tokens, self._tp = kv_tokens, tp
         self._block_size, self._key_block, self._cost_profile = block_size, key_block, cost_profile
         self._buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, key_block,
                                      max_prefills=max_prefills_per_step)
@@ -158,24 +165,25 @@ class LLM:
         self.cost = None
         if prefill_instances:
             self.engine = self._make_cluster(Layout(prefill_instances, decode_instances, node_size, receive_buffers,
-                                                    decode_kvp), min_chunk, prefill_profile, progress)
+                                                    decode_kvp, tp), min_chunk, prefill_profile, progress)
         else:
             self.engine = self.make_engine(progress=progress)
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
 
     def make_engine(self, devices: Sequence[jax.Device] | None = None, progress: bool = True,
                     kv_cache_tokens: int | None = None) -> Engine:
-        """An engine with this LLM's settings on `devices` (default: JAX's default device; several form a
-        KV-parallel group whose KV pool is the sum of theirs), its step programs compiled; the step cost model is
-        measured once (on the first engine) and shared. kv_cache_tokens: each device's pool (default: this
-        LLM's)."""
+        """An engine with this LLM's settings on `devices` (default: JAX's first tp devices; runs of tp are
+        tensor-parallel instances, and several instances form a KV-parallel group whose KV pool is the sum of
+        theirs), its step programs compiled; the step cost model is measured once (on the first engine) and
+        shared. kv_cache_tokens: each instance's pool (default: this LLM's)."""
         a = self._sched_args
-        devices = list(devices or jax.devices()[:1])
-        per_device = -(-(kv_cache_tokens or self._kv_tokens) // self._block_size) + 1  # + its scratch block
-        num_blocks = per_device * len(devices)
+        devices = list(devices or jax.devices()[:self._tp])
+        kvp = len(devices) // self._tp
+        per_instance = -(-(kv_cache_tokens or self._kv_tokens) // self._block_size) + 1  # + its scratch block
+        num_blocks = per_instance * kvp
         runner = ModelRunner(self.config, self._params, self._dtype, num_blocks=num_blocks,
                              block_size=self._block_size, buckets=self._buckets, key_block=self._key_block,
-                             devices=devices)
+                             devices=devices, tp=self._tp)
         runner.warmup(progress)
         if self.cost is None:
             path = (pathlib.Path(self._cost_profile) if self._cost_profile else
@@ -186,7 +194,7 @@ class LLM:
                                max_prefills=self._buckets.max_prefills, multi_prefill=a["multi_prefill"],
                                space_sharing=a["space_sharing"], t_target=a["iteration_budget"])
         kv = KVCacheManager(num_blocks, self._block_size, enable_prefix_caching=a["prefix_caching"],
-                            scratch_blocks=len(devices))
+                            scratch_blocks=kvp)
         scheduler = ReplicaScheduler(make_policy(a["policy"]), self.cost, packer, kv, slo=SLO(ttft_min=a["ttft_slo"]),
                                      max_running=a["max_num_seqs"])
         return Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
@@ -195,7 +203,7 @@ class LLM:
                       progress: bool) -> ClusterEngine:
         path = (pathlib.Path(prefill_profile) if prefill_profile else
                 cluster_profile.default_path(self.model_name, self._dtype_name, layout.prefill_instances,
-                                             layout.node_size, self.max_model_len, self._key_block))
+                                             layout.node_size, layout.tp, self.max_model_len, self._key_block))
         cluster = build(self.config, self._params, layout, lambda ds: self.make_engine(ds, progress), path,
                         capacity=self.max_model_len, dtype=self._dtype, min_chunk=min_chunk,
                         key_block=self._key_block, progress=progress)

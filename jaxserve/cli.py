@@ -74,14 +74,17 @@ flags.DEFINE_float("ttft_slo", 1.0, "serve/generate: seconds to the first token 
 flags.DEFINE_bool("prefix_caching", True, "serve/generate: reuse cached KV of shared prompt prefixes.")
 flags.DEFINE_string("cost_profile", None, "serve/generate: the step cost profile to load, or to measure and write "
                     "(default: measured at first start, cached per device, model and dtype).")
-flags.DEFINE_integer("prefill_instances", 0, "serve/generate: devices (from the first) forming a CDSP prefill pool; "
-                     "with more than 0 the engine is a live cluster (prompts chunked over growing SP groups, their KV "
-                     "streamed to decode instances). 0: one engine on one device.")
+flags.DEFINE_integer("tp", 1, "serve/generate: devices per instance, tensor-parallel (each holds a share of every "
+                     "layer's attention heads and MLP; the model's heads must divide by it). Without a cluster layout "
+                     "the engine is one instance on the first --tp devices.")
+flags.DEFINE_integer("prefill_instances", 0, "serve/generate: instances (from the first device) forming a CDSP "
+                     "prefill pool; with more than 0 the engine is a live cluster (prompts chunked over growing SP "
+                     "groups, their KV streamed to decode instances). 0: one engine on one instance.")
 flags.DEFINE_integer("decode_instances", 1, "serve/generate: decode instances after the prefill pool (with "
                      "--prefill_instances).")
-flags.DEFINE_integer("decode_kvp", 1, "serve/generate: devices per decode instance; more than 1 splits its KV cache "
-                     "over them (KV-parallel decode).")
-flags.DEFINE_integer("node_size", 2, "serve/generate: prefill devices per node (the planner keeps groups on whole "
+flags.DEFINE_integer("decode_kvp", 1, "serve/generate: instances per decode instance; more than 1 splits its KV "
+                     "cache over them (KV-parallel decode).")
+flags.DEFINE_integer("node_size", 2, "serve/generate: prefill instances per node (the planner keeps groups on whole "
                      "nodes where it can).")
 flags.DEFINE_integer("receive_buffers", 4, "serve/generate: KV transfers a decode instance receives at once.")
 flags.DEFINE_integer("min_chunk", 1024, "serve/generate: the smallest CDSP chunk, tokens.")
@@ -111,7 +114,7 @@ def _engine_flags() -> dict:
                 space_sharing=FLAGS.space_sharing, multi_prefill=FLAGS.multi_prefill,
                 iteration_budget=FLAGS.iteration_budget, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 max_prefills_per_step=FLAGS.max_prefills_per_step, ttft_slo=FLAGS.ttft_slo,
-                prefix_caching=FLAGS.prefix_caching, cost_profile=FLAGS.cost_profile,
+                prefix_caching=FLAGS.prefix_caching, cost_profile=FLAGS.cost_profile, tp=FLAGS.tp,
                 prefill_instances=FLAGS.prefill_instances, decode_instances=FLAGS.decode_instances,
                 decode_kvp=FLAGS.decode_kvp, node_size=FLAGS.node_size, receive_buffers=FLAGS.receive_buffers,
                 min_chunk=FLAGS.min_chunk, prefill_profile=FLAGS.prefill_profile)

@@ -36,6 +36,9 @@ def test_generate_prints_the_greedy_chat_reply(llm):
           "--decode_kvp=2"], "the layout needs 8 devices (4 prefill + 2 decode x 2); there are 1"),
         (["generate", "--prompt=hi", "--max_model_len=512", "--prefill_instances=2", "--node_size=0"],
          "in nodes of one or more"),
+        (["generate", "--prompt=hi", "--max_model_len=512", "--tp=2"],
+         "tensor parallelism over 2 devices does not divide the model's 9 attention heads, 3 KV heads"),
+        (["generate", "--prompt=hi", "--max_model_len=512", "--tp=3"], "tp=3 needs 3 devices; there are 1"),
     ],
 )
 def test_bad_input_exits_with_a_message(args, message):

@@ -24,24 +24,30 @@ from jaxserve.sharding import rows
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Which of `jax.devices()` do what: the first `prefill_instances` form the prefill pool (`node_size` to a
-    node, as the planner's Pool), then `decode_instances` decode instances of `decode_kvp` devices each (a
-    KV-parallel group when more than one)."""
+    """Which of `jax.devices()` do what, in instances of `tp` devices (tensor-parallel inside): the first
+    `prefill_instances` instances form the prefill pool (`node_size` instances to a node, as the planner's Pool),
+    then `decode_instances` decode instances of `decode_kvp` instances each (a KV-parallel group when more than
+    one)."""
 
     prefill_instances: int
     decode_instances: int
     node_size: int = 2
     receive_buffers: int = 4
     decode_kvp: int = 1
+    tp: int = 1
+
+    @property
+    def devices(self) -> int:
+        return (self.prefill_instances + self.decode_instances * self.decode_kvp) * self.tp
 
     def check(self, available: int) -> None:
-        need = self.prefill_instances + self.decode_instances * self.decode_kvp
-        if min(self.prefill_instances, self.decode_instances, self.decode_kvp, self.node_size) < 1:
+        if min(self.prefill_instances, self.decode_instances, self.decode_kvp, self.node_size, self.tp) < 1:
             raise ValueError(f"a cluster needs at least one prefill and one decode instance, of one device or more, "
                              f"in nodes of one or more; got {self}")
-        if need > available:
-            raise ValueError(f"the layout needs {need} devices ({self.prefill_instances} prefill + "
-                             f"{self.decode_instances} decode x {self.decode_kvp}); there are {available}")
+        if self.devices > available:
+            tp = f", {self.tp} devices each" if self.tp > 1 else ""
+            raise ValueError(f"the layout needs {self.devices} devices ({self.prefill_instances} prefill + "
+                             f"{self.decode_instances} decode x {self.decode_kvp}{tp}); there are {available}")
         if self.prefill_instances % self.node_size:
             raise ValueError(f"{self.prefill_instances} prefill instances do not form nodes of {self.node_size}")
 
@@ -64,17 +70,18 @@ def planner_groups(pool: Pool, sizes: Sequence[int]) -> list[tuple[int, ...]]:
 
 
 def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> int:
-    """Compile every chunk program (planner group x local bucket), every KV-move piece program on every device,
-    and every decode instance's step programs. Returns the number of chunk programs."""
+    """Compile every chunk program (planner group x local bucket), every KV-move and KV-export piece program on
+    every instance, and every decode instance's step programs. Returns the number of chunk programs."""
     sp = cluster.prefill
     groups = [tuple(cluster.pool_ids[i] for i in g) for g in planner_groups(cluster.pool, cluster.sizes)]
     work = [(g, b) for g in groups for b in sp.buckets(len(g), max_tokens)]
     for g, b in tqdm(work, desc="compile chunk programs", unit="program", disable=not progress):
         sp.program(g, b)
     pieces = [1 << i for i in range(sp.cap.bit_length()) if 1 << i <= sp.cap]
-    for s in tqdm(sp.stores.values(), desc="compile KV moves", unit="device", disable=not progress):
+    for i, s in tqdm(sp.stores.items(), desc="compile KV moves", unit="instance", disable=not progress):
         for n in pieces:  # free stores: what these write is never read
             s.k, s.v = rows.put(s.k, s.v, *rows.take(s.k, s.v, 0, size=n), 0)
+            sp.take(i, 0, n)
     for d in cluster.decoders:
         d.engine.runner.warmup_land(sp.cap)
         d.engine.runner.warmup(progress)
@@ -91,16 +98,17 @@ def build(cfg, params, layout: Layout, make_engine: Callable[[list[jax.Device]],
     powers of two from a node to the pool when measuring)."""
     devices = list(devices or jax.devices())
     layout.check(len(devices))
-    sp = SPPrefill(cfg, params, devices[:layout.prefill_instances], capacity=capacity, dtype=dtype,
-                   key_block=key_block, min_local=min_local)
+    tp, first = layout.tp, layout.prefill_instances * layout.tp
+    sp = SPPrefill(cfg, params, devices[:first], capacity=capacity, dtype=dtype, key_block=key_block,
+                   min_local=min_local, tp=tp)
     if isinstance(prefill_cost, pathlib.Path):
         pool = layout.pool
         sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]
         first_group = {len(g): g for g in reversed(planner_groups(pool, sizes))}  # the first group of each size
-        groups = {s: tuple(devices[i].id for i in g) for s, g in first_group.items()}
+        groups = {s: tuple(devices[i * tp].id for i in g) for s, g in first_group.items()}
         prefill_cost = profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
     planner = CDSPPlanner(prefill_cost, layout.pool, improvement_rate, sizes=sizes, min_chunk=min_chunk)
-    first, g = layout.prefill_instances, layout.decode_kvp
+    g = layout.decode_kvp * tp
     decoders = [DecodeInstance(i, make_engine(devices[first + i * g:first + (i + 1) * g]), layout.receive_buffers)
                 for i in range(layout.decode_instances)]
     return ClusterEngine(sp, planner, decoders, dispatch=dispatch)

@@ -95,7 +95,7 @@ class ClusterEngine:
             raise ValueError(f"dispatch must be freeness or power_of_two, got {dispatch!r}")
         cdsp = getattr(planner, "planner", planner)  # AdaptiveCDSP wraps a CDSPPlanner
         self.pool, self.sizes = cdsp.pool, cdsp.sizes
-        self.pool_ids = tuple(sorted(prefill.devices))
+        self.pool_ids = tuple(sorted(prefill.instances))
         if self.pool.size != len(self.pool_ids):
             raise ValueError(f"the planner's pool has {self.pool.size} instances; the prefill pool "
                              f"{len(self.pool_ids)}")
@@ -298,8 +298,8 @@ class ClusterEngine:
             self.free_at[idx] = np.maximum(self.free_at[idx] + (end - predicted_end), end)
             p.done += 1
             last = p.done == len(p.chunks)
-            pieces = [piece for device, (lo, hi) in f.run.written.items()
-                      for piece in self.prefill.rows_of(device, lo, hi)]
+            pieces = [piece for instance, (lo, hi) in f.run.written.items()
+                      for piece in self.prefill.rows_of(instance, lo, hi)]
             p.decoder.buffers.offer(Transfer(p.request_id, p.done - 1, last, pieces, end))
             if last:
                 del self._prefills[p.request_id]

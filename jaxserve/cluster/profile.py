@@ -54,7 +54,7 @@ def time_chunk(sp: SPPrefill, group: Group, tokens: int, history: int, repeats: 
 
 def measure(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, repeats: int = 2,
             progress: bool = True) -> TetrisPrefill:
-    """Fit Eq. (1) per SP size from chunks timed on one group of that size (groups: size -> device ids)."""
+    """Fit Eq. (1) per SP size from chunks timed on one group of that size (groups: size -> instance ids)."""
     work = [(size, n, h) for size in sorted(groups) for n, h in grid(sp, size, max_tokens)]
     for size, n, h in work:  # compile every program first: the timings must not include it
         for t in (n, h):
@@ -65,11 +65,11 @@ def measure(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, repeats: i
     return TetrisPrefill.fit(samples)
 
 
-def default_path(model_name: str, dtype: str, pool_size: int, node_size: int, capacity: int,
+def default_path(model_name: str, dtype: str, pool_size: int, node_size: int, tp: int, capacity: int,
                  key_block: int) -> pathlib.Path:
     """Per device kind, model, dtype and pool shape (what the chunk programs and their timings depend on)."""
-    return engine_profile.cache_file(model_name, dtype, f"cdsp-p{pool_size}x{node_size}-cap{capacity}-kb{key_block}",
-                                     VERSION)
+    return engine_profile.cache_file(model_name, dtype,
+                                     f"cdsp-p{pool_size}x{node_size}-tp{tp}-cap{capacity}-kb{key_block}", VERSION)
 
 
 def load_or_measure(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,

@@ -105,7 +105,8 @@ def cache_file(model_name: str, dtype: str, shape: str, version: int) -> pathlib
 
 def default_path(model_name: str, dtype: str, runner: ModelRunner) -> pathlib.Path:
     b = runner.buckets
-    shape = f"t{b.tokens[-1]}-r{b.rows[-1]}-p{b.max_prefills}-w{b.width}-bs{runner.block_size}-kb{runner.key_block}"
+    shape = (f"t{b.tokens[-1]}-r{b.rows[-1]}-p{b.max_prefills}-w{b.width}-bs{runner.block_size}-kb{runner.key_block}"
+             f"-tp{runner.tp}")
     return cache_file(model_name, dtype, shape, VERSION)
 
 

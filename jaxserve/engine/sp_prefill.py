@@ -8,6 +8,10 @@ last, so no two requests share one), with each row's position kept on the host (
 A chunk's step appends this device's shard of the chunk at row `fill` and reads the history through a loop with
 a traced trip count, so programs are compiled once per (group, local chunk bucket): none per history length,
 none per chunk. The stores are donated (updated in place); only the sampled first token leaves the devices.
+
+With tp > 1 the pool is made of instances of tp devices each, tensor-parallel inside (sharding/tp.py): a group
+is a set of instances (each named by its first device's id), its chunk runs on an (sp, tp) mesh, and each
+instance's store is split over its devices by KV head.
 """
 
 from __future__ import annotations
@@ -25,18 +29,18 @@ from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
 from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.pallas_kernels.reference import NO_POSITION
-from jaxserve.sharding import layouts, rebalance, rows
-from jaxserve.sharding.mesh import SP, make_mesh
+from jaxserve.sharding import layouts, rebalance, rows, tp as tensor_parallel
+from jaxserve.sharding.mesh import SP, TP, make_mesh
 from jaxserve.sharding.ring import StoreRingBackend
 
-Group = tuple[int, ...]  # device ids in ring order
+Group = tuple[int, ...]  # instance ids (each instance's first device's id) in ring order
 
 
 @dataclasses.dataclass
 class Store:
     """One device's history buffers and, on the host, the position of each row."""
 
-    k: jax.Array  # [layers, cap, kvh, d] on its device
+    k: jax.Array  # [layers, cap, kvh, d] on its instance's devices (split by KV head)
     v: jax.Array
     pos: np.ndarray  # [cap] int32
     fill: int = 0  # rows written (padding rows included)
@@ -52,7 +56,7 @@ class ChunkRun:
 
     tokens: jax.Array  # [p]: each device's draw; the one at `owner` is the chunk's last token's
     owner: int
-    written: dict[int, tuple[int, int]]  # device id -> [lo, hi) rows
+    written: dict[int, tuple[int, int]]  # instance id -> [lo, hi) rows
 
     def ready(self) -> bool:
         """The chunk has finished on its devices (token() would not wait)."""
@@ -69,20 +73,31 @@ def next_power_of_two(n: int) -> int:
 class SPPrefill:
     def __init__(self, cfg: LlamaConfig, params: Any, devices: Sequence[jax.Device], *, capacity: int,
                  dtype=jnp.float32, key_block: int = 256, min_local: int = 16, layout: layouts.Layout = "zigzag",
-                 implementation: Implementation | None = None):
-        """capacity: history rows each device's store holds (rounded up to key blocks); min_local: the smallest
-        per-device chunk bucket."""
-        self.cfg, self.dtype, self.key_block, self.layout = cfg, dtype, key_block, layout
+                 implementation: Implementation | None = None, tp: int = 1):
+        """devices: the pool, consecutive runs of tp devices forming one (tensor-parallel) instance; capacity:
+        history rows each instance's store holds (rounded up to key blocks); min_local: the smallest
+        per-instance chunk bucket."""
+        if len(devices) % tp:
+            raise ValueError(f"{len(devices)} prefill devices do not form instances of {tp}")
+        self.cfg, self.dtype, self.key_block, self.layout, self.tp = cfg, dtype, key_block, layout, tp
         self.min_local, self.implementation = max(min_local, 2), implementation
         self.cap = -(-capacity // key_block) * key_block
-        self.devices = {d.id: d for d in devices}
-        self._params = {i: jax.device_put(params, d) for i, d in self.devices.items()}
-        shape = (cfg.num_layers, self.cap, cfg.num_kv_heads, cfg.head_dim)
-        self.stores = {i: Store(jax.device_put(jnp.zeros(shape, dtype), d), jax.device_put(jnp.zeros(shape, dtype), d),
-                                np.full(self.cap, NO_POSITION, np.int32)) for i, d in self.devices.items()}
+        self.instances = {devices[i].id: tuple(devices[i:i + tp]) for i in range(0, len(devices), tp)}
+        params, self._specs = tensor_parallel.shard_params(params, cfg, tp)
+        self._params = {}
+        shape = (cfg.num_layers, self.cap, cfg.split(tp).kv_heads * tp, cfg.head_dim)
+        self.stores: dict[int, Store] = {}
+        for i, devs in self.instances.items():
+            mesh = make_mesh(devs, tp)
+            self._params[i] = jax.device_put(params, self._shardings(mesh))
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, P(None, None, TP)))
+            self.stores[i] = Store(zeros(), zeros(), np.full(self.cap, NO_POSITION, np.int32))
         self._steps: dict[tuple[Group, int], Any] = {}
         self._group_params: dict[Group, Any] = {}
         self._meshes: dict[Group, Mesh] = {}
+
+    def _shardings(self, mesh: Mesh) -> Any:
+        return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self._specs, is_leaf=lambda x: isinstance(x, P))
 
     # ---- shapes ---------------------------------------------------------------------------------------------
     def local_bucket(self, sp: int, tokens: int) -> int:
@@ -108,22 +123,25 @@ class SPPrefill:
 
     def _mesh(self, group: Group) -> Mesh:
         if group not in self._meshes:
-            self._meshes[group] = make_mesh([self.devices[i] for i in group])
+            self._meshes[group] = make_mesh([d for i in group for d in self.instances[i]], self.tp)
         return self._meshes[group]
 
     def _mesh_params(self, group: Group) -> Any:
-        """The weights replicated over the group, assembled from the per-device copies (no copy)."""
+        """The weights over the group (each instance's copy, split over its devices), assembled from the
+        per-instance arrays (no copy)."""
         if group not in self._group_params:
-            sharding = NamedSharding(self._mesh(group), P())
             self._group_params[group] = jax.tree.map(
-                lambda *xs: jax.make_array_from_single_device_arrays(xs[0].shape, sharding, list(xs)),
-                *(self._params[i] for i in group))
+                lambda sharding, *xs: jax.make_array_from_single_device_arrays(
+                    xs[0].shape, sharding, [s.data for x in xs for s in x.addressable_shards]),
+                self._shardings(self._mesh(group)), *(self._params[i] for i in group),
+                is_leaf=lambda x: isinstance(x, NamedSharding))
         return self._group_params[group]
 
     def _compile(self, group: Group, local: int) -> Any:
         p = len(group)
         mesh = self._mesh(group)
-        model = Llama(self.cfg, StoreRingBackend(p, self.key_block, implementation=self.implementation), self.dtype)
+        model = Llama(self.cfg, StoreRingBackend(p, self.key_block, implementation=self.implementation), self.dtype,
+                      TP if self.tp > 1 else None)
 
         def body(params, ids, q_pos, k_pos, hist_pos, fill, blocks, last, temperature, top_k, top_p, seed, counter,
                  k_store, v_store):
@@ -131,18 +149,20 @@ class SPPrefill:
             logits, caches = model.apply(params, ids[None], q_pos[None], (k_store, v_store), ctx, last[None])
             return (sample(logits[0], temperature, top_k, top_p, seed, counter),) + caches
 
-        seq = P(SP)
-        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) + (seq,) * 14, out_specs=(seq,) * 3,
+        seq, kv = P(SP), P(SP, None, TP)  # the stores: one per instance on the layer axis, heads over its devices
+        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(self._specs,) + (seq,) * 12 + (kv, kv),
+                                     out_specs=(seq, kv, kv),
                                      check_vma=False),  # a Pallas kernel inside shard_map needs check_vma=False
                        donate_argnums=(13, 14))
-        sharded = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, seq))  # noqa: E731
+        sharded = lambda shape, dtype, spec=seq: jax.ShapeDtypeStruct(  # noqa: E731
+            shape, dtype, sharding=NamedSharding(mesh, spec))
         i32, f32 = jnp.int32, jnp.float32
         t = p * local
         layers, *rest = self.stores[group[0]].k.shape
-        store = (p * layers, *rest)  # the group's stores side by side on the layer axis, one per device
+        store = (p * layers, *rest)  # the group's stores side by side on the layer axis, one per instance
         args = (sharded((t,), i32),) * 3 + (sharded((p * self.cap,), i32),) + (sharded((p,), i32),) * 3 + (
             sharded((p,), f32), sharded((p,), i32), sharded((p,), f32), sharded((p,), jnp.uint32),
-            sharded((p,), i32), sharded(store, self.dtype), sharded(store, self.dtype))
+            sharded((p,), i32), sharded(store, self.dtype, kv), sharded(store, self.dtype, kv))
         return step.lower(self._mesh_params(group), *args).compile()
 
     # ---- chunks ---------------------------------------------------------------------------------------------
@@ -151,8 +171,8 @@ class SPPrefill:
         for i in group:
             s = self.stores[i]
             if s.owner not in (None, request_id):
-                raise RuntimeError(f"device {i} still holds request {s.owner}'s history; {request_id} cannot "
-                                   "use it (the planner books a device for one request at a time)")
+                raise RuntimeError(f"instance {i} still holds request {s.owner}'s history; {request_id} cannot "
+                                   "use it (the planner books an instance for one request at a time)")
             s.owner = request_id
 
     def release(self, request_id: str) -> None:
@@ -179,29 +199,33 @@ class SPPrefill:
         self.claim(request_id, group)
         held = [d for d, s in self.stores.items() if s.owner == request_id and d not in group and s.fill]
         if held:
-            raise RuntimeError(f"request {request_id}'s history is also on devices {held}, outside {group}")
+            raise RuntimeError(f"request {request_id}'s history is also on instances {held}, outside {group}")
         stores = [self.stores[i] for i in group]
         for i, s in zip(group, stores):
             if s.fill + local > self.cap:
-                raise RuntimeError(f"device {i}'s history store is full ({self.cap} rows)")
+                raise RuntimeError(f"instance {i}'s history store is full ({self.cap} rows)")
         sharding = NamedSharding(self._mesh(group), P(SP))
         put = lambda x: jax.device_put(x, sharding)  # noqa: E731
         fill = np.array([s.fill for s in stores], np.int32)
         last = np.where(np.arange(p) == owner, row, 0).astype(np.int32)
         rep = lambda x, dtype: np.full(p, x, dtype)  # noqa: E731
         layers, *rest = stores[0].k.shape
-        kv = [jax.make_array_from_single_device_arrays((p * layers, *rest), sharding, xs)
+        kv_sharding = NamedSharding(self._mesh(group), P(SP, None, TP))
+        kv = [jax.make_array_from_single_device_arrays((p * layers, *rest), kv_sharding,
+                                                       [shard.data for x in xs for shard in x.addressable_shards])
               for xs in ([s.k for s in stores], [s.v for s in stores])]
         out, k2, v2 = self.program(group, local)(
             self._mesh_params(group), put(ids), put(q_pos), put(k_pos), put(np.concatenate([s.pos for s in stores])),
             put(fill), put(-(-fill // self.key_block)), put(last), put(rep(params.temperature, np.float32)),
             put(rep(params.top_k, np.int32)), put(rep(params.top_p, np.float32)), put(rep(seed, np.uint32)),
             put(rep(0, np.int32)), *kv)
-        new_k = {s.device.id: s.data for s in k2.addressable_shards}
-        new_v = {s.device.id: s.data for s in v2.addressable_shards}
+        new_k = {s.device: s.data for s in k2.addressable_shards}
+        new_v = {s.device: s.data for s in v2.addressable_shards}
         written = {}
         for j, (i, s) in enumerate(zip(group, stores)):
-            s.k, s.v = new_k[i], new_v[i]
+            own = lambda new, old: jax.make_array_from_single_device_arrays(  # noqa: E731
+                old.shape, old.sharding, [new[d] for d in self.instances[i]])
+            s.k, s.v = own(new_k, s.k), own(new_v, s.v)
             s.pos[s.fill:s.fill + local] = k_pos[j * local:(j + 1) * local]
             written[i] = (s.fill, s.fill + local)
             s.fill += local
@@ -209,14 +233,14 @@ class SPPrefill:
 
     # ---- moving history -------------------------------------------------------------------------------------
     def rebalance(self, request_id: str, group: Group) -> int:
-        """Spread request_id's history evenly over `group` (every device holding it must be in the group):
-        each device keeps its share and only the excess rows move, into devices below their share. Returns the
-        tokens moved."""
+        """Spread request_id's history evenly over `group` (every instance holding it must be in the group):
+        each instance keeps its share and only the excess rows move, into instances below their share. Returns
+        the tokens moved."""
         self.claim(request_id, group)
         stores = [self.stores[i] for i in group]
         valid = [s.valid_rows() for s in stores]
         want = rebalance.targets(sum(len(v) for v in valid), len(group))
-        excess = [v[w:] for v, w in zip(valid, want)]  # each device's last rows beyond its share
+        excess = [v[w:] for v, w in zip(valid, want)]  # each instance's last rows beyond its share
         sending = iter([(j, r) for j, e in enumerate(excess) for r in e])
         moved = 0
         for dst, (s, v, w) in enumerate(zip(stores, valid, want)):
@@ -236,19 +260,26 @@ class SPPrefill:
         return moved
 
     def _move(self, src: Store, dst: Store, lo: int, hi: int) -> None:
-        device = next(iter(dst.k.devices()))
         for at, size in rows.pieces(lo, hi):
             k, v = rows.take(src.k, src.v, at, size=size)
-            dst.k, dst.v = rows.put(dst.k, dst.v, *jax.device_put((k, v), device), dst.fill)
+            dst.k, dst.v = rows.put(dst.k, dst.v, *jax.device_put((k, v), dst.k.sharding), dst.fill)
             dst.pos[dst.fill:dst.fill + size] = src.pos[at:at + size]
             dst.fill += size
 
-    def rows_of(self, device: int, lo: int, hi: int) -> list[tuple[jax.Array, jax.Array, np.ndarray]]:
-        """The valid rows of [lo, hi) on `device`, as power-of-two pieces (k, v [layers, n, kvh, d], positions)
-        taken out of its store (so the store may be reused before they are sent)."""
-        s = self.stores[device]
+    def rows_of(self, instance: int, lo: int, hi: int) -> list[tuple[jax.Array, jax.Array, np.ndarray]]:
+        """The valid rows of [lo, hi) on `instance`, as power-of-two pieces (k, v [layers, n, kvh, d] in the
+        model's head layout, positions) taken out of its store (so the store may be reused before they are
+        sent)."""
+        s = self.stores[instance]
         out = []
         for a, b in rows.runs(lo + np.flatnonzero(s.pos[lo:hi] != NO_POSITION)):
             for at, size in rows.pieces(a, b):
-                out.append((*rows.take(s.k, s.v, at, size=size), s.pos[at:at + size].copy()))
+                out.append((*self.take(instance, at, size), s.pos[at:at + size].copy()))
         return out
+
+    def take(self, instance: int, at: int, size: int) -> tuple[jax.Array, jax.Array]:
+        """Store rows [at, at + size) of `instance` in the model's head layout (a repeated KV head once)."""
+        s = self.stores[instance]
+        k, v = rows.take(s.k, s.v, at, size=size)
+        repeat = self.cfg.split(self.tp).kv_repeat
+        return tensor_parallel.model_heads(k, v, repeat=repeat) if repeat > 1 else (k, v)

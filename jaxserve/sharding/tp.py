@@ -54,3 +54,9 @@ def heads_of(k: Float[Array, "layers n kvh d"], v: Float[Array, "layers n kvh d"
     """The KV heads [start, start + size) of rows in the model's head layout (one program per size)."""
     cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)  # noqa: E731
     return cut(k), cut(v)
+
+
+@functools.partial(jax.jit, static_argnames="repeat")
+def model_heads(k: Float[Array, "layers n kvh d"], v: Float[Array, "layers n kvh d"], *, repeat: int):
+    """Rows in a tensor-parallel cache's head layout back in the model's: one copy of each repeated KV head."""
+    return k[:, :, ::repeat], v[:, :, ::repeat]
