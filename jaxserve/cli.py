@@ -55,7 +55,6 @@ flags.DEFINE_integer("requests", None, "simulate: number of requests (default: t
 flags.DEFINE_string("out", None, "simulate: directory for summary.json, requests.csv and ttft_cdf.png.")
 flags.DEFINE_string("profile", "a100_llama3_8b", "simulate: GPU/model profile (a100_llama3_8b, h100_llama2_7b, "
                     "h100_llama2_70b).")
-flags.DEFINE_integer("tp", 8, "simulate: tensor parallel degree per replica.")
 flags.DEFINE_integer("stages", 1, "simulate: pipeline stages per replica.")
 flags.DEFINE_integer("replicas", 1, "simulate: number of replicas.")
 flags.DEFINE_float("t_target", 0.05, "simulate: iteration time budget, seconds (from the TPOT SLO).")
@@ -74,9 +73,10 @@ flags.DEFINE_float("ttft_slo", 1.0, "serve/generate: seconds to the first token 
 flags.DEFINE_bool("prefix_caching", True, "serve/generate: reuse cached KV of shared prompt prefixes.")
 flags.DEFINE_string("cost_profile", None, "serve/generate: the step cost profile to load, or to measure and write "
                     "(default: measured at first start, cached per device, model and dtype).")
-flags.DEFINE_integer("tp", 1, "serve/generate: devices per instance, tensor-parallel (each holds a share of every "
-                     "layer's attention heads and MLP; the model's heads must divide by it). Without a cluster layout "
-                     "the engine is one instance on the first --tp devices.")
+flags.DEFINE_integer("tp", None, "Tensor-parallel degree. serve/generate (default 1): devices per instance, each "
+                     "holding a share of every layer's attention heads and MLP (the model's heads must divide by it); "
+                     "without a cluster layout the engine is one instance on the first --tp devices. simulate "
+                     "(default 8): per simulated replica.")
 flags.DEFINE_integer("prefill_instances", 0, "serve/generate: instances (from the first device) forming a CDSP "
                      "prefill pool; with more than 0 the engine is a live cluster (prompts chunked over growing SP "
                      "groups, their KV streamed to decode instances). 0: one engine on one instance.")
@@ -108,13 +108,18 @@ def _sampling_flags() -> dict:
                 seed=FLAGS.seed, stop=tuple(FLAGS.stop))
 
 
+def _tp(default: int) -> int:
+    """--tp, whose default depends on the command."""
+    return default if FLAGS.tp is None else FLAGS.tp
+
+
 def _engine_flags() -> dict:
     """The engine and scheduler flags `generate` and `serve` share."""
     return dict(dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, policy=FLAGS.policy,
                 space_sharing=FLAGS.space_sharing, multi_prefill=FLAGS.multi_prefill,
                 iteration_budget=FLAGS.iteration_budget, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 max_prefills_per_step=FLAGS.max_prefills_per_step, ttft_slo=FLAGS.ttft_slo,
-                prefix_caching=FLAGS.prefix_caching, cost_profile=FLAGS.cost_profile, tp=FLAGS.tp,
+                prefix_caching=FLAGS.prefix_caching, cost_profile=FLAGS.cost_profile, tp=_tp(1),
                 prefill_instances=FLAGS.prefill_instances, decode_instances=FLAGS.decode_instances,
                 decode_kvp=FLAGS.decode_kvp, node_size=FLAGS.node_size, receive_buffers=FLAGS.receive_buffers,
                 min_chunk=FLAGS.min_chunk, prefill_profile=FLAGS.prefill_profile)
@@ -183,7 +188,7 @@ def _simulate() -> None:
 
     workload = run.make_workload(FLAGS.trace, FLAGS.rate, FLAGS.requests, seed=FLAGS.seed or 0,
                                  long_fraction=FLAGS.long_fraction, arrival=FLAGS.arrival, cv=FLAGS.cv)
-    config = run.config_for(FLAGS.policy, FLAGS.profile, FLAGS.tp, FLAGS.stages, FLAGS.replicas, FLAGS.t_target,
+    config = run.config_for(FLAGS.policy, FLAGS.profile, _tp(8), FLAGS.stages, FLAGS.replicas, FLAGS.t_target,
                             FLAGS.space_sharing, FLAGS.multi_prefill,
                             slo=SLO(FLAGS.ttft_min, FLAGS.ttft_factor, FLAGS.tpot_slo))
     results = run.simulate(workload, config)
