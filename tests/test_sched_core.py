@@ -391,3 +391,25 @@ def test_space_sharing_yields_nothing_to_a_request_that_cannot_start():
     sched.add(stuck)
     (item,) = sched.schedule(0.0).items
     assert item.request_id == "L" and EQ1.batch_time([(item.tokens + 1, 0)]) > 0.2  # the whole budget
+
+
+def test_half_done_prefills_holding_every_block_do_not_stall_the_scheduler():
+    """Each newcomer is due sooner than all before it (EDF), so each takes the step and leaves the others halfway
+    through their prompts; soon nothing decodes and every block is held by half-done prefills. The top one is
+    given room by preempting the most recently admitted of the rest, and every request finishes."""
+    sched = ReplicaScheduler(make_policy("edf"), EQ1, PackerConfig(t_target=0.02, chunk_align=16, max_prefills=8),
+                             _kv(1024))
+    reqs = [Request(str(k), 0.0, 600, 4, ttft_deadline=10.0 - k) for k in range(8)]
+    now, preempted = 0.0, 0
+    for k in range(1000):
+        if k < len(reqs):
+            sched.add(reqs[k])
+        plan = sched.schedule(now)
+        if plan is None:
+            break
+        preempted += len(plan.preempted)
+        now += plan.predicted_time
+        tokens = {i.request_id: (7,) for i in plan.items if sched.yields_token(i)}
+        sched.apply(plan, Outcome(now, tuple(plan.predicted_time for _ in plan.items), tokens))
+    assert all(r.finished for r in reqs), [(r.id, r.planned) for r in reqs if not r.finished]
+    assert preempted > 0 and sched.kv.num_free == sched.kv.capacity

@@ -132,7 +132,7 @@ class SPPrefill:
         if group not in self._group_params:
             self._group_params[group] = jax.tree.map(
                 lambda sharding, *xs: jax.make_array_from_single_device_arrays(
-                    xs[0].shape, sharding, [s.data for x in xs for s in x.addressable_shards]),
+                    xs[0].shape, sharding, [s.data for x in xs for s in x.addressable_shards], dtype=xs[0].dtype),
                 self._shardings(self._mesh(group)), *(self._params[i] for i in group),
                 is_leaf=lambda x: isinstance(x, NamedSharding))
         return self._group_params[group]
@@ -212,7 +212,8 @@ class SPPrefill:
         layers, *rest = stores[0].k.shape
         kv_sharding = NamedSharding(self._mesh(group), P(SP, None, TP))
         kv = [jax.make_array_from_single_device_arrays((p * layers, *rest), kv_sharding,
-                                                       [shard.data for x in xs for shard in x.addressable_shards])
+                                                       [shard.data for x in xs for shard in x.addressable_shards],
+                                                       dtype=self.dtype)
               for xs in ([s.k for s in stores], [s.v for s in stores])]
         out, k2, v2 = self.program(group, local)(
             self._mesh_params(group), put(ids), put(q_pos), put(k_pos), put(np.concatenate([s.pos for s in stores])),
@@ -224,7 +225,8 @@ class SPPrefill:
         written = {}
         for j, (i, s) in enumerate(zip(group, stores)):
             own = lambda new, old: jax.make_array_from_single_device_arrays(  # noqa: E731
-                old.shape, old.sharding, [new[d] for d in self.instances[i]])
+                old.shape, old.sharding, [new[d] for d in self.instances[i] if d in new],  # this process's
+                dtype=old.dtype)
             s.k, s.v = own(new_k, s.k), own(new_v, s.v)
             s.pos[s.fill:s.fill + local] = k_pos[j * local:(j + 1) * local]
             written[i] = (s.fill, s.fill + local)

@@ -4,7 +4,8 @@ object drives the live engine and the simulator.
 It owns the KV cache (kv_manager.KVCacheManager) and allocates on demand: a chunk gets the blocks it writes when
 it is planned, a decode one slot per token. When a decode finds no free block, the most recently admitted
 request is preempted: its blocks go back (free but still cached), it re-enters the queue keeping its place, and
-it later recomputes, mostly from prefix-cache hits. A step that preempted admits nothing new. At most
+it later recomputes, mostly from prefix-cache hits; likewise when nothing decodes and the blocks are all held by
+half-done prefills, so that the top one could never get its next chunk. A step that preempted admits nothing new. At most
 `max_running` requests hold KV at once (vLLM's max_num_seqs), which bounds the decode batch. A request that ranks
 first but does not fit yet holds back the admission of lower-ranked newcomers, so a large request is not
 overtaken forever by a stream of small ones.
@@ -186,6 +187,8 @@ class ReplicaScheduler:
             # The top request's smallest chunk overruns the budget (a huge history, or decodes fill it): run it
             # anyway, or a long prefill would stall for as long as anything decodes.
             first = next(candidates(), None)
+            if first is not None and not decodes:
+                self._make_room(first, grants, preempted, tentative)
             n = 0 if first is None else min(self.packer.chunk_align, first.prefill_target - first.planned,
                                             room.limit(first))
             if n > 0:
@@ -230,6 +233,19 @@ class ReplicaScheduler:
                 grants.setdefault(r.id, []).extend(new)
                 decodes.append(r)
         return decodes
+
+    def _make_room(self, first: Request, grants: dict[str, list[int]], preempted: list[str],
+                   tentative: list[Request]) -> None:
+        """Nothing decodes and `first` (the top request) has no block for its next chunk: the blocks are all held
+        by requests halfway through their prefills, none of which could ever finish. Preempt the most recently
+        admitted of them (all rank below `first`; none with work in flight) until first's next chunk fits."""
+        need = self.kv.blocks_for(first.planned + min(self.packer.chunk_align, first.prefill_target - first.planned))
+        while self.kv.num_free + self.kv.num_blocks_held(first.id) < need:
+            victim = next((v for v in reversed(self.running.values())
+                           if v is not first and v not in tentative and not self._in_flight(v)), None)
+            if victim is None:
+                return
+            self._preempt(victim, grants, preempted)
 
     def _in_flight(self, r: Request) -> bool:
         return r.id in self.decode_in_flight or r.planned > r.prefilled
