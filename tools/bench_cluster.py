@@ -24,9 +24,10 @@ from absl import app, flags
 from tqdm.auto import tqdm
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("prefill_instances", 6, "Devices in the CDSP prefill pool.")
-flags.DEFINE_integer("decode_instances", 2, "Decode instances (one device each).")
-flags.DEFINE_integer("node_size", 2, "Prefill devices per node.")
+flags.DEFINE_integer("prefill_instances", 6, "Instances in the CDSP prefill pool.")
+flags.DEFINE_integer("decode_instances", 2, "Decode instances.")
+flags.DEFINE_integer("node_size", 2, "Prefill instances per node.")
+flags.DEFINE_integer("tp", 1, "Devices per instance, tensor-parallel (SmolLM2: 1 or 3).")
 flags.DEFINE_integer("requests", 16, "Requests in the trace.")
 flags.DEFINE_float("rate", 0.3, "Poisson arrival rate, requests/s.")
 flags.DEFINE_float("long_fraction", 0.3, "Share of long prompts (max_model_len/2 .. max_model_len - 64 tokens; "
@@ -76,7 +77,7 @@ def serve(llm, requests: list[dict], rng: np.random.Generator) -> tuple[dict[int
 
 def main(argv: list[str]) -> None:
     del argv
-    devices = FLAGS.prefill_instances + FLAGS.decode_instances
+    devices = (FLAGS.prefill_instances + FLAGS.decode_instances) * FLAGS.tp
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"  # before JAX's backend starts
     import jax
 
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> None:
     top = FLAGS.max_model_len
     llm = jaxserve.LLM(max_model_len=top, kv_cache_tokens=2 * top, max_num_seqs=4, max_num_batched_tokens=256,
                        prefill_instances=FLAGS.prefill_instances, decode_instances=FLAGS.decode_instances,
-                       node_size=FLAGS.node_size, min_chunk=FLAGS.min_chunk)
+                       node_size=FLAGS.node_size, min_chunk=FLAGS.min_chunk, tp=FLAGS.tp)
     cluster = llm.engine
     first, index, start = serve(llm, requests, rng)
     pool_index = {d: i for i, d in enumerate(cluster.pool_ids)}
@@ -103,7 +104,7 @@ def main(argv: list[str]) -> None:
         requests[k]["live_ttft"] = first[k] - requests[k]["arrival"]
         requests[k]["planned_ttft"] = cluster.plans[rid].ttft
     run = dict(device=f"{jax.devices()[0].device_kind} x {devices} (one process)", requests=requests, chunks=chunks,
-               pool=dict(instances=FLAGS.prefill_instances, node_size=FLAGS.node_size),
+               pool=dict(instances=FLAGS.prefill_instances, node_size=FLAGS.node_size, tp=FLAGS.tp),
                planner=dict(improvement_rate=cluster.planner.improvement_rate, sizes=cluster.planner.sizes,
                             min_chunk=cluster.planner.min_chunk),
                eq1=json.loads(cluster.planner.model.to_json()))
