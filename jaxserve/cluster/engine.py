@@ -74,7 +74,7 @@ class _Prefill:
     chunks: tuple[Chunk, ...]
     planned_at: float
     done: int = 0  # chunks executed
-    group: tuple[int, ...] = ()  # devices holding its history
+    group: tuple[int, ...] = ()  # instances holding its history
 
 
 @dataclasses.dataclass(frozen=True)

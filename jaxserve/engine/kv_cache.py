@@ -69,5 +69,5 @@ class RaggedPagedBackend:
 def allocate_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, tp: int = 1) -> Caches:
     """Zeroed (k_all, v_all), each [num_layers, num_blocks * block_size, kvh, d]: kvh counts the KV heads of
     all tp devices (repeated heads once per device that holds them)."""
-    shape = (cfg.num_layers, num_blocks * block_size, cfg.split(tp).kv_heads * tp, cfg.head_dim)
+    shape = (cfg.num_layers, num_blocks * block_size, cfg.split(tp).cache_heads, cfg.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

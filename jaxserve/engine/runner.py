@@ -49,8 +49,7 @@ class ModelRunner:
         self._cache_sharding = NamedSharding(mesh, P(None, SP, TP))
         params, specs = tensor_parallel.shard_params(params, cfg, tp)
         self.cfg, self.dtype = cfg, dtype
-        self.params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                                                          is_leaf=lambda x: isinstance(x, P)))
+        self.params = jax.device_put(params, tensor_parallel.shardings(mesh, specs))
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
         self.model = Llama(cfg, RaggedPagedBackend(block_size, key_block, kvp), dtype, TP if tp > 1 else None)
         self.caches = self._allocate()
@@ -114,7 +113,8 @@ class ModelRunner:
             idx = np.concatenate([idx, np.full((1 << (len(idx) - 1).bit_length()) - len(idx), idx[-1])])
             picked = rows.select(k_rows, v_rows, idx)
             for j, device in enumerate(self.devices[d * tp:(d + 1) * tp]):
-                heads = tensor_parallel.heads_of(*picked, self.share.kv_start(j), size=self.share.kv_heads)
+                heads = (tensor_parallel.heads_of(*picked, self.share.kv_start(j), size=self.share.kv_heads)
+                         if tp > 1 else picked)  # this device's heads only
                 k_own, v_own = jax.device_put(heads, device)
                 shards[0][device], shards[1][device] = rows.scatter(shards[0][device], shards[1][device], k_own,
                                                                     v_own, local[idx])

@@ -38,7 +38,7 @@ Group = tuple[int, ...]  # instance ids (each instance's first device's id) in r
 
 @dataclasses.dataclass
 class Store:
-    """One device's history buffers and, on the host, the position of each row."""
+    """One instance's history buffers and, on the host, the position of each row."""
 
     k: jax.Array  # [layers, cap, kvh, d] on its instance's devices (split by KV head)
     v: jax.Array
@@ -84,20 +84,18 @@ class SPPrefill:
         self.cap = -(-capacity // key_block) * key_block
         self.instances = {devices[i].id: tuple(devices[i:i + tp]) for i in range(0, len(devices), tp)}
         params, self._specs = tensor_parallel.shard_params(params, cfg, tp)
+        self.share = cfg.split(tp)
         self._params = {}
-        shape = (cfg.num_layers, self.cap, cfg.split(tp).kv_heads * tp, cfg.head_dim)
+        shape = (cfg.num_layers, self.cap, self.share.cache_heads, cfg.head_dim)
         self.stores: dict[int, Store] = {}
         for i, devs in self.instances.items():
             mesh = make_mesh(devs, tp)
-            self._params[i] = jax.device_put(params, self._shardings(mesh))
+            self._params[i] = jax.device_put(params, tensor_parallel.shardings(mesh, self._specs))
             zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, P(None, None, TP)))
             self.stores[i] = Store(zeros(), zeros(), np.full(self.cap, NO_POSITION, np.int32))
         self._steps: dict[tuple[Group, int], Any] = {}
         self._group_params: dict[Group, Any] = {}
         self._meshes: dict[Group, Mesh] = {}
-
-    def _shardings(self, mesh: Mesh) -> Any:
-        return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self._specs, is_leaf=lambda x: isinstance(x, P))
 
     # ---- shapes ---------------------------------------------------------------------------------------------
     def local_bucket(self, sp: int, tokens: int) -> int:
@@ -133,7 +131,7 @@ class SPPrefill:
             self._group_params[group] = jax.tree.map(
                 lambda sharding, *xs: jax.make_array_from_single_device_arrays(
                     xs[0].shape, sharding, [s.data for x in xs for s in x.addressable_shards], dtype=xs[0].dtype),
-                self._shardings(self._mesh(group)), *(self._params[i] for i in group),
+                tensor_parallel.shardings(self._mesh(group), self._specs), *(self._params[i] for i in group),
                 is_leaf=lambda x: isinstance(x, NamedSharding))
         return self._group_params[group]
 
@@ -283,5 +281,5 @@ class SPPrefill:
         """Store rows [at, at + size) of `instance` in the model's head layout (a repeated KV head once)."""
         s = self.stores[instance]
         k, v = rows.take(s.k, s.v, at, size=size)
-        repeat = self.cfg.split(self.tp).kv_repeat
+        repeat = self.share.kv_repeat
         return tensor_parallel.model_heads(k, v, repeat=repeat) if repeat > 1 else (k, v)

@@ -20,6 +20,11 @@ class TPShape:
     kv_repeat: int  # devices sharing each of the model's KV heads
     intermediate: int
 
+    @property
+    def cache_heads(self) -> int:
+        """KV heads of the instance's cache, all devices together (a repeated head once per device)."""
+        return self.kv_heads * self.tp
+
     def kv_start(self, rank):
         """The first of the model's KV heads that device `rank` (an int or a traced index) holds."""
         return rank * self.kv_heads // self.kv_repeat

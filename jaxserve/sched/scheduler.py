@@ -5,10 +5,10 @@ It owns the KV cache (kv_manager.KVCacheManager) and allocates on demand: a chun
 it is planned, a decode one slot per token. When a decode finds no free block, the most recently admitted
 request is preempted: its blocks go back (free but still cached), it re-enters the queue keeping its place, and
 it later recomputes, mostly from prefix-cache hits; likewise when nothing decodes and the blocks are all held by
-half-done prefills, so that the top one could never get its next chunk. A step that preempted admits nothing new. At most
-`max_running` requests hold KV at once (vLLM's max_num_seqs), which bounds the decode batch. A request that ranks
-first but does not fit yet holds back the admission of lower-ranked newcomers, so a large request is not
-overtaken forever by a stream of small ones.
+half-done prefills, so that the top one could never get its next chunk. A step that preempted admits nothing
+new. At most `max_running` requests hold KV at once (vLLM's max_num_seqs), which bounds the decode batch. A
+request that ranks first but does not fit yet holds back the admission of lower-ranked newcomers, so a large
+request is not overtaken forever by a stream of small ones.
 
 Prefill chunks of one request may be in flight together (stream pipeline parallelism: chunk i+1 enters the
 first stage while chunk i is in the second); a decode is planned only once its previous token is back, and a

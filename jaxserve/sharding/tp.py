@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
@@ -46,6 +47,12 @@ def shard_params(params: Any, cfg: LlamaConfig, tp: int) -> tuple[Any, Any]:
     is_pair = lambda p: isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], P)  # noqa: E731
     return (jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
             jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
+
+
+def shardings(mesh: Mesh, specs: Any) -> Any:
+    """shard_params' PartitionSpecs as NamedShardings on `mesh` (what device_put and the assembly of arrays
+    take)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 @functools.partial(jax.jit, static_argnames="size")
