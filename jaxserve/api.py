@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine import profile, scoring
 from jaxserve.cluster import profile as cluster_profile
+from jaxserve.cluster import lockstep
 from jaxserve.cluster.build import Layout, build, warmup
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.engine.batch import Buckets
@@ -67,7 +68,9 @@ def _load(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextToken
     checkpointer = ocp.StandardCheckpointer()
     if (ckpt_dir / "params").exists() and (ckpt_dir / "config.json").exists():
         cfg = LlamaConfig.from_json((ckpt_dir / "config.json").read_text())
-        abstract = jax.eval_shape(lambda: _init_shapes(cfg, _DTYPES[dtype]))
+        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # each process restores its own copy
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here),
+                                jax.eval_shape(lambda: _init_shapes(cfg, _DTYPES[dtype])))
         return cfg, checkpointer.restore(ckpt_dir / "params", abstract), TextTokenizer.load(ckpt_dir)
     if source.is_file():
         cfg, host_params, gguf_file = load_gguf(source)
@@ -144,6 +147,13 @@ class LLM:
         _enable_compilation_cache()
         self.model_name, self._dtype_name = model, dtype
         self.config, params, self.tokenizer = _load(source, dtype)
+        if jax.process_index() != lockstep.LEADER:
+            raise RuntimeError("LLM runs on the leader (process 0); other processes call jaxserve.api.follow")
+        # the device layer: in one process made here; with several, made here and in every follower (lockstep)
+        if jax.process_count() > 1:  # on the host: each process puts its copy on whichever of its devices need it
+            params = jax.tree.map(np.asarray, params)
+        self.lockstep = lockstep.Leader(params) if jax.process_count() > 1 else None
+        self._new = self.lockstep.new if self.lockstep else lambda cls, *args, **kwargs: cls(*args, **kwargs)
         cfg = self.config
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tp must be a positive integer, got {tp!r}")
@@ -181,9 +191,9 @@ class LLM:
         kvp = len(devices) // self._tp
         per_instance = -(-(kv_cache_tokens or self._kv_tokens) // self._block_size) + 1  # + its scratch block
         num_blocks = per_instance * kvp
-        runner = ModelRunner(self.config, self._params, self._dtype, num_blocks=num_blocks,
-                             block_size=self._block_size, buckets=self._buckets, key_block=self._key_block,
-                             devices=devices, tp=self._tp)
+        runner = self._new(ModelRunner, self.config, self._params, self._dtype, num_blocks=num_blocks,
+                           block_size=self._block_size, buckets=self._buckets, key_block=self._key_block,
+                           devices=devices, tp=self._tp)
         runner.warmup(progress)
         if self.cost is None:
             path = (pathlib.Path(self._cost_profile) if self._cost_profile else
@@ -206,9 +216,15 @@ class LLM:
                                              layout.node_size, layout.tp, self.max_model_len, self._key_block))
         cluster = build(self.config, self._params, layout, lambda ds: self.make_engine(ds, progress), path,
                         capacity=self.max_model_len, dtype=self._dtype, min_chunk=min_chunk,
-                        key_block=self._key_block, progress=progress)
+                        key_block=self._key_block, progress=progress, new=self._new)
         warmup(cluster, self.max_model_len, progress)
         return cluster
+
+    def close(self) -> None:
+        """Release the followers (with several processes; they return from `follow`)."""
+        if self.lockstep is not None:
+            self.lockstep.stop()
+            self.lockstep = None
 
     # ---- prompts ------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -313,3 +329,13 @@ class LLM:
         _, ids = self._prompt_ids(prompt)
         ids = self.engine.check_request(ids, SamplingParams())
         return scoring.prompt_logits(self.config, self._params, self._dtype, ids)
+
+
+def follow(model: str = registry.DEFAULT_MODEL, *, dtype: str = "float32") -> None:
+    """A follower's life (jax.distributed, every process but the leader): load the same weights as the leader's
+    LLM, then make the device-layer calls the leader publishes until it stops (cluster/lockstep.py)."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    _enable_compilation_cache()
+    _, params, _ = _load(registry.resolve(model), dtype)
+    lockstep.follow(jax.tree.map(np.asarray, params))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import pathlib
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +15,11 @@ from tqdm.auto import tqdm
 from jaxserve.cluster import profile
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
+from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sp_prefill import SPPrefill
 from jaxserve.sched.cdsp import CDSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
-from jaxserve.sharding import rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +77,7 @@ def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> in
     work = [(g, b) for g in groups for b in sp.buckets(len(g), max_tokens)]
     for g, b in tqdm(work, desc="compile chunk programs", unit="program", disable=not progress):
         sp.program(g, b)
-    pieces = [1 << i for i in range(sp.cap.bit_length()) if 1 << i <= sp.cap]
-    for i, s in tqdm(sp.stores.items(), desc="compile KV moves", unit="instance", disable=not progress):
-        for n in pieces:  # free stores: what these write is never read
-            s.k, s.v = rows.put(s.k, s.v, *rows.take(s.k, s.v, 0, size=n), 0)
-            sp.take(i, 0, n)
+    sp.warmup_moves()
     for d in cluster.decoders:
         d.engine.runner.warmup_land(sp.cap)
         d.engine.runner.warmup(progress)
@@ -92,15 +88,17 @@ def build(cfg, params, layout: Layout, make_engine: Callable[[list[jax.Device]],
           prefill_cost: TetrisPrefill | pathlib.Path, *, capacity: int, dtype=jnp.float32,
           sizes: Sequence[int] | None = None, improvement_rate: float = 0.1, min_chunk: int = 1024,
           dispatch: str = "freeness", key_block: int = 256, min_local: int = 64,
-          devices: Sequence[jax.Device] | None = None, progress: bool = True) -> ClusterEngine:
+          devices: Sequence[jax.Device] | None = None, progress: bool = True,
+          new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
     """prefill_cost: Eq. (1) for the planner, or the file to load it from (measured on this pool and written
     there first if it does not exist). sizes: the SP sizes chunks may use (default: the fitted ones, or the
-    powers of two from a node to the pool when measuring)."""
+    powers of two from a node to the pool when measuring). new: makes the device-layer objects (across
+    processes: lockstep.Leader.new)."""
     devices = list(devices or jax.devices())
     layout.check(len(devices))
     tp, first = layout.tp, layout.prefill_instances * layout.tp
-    sp = SPPrefill(cfg, params, devices[:first], capacity=capacity, dtype=dtype, key_block=key_block,
-                   min_local=min_local, tp=tp)
+    sp = new(SPPrefill, cfg, params, devices[:first], capacity=capacity, dtype=dtype, key_block=key_block,
+             min_local=min_local, tp=tp)
     if isinstance(prefill_cost, pathlib.Path):
         pool = layout.pool
         sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]
@@ -109,6 +107,7 @@ def build(cfg, params, layout: Layout, make_engine: Callable[[list[jax.Device]],
         prefill_cost = profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
     planner = CDSPPlanner(prefill_cost, layout.pool, improvement_rate, sizes=sizes, min_chunk=min_chunk)
     g = layout.decode_kvp * tp
-    decoders = [DecodeInstance(i, make_engine(devices[first + i * g:first + (i + 1) * g]), layout.receive_buffers)
-                for i in range(layout.decode_instances)]
-    return ClusterEngine(sp, planner, decoders, dispatch=dispatch)
+    engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
+    mover = new(KVMover, sp, [e.runner for e in engines])
+    decoders = [DecodeInstance(i, e, layout.receive_buffers, mover) for i, e in enumerate(engines)]
+    return ClusterEngine(sp, planner, decoders, mover, dispatch=dispatch)

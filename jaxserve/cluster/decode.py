@@ -1,6 +1,6 @@
 """A decode instance of the live cluster: the Plan-executing engine on its own device or KV-parallel group of
 devices, with receive buffers for KV arriving from the prefill pool (on the instance's first device; landing
-sends each row on to the device that owns its block), and the load a dispatcher sees (virtual usage: KV promised
+sends each row on to the device that owns its block; the data moves through the KVMover), and the load a dispatcher sees (virtual usage: KV promised
 to requests on their way, sized by the predicted decode length)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxserve.cluster.transfer import ReceiveBuffers, Transfer, Transport
+from jaxserve.cluster.transfer import KVMover, ReceiveBuffers, Transfer
 from jaxserve.engine.engine import Engine
 from jaxserve.sched.decode_dispatch import DecodeLoad
 
@@ -24,8 +24,9 @@ class _Incoming:
 
 
 class DecodeInstance:
-    def __init__(self, index: int, engine: Engine, receive_buffers: int):
-        self.index, self.engine, self.device = index, engine, engine.runner.device
+    def __init__(self, index: int, engine: Engine, receive_buffers: int, mover: KVMover):
+        """index: this instance's runner in the mover."""
+        self.index, self.engine, self.mover = index, engine, mover
         self.buffers = ReceiveBuffers(receive_buffers)
         self.incoming: dict[str, _Incoming] = {}  # dispatched here, not yet decoding
         self.heavy: dict[str, bool] = {}  # every request dispatched here and not finished: is it a heavy decode?
@@ -42,14 +43,15 @@ class DecodeInstance:
                           len(self.engine.scheduler.running) + sum(not r.reserved for r in self.incoming.values()),
                           heavy, len(self.heavy) - heavy)
 
-    def pump(self, transport: Transport, clock: Callable[[], float]) -> list[Transfer]:
+    def pump(self, clock: Callable[[], float]) -> list[Transfer]:
         """Send waiting transfers into free buffers and land the held ones whose request has its blocks (in
         order; a request without room keeps its buffer). Returns the transfers that landed."""
-        self.buffers.send(transport, self.device, clock)
+        self.buffers.send(self.mover, self.index, clock)
         landed = []
         for t in list(self.buffers.held):
             inc = self.incoming.get(t.request_id)
             if inc is None:  # finished by its first token, or aborted
+                self.mover.drop(t.key)
                 self.buffers.release(t)
                 continue
             if not inc.reserved:
@@ -58,13 +60,12 @@ class DecodeInstance:
                 inc.reserved = True
             table = np.asarray(self.engine.block_table(t.request_id))
             bs = self.engine.kv.block_size
-            for k, v, pos in t.pieces:
-                self.engine.runner.land(k, v, table[pos // bs] * bs + pos % bs)
+            self.mover.land(t.key, self.index, [table[pos // bs] * bs + pos % bs for pos in t.positions])
             inc.landed_last |= t.last
-            t.landed, t.pieces = clock(), []
+            t.landed = clock()
             self.buffers.release(t)
             landed.append(t)
-        self.buffers.send(transport, self.device, clock)
+        self.buffers.send(self.mover, self.index, clock)
         return landed
 
     def ready(self, request_id: str) -> bool:
@@ -79,4 +80,4 @@ class DecodeInstance:
         """The request ended (finished, failed or aborted): nothing of it stays here."""
         self.incoming.pop(request_id, None)
         self.heavy.pop(request_id, None)
-        self.buffers.drop(request_id)
+        self.buffers.drop(request_id, self.mover)

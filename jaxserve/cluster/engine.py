@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxserve.cluster.decode import DecodeInstance
-from jaxserve.cluster.transfer import LocalTransport, Transfer, Transport
+from jaxserve.cluster.transfer import KVMover, Transfer
 from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.engine.sp_prefill import ChunkRun, SPPrefill
@@ -88,9 +88,9 @@ class _Running:
 
 
 class ClusterEngine:
-    def __init__(self, prefill: SPPrefill, planner: Planner, decoders: Sequence[DecodeInstance], *,
+    def __init__(self, prefill: SPPrefill, planner: Planner, decoders: Sequence[DecodeInstance], mover: KVMover, *,
                  dispatch: str = "freeness", predictor: LengthPredictor | None = None,
-                 transport: Transport | None = None, clock: Callable[[], float] = time.monotonic, seed: int = 0):
+                 clock: Callable[[], float] = time.monotonic, seed: int = 0):
         if dispatch not in ("freeness", "power_of_two"):
             raise ValueError(f"dispatch must be freeness or power_of_two, got {dispatch!r}")
         cdsp = getattr(planner, "planner", planner)  # AdaptiveCDSP wraps a CDSPPlanner
@@ -100,7 +100,7 @@ class ClusterEngine:
             raise ValueError(f"the planner's pool has {self.pool.size} instances; the prefill pool "
                              f"{len(self.pool_ids)}")
         self.prefill, self.planner, self.decoders = prefill, planner, list(decoders)
-        self.dispatch, self.transport, self.clock = dispatch, transport or LocalTransport(), clock
+        self.dispatch, self.mover, self.clock = dispatch, mover, clock
         self.predictor = predictor or ObservedLengths()
         first = self.decoders[0].engine
         self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
@@ -207,7 +207,7 @@ class ClusterEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._run_chunks()  # counted there
         for i, d in enumerate(self.decoders):
-            for t in d.pump(self.transport, self.clock):
+            for t in d.pump(self.clock):
                 self.transfers.append((i, t))
             for rid in [rid for rid in d.incoming if d.ready(rid) and rid not in self._prefills]:
                 d.admit(rid)
@@ -298,9 +298,8 @@ class ClusterEngine:
             self.free_at[idx] = np.maximum(self.free_at[idx] + (end - predicted_end), end)
             p.done += 1
             last = p.done == len(p.chunks)
-            pieces = [piece for instance, (lo, hi) in f.run.written.items()
-                      for piece in self.prefill.rows_of(instance, lo, hi)]
-            p.decoder.buffers.offer(Transfer(p.request_id, p.done - 1, last, pieces, end))
+            positions = self.mover.stage((p.request_id, p.done - 1), f.run.written)
+            p.decoder.buffers.offer(Transfer(p.request_id, p.done - 1, last, positions, end))
             if last:
                 del self._prefills[p.request_id]
                 self.prefill.release(p.request_id)

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
@@ -28,7 +28,7 @@ from jaxserve.engine.kv_cache import RaggedPagedBackend, allocate_caches
 from jaxserve.engine.sampling import sample
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
-from jaxserve.sharding import rows, tp as tensor_parallel
+from jaxserve.sharding import processes, rows, tp as tensor_parallel
 from jaxserve.sharding.mesh import SP, TP, make_mesh
 
 
@@ -79,7 +79,7 @@ class ModelRunner:
     def execute_arrays(self, arrays: batch.StepArrays) -> np.ndarray:
         """Run a packed step; the sampled token of every row of its bucket, padding included."""
         tokens, self.caches = self._step(self.params, self.caches, arrays)
-        return np.asarray(tokens)
+        return processes.read(tokens)
 
     def warmup_land(self, max_rows: int) -> None:
         """Compile what `land` runs for pieces of up to max_rows rows (powers of two, as rows.pieces cuts them),
@@ -88,8 +88,8 @@ class ModelRunner:
         sizes = [1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows]
         kvp, bs = len(self.devices) // self.tp, self.block_size
         for n in sizes:
-            k = jax.device_put(jnp.zeros((self.cfg.num_layers, n, self.cfg.num_kv_heads, self.cfg.head_dim),
-                                         self.dtype), self.device)
+            k = jax.device_put(np.zeros((self.cfg.num_layers, n, self.cfg.num_kv_heads, self.cfg.head_dim),
+                                        self.dtype), self.device)
             splits = [(d, n) for d in range(kvp)] + [(i % kvp, m) for i, m in enumerate(sizes) if m < n and kvp > 1]
             for d, m in splits:  # m rows to rank d's scratch block (global block d), the rest to the next's
                 self.land(k, k, np.where(np.arange(n) < m, d, (d + 1) % kvp) * bs)
@@ -115,11 +115,13 @@ class ModelRunner:
             for j, device in enumerate(self.devices[d * tp:(d + 1) * tp]):
                 heads = (tensor_parallel.heads_of(*picked, self.share.kv_start(j), size=self.share.kv_heads)
                          if tp > 1 else picked)  # this device's heads only
-                k_own, v_own = jax.device_put(heads, device)
-                shards[0][device], shards[1][device] = rows.scatter(shards[0][device], shards[1][device], k_own,
-                                                                    v_own, local[idx])
+                k_own, v_own = (processes.move(x, SingleDeviceSharding(device)) for x in heads)
+                if processes.is_local(device):
+                    shards[0][device], shards[1][device] = rows.scatter(shards[0][device], shards[1][device], k_own,
+                                                                        v_own, local[idx])
         self.caches = tuple(jax.make_array_from_single_device_arrays(c.shape, self._cache_sharding,
-                                                                     [s[d] for d in self.devices])
+                                                                     [s[d] for d in self.devices if d in s],
+                                                                     dtype=c.dtype)
                             for c, s in zip(self.caches, shards))
 
     @property

@@ -29,7 +29,7 @@ from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
 from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.pallas_kernels.reference import NO_POSITION
-from jaxserve.sharding import layouts, rebalance, rows, tp as tensor_parallel
+from jaxserve.sharding import layouts, processes, rebalance, rows, tp as tensor_parallel
 from jaxserve.sharding.mesh import SP, TP, make_mesh
 from jaxserve.sharding.ring import StoreRingBackend
 
@@ -54,16 +54,15 @@ class Store:
 class ChunkRun:
     """A dispatched chunk: its sampled token (fetch when needed) and the store rows it wrote on each device."""
 
-    tokens: jax.Array  # [p]: each device's draw; the one at `owner` is the chunk's last token's
-    owner: int
+    sampled: processes.Later  # the draw of the device holding the chunk's last token
     written: dict[int, tuple[int, int]]  # instance id -> [lo, hi) rows
 
     def ready(self) -> bool:
         """The chunk has finished on its devices (token() would not wait)."""
-        return self.tokens.is_ready()
+        return self.sampled.ready()
 
     def token(self) -> int:
-        return int(np.asarray(self.tokens)[self.owner])
+        return int(self.sampled.value())
 
 
 def next_power_of_two(n: int) -> int:
@@ -161,7 +160,17 @@ class SPPrefill:
         args = (sharded((t,), i32),) * 3 + (sharded((p * self.cap,), i32),) + (sharded((p,), i32),) * 3 + (
             sharded((p,), f32), sharded((p,), i32), sharded((p,), f32), sharded((p,), jnp.uint32),
             sharded((p,), i32), sharded(store, self.dtype, kv), sharded(store, self.dtype, kv))
+        if not processes.local_devices(mesh.devices.flat):
+            return step  # another host's group: JAX skips its calls here (nothing to compile)
         return step.lower(self._mesh_params(group), *args).compile()
+
+    def warmup_moves(self) -> None:
+        """Compile the row take and put programs of every piece size on every instance (the stores must be free:
+        what these write is never read)."""
+        for i, s in self.stores.items():
+            for n in (1 << j for j in range(self.cap.bit_length()) if 1 << j <= self.cap):
+                s.k, s.v = rows.put(s.k, s.v, *rows.take(s.k, s.v, 0, size=n), 0)
+                self.take(i, 0, n)
 
     # ---- chunks ---------------------------------------------------------------------------------------------
     def claim(self, request_id: str, group: Group) -> None:
@@ -229,7 +238,7 @@ class SPPrefill:
             s.pos[s.fill:s.fill + local] = k_pos[j * local:(j + 1) * local]
             written[i] = (s.fill, s.fill + local)
             s.fill += local
-        return ChunkRun(out, owner, written)
+        return ChunkRun(processes.read_later(out, owner), written)
 
     # ---- moving history -------------------------------------------------------------------------------------
     def rebalance(self, request_id: str, group: Group) -> int:
@@ -262,7 +271,8 @@ class SPPrefill:
     def _move(self, src: Store, dst: Store, lo: int, hi: int) -> None:
         for at, size in rows.pieces(lo, hi):
             k, v = rows.take(src.k, src.v, at, size=size)
-            dst.k, dst.v = rows.put(dst.k, dst.v, *jax.device_put((k, v), dst.k.sharding), dst.fill)
+            k, v = processes.move(k, dst.k.sharding), processes.move(v, dst.v.sharding)
+            dst.k, dst.v = rows.put(dst.k, dst.v, k, v, dst.fill)
             dst.pos[dst.fill:dst.fill + size] = src.pos[at:at + size]
             dst.fill += size
 

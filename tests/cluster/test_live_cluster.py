@@ -14,6 +14,7 @@ import jaxserve
 from conftest import MAX_MODEL_LEN, busy, make_cluster, run
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
+from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.sched.cost_models import TetrisPrefill
 
@@ -57,6 +58,12 @@ def test_prefill_over_growing_groups_then_decode_elsewhere_equals_one_device(clu
     assert prefill_over_2_4_8(cluster, ids) == want
 
 
+def one_decoder(cluster, engine, receive_buffers: int) -> ClusterEngine:
+    """The cluster's prefill pool and planner with `engine` as its one decode instance."""
+    mover = KVMover(cluster.prefill, [engine.runner])
+    return ClusterEngine(cluster.prefill, cluster.planner, [DecodeInstance(0, engine, receive_buffers, mover)], mover)
+
+
 @pytest.mark.parametrize("kvp", [2, 4])
 def test_kv_parallel_decode_group_equals_one_device(llm, devices, cluster, long_prompt, kvp):
     """The same prompt decoded on a KV-parallel group whose devices each hold less KV than its context: the
@@ -65,7 +72,7 @@ def test_kv_parallel_decode_group_equals_one_device(llm, devices, cluster, long_
     per_device = MAX_MODEL_LEN // kvp
     assert per_device < len(ids)
     engine = llm.make_engine(devices[8:8 + kvp], progress=False, kv_cache_tokens=per_device)
-    group = ClusterEngine(cluster.prefill, cluster.planner, [DecodeInstance(0, engine, receive_buffers=4)])
+    group = one_decoder(cluster, engine, receive_buffers=4)
     assert prefill_over_2_4_8(group, ids) == want
     held = [np.count_nonzero(np.asarray(s.data).any(axis=(0, 2, 3))) for s in engine.runner.caches[0].addressable_shards]
     assert len(held) == kvp and min(held) >= len(ids) // kvp - 16  # about a 1/kvp share each
@@ -75,8 +82,8 @@ def test_one_receive_buffer_sends_transfers_one_after_the_other(llm, cluster):
     """Tetris's handshake with one receive buffer: while the decode instance has no blocks free, the first
     finished prefill's transfer holds the buffer (it cannot land) and the second's waits unsent; once blocks free,
     the first lands, then the second is sent and lands, and neither request decodes before its KV has landed."""
-    decoder = DecodeInstance(0, cluster.decoders[0].engine, receive_buffers=1)
-    one = ClusterEngine(cluster.prefill, cluster.planner, [decoder])
+    one = one_decoder(cluster, cluster.decoders[0].engine, receive_buffers=1)
+    decoder = one.decoders[0]
     engine = decoder.engine
     for i in range(2):  # 2 x 4,000 of the 8,192 KV slots: too few left for a 300-token prompt
         engine.expect(prompt(llm, 4000, 10 + i), SamplingParams(max_tokens=1), f"hold-{i}")
