@@ -90,6 +90,14 @@ flags.DEFINE_integer("receive_buffers", 4, "serve/generate: KV transfers a decod
 flags.DEFINE_integer("min_chunk", 1024, "serve/generate: the smallest CDSP chunk, tokens.")
 flags.DEFINE_string("prefill_profile", None, "serve/generate: the prefill pool's Eq. (1) profile to load, or to "
                     "measure and write (default: measured at first start, cached per device, model and pool).")
+flags.DEFINE_string("coordinator_address", None, "serve/generate across processes (jax.distributed): HOST:PORT of "
+                    "process 0, which runs the servers and the scheduler; the others replay its device calls.")
+flags.DEFINE_integer("num_processes", None, "serve/generate across processes: how many (with --coordinator_address).")
+flags.DEFINE_integer("process_id", None, "serve/generate across processes: this one's rank, 0 to --num_processes - 1.")
+flags.DEFINE_bool("distributed", False, "serve/generate across processes, the cluster (e.g. SLURM) detected by "
+                  "jax.distributed instead of --coordinator_address/--num_processes/--process_id.")
+flags.DEFINE_integer("heartbeat_timeout", 10, "serve/generate across processes: seconds without a heartbeat after "
+                     "which a process counts as dead and the job ends.")
 flags.DEFINE_float("long_fraction", 0.05, "simulate: share of long requests in --trace=mix.")
 flags.DEFINE_enum("arrival", "poisson", ["poisson", "gamma"], "simulate: arrival process of --trace=mix.")
 flags.DEFINE_float("cv", 1.0, "simulate: coefficient of variation of gamma inter-arrival times (1 = Poisson).")
@@ -125,16 +133,37 @@ def _engine_flags() -> dict:
                 min_chunk=FLAGS.min_chunk, prefill_profile=FLAGS.prefill_profile)
 
 
+def _join() -> bool:
+    """Join the other processes when asked to (jax.distributed). True in a follower, which then replays the
+    leader's device calls until the leader stops: its whole part in `serve` or `generate`."""
+    if not (FLAGS.coordinator_address or FLAGS.distributed):
+        return False
+    import jax
+
+    from jaxserve import api
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts (GPUs use NCCL)
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                               heartbeat_timeout_seconds=FLAGS.heartbeat_timeout)
+    if jax.process_index() == 0:
+        return False
+    api.follow(FLAGS.model, dtype=FLAGS.dtype)
+    return True
+
+
 def _generate() -> None:
     import jaxserve
 
     params = jaxserve.SamplingParams(**_sampling_flags())
+    if _join():
+        return
     llm = jaxserve.LLM(FLAGS.model, **_engine_flags())
     prompt = llm.chat_prompt([{"role": "user", "content": FLAGS.prompt}]) if FLAGS.chat else FLAGS.prompt
     for out in llm.stream(prompt, params):
         sys.stdout.write(out.new_text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    llm.close()
 
 
 def _api_key() -> str | None:
@@ -147,6 +176,8 @@ def _serve() -> None:
     import jaxserve
     from jaxserve.server.launch import Server
 
+    if _join():
+        return
     llm = jaxserve.LLM(FLAGS.model, kv_cache_gib=FLAGS.kv_cache_gib, max_num_seqs=FLAGS.max_num_seqs,
                        **_engine_flags())
     server = Server(llm, host=FLAGS.host, grpc_port=FLAGS.grpc_port, http_port=FLAGS.http_port,
@@ -154,7 +185,10 @@ def _serve() -> None:
                     max_queue=FLAGS.max_queue, drain_timeout=FLAGS.drain_timeout,
                     max_body_bytes=FLAGS.max_request_bytes, read_timeout=FLAGS.request_read_timeout,
                     stall_timeout=FLAGS.stall_timeout)
-    asyncio.run(server.serve_until_signalled())
+    try:
+        asyncio.run(server.serve_until_signalled())
+    finally:
+        llm.close()
 
 
 def _client() -> None:
