@@ -220,6 +220,10 @@ class LLM:
         warmup(cluster, self.max_model_len, progress)
         return cluster
 
+    def lost(self, timeout: float) -> str | None:
+        """Why a follower process counts as gone (no heartbeat for `timeout` seconds), or None."""
+        return self.lockstep.lost(timeout) if self.lockstep is not None else None
+
     def close(self) -> None:
         """Release the followers (with several processes; they return from `follow`)."""
         if self.lockstep is not None:

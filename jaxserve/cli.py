@@ -143,6 +143,8 @@ def _join() -> bool:
     from jaxserve import api
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts (GPUs use NCCL)
+    jax.config.update("jax_enable_recoverability", True)  # a dead follower must not kill the leader: it ends
+    # its requests with UNAVAILABLE first (--heartbeat_timeout)
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                heartbeat_timeout_seconds=FLAGS.heartbeat_timeout)
     if jax.process_index() == 0:
@@ -184,11 +186,15 @@ def _serve() -> None:
                     model_name=FLAGS.served_model_name, api_key=_api_key(),
                     max_queue=FLAGS.max_queue, drain_timeout=FLAGS.drain_timeout,
                     max_body_bytes=FLAGS.max_request_bytes, read_timeout=FLAGS.request_read_timeout,
-                    stall_timeout=FLAGS.stall_timeout)
+                    stall_timeout=FLAGS.stall_timeout, heartbeat_timeout=FLAGS.heartbeat_timeout)
     try:
         asyncio.run(server.serve_until_signalled())
     finally:
         llm.close()
+    if server.engine.lost:  # a step may be stuck waiting for the lost process, and jax.distributed's exit too
+        sys.stderr.write(f"error: {server.engine.lost}\n")
+        sys.stderr.flush()
+        os._exit(3)
 
 
 def _client() -> None:

@@ -7,9 +7,19 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
+import time
+
+import numpy as np
+import openai
+import pytest
+import urllib.request
+
+import jaxserve
+from jaxserve.engine.sampling import SamplingParams
 
 HERE = pathlib.Path(__file__).parent / "multihost"
 TIMEOUT_S = 900
@@ -25,7 +35,7 @@ def start(args: list[str], process_id: int, log: pathlib.Path) -> subprocess.Pop
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     # jax.distributed catches SIGTERM: `timeout -k` ends a stuck process for sure
     return subprocess.Popen(["timeout", "-k", "10", str(TIMEOUT_S), sys.executable, *args], env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def test_prefill_spanning_two_processes_then_decode_on_the_other_equals_one_device(tmp_path):
@@ -40,3 +50,56 @@ def test_prefill_spanning_two_processes_then_decode_on_the_other_equals_one_devi
     long_chunks = [c["processes"] for c in result["chunks"] if c["request"] == 0]
     assert [0, 1] in long_chunks, result["chunks"]  # a chunk ran on devices of both processes
     assert result["decode_processes"] == [[1], [1]]  # every decode instance is on process 1
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: pathlib.Path, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:  # not listening yet, or 503 (urllib.error.HTTPError)
+            pass
+        time.sleep(1)
+    raise AssertionError(f"not healthy within {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+def test_server_across_two_processes_answers_openai_then_ends_requests_when_a_follower_is_killed(tmp_path):
+    """`serve` on two processes: the leader's pool prefills, the follower's devices decode. The openai client
+    gets the single-device engine's greedy text; then the follower is SIGKILLed mid-stream: the stream ends with
+    an error, and the leader stops (exit 3) within its heartbeat timeout, nothing left hanging."""
+    port, http = free_port(), free_port()
+    flags = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--max_model_len=1024",
+             "--kv_cache_gib=0.25", "--max_num_seqs=4", "--max_num_batched_tokens=256", "--prefill_instances=4",
+             "--node_size=2", "--decode_instances=2", "--min_chunk=256", "--grpc_port=0", f"--http_port={http}",
+             "--heartbeat_timeout=5"]
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    procs = [start(["-m", "jaxserve", "serve", *flags, f"--process_id={i}"], i, logs[i]) for i in range(2)]
+    try:
+        wait_healthy(f"http://127.0.0.1:{http}/health", procs[0], logs[0], TIMEOUT_S)
+        words = np.random.default_rng(1).choice(["river", "stone", "light", "cloud", "seven", "green"], 400)
+        prompt = " ".join(words)
+        llm = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
+                           progress=False)
+        want = llm.generate(prompt, SamplingParams(max_tokens=8))[0].text
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=0)
+        got = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=8, temperature=0)
+        assert got.choices[0].text == want
+
+        stream = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=500,
+                                           temperature=0, stream=True)
+        next(iter(stream))  # decoding on the follower's devices
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        assert procs[0].wait(60) == 3, logs[0].read_text()[-4000:]
+        assert time.monotonic() - killed < 60
+        assert "stopped answering" in logs[0].read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import itertools
 import pickle
+import threading
 import time
 from typing import Any, Callable
 
@@ -28,6 +29,7 @@ from jaxserve.sharding.processes import LEADER, ProcessLost
 PREFIX = "jaxserve/op/"
 POLL_MS = 1000  # a follower waits this long per try for the next call
 COLLECT_EVERY = 256  # calls between sweeps of the ones every follower has made
+HEARTBEAT_S = 1.0  # a follower reports it is alive this often (from a thread: also while in a long program)
 
 
 class _Pickler(pickle.Pickler):
@@ -78,6 +80,23 @@ class Leader:
         self._swept = 0
         self.published = 0  # calls so far
         self.publish_seconds = 0.0  # spent publishing them
+        self._beats: dict[str, tuple[bytes, float]] = {}  # follower -> (its last heartbeat, when it changed)
+
+    def lost(self, timeout: float) -> str | None:
+        """Why a follower counts as gone (its heartbeat unchanged for `timeout` seconds, by this process's clock),
+        or None. A follower that has not beaten yet is still starting."""
+        now = time.monotonic()
+        try:
+            beats = dict(_client().key_value_dir_get_bytes("jaxserve/alive/"))
+        except Exception as e:  # noqa: BLE001
+            return f"the coordination service does not answer: {e}"
+        for key, beat in beats.items():
+            last, since = self._beats.get(key, (None, now))
+            if beat != last:
+                self._beats[key] = (beat, now)
+            elif now - since > timeout:
+                return f"process {key.rsplit('/', 1)[-1]} stopped answering ({now - since:.0f} s without a heartbeat)"
+        return None
 
     def new(self, cls: Callable, *args, **kwargs) -> Any:
         """cls(*args, **kwargs) here and in every follower; its method calls are published from now on."""
@@ -149,6 +168,7 @@ def follow(params: Any) -> None:
     ProcessLost when the leader is gone."""
     objects: dict[str, Any] = {}
     client, me = _client(), jax.process_index()
+    threading.Thread(target=_beat, args=(client, me), daemon=True, name="jaxserve-heartbeat").start()
     for n in itertools.count():
         raw = None
         while raw is None:
@@ -168,3 +188,12 @@ def follow(params: Any) -> None:
             getattr(objects[name], attr)(*args, **kwargs)
         if n % 16 == 15:
             client.key_value_set(f"jaxserve/done/{me}", str(n + 1), allow_overwrite=True)
+
+
+def _beat(client, me: int) -> None:
+    for n in itertools.count():
+        try:
+            client.key_value_set_bytes(f"jaxserve/alive/{me}", str(n).encode(), allow_overwrite=True)
+        except Exception:  # noqa: BLE001 (the leader is gone: follow() finds out)
+            return
+        time.sleep(HEARTBEAT_S)

@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 
@@ -39,6 +39,10 @@ NOT_ACCEPTING = "the server is shutting down and accepts no new requests"
 class EngineFailed(Exception):
     """An engine step raised, or one request's part of it could not run; those requests were ended (the others
     go on)."""
+
+
+class ProcessGone(Exception):
+    """A process of a multi-process cluster is gone: no request can finish (the server stops)."""
 
 
 def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
@@ -128,12 +132,15 @@ class AsyncEngine:
     (max_num_seqs) plus `max_queue` waiting requests; beyond that `submit` raises QueueFull."""
 
     def __init__(self, engine: Engine, *, max_queue: int, metrics: ServerMetrics | None = None,
-                 stall_timeout: float = 60.0):
+                 stall_timeout: float = 60.0, lost: Callable[[], str | None] = lambda: None):
         """stall_timeout: seconds the engine thread may go without coming round its loop while requests are
-        open before health says it is stalled (a watchdog: one step or one request's work stuck for everyone)."""
+        open before health says it is stalled (a watchdog: one step or one request's work stuck for everyone).
+        lost: why a process the engine needs is gone, or None (LLM.lost; checked from the event loop, which a
+        step stuck waiting for that process cannot hold up)."""
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.stall_timeout = stall_timeout
+        self._lost, self.lost = lost, None  # lost: the reason, once a process is gone
         # What health reads, written by the engine thread only between steps: reading the engine itself from
         # another thread would see a step's donated cache buffers as deleted while it runs.
         self._alive_at = time.monotonic()  # when the engine thread last came round its loop
@@ -206,7 +213,16 @@ class AsyncEngine:
     def healthy(self) -> bool:
         """The engine can step and is stepping: false while a failed step's cache could not be rebuilt, or
         while the engine is stalled."""
-        return self._can_step and not self.stalled
+        return self._can_step and not self.stalled and self.lost is None
+
+    def check_lost(self) -> str | None:
+        """Whether a process is gone (event-loop side); the first time, every open request ends with
+        ProcessGone and no more are accepted. Returns the reason."""
+        if self.lost is None and (reason := self._lost()) is not None:
+            self.lost, self.accepting = reason, False
+            self.closing.set()
+            self.abort_all(ProcessGone(f"the server lost a process of its cluster: {reason}"))
+        return self.lost
 
     # ---- requests (event-loop side) -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, ttft_slo: float | None = None) -> RequestStream:

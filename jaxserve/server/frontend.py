@@ -10,7 +10,8 @@ import hmac
 from typing import Any, Sequence
 
 from jaxserve.engine.sampling import SamplingParams, excerpt
-from jaxserve.server.async_engine import AsyncEngine, EngineFailed, QueueFull, RequestStream, ShuttingDown, \
+from jaxserve.server.async_engine import AsyncEngine, EngineFailed, ProcessGone, QueueFull, RequestStream, \
+    ShuttingDown, \
     fit_max_tokens
 
 
@@ -47,6 +48,7 @@ _REFUSALS: dict[type[Exception], Refusal] = {
     QueueFull: Refusal(429, "rate_limit_error", "RESOURCE_EXHAUSTED", "queue_full"),
     ShuttingDown: Refusal(503, "service_unavailable", "UNAVAILABLE", "shutting_down"),
     EngineFailed: Refusal(500, "server_error", "INTERNAL", "engine_failed"),
+    ProcessGone: Refusal(503, "service_unavailable", "UNAVAILABLE", "process_lost"),
 }
 REFUSED = tuple(_REFUSALS)  # the exceptions a handler turns into an error reply
 

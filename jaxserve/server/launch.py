@@ -44,15 +44,18 @@ class Server:
     def __init__(self, llm: Any, *, host: str = "127.0.0.1", grpc_port: int = 50051, http_port: int = 8000,
                  model_name: str | None = None, api_key: str | None = None, max_queue: int = 256,
                  drain_timeout: float = 30.0, max_body_bytes: int = 32 << 20, read_timeout: float = 30.0,
-                 stall_timeout: float = 60.0):
+                 stall_timeout: float = 60.0, heartbeat_timeout: float = 10.0):
         """llm: a jaxserve.LLM, from then on driven by this server only. Port 0 picks a free port.
         max_body_bytes, read_timeout: the HTTP body limit, and the seconds allowed for a request's headers and
         between pieces of its body;
-        stall_timeout: seconds without engine progress, with requests open, before health says NOT_SERVING."""
+        stall_timeout: seconds without engine progress, with requests open, before health says NOT_SERVING;
+        heartbeat_timeout: across processes, seconds without a follower's heartbeat before it counts as gone
+        (its requests end UNAVAILABLE, health says NOT_SERVING, and the server stops)."""
         self.host = host
         self._http_limits = {"max_body_bytes": max_body_bytes, "read_timeout": read_timeout}
         self.drain_timeout = drain_timeout
-        self.engine = AsyncEngine(llm.engine, max_queue=max_queue, stall_timeout=stall_timeout)
+        self.engine = AsyncEngine(llm.engine, max_queue=max_queue, stall_timeout=stall_timeout,
+                                  lost=lambda: llm.lost(heartbeat_timeout))
         self.frontend = Frontend(llm, self.engine, model_name=model_name or llm.model_name, api_key=api_key)
         self._grpc_port, self._http_port = grpc_port, http_port
         self.grpc_port = self.http_port = None  # the bound ports, once started
@@ -86,6 +89,11 @@ class Server:
         a stuck engine thread cannot hold up; draining keeps NOT_SERVING."""
         reported = self.engine.healthy
         while self.engine.accepting:
+            if self.engine.check_lost():
+                logging.error("%s: ending every request and stopping", self.engine.lost)
+                await set_serving(self._health, False)
+                self.request_stop()
+                return
             healthy = self.engine.healthy
             if healthy != reported:
                 if not healthy:
