@@ -178,6 +178,8 @@ class LLM:
                                                     decode_kvp, tp), min_chunk, prefill_profile, progress)
         else:
             self.engine = self.make_engine(progress=progress)
+        if self.lockstep is not None:  # ready when every process is (followers compile their devices' programs)
+            self.lockstep.sync()
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
 
     def make_engine(self, devices: Sequence[jax.Device] | None = None, progress: bool = True,

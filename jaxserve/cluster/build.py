@@ -71,13 +71,14 @@ def planner_groups(pool: Pool, sizes: Sequence[int]) -> list[tuple[int, ...]]:
 
 def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> int:
     """Compile every chunk program (planner group x local bucket), every KV-move and KV-export piece program on
-    every instance, and every decode instance's step programs. Returns the number of chunk programs."""
+    every instance, every prefill-to-decode instance transfer, and every decode instance's step programs. Returns the number of chunk programs."""
     sp = cluster.prefill
     groups = [tuple(cluster.pool_ids[i] for i in g) for g in planner_groups(cluster.pool, cluster.sizes)]
     work = [(g, b) for g in groups for b in sp.buckets(len(g), max_tokens)]
     for g, b in tqdm(work, desc="compile chunk programs", unit="program", disable=not progress):
         sp.program(g, b)
     sp.warmup_moves()
+    cluster.mover.warmup()
     for d in cluster.decoders:
         d.engine.runner.warmup_land(sp.cap)
         d.engine.runner.warmup(progress)

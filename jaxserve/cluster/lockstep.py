@@ -24,12 +24,13 @@ from typing import Any, Callable
 
 import jax
 
-from jaxserve.sharding.processes import LEADER, ProcessLost
+from jaxserve.sharding.processes import LEADER, ProcessLost, coordination_client as _client
 
 PREFIX = "jaxserve/op/"
 POLL_MS = 1000  # a follower waits this long per try for the next call
 COLLECT_EVERY = 256  # calls between sweeps of the ones every follower has made
 HEARTBEAT_S = 1.0  # a follower reports it is alive this often (from a thread: also while in a long program)
+SYNC_HEARTBEAT_S = 60.0  # a follower silent this long while the leader waits for it in sync() is gone
 
 
 class _Pickler(pickle.Pickler):
@@ -66,20 +67,16 @@ class _Unpickler(pickle.Unpickler):
         return self._objects[rest[0]]
 
 
-def _client():
-    from jax._src import distributed  # the coordination service's key-value store (private; as jax-llm-examples)
-    return distributed.global_state.client
-
-
 class Leader:
     """Publishes the device-layer calls of process 0 (created by `new`) in order."""
 
     def __init__(self, params: Any):
         self._params, self._names = params, {}
-        self._seq = itertools.count()
+        self._seq, self._syncs = itertools.count(), itertools.count()
         self._swept = 0
         self.published = 0  # calls so far
         self.publish_seconds = 0.0  # spent publishing them
+        self.published_bytes = 0  # their size, pickled
         self._beats: dict[str, tuple[bytes, float]] = {}  # follower -> (its last heartbeat, when it changed)
 
     def lost(self, timeout: float) -> str | None:
@@ -110,6 +107,25 @@ class Leader:
         """Followers leave their loop."""
         self._publish(("stop",))
 
+    def sync(self, heartbeat_timeout: float = SYNC_HEARTBEAT_S) -> None:
+        """Wait until every follower has made every call so far. The leader runs ahead of followers whose
+        devices have programs it skips (it compiles and waits on none of them), which matters where both must
+        meet within a deadline: a first collective between two processes sets up its communicator within 30 s.
+        Call it after warming up. Raises ProcessLost if a follower stops beating meanwhile."""
+        n = next(self._syncs)
+        self._publish(("sync", n))
+        client = _client()
+        for rank in range(1, jax.process_count()):
+            key = f"jaxserve/synced/{rank}/{n}"
+            while True:
+                try:
+                    client.blocking_key_value_get(key, POLL_MS)
+                    break
+                except Exception as e:  # noqa: BLE001 (DEADLINE_EXCEEDED: not there yet)
+                    if (why := self.lost(heartbeat_timeout)) is not None:
+                        raise ProcessLost(why) from e
+            client.key_value_delete(key)
+
     def _publish(self, op: tuple) -> None:
         start = time.perf_counter()
         buf = io.BytesIO()
@@ -119,6 +135,7 @@ class Leader:
         if n and n % COLLECT_EVERY == 0:
             self._sweep(n)
         self.published += 1
+        self.published_bytes += buf.tell()
         self.publish_seconds += time.perf_counter() - start
 
     def _sweep(self, n: int) -> None:
@@ -180,7 +197,9 @@ def follow(params: Any) -> None:
         op = _Unpickler(io.BytesIO(raw), params, objects).load()
         if op[0] == "stop":
             return
-        if op[0] == "new":
+        if op[0] == "sync":
+            client.key_value_set(f"jaxserve/synced/{me}/{op[1]}", "1")
+        elif op[0] == "new":
             _, name, cls, args, kwargs = op
             objects[name] = cls(*args, **kwargs)
         else:

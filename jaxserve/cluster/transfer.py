@@ -47,12 +47,24 @@ class KVMover:
 
     def send(self, key: Key, decoder: int) -> None:
         """The staged pieces onto the decode instance's first device (asynchronously: their use is ordered
-        after the copy). A tensor-parallel instance's pieces are gathered on its first device first."""
+        after the copy)."""
+        self._pieces[key] = self._onto(self._pieces[key], decoder)
+
+    def warmup(self) -> None:
+        """Send a one-row piece from every prefill instance to every decode instance, so that each pair's
+        program exists and, between processes, its communicator is set up (which both processes must reach
+        within a deadline) before serving."""
+        for instance in self.prefill.stores:
+            piece = self.prefill.take(instance, 0, 1)
+            for decoder in range(len(self.runners)):
+                self._onto([piece], decoder)
+
+    def _onto(self, pieces: list[tuple[jax.Array, jax.Array]], decoder: int) -> list[tuple[jax.Array, jax.Array]]:
+        """A tensor-parallel instance's pieces are gathered on its first device first."""
         target = SingleDeviceSharding(self.runners[decoder].device)
         gathered = lambda x: processes.move(x, SingleDeviceSharding(min(x.sharding.device_set,  # noqa: E731
                                                                         key=lambda d: d.id)))
-        self._pieces[key] = [(processes.move(gathered(k), target), processes.move(gathered(v), target))
-                             for k, v in self._pieces[key]]
+        return [(processes.move(gathered(k), target), processes.move(gathered(v), target)) for k, v in pieces]
 
     def land(self, key: Key, decoder: int, slots: Sequence[np.ndarray]) -> None:
         """Write the sent pieces into the decode instance's cache at `slots` (one array per piece)."""

@@ -222,6 +222,7 @@ class SPPrefill:
                                                        [shard.data for x in xs for shard in x.addressable_shards],
                                                        dtype=self.dtype)
               for xs in ([s.k for s in stores], [s.v for s in stores])]
+        processes.meet(self._mesh(group).devices.flat)
         out, k2, v2 = self.program(group, local)(
             self._mesh_params(group), put(ids), put(q_pos), put(k_pos), put(np.concatenate([s.pos for s in stores])),
             put(fill), put(-(-fill // self.key_block)), put(last), put(rep(params.temperature, np.float32)),

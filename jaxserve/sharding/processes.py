@@ -26,10 +26,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
 LEADER = 0
 VALUE_TIMEOUT_S = 60.0  # a value not published within this is a dead or stalled process
+MEET_TIMEOUT_S = 600.0  # processes that do not all reach a first shared program within this are stuck or dead
 
 
 class ProcessLost(RuntimeError):
     """A process this one waits on did not answer in time (it died, or stalled)."""
+
+
+def coordination_client():
+    """jax.distributed's client of the coordination service (its key-value store and barriers)."""
+    from jax._src import distributed  # private; as jax-llm-examples uses it
+    return distributed.global_state.client
 
 
 def is_local(device: jax.Device) -> bool:
@@ -43,6 +50,27 @@ def local_devices(devices: Sequence[jax.Device]) -> list[jax.Device]:
 def placeholder(shape: tuple[int, ...], sharding: Sharding, dtype) -> jax.Array:
     """An array on devices this process does not own (it holds none of its shards)."""
     return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
+
+
+_met: set[frozenset[int]] = set()
+
+
+def meet(devices: Sequence[jax.Device]) -> None:
+    """Call before the first program over `devices`: where they span processes, wait until each of their
+    processes gets here. A first collective sets up its communicator, which every process in it must reach
+    within a deadline (gloo: 30 s), and one process can be far behind another: it compiles the programs of its
+    own devices, which the others skip."""
+    owners = sorted({d.process_index for d in devices})
+    ids = frozenset(d.id for d in devices)
+    if len(owners) < 2 or jax.process_index() not in owners or ids in _met:
+        return
+    _met.add(ids)
+    try:
+        coordination_client().wait_at_barrier(f"jaxserve/meet/{'-'.join(map(str, sorted(ids)))}",
+                                              int(MEET_TIMEOUT_S * 1000), owners)
+    except Exception as e:  # noqa: BLE001 (the barrier timed out, or the coordination service is gone)
+        raise ProcessLost(f"processes {owners} did not all reach their first program on devices "
+                          f"{sorted(ids)} within {MEET_TIMEOUT_S:.0f} s ({e})") from e
 
 
 def _shard_devices(shape: tuple[int, ...], sharding: Sharding) -> dict[tuple, list[jax.Device]]:
@@ -67,6 +95,7 @@ def _send(block: jax.Array | None, src: jax.Device, dst: jax.Device, shape, dtyp
         return None
     if is_local(src) and is_local(dst):
         return jax.device_put(block, dst)
+    meet((src, dst))
     sharding, program = _pair_program(src, dst)
     here = [jax.device_put(block[None], src)] if is_local(src) else [
         jax.device_put(np.zeros((1, *shape), dtype), dst)]
@@ -96,11 +125,6 @@ def move(x: jax.Array, sharding: Sharding) -> jax.Array:
 _reads = itertools.count()  # every process reads in the same order, so the n-th read has the same key everywhere
 
 
-def _client():
-    from jax._src import distributed  # the coordination service's key-value store (private; as jax-llm-examples)
-    return distributed.global_state.client
-
-
 def _holder(x: jax.Array, index: int | None) -> jax.Device:
     """The device (lowest id) holding element `index` of x's first axis (all of x, when None)."""
     holders = [d for d, idx in x.sharding.devices_indices_map(x.shape).items()
@@ -128,7 +152,7 @@ class Later:
             threading.Thread(target=self._publish, daemon=True).start()
 
     def _publish(self) -> None:
-        _client().key_value_set_bytes(self._key, pickle.dumps(self.value()))
+        coordination_client().key_value_set_bytes(self._key, pickle.dumps(self.value()))
 
     def _remote(self) -> bool:
         return not is_local(self._holder) and jax.process_index() == LEADER
@@ -138,10 +162,10 @@ class Later:
             return self._x.is_ready()
         if self._value is None:
             try:
-                self._value = pickle.loads(_client().key_value_try_get_bytes(self._key))
+                self._value = pickle.loads(coordination_client().key_value_try_get_bytes(self._key))
             except Exception:  # not published yet (the store answers NOT_FOUND)
                 return False
-            _client().key_value_delete(self._key)
+            coordination_client().key_value_delete(self._key)
         return True
 
     def value(self, timeout: float = VALUE_TIMEOUT_S) -> np.ndarray:
@@ -151,12 +175,12 @@ class Later:
             return np.zeros(self._x.shape[1:] if self._index is not None else self._x.shape, self._x.dtype)
         if self._value is None:
             try:
-                raw = _client().blocking_key_value_get_bytes(self._key, int(timeout * 1000))
+                raw = coordination_client().blocking_key_value_get_bytes(self._key, int(timeout * 1000))
             except Exception as e:
                 raise ProcessLost(f"process {self._holder.process_index} did not publish a result within "
                                   f"{timeout:.0f} s ({e})") from e
             self._value = pickle.loads(raw)
-            _client().key_value_delete(self._key)
+            coordination_client().key_value_delete(self._key)
         return self._value
 
 
