@@ -7,6 +7,10 @@ tiles, GQA ratios 1 and 3, head dims both powers of two and not.
 from __future__ import annotations
 
 import functools
+import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -148,3 +152,16 @@ def test_dispatch_defaults_and_rejects_unknown():
     assert dispatch.resolve(None) == ("kernel" if jax.default_backend() == "gpu" else "reference")
     with pytest.raises(ValueError, match="unknown implementation"):
         dispatch.resolve("triton")
+
+
+def test_bench_attention_smoke_writes_every_part(tmp_path):
+    """The GPU benchmark runs anywhere with --smoke, and its JSON holds every part (it is written after each)."""
+    out = tmp_path / "attention.json"
+    tool = pathlib.Path(__file__).parents[1] / "tools" / "bench_attention.py"
+    proc = subprocess.run([sys.executable, str(tool), "--smoke", f"--out={out}"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [r["seq"] for r in results["chunk"]] == [256]
+    assert results["decode"]["kv_bytes"] > 0 and results["ring"]["devices"] == 1
+    assert not results["gpu_figures"]

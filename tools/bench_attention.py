@@ -22,7 +22,9 @@ import functools
 import json
 import statistics
 import time
-from typing import Callable
+import pathlib
+import traceback
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +50,7 @@ flags.DEFINE_integer("copy_mib", 2048, "Array size for the copy-bandwidth measur
 flags.DEFINE_integer("ring_tokens", 16384, "Chunk tokens for the ring attention measurement.")
 flags.DEFINE_integer("ring_history", 16384, "History tokens before the ring chunk.")
 flags.DEFINE_integer("repeats", 5, "Timed repetitions; the median is reported.")
-flags.DEFINE_string("out", None, "Optional JSON file for the results.")
+flags.DEFINE_string("out", None, "JSON file for the results, rewritten after every measurement.")
 
 DTYPE = jnp.bfloat16
 
@@ -67,7 +69,7 @@ def random(key: int, shape: tuple[int, ...]) -> jax.Array:
     return jax.random.normal(jax.random.key(key), shape, DTYPE)
 
 
-def bench_chunk(seqs: list[int], on_gpu: bool, impl: str) -> list[dict]:
+def bench_chunk(seqs: list[int], on_gpu: bool, impl: str) -> Iterator[dict]:
     h, kvh, d = FLAGS.heads, FLAGS.kv_heads, FLAGS.head_dim
     kernel = jax.jit(functools.partial(dispatch.chunk_attention, implementation=impl, block_q=FLAGS.block_q,
                                        block_k=FLAGS.block_k))
@@ -78,17 +80,15 @@ def bench_chunk(seqs: list[int], on_gpu: bool, impl: str) -> list[dict]:
     else:
         baseline_name = "jnp reference"
         baseline = jax.jit(lambda q, k, v, pos: reference.chunk_attention(q, k, v, pos, pos))
-    rows = []
     for t in tqdm(seqs, desc="chunk attention"):
         q, k, v = random(0, (t, h, d)), random(1, (t, kvh, d)), random(2, (t, kvh, d))
         pos = jnp.arange(t, dtype=jnp.int32)
         tflop = 2 * 2 * t * t * h * d / 2 / 1e12
         t_kernel = median_time(kernel, q, k, v, pos, pos, repeats=FLAGS.repeats)
         t_base = median_time(baseline, q, k, v, pos, repeats=FLAGS.repeats)
-        rows.append(dict(seq=t, kernel_ms=1e3 * t_kernel, kernel_tflops=tflop / t_kernel, baseline=baseline_name,
-                         baseline_ms=1e3 * t_base, baseline_tflops=tflop / t_base))
         del q, k, v
-    return rows
+        yield dict(seq=t, kernel_ms=1e3 * t_kernel, kernel_tflops=tflop / t_kernel, baseline=baseline_name,
+                   baseline_ms=1e3 * t_base, baseline_tflops=tflop / t_base)
 
 
 def copy_bandwidth(mib: int) -> float:
@@ -163,30 +163,51 @@ def main(argv):
     if not gpu_figures:
         print("NOTE: --smoke or no GPU: baseline is the jnp reference, not cuDNN; these are NOT GPU figures.")
 
-    chunk = bench_chunk(seqs, gpu_figures, impl)
-    decode = bench_decode(impl, batch, kv_len, copy_mib)
-    ring_result = bench_ring(ring_tokens, ring_history)
+    results = dict(device=device, backend=jax.default_backend(), jax=jax.__version__, gpu_figures=gpu_figures,
+                   implementation=impl, heads=FLAGS.heads, kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim,
+                   block_q=FLAGS.block_q, block_k=FLAGS.block_k, repeats=FLAGS.repeats, chunk=[])
+
+    def save() -> None:  # after every measurement: a crash (or a GPU session's time limit) keeps what was measured
+        if FLAGS.out:
+            pathlib.Path(FLAGS.out).write_text(json.dumps(results, indent=2))
+
+    def part(name: str, measure: Callable[[], object]) -> None:
+        try:
+            results[name] = measure()
+        except Exception as err:  # noqa: BLE001 (recorded; the other parts still run)
+            traceback.print_exc()
+            results[f"{name}_error"] = f"{type(err).__name__}: {err}"
+        save()
+
+    def chunk() -> list[dict]:
+        for row in bench_chunk(seqs, gpu_figures, impl):
+            results["chunk"].append(row)
+            save()
+        return results["chunk"]
+
+    part("chunk", chunk)
+    part("decode", lambda: bench_decode(impl, batch, kv_len, copy_mib))
+    part("ring", lambda: bench_ring(ring_tokens, ring_history))
 
     print(f"\n(a) causal chunk attention, {FLAGS.heads}/{FLAGS.kv_heads} heads, head_dim {FLAGS.head_dim}, bf16")
     print(f"{'seq':>7} {'kernel ms':>10} {'TFLOP/s':>8} {'baseline':>14} {'ms':>10} {'TFLOP/s':>8}")
-    for r in chunk:
+    for r in results["chunk"]:
         print(f"{r['seq']:>7} {r['kernel_ms']:>10.3f} {r['kernel_tflops']:>8.2f} {r['baseline']:>14} "
               f"{r['baseline_ms']:>10.3f} {r['baseline_tflops']:>8.2f}")
-    print(f"\n(b) paged decode: batch {decode['batch']} x {decode['kv_len']} tokens, block {decode['block_size']}, "
-          f"{decode['num_splits']} splits: {decode['ms']:.3f} ms, {decode['gbps']:.1f} GB/s of K/V, "
-          f"copy {decode['copy_gbps']:.1f} GB/s ({100 * decode['fraction_of_copy']:.1f}% of copy)")
-    if "skipped" not in ring_result:
+    if decode := results.get("decode"):
+        print(f"\n(b) paged decode: batch {decode['batch']} x {decode['kv_len']} tokens, block {decode['block_size']}, "
+              f"{decode['num_splits']} splits: {decode['ms']:.3f} ms, {decode['gbps']:.1f} GB/s of K/V, "
+              f"copy {decode['copy_gbps']:.1f} GB/s ({100 * decode['fraction_of_copy']:.1f}% of copy)")
+    if (ring_result := results.get("ring")) and "skipped" not in ring_result:
         print(f"\n(c) ring attention over {ring_result['devices']} device(s), {ring_result['tokens']} tokens after "
               f"{ring_result['history']} history: {ring_result['ms']:.3f} ms, {ring_result['step_ms']:.3f} ms/step")
-
+    for name in ("chunk", "decode", "ring"):
+        if f"{name}_error" in results:
+            print(f"\n({name}) failed: {results[f'{name}_error']}")
     if FLAGS.out:
-        results = dict(device=device, backend=jax.default_backend(), jax=jax.__version__, gpu_figures=gpu_figures,
-                       implementation=impl, heads=FLAGS.heads, kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim,
-                       block_q=FLAGS.block_q, block_k=FLAGS.block_k, repeats=FLAGS.repeats, chunk=chunk,
-                       decode=decode, ring=ring_result)
-        with open(FLAGS.out, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"\nwrote {FLAGS.out}")
+        print(f"\nwrote {FLAGS.out} (after every measurement)")
+    if any(k.endswith("_error") for k in results):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
