@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 from jax import export
 
-from jaxserve.pallas_kernels import chunk_attention, decode_attention, dispatch, merge, reference
+from jaxserve.engine import batch
+from jaxserve.engine.runner import ModelRunner
+from jaxserve.models.config import LlamaConfig
+from jaxserve.engine.scoring import DenseCausalBackend
+from jaxserve.models.llama import Llama
+
+from jaxserve.pallas_kernels import chunk_attention, decode_attention, dispatch, merge, reference, tiled_paged_attention
 from jaxserve.pallas_kernels.reference import NO_POSITION
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -141,11 +147,30 @@ def test_kernels_lower_to_triton_for_cuda():
         (functools.partial(decode_attention.paged_decode_attention, block_size=16, num_splits=4),
          (bf16((3, 32, 80)), bf16((4096, 8, 80)), bf16((4096, 8, 80)), i32((3, 16)), i32((3,)))),
         (merge.merge_attention, (f32((3, 5, 32, 128)), f32((3, 5, 32)))),
+        (functools.partial(tiled_paged_attention.tiled_paged_attention, block_size=16, key_block=128),
+         (bf16((8, 16, 32, 128)), i32((8, 16)), bf16((4096, 8, 128)), bf16((4096, 8, 128)), i32((8, 32)))),
     ]
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for fn, args in cases:
         module = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
         assert "xla.gpu.triton" in module
+
+
+def test_serving_step_lowers_for_cuda_with_the_kernel():
+    """The engine's whole step (a Llama-shaped model in bfloat16, GQA 4:1, head_dim 128) lowered for CUDA from this
+    machine: its attention is the Triton kernel, for a decode-only bucket and a mixed one."""
+    cfg = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4,
+                      num_kv_heads=1, head_dim=128, max_position_embeddings=4096, rope_theta=500000.0,
+                      tie_word_embeddings=False)
+    one = jnp.zeros((1, 1), jnp.int32)
+    params = Llama(cfg, DenseCausalBackend()).init(jax.random.key(0), one, one, (), one[0])
+    buckets = batch.Buckets.make(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=4096, block_size=16,
+                                 key_block=256)
+    runner = ModelRunner(cfg, params, jnp.bfloat16, num_blocks=64, block_size=16, buckets=buckets, key_block=256,
+                         attention="kernel")
+    for tokens, rows in (buckets.fit(8, 8), buckets.fit(256, 8)):
+        hlo = runner.lower(tokens, rows, platforms=["cuda"]).as_text()
+        assert "__gpu$xla.gpu.triton" in hlo and "tiled_paged_attention" in hlo
 
 
 def test_dispatch_defaults_and_rejects_unknown():

@@ -1,5 +1,6 @@
 """Ragged paged attention (the engine's flat batch: decodes and prefill chunks of many requests in one token
-axis) against plain causal attention per request, on random data packed by the engine's own batch.pack."""
+axis) against plain causal attention per request, on random data packed by the engine's own batch.pack: the
+jnp reference and the Pallas kernel (interpret mode; on GPU the same body compiles through Triton)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from jaxserve.engine import batch
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxserve.pallas_kernels import dispatch, reference
 from jaxserve.pallas_kernels.reference import merge_attention
 from test_paged_attention import dense_reference
 
@@ -19,13 +21,16 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (9, 3)])
-@pytest.mark.parametrize("block_size, key_block, tile", [(4, 8, 4), (16, 32, 8), (8, 64, 32)])
+# the reference at every tiling; the kernel (slow in interpret mode) at the GPU-like one: pages of 16, two per key
+# block, chunks in tiles of 8
+@pytest.mark.parametrize("block_size, key_block, tile, implementation", [
+    (4, 8, 4, "reference"), (16, 32, 8, "reference"), (8, 64, 32, "reference"), (16, 32, 8, "interpret")])
 @pytest.mark.parametrize("rows", [
     [(0, 1)],  # one decode at position 0
     [(5, 1), (37, 1), (0, 9)],  # two decodes and a prompt
     [(3, 20), (0, 1), (48, 13), (100, 1), (0, 33)],  # chunks with histories, decodes, uneven lengths
 ])
-def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_block, tile, rows):
+def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_block, tile, rows, implementation):
     rng = np.random.default_rng(heads * 1000 + block_size * 10 + len(rows))
     d = 16
     kv_lens = [h + n for h, n in rows]
@@ -48,7 +53,7 @@ def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_b
     attend = lambda tables: ragged_paged_attention(  # noqa: E731
         jnp.asarray(q), jnp.asarray(a.positions), jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(tables),
         jnp.asarray(a.decode_token), jnp.asarray(a.tile_tokens), jnp.asarray(a.tile_row),
-        block_size=block_size, key_block=key_block)
+        block_size=block_size, key_block=key_block, implementation=implementation)
     got, lse = (np.asarray(x) for x in attend(a.tables))
     # a KV-parallel group's view: each of 3 devices sees the blocks b % 3 == i (the others are -1); the partials
     # merged by their log-sum-exp are the whole attention again
@@ -64,6 +69,28 @@ def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_b
         np.testing.assert_allclose(got[start:start + n], ref, **TOL)
         start += n
     assert not got[start:].any() and np.isneginf(lse[start:]).all()  # batch padding attends nothing
+
+
+def test_kernel_in_bfloat16_matches_the_reference():
+    """bfloat16 cache and queries (the GPU's dtype): the kernel's float32 softmax against the reference's, both
+    rounding the output to bfloat16 (a relative step of 2^-8 on outputs of magnitude ~1: atol 2e-2 covers two
+    roundings), log-sum-exp in float32 from the same bfloat16 scores."""
+    rng = np.random.default_rng(7)
+    n, tq, heads, kv_heads, d, block_size, key_block = 5, 8, 8, 2, 64, 16, 64
+    slots = 40 * block_size
+    q = jnp.asarray(rng.standard_normal((n, tq, heads, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((slots, kv_heads, d)), jnp.bfloat16) for _ in range(2))
+    tables = jnp.asarray(rng.permutation(40)[:n * 8].reshape(n, 8), jnp.int32).at[2, 1].set(-1)
+    starts = np.array([0, 17, 60, 100, 3])  # tiles at different depths; the last one mostly padding
+    q_pos = np.where(np.arange(tq) < np.array([8, 8, 5, 8, 1])[:, None], starts[:, None] + np.arange(tq), -1)
+    args = (q, jnp.asarray(q_pos, jnp.int32), k, v, tables)
+    want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block)
+    got, got_lse = dispatch.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
+                                                  implementation="interpret")
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=2e-2)
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-4)
+    assert np.isneginf(np.asarray(got_lse)[q_pos < 0]).all() and not np.asarray(got, np.float32)[q_pos < 0].any()
 
 
 def test_buckets_bound_the_programs_and_refuse_what_does_not_fit():

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jaxserve.models.config import LlamaConfig
+from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from jaxserve.sharding.lse import merge_gathered
 from jaxserve.sharding.mesh import SP
@@ -37,6 +38,7 @@ class RaggedPagedBackend:
     block_size: int
     key_block: int
     kvp: int = 1
+    implementation: Implementation | None = None  # of the attention kernel (default: the kernel on GPU only)
 
     def __call__(self, q, k, v, positions, caches, layer, ctx):
         slots, tables, decode_token, tile_tokens, tile_row = ctx
@@ -52,7 +54,7 @@ class RaggedPagedBackend:
         tables = jnp.where(tables >= 0, tables + layer * (slots_per_layer // self.block_size), -1)
         out, lse = ragged_paged_attention(q[0], positions[0], k_all.reshape(flat), v_all.reshape(flat), tables,
                                           decode_token, tile_tokens, tile_row, block_size=self.block_size,
-                                          key_block=self.key_block)
+                                          key_block=self.key_block, implementation=self.implementation)
         if self.kvp > 1:
             out, _ = merge_gathered(out, lse, SP)
         return out[None], (k_all, v_all)

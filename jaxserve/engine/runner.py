@@ -28,16 +28,19 @@ from jaxserve.engine.kv_cache import RaggedPagedBackend, allocate_caches
 from jaxserve.engine.sampling import sample
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
+from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.sharding import processes, rows, tp as tensor_parallel
 from jaxserve.sharding.mesh import SP, TP, make_mesh
 
 
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Any, dtype: jnp.dtype, *, num_blocks: int, block_size: int,
-                 buckets: batch.Buckets, key_block: int, devices: Sequence[jax.Device] | None = None, tp: int = 1):
+                 buckets: batch.Buckets, key_block: int, devices: Sequence[jax.Device] | None = None, tp: int = 1,
+                 attention: Implementation | None = None):
         """devices: where the weights, the cache and the step run (default: JAX's first tp devices), consecutive
         runs of tp devices tensor-parallel; several such runs form a KV-parallel group holding the num_blocks
-        blocks between them."""
+        blocks between them. attention: the attention's implementation (default: the Pallas kernel on GPU, the
+        jnp reference elsewhere)."""
         self.devices = list(devices or jax.devices()[:tp])
         if len(self.devices) % tp:
             raise ValueError(f"{len(self.devices)} devices do not form tensor-parallel sets of {tp}")
@@ -51,7 +54,7 @@ class ModelRunner:
         self.cfg, self.dtype = cfg, dtype
         self.params = jax.device_put(params, tensor_parallel.shardings(mesh, specs))
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
-        self.model = Llama(cfg, RaggedPagedBackend(block_size, key_block, kvp), dtype, TP if tp > 1 else None)
+        self.model = Llama(cfg, RaggedPagedBackend(block_size, key_block, kvp, attention), dtype, TP if tp > 1 else None)
         self.caches = self._allocate()
         step = self._forward_sample
         if len(self.devices) > 1:  # every device runs the same batch: step inputs replicated, weights and cache split
@@ -71,6 +74,14 @@ class ModelRunner:
         for t, r in tqdm(shapes, desc="compile step programs", unit="program", disable=not progress):
             tokens, self.caches = self._step(self.params, self.caches, batch.empty(self.buckets, t, r, self.block_size))
             jax.block_until_ready(tokens)
+
+    def lower(self, tokens: int, rows: int, platforms: Sequence[str] | None = None) -> jax.stages.Lowered:
+        """The step program of bucket (tokens, rows) lowered for `platforms` (default: this backend), e.g. to read
+        what a GPU would run from a machine without one. One device only (shapes without placement)."""
+        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+        return self._step.trace(abstract(self.params), abstract(self.caches),
+                                batch.empty(self.buckets, tokens, rows, self.block_size)).lower(
+            lowering_platforms=tuple(platforms) if platforms else None)
 
     def execute(self, rows: Sequence[batch.Row]) -> np.ndarray:
         """Run the rows, update the cache, and return the sampled next token of each row."""

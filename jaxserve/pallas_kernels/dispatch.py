@@ -16,6 +16,7 @@ from jaxserve.pallas_kernels import chunk_attention as chunk_kernel
 from jaxserve.pallas_kernels import decode_attention as decode_kernel
 from jaxserve.pallas_kernels import merge as merge_kernel
 from jaxserve.pallas_kernels import reference
+from jaxserve.pallas_kernels import tiled_paged_attention as tiled_kernel
 
 Implementation = Literal["kernel", "interpret", "reference"]
 IMPLEMENTATIONS: tuple[Implementation, ...] = ("kernel", "interpret", "reference")
@@ -63,6 +64,25 @@ def paged_decode_attention(
             q, k_cache, v_cache, block_tables, kv_lens, block_size=block_size, num_splits=num_splits)
     return decode_kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, kv_lens, block_size=block_size,
                                                 num_splits=num_splits, interpret=impl == "interpret")
+
+
+def tiled_paged_attention(
+    q: Float[Array, "n tq h d"],
+    q_pos: Int[Array, "n tq"],
+    k_cache: Float[Array, "slots kvh d"],
+    v_cache: Float[Array, "slots kvh d"],
+    tables: Int[Array, "n w"],
+    *,
+    block_size: int,
+    key_block: int,
+    implementation: Implementation | None = None,
+) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
+    impl = resolve(implementation)
+    if impl == "reference":
+        return reference.tiled_paged_attention(q, q_pos, k_cache, v_cache, tables, block_size=block_size,
+                                               key_block=key_block)
+    return tiled_kernel.tiled_paged_attention(q, q_pos, k_cache, v_cache, tables, block_size=block_size,
+                                              key_block=key_block, interpret=impl == "interpret")
 
 
 def merge_attention(

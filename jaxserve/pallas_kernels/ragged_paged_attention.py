@@ -1,10 +1,12 @@
 """Attention of a flattened ragged batch (prefill chunks and decodes of many requests in one token axis) over
-the paged KV cache: the pure-jnp reference the engine runs on CPU and a GPU kernel must match.
+the paged KV cache, the engine's attention: the tiles' attention is the Pallas kernel on GPU
+(tiled_paged_attention.py) and its pure-jnp reference elsewhere (reference.tiled_paged_attention).
 
 Queries are regrouped into tiles, each holding tokens of one request only: a decode is a tile of one token, a
 prefill chunk is cut into tiles of `tile` tokens. A tile reads its request's pages key block by key block with
-an online softmax, and the loop runs only as far as the longest context in the batch (a dynamic trip count), so
-one compiled program serves every mix of lengths: shapes depend on the token and row buckets alone.
+an online softmax, and the loop has a dynamic trip count (the reference: as far as the longest context in the
+batch; the kernel: each tile's own), so one compiled program serves every mix of lengths: shapes depend on the
+token and row buckets alone.
 
 A block-table entry of -1 is a block held elsewhere (another device of a KV-parallel group): its keys are not
 attended, and the returned log-sum-exp lets the group merge its partials exactly (sharding/lse.py).
@@ -16,58 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-_NEG = -1e30  # finite: a row that sees no key stays NaN-free
-
-
-def tiled_paged_attention(
-    q: Float[Array, "n tq h d"],
-    q_pos: Int[Array, "n tq"],
-    k_cache: Float[Array, "slots kvh d"],
-    v_cache: Float[Array, "slots kvh d"],
-    tables: Int[Array, "n w"],
-    *,
-    block_size: int,
-    key_block: int,
-) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
-    """Each tile's queries over its own request's pages: key position j is visible to a query at position p
-    when j <= p and its block entry is not -1 (p = -1 marks padding: it sees nothing). `tables` rows are block
-    tables whose width is a multiple of key_block / block_size; blocks past a request's length may hold anything
-    (never visible). Softmax in float32 whatever the cache dtype. Returns the output (0 where no key is visible)
-    and its float32 log-sum-exp (-inf there)."""
-    n, tq, h, d = q.shape
-    kvh = k_cache.shape[-2]
-    g = h // kvh
-    pages = key_block // block_size
-    # [n, kvh, g*tq, d]: each KV head's query group and tokens as one matrix (row r is token r % tq)
-    qg = (q.astype(jnp.float32) * d**-0.5).reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
-    rows_pos = jnp.tile(q_pos, (1, g))[:, None, :, None]  # [n, 1, g*tq, 1]
-    num_blocks = (jnp.max(q_pos) + key_block) // key_block  # key blocks any query can see (0 if all padding)
-    offsets = jnp.arange(block_size, dtype=tables.dtype)
-
-    def body(j, carry):
-        m, l, acc = carry
-        blk = jax.lax.dynamic_slice_in_dim(tables, j * pages, pages, axis=1)  # [n, pages]
-        here = jnp.repeat(blk >= 0, block_size, axis=1)[:, None, None, :]  # [n, 1, 1, kb]
-        slots = (jnp.maximum(blk, 0)[:, :, None] * block_size + offsets).reshape(n, key_block)
-        k = k_cache[slots].astype(jnp.float32).transpose(0, 2, 1, 3)  # [n, kvh, kb, d]
-        v = v_cache[slots].astype(jnp.float32).transpose(0, 2, 1, 3)
-        s = jnp.matmul(qg, k.swapaxes(-1, -2))  # [n, kvh, g*tq, kb]
-        key_pos = j * key_block + jnp.arange(key_block)
-        seen = (key_pos <= rows_pos) & here
-        s = jnp.where(seen, s, _NEG)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)  # a row with no key yet must not count masked ones
-        scale = jnp.exp(m - m_new)
-        return m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.matmul(p, v)
-
-    init = (jnp.full((n, kvh, g * tq), _NEG, jnp.float32), jnp.zeros((n, kvh, g * tq), jnp.float32),
-            jnp.zeros((n, kvh, g * tq, d), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    seen = l > 0
-    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    out = out.reshape(n, kvh, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(n, tq, h, d)
-    return out.astype(q.dtype), lse.reshape(n, kvh, g, tq).transpose(0, 3, 1, 2).reshape(n, tq, h)
+from jaxserve.pallas_kernels import dispatch
 
 
 def ragged_paged_attention(
@@ -82,6 +33,7 @@ def ragged_paged_attention(
     *,
     block_size: int,
     key_block: int,
+    implementation: dispatch.Implementation | None = None,
 ) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
     """Causal attention of every token of a flat batch over its request's pages, and its log-sum-exp.
 
@@ -95,8 +47,9 @@ def ragged_paged_attention(
     def attend(idx: Int[Array, "n tq"], rows: Int[Array, "n"]):
         def run(_):
             pos = jnp.where(idx < t, jnp.take(positions, idx, mode="clip"), -1)
-            return tiled_paged_attention(jnp.take(q, idx, axis=0, mode="clip"), pos, k_cache, v_cache,
-                                         tables[rows], block_size=block_size, key_block=key_block)
+            return dispatch.tiled_paged_attention(jnp.take(q, idx, axis=0, mode="clip"), pos, k_cache, v_cache,
+                                                  tables[rows], block_size=block_size, key_block=key_block,
+                                                  implementation=implementation)
 
         # a decode-only step skips the tiles entirely, and a prefill-only step the decode rows
         nothing = lambda _: (jnp.zeros((*idx.shape, *q.shape[1:]), q.dtype),  # noqa: E731

@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, Int
 from jaxserve.pallas_kernels.paged_attention import page_slots
 
 NO_POSITION = 2**30  # position of a padded key: larger than any query position
+_NEG = -1e30  # finite: a row that sees no key stays NaN-free
 
 
 def chunk_attention(
@@ -83,3 +84,54 @@ def paged_decode_attention(
         return jax.vmap(split)(slot_b, pos)
 
     return jax.vmap(one)(q, slots, kv_lens)
+
+
+def tiled_paged_attention(
+    q: Float[Array, "n tq h d"],
+    q_pos: Int[Array, "n tq"],
+    k_cache: Float[Array, "slots kvh d"],
+    v_cache: Float[Array, "slots kvh d"],
+    tables: Int[Array, "n w"],
+    *,
+    block_size: int,
+    key_block: int,
+) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
+    """Each tile's queries over its own request's pages: key position j is visible to a query at position p
+    when j <= p and its block entry is not -1 (p = -1 marks padding: it sees nothing). `tables` rows are block
+    tables whose width is a multiple of key_block / block_size; blocks past a request's length may hold anything
+    (never visible). Softmax in float32 whatever the cache dtype. Returns the output (0 where no key is visible)
+    and its float32 log-sum-exp (-inf there)."""
+    n, tq, h, d = q.shape
+    kvh = k_cache.shape[-2]
+    g = h // kvh
+    pages = key_block // block_size
+    # [n, kvh, g*tq, d]: each KV head's query group and tokens as one matrix (row r is token r % tq)
+    qg = (q.astype(jnp.float32) * d**-0.5).reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
+    rows_pos = jnp.tile(q_pos, (1, g))[:, None, :, None]  # [n, 1, g*tq, 1]
+    num_blocks = (jnp.max(q_pos) + key_block) // key_block  # key blocks any query can see (0 if all padding)
+    offsets = jnp.arange(block_size, dtype=tables.dtype)
+
+    def body(j, carry):
+        m, l, acc = carry
+        blk = jax.lax.dynamic_slice_in_dim(tables, j * pages, pages, axis=1)  # [n, pages]
+        here = jnp.repeat(blk >= 0, block_size, axis=1)[:, None, None, :]  # [n, 1, 1, kb]
+        slots = (jnp.maximum(blk, 0)[:, :, None] * block_size + offsets).reshape(n, key_block)
+        k = k_cache[slots].astype(jnp.float32).transpose(0, 2, 1, 3)  # [n, kvh, kb, d]
+        v = v_cache[slots].astype(jnp.float32).transpose(0, 2, 1, 3)
+        s = jnp.matmul(qg, k.swapaxes(-1, -2))  # [n, kvh, g*tq, kb]
+        key_pos = j * key_block + jnp.arange(key_block)
+        seen = (key_pos <= rows_pos) & here
+        s = jnp.where(seen, s, _NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)  # a row with no key yet must not count masked ones
+        scale = jnp.exp(m - m_new)
+        return m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.matmul(p, v)
+
+    init = (jnp.full((n, kvh, g * tq), _NEG, jnp.float32), jnp.zeros((n, kvh, g * tq), jnp.float32),
+            jnp.zeros((n, kvh, g * tq, d), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    seen = l > 0
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    out = out.reshape(n, kvh, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(n, tq, h, d)
+    return out.astype(q.dtype), lse.reshape(n, kvh, g, tq).transpose(0, 3, 1, 2).reshape(n, tq, h)

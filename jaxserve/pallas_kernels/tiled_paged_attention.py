@@ -1,0 +1,100 @@
+"""Pallas kernel of `ragged_paged_attention.tiled_paged_attention`: query tiles of one request each over that
+request's paged KV cache, the engine's attention on GPU.
+
+Grid over (tile, KV head). A program holds the KV head's whole query group for the tile's tokens as one
+[g * tq, d] matrix (each cached row is read once for all of them) and walks key blocks of `key_block` tokens,
+`key_block / block_size` pages per step: the block ids come from the tile's table row and the pages' rows are
+gathered into one [key_block, d] tile by an index vector (interpret mode and the Triton lowering both load
+through an index array), so one dot covers several pages. The loop stops at the tile's own last position (a
+decode's context, a chunk's end): a short request in a batch with a long one reads only its own pages.
+
+As in the decode kernel, the table and the cache are plain inputs (the cache as one KV head's [slots, d] view)
+rather than TPU-only scalar prefetch, and nothing is gathered outside the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from jaxserve.pallas_kernels import common
+
+
+def _kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_size: int, key_block: int,
+            scale: float):
+    pages = key_block // block_size
+    q = q_ref[...]  # [rows, d]: the group's heads x the tile's tokens
+    pos = pos_ref[...]  # [rows]; -1: padding
+    steps = jnp.minimum(lax.div(jnp.max(pos) + key_block, key_block), table_ref.shape[0] // pages)
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+
+    def body(j, carry):
+        blocks = table_ref[pl.ds(pl.multiple_of(j * pages, pages), pages)]  # [pages]; -1: held elsewhere
+        slots = (jnp.maximum(blocks, 0)[:, None] * block_size + offsets[None, :]).reshape(key_block)
+        here = jnp.broadcast_to((blocks >= 0)[:, None], (pages, block_size)).reshape(key_block)
+        key_pos = j * key_block + jnp.arange(key_block, dtype=jnp.int32)
+        s = common.scores(q, k_ref[slots, :], scale)
+        s = jnp.where((key_pos[None, :] <= pos[:, None]) & here[None, :], s, -jnp.inf)
+        return common.online_softmax(carry, s, v_ref[slots, :])
+
+    o, lse = common.finish(lax.fori_loop(0, steps, body, common.init_carry(*q.shape)))
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "key_block", "interpret"))
+def tiled_paged_attention(
+    q: Float[Array, "n tq h d"],
+    q_pos: Int[Array, "n tq"],
+    k_cache: Float[Array, "slots kvh d"],
+    v_cache: Float[Array, "slots kvh d"],
+    tables: Int[Array, "n w"],
+    *,
+    block_size: int,
+    key_block: int,
+    interpret: bool = False,
+) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
+    """The reference's semantics (ragged_paged_attention.tiled_paged_attention): output in q's dtype, 0 where no
+    key is visible, and float32 log-sum-exp, -inf there."""
+    n, tq, h, d = q.shape
+    kvh = k_cache.shape[1]
+    g = h // kvh
+    if key_block % block_size or tables.shape[1] % (key_block // block_size):
+        raise ValueError(f"key_block {key_block} must be whole pages of {block_size}, and the table width "
+                         f"{tables.shape[1]} whole key blocks")
+    rows, d_pad = max(16, pl.next_power_of_2(g * tq)), pl.next_power_of_2(d)  # Triton: power-of-two dots >= 16
+    # [n, kvh, g*tq, d]: row r is group member r // tq, token r % tq (as the reference)
+    qg = q.reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
+    qg = common.pad_axis(common.pad_axis(qg, 2, rows), 3, d_pad)
+    pos = common.pad_axis(jnp.tile(q_pos.astype(jnp.int32), (1, g)), 1, rows, value=-1)
+    k_cache, v_cache = common.pad_axis(k_cache, 2, d_pad), common.pad_axis(v_cache, 2, d_pad)
+    cache_spec = pl.BlockSpec((k_cache.shape[0], None, d_pad), lambda i, kh: (0, kh, 0))
+    o, lse = pl.pallas_call(
+        functools.partial(_kernel, block_size=block_size, key_block=key_block, scale=d**-0.5),
+        grid=(n, kvh),
+        in_specs=[
+            pl.BlockSpec((None, rows), lambda i, kh: (i, 0)),
+            pl.BlockSpec((None, tables.shape[1]), lambda i, kh: (i, 0)),
+            pl.BlockSpec((None, None, rows, d_pad), lambda i, kh: (i, kh, 0, 0)),
+            cache_spec,
+            cache_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, rows, d_pad), lambda i, kh: (i, kh, 0, 0)),
+            pl.BlockSpec((None, None, rows), lambda i, kh: (i, kh, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((n, kvh, rows, d_pad), q.dtype),
+            jax.ShapeDtypeStruct((n, kvh, rows), jnp.float32),
+        ],
+        compiler_params=common.gpu_params(d_pad, interpret),
+        interpret=interpret,
+        name="tiled_paged_attention",
+    )(pos, tables.astype(jnp.int32), qg, k_cache, v_cache)
+    o = o[:, :, :g * tq, :d].reshape(n, kvh, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(n, tq, h, d)
+    return o, lse[:, :, :g * tq].reshape(n, kvh, g, tq).transpose(0, 3, 1, 2).reshape(n, tq, h)
