@@ -48,6 +48,24 @@ def test_bad_input_exits_with_a_message(args, message):
     assert "Traceback" not in proc.stderr
 
 
+def test_gpu_xla_flags_only_with_the_cuda_plugin_and_never_over_the_users(monkeypatch):
+    from jaxserve import cli
+
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    cli.gpu_xla_flags(env)
+    assert env == {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}  # a CPU install: nothing added
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: name == "jax_cuda12_plugin" or None)
+    cli.gpu_xla_flags(env)
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_latency_hiding_scheduler=true"
+    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+    cli.gpu_xla_flags(env)
+    assert env["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=false"
+    env = {}
+    cli.gpu_xla_flags(env)
+    assert env["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=true"
+
+
 def test_helpfull_lists_the_flags():
     proc = run_cli("--helpfull")  # absl prints the flags and exits 1 by design
     for flag in ("--prompt", "--model", "--max_tokens", "--temperature", "--top_p", "--seed"):
