@@ -24,7 +24,8 @@ from jaxserve.models.config import LlamaConfig
 from jaxserve.engine.scoring import DenseCausalBackend
 from jaxserve.models.llama import Llama
 
-from jaxserve.pallas_kernels import chunk_attention, decode_attention, dispatch, merge, reference, tiled_paged_attention
+from jaxserve.pallas_kernels import (chunk_attention, common, decode_attention, dispatch, merge, reference,
+                                    tiled_paged_attention)
 from jaxserve.pallas_kernels.reference import NO_POSITION
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -152,7 +153,8 @@ def test_kernels_lower_to_triton_for_cuda():
     ]
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for fn, args in cases:
-        module = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
+        with common.lowering_for(["cuda"]):
+            module = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(*args).mlir_module()
         assert "xla.gpu.triton" in module
 
 

@@ -28,6 +28,7 @@ from jaxserve.engine.kv_cache import RaggedPagedBackend, allocate_caches
 from jaxserve.engine.sampling import sample
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
+from jaxserve.pallas_kernels.common import lowering_for
 from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.sharding import processes, rows, tp as tensor_parallel
 from jaxserve.sharding.mesh import SP, TP, make_mesh
@@ -79,9 +80,10 @@ class ModelRunner:
         """The step program of bucket (tokens, rows) lowered for `platforms` (default: this backend), e.g. to read
         what a GPU would run from a machine without one. One device only (shapes without placement)."""
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-        return self._step.trace(abstract(self.params), abstract(self.caches),
-                                batch.empty(self.buckets, tokens, rows, self.block_size)).lower(
-            lowering_platforms=tuple(platforms) if platforms else None)
+        with lowering_for(platforms):
+            return self._step.trace(abstract(self.params), abstract(self.caches),
+                                    batch.empty(self.buckets, tokens, rows, self.block_size)).lower(
+                lowering_platforms=tuple(platforms) if platforms else None)
 
     def execute(self, rows: Sequence[batch.Row]) -> np.ndarray:
         """Run the rows, update the cache, and return the sampled next token of each row."""

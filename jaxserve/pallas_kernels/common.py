@@ -10,6 +10,10 @@ its params; if it is removed, these kernels need that Mosaic GPU port.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator, Sequence
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -47,6 +51,22 @@ def gpu_params(head_dim: int, interpret: bool):
     from jax.experimental.pallas import triton as pl_triton
 
     return pl_triton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@contextlib.contextmanager
+def lowering_for(platforms: Sequence[str] | None, device_kind: str = H100) -> Iterator[None]:
+    """Lower for `platforms` from a machine that may lack them: a Pallas call lowered for CUDA where no GPU is
+    present needs the target GPU named as an abstract device (JAX >= 0.11 raises "No supported GPU devices found"
+    otherwise; 0.10 accepts both ways)."""
+    if not platforms or "cuda" not in platforms or jax.default_backend() == "gpu":
+        yield
+        return
+    gpu = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=gpu)):
+        yield
 
 
 def scores(q: Float[Array, "r d"], k: Float[Array, "c d"], scale: float) -> Float[Array, "r c"]:
