@@ -10,11 +10,12 @@ Commands:
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 from absl import app, flags, logging
+
+from jaxserve import xla_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Registered model name, .gguf file, or Hugging Face directory.")
@@ -244,23 +245,8 @@ def _simulate() -> None:
         print(f"wrote {FLAGS.out}/summary.json, requests.csv, ttft_cdf.png")
 
 
-# XLA flags for GPUs: the latency-hiding scheduler lets a ring step's collective-permute run beside the attention
-# of the block in hand (off by default in XLA; NVIDIA's JAX images and JAX's GPU performance tips turn it on)
-GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
-
-
-def gpu_xla_flags(environ: dict[str, str]) -> None:
-    """Add GPU_XLA_FLAGS to environ's XLA_FLAGS where JAX's CUDA plugin is installed (before JAX starts; a flag
-    the user set keeps the user's value)."""
-    if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
-        return
-    given = environ.get("XLA_FLAGS", "")
-    names = {f.split("=")[0] for f in given.split()}
-    environ["XLA_FLAGS"] = " ".join([given, *(f for f in GPU_XLA_FLAGS if f.split("=")[0] not in names)]).strip()
-
-
 def main(argv: list[str]) -> None:
-    gpu_xla_flags(os.environ)
+    xla_flags.for_gpu(os.environ)
     if len(argv) != 2 or argv[1] not in COMMANDS:
         raise app.UsageError(f"usage: python -m jaxserve {{{'|'.join(COMMANDS)}}} [--flags]; got {argv[1:]}")
     if not FLAGS["verbosity"].present:

@@ -49,20 +49,20 @@ def test_bad_input_exits_with_a_message(args, message):
 
 
 def test_gpu_xla_flags_only_with_the_cuda_plugin_and_never_over_the_users(monkeypatch):
-    from jaxserve import cli
+    from jaxserve import xla_flags
 
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(xla_flags.importlib.util, "find_spec", lambda name: None)
     env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
-    cli.gpu_xla_flags(env)
+    xla_flags.for_gpu(env)
     assert env == {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}  # a CPU install: nothing added
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: name == "jax_cuda12_plugin" or None)
-    cli.gpu_xla_flags(env)
+    monkeypatch.setattr(xla_flags.importlib.util, "find_spec", lambda name: name == "jax_cuda12_plugin" or None)
+    xla_flags.for_gpu(env)
     assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_latency_hiding_scheduler=true"
     env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
-    cli.gpu_xla_flags(env)
+    xla_flags.for_gpu(env)
     assert env["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=false"
     env = {}
-    cli.gpu_xla_flags(env)
+    xla_flags.for_gpu(env)
     assert env["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=true"
 
 

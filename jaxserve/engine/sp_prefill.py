@@ -135,34 +135,14 @@ class SPPrefill:
         return self._group_params[group]
 
     def _compile(self, group: Group, local: int) -> Any:
-        p = len(group)
         mesh = self._mesh(group)
-        model = Llama(self.cfg, StoreRingBackend(p, self.key_block, implementation=self.implementation), self.dtype,
-                      TP if self.tp > 1 else None)
-
-        def body(params, ids, q_pos, k_pos, hist_pos, fill, blocks, last, temperature, top_k, top_p, seed, counter,
-                 k_store, v_store):
-            ctx = (hist_pos, k_pos, fill[0], blocks[0])
-            logits, caches = model.apply(params, ids[None], q_pos[None], (k_store, v_store), ctx, last[None])
-            return (sample(logits[0], temperature, top_k, top_p, seed, counter),) + caches
-
-        seq, kv = P(SP), P(SP, None, TP)  # the stores: one per instance on the layer axis, heads over its devices
-        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(self._specs,) + (seq,) * 12 + (kv, kv),
-                                     out_specs=(seq, kv, kv),
-                                     check_vma=False),  # a Pallas kernel inside shard_map needs check_vma=False
-                       donate_argnums=(13, 14))
-        sharded = lambda shape, dtype, spec=seq: jax.ShapeDtypeStruct(  # noqa: E731
-            shape, dtype, sharding=NamedSharding(mesh, spec))
-        i32, f32 = jnp.int32, jnp.float32
-        t = p * local
-        layers, *rest = self.stores[group[0]].k.shape
-        store = (p * layers, *rest)  # the group's stores side by side on the layer axis, one per instance
-        args = (sharded((t,), i32),) * 3 + (sharded((p * self.cap,), i32),) + (sharded((p,), i32),) * 3 + (
-            sharded((p,), f32), sharded((p,), i32), sharded((p,), f32), sharded((p,), jnp.uint32),
-            sharded((p,), i32), sharded(store, self.dtype, kv), sharded(store, self.dtype, kv))
+        step = chunk_step(self.cfg, mesh, self._specs, key_block=self.key_block, dtype=self.dtype,
+                          implementation=self.implementation)
         if not processes.local_devices(mesh.devices.flat):
             return step  # another host's group: JAX skips its calls here (nothing to compile)
-        return step.lower(self._mesh_params(group), *args).compile()
+        layers, *rest = self.stores[group[0]].k.shape
+        return step.lower(self._mesh_params(group), *chunk_args(mesh, local, self.cap, (layers, *rest),
+                                                                 self.dtype)).compile()
 
     def warmup_moves(self) -> None:
         """Compile the row take and put programs of every piece size on every instance (the stores must be free:
@@ -294,3 +274,37 @@ class SPPrefill:
         k, v = rows.take(s.k, s.v, at, size=size)
         repeat = self.share.kv_repeat
         return tensor_parallel.model_heads(k, v, repeat=repeat) if repeat > 1 else (k, v)
+
+
+def chunk_step(cfg: LlamaConfig, mesh: Mesh, specs: Any, *, key_block: int, dtype,
+               implementation: Implementation | None = None) -> Any:
+    """The jitted chunk step of the model over `mesh` (sp x tp): ring attention inside `shard_map`, the stores
+    donated. specs: the parameters' PartitionSpecs (tensor_parallel.shard_params)."""
+    p, tp = mesh.shape[SP], mesh.shape[TP]
+    model = Llama(cfg, StoreRingBackend(p, key_block, implementation=implementation), dtype, TP if tp > 1 else None)
+
+    def body(params, ids, q_pos, k_pos, hist_pos, fill, blocks, last, temperature, top_k, top_p, seed, counter,
+             k_store, v_store):
+        ctx = (hist_pos, k_pos, fill[0], blocks[0])
+        logits, caches = model.apply(params, ids[None], q_pos[None], (k_store, v_store), ctx, last[None])
+        return (sample(logits[0], temperature, top_k, top_p, seed, counter),) + caches
+
+    seq, kv = P(SP), P(SP, None, TP)  # the stores: one per instance on the layer axis, heads over its devices
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,) + (seq,) * 12 + (kv, kv),
+                                 out_specs=(seq, kv, kv),
+                                 check_vma=False),  # a Pallas kernel inside shard_map needs check_vma=False
+                   donate_argnums=(13, 14))
+
+
+def chunk_args(mesh: Mesh, local: int, cap: int, store: tuple[int, ...], dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shapes chunk_step is compiled for (all but the parameters): `local` chunk rows and `cap` history rows
+    per instance, each instance's store of shape `store` [layers, cap, kvh, d]."""
+    p = mesh.shape[SP]
+    seq, kv = P(SP), P(SP, None, TP)
+    sharded = lambda shape, dtype, spec=seq: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=NamedSharding(mesh, spec))
+    i32, f32 = jnp.int32, jnp.float32
+    group_store = (p * store[0], *store[1:])  # the group's stores side by side on the layer axis, one per instance
+    return (sharded((p * local,), i32),) * 3 + (sharded((p * cap,), i32),) + (sharded((p,), i32),) * 3 + (
+        sharded((p,), f32), sharded((p,), i32), sharded((p,), f32), sharded((p,), jnp.uint32),
+        sharded((p,), i32), sharded(group_store, dtype, kv), sharded(group_store, dtype, kv))

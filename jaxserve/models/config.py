@@ -123,3 +123,12 @@ class LlamaConfig:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(is_mid, mid, scaled).astype(np.float32)
+
+
+def llama3_8b(num_layers: int = 32) -> LlamaConfig:
+    """Meta-Llama-3.1-8B's shapes (its config.json), for benchmarks and GPU compiles with random weights; fewer
+    layers keep a compile short without changing any layer."""
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=num_layers,
+                       num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192),
+                       tie_word_embeddings=False)

@@ -5,8 +5,8 @@ shard of the request's history KV. Two parts, merged by log-sum-exp:
 - history: the (short) queries move, not the (long) history: the chunk's queries are all-gathered, every device
   attends them over its history shard, and the partials come back to their owners by a weighted
   reduce-scatter (the max trick keeps it exact);
-- chunk: the chunk's K/V blocks travel around the ring with `ppermute`; the send of the next block is issued
-  before the current block is computed so XLA can overlap the two.
+- chunk: the chunk's K/V blocks travel around the ring with `ppermute`, each step's transfer overlapped with
+  that step's attention.
 
 `implementation` picks the attention kernel (pallas_kernels.dispatch); a `shard_map` around a Pallas call needs
 `check_vma=False`.
@@ -73,16 +73,27 @@ def stored_history_attention(
 
 def chunk_ring(o, lse, q, k, v, q_pos, k_pos, *, axis_size: int, axis_name: str = SP,
                implementation: kernels.Implementation | None = None):
-    """Merge into (o, lse) this device's queries over the whole chunk's K/V, whose shards circulate the ring."""
+    """Merge into (o, lse) this device's queries over the whole chunk's K/V, whose shards circulate the ring.
+
+    One transfer per step, overlapped with that step's attention: K and V travel stacked as one buffer (the key
+    positions are all-gathered once instead), and each step's send waits, through an optimization barrier, for
+    the previous step's attention. Without the barrier XLA hoists the sends, which depend only on each other,
+    ahead of the attention and runs most of them unoverlapped, holding every block at once
+    (tools/ring_overlap.py checks the compiled schedule for GPUs)."""
     ring = [(i, (i + 1) % axis_size) for i in range(axis_size)]
-    block = (k, v, k_pos)
+    me = jax.lax.axis_index(axis_name)
+    positions = jax.lax.all_gather(k_pos, axis_name)  # [axis_size, t]: row j holds device j's key positions
+    kv = jnp.stack([k, v])
     for step in range(axis_size):
+        if step:
+            kv, o, lse = jax.lax.optimization_barrier((kv, o, lse))
         if step + 1 < axis_size:
-            incoming = jax.lax.ppermute(block, axis_name, ring)  # in flight while this block is computed
-        o_s, lse_s = kernels.chunk_attention(q, block[0], block[1], q_pos, block[2], implementation=implementation)
+            incoming = jax.lax.ppermute(kv, axis_name, ring)  # in flight while this block is computed
+        held = positions[(me - step) % axis_size]  # the block here came from `step` devices back on the ring
+        o_s, lse_s = kernels.chunk_attention(q, kv[0], kv[1], q_pos, held, implementation=implementation)
         o, lse = merge_two(o, lse, o_s, lse_s, implementation)
         if step + 1 < axis_size:
-            block = incoming
+            kv = incoming
     return o, lse
 
 

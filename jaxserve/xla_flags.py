@@ -1,0 +1,34 @@
+"""XLA flags the launcher sets on a GPU machine, before JAX starts.
+
+The latency-hiding scheduler (off by default in XLA; NVIDIA's JAX images and JAX's GPU performance tips turn it
+on) orders a program around its asynchronous collectives by their estimated cost. The ring step's overlap does
+not depend on it (sharding/ring.py orders each transfer beside its step's attention itself; tools/gpu_compile.py
+compiles it both ways), but the other collectives of a chunk step (the history's all-gather and reduce-scatter)
+are scheduled by it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import MutableMapping
+
+GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
+
+
+def for_gpu(environ: MutableMapping[str, str]) -> None:
+    """Add GPU_XLA_FLAGS to environ's XLA_FLAGS where JAX's CUDA plugin is installed (a flag the user set keeps
+    the user's value)."""
+    if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return
+    given = environ.get("XLA_FLAGS", "")
+    names = {f.split("=")[0] for f in given.split()}
+    environ["XLA_FLAGS"] = " ".join([given, *(f for f in GPU_XLA_FLAGS if f.split("=")[0] not in names)]).strip()
+
+
+def compiler_options(flags: tuple[str, ...] = GPU_XLA_FLAGS) -> dict[str, bool | str]:
+    """XLA flags as per-compile options (`Lowered.compile(compiler_options=...)`)."""
+    options: dict[str, bool | str] = {}
+    for flag in flags:
+        key, value = flag.lstrip("-").split("=")
+        options[key] = {"true": True, "false": False}.get(value, value)
+    return options

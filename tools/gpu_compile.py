@@ -1,0 +1,136 @@
+"""Compile jaxserve's sequence-parallel programs for GPUs that are not here, and read the compiled schedule: does
+every ring transfer of K/V overlap attention?
+
+    .venv/bin/python tools/gpu_compile.py --out=bench_out/gpu_compile
+
+Needs JAX's CUDA plugin but no GPU and no CUDA libraries: tools/install.sh puts the plugin matching the installed
+jaxlib in .venv/cuda-compiler, outside the venv's own packages so that nothing else starts it, and this script
+puts that folder on its path (and skips the plugin's check of CUDA libraries, which it does not use). The compile is
+deviceless: `jax.experimental.topologies` describes --sp GPUs of the --gpu (tools/gpu_targets/*.pbtxt) on one
+host, and XLA's GPU compiler (Triton kernels included) runs as it would on them, with the XLA flags the launcher
+sets on GPU (xla_flags.GPU_XLA_FLAGS; --nolauncher_flags compiles without them).
+
+Programs:
+- ring: one layer's ring attention (`sharding.ring.ring_attention`: history + chunk) over the SP group;
+- chunk: the CDSP chunk step of the engine (`engine.sp_prefill.chunk_step`) for a Llama-3.1-8B-shaped model with
+  --layers layers, bf16, the Pallas kernels.
+
+For each collective-permute the report gives its bytes, whether XLA made it asynchronous, and the attention
+kernels (Pallas/Triton calls, counting those inside loops) scheduled while it is in flight. The compiled HLO of
+each program and a JSON summary go to --out. Exit status 1 if a K/V transfer overlaps no kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+from typing import Any
+
+PLUGIN = pathlib.Path(sys.prefix) / "cuda-compiler"
+if PLUGIN.is_dir():  # before JAX looks for plugins; the plugin's check of CUDA libraries would fail without them
+    sys.path.insert(0, str(PLUGIN))
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from absl import app, flags  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jaxserve import xla_flags  # noqa: E402
+from jaxserve.engine import sp_prefill  # noqa: E402
+from jaxserve.engine.scoring import DenseCausalBackend  # noqa: E402
+from jaxserve.models.config import llama3_8b  # noqa: E402
+from jaxserve.models.llama import Llama  # noqa: E402
+from jaxserve.sharding import overlap, ring  # noqa: E402
+from jaxserve.sharding.mesh import SP, make_mesh  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("sp", 8, "GPUs in the SP group.")
+flags.DEFINE_string("gpu", "h100", "GPU description: tools/gpu_targets/<gpu>.pbtxt.")
+flags.DEFINE_bool("launcher_flags", True, "Compile with the XLA flags the launcher sets on GPU.")
+flags.DEFINE_list("programs", ["ring", "chunk"], "Programs to compile: ring, chunk.")
+flags.DEFINE_integer("tokens", 8192, "Chunk tokens over the whole group.")
+flags.DEFINE_integer("history", 8192, "History tokens held by the group (over all devices).")
+flags.DEFINE_integer("layers", 2, "Layers of the chunk program's model.")
+flags.DEFINE_string("out", "bench_out/gpu_compile", "Folder for the compiled HLO and summary.json.")
+
+TARGETS = pathlib.Path(__file__).parent / "gpu_targets"
+KV_MIN_BYTES = 1 << 16  # smaller transfers (positions, scalars) are not the ring's K/V
+
+
+def gpu_mesh(n: int, gpu: str) -> jax.sharding.Mesh:
+    config = (TARGETS / f"{gpu}.pbtxt").read_text()
+    devices = topologies.get_topology_desc("jaxserve", "cuda", target_config=config, topology=f"1x1x{n}").devices
+    return make_mesh(devices)
+
+
+def ring_program(mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
+    n = mesh.shape[SP]
+    cfg = llama3_8b()
+    h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def body(q, k, v, q_pos, k_pos, hist_k, hist_v, hist_pos):
+        return ring.ring_attention(q, k, v, q_pos, k_pos, hist_k, hist_v, hist_pos, axis_size=n,
+                                   implementation="kernel")
+
+    spec = P(SP)
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 8, out_specs=(spec, spec), check_vma=False))
+    arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))  # noqa: E731
+    t, s = FLAGS.tokens, FLAGS.history
+    return step, (arg((t, h, d), jnp.bfloat16), arg((t, kvh, d), jnp.bfloat16), arg((t, kvh, d), jnp.bfloat16),
+                  arg((t,), jnp.int32), arg((t,), jnp.int32), arg((s, kvh, d), jnp.bfloat16),
+                  arg((s, kvh, d), jnp.bfloat16), arg((s,), jnp.int32))
+
+
+def chunk_program(mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
+    cfg = llama3_8b(FLAGS.layers)
+    one = jnp.zeros((1, 1), jnp.int32)
+    shapes = jax.eval_shape(lambda: Llama(cfg, DenseCausalBackend(), jnp.bfloat16).init(
+        jax.random.key(0), one, one, (), one[0]))
+    specs = jax.tree.map(lambda _: P(), shapes)  # tp = 1: every instance holds the whole model
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+                          shapes)
+    key_block = 512
+    step = sp_prefill.chunk_step(cfg, mesh, specs, key_block=key_block, dtype=jnp.bfloat16, implementation="kernel")
+    n = mesh.shape[SP]
+    cap = -(-FLAGS.history // n // key_block) * key_block
+    store = (cfg.num_layers, cap, cfg.num_kv_heads, cfg.head_dim)
+    return step, (params, *sp_prefill.chunk_args(mesh, FLAGS.tokens // n, cap, store, jnp.bfloat16))
+
+
+PROGRAMS = {"ring": ring_program, "chunk": chunk_program}
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    out = pathlib.Path(FLAGS.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = gpu_mesh(FLAGS.sp, FLAGS.gpu)
+    options = xla_flags.compiler_options() if FLAGS.launcher_flags else {}
+    summary: dict[str, Any] = {"gpu": FLAGS.gpu, "sp": FLAGS.sp, "tokens": FLAGS.tokens, "history": FLAGS.history,
+                               "layers": FLAGS.layers, "jax": jax.__version__, "compiler_options": options}
+    failed = False
+    for name in FLAGS.programs:
+        step, args = PROGRAMS[name](mesh)
+        hlo = step.lower(*args).compile(compiler_options=options).as_text()
+        (out / f"{name}.hlo").write_text(hlo)
+        found = overlap.transfers(hlo)
+        kv = [t for t in found if t.bytes >= KV_MIN_BYTES]
+        summary[name] = [dataclasses.asdict(t) | {"overlapped": t.overlapped} for t in found]
+        print(f"{name}: {len(found)} collective-permutes, {len(kv)} of K/V size; "
+              f"{sum(t.overlapped for t in kv)} of those overlap attention")
+        for t in kv:
+            print(f"  {t.name:32s} {t.bytes / 2**20:8.2f} MiB  {'async' if t.asynchronous else 'sync '}  "
+                  f"kernels in flight: {t.kernels_in_flight}  ({t.computation})")
+        failed |= not kv or not all(t.overlapped for t in kv)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if failed:
+        raise SystemExit(f"a K/V transfer overlaps no attention kernel (or none was found); see {out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
