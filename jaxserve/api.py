@@ -23,7 +23,7 @@ from jaxserve.engine.batch import Buckets
 from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
-from jaxserve.models import registry
+from jaxserve.models import random_weights, registry
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.gguf_loader import load_gguf
 from jaxserve.models.hf_loader import load_hf_dir
@@ -79,12 +79,24 @@ def _load(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextToken
         cfg, host_params = load_hf_dir(source)
         tokenizer = TextTokenizer.from_hf_dir(source)
     params = jax.tree.map(lambda x: jnp.asarray(x, _DTYPES[dtype]), host_params)
+    if jax.process_count() > 1:
+        # orbax's save is a collective over all processes and refuses host-local arrays: each process keeps
+        # its own conversion, and a later single-process start fills the cache
+        return cfg, params, tokenizer
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     checkpointer.save(ckpt_dir / "params", params, force=True)
     checkpointer.wait_until_finished()
     tokenizer.save(ckpt_dir)
     (ckpt_dir / "config.json").write_text(cfg.to_json())  # written last: marks the folder complete
     return cfg, params, tokenizer
+
+
+def _weights(model: str, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
+    """Config, device params and tokenizer of `model`: drawn for `random:<shape>` (the same in every process),
+    else loaded (_load)."""
+    if random_weights.is_random(model):
+        return random_weights.load(model, _DTYPES[dtype])
+    return _load(registry.resolve(model), dtype)
 
 
 def _init_shapes(cfg: LlamaConfig, dtype) -> Any:
@@ -143,10 +155,9 @@ class LLM:
                             ("max_prefills_per_step", max_prefills_per_step)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        source = registry.resolve(model)
         _enable_compilation_cache()
         self.model_name, self._dtype_name = model, dtype
-        self.config, params, self.tokenizer = _load(source, dtype)
+        self.config, params, self.tokenizer = _weights(model, dtype)
         if jax.process_index() != lockstep.LEADER:
             raise RuntimeError("LLM runs on the leader (process 0); other processes call jaxserve.api.follow")
         # the device layer: in one process made here; with several, made here and in every follower (lockstep)
@@ -343,5 +354,5 @@ def follow(model: str = registry.DEFAULT_MODEL, *, dtype: str = "float32") -> No
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     _enable_compilation_cache()
-    _, params, _ = _load(registry.resolve(model), dtype)
+    _, params, _ = _weights(model, dtype)
     lockstep.follow(jax.tree.map(np.asarray, params))

@@ -87,6 +87,17 @@ def test_chunk_padding_sees_nothing():
     assert np.isfinite(np.delete(lse, blind, axis=0)).all()
 
 
+def test_chunk_kernel_visits_exactly_the_key_blocks_a_query_block_can_see():
+    rng = np.random.default_rng(5)
+    q_pos = rng.permutation(96)  # any order: history stores and zigzag shards are not sorted
+    k_pos = rng.permutation(np.r_[np.arange(100), np.full(28, NO_POSITION)])
+    listed = np.asarray(chunk_attention.visible_blocks(jnp.asarray(q_pos), jnp.asarray(k_pos), 32, 16, 16))
+    assert listed.shape == (3, 16)
+    for qb, row in enumerate(listed):
+        want = [kb for kb in range(8) if k_pos[kb * 16:(kb + 1) * 16].min() <= q_pos[qb * 32:(qb + 1) * 32].max()]
+        assert list(row[:len(want)]) == want and (row[len(want):] == -1).all()
+
+
 def decode_case(rng, h, kvh, d, block_size, nblk, kv_lens):
     b = len(kv_lens)
     num_blocks = b * nblk + 3
@@ -97,14 +108,15 @@ def decode_case(rng, h, kvh, d, block_size, nblk, kv_lens):
 
 
 @pytest.mark.parametrize(
-    "h, kvh, d, block_size, nblk, num_splits, kv_lens",
-    [(6, 2, 16, 8, 8, 4, [1, 17, 64, 0, 37]), (4, 4, 32, 16, 4, 2, [50, 3])],
-    ids=["gqa3-4splits", "mha-2splits"],
+    "h, kvh, d, block_size, nblk, num_splits, kv_lens, key_block",
+    [(6, 2, 16, 8, 8, 4, [1, 17, 64, 0, 37], 8), (6, 2, 16, 8, 8, 4, [1, 17, 64, 0, 37], 16),
+     (4, 4, 32, 16, 4, 2, [50, 3], 128), (8, 2, 32, 16, 16, 2, [1, 70, 200, 256, 0, 129], 64)],
+    ids=["gqa3-4splits-1page", "gqa3-4splits-2pages", "mha-2splits", "gqa4-2splits-4pages"],
 )
-def test_paged_decode(h, kvh, d, block_size, nblk, num_splits, kv_lens):
+def test_paged_decode(h, kvh, d, block_size, nblk, num_splits, kv_lens, key_block):
     args = decode_case(np.random.default_rng(block_size + nblk), h, kvh, d, block_size, nblk, kv_lens)
     split = dict(block_size=block_size, num_splits=num_splits)
-    o, lse = dispatch.paged_decode_attention(*args, implementation="interpret", **split)
+    o, lse = dispatch.paged_decode_attention(*args, implementation="interpret", key_block=key_block, **split)
     ro, rlse = reference.paged_decode_attention(*args, **split)
     np.testing.assert_allclose(o, ro, **TOL)
     np.testing.assert_allclose(lse, rlse, **TOL)

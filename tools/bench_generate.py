@@ -1,7 +1,12 @@
-"""jaxserve vs Hugging Face transformers on the same machine, same model file, same dtype, one run.
+"""jaxserve vs Hugging Face transformers on the same machine, same model file, same dtype, one run; or, with
+--gpu, jaxserve's own serving throughput on a GPU for each of --gpu_models, in bfloat16.
 
     .venv/bin/pip install -e '.[reference]'
     .venv/bin/python tools/bench_generate.py [--decode_tokens=64] [--repeats=3] [--out=bench.json]
+    .venv/bin/python tools/bench_generate.py --gpu [--gpu_models=random:llama3-8b,smollm2-135m-instruct]
+
+--gpu needs no download and no transformers: `random:llama3-8b` is Llama-3.1-8B's shapes with random bf16 weights
+drawn on the device (models/random_weights.py); absolute tokens/s are reported, as only a GPU gives them.
 
 Both sides are timed the same way, through their generate APIs, after a warm-up (jaxserve compiles its step
 functions then): decode tokens/s = batch * (N - 1) / (t(N tokens) - t(1 token)), so prefill time cancels out;
@@ -17,10 +22,8 @@ import time
 
 import jax
 import numpy as np
-import torch
 from absl import app, flags
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
 import jaxserve
 from jaxserve import SamplingParams
@@ -34,20 +37,22 @@ flags.DEFINE_integer("long_prompt", 1024, "Prompt tokens for the prefill measure
 flags.DEFINE_integer("batch", 16, "Batch size of the aggregate decode measurement.")
 flags.DEFINE_integer("repeats", 3, "Timed repetitions; the median is reported.")
 flags.DEFINE_string("out", None, "Optional JSON file for the results.")
+flags.DEFINE_bool("gpu", False, "jaxserve alone, in bfloat16, for each of --gpu_models (absolute figures).")
+flags.DEFINE_list("gpu_models", ["random:llama3-8b", "smollm2-135m-instruct"], "Models for --gpu.")
 
 
-def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def prompts(n: int, length: int, seed: int, vocab: int = 40000) -> list[list[int]]:
     # Random ordinary tokens (ids above the special tokens), so both sides see identical inputs.
     rng = np.random.default_rng(seed)
-    return [rng.integers(100, 40000, size=length).tolist() for _ in range(n)]
+    return [rng.integers(min(100, vocab // 2), vocab, size=length).tolist() for _ in range(n)]
 
 
 class JaxServeSide:
     name = "jaxserve"
 
-    def __init__(self, model: str, batch: int, long_prompt: int):
+    def __init__(self, model: str, batch: int, long_prompt: int, dtype: str = "float32"):
         # no prefix caching: every repetition sends the same prompts, and transformers computes them each time
-        self.llm = jaxserve.LLM(model, max_model_len=max(2048, 2 * long_prompt), max_num_seqs=batch,
+        self.llm = jaxserve.LLM(model, dtype=dtype, max_model_len=max(2048, 2 * long_prompt), max_num_seqs=batch,
                                 prefix_caching=False)
 
     def generate(self, batch: list[list[int]], n: int) -> None:
@@ -59,22 +64,29 @@ class TransformersSide:
     name = "transformers"
 
     def __init__(self, model: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
         path = registry.resolve(model)
         self.model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
-    @torch.no_grad()
     def generate(self, batch: list[list[int]], n: int) -> None:
+        import torch
+
         ids = torch.tensor(batch)
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=0)
         assert out.shape[1] == ids.shape[1] + n
 
 
-def measure(sides: list, batch: int, short: int, long: int, n: int, repeats: int) -> dict[str, dict[str, float]]:
+def measure(sides: list, batch: int, short: int, long: int, n: int, repeats: int,
+            vocab: int = 40000) -> dict[str, dict[str, float]]:
     """Every metric for every side; the sides' repetitions interleave so background load hits both alike."""
-    decode = {"decode_tok_s_batch1": prompts(1, short, 0), f"decode_tok_s_batch{batch}": prompts(batch, short, 1)}
-    prefill_key, big = f"prefill_tok_s_{long}", prompts(1, long, 2)
+    decode = {"decode_tok_s_batch1": prompts(1, short, 0, vocab),
+              f"decode_tok_s_batch{batch}": prompts(batch, short, 1, vocab)}
+    prefill_key, big = f"prefill_tok_s_{long}", prompts(1, long, 2, vocab)
     runs = [(key, p, tokens) for key, p in decode.items() for tokens in (1, n)] + [(prefill_key, big, 1)]
     times: dict[tuple[str, str, int], list[float]] = {}
     for side in sides:  # warm-up: jaxserve compiles every shape used below
@@ -96,9 +108,33 @@ def measure(sides: list, batch: int, short: int, long: int, n: int, repeats: int
     return res
 
 
+def gpu_table(f) -> dict[str, dict[str, float]]:
+    """jaxserve's figures for each model, bfloat16, on this machine's first device."""
+    results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+    for model in f.gpu_models:
+        side = JaxServeSide(model, f.batch, f.long_prompt, dtype="bfloat16")
+        side.name = model
+        results.update(measure([side], f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats,
+                               vocab=min(40000, side.llm.config.vocab_size)))
+        del side
+        if f.out:  # a crash in a later model keeps what was measured
+            with open(f.out, "w") as fh:
+                json.dump(results, fh, indent=1)
+    print(f"{results['device']}, jax {results['jax']}, bfloat16")
+    for model in f.gpu_models:
+        for key, value in results[model].items():
+            print(f"{model:<28}{key:<28}{value:>12.1f} tok/s")
+    return results
+
+
 def main(argv: list[str]) -> None:
     del argv
     f = FLAGS
+    if f.gpu:
+        gpu_table(f)
+        return
+    import torch
+
     print(f"torch {torch.__version__} threads {torch.get_num_threads()}; jax {jax.__version__} {jax.devices()}")
     sides = [TransformersSide(f.model), JaxServeSide(f.model, f.batch, f.long_prompt)]
     results = measure(sides, f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats)

@@ -2,8 +2,11 @@
 
 Same signature and semantics as `reference.chunk_attention`: key j is visible to query i iff k_pos[j] <= q_pos[i];
 rows that see nothing give o=0, lse=-inf. Grid over (query head, query block); each program walks the key
-blocks with an online softmax in float32, skipping blocks whose smallest position is past the block's last
-query (causal tail, padding). GQA: the K/V BlockSpecs map query head i to KV head i // (h // kvh).
+blocks with an online softmax in float32 (base 2). Which key blocks a query block can see at all (smallest key
+position <= its last query position) is worked out before the kernel, for any order of positions (zigzag
+shards, history stores): each program gets the list of its visible blocks and loops over just those, with no
+branch in the loop (the causal tail and padding cost nothing). GQA: the K/V BlockSpecs map query head i to KV
+head i // (h // kvh).
 """
 
 from __future__ import annotations
@@ -20,26 +23,34 @@ from jaxserve.pallas_kernels import common
 from jaxserve.pallas_kernels.reference import NO_POSITION
 
 
-def _kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int, scale: float):
+def _kernel(visible_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int,
+            scale: float):
     q = q_ref[...]  # [block_q, d]
     q_pos = q_pos_ref[...]
-    q_last = jnp.max(q_pos)
+    count = jnp.sum((visible_ref[...] >= 0).astype(jnp.int32))  # visible blocks, listed first (-1 after)
 
     def body(j, carry):
-        start = pl.multiple_of(j * block_k, block_k)
+        start = pl.multiple_of(visible_ref[j] * block_k, block_k)
         k_pos = k_pos_ref[pl.ds(start, block_k)]
+        s = common.scores(q, k_ref[pl.ds(start, block_k), :], scale)
+        s = jnp.where(k_pos[None, :] <= q_pos[:, None], s, -jnp.inf)
+        return common.online_softmax(carry, s, v_ref[pl.ds(start, block_k), :])
 
-        def visit(carry):
-            s = common.scores(q, k_ref[pl.ds(start, block_k), :], scale)
-            s = jnp.where(k_pos[None, :] <= q_pos[:, None], s, -jnp.inf)
-            return common.online_softmax(carry, s, v_ref[pl.ds(start, block_k), :])
-
-        return lax.cond(jnp.min(k_pos) <= q_last, visit, lambda c: c, carry)
-
-    carry = lax.fori_loop(0, k_ref.shape[0] // block_k, body, common.init_carry(*q.shape))
-    o, lse = common.finish(carry)
+    o, lse = common.finish(lax.fori_loop(0, count, body, common.init_carry(*q.shape)))
     o_ref[...] = o
     lse_ref[...] = lse
+
+
+def visible_blocks(q_pos: Int[Array, "t"], k_pos: Int[Array, "s"], block_q: int, block_k: int,
+                   width: int) -> Int[Array, "nq width"]:
+    """Per query block, the key blocks it can see (smallest key position <= its largest query position) in
+    increasing order, then -1 up to `width` columns."""
+    q_last = q_pos.reshape(-1, block_q).max(axis=1)
+    k_first = k_pos.reshape(-1, block_k).min(axis=1)
+    seen = k_first[None, :] <= q_last[:, None]  # [nq, nk]
+    order = jnp.argsort(~seen, axis=1, stable=True).astype(jnp.int32)  # visible blocks first, in order
+    listed = jnp.where(jnp.take_along_axis(seen, order, axis=1), order, -1)
+    return common.pad_axis(listed, 1, width, -1)
 
 
 # block_q / block_k: 128 / 64 suit head_dim 128 on H100 in Triton flash kernels; tune with tools/bench_attention.py.
@@ -68,11 +79,15 @@ def chunk_attention(
     k = common.pad_axis(common.pad_axis(k, 0, s_pad), 2, d_pad)
     v = common.pad_axis(common.pad_axis(v, 0, s_pad), 2, d_pad)
 
+    width = pl.next_power_of_2(s_pad // block_k)  # Triton blocks are powers of two
+    visible = visible_blocks(q_pos, k_pos, block_q, block_k, width)
+
     kv_spec = pl.BlockSpec((s_pad, None, d_pad), lambda i, j: (0, i // group, 0))
     o, lse = pl.pallas_call(
         functools.partial(_kernel, block_k=block_k, scale=d**-0.5),
         grid=(h, t_pad // block_q),
         in_specs=[
+            pl.BlockSpec((None, width), lambda i, j: (j, 0)),
             pl.BlockSpec((block_q,), lambda i, j: (j,)),
             pl.BlockSpec((s_pad,), lambda i, j: (0,)),
             pl.BlockSpec((block_q, None, d_pad), lambda i, j: (j, i, 0)),
@@ -90,5 +105,5 @@ def chunk_attention(
         compiler_params=common.gpu_params(d_pad, interpret),
         interpret=interpret,
         name="chunk_attention",
-    )(q_pos, k_pos, q, k, v)
+    )(visible, q_pos, k_pos, q, k, v)
     return o[:t, :, :d], lse[:t]

@@ -57,13 +57,14 @@ def paged_decode_attention(
     block_size: int,
     num_splits: int,
     implementation: Implementation | None = None,
+    **tiles: int,
 ) -> tuple[Float[Array, "b n h d"], Float[Array, "b n h"]]:
     impl = resolve(implementation)
     if impl == "reference":
         return reference.paged_decode_attention(
             q, k_cache, v_cache, block_tables, kv_lens, block_size=block_size, num_splits=num_splits)
     return decode_kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, kv_lens, block_size=block_size,
-                                                num_splits=num_splits, interpret=impl == "interpret")
+                                                num_splits=num_splits, interpret=impl == "interpret", **tiles)
 
 
 def tiled_paged_attention(
