@@ -47,6 +47,14 @@ def test_power_of_two_only_picks_instances_with_room_and_spreads_heavy_decodes()
     assert power_of_two([DecodeLoad(10, 1), DecodeLoad(50, 1)], need=2000, heavy=False, rng=rng) == 1  # fallback
 
 
+def test_power_of_two_sends_heavy_decodes_by_heavy_count_and_light_ones_by_total():
+    # A holds fewer requests, B fewer heavy decodes: only the heavy rule tells them apart the other way
+    rng = random.Random(1)
+    loads = [DecodeLoad(10_000, 2, heavy=2, light=0), DecodeLoad(10_000, 5, heavy=0, light=5)]
+    assert {power_of_two(loads, need=100, heavy=True, rng=rng) for _ in range(10)} == {1}
+    assert {power_of_two(loads, need=100, heavy=False, rng=rng) for _ in range(10)} == {0}
+
+
 def test_power_of_two_dispatch_in_the_disaggregated_cluster_balances_heavy_decodes():
     from jaxserve.sched import cost_models as cm
     from jaxserve.sched.cdsp import CDSPPlanner, Pool

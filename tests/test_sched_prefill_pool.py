@@ -37,7 +37,10 @@ def test_arrival_rate_counts_the_window():
     fresh = ArrivalRate(window=10.0)
     for t in (0.0, 1.0, 2.0):
         fresh.observe(t)
-    assert fresh.rate(2.0) == pytest.approx(1.5)  # only 2 s seen so far
+    assert fresh.rate(2.0) == pytest.approx(1.0)  # only 2 s seen so far: 2 intervals of 1 s
+    one = ArrivalRate(window=10.0)
+    one.observe(3.0)
+    assert one.rate(3.0) is None and one.rate(5.0) is None  # one arrival measures nothing
 
 
 def test_adaptive_planner_follows_the_load():
@@ -49,6 +52,17 @@ def test_adaptive_planner_follows_the_load():
     for t in np.arange(10, 20, 0.25):  # 4 req/s
         planner.on_arrival(float(t))
     assert planner.planner.improvement_rate == 0.7
+
+
+def test_adaptive_planner_reads_the_load_from_the_first_arrivals():
+    # Tetris's setting: 30 s window and updates; a loaded start must not run 30 s at the light-load rate.
+    planner = AdaptiveCDSP(CDSPPlanner(MODEL, POOL), RateTable((0.5, 4.0), (0.05, 0.7)))
+    for t in np.arange(0, 3, 0.25):  # 4 req/s from the start
+        planner.on_arrival(float(t))
+    assert planner.planner.improvement_rate == 0.7
+    for t in np.arange(3, 40, 2.0):  # then 0.5 req/s: followed once the 30 s window has seen it
+        planner.on_arrival(float(t))
+    assert planner.planner.improvement_rate == 0.05
 
 
 def test_pool_run_books_instances_and_times_every_request():

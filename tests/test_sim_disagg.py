@@ -1,8 +1,9 @@
 """The disaggregated cluster: CDSP prefill pool, chunk-wise KV transfer through scarce receive backends, decode
-instances dispatched by freeness with virtual usage, decoding on the real ReplicaScheduler."""
+instances dispatched by freeness with virtual usage, decoding on sched/decode.py's DecodeScheduler."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
@@ -12,7 +13,7 @@ from jaxserve.sched.plan import Outcome
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
-from jaxserve.sim.workload import long_context
+from jaxserve.sim.workload import Workload, long_context
 
 
 MODEL = cm.TetrisPrefill.fit(tetris_table1_samples())
@@ -44,6 +45,15 @@ def test_dispatch_spreads_requests_over_decode_instances():
     served = [d.scheduler.num_finished for d in sim.decoders]
     assert sum(served) == sum(r.output_len > 1 for r in res.requests)
     assert min(served) > 0.15 * sum(served)  # freeness keeps every instance in use
+
+
+def test_virtual_usage_spreads_a_burst_whose_kv_has_not_landed():
+    # 8 equal requests at once: nothing has reached a decode instance when each is dispatched, so only the
+    # virtual usage (the promised prompt KV) tells the instances apart; without it all 8 go to the first one
+    burst = Workload(np.zeros(8), np.full(8, 4096), np.full(8, 64), "burst")
+    sim = DisaggSimulator(CDSPPlanner(MODEL, POOL, 0.2), best, DisaggConfig(decode_instances=4))
+    sim.run(burst, progress=False)
+    assert [d.scheduler.num_finished for d in sim.decoders] == [2, 2, 2, 2]
 
 
 def test_scarce_receive_backends_delay_decoding_but_lose_nothing():

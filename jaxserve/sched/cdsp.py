@@ -8,8 +8,9 @@ prefill instances runs each, given how long every instance is already booked.
 - Chunking (Algorithm 1): for SP pairs (current < next) up to the single-chunk size, the current chunk runs on
   the current group for exactly as long as the next group's extra instances stay busy (Algorithm 3: Eq. (1) is
   a quadratic in the chunk size for a fixed history, solved in closed form), Eq. (2) books the group until
-  then, and the rest continues on a group that extends this one. The recursion over pairs is evaluated as a
-  dynamic programme over nested groups (see _chains), so planning stays well under a millisecond.
+  then, and the rest continues on a group that extends this one, its SP size chosen afresh by Algorithm 2 for
+  the rest (with its history), so it may exceed the first single-chunk choice. The recursion over pairs is
+  evaluated as a dynamic programme over nested groups (see _chains), so planning stays well under a millisecond.
 
 Times are relative to now; queues are per-instance seconds until free. Pure Python + numpy.
 """
@@ -131,12 +132,17 @@ class CDSPPlanner:
         return _Booking(self.pool, q, self._node_base)
 
     # -- Algorithm 2 -----------------------------------------------------------------------------------------
-    def _single_chunk(self, tokens: int, book: "_Booking") -> tuple[float, "_Group"]:
-        """The TTFT and group of the whole prompt as one chunk."""
+    def _single_chunk(self, tokens: int, book: "_Booking", prev: "_Group | None" = None,
+                      h: int = 0) -> tuple[float, "_Group"]:
+        """The TTFT and group of `tokens` as one chunk after h history tokens, on a group extending `prev`
+        (default: none)."""
+        prev = prev or book.root
         best_end, best = 0.0, None
         for sp in self.sizes:  # every size fits the pool (checked at construction)
-            group = book.extend(book.root, sp)
-            end = group.ready + self.latency(sp, tokens, 0)
+            group = book.extend(prev, sp) if sp >= prev.sp else None
+            if group is None:
+                continue
+            end = group.ready + self.latency(sp, tokens, h)
             if best is None or end < best_end * (1 - self.improvement_rate):
                 best_end, best = end, group
         return best_end, best
@@ -155,20 +161,25 @@ class CDSPPlanner:
             sizes = [s for s in self.sizes if s <= single.sp]
             coefs = [self._coef[s] for s in sizes]
             for first in range(len(sizes) - 1):
-                chained = self._chains(tokens, book.chain(sizes[first:]), coefs[first:], ttft)
+                chained = self._chains(tokens, book, book.chain(sizes[first:]), coefs[first:], ttft)
                 if chained is not None:
                     ttft, steps = chained
         # Chunks are built for the chosen plan only: the search itself runs on (group, tokens, history) steps
         return ChunkPlan(tuple(self._chunk(*step) for step in steps))
 
-    def _chains(self, tokens: int, groups: list["_Group"], coefs: list[Coef],
+    def _chains(self, tokens: int, book: "_Booking", groups: list["_Group"], coefs: list[Coef],
                 bound: float) -> tuple[float, tuple[Step, ...]] | None:
         """The TTFT and steps of the best plan that beats `bound` with chunks on the nested groups G_1 < G_2 < ...
         (a _Booking.chain; coefs[i]: Eq. (1) at G_i's size). Algorithm 1's recursion over (current, next) SP
         pairs, evaluated as a dynamic programme: a chunk on G_j runs from when G_j is ready until a larger G_i is
         (Eq. 2 books G_j exactly that long), so reaching G_i with more of the prompt done is never worse (the
         chunk solved for a budget shrinks by less than the history grows, and the rest's latency falls with
-        history). Keeping the most progress per group makes the search O(sizes^2) instead of exponential."""
+        history). Keeping the most progress per group makes the search O(sizes^2) instead of exponential.
+
+        The last chunk goes to Algorithm 2's group for the rest, extending G_i at any size (the chain itself stops
+        at the prompt's single-chunk size): a literal recursion that re-runs Algorithm 2 on every rest found
+        lower TTFT than the chain alone in 8 of 600 random cases (up to 1.76x); with this, in 6 (up to 1.29x),
+        while it loses in 75 to the DP."""
         ready = [g.ready for g in groups]
         done: list[int | None] = [0] + [None] * (len(groups) - 1)  # most prompt tokens done when G_i is ready
         back = [0] * len(groups)  # the group whose chunk ran until G_i was ready
@@ -177,17 +188,17 @@ class CDSPPlanner:
             if h is None:
                 continue
             coef, start = coefs[j], ready[j]
-            if j:  # finish the prompt on G_j
-                end = start + _latency(coef, tokens - h, h)
+            if j:  # finish the prompt on a group extending G_j, its size chosen by Algorithm 2 for the rest
+                end, last = self._single_chunk(tokens - h, book, groups[j], h)
                 if end < bound:
-                    bound, best = end, j
+                    bound, best, finish = end, j, last
             # each chunk runs until a larger group's extra instances free up
             for i, n in enumerate(_chunks_for(coef, h, start, ready[j + 1:]), j + 1):
                 if min_chunk <= n < tokens - h and (done[i] is None or h + n > done[i]):
                     done[i], back[i] = h + n, j
         if not best:
             return None
-        steps = [(groups[best], tokens - done[best], done[best])]
+        steps = [(finish, tokens - done[best], done[best])]
         i = best
         while i:  # back to G_1
             j = back[i]

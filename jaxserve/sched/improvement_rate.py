@@ -44,7 +44,9 @@ class RateTable:
 
 
 class ArrivalRate:
-    """Requests per second over the last `window` seconds (over the time seen so far while shorter)."""
+    """Requests per second over the last `window` seconds; until `window` seconds have been seen, the arrivals so
+    far over the intervals between them (n - 1 over the span: n over the span would read 2 arrivals 1 s apart as
+    2 req/s)."""
 
     def __init__(self, window: float = 30.0):
         if window <= 0:
@@ -60,15 +62,24 @@ class ArrivalRate:
         while self._times[0] < t - self.window:
             self._times.popleft()
 
-    def rate(self, now: float) -> float:
-        if self._first is None:
-            return 0.0
-        span = min(self.window, now - self._first)
-        return len(self._times) / span if span > 0 else 0.0
+    def warm(self, now: float) -> bool:
+        """A whole window has been seen."""
+        return self._first is not None and now - self._first >= self.window
+
+    def rate(self, now: float) -> float | None:
+        """The estimate, or None before two arrivals (nothing to measure yet)."""
+        if self.warm(now):
+            return len(self._times) / self.window
+        if len(self._times) < 2 or now <= self._first:
+            return None
+        return (len(self._times) - 1) / (now - self._first)
 
 
 class AdaptiveCDSP:
-    """A CDSP planner whose improvement rate follows the observed load through a RateTable."""
+    """A CDSP planner whose improvement rate follows the observed load through a RateTable.
+
+    Until a whole window has been seen, the rate is re-read at every arrival (the first lookup would otherwise
+    come from one arrival and hold for `update_every`: Tetris's 30 s of a light-load rate under any load)."""
 
     def __init__(self, planner: CDSPPlanner, table: RateTable, window: float = 30.0, update_every: float = 30.0):
         self.planner, self.table, self.update_every = planner, table, update_every
@@ -78,8 +89,9 @@ class AdaptiveCDSP:
 
     def on_arrival(self, t: float) -> None:
         self.arrivals.observe(t)
-        if t >= self._next_update:
-            self.planner.improvement_rate = self.table.lookup(self.arrivals.rate(t))
+        rate = self.arrivals.rate(t)
+        if rate is not None and (t >= self._next_update or not self.arrivals.warm(t)):
+            self.planner.improvement_rate = self.table.lookup(rate)
             self._next_update = t + self.update_every
 
     def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan:

@@ -60,7 +60,7 @@ class DecodeInstance:
     def __init__(self, index: int, config: DisaggConfig, cost: ProfileBatchCost):
         self.index, self.cost = index, cost
         self.scheduler = DecodeScheduler(config.decode_kv_capacity(), config.admission, group=(index,))
-        self.virtual = 0  # KV slots promised to requests whose transfer is in flight
+        self.virtual = 0  # KV slots promised to requests whose transfer is in flight (Tetris's virtual usage)
         self.backends = [0.0] * config.recv_backends  # when each receive buffer frees
         self.heavy = self.light = 0  # assigned requests by predicted decode length
         self.is_heavy: dict[str, bool] = {}
@@ -169,8 +169,8 @@ class _Run:
             if kind == "arrive":
                 self._arrive(now, payload)
             elif kind == "kv_ready":
-                dec, r, predicted = payload
-                dec.virtual -= r.prompt_len + r.output_len
+                dec, r, predicted, promised = payload
+                dec.virtual -= promised
                 dec.scheduler.add(r, predicted)
                 self._launch(dec, now)
             elif kind == "done":
@@ -224,10 +224,13 @@ class _Run:
             self._done(1)
             return
         landed = max(dec.receive(t + c.end, sim.transfer_seconds(c.tokens, c.sp)) for c in plan.chunks)
-        dec.virtual += p + o
+        # virtual usage: the prompt's KV on its way, plus the predicted decode where a predictor is configured;
+        # never the true output length, which the dispatcher cannot know
+        promised = p + (hi if sim.predictor is not None else 0)
+        dec.virtual += promised
         dec.is_heavy[r.id] = heavy
         dec.heavy, dec.light = dec.heavy + heavy, dec.light + (not heavy)
-        self._push(landed, 1, "kv_ready", (dec, r, hi))
+        self._push(landed, 1, "kv_ready", (dec, r, hi, promised))
 
     def _launch(self, dec: DecodeInstance, now: float) -> None:
         cfg, sim = self.cfg, self.sim
