@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import jax
 
-from jaxserve.sharding.processes import LEADER, ProcessLost, coordination_client as _client
+from jaxserve.sharding.processes import LEADER, ProcessLost, coordination_client as _client, finish_publishing
 
 PREFIX = "jaxserve/op/"
 POLL_MS = 1000  # a follower waits this long per try for the next call
@@ -185,34 +185,45 @@ def follow(params: Any) -> None:
     ProcessLost when the leader is gone."""
     objects: dict[str, Any] = {}
     client, me = _client(), jax.process_index()
-    threading.Thread(target=_beat, args=(client, me), daemon=True, name="jaxserve-heartbeat").start()
+    stop = threading.Event()
+    beat = threading.Thread(target=_beat, args=(client, me, stop), daemon=True, name="jaxserve-heartbeat")
+    beat.start()
+    try:
+        for n in itertools.count():
+            raw = None
+            while raw is None:
+                try:
+                    raw = client.blocking_key_value_get_bytes(f"{PREFIX}{n}", POLL_MS)
+                except Exception as e:  # noqa: BLE001
+                    if "DEADLINE_EXCEEDED" not in str(e):  # the store lives in the leader: no answer, no leader
+                        raise ProcessLost(f"the leader (process {LEADER}) is gone: {e}") from e
+            op = _Unpickler(io.BytesIO(raw), params, objects).load()
+            if op[0] == "stop":
+                return
+            if op[0] == "sync":
+                client.key_value_set(f"jaxserve/synced/{me}/{op[1]}", "1")
+            elif op[0] == "new":
+                _, name, cls, args, kwargs = op
+                objects[name] = cls(*args, **kwargs)
+            else:
+                _, name, attr, args, kwargs = op
+                getattr(objects[name], attr)(*args, **kwargs)
+            if n % 16 == 15:
+                client.key_value_set(f"jaxserve/done/{me}", str(n + 1), allow_overwrite=True)
+    finally:
+        # no thread of ours may still be inside a jax call when the interpreter ends: Python would unwind it
+        # from under the C++ frame (glibc: "FATAL: exception not rethrown", the process aborts)
+        stop.set()
+        beat.join(timeout=10 * HEARTBEAT_S)
+        finish_publishing()
+
+
+def _beat(client, me: int, stop: threading.Event) -> None:
     for n in itertools.count():
-        raw = None
-        while raw is None:
-            try:
-                raw = client.blocking_key_value_get_bytes(f"{PREFIX}{n}", POLL_MS)
-            except Exception as e:  # noqa: BLE001
-                if "DEADLINE_EXCEEDED" not in str(e):  # the store lives in the leader: no answer, no leader
-                    raise ProcessLost(f"the leader (process {LEADER}) is gone: {e}") from e
-        op = _Unpickler(io.BytesIO(raw), params, objects).load()
-        if op[0] == "stop":
+        if stop.is_set():
             return
-        if op[0] == "sync":
-            client.key_value_set(f"jaxserve/synced/{me}/{op[1]}", "1")
-        elif op[0] == "new":
-            _, name, cls, args, kwargs = op
-            objects[name] = cls(*args, **kwargs)
-        else:
-            _, name, attr, args, kwargs = op
-            getattr(objects[name], attr)(*args, **kwargs)
-        if n % 16 == 15:
-            client.key_value_set(f"jaxserve/done/{me}", str(n + 1), allow_overwrite=True)
-
-
-def _beat(client, me: int) -> None:
-    for n in itertools.count():
         try:
             client.key_value_set_bytes(f"jaxserve/alive/{me}", str(n).encode(), allow_overwrite=True)
         except Exception:  # noqa: BLE001 (the leader is gone: follow() finds out)
             return
-        time.sleep(HEARTBEAT_S)
+        stop.wait(HEARTBEAT_S)

@@ -138,6 +138,15 @@ def _local_value(x: jax.Array, device: jax.Device, index: int | None) -> np.ndar
     return value if index is None else value[index - (shard.index[0].start or 0)]
 
 
+_publishing: list[threading.Thread] = []  # a follower's threads that publish values for the leader
+
+
+def finish_publishing() -> None:
+    """Wait for the values this process is publishing (a follower, before it ends)."""
+    while _publishing:
+        _publishing.pop().join(timeout=VALUE_TIMEOUT_S)
+
+
 class Later:
     """A value of device array x (or its element `index` on the first axis) that the leader reads once x's
     devices finish: ready() polls, value() waits. Its holder publishes it (from a thread, so the lockstep goes on
@@ -149,7 +158,9 @@ class Later:
         self._value: np.ndarray | None = None
         self._key = f"jaxserve/value/{next(_reads)}"
         if is_local(self._holder) and jax.process_index() != LEADER:
-            threading.Thread(target=self._publish, daemon=True).start()
+            thread = threading.Thread(target=self._publish, daemon=True)
+            _publishing.append(thread)
+            thread.start()
 
     def _publish(self) -> None:
         coordination_client().key_value_set_bytes(self._key, pickle.dumps(self.value()))
