@@ -8,6 +8,7 @@ to 0 keeps its hash (free-but-cached) in an LRU free queue and is evicted only w
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 from typing import Sequence
@@ -47,8 +48,10 @@ class KVCacheManager:
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks  # set only while the block is published in _cached
         self._cached: dict[bytes, int] = {}  # hash -> its canonical block
-        # ref-0 blocks as an ordered set: allocate pops the front (least recently freed), free appends at the back
-        self._free: dict[int, None] = dict.fromkeys(range(scratch_blocks, num_blocks))
+        # ref-0 blocks as an ordered set: allocate pops the front (least recently freed), free appends at the back.
+        # OrderedDict, not dict: a dict's front, once deleted from, is found again in O(deletions) (CPython)
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
+            range(scratch_blocks, num_blocks))
         self._tables: dict[str, list[int]] = {}
         self._chains: dict[str, list[bytes]] = {}  # hashes of each table's committed full blocks, in order
 
@@ -112,8 +115,7 @@ class KVCacheManager:
             return None
         new = []
         for _ in range(need):
-            block = next(iter(self._free))
-            del self._free[block]
+            block, _ = self._free.popitem(last=False)
             if (h := self._hash[block]) is not None:
                 del self._cached[h]
                 self._hash[block] = None
