@@ -20,7 +20,7 @@ from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.step_shapes import StepShapes
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class BatchState:
     """A batch under construction, as much as any cost model needs to price it in O(1)."""
 
@@ -43,15 +43,25 @@ class BatchCost(abc.ABC):
 
     def add_prefill(self, state: BatchState, n: int, h: int) -> BatchState:
         """`state` with a chunk of n tokens after h cached ones."""
-        return dataclasses.replace(state, tokens=state.tokens + n, rows=state.rows + 1, prefills=state.prefills + 1,
-                                   prefill_span=max(state.prefill_span, h + n))
+        # built directly, not by dataclasses.replace: the packer calls this in its inner loop
+        return BatchState(state.tokens + n, state.rows + 1, state.attention + self.chunk_attention(n, h),
+                          state.prefills + 1, max(state.prefill_span, h + n), state.decode_span, state.decode_kv)
 
     def add_decodes(self, state: BatchState, kvs: Sequence[int]) -> BatchState:
         """`state` with one decode token per entry of kvs, each over that many cached tokens."""
         if not kvs:
             return state
-        return dataclasses.replace(state, tokens=state.tokens + len(kvs), rows=state.rows + len(kvs),
-                                   decode_span=max(state.decode_span, max(kvs)), decode_kv=state.decode_kv + sum(kvs))
+        return BatchState(state.tokens + len(kvs), state.rows + len(kvs),
+                          state.attention + self.decodes_attention(kvs), state.prefills, state.prefill_span,
+                          max(state.decode_span, max(kvs)), state.decode_kv + sum(kvs))
+
+    def chunk_attention(self, n: int, h: int) -> float:
+        """What a chunk adds to BatchState.attention (additive models; others price the spans)."""
+        return 0.0
+
+    def decodes_attention(self, kvs: Sequence[int]) -> float:
+        """What decodes over `kvs` add to BatchState.attention."""
+        return 0.0
 
     def batch_time(self, prefills: Iterable[tuple[int, int]] = (), decode_kvs: Sequence[int] = ()) -> float:
         state = self.add_decodes(BatchState(), decode_kvs)
@@ -80,13 +90,11 @@ class AdditiveBatchCost(BatchCost):
     def time(self, state: BatchState) -> float:
         return self.overhead + self.linear_ops(state.tokens) + state.attention if state.tokens else 0.0
 
-    def add_prefill(self, state: BatchState, n: int, h: int) -> BatchState:
-        state = super().add_prefill(state, n, h)
-        return dataclasses.replace(state, attention=state.attention + self.prefill_attention(n, h))
+    def chunk_attention(self, n: int, h: int) -> float:
+        return self.prefill_attention(n, h)
 
-    def add_decodes(self, state: BatchState, kvs: Sequence[int]) -> BatchState:
-        state = super().add_decodes(state, kvs)
-        return dataclasses.replace(state, attention=state.attention + sum(self.decode_attention(kv) for kv in kvs))
+    def decodes_attention(self, kvs: Sequence[int]) -> float:
+        return sum(self.decode_attention(kv) for kv in kvs)
 
 
 class TetrisBatchCost(AdditiveBatchCost):
