@@ -44,6 +44,9 @@ def summarize(requests: Sequence[Request], span: float) -> dict[str, float]:
     done = [r for r in requests if r.finished]
     out: dict[str, float] = {"requests": len(requests), "finished": len(done)}
     out |= _percentiles([r.first_token_at - r.arrival for r in done], "ttft")
+    # TTFT as a fraction of the request's own deadline: comparable across prompt lengths (Medha Fig. 13)
+    out |= _percentiles([(r.first_token_at - r.arrival) / (r.ttft_deadline - r.arrival) for r in done
+                         if math.isfinite(r.ttft_deadline) and r.ttft_deadline > r.arrival], "ttft_norm")
     out |= _percentiles([g for r in done for g in r.token_gaps], "tbt")
     out |= _percentiles([tpot(r) for r in done if r.generated > 1], "tpot")
     out |= _percentiles([r.finished_at - r.arrival for r in done], "e2e")
