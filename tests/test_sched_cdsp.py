@@ -1,5 +1,5 @@
 """Tetris CDSP planning: the Section 2.4 examples with Eq. (1) fitted to Table 1, node-aware groups, chunk
-solving, recursion invariants, and the fixed-SP baseline."""
+solving, recursion invariants, cache balancing's cost, and the fixed-SP baseline."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-from jaxserve.sched.cdsp import CDSPPlanner, FixedSPPlanner, Pool
-from jaxserve.sched.profiles import tetris_table1_samples
+from jaxserve.sched.cdsp import Balancing, CDSPPlanner, FixedSPPlanner, Pool, _chunks_for, chunk_seconds
+from jaxserve.sched.profiles import network, tetris_table1_samples
+from jaxserve.sim.prefill_pool import IMPROVEMENT_RATES
 
 
 K = 1024
 MODEL = cm.TetrisPrefill.fit(tetris_table1_samples())
 POOL = Pool(nodes=2, per_node=8)  # 16 LLaMA3-8B instances, TP=1
+BALANCING = Balancing.from_profile("a100_llama3_8b", per_node=8)
 
 
 def test_table1_fit_charges_history_like_causal_attention():
@@ -29,15 +31,21 @@ def test_section_2_4_a_load_aware_sp_beats_greedy_sp16():
     first = greedy.plan(32 * K, queues)
     second = greedy.plan(16 * K, first.commit(queues))
     assert first.chunks[-1].sp == 16
-    assert (first.ttft, second.ttft) == pytest.approx((1.53, 1.84), rel=0.05)
+    greedy_first, greedy_second = first.ttft, second.ttft
+    assert (greedy_first, greedy_second) == pytest.approx((1.53, 1.84), rel=0.05)
 
-    # any rate between the 32K request's SP 8 -> 16 gain (0.5% of TTFT) and the 16K one's SP 4 -> 8 gain (4.5%)
-    planner = CDSPPlanner(MODEL, POOL, improvement_rate=0.03)
+    # The profiler's smallest rate (Tetris profiles 0.05-0.75): SP 16 gains the 32K request 0.5% over SP 8, so it
+    # takes 8 instances and the 16K request starts at once on the other 8, as in the paper. There the 16K one runs
+    # on SP 8 (1.31 s); with the fit it gets SP 4 (1.39 s): SP 8 gains it 4.8% of TTFT, under the 5% bar (5.8% on
+    # raw Table 1, 1.39 -> 1.31 s, which would clear it). Only a rate between 0.5% and 4.8% gives the paper's pair.
+    planner = CDSPPlanner(MODEL, POOL, improvement_rate=min(IMPROVEMENT_RATES))
     first = planner.plan(32 * K, queues)
     second = planner.plan(16 * K, first.commit(queues))
-    assert [c.sp for c in first.chunks] == [8] and [c.sp for c in second.chunks] == [8]
-    assert set(first.chunks[0].group).isdisjoint(second.chunks[0].group)
-    assert (first.ttft, second.ttft) == pytest.approx((1.58, 1.31), rel=0.05)
+    assert [c.sp for c in first.chunks] == [8] and [c.sp for c in second.chunks] == [4]
+    assert set(first.chunks[0].group).isdisjoint(second.chunks[0].group) and second.chunks[0].start == 1.0
+    assert first.ttft == pytest.approx(1.58, rel=0.05)
+    assert second.ttft == pytest.approx(1 + 0.39, rel=0.05)  # Table 1: 16K on SP 4
+    assert first.ttft + second.ttft < greedy_first + greedy_second  # better on the whole (paper: 2.89 vs 3.37 s)
 
 
 def test_section_2_4_b_idle_time_and_ttft_penalty_and_cdsp_fills_the_gap():
@@ -110,6 +118,51 @@ def test_the_rest_of_a_prompt_may_take_a_larger_group_than_the_first_choice():
     for c in plan.chunks:  # the same bookkeeping as every plan: groups extend, chunks follow each other
         assert c.group[:len(prev)] == prev and c.history == h
         h, prev = h + c.tokens, c.group
+
+
+def test_balancing_moves_the_larger_per_instance_share_over_the_link_it_crosses():
+    net, layer_bytes, h = network("a100"), 131072 / 32, 64 * K  # LLaMA3-8B: 128 KiB of K and V a token, 32 layers
+
+    def move(link, tokens):  # 32 layers, one message each
+        return 32 * net.predict(link, tokens * layer_bytes)
+
+    # 4 -> 8 on one node: each new instance receives h/8, each old one sends h/4 - h/8
+    assert BALANCING.seconds((0, 1, 2, 3), tuple(range(8)), h) == pytest.approx(move("intra_node", h / 8))
+    # 2 -> 8: the senders are the bottleneck, h/2 - h/8 each
+    assert BALANCING.seconds((0, 1), tuple(range(8)), h) == pytest.approx(move("intra_node", 3 * h / 8))
+    # 8 -> 16 onto the second node: over the network, 36x slower than NVLink here
+    assert BALANCING.seconds(tuple(range(8)), tuple(range(16)), h) == pytest.approx(move("inter_node", h / 16))
+    assert BALANCING.seconds((), tuple(range(8)), 0) == BALANCING.seconds(tuple(range(8)), tuple(range(8)), h) == 0
+
+
+def test_a_chunk_hides_balancing_behind_its_fully_connected_layers():
+    c1 = MODEL.coef(16)[1]
+    coef = tuple(MODEL.coef(16))
+    eq1 = MODEL.predict(16, 8 * K, 100 * K)
+    move = 32 * c1 * K  # as long as the FC layers of 32K tokens
+    assert chunk_seconds(coef, 8 * K, 100 * K, move) == pytest.approx(eq1 + move - c1 * 8 * K)  # exposed
+    assert chunk_seconds(coef, 64 * K, 100 * K, move) == pytest.approx(MODEL.predict(16, 64 * K, 100 * K))  # hidden
+    # the chunk solved for a budget is the largest whose time with the move fits it, on either side of the kink
+    for budget in (0.6, 0.9, 1.5, 3.0):
+        n = _chunks_for(coef, 100 * K, 0.0, [budget], move)[0]
+        assert chunk_seconds(coef, n, 100 * K, move) <= budget < chunk_seconds(coef, n + 1, 100 * K, move)
+    assert {n < 32 * K for n in (_chunks_for(coef, 100 * K, 0.0, [0.6, 3.0], move))} == {True, False}
+
+
+def test_the_planner_avoids_balancing_it_cannot_hide():
+    """4 instances of node 0 free, the other 12 busy for 3 s; a 96K prompt. Blind to balancing, the rest after the
+    first chunk goes to SP 16: its 76K-token history is sent 4 -> 16 over the network, 0.24 s, while a 22K-token
+    chunk's FC layers hide 0.06 s of it. Charged for that, the planner keeps the rest on node 0 (SP 8, NVLink)."""
+    q = np.array([0.0] * 4 + [3.0] * 12)
+    blind = CDSPPlanner(MODEL, POOL, 0.0).plan(96 * K, q)
+    aware = CDSPPlanner(MODEL, POOL, 0.0, balancing=BALANCING).plan(96 * K, q)
+    assert [c.sp for c in blind.chunks] == [4, 16] and [c.sp for c in aware.chunks] == [4, 8]
+    first, rest = blind.chunks
+    exposed = BALANCING.seconds(first.group, rest.group, rest.history) - MODEL.coef(16)[1] * rest.tokens
+    assert exposed > 0.15
+    assert blind.ttft < aware.ttft < blind.ttft + exposed  # still the better plan once the move is paid
+    first, rest = aware.chunks
+    assert rest.end - rest.start == pytest.approx(MODEL.predict(8, rest.tokens, rest.history))  # NVLink: hidden
 
 
 def test_groups_fill_a_node_before_spilling_and_prefer_short_queues():

@@ -2,7 +2,7 @@
 instances (nodes of 8), random prompt lengths (log-uniform 4K-1M) and random queues, as in Tetris Table 2
 (which reports <= 86.8 us in C++; goal here <= 100 us p99 in Python, at worst <= 1 ms).
 
-    .venv/bin/python tools/bench_cdsp.py [--plans=1000] [--improvement_rate=0.1]
+    .venv/bin/python tools/bench_cdsp.py [--plans=1000] [--improvement_rate=0.1] [--nobalancing]
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jaxserve.sched.cdsp import CDSPPlanner, Pool
+from jaxserve.sched.cdsp import Balancing, CDSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.profiles import tetris_table1_samples
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("plans", 1000, "Plans timed per pool size.")
 flags.DEFINE_float("improvement_rate", 0.1, "The planner's improvement rate.")
+flags.DEFINE_bool("balancing", True, "Plan with cache balancing's cost (A100 network, LLaMA3-8B KV).")
 
 def model() -> TetrisPrefill:
     """Eq. (1) fitted to Tetris Table 1 (SP 1-16), extended to SP 32-128 as Table 1 goes from 8 to 16: the
@@ -35,7 +36,9 @@ def main(argv):
     del argv
     rng = np.random.default_rng(0)
     for size in (16, 32, 64, 128):
-        planner = CDSPPlanner(model(), Pool(size // 8, 8), improvement_rate=FLAGS.improvement_rate)
+        balancing = Balancing.from_profile("a100_llama3_8b", per_node=8) if FLAGS.balancing else None
+        planner = CDSPPlanner(model(), Pool(size // 8, 8), improvement_rate=FLAGS.improvement_rate,
+                              balancing=balancing)
         times, chunks = [], []
         for _ in range(FLAGS.plans):
             tokens = int(np.exp(rng.uniform(np.log(4096), np.log(1 << 20))))

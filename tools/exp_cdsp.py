@@ -1,11 +1,18 @@
 """Tetris in simulation: CDSP vs fixed SP 8/16 vs request-level SP on 16 LLaMA3-8B prefill instances (2 nodes
 x 8 A100, TP=1; Eq. (1) fitted to Tetris Table 1) over Tetris-shaped Short / Medium / Long traces and the Azure
-LLM inference traces (conv, code: their own prompt lengths and burstiness, rescaled to each load).
+LLM inference traces (conv, code: their own prompt lengths and burstiness, rescaled to each load). Chunks pay the
+cache balancing their FC layers do not hide (A100 send/recv profile), and the CDSP planner plans for it.
+
+Controls: request-level SP is Algorithm 2 alone (one SP size per request, the same load-aware rule, no chunking:
+Tetris's Fig. 13 ablation), once with CDSP's improvement-rate table and once with a table profiled for it;
+greedy request-level SP (rate 0); fixed SP 8 and 16 (Tetris 7.1's baselines).
 
 For each trace: the offline improvement-rate profile (Section 5.1, on a separate sample), then each planner's
 max sustainable rate (90% of requests within 25x their fastest isolated prefill, the light-load bound Tetris and
 LoongServe normalise to), P50 TTFT across loads (Fig. 8), single-chunk vs CDSP (Fig. 13) and fixed improvement
-rates vs the adaptive one (Fig. 11). Prints the CDSP / best-fixed-SP capacity ratio; writes plots and JSON.
+rates vs the adaptive one (Fig. 11). Prints capacities, CDSP's capacity over the best fixed SP and over
+request-level SP, and each control's P50 / P99 TTFT over CDSP's at 25-90% of CDSP's capacity and at fixed SP 8's
+(Fig. 9's critical load); writes plots and JSON.
 
     .venv/bin/python tools/exp_cdsp.py [--requests=600] [--out=docs/figures]
 """
@@ -19,12 +26,12 @@ import os
 from absl import app, flags
 from tqdm import tqdm
 
-from jaxserve.sched.cdsp import CDSPPlanner, FixedSPPlanner, Pool
+from jaxserve.sched.cdsp import Balancing, CDSPPlanner, FixedSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.improvement_rate import AdaptiveCDSP
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sim import plots
-from jaxserve.sim.prefill_pool import max_sustainable_rate, profile_improvement_rates, run_pool
+from jaxserve.sim.prefill_pool import Executor, max_sustainable_rate, profile_improvement_rates, run_pool
 from jaxserve.sim.workload import LONG_CONTEXT, Workload, load_trace, long_context
 
 FLAGS = flags.FLAGS
@@ -35,6 +42,9 @@ flags.DEFINE_string("out", "docs/figures", "Where plots and cdsp.json go.")
 
 MODEL = TetrisPrefill.fit(tetris_table1_samples())
 POOL = Pool(nodes=2, per_node=8)
+BALANCING = Balancing.from_profile("a100_llama3_8b", POOL.per_node)
+RUN = Executor(MODEL, BALANCING)
+CDSP, SAME, OWN = "CDSP (Tetris)", "request-level SP (CDSP's rates)", "request-level SP (own rates)"
 PROFILE_RATES = [0.25 * 2 ** (i / 2) for i in range(11)]  # 0.25 .. 8 req/s
 
 
@@ -54,41 +64,53 @@ def main(argv):
             return long_context(kind, FLAGS.requests, rate, seed=seed)
 
         profile = {chunking: profile_improvement_rates(
-            lambda r, c=chunking: CDSPPlanner(MODEL, POOL, r, chunking=c), lambda rate: workload_at(rate, seed=1),
-            POOL.size, MODEL.fastest, rates) for chunking in (True, False)}
+            lambda r, c=chunking: CDSPPlanner(MODEL, POOL, r, chunking=c, balancing=BALANCING),
+            lambda rate: workload_at(rate, seed=1), POOL.size, MODEL.fastest, rates, executor=RUN)
+            for chunking in (True, False)}
         planners = {
-            "CDSP (Tetris)": lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL), profile[True]),
-            "request-level SP": lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL, chunking=False), profile[False]),
+            CDSP: lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL, balancing=BALANCING), profile[True]),
+            SAME: lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL, chunking=False), profile[True]),
+            OWN: lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL, chunking=False), profile[False]),
             "greedy request-level SP": lambda: CDSPPlanner(MODEL, POOL, 0.0, chunking=False),
             "fixed SP 8": lambda: FixedSPPlanner(MODEL, POOL, 8),
             "fixed SP 16": lambda: FixedSPPlanner(MODEL, POOL, 16),
         }
         capacity = {name: max_sustainable_rate(make, workload_at, POOL.size, MODEL.fastest, rates[0] / 5,
-                                               rates[-1] * 2.5)
+                                               rates[-1] * 2.5, executor=RUN)
                     for name, make in tqdm(planners.items(), desc=f"{kind}: max sustainable rate")}
         best_fixed = max(capacity["fixed SP 8"], capacity["fixed SP 16"])
-        ratio = capacity["CDSP (Tetris)"] / best_fixed
-        results[kind] = {"max_sustainable_rate": capacity, "cdsp_over_best_fixed": ratio,
-                         "improvement_rate_table": json.loads(profile[True].to_json())}
+        ratios = {"best fixed SP": capacity[CDSP] / best_fixed, SAME: capacity[CDSP] / capacity[SAME],
+                  OWN: capacity[CDSP] / capacity[OWN]}
+        results[kind] = {"max_sustainable_rate": capacity, "cdsp_over": ratios,
+                         "improvement_rate_table": {"CDSP": json.loads(profile[True].to_json()),
+                                                    "request-level": json.loads(profile[False].to_json())}}
         print(f"{kind}: max sustainable rate " + ", ".join(f"{k} {v:.2f}" for k, v in capacity.items())
-              + f" req/s; CDSP / best fixed SP = {ratio:.2f}x")
-        for frac in (0.25, 0.5, 0.75, 0.9):
-            rate = frac * capacity["CDSP (Tetris)"]
+              + " req/s; CDSP capacity over " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+        loads = [(f"{frac:.0%} of CDSP", frac * capacity[CDSP]) for frac in (0.25, 0.5, 0.75, 0.9)]
+        critical = [("fixed SP 8's", capacity["fixed SP 8"])] if capacity["fixed SP 8"] > 0 else []
+        for load, rate in loads + critical:
             for name, make in planners.items():
-                s = run_pool(make(), workload_at(rate), POOL.size, MODEL.fastest).summary()
-                load_rows.append({"label": f"{kind}: {name}", "trace": kind, "rate": rate, **s})
+                s = run_pool(make(), workload_at(rate), POOL.size, MODEL.fastest, executor=RUN).summary()
+                load_rows.append({"label": f"{kind}: {name}", "trace": kind, "load": load, "rate": rate, **s})
+        for load, rate in loads:
             for r in (0.1, 0.3, 0.5, 0.7):
-                s = run_pool(CDSPPlanner(MODEL, POOL, r), workload_at(rate), POOL.size, MODEL.fastest).summary()
-                sweep_rows.append({"label": f"{kind}: rate {r}", "trace": kind, "rate": rate, **s})
-    adaptive = {(r["trace"], r["rate"]): r["ttft_mean"] for r in load_rows if r["label"].endswith("CDSP (Tetris)")}
+                s = run_pool(CDSPPlanner(MODEL, POOL, r, balancing=BALANCING), workload_at(rate), POOL.size,
+                             MODEL.fastest, executor=RUN).summary()
+                sweep_rows.append({"label": f"{kind}: rate {r}", "trace": kind, "load": load, "rate": rate, **s})
+    cdsp = {(r["trace"], r["load"]): r for r in load_rows if r["label"].endswith(CDSP)}
     for r in sweep_rows:
-        r["vs_adaptive"] = r["ttft_mean"] / adaptive[(r["trace"], r["rate"])]
-    print(f"{'trace / planner':40s} {'rate':>6s} {'P50':>8s} {'P99':>8s} {'chunks':>6s}")
+        r["vs_adaptive"] = r["ttft_mean"] / cdsp[(r["trace"], r["load"])]["ttft_mean"]
+    # Fig. 13 / Fig. 9 style: a control's TTFT over CDSP's at the same load (> 1: CDSP is faster)
+    print(f"\n{'trace / planner':45s} {'load':>13s} {'rate':>7s} {'P50':>7s} {'P99':>7s} {'chunks':>6s} "
+          f"{'P50/CDSP':>8s} {'P99/CDSP':>8s}")
     for r in load_rows:
-        print(f"{r['label']:40s} {r['rate']:6.2f} {r['ttft_p50']:8.2f} {r['ttft_p99']:8.2f} {r['chunks_mean']:6.2f}")
+        c = cdsp[(r["trace"], r["load"])]
+        print(f"{r['label']:45s} {r['load']:>13s} {r['rate']:7.2f} {r['ttft_p50']:7.2f} {r['ttft_p99']:7.2f} "
+              f"{r['chunks_mean']:6.2f} {r['ttft_p50'] / c['ttft_p50']:8.2f} {r['ttft_p99'] / c['ttft_p99']:8.2f}")
     os.makedirs(FLAGS.out, exist_ok=True)
     for kind in FLAGS.traces:
-        rows = [r | {"label": r["label"].split(": ", 1)[1]} for r in load_rows if r["trace"] == kind]
+        rows = [r | {"label": r["label"].split(": ", 1)[1]} for r in load_rows
+                if r["trace"] == kind and r["load"].endswith("of CDSP")]
         plots.metric_vs_load(rows, os.path.join(FLAGS.out, f"cdsp_{kind}_p50_vs_load.png"), "ttft_p50",
                              "P50 TTFT (s)", title=f"{kind} trace, 16 x A100 LLaMA3-8B prefill")
         rows = [r | {"label": r["label"].split(": ", 1)[1]} for r in sweep_rows if r["trace"] == kind]

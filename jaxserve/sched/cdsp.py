@@ -11,6 +11,9 @@ prefill instances runs each, given how long every instance is already booked.
   then, and the rest continues on a group that extends this one, its SP size chosen afresh by Algorithm 2 for
   the rest (with its history), so it may exceed the first single-chunk choice. The recursion over pairs is
   evaluated as a dynamic programme over nested groups (see _chains), so planning stays well under a millisecond.
+- Cache balancing (Section 4.1): before a chunk on a larger group, the history KV is spread evenly over it,
+  overlapped layer by layer with the chunk's fully-connected layers; what they cannot hide lengthens the chunk
+  (Balancing, chunk_seconds: the planner predicts with them and sim/prefill_pool.py charges with them).
 
 Times are relative to now; queues are per-instance seconds until free. Pure Python + numpy.
 """
@@ -23,7 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sched.cost_models import TetrisPrefill, Transfer
+from jaxserve.sched.profiles import PROFILES, model_shape, network
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +72,8 @@ class Pool:
 
 
 Coef = tuple[float, float, float, float]  # Eq. (1)'s c0..c3 for one SP size
-Step = tuple["_Group", int, int]  # a chunk before its times are filled in: (group, tokens, history)
+# a chunk before its times are filled in: (group, tokens, history, the group holding the history)
+Step = tuple["_Group", int, int, "_Group"]
 
 
 def _latency(coef: Coef, n: int, h: int) -> float:
@@ -76,20 +81,87 @@ def _latency(coef: Coef, n: int, h: int) -> float:
     return c0 + c1 * n + c2 * n * h + c3 * n * n
 
 
-def _chunks_for(coef: Coef, h: int, start: float, ends: Sequence[float]) -> list[int]:
+def chunk_seconds(coef: Coef, n: int, h: int, balance: float = 0.0) -> float:
+    """A chunk of n tokens after h history tokens: Eq. (1) plus the cache balancing its fully-connected layers do
+    not hide. balance: Balancing.seconds, the move's transfer time summed over layers.
+
+    Layer-wise overlap (Tetris 4.1, Fig. 6-b): once a layer's ring attention is done, its communicator balances the
+    next layer's history while the fully-connected layers run, so each layer takes attention + max(fc, move).
+    Eq. (1)'s c1*n is the fully-connected time (Section 5.1), so over all layers the chunk takes
+    Eq. (1) + max(0, balance - c1*n): free when the chunk is long, the move's excess when it is short. (Not
+    modelled: the first layer's move has only that layer's QKV projection to hide behind.)"""
+    return _latency(coef, n, h) + max(0.0, balance - coef[1] * n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Balancing:
+    """Cache balancing's transfer time (Tetris 4.1). History of h tokens held evenly by a group of s0 instances
+    is spread evenly over a larger group of s1 that extends it: each new instance receives h/s1 tokens and each
+    old one sends h/s0 - h/s1, all in parallel, so a layer's move takes the larger of the two over the link it
+    crosses: inter-node if an added instance is on a node that holds none of the history, else intra-node. (A
+    move that mixes links is charged its largest share at the slower link's speed; exact for a doubling within
+    a node or onto fresh nodes.) Every layer's move is one message: latency + bytes / bandwidth."""
+
+    link: Transfer  # keyed "intra_node" and "inter_node" (profiles.network)
+    kv_bytes_per_token: float  # K and V of one layer
+    layers: int
+    per_node: int  # instances per node: instance i lives on node i // per_node (as Pool)
+    # each link's (latency, seconds per byte) as plain floats: Transfer.predict's numpy costs more than planning
+    _coef: dict[str, tuple[float, float]] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        coef = {link: (float(self.link.coef(link)[0]), float(self.link.coef(link)[1]))
+                for link in ("intra_node", "inter_node")}
+        object.__setattr__(self, "_coef", coef)
+
+    @classmethod
+    def from_profile(cls, profile: str, per_node: int) -> "Balancing":
+        """From a built-in GPU profile: its send/recv timings and its model's KV size (TP=1 instances)."""
+        shape = model_shape(profile)
+        return cls(network(PROFILES[profile][0]), shape.kv_bytes_per_token() / shape.layers, shape.layers, per_node)
+
+    def seconds(self, held: Sequence[int], group: Sequence[int], h: int) -> float:
+        """Moving h history tokens from `held` onto `group`, which extends it (held's instances first), summed
+        over layers; 0 when nothing moves."""
+        k = self.per_node
+        nodes = {i // k for i in held}
+        return self.move(len(held), len(group), h, any(i // k not in nodes for i in group[len(held):]))
+
+    def move(self, s0: int, s1: int, h: int, inter_node: bool) -> float:
+        """seconds() from the group sizes and whether the larger one reaches a node the smaller one is not on."""
+        if not h or not s0 or s1 <= s0:
+            return 0.0
+        latency, per_byte = self._coef["inter_node" if inter_node else "intra_node"]
+        tokens = h / s1 * max(1.0, s1 / s0 - 1.0)  # max(received per new instance, sent per old one)
+        return self.layers * (latency + tokens * self.kv_bytes_per_token * per_byte)
+
+
+def _root(a: float, b: float, c: float) -> float:
+    """The positive root of a*n^2 + b*n + c (a >= 0, c < 0)."""
+    return (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a) if a > 0 else -c / b
+
+
+def _chunks_for(coef: Coef, h: int, start: float, ends: Sequence[float], balance: float = 0.0) -> list[int]:
     """For each of `ends`, the largest chunk that runs from `start` until then after h history tokens (0 if none):
     the positive root of c3*n^2 + (c1 + c2*h)*n + (c0 - budget) = 0 (Algorithm 3's Newton iteration converges to
-    it). Batched per history, with the terms that do not depend on the budget hoisted: this is the DP's inner loop."""
+    it). Batched per history, with the terms that do not depend on the budget hoisted: this is the DP's inner loop.
+
+    With balancing (chunk_seconds), below n = balance / c1 the move is exposed and the c1*n terms cancel:
+    c3*n^2 + c2*h*n + (c0 + balance - budget) = 0. Both pieces increase and meet at that n, so the Eq. (1) root
+    holds where it lies past it, and the other piece's root otherwise."""
     c0, c1, c2, a = coef
     b = c1 + c2 * h
     bb, a2, a4 = b * b, 2 * a, 4 * a  # b * b - 4 * a * c evaluates as bb - a4 * c: the same floats
+    kink = balance / c1 if c1 > 0 else math.inf  # where the move's excess ends
     out = []
     for end in ends:
         c = c0 - (end - start)
-        if c >= 0:
+        if c + balance >= 0:  # the budget does not even cover the fixed cost and the exposed move
             out.append(0)
             continue
         root = (-b + math.sqrt(bb - a4 * c)) / a2 if a > 0 else -c / b
+        if balance > 0 and root < kink:
+            root = _root(a, c2 * h, c + balance)
         # Floor with a relative slack: when the budget is itself the latency of a whole chunk (a gap left by an
         # earlier booking), the exact root is an integer and rounding lands on either side of it (16383.999999999995
         # for 16384 on some CPUs), which loses a whole token. The computed root is good to ~1e-12 relative (a few
@@ -101,11 +173,15 @@ def _chunks_for(coef: Coef, h: int, start: float, ends: Sequence[float]) -> list
 
 class CDSPPlanner:
     def __init__(self, model: TetrisPrefill, pool: Pool, improvement_rate: float = 0.1,
-                 sizes: Sequence[int] | None = None, min_chunk: int = 1024, chunking: bool = True):
+                 sizes: Sequence[int] | None = None, min_chunk: int = 1024, chunking: bool = True,
+                 balancing: Balancing | None = None):
         """sizes: candidate SP sizes (default: the fitted powers of two that fit the pool); min_chunk: a chunk
-        smaller than this is not worth its own step; chunking=False gives request-level SP (Algorithm 2 only)."""
+        smaller than this is not worth its own step; chunking=False gives request-level SP (Algorithm 2 only);
+        balancing: the cost of spreading history onto a larger group (default: free)."""
         self.pool, self.improvement_rate, self.min_chunk, self.chunking = pool, improvement_rate, min_chunk, chunking
-        self.model = model
+        self.model, self.balancing = model, balancing
+        if balancing is not None and balancing.per_node != pool.per_node:
+            raise ValueError(f"balancing assumes {balancing.per_node} instances a node, the pool has {pool.per_node}")
         self.sizes = sorted(sizes or [s for s in model.coefficients if s <= pool.size])
         if not self.sizes or self.sizes[-1] > pool.size:
             raise ValueError(f"SP sizes {self.sizes} do not fit a pool of {pool.size} instances")
@@ -115,6 +191,12 @@ class CDSPPlanner:
 
     def latency(self, sp: int, n: int, h: int) -> float:
         return _latency(self._coef[sp], n, h)
+
+    def _balance(self, held: "_Group", group: "_Group", h: int) -> float:
+        if self.balancing is None:
+            return 0.0
+        # group extends held, so it reaches another node exactly when it leaves fewer nodes untouched
+        return self.balancing.move(held.sp, group.sp, h, len(group.free) < len(held.free))
 
     def chunk_for(self, sp: int, budget: float, h: int) -> int:
         """Largest chunk that runs within `budget` seconds after h history tokens (see _chunks_for)."""
@@ -132,17 +214,17 @@ class CDSPPlanner:
         return _Booking(self.pool, q, self._node_base)
 
     # -- Algorithm 2 -----------------------------------------------------------------------------------------
-    def _single_chunk(self, tokens: int, book: "_Booking", prev: "_Group | None" = None,
-                      h: int = 0) -> tuple[float, "_Group"]:
-        """The TTFT and group of `tokens` as one chunk after h history tokens, on a group extending `prev`
-        (default: none)."""
-        prev = prev or book.root
+    def _single_chunk(self, tokens: int, book: "_Booking", prev: "_Group | None" = None, h: int = 0,
+                      held: "_Group | None" = None) -> tuple[float, "_Group"]:
+        """The TTFT and group of `tokens` as one chunk after h history tokens held by `held`, on a group extending
+        `prev` (default: none)."""
+        prev, held = prev or book.root, held or book.root
         best_end, best = 0.0, None
         for sp in self.sizes:  # every size fits the pool (checked at construction)
             group = book.extend(prev, sp) if sp >= prev.sp else None
             if group is None:
                 continue
-            end = group.ready + self.latency(sp, tokens, h)
+            end = group.ready + chunk_seconds(self._coef[sp], tokens, h, self._balance(held, group, h))
             if best is None or end < best_end * (1 - self.improvement_rate):
                 best_end, best = end, group
         return best_end, best
@@ -156,7 +238,7 @@ class CDSPPlanner:
             raise ValueError(f"need one queue time per instance ({self.pool.size}), got shape {q.shape}")
         book = self._booking(np.maximum(q, 0.0))
         ttft, single = self._single_chunk(tokens, book)
-        steps: tuple[Step, ...] = ((single, tokens, 0),)
+        steps: tuple[Step, ...] = ((single, tokens, 0, book.root),)
         if self.chunking:
             sizes = [s for s in self.sizes if s <= single.sp]
             coefs = [self._coef[s] for s in sizes]
@@ -174,7 +256,9 @@ class CDSPPlanner:
         pairs, evaluated as a dynamic programme: a chunk on G_j runs from when G_j is ready until a larger G_i is
         (Eq. 2 books G_j exactly that long), so reaching G_i with more of the prompt done is never worse (the
         chunk solved for a budget shrinks by less than the history grows, and the rest's latency falls with
-        history). Keeping the most progress per group makes the search O(sizes^2) instead of exponential.
+        history). Keeping the most progress per group makes the search O(sizes^2) instead of exponential. (With
+        cache balancing this is a heuristic: more history is also more KV to move, and which smaller group holds
+        it changes the move; the fully-connected layers hide most of it.)
 
         The last chunk goes to Algorithm 2's group for the rest, extending G_i at any size (the chain itself stops
         at the prompt's single-chunk size): a literal recursion that re-runs Algorithm 2 on every rest found
@@ -187,27 +271,29 @@ class CDSPPlanner:
         for j, h in enumerate(done):
             if h is None:
                 continue
-            coef, start = coefs[j], ready[j]
+            coef, start, held = coefs[j], ready[j], groups[back[j]] if j else book.root
             if j:  # finish the prompt on a group extending G_j, its size chosen by Algorithm 2 for the rest
-                end, last = self._single_chunk(tokens - h, book, groups[j], h)
+                end, last = self._single_chunk(tokens - h, book, groups[j], h, held)
                 if end < bound:
                     bound, best, finish = end, j, last
             # each chunk runs until a larger group's extra instances free up
-            for i, n in enumerate(_chunks_for(coef, h, start, ready[j + 1:]), j + 1):
+            balance = self._balance(held, groups[j], h)
+            for i, n in enumerate(_chunks_for(coef, h, start, ready[j + 1:], balance), j + 1):
                 if min_chunk <= n < tokens - h and (done[i] is None or h + n > done[i]):
                     done[i], back[i] = h + n, j
         if not best:
             return None
-        steps = [(finish, tokens - done[best], done[best])]
+        steps = [(finish, tokens - done[best], done[best], groups[back[best]])]
         i = best
         while i:  # back to G_1
             j = back[i]
-            steps.append((groups[j], done[i] - done[j], done[j]))
+            steps.append((groups[j], done[i] - done[j], done[j], groups[back[j]] if j else book.root))
             i = j
         return bound, tuple(reversed(steps))
 
-    def _chunk(self, group: "_Group", n: int, h: int) -> Chunk:
-        return Chunk(n, h, group.members, group.ready, group.ready + self.latency(group.sp, n, h))
+    def _chunk(self, group: "_Group", n: int, h: int, held: "_Group") -> Chunk:
+        seconds = chunk_seconds(self._coef[group.sp], n, h, self._balance(held, group, h))
+        return Chunk(n, h, group.members, group.ready, group.ready + seconds)
 
 
 @dataclasses.dataclass(slots=True)
