@@ -59,6 +59,9 @@ flags.DEFINE_string("profile", "a100_llama3_8b", "simulate: GPU/model profile (a
                     "h100_llama2_70b).")
 flags.DEFINE_integer("stages", 1, "simulate: pipeline stages per replica.")
 flags.DEFINE_integer("replicas", 1, "simulate: number of replicas.")
+flags.DEFINE_integer("kvp", 1, "simulate: KV-parallel worker groups per replica (Medha's KVP).")
+flags.DEFINE_integer("kvp_tokens", None, "simulate: tokens of one sequence a KVP worker holds before the next "
+                     "joins (default: what its memory holds).")
 flags.DEFINE_float("t_target", 0.05, "simulate: iteration time budget, seconds (from the TPOT SLO).")
 flags.DEFINE_bool("space_sharing", True, "serve/generate/simulate: long prefills yield budget by relative slack "
                   "(Medha).")
@@ -232,7 +235,8 @@ def _simulate() -> None:
                                  long_fraction=FLAGS.long_fraction, arrival=FLAGS.arrival, cv=FLAGS.cv)
     config = run.config_for(FLAGS.policy, FLAGS.profile, _tp(8), FLAGS.stages, FLAGS.replicas, FLAGS.t_target,
                             FLAGS.space_sharing, FLAGS.multi_prefill,
-                            slo=SLO(FLAGS.ttft_min, FLAGS.ttft_factor, FLAGS.tpot_slo))
+                            slo=SLO(FLAGS.ttft_min, FLAGS.ttft_factor, FLAGS.tpot_slo), kvp=FLAGS.kvp,
+                            kvp_tokens=FLAGS.kvp_tokens)
     results = run.simulate(workload, config)
     summary = results.summary()
     print(json.dumps(summary, indent=1))

@@ -31,6 +31,7 @@ class BatchState:
     prefill_span: int = 0  # the longest context a prefill chunk reaches (history + chunk)
     decode_span: int = 0  # the longest context a decode reads
     decode_kv: int = 0  # the decodes' contexts summed
+    exchanged: int = 0  # query tokens whose partial attention is merged across KV-parallel workers
 
     def time(self, cost: BatchCost) -> float:
         return cost.time(self)
@@ -45,7 +46,8 @@ class BatchCost(abc.ABC):
         """`state` with a chunk of n tokens after h cached ones."""
         # built directly, not by dataclasses.replace: the packer calls this in its inner loop
         return BatchState(state.tokens + n, state.rows + 1, state.attention + self.chunk_attention(n, h),
-                          state.prefills + 1, max(state.prefill_span, h + n), state.decode_span, state.decode_kv)
+                          state.prefills + 1, max(state.prefill_span, h + n), state.decode_span, state.decode_kv,
+                          state.exchanged + self.kvp_rows(n, h + n))
 
     def add_decodes(self, state: BatchState, kvs: Sequence[int]) -> BatchState:
         """`state` with one decode token per entry of kvs, each over that many cached tokens."""
@@ -53,7 +55,8 @@ class BatchCost(abc.ABC):
             return state
         return BatchState(state.tokens + len(kvs), state.rows + len(kvs),
                           state.attention + self.decodes_attention(kvs), state.prefills, state.prefill_span,
-                          max(state.decode_span, max(kvs)), state.decode_kv + sum(kvs))
+                          max(state.decode_span, max(kvs)), state.decode_kv + sum(kvs),
+                          state.exchanged + sum(self.kvp_rows(1, kv) for kv in kvs))
 
     def chunk_attention(self, n: int, h: int) -> float:
         """What a chunk adds to BatchState.attention (additive models; others price the spans)."""
@@ -63,6 +66,11 @@ class BatchCost(abc.ABC):
         """What decodes over `kvs` add to BatchState.attention."""
         return 0.0
 
+    def kvp_rows(self, n: int, context: int) -> int:
+        """Of n query tokens over `context` cached ones, how many have their attention merged across KV-parallel
+        workers (0 without KV parallelism)."""
+        return 0
+
     def batch_time(self, prefills: Iterable[tuple[int, int]] = (), decode_kvs: Sequence[int] = ()) -> float:
         state = self.add_decodes(BatchState(), decode_kvs)
         for n, h in prefills:
@@ -71,7 +79,7 @@ class BatchCost(abc.ABC):
 
 
 class AdditiveBatchCost(BatchCost):
-    """overhead + linear_ops(tokens) + sum(prefill attention) + sum(decode attention)."""
+    """overhead + linear_ops(tokens) + sum(prefill attention) + sum(decode attention) + KV-parallel exchange."""
 
     overhead: float = 0.0
 
@@ -88,7 +96,13 @@ class AdditiveBatchCost(BatchCost):
         """Seconds of attention for one decode token over kv cached tokens."""
 
     def time(self, state: BatchState) -> float:
-        return self.overhead + self.linear_ops(state.tokens) + state.attention if state.tokens else 0.0
+        if not state.tokens:
+            return 0.0
+        return self.overhead + self.linear_ops(state.tokens) + state.attention + self.exchange(state.exchanged)
+
+    def exchange(self, rows: int) -> float:
+        """Seconds to merge `rows` query tokens' partial attention across KV-parallel workers, every layer."""
+        return 0.0
 
     def chunk_attention(self, n: int, h: int) -> float:
         return self.prefill_attention(n, h)

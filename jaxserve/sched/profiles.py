@@ -161,12 +161,21 @@ def _with_all_reduce(linear: PiecewiseLinear, gpu: str, tp: int, hidden: int, la
 
 class ProfileBatchCost(AdditiveBatchCost):
     """Iteration time on a real GPU model: measured linear operators (plus TP all-reduces) for `layers` layers
-    (one pipeline stage holds layers / stages), attention from FLOPs and bytes."""
+    (one pipeline stage holds layers / stages), attention from FLOPs and bytes.
 
-    def __init__(self, profile: str = "a100_llama3_8b", tp: int = 1, stages: int = 1):
+    KV-cache parallelism (Medha 3.3): up to `kvp` worker groups (each tp x stages GPUs, on nodes of their own)
+    hold one sequence's KV, `kvp_tokens` each, a new worker joining when the earlier ones are full (progressive
+    scaling; the last one takes what is left once all have joined). A query is sent to every worker holding its
+    context, each attends over its share, and the partial outputs merge by their log-sum-exp: attention costs the
+    largest share, plus one inter-node exchange per layer for the batch's split rows (linear ops run once)."""
+
+    def __init__(self, profile: str = "a100_llama3_8b", tp: int = 1, stages: int = 1, kvp: int = 1,
+                 kvp_tokens: int | None = None):
         gpu_name, _, layers = _profile(profile)
         if layers % stages:
             raise ValueError(f"{layers} layers do not split into {stages} pipeline stages")
+        if kvp < 1:
+            raise ValueError(f"kvp must be >= 1, got {kvp}")
         self.gpu, self.shape, self.tp = GPUS[gpu_name], model_shape(profile), tp
         self.layers = layers // stages
         self._linear = _with_all_reduce(linear_ops_per_layer(profile, tp), gpu_name, tp, self.shape.hidden,
@@ -176,15 +185,42 @@ class ProfileBatchCost(AdditiveBatchCost):
         self._kv_bytes_per_token = 2.0 * 2 * s.kv_heads * s.head_dim / tp  # K and V, bf16, one layer
         self._flop_rate = self.gpu.peak_flops * self.gpu.mfu
         self._byte_rate = self.gpu.hbm_bandwidth * self.gpu.mbu
+        self.kvp = kvp
+        self.kvp_tokens = kvp_tokens or kv_capacity(profile, tp * stages)
+        self._network = network(gpu_name)
+        # per query token and layer, on each GPU: the query out (bf16), the partial output and its lse (fp32) back
+        self._exchange_bytes = (2 * s.head_dim + 4 * s.head_dim + 4) * s.heads / tp
 
     def linear_ops(self, tokens: int) -> float:
         return self._linear(tokens)
 
+    def workers(self, context: int) -> int:
+        """KV-parallel workers holding a sequence of `context` tokens."""
+        return min(self.kvp, -(-context // self.kvp_tokens))
+
+    def _share(self, context: int) -> int:
+        """The most tokens of a `context`-token sequence any one worker holds (the newest one's, at most)."""
+        return max(min(context, self.kvp_tokens), context - (self.kvp - 1) * self.kvp_tokens)
+
     def prefill_attention(self, n: int, h: int) -> float:
-        pairs = n * (h + (n + 1) / 2)  # causal within the chunk
+        # the newest worker holds the chunk after what is left of the history, each earlier one a full share:
+        # the chunk's queries attend on all of them at once, the busiest sets the time
+        earlier = (self.workers(h + n) - 1) * self.kvp_tokens
+        history = max(h - earlier, 0)
+        pairs = n * max(history + (n + 1) / 2, min(earlier, self.kvp_tokens))  # causal within the chunk
+        reads = max(history + n, min(earlier, self.kvp_tokens))
         return self.layers * max(pairs * self._flops_per_pair / self._flop_rate,
-                                 (h + n) * self._kv_bytes_per_token / self._byte_rate)
+                                 reads * self._kv_bytes_per_token / self._byte_rate)
 
     def decode_attention(self, kv: int) -> float:
+        kv = self._share(kv) if self.kvp > 1 else kv
         return self.layers * max(kv * self._flops_per_pair / self._flop_rate,
                                  kv * self._kv_bytes_per_token / self._byte_rate)
+
+    def kvp_rows(self, n: int, context: int) -> int:
+        return n if self.kvp > 1 and self.workers(context) > 1 else 0
+
+    def exchange(self, rows: int) -> float:
+        if not rows:
+            return 0.0
+        return self.layers * self._network.predict("inter_node", rows * self._exchange_bytes)

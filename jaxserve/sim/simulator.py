@@ -2,7 +2,7 @@
 cost model instead of devices. Events are arrivals, pipeline-stage frees and batch completions; the clock jumps
 from one to the next. Deterministic: no randomness beyond the workload's seed.
 
-A replica is `tp * stages` devices. With pipeline stages (Medha's stream pipeline parallelism) a new batch
+A replica is `tp * stages * kvp` devices. With pipeline stages (Medha's stream pipeline parallelism) a new batch
 starts whenever the first stage frees up, so up to `stages` batches are in flight: a long prompt's next chunk
 enters the first stage while its previous one is still further down, and decodes wait for their token. Each
 stage gets t_target / stages, so the time between tokens stays near t_target.
@@ -39,6 +39,8 @@ class ClusterConfig:
     profile: str = "a100_llama3_8b"  # built-in GPU profile (sched/profiles.py)
     tp: int = 1
     stages: int = 1
+    kvp: int = 1  # KV-parallel worker groups per replica, each tp x stages GPUs (Medha 3.3)
+    kvp_tokens: int | None = None  # a KVP worker's share of one sequence before the next joins; None: its memory
     policy: str = "lars"
     sjf_batch: int = 16  # TetriInfer's scheduling batch for sjf / ljf
     packer: PackerConfig = PackerConfig(t_target=0.05)
@@ -53,7 +55,7 @@ class ClusterConfig:
     time_scale: float = 1.0
 
     def __post_init__(self):
-        for field in ("replicas", "tp", "stages"):
+        for field in ("replicas", "tp", "stages", "kvp"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
         if self.dispatch not in ("least_work", "round_robin"):
@@ -64,13 +66,17 @@ class ClusterConfig:
     def replica_kv_capacity(self) -> int:
         if self.kv_capacity is not None:
             return self.kv_capacity
-        return kv_capacity(self.profile, self.tp * self.stages, self.memory_utilization)
+        return self.kvp * kv_capacity(self.profile, self.tp * self.stages, self.memory_utilization)
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.stages * self.kvp
 
 
 class Replica:
     def __init__(self, index: int, config: ClusterConfig, cost: BatchCost, cache: PrefillTimeCache):
         policy = make_policy(config.policy, **({"batch": config.sjf_batch} if config.policy in ("sjf", "ljf") else {}))
-        group = tuple(range(index * config.tp * config.stages, (index + 1) * config.tp * config.stages))
+        group = tuple(range(index * config.gpus_per_replica, (index + 1) * config.gpus_per_replica))
         kv = KVCacheManager.for_tokens(config.replica_kv_capacity(), config.block_size, enable_prefix_caching=False)
         self.scheduler = ReplicaScheduler(policy, cost, _per_stage(config), kv, group, config.slo,
                                           max_running=config.max_running, prefill_cache=cache)
@@ -99,7 +105,7 @@ class Simulator:
     def __init__(self, config: ClusterConfig = ClusterConfig(), cost: BatchCost | None = None):
         """cost: the iteration cost model of one pipeline stage; defaults to the config's built-in profile."""
         self.config = config
-        self.cost = cost or ProfileBatchCost(config.profile, config.tp, config.stages)
+        self.cost = cost or ProfileBatchCost(config.profile, config.tp, config.stages, config.kvp, config.kvp_tokens)
         # chunks of one prompt stream through the stages back to back: a prompt costs the sum of its chunks'
         # stage times (plus a pipeline fill, left out)
         packer = _per_stage(config)
