@@ -1,5 +1,6 @@
-"""The disaggregated cluster: CDSP prefill pool, chunk-wise KV transfer through scarce receive backends, decode
-instances dispatched by freeness with virtual usage, decoding on sched/decode.py's DecodeScheduler."""
+"""The disaggregated cluster: CDSP prefill pool (or TetriInfer's prefill instances), KV transfer through scarce
+receive backends, decode instances dispatched by freeness with virtual usage (or power of two), decoding on
+sched/decode.py's DecodeScheduler."""
 
 from __future__ import annotations
 
@@ -167,3 +168,68 @@ def test_instances_flip_toward_the_busy_role():
     assert len(res.requests) == len(w) and all(r.finished for r in res.requests)
     with pytest.raises(ValueError, match="GPU slots"):
         DisaggSimulator(CDSPPlanner(MODEL, Pool(1, 8), 0.2), best, cfg).run(w, progress=False)
+
+
+# -- TetriInfer's prefill instances (prefill="tetriinfer") -------------------------------------------------------
+def tetriinfer(workload, predictor=None, **config):
+    cfg = DisaggConfig(prefill="tetriinfer", decode_tp=1, **({"prefill_instances": 1, "decode_instances": 2} | config))
+    sim = DisaggSimulator(None, best, cfg, predictor)
+    return sim, sim.run(workload, progress=False)
+
+
+def test_tetriinfer_prefill_pads_its_chunk_then_sends_the_whole_prompt():
+    sim, res = tetriinfer(Workload(np.zeros(1), np.array([100]), np.array([5]), "lone"))
+    (r,) = res.requests
+    # a 100-token prompt runs as a whole 512-token chunk: padding costs as much as tokens in the linear ops
+    padded = sim.prefill_cost.overhead + sim.prefill_cost.linear_ops(512) + sim.prefill_cost.prefill_attention(100, 0)
+    assert r.first_token_at == pytest.approx(padded)
+    assert r.first_token_at > 1.2 * sim.prefill_cost.batch_time([(100, 0)])
+    # the prompt's KV lands (request-level transfer), then the first decode step runs over it
+    assert r.token_gaps[0] == pytest.approx(sim.transfer_seconds(100, 1) + sim.cost.batch_time([], [100]))
+    assert r.finished and r.generated == 5
+    # resource usage (TetriInfer 5.1): each instance until its last work; the idle decode instance costs nothing
+    assert res.config["gpu_seconds"] == pytest.approx(r.first_token_at + r.finished_at)
+
+
+def test_tetriinfer_prefill_runs_sjf_within_a_scheduling_batch():
+    burst = Workload(np.zeros(3), np.array([900, 100, 500]), np.array([2, 2, 2]), "burst")
+    ttft = {}
+    for order in ("fcfs", "sjf"):
+        _, res = tetriinfer(burst, prefill_order=order)
+        ttft[order] = [r.first_token_at for r in res.requests]
+    assert ttft["sjf"][1] < ttft["sjf"][2] < ttft["sjf"][0]  # 100, 500, 900 tokens
+    assert ttft["fcfs"][0] == ttft["fcfs"][1] < ttft["fcfs"][2]  # 900's tail and 100 merged into one chunk
+    assert sum(ttft["sjf"]) < sum(ttft["fcfs"])
+
+
+def test_tetriinfer_global_scheduler_sends_arrivals_to_the_least_loaded_prefill_instance():
+    burst = Workload(np.zeros(2), np.array([4096, 4096]), np.array([2, 2]), "burst")
+    _, res = tetriinfer(burst, prefill_instances=2)
+    a, b = (r.first_token_at for r in res.requests)
+    assert a == pytest.approx(b)  # each on its own instance, not one after the other
+
+
+def test_a_whole_tetriinfer_cluster_serves_azure_conv():
+    """Prefill instances, request-level KV transfer, power of two with the length predictor, reserve-dynamic."""
+    from jaxserve.sched.decode_dispatch import BucketPredictor
+    from jaxserve.sim.workload import load_trace
+
+    trace = load_trace("azure_conv")
+    pred = BucketPredictor.fit(trace.prompt_lens, trace.output_lens)
+    sim, res = tetriinfer(load_trace("azure_conv", rate=6.0, limit=200), pred, prefill_instances=2,
+                          decode_instances=2, dispatch="power_of_two", admission="reserve_dynamic")
+    assert len(res.requests) == 200 and all(r.finished and r.generated == r.output_len for r in res.requests)
+    served = [d.scheduler.num_finished for d in sim.decoders]
+    assert min(served) > 0.3 * sum(served)
+    assert res.summary()["all"]["tbt_p50"] < 0.05
+
+
+def test_tetriinfer_prefill_takes_no_planner_and_no_flips():
+    from jaxserve.sched.flip import FlipPolicy
+
+    with pytest.raises(ValueError, match="needs a planner"):
+        DisaggSimulator(None, best, DisaggConfig())
+    with pytest.raises(ValueError, match="take none"):
+        DisaggSimulator(CDSPPlanner(MODEL, POOL, 0.2), best, DisaggConfig(prefill="tetriinfer"))
+    with pytest.raises(ValueError, match="flips"):
+        DisaggSimulator(None, best, DisaggConfig(prefill="tetriinfer", flip=FlipPolicy()))

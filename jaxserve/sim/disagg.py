@@ -1,14 +1,21 @@
-"""A prefill/decode-disaggregated cluster in simulation (Tetris 3.2, 4.2, 5.2): a prefill pool planned by an SP
-planner (CDSP, fixed SP, request-level), chunk-wise KV transfer to a decode instance of larger TP, and decode
-instances running sched/decode.py's DecodeScheduler (admission policies, swaps) on a GPU profile.
+"""A prefill/decode-disaggregated cluster in simulation (Tetris 3.2, 4.2, 5.2; TetriInfer 3.3-3.4): a prefill
+side, KV transfer to a decode instance, and decode instances running sched/decode.py's DecodeScheduler
+(admission policies, swaps) on a GPU profile.
 
-- Prefill: each arrival is planned once on the pool's booked times; its first token comes with the last chunk.
-- Dispatch at planning time (sched/decode_dispatch.py): Tetris's freeness rate with virtual usage, or
-  TetriInfer's power of two over instances with room for the predicted footprint, balancing heavy decodes.
-- Transfer: each chunk's KV leaves when the chunk ends, its SP group's instances sending their shares in
-  parallel over the inter-node link (fitted to the send/recv profile). A decode instance has a few receive
-  backends (GPU buffers): a chunk waits for one (the handshake Tetris overlaps with prefill compute), so under
-  load transfers queue instead of starving. Decoding starts when the last chunk has landed.
+- Prefill, `prefill="pool"` (Tetris): a pool of TP-1 GPUs planned by an SP planner (CDSP, fixed SP,
+  request-level); each arrival is planned once on the pool's booked times; its first token comes with the last
+  chunk, and each chunk's KV is sent when it ends (chunk-wise transfer).
+- Prefill, `prefill="tetriinfer"`: prefill instances of `prefill_tp` GPUs, each running
+  sched/prefill_batches.py (scheduling batches ordered FCFS / SJF / LJF, non-preemptive, fixed-size padded
+  chunks); an arrival goes to the instance with the fewest prompt tokens left to prefill (TetriInfer's global
+  scheduler), and a finished prompt is dispatched then, its whole KV sent at once (the paper's request-level
+  transfer). The length predictor's own cost on the prefill instance is not charged.
+- Dispatch (sched/decode_dispatch.py): Tetris's freeness rate with virtual usage, or TetriInfer's power of two
+  over instances with room for the predicted footprint, balancing heavy decodes. With the pool, at planning time.
+- Transfer: KV leaves the prefill side's GPUs in parallel (an SP group's or a TP instance's shares) over the
+  inter-node link (fitted to the send/recv profile). A decode instance has a few receive backends (GPU
+  buffers): a transfer waits for one (the handshake Tetris overlaps with prefill compute), so under load
+  transfers queue instead of starving. Decoding starts when the prompt's KV has landed.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from jaxserve.sched.cdsp import ChunkPlan
 from jaxserve.sched.decode import DecodeScheduler
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
 from jaxserve.sched.flip import FlipPolicy, LoadWindow
-from jaxserve.sched.plan import Outcome
+from jaxserve.sched.plan import Outcome, Plan
+from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
 from jaxserve.sched.slo import SLO
@@ -39,7 +47,12 @@ from jaxserve.sim.workload import Workload
 
 @dataclasses.dataclass(frozen=True)
 class DisaggConfig:
-    prefill_instances: int = 16
+    prefill: str = "pool"  # or "tetriinfer" (TetriInfer's prefill instances; no planner)
+    prefill_instances: int = 16  # GPUs in the pool, or TetriInfer prefill instances
+    prefill_tp: int = 1  # GPUs per TetriInfer prefill instance
+    prefill_chunk: int = 512  # TetriInfer's ChunkSize: the accelerator's saturation point
+    prefill_batch: int = 16  # TetriInfer's PrefillSchedBatch
+    prefill_order: str = "sjf"  # fcfs, sjf or ljf within a scheduling batch
     decode_instances: int = 4
     decode_tp: int = 4
     profile: str = "a100_llama3_8b"  # decode instances' GPU profile; KV bytes per token from its model
@@ -65,6 +78,7 @@ class DecodeInstance:
         self.heavy = self.light = 0  # assigned requests by predicted decode length
         self.is_heavy: dict[str, bool] = {}
         self.slots: tuple[int, ...] = ()  # its GPUs in the planner's pool (with flips)
+        self.last_end = 0.0  # when its latest decode step ends
 
     def busy(self) -> float:
         """Load for the flip policy: the fuller of KV memory and the batch."""
@@ -84,10 +98,17 @@ class DecodeInstance:
 
 
 class DisaggSimulator:
-    def __init__(self, planner: Planner, best_latency: Callable[[int], float], config: DisaggConfig = DisaggConfig(),
-                 predictor: LengthPredictor | None = None):
-        """best_latency(tokens): a prompt's fastest isolated prefill, which its TTFT deadline scales with;
-        predictor: decode-length ranges for power-of-two dispatch."""
+    def __init__(self, planner: Planner | None, best_latency: Callable[[int], float],
+                 config: DisaggConfig = DisaggConfig(), predictor: LengthPredictor | None = None):
+        """planner: the pool's (None with TetriInfer's prefill instances); best_latency(tokens): a prompt's
+        fastest isolated prefill, which its TTFT deadline scales with; predictor: decode-length ranges for
+        power-of-two dispatch."""
+        if config.prefill not in ("pool", "tetriinfer"):
+            raise ValueError(f"prefill must be pool or tetriinfer, got {config.prefill!r}")
+        if (config.prefill == "pool") != (planner is not None):
+            raise ValueError("a prefill pool needs a planner; TetriInfer's prefill instances take none")
+        if config.prefill == "tetriinfer" and config.flip is not None:
+            raise ValueError("instance flips are simulated with the prefill pool only")
         if config.dispatch not in ("freeness", "power_of_two"):
             raise ValueError(f"dispatch must be freeness or power_of_two, got {config.dispatch!r}")
         if (config.dispatch == "power_of_two" or config.admission in ("reserve_static", "reserve_dynamic")) \
@@ -96,6 +117,7 @@ class DisaggSimulator:
                              "predictor")
         self.planner, self.best_latency, self.config, self.predictor = planner, best_latency, config, predictor
         self.cost = ProfileBatchCost(config.profile, config.decode_tp)
+        self.prefill_cost = ProfileBatchCost(config.profile, config.prefill_tp)
         gpu = PROFILES[config.profile][0]
         self.link = network(gpu)
         self.kv_bytes = model_shape(config.profile).kv_bytes_per_token()
@@ -113,13 +135,16 @@ UNAVAILABLE = 1e9  # queue time the planner sees for a GPU that is not a prefill
 class _Run:
     """One simulation: arrivals, KV landings, decode steps and (with a flip policy) role checks, in time
     order. GPU slots 0..P-1 start as prefill instances; with flips, the planner's pool also holds the decode
-    instances' GPUs (decode_tp each, after the prefill ones), unavailable to it while they decode."""
+    instances' GPUs (decode_tp each, after the prefill ones), unavailable to it while they decode. With
+    TetriInfer's prefill, slot i is prefill instance i, and free_at its latest chunk's end."""
 
     def __init__(self, sim: DisaggSimulator, workload: Workload, progress: bool):
         cfg = self.cfg = sim.config
         self.sim, self.workload = sim, workload
         pool_size = getattr(getattr(sim.planner, "pool", None), "size", None)
         slots = cfg.prefill_instances + (cfg.decode_instances * cfg.decode_tp if cfg.flip else 0)
+        self.prefillers = [PrefillBatchScheduler(cfg.prefill_chunk, cfg.prefill_batch, cfg.prefill_order, (i,))
+                           for i in range(cfg.prefill_instances)] if cfg.prefill == "tetriinfer" else []
         if pool_size is not None and pool_size != slots:
             raise ValueError(f"the planner's pool has {pool_size} instances; this cluster has {slots} GPU slots "
                              "for it (prefill instances, plus the decode instances' GPUs when flips are on)")
@@ -173,6 +198,10 @@ class _Run:
                 dec.virtual -= promised
                 dec.scheduler.add(r, predicted)
                 self._launch(dec, now)
+            elif kind == "prefill":
+                self._prefill(payload, now)
+            elif kind == "prefilled":
+                self._prefilled(now, *payload)
             elif kind == "done":
                 dec, plan, outcome = payload
                 done = dec.scheduler.apply(plan, outcome)
@@ -188,26 +217,49 @@ class _Run:
         reqs = self.requests
         first = reqs[0].arrival if reqs else 0.0
         last = max((r.finished_at for r in reqs if r.finished_at is not None), default=first)
+        # TetriInfer 5.1's resource usage time: every instance's wall time from the first arrival to its last
+        # work, here per GPU (an instance idle from then on is recycled)
+        prefill_tp = self.cfg.prefill_tp if self.prefillers else 1
+        gpu_seconds = (prefill_tp * float(np.maximum(self.free_at - first, 0.0).sum())
+                       + sum(self.cfg.decode_tp * max(d.last_end - first, 0.0) for d in self.decoders + self.retired))
         return Results(reqs, self.rejected, span=max(last - first, 1e-9),
                        wall_seconds=time.perf_counter() - started,
                        config=dataclasses.asdict(self.cfg) | {"workload": self.workload.name,
                                                               "requests": len(self.workload),
-                                                              "flips": self.flips})
+                                                              "flips": self.flips, "gpu_seconds": gpu_seconds})
+
+    def _choose(self, r: Request) -> tuple[DecodeInstance, int, bool]:
+        """The decode instance for r, its predicted decode length (upper end) and whether that is heavy."""
+        sim = self.sim
+        p = r.prompt_len
+        active = [d for d in self.decoders if d.index not in self.draining]
+        loads = [d.load() for d in active]
+        hi = sim.predictor.predict(p)[1] if sim.predictor is not None else r.output_len
+        heavy = hi > HEAVY_DECODE
+        if self.cfg.dispatch == "freeness":
+            return active[by_freeness(loads)], hi, heavy
+        return active[power_of_two(loads, p + hi, heavy, self.rng)], hi, heavy
+
+    def _send(self, dec: DecodeInstance, r: Request, hi: int, heavy: bool, landed: float) -> None:
+        """r's KV is on its way to dec, all of it there at `landed`."""
+        # virtual usage: the prompt's KV on its way, plus the predicted decode where a predictor is configured;
+        # never the true output length, which the dispatcher cannot know
+        promised = r.prompt_len + (hi if self.sim.predictor is not None else 0)
+        dec.virtual += promised
+        dec.is_heavy[r.id] = heavy
+        dec.heavy, dec.light = dec.heavy + heavy, dec.light + (not heavy)
+        self._push(landed, 1, "kv_ready", (dec, r, hi, promised))
 
     def _arrive(self, t: float, r: Request) -> None:
         cfg, sim = self.cfg, self.sim
         p, o = r.prompt_len, r.output_len
+        if self.prefillers:
+            self._arrive_tetriinfer(t, r)
+            return
         on_arrival = getattr(sim.planner, "on_arrival", None)
         if on_arrival is not None:
             on_arrival(t)
-        active = [d for d in self.decoders if d.index not in self.draining]
-        loads = [d.load() for d in active]
-        hi = sim.predictor.predict(p)[1] if sim.predictor is not None else o
-        heavy = hi > HEAVY_DECODE
-        if cfg.dispatch == "freeness":
-            dec = active[by_freeness(loads)]
-        else:
-            dec = active[power_of_two(loads, p + hi, heavy, self.rng)]
+        dec, hi, heavy = self._choose(r)
         if p + o > dec.scheduler.kv_capacity:
             self.rejected.append(r)
             self._done(1)
@@ -224,13 +276,38 @@ class _Run:
             self._done(1)
             return
         landed = max(dec.receive(t + c.end, sim.transfer_seconds(c.tokens, c.sp)) for c in plan.chunks)
-        # virtual usage: the prompt's KV on its way, plus the predicted decode where a predictor is configured;
-        # never the true output length, which the dispatcher cannot know
-        promised = p + (hi if sim.predictor is not None else 0)
-        dec.virtual += promised
-        dec.is_heavy[r.id] = heavy
-        dec.heavy, dec.light = dec.heavy + heavy, dec.light + (not heavy)
-        self._push(landed, 1, "kv_ready", (dec, r, hi, promised))
+        self._send(dec, r, hi, heavy, landed)
+
+    # -- TetriInfer's prefill instances (3.3) -----------------------------------------------------------------
+    def _arrive_tetriinfer(self, t: float, r: Request) -> None:
+        if r.prompt_len + r.output_len > self.cfg.decode_kv_capacity():
+            self.rejected.append(r)
+            self._done(1)
+            return
+        r.ttft_deadline, r.tpot_slo = t + self.cfg.slo.ttft(self.sim.best_latency(r.prompt_len)), self.cfg.slo.tpot
+        self.requests.append(r)
+        inst = min(self.prefillers, key=lambda s: s.queued_tokens())  # ties: the lowest index
+        inst.add(r)
+        self._push(t, 4, "prefill", inst)  # after every arrival at t: simultaneous ones share a scheduling batch
+
+    def _prefill(self, inst: PrefillBatchScheduler, now: float) -> None:
+        plan = inst.schedule(now)
+        if plan is None:
+            return
+        end = now + chunk_time(self.sim.prefill_cost, plan.items, inst.chunk)
+        self.free_at[inst.group[0]] = end
+        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items if inst.yields_token(i)}
+        self._push(end, 0, "prefilled", (inst, plan, Outcome(end, (), tokens)))
+
+    def _prefilled(self, now: float, inst: PrefillBatchScheduler, plan: Plan, outcome: Outcome) -> None:
+        for r in inst.apply(plan, outcome):
+            if r.finished:
+                self._done(1)
+                continue
+            dec, hi, heavy = self._choose(r)
+            self._send(dec, r, hi, heavy, dec.receive(now, self.sim.transfer_seconds(r.prompt_len,
+                                                                                     self.cfg.prefill_tp)))
+        self._prefill(inst, now)
 
     def _launch(self, dec: DecodeInstance, now: float) -> None:
         cfg, sim = self.cfg, self.sim
@@ -239,6 +316,7 @@ class _Run:
             return
         swapped = sum(m.tokens for m in plan.moves) * sim.kv_bytes / (cfg.host_bandwidth * cfg.decode_tp)
         end = now + sim.cost.batch_time([], [i.history for i in plan.items]) + swapped
+        dec.last_end = end
         tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items}
         self._push(end, 0, "done", (dec, plan, Outcome(end, (), tokens)))
 
