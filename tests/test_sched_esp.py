@@ -1,8 +1,9 @@
-"""LoongServe ESP scheduling: admission under memory and compute, elastic allocation by gain and cost, and the
-batching DP checked against brute force."""
+"""LoongServe ESP scheduling: admission under memory and compute, decode-slot preemption by gain and cost,
+elastic allocation by gain and cost, and the batching DP checked against brute force."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-from jaxserve.sched.esp import ElasticInstance, ESPBatch, ESPScheduler, split_evenly
+from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, split_evenly
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 
@@ -48,6 +49,49 @@ def test_admission_stops_at_memory_then_at_the_knee_in_fcfs_order():
     assert len(tight.admit(pending, [ElasticInstance(i, 10**6) for i in range(4)])) == 2
     big_first = [req(0, 10**6), req(1, 10)]
     assert s.admit(big_first, inst) == []  # FCFS: the small one does not overtake
+
+
+def test_isolated_room_packs_the_kv_in_use_onto_the_largest_instances():
+    ins = [ElasticInstance(0, 100, 30), ElasticInstance(1, 100, 0), ElasticInstance(2, 50, 40)]
+    assert isolated_room(ins) == 150  # 70 in use fit instance 0 (or 1): the other 100 + 50 are free
+    ins[1].kv_used = 40  # 110 in use need both 100s
+    assert isolated_room(ins) == 50
+    assert isolated_room([ElasticInstance(0, 100)]) == 100
+
+
+def test_decode_preemption_gain_and_cost_by_hand():
+    decodes = DecodeLoad(room=0, generated=(100, 400), avg_output=1000, step_time=0.02)
+    # the least advanced decode has 900 steps of 20 ms left: 18 s saved for each request that need not wait
+    assert ESPScheduler.preemption_gain([req(0, 20_000), req(1, 10_000)], decodes) == pytest.approx(
+        18 * (1 / 20_000 + 1 / 10_000))
+    assert ESPScheduler.preemption_cost(2.0, decodes) == pytest.approx(2.0 * (1 / 100 + 1 / 400))
+    past_average = DecodeLoad(room=0, generated=(1500,), avg_output=1000, step_time=0.02)
+    assert ESPScheduler.preemption_gain([req(0, 20_000)], past_average) == 0.0  # (.)^+: no wait to save
+
+
+def test_admission_preempts_decode_slots_only_when_the_gain_beats_the_cost():
+    """Instance 0 holds 30K of decode KV: 100K stays free apart from it. The 60K prompt fits that; the 50K after
+    it needs instance 0's free slots, which pauses its decode for the ~7 s prefill of both."""
+    ins = [ElasticInstance(0, 100_000, kv_used=30_000), ElasticInstance(1, 100_000)]
+    s = esp(output_estimate=0)
+    pending = [req(0, 60_000), req(1, 50_000)]
+    room = isolated_room(ins)
+    young = DecodeLoad(room, generated=(10,), avg_output=1000, step_time=0.02)  # cost 7 s / 10 >> gain 20 s / 50K
+    assert [r.id for r in s.admit(pending, ins, decodes=young)] == ["0"]
+    old = DecodeLoad(room, generated=(2000,), avg_output=20_000, step_time=0.05)  # gain 900 s / 50K > 7 s / 2000
+    assert [r.id for r in s.admit(pending, ins, decodes=old)] == ["0", "1"]
+    assert len(s.admit(pending, ins, decodes=DecodeLoad(room, (), 1000, 0.02))) == 2  # no decode to pause
+    assert len(s.admit(pending, ins, decodes=dataclasses.replace(young, room=200_000))) == 2  # room for both
+    assert len(s.admit(pending, ins)) == 2  # the ablation takes the slots without weighing the pause
+    assert len(s.plan(pending, ins, decodes=young)) == 1
+
+
+def test_allocation_takes_busy_instances_while_the_kv_does_not_fit_whatever_moving_costs():
+    s = esp(output_estimate=0, bw=1.0)  # moving any KV costs more than it could gain
+    ins = [ElasticInstance(0, 100_000), ElasticInstance(1, 100_000, kv_used=50_000),
+           ElasticInstance(2, 100_000, kv_used=60_000), ElasticInstance(3, 100_000, kv_used=70_000)]
+    assert [e.id for e in s.allocate([req(0, 170_000)], ins)] == [0, 1, 2]  # 100K + 50K < 170K <= + 40K
+    assert [e.id for e in s.allocate([req(0, 90_000)], ins)] == [0]
 
 
 def test_allocation_takes_a_busy_instance_only_when_its_gain_beats_moving_its_kv():
@@ -111,12 +155,12 @@ def test_plan_runs_admission_allocation_and_batching():
     assert max(len(b.instances) for b in batches) >= 2  # the long prompt gets SP
 
 
-def test_plan_holds_back_the_latest_admitted_when_the_allocated_instances_cannot_hold_them():
-    s = esp(output_estimate=0, bw=1.0)  # moving any KV costs more than it gains: busy instances stay out
-    ins = [ElasticInstance(0, 100_000), ElasticInstance(1, 1_000_000, kv_used=900_000)]
+def test_plan_holds_back_the_latest_admitted_when_the_batches_cannot_hold_them():
+    s = esp(output_estimate=0, max_sp=1)  # replicas: a request's KV must fit one instance
+    ins = [ElasticInstance(0, 100_000), ElasticInstance(1, 1_000_000, kv_used=950_000)]
     pending = [req(0, 60_000), req(1, 60_000)]
     assert len(s.admit(pending, ins)) == 2  # the pool as a whole has room for both ...
-    batches = s.plan(pending, ins)  # ... but the idle instance holds only the first
+    batches = s.plan(pending, ins)  # ... but neither instance has room for the second
     assert [r.id for b in batches for r in b.requests] == ["0"]
 
 

@@ -1,18 +1,27 @@
 """LoongServe's elastic sequence parallelism in simulation, with its ablations: ESP (elastic prefill groups,
-scale-down with proactive migration, multi-master scale-up) against ESP without scale-up (a full request moves its
-whole KV), with a single master, with reactive migration, and independent replicas (no ESP: each request
-prefills and decodes on one instance). 4 instances of Llama-2-7B on 2 x H100 (TP=2, ESP=4, LoongServe's shape),
-long-context prompts with outputs up to 2K tokens.
+scale-down with proactive migration, multi-master scale-up, decode-slot preemption by gain and cost) against ESP
+without scale-up (a full request moves its whole KV), with a single master, with reactive migration, taking
+decode slots without weighing the pause, and independent replicas (no ESP: each request prefills and decodes on
+one instance). 4 instances of Llama-2-7B on 2 x H100 (TP=2, ESP=4, LoongServe's shape).
 
-Prints each variant's max sustainable rate (SLO attainment >= 90%: TTFT within 25x the prompt's fastest isolated
-prefill on the pool, LoongServe's normalisation, and TPOT <= 100 ms) and its ratio to the replicas; writes P50
-TTFT / P90 TPOT against load and esp.json.
+Two settings:
+- Capacity (--trace, outputs up to --max_output): each variant's max sustainable rate (SLO attainment >= 90%:
+  TTFT within 25x the prompt's fastest isolated prefill on the pool, LoongServe's normalisation, and TPOT <=
+  100 ms), its ratio to the replicas, and a table at fractions of ESP's rate.
+- Memory pressure (--memory_trace, a small KV pool per instance, outputs up to --memory_max_output): at fixed
+  rates, SLO attainment (a request no replica can hold is rejected: a missed SLO), how often scale-up fired and
+  how many decodes were paused by a prefill (decode-slot preemptions) or evicted to be recomputed; once over the
+  whole trace and once over the requests that fit one instance, which every variant serves.
 
-    .venv/bin/python tools/exp_esp.py [--requests=300] [--trace=medium] [--out=docs/figures]
+Writes P50 TTFT / P90 TPOT against load (capacity setting), SLO attainment against load (memory setting) and
+esp.json to --out.
+
+    .venv/bin/python tools/exp_esp.py [--requests=200] [--trace=medium] [--memory_requests=150] [--out=docs/figures]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -23,12 +32,19 @@ from jaxserve.sched.slo import SLO
 from jaxserve.sim import plots
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
-from jaxserve.sim.workload import LONG_CONTEXT, long_context
+from jaxserve.sim.metrics import Results
+from jaxserve.sim.workload import LONG_CONTEXT, Workload, long_context
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("requests", 300, "Requests per simulated run.")
-flags.DEFINE_enum("trace", "medium", sorted(LONG_CONTEXT), "Long-context prompt lengths.")
-flags.DEFINE_integer("max_output", 2048, "Outputs are uniform in [64, max_output] tokens.")
+flags.DEFINE_integer("requests", 200, "Requests per simulated run (capacity setting).")
+flags.DEFINE_enum("trace", "medium", sorted(LONG_CONTEXT), "Long-context prompt lengths (capacity setting).")
+flags.DEFINE_integer("max_output", 2048, "Outputs are uniform in [64, max_output] tokens (capacity setting).")
+flags.DEFINE_integer("memory_requests", 150, "Requests per simulated run (memory setting).")
+flags.DEFINE_enum("memory_trace", "long", sorted(LONG_CONTEXT), "Prompt lengths (memory setting).")
+flags.DEFINE_integer("memory_max_output", 4096, "Outputs are uniform in [64, this] tokens (memory setting).")
+flags.DEFINE_float("memory_utilization", 0.35, "GPU memory for weights + KV (memory setting): 0.35 leaves ~81K "
+                   "KV tokens per instance.")
+flags.DEFINE_list("memory_rates", ["0.05", "0.1", "0.2", "0.3"], "Arrival rates, requests/s (memory setting).")
 flags.DEFINE_string("out", "docs/figures", "Where plots and esp.json go.")
 
 SLO25 = SLO(ttft_min=0.0, ttft_factor=25.0, tpot=0.1)
@@ -37,14 +53,26 @@ VARIANTS = {
     "ESP, no scale-up": ESPConfig(scale_up=False, slo=SLO25),
     "ESP, single master": ESPConfig(multi_master=False, slo=SLO25),
     "ESP, reactive migration": ESPConfig(proactive=False, slo=SLO25),
+    "ESP, slots taken unweighed": ESPConfig(decode_preemption=False, slo=SLO25),
     "replicas (no ESP)": ESPConfig(max_sp=1, scale_up=False, slo=SLO25),
 }
+MEMORY_VARIANTS = ("ESP (LoongServe)", "ESP, slots taken unweighed", "replicas (no ESP)")
+COUNTS = ("preemptions", "scale_ups", "decode_pauses", "migrations", "evacuations")
 
 
-def main(argv):
-    del argv
+def row(label: str, rate: float, res: Results) -> dict:
+    return {"label": label, "rate": rate, **res.summary()["all"], **{k: res.config[k] for k in COUNTS},
+            "scale_ups_per_s": res.config["scale_ups"] / res.span if res.span else 0.0}
 
-    def workload_at(rate: float):
+
+def one_instance(w: Workload, tokens: int) -> Workload:
+    """The requests whose prompt and output fit one instance's KV memory (those replicas serve)."""
+    keep = w.prompt_lens + w.output_lens <= tokens
+    return Workload(w.arrivals[keep], w.prompt_lens[keep], w.output_lens[keep], f"{w.name}, fits one instance")
+
+
+def capacity_setting() -> dict:
+    def workload_at(rate: float) -> Workload:
         return long_context(FLAGS.trace, FLAGS.requests, rate, output=(64, FLAGS.max_output))
 
     def attainment(cfg: ESPConfig, rate: float) -> float:
@@ -53,32 +81,66 @@ def main(argv):
     capacity = {name: highest_rate(lambda rate, c=cfg: attainment(c, rate) >= 0.9, 0.02, 4.0, iterations=10)
                 for name, cfg in tqdm(VARIANTS.items(), desc="max sustainable rate")}
     base = capacity["replicas (no ESP)"]
+    print(f"Capacity: {FLAGS.trace} prompts, outputs up to {FLAGS.max_output}, {FLAGS.requests} requests")
     for name, rate in capacity.items():
         ratio = f"{rate / base:.2f}x replicas" if base else "replicas sustain no load"
-        print(f"{name:26s} max sustainable rate {rate:6.3f} req/s  ({ratio})")
+        print(f"{name:27s} max sustainable rate {rate:6.3f} req/s  ({ratio})")
     rows = []
     top = capacity["ESP (LoongServe)"]
     for frac in (0.25, 0.5, 0.75, 1.0, 1.25):
         for name, cfg in VARIANTS.items():
-            res = ESPSimulator(cfg).run(workload_at(frac * top), progress=False)
-            rows.append({"label": name, "rate": frac * top, **res.summary()["all"],
-                         **{k: res.config[k] for k in ("preemptions", "scale_ups", "migrations", "evacuations")}})
-    print(f"{'variant':26s} {'rate':>6s} {'TTFT P50':>9s} {'TTFT P90':>9s} {'TPOT P90':>9s} {'SLO':>6s} "
-          f"{'scale-ups':>9s} {'moves':>6s} {'preempt':>7s}")
+            rows.append(row(name, frac * top, ESPSimulator(cfg).run(workload_at(frac * top), progress=False)))
+    print(f"{'variant':27s} {'rate':>6s} {'TTFT P50':>9s} {'TTFT P90':>9s} {'TPOT P90':>9s} {'SLO':>6s} "
+          f"{'scale-ups':>9s} {'moves':>6s} {'paused':>6s} {'evicted':>7s}")
     for r in rows:
-        print(f"{r['label']:26s} {r['rate']:6.3f} {r['ttft_p50']:9.3f} {r['ttft_p90']:9.3f} {r['tpot_p90']:9.4f} "
+        print(f"{r['label']:27s} {r['rate']:6.3f} {r['ttft_p50']:9.3f} {r['ttft_p90']:9.3f} {r['tpot_p90']:9.4f} "
               f"{r['slo_attainment']:6.1%} {r['scale_ups']:9d} {r['migrations'] + r['evacuations']:6d} "
-              f"{r['preemptions']:7d}")
-    os.makedirs(FLAGS.out, exist_ok=True)
+              f"{r['decode_pauses']:6d} {r['preemptions']:7d}")
     title = f"{FLAGS.trace} prompts, 4 x (2 x H100) Llama-2-7B"
     plots.metric_vs_load(rows, os.path.join(FLAGS.out, "esp_ttft_p50_vs_load.png"), "ttft_p50", "P50 TTFT (s)",
                          title=title)
     plots.metric_vs_load(rows, os.path.join(FLAGS.out, "esp_tpot_p90_vs_load.png"), "tpot_p90", "P90 TPOT (s)",
                          title=title)
+    return {"trace": FLAGS.trace, "requests": FLAGS.requests, "max_output": FLAGS.max_output,
+            "max_sustainable_rate": capacity, "load": rows}
+
+
+def memory_setting() -> dict:
+    rates = [float(r) for r in FLAGS.memory_rates]
+    configs = {name: dataclasses.replace(VARIANTS[name], memory_utilization=FLAGS.memory_utilization)
+               for name in MEMORY_VARIANTS}
+    tokens = ESPSimulator(configs["replicas (no ESP)"]).capacity
+    rows = []
+    for rate in tqdm(rates, desc="memory pressure"):
+        whole = long_context(FLAGS.memory_trace, FLAGS.memory_requests, rate, output=(64, FLAGS.memory_max_output))
+        for workload, w in (("all", whole), ("fits 1", one_instance(whole, tokens))):
+            for name, cfg in configs.items():
+                rows.append({"workload": workload, **row(name, rate, ESPSimulator(cfg).run(w, progress=False))})
+    print(f"\nMemory pressure: {FLAGS.memory_trace} prompts, outputs up to {FLAGS.memory_max_output}, "
+          f"{tokens} KV tokens per instance, {FLAGS.memory_requests} requests ('fits 1': only those whose prompt "
+          f"and output fit one instance)")
+    print(f"{'workload':8s} {'variant':27s} {'rate':>5s} {'SLO':>6s} {'reject':>6s} {'TTFT P50':>9s} {'TTFT P90':>9s} "
+          f"{'TPOT P90':>9s} {'scale-ups':>9s} {'/s':>5s} {'paused':>6s} {'evicted':>7s} {'moves':>5s}")
+    for r in rows:
+        print(f"{r['workload']:8s} {r['label']:27s} {r['rate']:5.2f} {r['slo_attainment']:6.1%} {r['rejected']:6d} "
+              f"{r['ttft_p50']:9.2f} {r['ttft_p90']:9.2f} {r['tpot_p90']:9.4f} {r['scale_ups']:9d} "
+              f"{r['scale_ups_per_s']:5.2f} {r['decode_pauses']:6d} {r['preemptions']:7d} "
+              f"{r['migrations'] + r['evacuations']:5d}")
+    plots.metric_vs_load([r for r in rows if r["workload"] == "all"],
+                         os.path.join(FLAGS.out, "esp_memory_slo_vs_load.png"), "slo_attainment", "SLO attainment",
+                         title=f"{FLAGS.memory_trace} prompts, {tokens} KV tokens per instance", log=False)
+    return {"trace": FLAGS.memory_trace, "requests": FLAGS.memory_requests, "max_output": FLAGS.memory_max_output,
+            "memory_utilization": FLAGS.memory_utilization, "kv_capacity_per_instance": tokens, "load": rows}
+
+
+def main(argv):
+    del argv
+    os.makedirs(FLAGS.out, exist_ok=True)
+    out = capacity_setting() | {"memory_pressure": memory_setting()}
     with open(os.path.join(FLAGS.out, "esp.json"), "w") as f:
-        json.dump({"trace": FLAGS.trace, "requests": FLAGS.requests, "max_output": FLAGS.max_output,
-                   "max_sustainable_rate": capacity, "load": rows}, f, indent=1)
-    print(f"wrote {FLAGS.out}/esp_ttft_p50_vs_load.png, esp_tpot_p90_vs_load.png, esp.json")
+        json.dump(out, f, indent=1)
+    print(f"wrote {FLAGS.out}/esp_ttft_p50_vs_load.png, esp_tpot_p90_vs_load.png, esp_memory_slo_vs_load.png, "
+          "esp.json")
 
 
 if __name__ == "__main__":

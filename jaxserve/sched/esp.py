@@ -4,9 +4,15 @@ elastic instances, and split into which batches (LoongServe Section 5; slides in
 - Admission: pending requests in FCFS order while (memory) the KV they hold now plus what they will grow to
   (prompt + predicted output) fits the pool, and (compute) one iteration over the admitted set stays under the
   profiled knee, past which batching more stops paying.
-- Elastic instance allocation: start from the idle instances; add the emptiest busy instance e while the time
-  it saves, Gain = sum_r (T(R, E) - T(R, E + e)) / l_r, exceeds the time to move its KV away,
-  Cost = sum_r V(e) / (bandwidth * l_r) (both per prompt token, so long prompts weigh less per token).
+- Preempting decode slots (admission, slides "2. GPU计算约束", second page): requests past the memory the pool
+  would have free if the decoding requests' KV were packed onto as few instances as possible (LoongServe's
+  isolated idle slots) need the free KV slots of instances that decodes run on, and pause those decodes for the
+  prefill. They are admitted only while Gain > Cost (see preemption_gain / preemption_cost for the reading).
+- Elastic instance allocation: start from the instances holding no KV; add the emptiest busy instance e while
+  the chosen instances' free memory cannot hold the requests (slides: "当KV不够或需要提升性能", when the KV does
+  not fit or to speed up), then while the time it saves, Gain = sum_r (T(R, E) - T(R, E + e)) / l_r, exceeds
+  the time to move its KV away, Cost = sum_r V(e) / (bandwidth * l_r) (both per prompt token, so long prompts
+  weigh less per token).
 - Batching by dynamic programming: requests sorted longest first, instances emptiest first;
   f[i][k] = min over j, l of f[j][l] + (i - j) T(R[j..i], E[l..k]) (the summed prefill time of the requests) with
   the batch's tokens fitting those instances' free KV. Evaluated over contiguous ranges with numpy along one axis
@@ -47,6 +53,16 @@ class ElasticInstance:
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeLoad:
+    """What admission knows of the decoding requests, which a prefill sharing their instances would pause."""
+
+    room: int  # KV tokens a prefill can take without sharing an instance with them (isolated_room of the pool)
+    generated: tuple[int, ...]  # tokens each has generated so far (>= 1: prefill yields the first)
+    avg_output: float  # mean output length of finished requests (a prior when none has finished)
+    step_time: float  # seconds per decode iteration
+
+
+@dataclasses.dataclass(frozen=True)
 class ESPBatch:
     requests: tuple[Request, ...]
     instances: tuple[int, ...]
@@ -57,7 +73,9 @@ class ESPScheduler:
     def __init__(self, model: LoongServePrefill, tp: int, knee: float, migration_bandwidth: float,
                  kv_bytes_per_token: float, output_estimate: int = 1024, max_sp: int | None = None):
         """knee: seconds per prefill iteration past which admitting more stops paying (profiled);
-        migration_bandwidth: bytes/s an instance's KV moves at; output_estimate: predicted decode length;
+        migration_bandwidth: bytes/s of one link; kv_bytes_per_token: the bytes of a token's KV that one link
+        carries (an instance's GPUs move their TP shards over their own links at once); output_estimate:
+        predicted decode length;
         max_sp: the most instances one batch may span (1 = independent replicas, the no-ESP baseline)."""
         self.tp, self.knee, self.bandwidth, self.max_sp = tp, knee, migration_bandwidth, max_sp
         self.kv_bytes, self.output_estimate = kv_bytes_per_token, output_estimate
@@ -83,20 +101,47 @@ class ESPScheduler:
         return r.prompt_len + min(self.output_estimate, r.output_len)
 
     # -- admission -------------------------------------------------------------------------------------------
-    def admit(self, pending: Sequence[Request], instances: Sequence[ElasticInstance],
-              growth: int = 0) -> list[Request]:
-        """growth: tokens the requests already decoding are predicted to add before they finish."""
+    def admit(self, pending: Sequence[Request], instances: Sequence[ElasticInstance], growth: int = 0,
+              decodes: DecodeLoad | None = None) -> list[Request]:
+        """growth: tokens the requests already decoding are predicted to add before they finish; decodes: those
+        requests (None: requests past the isolated memory take decode slots without weighing it, the ablation)."""
         capacity = sum(e.kv_capacity for e in instances)
         held = sum(e.kv_used for e in instances) + growth
         admitted: list[Request] = []
+        direct = 0  # admitted[:direct] fit the isolated memory; the rest preempt decode slots
         for r in pending:  # FCFS: stop at the first that does not fit, so nobody is overtaken
-            future = held + sum(map(self.kv_need, admitted + [r]))
-            if future > capacity:
+            need = sum(map(self.kv_need, admitted + [r]))
+            if held + need > capacity:
                 break
-            if admitted and self.latency([x.prompt_len for x in admitted + [r]], len(instances)) > self.knee:
+            lengths = [x.prompt_len for x in admitted + [r]]
+            if admitted and self.latency(lengths, len(instances)) > self.knee:
                 break
+            if decodes is None or need <= decodes.room or not decodes.generated:
+                direct += 1
+            else:
+                extra = admitted[direct:] + [r]
+                prefill = self.latency(lengths, len(instances))
+                if self.preemption_gain(extra, decodes) <= self.preemption_cost(prefill, decodes):
+                    break
             admitted.append(r)
         return admitted
+
+    @staticmethod
+    def preemption_gain(extra: Sequence[Request], decodes: DecodeLoad) -> float:
+        """Slides: Gain = sum_{r in R'} (AvgLat_d - min(B.exec_time))^+ / r.input_len, "(平均Decode时延 - 最小执行
+        时间) / 请求X的输入token长度". Read as: R' = `extra`, the requests that need the decode slots; AvgLat_d = the
+        average decode time (avg_output steps) and B.exec_time = each paused decode's time so far (generated
+        steps), so the positive part is how long R' would otherwise wait for the least advanced decode to end.
+        The waiting time saved, per prompt token."""
+        wait = decodes.step_time * max(decodes.avg_output - min(decodes.generated), 0.0)
+        return wait * sum(1.0 / r.prompt_len for r in extra)
+
+    @staticmethod
+    def preemption_cost(prefill_time: float, decodes: DecodeLoad) -> float:
+        """Slides: Cost = sum_{r in B} T(R_p + R', E_p + G) / r.output_len, "T(所有加入的请求, 占据的GPU) / 被抢占的
+        请求已经生成的token长度": each paused decode waits out the prefill of every admitted request on every
+        offered instance (`prefill_time`), per token it has generated so far."""
+        return prefill_time * sum(1.0 / g for g in decodes.generated)
 
     # -- elastic instance allocation -------------------------------------------------------------------------
     def allocate(self, requests: Sequence[Request], instances: Sequence[ElasticInstance]) -> list[ElasticInstance]:
@@ -104,8 +149,9 @@ class ESPScheduler:
         busy = sorted((e for e in instances if e.kv_used), key=lambda e: e.kv_used)
         lengths = [r.prompt_len for r in requests]
         inv = sum(1.0 / l for l in lengths)
+        need = sum(map(self.kv_need, requests))
         for e in busy:
-            if chosen:  # with no idle instance the emptiest busy one is taken whatever it costs
+            if chosen and sum(x.free for x in chosen) >= need:  # till then e is taken whatever it costs
                 gain = (self.latency(lengths, len(chosen)) - self.latency(lengths, len(chosen) + 1)) * inv
                 cost = e.kv_used * self.kv_bytes / self.bandwidth * inv
                 if gain <= cost:
@@ -164,11 +210,11 @@ class ESPScheduler:
             i, k = j, l
         return out[::-1]
 
-    def plan(self, pending: Sequence[Request], instances: Sequence[ElasticInstance],
-             growth: int = 0) -> list[ESPBatch]:
+    def plan(self, pending: Sequence[Request], instances: Sequence[ElasticInstance], growth: int = 0,
+             decodes: DecodeLoad | None = None) -> list[ESPBatch]:
         """One scheduling round: admit, allocate, batch. Admission checks memory over the whole pool; when the
         allocated instances' free memory cannot hold every admitted request, the latest admitted wait."""
-        admitted = self.admit(pending, instances, growth)
+        admitted = self.admit(pending, instances, growth, decodes)
         while admitted:
             try:
                 return self.batch(admitted, self.allocate(admitted, instances))
@@ -211,6 +257,18 @@ class ESPScheduler:
         if not multi_master:
             return next(iter(shards))
         return min(shards, key=lambda i: (mastered.get(i, 0), -shards[i]))
+
+
+def isolated_room(instances: Sequence[ElasticInstance]) -> int:
+    """KV tokens free on the instances left empty if the KV in use were packed onto the largest instances (the
+    memory a prefill can take without sharing an instance with a decode; the packing is allocation's KV moves)."""
+    left, out = sum(e.kv_used for e in instances), 0
+    for e in sorted(instances, key=lambda e: -e.kv_capacity):
+        if left > 0:
+            left -= e.kv_capacity
+        else:
+            out += e.kv_capacity
+    return out
 
 
 def split_evenly(tokens: int, group: Sequence[ElasticInstance]) -> dict[int, int]:

@@ -5,16 +5,22 @@ sched/esp.py's ESPScheduler.
 - Iterations: at every event the scheduler plans prefill batches on the idle instances (admission, elastic
   allocation, batching); then every decoding request whose instances are all idle takes one decode step, the
   requests that share instances stepping together and unconnected groups independently. An instance taken for
-  prefill first moves the decode KV it holds to idle instances with room (the cost the allocation weighs);
-  requests whose share finds no room wait for the prefill.
-- Scale-down: a finished prefill keeps each request's KV on a few of its batch's instances (proactive migration:
-  free; reactive: the leaving instances' shares move over NVLink before it decodes).
+  prefill first moves the decode KV it holds to idle instances with room, and the prefill starts when that is
+  done (the cost the allocation weighs); requests whose share finds no room are paused until the prefill ends
+  (a decode-slot preemption, which admission weighs unless `decode_preemption` is off).
+- Scale-down: a finished prefill keeps each request's KV on a few of its batch's instances. Proactive migration:
+  the ring passed every K/V block by every instance, so a keeper only stores the blocks it keeps, a copy into
+  its own memory; reactive: the leaving instances' shares move over the links after the prefill.
+- KV moves (evacuation, reactive scale-down, whole-KV migration) are charged from the network profile: each
+  GPU of an instance sends or receives its TP shard over its own link, NVLink within a node; the busiest
+  instance's traffic sets the time, and the instances involved are busy until it is done.
 - Scale-up: a request whose tail instance is full grows onto the emptiest instance with room (multi-master:
   each step's masters spread over a group's instances); without scale-up it moves its whole KV to an instance
   that holds it. With no memory anywhere it is preempted: its KV is freed and it prefills again (prompt plus
   the tokens generated so far) ahead of new arrivals.
 - Times come from the GPU profile (sched/profiles.py): prefill = linear ops over each instance's share of the
-  batch + causal attention split over the group (the ring's K/V passing is hidden under compute); a decode step
+  batch + causal attention split over the group + the ring's K/V passing where one ring step's compute does not
+  hide it (per layer, sp - 1 sends of the instance's share, each hidden up to 1/sp of its attention); a decode step
   lasts as long as its slowest instance: linear ops for the requests it masters, attention over the KV it
   holds, and per layer a query/partials exchange for requests spread over several instances. The scheduler plans
   with LoongServe's model fitted to those prefill times.
@@ -22,16 +28,18 @@ sched/esp.py's ESPScheduler.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
+from typing import Iterable, Mapping
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.sched.cost_models import LoongServePrefill
-from jaxserve.sched.esp import ElasticInstance, ESPBatch, ESPScheduler
-from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
+from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room
+from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
 from jaxserve.sched.slo import SLO
 from jaxserve.sim.metrics import Results
@@ -46,6 +54,7 @@ class ESPConfig:
     scale_up: bool = True  # multi-master growth of a full request's group
     multi_master: bool = True
     proactive: bool = True  # scale-down migration hidden in the prefill ring
+    decode_preemption: bool = True  # weigh pausing decodes before a prefill takes their free KV slots (False: always)
     max_sp: int | None = None  # 1: independent replicas (LoongServe without ESP)
     output_estimate: int = 512  # predicted decode length for admission and scale-down
     knee_tokens: int = 16384  # a prefill batch past this many tokens on one instance stops gaining from batching
@@ -56,19 +65,39 @@ class ESPConfig:
         return dataclasses.asdict(self) | {"slo": dataclasses.asdict(self.slo)}
 
 
+GPUS_PER_NODE = 8  # the network profile's DGX nodes; instance i holds GPUs i*tp .. (i+1)*tp - 1
+
+
 class ESPCost:
     """What the executor charges, from the GPU profile, for instances of `tp` GPUs."""
 
     def __init__(self, profile: str, tp: int):
         self.batch = ProfileBatchCost(profile, tp)
-        self.layers = self.batch.layers
-        self.link = network(PROFILES[profile][0])
+        self.layers, self.tp = self.batch.layers, tp
+        gpu = PROFILES[profile][0]
+        self.link = network(gpu)
         self.kv_bytes = model_shape(profile).kv_bytes_per_token()
+        self.shard_bytes = self.kv_bytes / tp  # one GPU's share of a token's KV (all layers): what its link carries
+        self.copy_rate = GPUS[gpu].hbm_bandwidth * GPUS[gpu].mbu  # bytes/s of a copy within one GPU's memory
         self.query_bytes = 2.0 * model_shape(profile).hidden  # bf16 query (and partial output) per layer
 
-    def prefill(self, lengths: list[int], sp: int) -> float:
+    def link_of(self, instances: Iterable[int]) -> str:
+        """The slowest link between the instances: NVLink when they share a node."""
+        return "intra_node" if len({i * self.tp // GPUS_PER_NODE for i in instances}) <= 1 else "inter_node"
+
+    def prefill(self, lengths: list[int], sp: int, link: str = "intra_node") -> float:
         per_instance = math.ceil(sum(lengths) / sp)
-        return self.batch.linear_ops(per_instance) + sum(self.batch.prefill_attention(l, 0) for l in lengths) / sp
+        attention = sum(self.batch.prefill_attention(l, 0) for l in lengths) / sp
+        return self.batch.linear_ops(per_instance) + attention + self.ring(per_instance, attention, sp, link)
+
+    def ring(self, tokens: int, attention: float, sp: int, link: str) -> float:
+        """Ring attention's exposed K/V passing: per layer, sp steps each compute 1/sp of the instance's
+        attention while the block of `tokens` (this GPU's heads) goes to the next instance; each of the sp - 1
+        sends is hidden only up to one step's compute."""
+        if sp == 1:
+            return 0.0
+        send = self.link.predict(link, tokens * self.shard_bytes / self.layers)
+        return self.layers * (sp - 1) * max(send - attention / self.layers / sp, 0.0)
 
     def fastest_prefill(self, tokens: int, max_sp: int) -> float:
         return min(self.prefill([tokens], sp) for sp in range(1, max_sp + 1))
@@ -87,8 +116,19 @@ class ESPCost:
         """Per step: each layer sends the queries of `requests` spread requests and gets their partials back."""
         return self.layers * 2 * self.link.predict("intra_node", requests * self.query_bytes)
 
-    def migrate(self, tokens: int) -> float:
-        return self.link.predict("intra_node", tokens * self.kv_bytes)
+    def migrate(self, tokens: float, link: str = "intra_node") -> float:
+        """One instance sending (or receiving) `tokens` of KV: its GPUs move their shards in parallel."""
+        return self.link.predict(link, tokens * self.shard_bytes)
+
+    def moves(self, sent: Mapping[int, float], received: Mapping[int, float]) -> float:
+        """KV moved between instances at once, given the tokens each sends and receives: links carry both ways at
+        once, so the busiest instance's inbound or outbound tokens set the time."""
+        busiest = max([*sent.values(), *received.values()], default=0)
+        return self.migrate(busiest, self.link_of({*sent, *received})) if busiest else 0.0
+
+    def copy(self, tokens: float) -> float:
+        """Storing `tokens` of KV that passed by into an instance's own memory."""
+        return tokens * self.shard_bytes / self.copy_rate
 
 
 @dataclasses.dataclass
@@ -108,7 +148,7 @@ class ESPSimulator:
         model = self.cost.fit(c.instances, c.tp)
         self.scheduler = ESPScheduler(
             model, c.tp, knee=self.cost.prefill([c.knee_tokens], 1),
-            migration_bandwidth=self.cost.link.bandwidth("intra_node"), kv_bytes_per_token=self.cost.kv_bytes,
+            migration_bandwidth=self.cost.link.bandwidth("intra_node"), kv_bytes_per_token=self.cost.shard_bytes,
             output_estimate=c.output_estimate, max_sp=c.max_sp)
 
     def run(self, workload: Workload, progress: bool = True) -> Results:
@@ -125,7 +165,12 @@ class _Run:
         self.prefilling: list[tuple[float, ESPBatch]] = []  # (end, batch)
         self.decoding: dict[str, _Decoding] = {}
         self.steps: list[tuple[float, set[int], list[_Decoding]]] = []  # decode steps in flight: end, instances
+        self.moves: list[tuple[float, set[int]]] = []  # KV moves in flight: end, instances busy until then
         self.preemptions = self.scale_ups = self.migrations = self.evacuations = self.finished = 0
+        self.decode_pauses = 0  # decoding requests paused by a prefill taking an instance that holds their KV
+        # outputs of finished requests, after a prior of one predicted output (as LoongServe seeds its average)
+        self.output_sum, self.output_count = float(self.cfg.output_estimate), 1
+        self.step_sum, self.step_count = 0.0, 0  # decode step durations so far
         self.now = 0.0
         self.wall = time.perf_counter()
         self._build(workload)
@@ -147,13 +192,14 @@ class _Run:
         bar = tqdm(total=len(self.requests), desc="esp", unit="req", disable=not progress, leave=False)
         arrived = 0
         while True:
-            times = [e for e, _ in self.prefilling] + [e for e, _, _ in self.steps]
+            times = [e for e, _ in self.prefilling] + [e for e, _, _ in self.steps] + [e for e, _ in self.moves]
             times += [d.ready_at for d in self.decoding.values() if d.ready_at > self.now]  # migrations landing
             if arrived < len(self.requests):
                 times.append(self.requests[arrived].arrival)
             if not times:
                 break
             self.now = now = min(times)
+            self.moves = [m for m in self.moves if m[0] > now]
             while arrived < len(self.requests) and self.requests[arrived].arrival <= now:
                 r = self.requests[arrived]
                 self.pending.append(r)
@@ -172,8 +218,9 @@ class _Run:
             raise RuntimeError(f"stuck: {len(self.pending)} waiting, {len(self.decoding)} decoding")
 
     def _idle(self) -> set[int]:
-        """Instances neither prefilling nor in a decode step."""
+        """Instances neither prefilling, in a decode step nor moving KV."""
         busy = {i for _, b in self.prefilling for i in b.instances} | {i for _, ins, _ in self.steps for i in ins}
+        busy |= {i for _, ins in self.moves for i in ins}
         return {e.id for e in self.instances} - busy
 
     def _schedule(self, now: float) -> None:
@@ -190,26 +237,46 @@ class _Run:
         while self.pending and idle:  # rounds until nothing more starts (the knee bounds each round)
             growth = sum(max(min(self.cfg.output_estimate, d.request.output_len) - d.request.generated, 0)
                          for d in self.decoding.values())
-            batches = self.esp.plan(self.pending, [self.instances[i] for i in sorted(idle)], growth)
+            batches = self.esp.plan(self.pending, [self.instances[i] for i in sorted(idle)], growth,
+                                    self._decode_load())
             if not batches:
                 break
+            reserved = {i for b in batches for i in b.instances}
             for batch in batches:
-                self.prefilling.append((now + self.cost.prefill([r.prompt_len for r in batch.requests],
-                                                                 len(batch.instances)), batch))
+                start = self._evacuate(set(batch.instances), reserved, now)
+                self.prefilling.append((start + self.cost.prefill([r.prompt_len for r in batch.requests],
+                                                                   len(batch.instances),
+                                                                   self.cost.link_of(batch.instances)), batch))
                 planned = {r.id for r in batch.requests}
                 self.pending = [r for r in self.pending if r.id not in planned]
-                self._evacuate(set(batch.instances), now)
             idle = self._idle()
 
-    def _evacuate(self, taken: set[int], now: float) -> None:
-        """A prefill took instances holding decode KV: move those shares to idle instances with room (the cost the
-        allocation weighed); a request whose share finds no room waits for the prefill instead."""
-        idle = [e for e in self.instances if e.id in self._idle()]
+    def _decode_load(self) -> DecodeLoad | None:
+        """The decoding requests and the memory outside them (over the instances not prefilling, busy stepping
+        or not: a step lasts milliseconds); None where admission takes their free slots without weighing the
+        pause (the ablation)."""
+        if not self.cfg.decode_preemption:
+            return None
+        prefilling = {i for _, b in self.prefilling for i in b.instances}
+        return DecodeLoad(isolated_room([e for e in self.instances if e.id not in prefilling]),
+                          tuple(d.request.generated for d in self.decoding.values()),
+                          self.output_sum / self.output_count, self.step_sum / max(self.step_count, 1))
+
+    def _evacuate(self, taken: set[int], reserved: set[int], now: float) -> float:
+        """A prefill takes instances holding decode KV: move those shares to idle instances outside this round's
+        prefills with room (the cost the allocation weighed), busy receiving until done; a request whose share
+        finds no room is paused until the prefill ends. Returns when the prefill can start."""
+        idle = [e for e in self.instances if e.id in self._idle() - reserved]
+        sent: collections.Counter[int] = collections.Counter()
+        received: collections.Counter[int] = collections.Counter()
+        moved = []
         for d in self.decoding.values():
+            paused = False
             for i in [i for i in d.shards if i in taken]:
                 tokens = d.shards[i]
                 room = [e for e in idle if e.id not in d.shards and e.free >= tokens + 1]
                 if not room:
+                    paused = True
                     continue
                 target = max(room, key=lambda e: e.free)
                 self.evacuations += 1
@@ -217,21 +284,59 @@ class _Run:
                 self.instances[i].kv_used -= tokens
                 d.shards[target.id] = tokens  # last: it takes the new tokens
                 target.kv_used += tokens
-                d.ready_at = max(d.ready_at, now + self.cost.migrate(tokens))
+                sent[i] += tokens
+                received[target.id] += tokens
+                moved.append(d)
+            self.decode_pauses += paused
+        end = now + self.cost.moves(sent, received)
+        for d in moved:
+            d.ready_at = max(d.ready_at, end)
+        if received:
+            self.moves.append((end, set(received)))
+        return end
 
     def _prefilled(self, batch: ESPBatch, end: float) -> None:
         shards = self.esp.scale_down(batch, self.instances)
+        first, ready = self._scale_down(batch, shards, end)
         for r in batch.requests:
             original = self.origin.pop(r.id)
             original.prefilled = original.prompt_len
-            moved = r.prompt_len * (1 - len(shards[r.id]) / len(batch.instances))
-            ready = end if self.cfg.proactive or not moved else end + self.cost.migrate(int(moved))
-            original.add_tokens(1, end)  # prefill (or the recompute of a preempted one) yields the next token
+            original.add_tokens(1, first)  # prefill (or the recompute of a preempted one) yields the next token
             if original.finished:
-                self.finished += 1
-                self._release(shards[r.id])
+                self._finish(original, shards[r.id])
             else:
                 self.decoding[original.id] = _Decoding(original, shards[r.id], ready)
+
+    def _scale_down(self, batch: ESPBatch, shards: dict[str, dict[int, int]], end: float) -> tuple[float, float]:
+        """When the batch's first tokens come out and its requests can decode: the ring left 1/sp of each
+        prompt's KV on every instance of the batch and the keepers need their shares. Proactive (LoongServe's
+        scale-down, slides: "在轮转的过程中保存KV"): every block passed by every instance during the ring, so a keeper
+        stores what it keeps as it passes, a copy into its memory that lengthens the lockstep forward pass (the
+        paper measures < 2%); reactive: after the forward pass the shares move over the links. The instances
+        involved are busy until it is done."""
+        sp = len(batch.instances)
+        sent: collections.Counter[int] = collections.Counter()
+        received: collections.Counter[int] = collections.Counter()
+        for r in batch.requests:
+            for i in batch.instances:
+                delta = round(shards[r.id].get(i, 0) - r.prompt_len / sp)
+                if delta:
+                    (received if delta > 0 else sent)[i] += abs(delta)
+        if self.cfg.proactive:
+            done = end + max(map(self.cost.copy, received.values()), default=0.0)
+            first, busy = done, set(batch.instances)
+        else:
+            done = end + self.cost.moves(sent, received)
+            first, busy = end, set(sent) | set(received)
+        if done > end:
+            self.moves.append((done, busy))
+        return first, done
+
+    def _finish(self, request: Request, shards: dict[int, int]) -> None:
+        self.finished += 1
+        self.output_sum += request.output_len
+        self.output_count += 1
+        self._release(shards)
 
     def _release(self, shards: dict[int, int]) -> None:
         for i, tokens in shards.items():
@@ -260,7 +365,10 @@ class _Run:
             groups.setdefault(root(next(iter(d.shards))), []).append(d)
         for members in groups.values():
             instances = {i for d in members for i in d.shards}
-            self.steps.append((now + self._step_time(members), instances, members))
+            seconds = self._step_time(members)
+            self.step_sum += seconds
+            self.step_count += 1
+            self.steps.append((now + seconds, instances, members))
 
     def _step_time(self, members: list[_Decoding]) -> float:
         """The slowest instance: linear ops for the requests it masters, attention over the KV it holds, and the
@@ -300,12 +408,15 @@ class _Run:
             need = kv + max(self.cfg.output_estimate - d.request.generated, 1)
             target = max((e for e in candidates if e.id not in d.shards and e.free >= need), default=None,
                          key=lambda e: e.free)
-            if target is not None:
+            if target is not None:  # its instances and the target are busy with the move from the next step on
                 self.migrations += 1
                 self._release(d.shards)
+                seconds = self.cost.moves(d.shards, {target.id: kv})
+                self.moves.append((now + seconds, set(d.shards) | {target.id}))
+                idle.difference_update(self.moves[-1][1])
                 d.shards = {target.id: kv}
                 target.kv_used += kv
-                d.ready_at = now + self.cost.migrate(kv)
+                d.ready_at = now + seconds
                 return True
         self._preempt(d)
         return False
@@ -330,8 +441,7 @@ class _Run:
         for d in stepping:
             d.request.add_tokens(1, end)
             if d.request.finished:
-                self.finished += 1
-                self._release(d.shards)
+                self._finish(d.request, d.shards)
                 del self.decoding[d.request.id]
 
     def results(self) -> Results:
@@ -339,6 +449,7 @@ class _Run:
         span = (max(r.finished_at for r in done) - self.requests[0].arrival) if done else 0.0
         config = self.cfg.label() | {"preemptions": self.preemptions, "scale_ups": self.scale_ups,
                                      "migrations": self.migrations, "evacuations": self.evacuations,
+                                     "decode_pauses": self.decode_pauses,
                                      "kv_capacity_per_instance": self.sim.capacity,
                                      "kv_held_at_end": sum(e.kv_used for e in self.instances)}
         return Results(self.requests, self.rejected, span, time.perf_counter() - self.wall, config)
