@@ -51,6 +51,18 @@ def test_admission_stops_at_memory_then_at_the_knee_in_fcfs_order():
     assert s.admit(big_first, inst) == []  # FCFS: the small one does not overtake
 
 
+def test_out_of_order_admission_lets_a_bounded_number_of_plans_pass_a_request_that_does_not_fit():
+    inst = [ElasticInstance(i, 100_000) for i in range(4)]
+    s = esp(output_estimate=1000, max_overtakes=2)
+    big = req("big", 500_000)  # more than the pool holds while anything else is in it
+    for round_ in range(2):  # two plans may go ahead of it, each admitting a later small request
+        small = req(f"small{round_}", 10_000)
+        batches = s.plan([big, small], inst)
+        assert [r.id for b in batches for r in b.requests] == [small.id]
+    assert s.plan([big, req("small2", 10_000)], inst) == []  # overtaken twice: FCFS again until it runs
+    assert esp(output_estimate=1000).plan([big, req("small", 10_000)], inst) == []  # the default is strict FCFS
+
+
 def test_isolated_room_packs_the_kv_in_use_onto_the_largest_instances():
     ins = [ElasticInstance(0, 100, 30), ElasticInstance(1, 100, 0), ElasticInstance(2, 50, 40)]
     assert isolated_room(ins) == 150  # 70 in use fit instance 0 (or 1): the other 100 + 50 are free

@@ -71,13 +71,18 @@ class ESPBatch:
 
 class ESPScheduler:
     def __init__(self, model: LoongServePrefill, tp: int, knee: float, migration_bandwidth: float,
-                 kv_bytes_per_token: float, output_estimate: int = 1024, max_sp: int | None = None):
+                 kv_bytes_per_token: float, output_estimate: int = 1024, max_sp: int | None = None,
+                 max_overtakes: int = 0):
         """knee: seconds per prefill iteration past which admitting more stops paying (profiled);
         migration_bandwidth: bytes/s of one link; kv_bytes_per_token: the bytes of a token's KV that one link
         carries (an instance's GPUs move their TP shards over their own links at once); output_estimate:
         predicted decode length;
-        max_sp: the most instances one batch may span (1 = independent replicas, the no-ESP baseline)."""
+        max_sp: the most instances one batch may span (1 = independent replicas, the no-ESP baseline);
+        max_overtakes: how many later requests may be admitted ahead of one the memory cannot take yet (0: the
+        slides' strict FCFS; LoongServe's code bounds such out-of-order admissions, `max_num_ooe`)."""
         self.tp, self.knee, self.bandwidth, self.max_sp = tp, knee, migration_bandwidth, max_sp
+        self.max_overtakes = max_overtakes
+        self._overtaken: dict[str, int] = {}  # request id -> admissions that went ahead of it
         self.kv_bytes, self.output_estimate = kv_bytes_per_token, output_estimate
         self._sp = sorted(sp for sp, t in model.coefficients if t == tp)
         if not self._sp:
@@ -109,9 +114,11 @@ class ESPScheduler:
         held = sum(e.kv_used for e in instances) + growth
         admitted: list[Request] = []
         direct = 0  # admitted[:direct] fit the isolated memory; the rest preempt decode slots
-        for r in pending:  # FCFS: stop at the first that does not fit, so nobody is overtaken
+        for r in pending:  # FCFS: stop at the first that does not fit, unless it may still be overtaken
             need = sum(map(self.kv_need, admitted + [r]))
             if held + need > capacity:
+                if self._overtaken.get(r.id, 0) < self.max_overtakes:
+                    continue
                 break
             lengths = [x.prompt_len for x in admitted + [r]]
             if admitted and self.latency(lengths, len(instances)) > self.knee:
@@ -217,10 +224,23 @@ class ESPScheduler:
         admitted = self.admit(pending, instances, growth, decodes)
         while admitted:
             try:
-                return self.batch(admitted, self.allocate(admitted, instances))
+                batches = self.batch(admitted, self.allocate(admitted, instances))
             except ValueError:
                 admitted.pop()
+                continue
+            self._count_overtakes(pending, admitted)
+            return batches
         return []
+
+    def _count_overtakes(self, pending: Sequence[Request], admitted: Sequence[Request]) -> None:
+        """Each waiting request passed over by a later admitted one has been overtaken once more."""
+        chosen = {r.id for r in admitted}
+        last = max(i for i, r in enumerate(pending) if r.id in chosen)
+        for r in pending[:last]:
+            if r.id not in chosen:
+                self._overtaken[r.id] = self._overtaken.get(r.id, 0) + 1
+        for r in admitted:
+            self._overtaken.pop(r.id, None)
 
     # -- decode: scale-down and scale-up ---------------------------------------------------------------------
     def scale_down(self, batch: ESPBatch, instances: Sequence[ElasticInstance]) -> dict[str, dict[int, int]]:

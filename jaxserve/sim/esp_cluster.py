@@ -55,6 +55,7 @@ class ESPConfig:
     multi_master: bool = True
     proactive: bool = True  # scale-down migration hidden in the prefill ring
     decode_preemption: bool = True  # weigh pausing decodes before a prefill takes their free KV slots (False: always)
+    max_overtakes: int = 0  # later requests admitted ahead of one that does not fit (0: strict FCFS, the slides)
     max_sp: int | None = None  # 1: independent replicas (LoongServe without ESP)
     output_estimate: int = 512  # predicted decode length for admission and scale-down
     knee_tokens: int = 16384  # a prefill batch past this many tokens on one instance stops gaining from batching
@@ -149,7 +150,7 @@ class ESPSimulator:
         self.scheduler = ESPScheduler(
             model, c.tp, knee=self.cost.prefill([c.knee_tokens], 1),
             migration_bandwidth=self.cost.link.bandwidth("intra_node"), kv_bytes_per_token=self.cost.shard_bytes,
-            output_estimate=c.output_estimate, max_sp=c.max_sp)
+            output_estimate=c.output_estimate, max_sp=c.max_sp, max_overtakes=c.max_overtakes)
 
     def run(self, workload: Workload, progress: bool = True) -> Results:
         return _Run(self, workload, progress).results()
