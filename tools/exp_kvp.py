@@ -79,6 +79,13 @@ def plot_decode(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_layouts(rows: list[dict], out: str) -> None:
+    for metric, label, name in (("tpot_p90", "P90 TPOT, all requests (s)", "kvp_tpot_p90_vs_load.png"),
+                                ("long_tpot_p50", "P50 TPOT, 2M-token requests (s)", "kvp_long_tpot_vs_load.png")):
+        plots.metric_vs_load(rows, os.path.join(out, name), metric, label, title="2D vs 3D, Llama-70B, 64 H100",
+                             log=False)
+
+
 def main(argv):
     del argv
     decode = decode_only()
@@ -107,12 +114,12 @@ def main(argv):
               f"TTFT P50 {a['ttft_p50'] / b['ttft_p50']:.2f}x")
     os.makedirs(FLAGS.out, exist_ok=True)
     plot_decode(decode, os.path.join(FLAGS.out, "kvp_decode_only.png"))
-    plots.metric_vs_load(layouts, os.path.join(FLAGS.out, "kvp_tpot_p90_vs_load.png"), "tpot_p90",
-                         "P90 TPOT (s)", title="2D vs 3D, Llama-70B, 64 H100")
+    plot_layouts(layouts, FLAGS.out)
     with open(os.path.join(FLAGS.out, "kvp.json"), "w") as f:
         json.dump({"decode_only": decode, "layouts": layouts, "requests": FLAGS.requests,
                    "long_tokens": FLAGS.long_tokens, "kvp_tokens": FLAGS.kvp_tokens}, f, indent=1)
-    print(f"wrote {FLAGS.out}/kvp_decode_only.png, kvp_tpot_p90_vs_load.png, kvp.json")
+    print(f"wrote {FLAGS.out}/kvp_decode_only.png, kvp_tpot_p90_vs_load.png, kvp_long_tpot_vs_load.png, "
+          "kvp.json")
 
 
 if __name__ == "__main__":
