@@ -12,6 +12,7 @@ from jaxserve.sched.batch_cost import TetrisBatchCost
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.packer import PackerConfig
 from jaxserve.sched.request import Request
+from jaxserve.sched.profiles import model_shape, network
 from jaxserve.sim.simulator import ClusterConfig, Simulator
 from jaxserve.sim.workload import synthetic_mix
 
@@ -118,6 +119,18 @@ def test_pipeline_stages_stream_one_prompt_s_chunks():
         ttft[stages] = r.first_token_at
         assert max(r.token_gaps) < 0.05 * 1.5
     assert ttft[2] < 0.6 * ttft[1] and ttft[4] < 0.6 * ttft[2]
+
+
+def test_pipeline_stages_pass_each_batch_over_the_inter_node_link():
+    """Between stages a batch's activations cross the inter-node link: a lone decode step on 4 stages takes its
+    compute plus three hops of one token's activations (each TP rank sending 2 x hidden / tp bytes)."""
+    cfg = _config(stages=4)
+    sim = Simulator(cfg)
+    res = sim.run_requests([Request("r", 0.0, 64, 2)], progress=False)
+    (r,) = res.requests
+    hop = network("a100").predict("inter_node", 2.0 * model_shape("a100_llama3_8b").hidden / 8)
+    step = 4 * sim.cost.batch_time([], [64]) + 3 * hop
+    assert r.finished_at - r.first_token_at == pytest.approx(step, rel=1e-9)
 
 
 def test_simultaneous_arrivals_share_a_batch():

@@ -23,7 +23,7 @@ from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.packer import PackerConfig, PrefillTimeCache
 from jaxserve.sched.plan import Outcome, Phase, Plan
 from jaxserve.sched.policies import make_policy
-from jaxserve.sched.profiles import ProfileBatchCost, kv_capacity
+from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
 from jaxserve.sched.scheduler import ReplicaScheduler
 from jaxserve.sched.slo import SLO
@@ -82,15 +82,24 @@ class Replica:
                                           max_running=config.max_running, prefill_cache=cache)
         self.cost, self.stages, self.time_scale = cost, config.stages, config.time_scale
         self.stage_free_at = 0.0
+        # between stages (a node each) a batch's activations cross the inter-node link, each TP rank sending its
+        # share; the link runs beside the next batch's compute, so it adds latency, not stage time
+        gpu, shape = PROFILES[config.profile][0], model_shape(config.profile)
+        self._link, self._activation_bytes = network(gpu), 2.0 * shape.hidden / config.tp
+
+    def hop(self, tokens: int) -> float:
+        """Seconds for a batch of `tokens` tokens to pass from one pipeline stage to the next."""
+        return self._link.predict("inter_node", tokens * self._activation_bytes)
 
     def execute(self, plan: Plan, start: float) -> tuple[float, Outcome]:
         """Charge a Plan on the cost model: per-stage time, ready again after one stage, done after all."""
         stage_time = self.cost.batch_time(
             [(i.tokens, i.history) for i in plan.items if i.phase is Phase.PREFILL],
             [i.history for i in plan.items if i.phase is Phase.DECODE]) * self.time_scale
-        end = start + stage_time * self.stages
+        hops = (self.stages - 1) * self.hop(sum(i.tokens for i in plan.items)) if self.stages > 1 else 0.0
+        end = start + stage_time * self.stages + hops
         tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items if self.scheduler.yields_token(i)}
-        per_item = tuple(stage_time * self.stages for _ in plan.items)
+        per_item = tuple(end - start for _ in plan.items)
         self.stage_free_at = start + stage_time
         return self.stage_free_at, Outcome(end, per_item, tokens)
 
