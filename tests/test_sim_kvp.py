@@ -21,6 +21,14 @@ def test_a_sequence_one_worker_holds_costs_what_it_costs_without_kvp():
                                                                                      [200 * K, 3 * K])
 
 
+def test_without_kvp_the_cost_model_needs_no_kv_capacity():
+    """A stage of a model whose weights one group cannot hold (Llama-2-70B on one H100) is still priced: the
+    default KVP share, what a group's memory holds, is only asked for when there is KV parallelism."""
+    assert ProfileBatchCost("h100_llama2_70b", tp=1).batch_time([(1024, 0)], [4096]) > 0
+    with pytest.raises(ValueError, match="does not fit"):
+        ProfileBatchCost("h100_llama2_70b", tp=1, kvp=2)
+
+
 def test_a_split_decode_costs_its_largest_share_plus_one_merge_per_layer():
     plain = ProfileBatchCost("a100_llama3_8b", tp=8)
     kvp = ProfileBatchCost("a100_llama3_8b", tp=8, kvp=4, kvp_tokens=256 * K)

@@ -47,7 +47,7 @@ class BatchCost(abc.ABC):
         # built directly, not by dataclasses.replace: the packer calls this in its inner loop
         return BatchState(state.tokens + n, state.rows + 1, state.attention + self.chunk_attention(n, h),
                           state.prefills + 1, max(state.prefill_span, h + n), state.decode_span, state.decode_kv,
-                          state.exchanged + self.kvp_rows(n, h + n))
+                          state.exchanged + self.chunk_kvp_rows(n, h + n))
 
     def add_decodes(self, state: BatchState, kvs: Sequence[int]) -> BatchState:
         """`state` with one decode token per entry of kvs, each over that many cached tokens."""
@@ -56,7 +56,7 @@ class BatchCost(abc.ABC):
         return BatchState(state.tokens + len(kvs), state.rows + len(kvs),
                           state.attention + self.decodes_attention(kvs), state.prefills, state.prefill_span,
                           max(state.decode_span, max(kvs)), state.decode_kv + sum(kvs),
-                          state.exchanged + sum(self.kvp_rows(1, kv) for kv in kvs))
+                          state.exchanged + self.decodes_kvp_rows(kvs))
 
     def chunk_attention(self, n: int, h: int) -> float:
         """What a chunk adds to BatchState.attention (additive models; others price the spans)."""
@@ -66,9 +66,13 @@ class BatchCost(abc.ABC):
         """What decodes over `kvs` add to BatchState.attention."""
         return 0.0
 
-    def kvp_rows(self, n: int, context: int) -> int:
-        """Of n query tokens over `context` cached ones, how many have their attention merged across KV-parallel
-        workers (0 without KV parallelism)."""
+    def chunk_kvp_rows(self, n: int, context: int) -> int:
+        """Of a chunk's n query tokens over `context` cached ones, how many have their attention merged across
+        KV-parallel workers (0 without KV parallelism)."""
+        return 0
+
+    def decodes_kvp_rows(self, kvs: Sequence[int]) -> int:
+        """Of decodes over `kvs`, how many have their attention merged across KV-parallel workers."""
         return 0
 
     def batch_time(self, prefills: Iterable[tuple[int, int]] = (), decode_kvs: Sequence[int] = ()) -> float:

@@ -11,6 +11,7 @@ import csv
 import dataclasses
 import functools
 from importlib import resources
+from typing import Sequence
 
 import numpy as np
 
@@ -186,7 +187,9 @@ class ProfileBatchCost(AdditiveBatchCost):
         self._flop_rate = self.gpu.peak_flops * self.gpu.mfu
         self._byte_rate = self.gpu.hbm_bandwidth * self.gpu.mbu
         self.kvp = kvp
-        self.kvp_tokens = kvp_tokens or kv_capacity(profile, tp * stages)
+        # only KV parallelism needs a worker's share (and its default, what one group's memory holds, which
+        # does not exist where one group cannot hold the weights)
+        self.kvp_tokens = kvp_tokens or (kv_capacity(profile, tp * stages) if kvp > 1 else 0)
         self._network = network(gpu_name)
         # per query token and layer, on each GPU: the query out (bf16), the partial output and its lse (fp32) back
         self._exchange_bytes = (2 * s.head_dim + 4 * s.head_dim + 4) * s.heads / tp
@@ -196,7 +199,7 @@ class ProfileBatchCost(AdditiveBatchCost):
 
     def workers(self, context: int) -> int:
         """KV-parallel workers holding a sequence of `context` tokens."""
-        return min(self.kvp, -(-context // self.kvp_tokens))
+        return min(self.kvp, -(-context // self.kvp_tokens)) if self.kvp > 1 else 1
 
     def _share(self, context: int) -> int:
         """The most tokens of a `context`-token sequence any one worker holds (the newest one's, at most)."""
@@ -217,8 +220,11 @@ class ProfileBatchCost(AdditiveBatchCost):
         return self.layers * max(kv * self._flops_per_pair / self._flop_rate,
                                  kv * self._kv_bytes_per_token / self._byte_rate)
 
-    def kvp_rows(self, n: int, context: int) -> int:
-        return n if self.kvp > 1 and self.workers(context) > 1 else 0
+    def chunk_kvp_rows(self, n: int, context: int) -> int:
+        return n if self.workers(context) > 1 else 0
+
+    def decodes_kvp_rows(self, kvs: Sequence[int]) -> int:
+        return sum(self.workers(kv) > 1 for kv in kvs) if self.kvp > 1 else 0
 
     def exchange(self, rows: int) -> float:
         if not rows:
