@@ -46,6 +46,7 @@ from jaxtyping import Array, Bool, Float
 
 from jaxserve.pallas_kernels import dispatch as kernels
 from jaxserve.pallas_kernels.reference import NO_POSITION, merge_attention
+from jaxserve.sched import csa_cost  # the level rules, jax-free, shared with the cost model
 from jaxserve.sharding.mesh import SP
 
 
@@ -55,21 +56,15 @@ class Levels:
     drops: tuple[float, ...]  # drop ratio per level; drops[0] = 0
 
     def __post_init__(self):
-        s, d = self.spans, self.drops
-        if not s or s[0] != 1 or len(d) != len(s):
-            raise ValueError(f"CSA levels need spans starting at 1 and one drop ratio per level: {s}, {d}")
-        if any(b <= a or b % a for a, b in zip(s, s[1:])):
-            raise ValueError(f"each CSA level's span must be a larger multiple of the one below: {s}")
-        if d[0] != 0 or not all(0 <= x <= 1 for x in d):
-            raise ValueError(f"CSA drop ratios lie in [0, 1] and level 1 drops nothing: {d}")
+        csa_cost.check(self.spans, self.drops)
 
     @property
     def sp(self) -> int:
         return self.spans[-1]
 
     def keep(self, t: int) -> tuple[int, ...]:
-        """Tokens of a t-token partition kept at each level (rounded half up, as sched/csa_cost.keep_count)."""
-        return tuple(int((1 - x) * t + 0.5) for x in self.drops)
+        """Tokens of a t-token partition kept at each level."""
+        return tuple(csa_cost.keep_count(x, t) for x in self.drops)
 
     def level(self, src: int, dst: int) -> int:
         """The level whose ring holds partition src as seen from partition dst (0 when they are the same)."""
@@ -78,7 +73,7 @@ class Levels:
 
 def geometric(spans: Sequence[int], drop: float) -> Levels:
     """Level 1 keeps all, level 2 drops `drop`, level 2+n keeps (1 - drop) / 2**n."""
-    return Levels(tuple(spans), (0.0,) + tuple(1 - (1 - drop) / 2**n for n in range(len(spans) - 1)))
+    return Levels(tuple(spans), csa_cost.geometric_drops(len(spans), drop))
 
 
 def importance_from_probs(probs: Float[Array, "h q k"], kv_heads: int) -> Float[Array, "k kvh"]:
