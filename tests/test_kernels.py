@@ -1,4 +1,5 @@
-"""Pallas attention kernels (interpret mode) against their pure-jnp references on random data.
+"""Pallas attention kernels against their pure-jnp references on random data (compiled on a GPU, interpret mode
+elsewhere: tests/kernel_check.py).
 
 Shapes are small because interpret mode is slow on CPU; sizes are chosen so t and s are not multiples of the
 tiles, GQA ratios 1 and 3, head dims both powers of two and not.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -27,8 +29,8 @@ from jaxserve.models.llama import Llama
 from jaxserve.pallas_kernels import (chunk_attention, common, decode_attention, dispatch, merge, reference,
                                     tiled_paged_attention)
 from jaxserve.pallas_kernels.reference import NO_POSITION
+from kernel_check import IMPL, TOL
 
-TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def random_qkv(rng, t, s, h, kvh, d):
@@ -39,7 +41,7 @@ def random_qkv(rng, t, s, h, kvh, d):
 
 def check_chunk(q, k, v, q_pos, k_pos, **tiles):
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
-    o, lse = dispatch.chunk_attention(q, k, v, q_pos, k_pos, implementation="interpret", **tiles)
+    o, lse = dispatch.chunk_attention(q, k, v, q_pos, k_pos, implementation=IMPL, **tiles)
     ro, rlse = reference.chunk_attention(q, k, v, q_pos, k_pos)
     assert o.dtype == lse.dtype == jnp.float32
     np.testing.assert_allclose(o, ro, **TOL)
@@ -116,7 +118,7 @@ def decode_case(rng, h, kvh, d, block_size, nblk, kv_lens):
 def test_paged_decode(h, kvh, d, block_size, nblk, num_splits, kv_lens, key_block):
     args = decode_case(np.random.default_rng(block_size + nblk), h, kvh, d, block_size, nblk, kv_lens)
     split = dict(block_size=block_size, num_splits=num_splits)
-    o, lse = dispatch.paged_decode_attention(*args, implementation="interpret", key_block=key_block, **split)
+    o, lse = dispatch.paged_decode_attention(*args, implementation=IMPL, key_block=key_block, **split)
     ro, rlse = reference.paged_decode_attention(*args, **split)
     np.testing.assert_allclose(o, ro, **TOL)
     np.testing.assert_allclose(lse, rlse, **TOL)
@@ -129,8 +131,8 @@ def test_paged_decode(h, kvh, d, block_size, nblk, num_splits, kv_lens, key_bloc
 
 def test_decode_partials_merge_to_unsplit():
     args = decode_case(np.random.default_rng(3), 6, 2, 16, 8, 8, [1, 17, 64, 0, 37])
-    o, lse = dispatch.paged_decode_attention(*args, block_size=8, num_splits=4, implementation="interpret")
-    mo, mlse = dispatch.merge_attention(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0), implementation="interpret")
+    o, lse = dispatch.paged_decode_attention(*args, block_size=8, num_splits=4, implementation=IMPL)
+    mo, mlse = dispatch.merge_attention(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0), implementation=IMPL)
     ro, rlse = reference.paged_decode_attention(*args, block_size=8, num_splits=1)
     np.testing.assert_allclose(mo, ro[:, 0], **TOL)
     np.testing.assert_allclose(mlse, rlse[:, 0], **TOL)
@@ -144,7 +146,7 @@ def test_merge_with_empty_partials(shape):
     lse[rng.random(lse.shape) < 0.4] = -np.inf  # some partials empty
     all_empty = (slice(None), 1) + (0,) * (lse.ndim - 2)
     lse[all_empty] = -np.inf  # one row where every partial is empty
-    out, out_lse = dispatch.merge_attention(jnp.asarray(o), jnp.asarray(lse), implementation="interpret")
+    out, out_lse = dispatch.merge_attention(jnp.asarray(o), jnp.asarray(lse), implementation=IMPL)
     ro, rlse = reference.merge_attention(jnp.asarray(o), jnp.asarray(lse))
     np.testing.assert_allclose(out, ro, **TOL)
     np.testing.assert_allclose(out_lse, rlse, **TOL)
@@ -187,6 +189,13 @@ def test_serving_step_lowers_for_cuda_with_the_kernel():
         assert "__gpu$xla.gpu.triton" in hlo and "tiled_paged_attention" in hlo
 
 
+def test_pipelining_depth_fits_shared_memory():
+    bf16 = 2
+    # the engine's ragged kernel on GPU: K and V tiles of 256 x 128 per step beside a 128-row query group
+    assert common.pipeline_stages(stage_bytes=2 * 256 * 128 * bf16, fixed_bytes=128 * 128 * bf16) == 1
+    # the decode kernel's default: key blocks of 128 beside a 16-row group
+    assert common.pipeline_stages(stage_bytes=2 * 128 * 128 * bf16, fixed_bytes=16 * 128 * bf16) == 2
+
 def test_dispatch_defaults_and_rejects_unknown():
     assert dispatch.resolve(None) == ("kernel" if jax.default_backend() == "gpu" else "reference")
     with pytest.raises(ValueError, match="unknown implementation"):
@@ -197,8 +206,10 @@ def test_bench_attention_smoke_writes_every_part(tmp_path):
     """The GPU benchmark runs anywhere with --smoke, and its JSON holds every part (it is written after each)."""
     out = tmp_path / "attention.json"
     tool = pathlib.Path(__file__).parents[1] / "tools" / "bench_attention.py"
+    # on a GPU this process holds most of its memory already (JAX preallocates): the child allocates as it goes
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     proc = subprocess.run([sys.executable, str(tool), "--smoke", f"--out={out}"], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert [r["seq"] for r in results["chunk"]] == [256]

@@ -1,6 +1,6 @@
 """Ragged paged attention (the engine's flat batch: decodes and prefill chunks of many requests in one token
 axis) against plain causal attention per request, on random data packed by the engine's own batch.pack: the
-jnp reference and the Pallas kernel (interpret mode; on GPU the same body compiles through Triton)."""
+jnp reference and the Pallas kernel (interpret mode; compiled through Triton on a GPU: tests/kernel_check.py)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,19 @@ from jaxserve.engine.sampling import SamplingParams
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels import dispatch, reference
 from jaxserve.pallas_kernels.reference import merge_attention
+from kernel_check import IMPL, TOL
 from test_paged_attention import dense_reference
 
 # float32 softmax over at most a few hundred keys of O(1) scores: the online (blockwise) and the float64 dense
-# reference differ by rounding of ~sqrt(keys) * eps_f32 * |v| ~ 1e-6 on outputs of magnitude ~1.
-TOL = dict(rtol=1e-5, atol=1e-5)
+# reference differ by rounding of ~sqrt(keys) * eps_f32 * |v| ~ 1e-6 on outputs of magnitude ~1 (TOL); on a GPU
+# the dots round to tf32 (kernel_check).
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (9, 3)])
 # the reference at every tiling; the kernel (slow in interpret mode) at the GPU-like one: pages of 16, two per key
 # block, chunks in tiles of 8
 @pytest.mark.parametrize("block_size, key_block, tile, implementation", [
-    (4, 8, 4, "reference"), (16, 32, 8, "reference"), (8, 64, 32, "reference"), (16, 32, 8, "interpret")])
+    (4, 8, 4, "reference"), (16, 32, 8, "reference"), (8, 64, 32, "reference"), (16, 32, 8, IMPL)])
 @pytest.mark.parametrize("rows", [
     [(0, 1)],  # one decode at position 0
     [(5, 1), (37, 1), (0, 9)],  # two decodes and a prompt
@@ -86,12 +87,34 @@ def test_kernel_in_bfloat16_matches_the_reference():
     args = (q, jnp.asarray(q_pos, jnp.int32), k, v, tables)
     want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block)
     got, got_lse = dispatch.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
-                                                  implementation="interpret")
+                                                  implementation=IMPL)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=2e-2)
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-4)
     assert np.isneginf(np.asarray(got_lse)[q_pos < 0]).all() and not np.asarray(got, np.float32)[q_pos < 0].any()
 
+
+
+def test_kernel_at_the_engines_gpu_shape():
+    """Llama-3-8B's attention as the engine runs it on a GPU (bf16, head_dim 128, 4 query heads per KV head, tiles
+    of 32 tokens, key blocks of 256): a 128-row query group whose K and V tiles fill shared memory. At two pipeline
+    stages Triton asked an H100 for 294976 bytes of its 232448 and the step failed to launch
+    (common.pipeline_stages)."""
+    rng = np.random.default_rng(13)
+    n, tq, heads, kv_heads, d, block_size, key_block = 3, 32, 8, 2, 128, 16, 256
+    pages = 100  # the pool; each request's table holds 32 of them
+    q = jnp.asarray(rng.standard_normal((n, tq, heads, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((pages * block_size, kv_heads, d)), jnp.bfloat16) for _ in range(2))
+    tables = jnp.asarray(rng.permutation(pages)[:n * 32].reshape(n, 32), jnp.int32)  # 512 tokens each, scattered
+    starts = np.array([0, 200, 470])  # one, two and three key blocks deep
+    q_pos = jnp.asarray(starts[:, None] + np.arange(tq), jnp.int32)
+    args = (q, q_pos, k, v, tables)
+    want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block)
+    got, got_lse = dispatch.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
+                                                  implementation=IMPL)
+    # bf16 outputs of magnitude ~1, rounded once on each side (2^-8 relative): as the bfloat16 test above
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=2e-2)
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-4)
 
 def test_buckets_bound_the_programs_and_refuse_what_does_not_fit():
     b = batch.Buckets.make(max_num_batched_tokens=512, max_num_seqs=16, max_model_len=2048, block_size=16,

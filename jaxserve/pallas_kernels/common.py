@@ -44,13 +44,26 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def gpu_params(head_dim: int, interpret: bool):
-    """Triton compiler params for GPU (None in interpret mode). Warps/stages are first guesses, to tune on H100."""
+# What one Triton program may hold in shared memory, with room for Triton's own scratch: an H100 gives a block
+# 227 KiB (232448 bytes), an A100 163 KiB.
+SHARED_MEMORY_BUDGET = 160 * 1024
+
+
+def pipeline_stages(stage_bytes: int, fixed_bytes: int, most: int = 2) -> int:
+    """Software-pipelining depth for a loop that loads `stage_bytes` of tiles per step beside `fixed_bytes` held
+    throughout: Triton keeps one copy of the step's tiles per stage in shared memory, so the depth is what the
+    budget holds (at least 1). Measured on an H100: the engine's ragged kernel at 2 stages (key blocks of 256,
+    head_dim 128, bf16, a 128-row query group) asked for 294976 bytes and failed to launch."""
+    return max(1, min(most, (SHARED_MEMORY_BUDGET - fixed_bytes) // stage_bytes))
+
+
+def gpu_params(head_dim: int, interpret: bool, num_stages: int = 2):
+    """Triton compiler params for GPU (None in interpret mode). Warps are a first guess, to tune on H100."""
     if interpret:
         return None
     from jax.experimental.pallas import triton as pl_triton
 
-    return pl_triton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+    return pl_triton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=num_stages)
 
 
 H100 = "NVIDIA H100 80GB HBM3"

@@ -79,8 +79,8 @@ def paged_decode_attention(
     g_pad, d_pad = common.tile(group, 16), pl.next_power_of_2(d)
     q = common.pad_axis(common.pad_axis(q.reshape(b, kvh, group, d), 2, g_pad), 3, d_pad)
     k_cache, v_cache = common.pad_axis(k_cache, 2, d_pad), common.pad_axis(v_cache, 2, d_pad)
-    slots = k_cache.shape[0]
-
+    slots, size = k_cache.shape[0], jnp.dtype(k_cache.dtype).itemsize
+    stages = common.pipeline_stages(stage_bytes=2 * pages * block_size * d_pad * size, fixed_bytes=g_pad * d_pad * size)
     cache_spec = pl.BlockSpec((slots, None, d_pad), lambda i, kh, sp: (0, kh, 0))
     o, lse = pl.pallas_call(
         functools.partial(_kernel, block_size=block_size, pages=pages, scale=d**-0.5),
@@ -100,7 +100,7 @@ def paged_decode_attention(
             jax.ShapeDtypeStruct((b, num_splits, kvh, g_pad, d_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, num_splits, kvh, g_pad), jnp.float32),
         ],
-        compiler_params=common.gpu_params(d_pad, interpret),
+        compiler_params=common.gpu_params(d_pad, interpret, stages),
         interpret=interpret,
         name="paged_decode_attention",
     )(kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(b, num_splits, per_split), q, k_cache,

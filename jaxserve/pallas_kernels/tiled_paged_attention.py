@@ -73,6 +73,8 @@ def tiled_paged_attention(
     qg = common.pad_axis(common.pad_axis(qg, 2, rows), 3, d_pad)
     pos = common.pad_axis(jnp.tile(q_pos.astype(jnp.int32), (1, g)), 1, rows, value=-1)
     k_cache, v_cache = common.pad_axis(k_cache, 2, d_pad), common.pad_axis(v_cache, 2, d_pad)
+    size = jnp.dtype(k_cache.dtype).itemsize
+    stages = common.pipeline_stages(stage_bytes=2 * key_block * d_pad * size, fixed_bytes=rows * d_pad * size)
     cache_spec = pl.BlockSpec((k_cache.shape[0], None, d_pad), lambda i, kh: (0, kh, 0))
     o, lse = pl.pallas_call(
         functools.partial(_kernel, block_size=block_size, key_block=key_block, scale=d**-0.5),
@@ -92,7 +94,7 @@ def tiled_paged_attention(
             jax.ShapeDtypeStruct((n, kvh, rows, d_pad), q.dtype),
             jax.ShapeDtypeStruct((n, kvh, rows), jnp.float32),
         ],
-        compiler_params=common.gpu_params(d_pad, interpret),
+        compiler_params=common.gpu_params(d_pad, interpret, stages),
         interpret=interpret,
         name="tiled_paged_attention",
     )(pos, tables.astype(jnp.int32), qg, k_cache, v_cache)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks in one run, on a machine whose python3 has JAX with CUDA (no download needed):
+#   OUT=bench_out/gpu bash tools/gpu_checks.sh [kernels] [attention] [generate]
+# kernels: the kernel tests, compiled through Triton (tests/kernel_check.py); ragged: the engine's kernel's alone;
+# attention: tools/bench_attention.py;
+# generate: tools/bench_generate.py --gpu on random Llama-3.1-8B weights; profile: tools/profile_attention.py (the
+# simulator's measured attention). Logs, JSON and CSV go to $OUT.
+set -u
+OUT=${OUT:-bench_out/gpu}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+parts=${*:-kernels attention generate}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+$PY -c "import jax, jaxserve; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$OUT/gpu.txt"
+status=0
+for part in $parts; do
+  case $part in
+    kernels) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ragged_paged_attention.py ;;
+    ragged) timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_ragged_paged_attention.py ;;
+    attention) timeout 240 $PY tools/bench_attention.py --out="$OUT/attention.json" ;;
+    generate) timeout 270 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --out="$OUT/generate_gpu.json" ;;
+    profile) timeout 270 $PY tools/profile_attention.py --out="$OUT/h100_attention.csv" ;;
+    *) echo "unknown part $part"; false ;;
+  esac 2>&1 | tee "$OUT/$part.log"
+  rc=${PIPESTATUS[0]}
+  echo "== $part: exit $rc"
+  [ "$rc" = 0 ] || status=1
+done
+exit $status
