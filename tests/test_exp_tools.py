@@ -19,6 +19,7 @@ CASES = {
     "exp_tetriinfer": (["--workloads=mixed", "--rates=burst", "--burst_requests=16", "--layouts=1+1",
                         "--colocated=2"], "tetriinfer.json"),
     "exp_csps": (["--requests=12", "--rates=0.1", "--seeds=0", "--light=0.05"], "csps.json"),
+    "exp_tetris_tbt": (["--requests=15", "--traces=short", "--rates=1"], "tetris_tbt.json"),
     "exp_kvp": (["--requests=20", "--rates=0.5", "--long_tokens=300000", "--kvp_tokens=200000"], "kvp.json"),
 }
 
