@@ -1,6 +1,14 @@
 """Built-in cost profiles from real GPU measurements (../shared/data/profiles, from microsoft/vidur, MIT):
-per-layer operator timings by token count and TP degree, collective timings by message size. Attention is not
-in the data, so it comes from FLOPs and bytes at an assumed utilisation of the GPU's peak (see GPU below).
+per-layer operator timings by token count and TP degree, collective timings by message size.
+
+Attention is not in Vidur's data. Where the GPU has an attention table measured by jaxserve
+(tools/profile_attention.py; H100 only), prefill attention takes the measured kernel time for its FLOPs (see
+MeasuredAttention); otherwise (A100) it runs at an assumed `mfu` of the peak FLOPs. Decode attention and the KV
+reads of a chunk over a long history stay at an assumed `mbu` of the HBM bandwidth on every GPU: the table's
+decode rows time XLA's non-flash attention, not a paged decode kernel (0.1-1.2 TB/s under GQA, 0.9 TB/s over 131K
+keys); only their best (multi-head over 32K keys: up to 2.3 TB/s, 0.7 of the peak, near the GPU's measured copy
+bandwidth of 2.3-3.0 TB/s) says what a decode kernel reaches, and it agrees with mbu = 0.7, as does vLLM's paged
+attention at long contexts (70-80%).
 
 The CSVs ship inside the package (jaxserve/sched/data/) so a pip install has them.
 """
@@ -10,6 +18,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import math
+import statistics
 from importlib import resources
 from typing import Sequence
 
@@ -30,11 +40,12 @@ class GPU:
     memory: float  # bytes
     mfu: float = 0.5  # assumed attention utilisation of peak FLOPs (FlashAttention-2 reaches 50-70%)
     mbu: float = 0.7  # assumed utilisation of HBM bandwidth when attention is memory-bound (decode)
+    attention: str | None = None  # measured attention table (replaces mfu for prefill), in data/
 
 
 GPUS = {
     "a100": GPU("A100-SXM4-80GB", 312e12, 2.039e12, 80e9),
-    "h100": GPU("H100-SXM5-80GB", 989e12, 3.35e12, 80e9),
+    "h100": GPU("H100-SXM5-80GB", 989e12, 3.35e12, 80e9, attention="h100_attention.csv"),
 }
 
 
@@ -118,7 +129,8 @@ def all_reduce(gpu: str, workers: int) -> PiecewiseLinear:
             if int(r["num_workers"]) == workers and int(r["devices_per_node"]) == workers]
     if not rows:
         raise ValueError(f"no {gpu} all-reduce measurements for {workers} workers in one node")
-    return PiecewiseLinear([int(r["size"]) for r in rows], [float(r["time_stats.all_reduce.median"]) / 1e3 for r in rows])
+    return PiecewiseLinear([int(r["size"]) for r in rows],
+                           [float(r["time_stats.all_reduce.median"]) / 1e3 for r in rows])
 
 
 @functools.cache
@@ -129,6 +141,49 @@ def network(gpu: str) -> Transfer:
         link = "inter_node" if int(r["devices_per_node"]) == 1 else "intra_node"
         samples.append((link, (int(r["size"]),), float(r["time_stats.send_recv.median"]) / 1e3))
     return Transfer.fit(samples)
+
+
+FLOOR_FLOPS = 2.0**33  # calls with at most this much work (< 15 us of it at 600 TFLOP/s) time the floor alone
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredAttention:
+    """Seconds of one layer's attention kernel by its FLOPs (4 * head_dim * query heads per (query, key) pair),
+    from a table of tools/profile_attention.py.
+
+    At equal FLOPs the measured calls take nearly the same time whatever the heads per GPU (64/8 to 4/4) or the
+    shape (causal prompt, queries over history), so one curve serves every model and TP degree: the median call
+    time at each measured power of two of FLOPs, less `floor`. Floor + curve meets every H100 prefill and
+    history row within 15% from 2^38 FLOPs up (5% from 2^41, where the kernel reaches ~610 TFLOP/s), within 46%
+    below (the floor's jitter).
+
+    Each measured call pays a floor (~0.15-0.4 ms) that is JAX's dispatch and sync around a standalone call, not
+    the kernel: a serving step runs each layer's attention for the whole batch inside one program. So the floor
+    is never charged, per call or per sequence. Below the smallest work whose median call takes 3 floors (~2^38
+    FLOPs) the floor hides the kernel, and the kernel time is taken proportional to the work at that knee's rate
+    (~520 TFLOP/s on H100): optimistic for a lone short prompt (whose attention is small next to its linear
+    operators), fair for a batch of them, which fills the GPU together."""
+
+    floor: float  # seconds per standalone call outside the kernel: the median over calls of <= FLOOR_FLOPS
+    kernel: PiecewiseLinear  # seconds by FLOPs from the knee up, nondecreasing
+
+    def __call__(self, flops: float) -> float:
+        x0 = self.kernel.xs[0]
+        return self.kernel(flops) if flops >= x0 else flops * self.kernel.ys[0] / x0
+
+
+@functools.cache
+def measured_attention(file: str) -> MeasuredAttention:
+    rows = [r for r in _read(file) if r["kind"] != "decode"]
+    floor = statistics.median(float(r["seconds"]) for r in rows if float(r["flops"]) <= FLOOR_FLOPS)
+    by_work: dict[int, list[float]] = {}
+    for r in rows:  # each measured shape's FLOPs is a power of two to within 1/n
+        by_work.setdefault(round(math.log2(float(r["flops"]))), []).append(float(r["seconds"]))
+    knots = [(2.0**k, statistics.median(ts)) for k, ts in sorted(by_work.items())]
+    knee = next(i for i, (_, t) in enumerate(knots) if t >= 3 * floor)
+    # medians of different shapes can dip; more work never takes less time (the packer bisects on it)
+    times = np.maximum.accumulate([t - floor for _, t in knots[knee:]])
+    return MeasuredAttention(floor, PiecewiseLinear([x for x, _ in knots[knee:]], times.tolist()))
 
 
 # Tetris Table 1: LLaMA3-8B prefill seconds on one A100 per SP instance (TP=1), batch 1; None = out of memory.
@@ -162,7 +217,8 @@ def _with_all_reduce(linear: PiecewiseLinear, gpu: str, tp: int, hidden: int, la
 
 class ProfileBatchCost(AdditiveBatchCost):
     """Iteration time on a real GPU model: measured linear operators (plus TP all-reduces) for `layers` layers
-    (one pipeline stage holds layers / stages), attention from FLOPs and bytes.
+    (one pipeline stage holds layers / stages), attention from FLOPs (measured kernel times where the GPU has
+    a table, else at mfu) and KV bytes (at mbu); the busier of the two sets its time.
 
     KV-cache parallelism (Medha 3.3): up to `kvp` worker groups (each tp x stages GPUs, on nodes of their own)
     hold one sequence's KV, `kvp_tokens` each, a new worker joining when the earlier ones are full (progressive
@@ -186,6 +242,7 @@ class ProfileBatchCost(AdditiveBatchCost):
         self._kv_bytes_per_token = 2.0 * 2 * s.kv_heads * s.head_dim / tp  # K and V, bf16, one layer
         self._flop_rate = self.gpu.peak_flops * self.gpu.mfu
         self._byte_rate = self.gpu.hbm_bandwidth * self.gpu.mbu
+        self._measured = measured_attention(self.gpu.attention) if self.gpu.attention else None
         self.kvp = kvp
         # only KV parallelism needs a worker's share (and its default, what one group's memory holds, which
         # does not exist where one group cannot hold the weights)
@@ -212,13 +269,17 @@ class ProfileBatchCost(AdditiveBatchCost):
         history = max(h - earlier, 0)
         pairs = n * max(history + (n + 1) / 2, min(earlier, self.kvp_tokens))  # causal within the chunk
         reads = max(history + n, min(earlier, self.kvp_tokens))
-        return self.layers * max(pairs * self._flops_per_pair / self._flop_rate,
+        return self.layers * max(self._compute(pairs * self._flops_per_pair),
                                  reads * self._kv_bytes_per_token / self._byte_rate)
 
     def decode_attention(self, kv: int) -> float:
         kv = self._share(kv) if self.kvp > 1 else kv
-        return self.layers * max(kv * self._flops_per_pair / self._flop_rate,
+        return self.layers * max(self._compute(kv * self._flops_per_pair),
                                  kv * self._kv_bytes_per_token / self._byte_rate)
+
+    def _compute(self, flops: float) -> float:
+        """Seconds of one layer's attention math on one GPU."""
+        return self._measured(flops) if self._measured else flops / self._flop_rate
 
     def chunk_kvp_rows(self, n: int, context: int) -> int:
         return n if self.workers(context) > 1 else 0
