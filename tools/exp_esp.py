@@ -12,7 +12,10 @@ Two settings:
 - Memory pressure (--memory_trace, a small KV pool per instance, outputs up to --memory_max_output): at fixed
   rates, SLO attainment (a request no replica can hold is rejected: a missed SLO), how often scale-up fired and
   how many decodes were paused by a prefill (decode-slot preemptions) or evicted to be recomputed; once over the
-  whole trace and once over the requests that fit one instance, which every variant serves.
+  whole trace and once over the requests that fit one instance, which every variant serves; and the share of
+  the cluster's KV memory each workload would hold with nothing queued (decodes at the replicas' P50 TPOT). A
+  variant whose admissions may pass a request that does not fit any number of times tests whether admission
+  order is the cause of the collapse.
 
 Writes P50 TTFT / P90 TPOT against load (capacity setting), SLO attainment against load (memory setting) and
 esp.json to --out.
@@ -59,14 +62,24 @@ VARIANTS = {
     "ESP, out-of-order admission (8)": ESPConfig(max_overtakes=8, slo=SLO25),
     "replicas (no ESP)": ESPConfig(max_sp=1, scale_up=False, slo=SLO25),
 }
-MEMORY_VARIANTS = ("ESP (LoongServe)", "ESP, slots taken unweighed", "ESP, out-of-order admission (8)",
-                   "replicas (no ESP)")
+MEMORY_VARIANTS = {name: VARIANTS[name] for name in ("ESP (LoongServe)", "ESP, slots taken unweighed",
+                                                      "ESP, out-of-order admission (8)", "replicas (no ESP)")}
+# any number of later requests may pass one that does not fit: is admission order the cause of the collapse?
+MEMORY_VARIANTS["ESP, out-of-order admission (any)"] = ESPConfig(max_overtakes=1 << 30, slo=SLO25)
 COUNTS = ("preemptions", "scale_ups", "decode_pauses", "migrations", "evacuations")
 
 
 def row(label: str, rate: float, res: Results) -> dict:
     return {"label": label, "rate": rate, **res.summary()["all"], **{k: res.config[k] for k in COUNTS},
             "scale_ups_per_s": res.config["scale_ups"] / res.span if res.span else 0.0}
+
+
+def kv_demand(w: Workload, tpot: float, capacity: int) -> float:
+    """The share of the cluster's KV memory the workload holds on average if nothing queued: each request's
+    prompt plus half its output, for its output's decode at `tpot`."""
+    span = float(w.arrivals[-1] - w.arrivals[0])
+    held = (w.prompt_lens + w.output_lens / 2) * w.output_lens * tpot
+    return float(held.sum()) / span / capacity
 
 
 def one_instance(w: Workload, tokens: int) -> Workload:
@@ -111,15 +124,19 @@ def capacity_setting() -> dict:
 
 def memory_setting() -> dict:
     rates = [float(r) for r in FLAGS.memory_rates]
-    configs = {name: dataclasses.replace(VARIANTS[name], memory_utilization=FLAGS.memory_utilization)
-               for name in MEMORY_VARIANTS}
+    configs = {name: dataclasses.replace(cfg, memory_utilization=FLAGS.memory_utilization)
+               for name, cfg in MEMORY_VARIANTS.items()}
     tokens = ESPSimulator(configs["replicas (no ESP)"]).capacity
-    rows = []
+    instances = configs["replicas (no ESP)"].instances
+    rows, demand = [], []
     for rate in tqdm(rates, desc="memory pressure"):
         whole = long_context(FLAGS.memory_trace, FLAGS.memory_requests, rate, output=(64, FLAGS.memory_max_output))
         for workload, w in (("all", whole), ("fits 1", one_instance(whole, tokens))):
             for name, cfg in configs.items():
                 rows.append({"workload": workload, **row(name, rate, ESPSimulator(cfg).run(w, progress=False))})
+            # at the replicas' P50 TPOT on this workload: about the fastest decode, nothing queued
+            tpot = next(r["tpot_p50"] for r in reversed(rows) if r["label"] == "replicas (no ESP)")
+            demand.append({"workload": workload, "rate": rate, "kv_demand": kv_demand(w, tpot, instances * tokens)})
     print(f"\nMemory pressure: {FLAGS.memory_trace} prompts, outputs up to {FLAGS.memory_max_output}, "
           f"{tokens} KV tokens per instance, {FLAGS.memory_requests} requests ('fits 1': only those whose prompt "
           f"and output fit one instance)")
@@ -130,11 +147,14 @@ def memory_setting() -> dict:
               f"{r['ttft_p50']:9.2f} {r['ttft_p90']:9.2f} {r['tpot_p90']:9.4f} {r['scale_ups']:9d} "
               f"{r['scale_ups_per_s']:5.2f} {r['decode_pauses']:6d} {r['preemptions']:7d} "
               f"{r['migrations'] + r['evacuations']:5d}")
+    print("KV memory the workload would hold on average with no queueing (share of the instances'): "
+          + ", ".join(f"{d['workload']} at {d['rate']:g} req/s {d['kv_demand']:.2f}" for d in demand))
     plots.metric_vs_load([r for r in rows if r["workload"] == "all"],
                          os.path.join(FLAGS.out, "esp_memory_slo_vs_load.png"), "slo_attainment", "SLO attainment",
                          title=f"{FLAGS.memory_trace} prompts, {tokens} KV tokens per instance", log=False)
     return {"trace": FLAGS.memory_trace, "requests": FLAGS.memory_requests, "max_output": FLAGS.memory_max_output,
-            "memory_utilization": FLAGS.memory_utilization, "kv_capacity_per_instance": tokens, "load": rows}
+            "memory_utilization": FLAGS.memory_utilization, "kv_capacity_per_instance": tokens, "load": rows,
+            "kv_demand": demand}
 
 
 def main(argv):
