@@ -15,6 +15,7 @@ TOOLS = pathlib.Path(__file__).parent.parent / "tools"
 CASES = {
     "exp_policies": (["--requests=30", "--seeds=1", "--rates=0.5", "--nocapacity"], "policies_medha.json"),
     "exp_cdsp": (["--requests=40", "--traces=short"], "cdsp.json"),
+    "exp_cdsp --model=70b": (["--requests=40", "--traces=short", "--model=70b"], "cdsp_70b.json"),
     "exp_esp": (["--requests=20", "--memory_requests=15", "--memory_rates=0.1"], "esp.json"),
     "exp_tetriinfer": (["--workloads=mixed", "--rates=burst", "--burst_requests=16", "--layouts=1+1",
                         "--colocated=2"], "tetriinfer.json"),
@@ -27,7 +28,7 @@ CASES = {
 @pytest.mark.parametrize("tool", sorted(CASES))
 def test_experiment_runs_and_writes_its_results(tool, tmp_path):
     args, result = CASES[tool]
-    done = subprocess.run([sys.executable, str(TOOLS / f"{tool}.py"), *args, f"--out={tmp_path}"],
+    done = subprocess.run([sys.executable, str(TOOLS / f"{tool.split()[0]}.py"), *args, f"--out={tmp_path}"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     json.loads((tmp_path / result).read_text())
