@@ -1,5 +1,8 @@
 """Attention in the GPU-profile cost model: H100's measured table (jaxserve/sched/data/h100_attention.csv) against
-its rows, monotone in the work, and the assumed utilisation where there is no table (A100) or for decode."""
+its rows, monotone in the work, and the assumed utilisation where there is no table (A100) or for decode.
+
+The row checks compare the curve with the very table it is built from, so they hold its stated fit error in place
+(a regression check on the curve's construction), not validate it against other measurements."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""CSPS's prefill cost and planner (sched/csps.py): the pieces it adds up, CSA's calibrated drop, SPT sizing."""
+"""CSPS's prefill cost and planner (sched/csps.py): the pieces it adds up, CSA's calibrated drop and kept pairs,
+SPT sizing and group placement."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from jaxserve.sched.cdsp import Pool
 from jaxserve.sched.csps import CSPSPlanner, CSPSPrefill
 from jaxserve.sched.profiles import ProfileBatchCost, model_shape, network
 
-PROFILE = "a100_llama3_8b"
+PROFILE = "a100_llama3_8b"  # 32 query heads
 
 
 def test_dense_time_is_linear_ops_of_one_spt_plus_the_longer_of_attention_and_all_to_alls():
@@ -25,23 +26,40 @@ def test_dense_time_is_linear_ops_of_one_spt_plus_the_longer_of_attention_and_al
             linear + attention + comm)
     # one GPU: no partner, no all-to-all, no CSA: the single-GPU prefill
     assert CSPSPrefill(PROFILE).seconds(1, 8192) == pytest.approx(one.linear_ops(8192) + one.prefill_attention(8192, 0))
+    with pytest.raises(ValueError, match="32 heads"):  # SP-NTP gives each GPU whole heads
+        CSPSPrefill(PROFILE).seconds(48, 1 << 20)
 
 
-@pytest.mark.parametrize("sp", [2, 8, 16, 48])  # two levels up to a node, three beyond
+@pytest.mark.parametrize("sp", [2, 8, 16, 32])  # two levels up to a node, three beyond
 def test_csa_drops_are_solved_to_keep_the_papers_share_of_pairs(sp):
     model = CSPSPrefill(PROFILE, cut=0.28)
     t = 16384
     spans, drops = model.spans(sp), model.drops(sp, t)
     assert spans[-1] == sp and drops[0] == 0
-    kept = csa_cost.attention_fraction(spans, drops, t)
-    least = csa_cost.geometric_drops(len(spans), 0.0)  # a third level keeps at most half its tokens
-    if csa_cost.attention_fraction(spans, least, t) >= 0.72:
-        assert kept == pytest.approx(0.72, abs=1e-3)
-    else:  # 48 GPUs: most pairs lie at the third level, so even the least dropping cuts more than 28%
-        assert sp == 48 and drops == pytest.approx(least, abs=1e-6) and kept < 0.72
-    # farther levels keep fewer (the paper's geometric schedule)
-    assert all(a <= b for a, b in zip(drops, drops[1:]))
-    assert model.seconds(sp, sp * t) < CSPSPrefill(PROFILE, cut=0.0).seconds(sp, sp * t)
+    assert csa_cost.attention_fraction(spans, drops, t) == pytest.approx(0.72, abs=1e-3)
+    assert all(a <= b for a, b in zip(drops, drops[1:]))  # farther levels keep no more
+    if sp == 32:  # the geometric schedule's third level alone keeps half: level 2 keeps everything instead
+        assert drops[1] == 0 and drops[2] < 0.5
+
+
+@pytest.mark.parametrize("sp, t", [(8, 4096), (32, 32768)])  # long enough that attention outlasts the all-to-alls
+def test_csa_attention_is_the_kept_pairs_spread_over_the_group(sp, t):
+    """The kept pairs counted pair by pair over the partitions, independently of csa_cost: each partition's own
+    tokens causally, and at each level the earlier partitions of its ring through their kept tokens. The segment's
+    GPUs split the heads, so the group's time is the kept pairs over sp GPUs."""
+    model = CSPSPrefill(PROFILE, cut=0.28)
+    spans, drops = model.spans(sp), model.drops(sp, t)
+    kept = 0
+    for j in range(sp):
+        kept += t * (t + 1) // 2
+        for v in range(1, len(spans)):
+            ring = [i for i in range(j) if i // spans[v] == j // spans[v] and i // spans[v - 1] != j // spans[v - 1]]
+            kept += len(ring) * t * csa_cost.keep_count(drops[v], t)
+    n = sp * t
+    one = ProfileBatchCost(PROFILE, tp=1)
+    attention = one.prefill_attention(n, 0) / sp * kept / (n * (n + 1) // 2)
+    assert kept / (n * (n + 1) // 2) == pytest.approx(0.72, abs=2e-3)
+    assert model.seconds(sp, n) - one.linear_ops(t) == pytest.approx(attention, rel=1e-9)  # attention binds here
 
 
 def test_spt_sizing_and_the_group_that_frees_first():
@@ -54,3 +72,11 @@ def test_spt_sizing_and_the_group_that_frees_first():
     assert plan.ttft == pytest.approx(1.0 + planner.fastest(1 << 20))
     with pytest.raises(ValueError, match="cut"):
         CSPSPrefill(PROFILE, cut=1.0)
+
+
+def test_groups_beyond_a_node_start_at_any_node_and_stop_at_the_heads():
+    planner = CSPSPlanner(CSPSPrefill(PROFILE), Pool(nodes=6, per_node=8), spt=16384)
+    assert planner.sp_for(1 << 20) == 32  # 64 SPTs wanted, 32 heads to split
+    queues = [9.0] * 8 + [0.0] * 40  # the first node busy: GPUs 8-39 are free now
+    (chunk,) = planner.plan(1 << 20, queues).chunks
+    assert chunk.group == tuple(range(8, 40)) and chunk.start == 0.0

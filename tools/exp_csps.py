@@ -12,16 +12,19 @@ an 8B model (the built-in Llama-3-8B profile; CSPS served GLM-4-9B-1M and Intern
   it), but on GPUs of its own, so the KV moves once, prefill to decode, over the inter-node link: a cost CSPS
   does not pay (it pays prefill/decode sharing of its GPUs instead, which this split does not model).
 - SPT sizes: the paper's 64K-128K (one GPU per 128K tokens: a 64K prompt gets one GPU, 1M gets 8) and smaller
-  ones (more GPUs per prompt). Controls at the smallest: CSPS without CSA (dense SP-NTP), without pipelining.
+  ones (more GPUs per prompt, at most the model's 32 query heads: a 1M prompt gets 32 GPUs at 16K). Controls at
+  the smallest: CSPS without CSA (dense SP-NTP), without pipelining.
 - Workload: NeedleBench's spread of input lengths, log-uniform over [1K, 1M] tokens (the paper's groups 1K ... 1M),
   outputs log-uniform over [32, 512]; Poisson arrivals.
 
 Prints, per rate, average TTFT, TBT and response time of each system and Sarathi-Serve's over CSPS's (the paper:
 6.8-7.5x, 1.8-1.92x and 9.2-9.8x at 1 req/s), per input-length group at the first rate, and each system's
-capacity: the highest rate whose average response time stays within 2x Sarathi-Serve's at --light (Fig. 17: the
-rate each sustains at the same latency; the paper: CSPS 1.6-2.5x Sarathi-Serve's). Writes csps.json and csps.png to --out.
+capacity per seed: the highest rate whose average response time stays within 2x Sarathi-Serve's at --light
+(Fig. 17: the rate each sustains at the same latency; the paper: CSPS 1.6-2.5x Sarathi-Serve's), by 10 steps of
+geometric bisection over [--light, 2] req/s (each a lower bound within 1%). Writes csps.json and csps.png to --out.
 
-    .venv/bin/python tools/exp_csps.py [--requests=200] [--rates=0.05,0.15,0.25,0.35] [--spts=131072,16384] [--seeds=0,1] [--out=docs/figures]
+    .venv/bin/python tools/exp_csps.py [--requests=200] [--rates=0.05,0.15,0.25,0.35] [--spts=131072,16384]
+        [--seeds=0,1] [--out=docs/figures]
 """
 
 from __future__ import annotations
@@ -127,14 +130,16 @@ def main(argv):
         cells = [next(g for g in groups if g["system"] == name and g["group"] == hi) for name in runs]
         print(f"{hi // 1024:>5d}K " + " ".join(f"{c['ttft']:>13.2f} / {1e3 * c['tbt']:6.1f}" for c in cells))
 
-    w = functools.partial(workload, FLAGS.requests, seed=seeds[0])
-    bound = 2 * averages(runs[SARATHI](w(FLAGS.light)))["response"]
-    capacity = {name: highest_rate(lambda rate, s=simulate: averages(s(w(rate)))["response"] <= bound,
-                                   FLAGS.light, 2.0, iterations=7)
-                for name, simulate in tqdm(runs.items(), desc="capacity")}
-    print(f"\ncapacity (average response time within {bound:.1f} s, 2x Sarathi-Serve's at light load), req/s: "
-          + ", ".join(f"{k} {v:.3f} ({v / max(capacity[SARATHI], 1e-9):.2f}x Sarathi-Serve)"
-                      for k, v in capacity.items()))
+    capacity = {}  # seed -> system -> req/s
+    for seed in seeds:
+        w = functools.partial(workload, FLAGS.requests, seed=seed)
+        bound = 2 * averages(runs[SARATHI](w(FLAGS.light)))["response"]
+        capacity[seed] = {name: highest_rate(lambda rate, s=simulate: averages(s(w(rate)))["response"] <= bound,
+                                             FLAGS.light, 2.0, iterations=10)
+                          for name, simulate in tqdm(runs.items(), desc=f"capacity, seed {seed}")}
+        print(f"\ncapacity, seed {seed} (average response time within {bound:.1f} s, 2x Sarathi-Serve's at light "
+              "load), req/s: " + ", ".join(f"{k} {v:.3f} ({v / max(capacity[seed][SARATHI], 1e-9):.2f}x Sarathi-Serve)"
+                                          for k, v in capacity[seed].items()))
 
     os.makedirs(FLAGS.out, exist_ok=True)
     with open(os.path.join(FLAGS.out, "csps.json"), "w") as f:
