@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
-import time
 import pathlib
 import traceback
 from typing import Callable, Iterator
@@ -32,6 +30,7 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
+from jaxserve.engine import profile
 from jaxserve.pallas_kernels import dispatch, reference
 
 FLAGS = flags.FLAGS
@@ -56,13 +55,8 @@ DTYPE = jnp.bfloat16
 
 
 def median_time(fn: Callable[..., object], *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of fn(*args) to its results, after a first call that compiles and warms up."""
+    return profile.median_time(lambda: jax.block_until_ready(fn(*args)), repeats)
 
 
 def random(key: int, shape: tuple[int, ...]) -> jax.Array:

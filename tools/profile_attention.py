@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import csv
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 from tqdm import tqdm
+
+from jaxserve.engine.profile import median_time
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "attention_profile.csv", "CSV to write (rewritten after every measurement).")
@@ -34,16 +34,6 @@ flags.DEFINE_integer("head_dim", 128, "Head dimension.")
 flags.DEFINE_integer("repeats", 5, "Timed repetitions.")
 
 FIELDS = ("kind", "heads", "kv_heads", "n", "h", "batch", "seconds", "flops", "kv_bytes")
-
-
-def median_time(fn, *args) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(FLAGS.repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def normal(key: int, shape: tuple[int, ...]) -> jax.Array:
@@ -92,7 +82,7 @@ def main(argv):
     total = len(FLAGS.heads) * (len(FLAGS.prefill) + len(FLAGS.history) + len(FLAGS.decode))
     for row, fn, args in tqdm(rows(FLAGS.head_dim), desc="attention", total=total):  # one case's arrays at a time
         try:
-            row["seconds"] = median_time(fn, *args)
+            row["seconds"] = median_time(lambda: jax.block_until_ready(fn(*args)), FLAGS.repeats)
         except Exception as err:  # noqa: BLE001 (e.g. out of memory at one shape: the rest still run)
             print(f"{row}: {type(err).__name__}: {str(err)[:200]}")
             continue
