@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 import pathlib
 from typing import Any, Iterator, Sequence
 
@@ -127,7 +128,7 @@ class LLM:
                  prefix_caching: bool = True, cost_profile: str | None = None, key_block: int = 256,
                  tp: int = 1, prefill_instances: int = 0, decode_instances: int = 1, decode_kvp: int = 1,
                  node_size: int = 2, receive_buffers: int = 4, min_chunk: int = 1024,
-                 prefill_profile: str | None = None, progress: bool = True):
+                 prefill_profile: str | None = None, warmup: bool = False, progress: bool = True):
         """kv_cache_tokens sizes the KV pool directly; otherwise it holds as many tokens as fit in kv_cache_gib
         (per device: with tp > 1 a device holds its share of each token's KV heads). max_model_len defaults to the
         model's context, capped by what the pool holds.
@@ -138,8 +139,13 @@ class LLM:
         one decodes at the longest context); `multi_prefill` lets several prompts' chunks share a step and
         `space_sharing` makes a long prefill yield budget to urgent short ones. A prompt's first token is due
         `ttft_slo` seconds after arrival (or 3x its prefill time alone, if longer). The cost model is measured on
-        this device at first start and cached (`cost_profile` names the file to load or write instead). Every
-        step program is compiled here, before the first request.
+        this device at first start and cached (`cost_profile` names the file to load or write instead).
+
+        Start-up: with `warmup` (what `serve` does) every step program is compiled here, before the first request
+        (those that sample with top-k / top-p in a background thread, in one process), and the cost model is
+        measured if it is not cached. Without it (the default, for generate and notebooks) each program compiles
+        the first time a step needs it, and a cost model not yet cached is not measured: steps are then bounded by
+        max_num_batched_tokens alone (as in vLLM), with no time budget (unless iteration_budget sets one).
 
         Layout: an instance is `tp` devices of `jax.devices()`, tensor-parallel (each holds a share of every
         layer's heads and MLP). By default the engine is one instance. With prefill_instances > 0 it is a live
@@ -179,6 +185,7 @@ class LLM:
         self._block_size, self._key_block, self._cost_profile = block_size, key_block, cost_profile
         self._buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, key_block,
                                      max_prefills=max_prefills_per_step)
+        self._warmup = warmup
         self._sched_args = dict(policy=policy, ttft_slo=ttft_slo, prefix_caching=prefix_caching,
                                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 multi_prefill=multi_prefill, space_sharing=space_sharing,
@@ -189,6 +196,8 @@ class LLM:
                                                     decode_kvp, tp), min_chunk, prefill_profile, progress)
         else:
             self.engine = self.make_engine(progress=progress)
+            if self.lockstep is None and tp == 1:  # keep one copy of the weights: the runner's, per layer
+                self._params = self.engine.runner.params
         if self.lockstep is not None:  # ready when every process is (followers compile their devices' programs)
             self.lockstep.sync()
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
@@ -207,18 +216,28 @@ class LLM:
         runner = self._new(ModelRunner, self.config, self._params, self._dtype, num_blocks=num_blocks,
                            block_size=self._block_size, buckets=self._buckets, key_block=self._key_block,
                            devices=devices, tp=self._tp)
-        runner.warmup(progress)
+        budget = a["iteration_budget"]
+        if self._warmup:
+            programs = runner.programs()
+            background = [p for p in programs if p[1]] if self.lockstep is None else []
+            runner.warmup([p for p in programs if p not in background], progress=progress)
+            if background:  # the top-k / top-p programs: serving starts without them, and waits only if it needs one
+                runner.warmup_in_background(background)
         if self.cost is None:
             path = (pathlib.Path(self._cost_profile) if self._cost_profile else
                     profile.default_path(self.model_name, self._dtype_name, runner))
-            self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
-        packer = engine_packer(self.cost, max_batch_tokens=a["max_num_batched_tokens"], max_num_seqs=a["max_num_seqs"],
+            if self._warmup or path.exists():
+                self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
+        cost = self.cost or profile.unmeasured(runner)
+        if self.cost is None and budget is None:
+            budget = math.inf  # no time model: the token budget alone bounds a step
+        packer = engine_packer(cost, max_batch_tokens=a["max_num_batched_tokens"], max_num_seqs=a["max_num_seqs"],
                                max_model_len=self.max_model_len, chunk_align=self._buckets.tokens[0],
                                max_prefills=self._buckets.max_prefills, multi_prefill=a["multi_prefill"],
-                               space_sharing=a["space_sharing"], t_target=a["iteration_budget"])
+                               space_sharing=a["space_sharing"], t_target=budget)
         kv = KVCacheManager(num_blocks, self._block_size, enable_prefix_caching=a["prefix_caching"],
                             scratch_blocks=kvp)
-        scheduler = ReplicaScheduler(make_policy(a["policy"]), self.cost, packer, kv, slo=SLO(ttft_min=a["ttft_slo"]),
+        scheduler = ReplicaScheduler(make_policy(a["policy"]), cost, packer, kv, slo=SLO(ttft_min=a["ttft_slo"]),
                                      max_running=a["max_num_seqs"])
         return Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
 

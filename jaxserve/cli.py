@@ -186,7 +186,7 @@ def _serve() -> None:
     if _join():
         return
     llm = jaxserve.LLM(FLAGS.model, kv_cache_gib=FLAGS.kv_cache_gib, max_num_seqs=FLAGS.max_num_seqs,
-                       **_engine_flags())
+                       warmup=True, **_engine_flags())
     server = Server(llm, host=FLAGS.host, grpc_port=FLAGS.grpc_port, http_port=FLAGS.http_port,
                     model_name=FLAGS.served_model_name, api_key=_api_key(),
                     max_queue=FLAGS.max_queue, drain_timeout=FLAGS.drain_timeout,

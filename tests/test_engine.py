@@ -253,9 +253,12 @@ def test_prompt_logits_predict_what_greedy_generation_takes(llm):
     assert logits[-2].argmax() == first and logits[-1].argmax() == second
 
 
-def test_no_compiles_while_serving_after_warm_up(llm):
+def test_no_compiles_while_serving_after_warm_up():
     """200 varied requests (prompt lengths 1-900, greedy and sampled, top-k/top-p, chunked and batched) after the
-    start-up warm-up: XLA compiles nothing."""
+    start-up warm-up (serve's; small buckets, to compile few programs): XLA compiles nothing."""
+    llm = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=4, max_num_batched_tokens=64,
+                       warmup=True, progress=False)
+    llm.engine.runner.join_warmup()
     compiles = []
 
     def listener(event, duration, **kw):

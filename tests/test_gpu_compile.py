@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from jaxserve.engine import compiled
 from jaxserve.sharding import overlap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -73,3 +74,44 @@ def test_every_ring_transfer_of_kv_overlaps_attention_on_h100s(tmp_path, sp):
         assert all(t["asynchronous"] and t["kernels_in_flight"] >= 1 for t in kv), summary[program]
         assert kv[0]["bytes"] == 2 * (4096 // sp) * 8 * 128 * 2  # K and V of one shard, bf16
         assert (tmp_path / f"{program}.hlo").read_text().count('"__gpu$xla.gpu.triton"') > 0
+
+
+_STEP_HLO = """\
+%fused_slice (p0: bf16[32,64,128], p1: s32[]) -> bf16[1,64,128] {
+  %p0 = bf16[32,64,128]{2,1,0} parameter(0)
+  ROOT %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%p0, %p1, %c, %c), dynamic_slice_sizes={1,64,128}
+}
+
+%body (p: (s32[], bf16[32,64,128])) -> (s32[], bf16[32,64,128]) {
+  %p = (s32[], bf16[32,64,128]{2,1,0}) parameter(0)
+  %w = bf16[32,64,128]{2,1,0} get-tuple-element(%p), index=1
+  %copy = bf16[1,64,128]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice
+  ROOT %t = (s32[], bf16[32,64,128]{2,1,0}) tuple(%i, %w)
+}
+
+ENTRY %main (x: bf16[64,128]) -> bf16[16,128] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %loop = (s32[], bf16[32,64,128]{2,1,0}) while(%init), condition=%cond, body=%body
+  %branch = bf16[16,128]{1,0} conditional(%pred, %a, %b), branch_computations={%t, %f}
+  ROOT %dot = bf16[16,128]{1,0} fusion(%y, %x), kind=kCustom, calls=%fused_slice
+}
+"""
+
+
+def test_step_reader_finds_weight_copies_and_branches():
+    found = compiled.read_step(_STEP_HLO, [(64, 128), (128, 4096)])
+    assert found["conditionals"] == 1 and found["whiles"] == 1
+    # the loop body's slice of the stacked weights is its own buffer; the weight parameter itself is not a copy,
+    # and a fusion's insides (the slice's computation) are not read
+    assert found["weight_copies"] == ["copy: fusion bf16[1,64,128]{2,1,0}"]
+
+
+def test_the_decode_step_for_an_h100_reads_weights_in_place_and_never_branches(tmp_path):
+    """The pure-decode serving step of Llama-3.1-8B (32 layers, bf16), compiled for one H100: no weight copied out
+    of a stacked array, no conditional (so no host sync inside the step), at batch 1 and 16."""
+    summary = _run(tmp_path, "--decode")
+    for rows in (1, 16):
+        found = summary[f"decode_b{rows}"]
+        assert found["conditionals"] == 0 and found["whiles"] == 0 and found["weight_copies"] == [], found
+        hlo = (tmp_path / f"decode_b{rows}.hlo").read_text()
+        assert hlo.count('"__gpu$xla.gpu.triton"') > 0  # the attention is the Pallas kernel

@@ -184,8 +184,8 @@ def test_serving_step_lowers_for_cuda_with_the_kernel():
                                  key_block=256)
     runner = ModelRunner(cfg, params, jnp.bfloat16, num_blocks=64, block_size=16, buckets=buckets, key_block=256,
                          attention="kernel")
-    for tokens, rows in (buckets.fit(8, 8), buckets.fit(256, 8)):
-        hlo = runner.lower(tokens, rows, platforms=["cuda"]).as_text()
+    for shape in (buckets.decode(8), buckets.mixed(*buckets.fit(256, 8))):
+        hlo = runner.lower(shape, platforms=["cuda"]).as_text()
         assert "__gpu$xla.gpu.triton" in hlo and "tiled_paged_attention" in hlo
 
 

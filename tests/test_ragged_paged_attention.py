@@ -37,7 +37,7 @@ def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_b
     kv_lens = [h + n for h, n in rows]
     max_len = max(kv_lens)
     buckets = batch.Buckets.make(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=max_len,
-                                 block_size=block_size, key_block=key_block, tile=tile, min_tokens=8, min_rows=2)
+                                 block_size=block_size, key_block=key_block, tile=tile, min_tokens=8)
     nblk = [-(-n // block_size) for n in kv_lens]
     num_blocks = sum(nblk) + 5
     perm = rng.permutation(np.arange(1, num_blocks))  # blocks scattered over the pool

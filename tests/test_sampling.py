@@ -16,7 +16,7 @@ def draw(logits, temperature=1.0, top_k=0, top_p=1.0, n=2000, seed=0):
     rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (b, V))
     return np.asarray(sample(rows, jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k, jnp.int32),
                              jnp.full((b,), top_p, jnp.float32), jnp.full((b,), seed, jnp.uint32),
-                             jnp.arange(b, dtype=jnp.int32)))
+                             jnp.arange(b, dtype=jnp.int32), cut=top_k > 0 or top_p < 1.0))
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def test_greedy_rows_take_the_argmax(logits):
     rows = jnp.asarray(np.random.default_rng(1).standard_normal((5, V)), jnp.float32)
     zeros = jnp.zeros((5,), jnp.float32)
     got = sample(rows, zeros, jnp.zeros(5, jnp.int32), jnp.ones(5), jnp.zeros(5, jnp.uint32),
-                 jnp.zeros(5, jnp.int32))
+                 jnp.zeros(5, jnp.int32), cut=False)
     assert (np.asarray(got) == np.asarray(rows).argmax(-1)).all()
 
 
@@ -53,6 +53,22 @@ def test_temperature_one_follows_the_softmax(logits):
     got = draw(logits, n=20000)
     freq = np.bincount(got, minlength=V) / len(got)
     assert np.abs(freq - p).max() < 0.02
+
+
+def test_the_program_the_host_picks_does_not_change_a_draw():
+    # rows that cut nothing draw the same token in the cutting program as in the plain one, beside rows that cut
+    rng = np.random.default_rng(3)
+    b = 64
+    rows = jnp.asarray(rng.standard_normal((b, V)) * 3, jnp.float32)
+    temperature = jnp.asarray(rng.choice([0.0, 0.7, 1.3], b), jnp.float32)
+    cutting = np.arange(b) % 2 == 0
+    top_k = jnp.asarray(np.where(cutting, 5, 0), jnp.int32)
+    top_p = jnp.asarray(np.where(cutting, 0.8, 1.0), jnp.float32)
+    seeds, counters = jnp.asarray(rng.integers(0, 2**32, b), jnp.uint32), jnp.arange(b, dtype=jnp.int32)
+    plain = np.asarray(sample(rows, temperature, jnp.zeros(b, jnp.int32), jnp.ones(b), seeds, counters, cut=False))
+    both = np.asarray(sample(rows, temperature, top_k, top_p, seeds, counters, cut=True))
+    np.testing.assert_array_equal(both[~cutting], plain[~cutting])
+    assert (both[cutting] != plain[cutting]).any()
 
 
 def test_seed_and_counter_determine_the_draw(logits):

@@ -154,10 +154,10 @@ def test_packer_puts_decodes_first_and_fills_the_budget_in_priority_order():
 
 
 # the engine's cost as engine/profile.py measured it for SmolLM2 on 2 CPU cores (rounded)
-ENGINE = EngineStepCost(StepShapes((16, 32, 64, 128, 256, 512), (4, 8, 16, 32), 32, 8), 256,
+ENGINE = EngineStepCost(StepShapes((16, 32, 64, 128, 256, 512), (4, 8, 16, 32), 32, 8, (1, 2, 4, 8, 16, 32)), 256,
                         [[0.046, 0.045, 0.049, 0.084], [0.066, 0.066, 0.068, 0.084], [0.105, 0.107, 0.109, 0.125],
                          [0.171, 0.177, 0.183, 0.191], [0.307, 0.318, 0.313, 0.328], [0.605, 0.59, 0.597, 0.603]],
-                        tile_fixed=5.5e-4, tile_block=7.75e-3, decode_fixed=1e-4, decode_block=1.94e-3,
+                        [0.03, 0.032, 0.035, 0.04, 0.046, 0.066], tile_fixed=5.5e-4, tile_block=7.75e-3, decode_fixed=1e-4, decode_block=1.94e-3,
                         decode_pad_block=1.2e-3)
 
 
@@ -177,9 +177,13 @@ def test_the_engine_cost_prices_a_batch_by_the_program_that_runs_it():
     assert e.batch_time([(60, 0), (40, 200), (32, 1500)], [300]) == pytest.approx(
         e.base[4][0] + (256 // 32 + 4) * tile(6) + decodes(4, 2, 300))
     assert e.batch_time([(16, 0)]) == pytest.approx(e.base[0][0] + (0 + 4) * tile(1))  # no decode rows to run
-    # no tiles: the (32, 32) program; one long decode makes the short ones (and padding rows) read padding
-    assert e.batch_time([], [20] * 20) == pytest.approx(e.base[1][3] + decodes(32, 1, 400))
-    assert e.batch_time([], [1900] + [64] * 19) == pytest.approx(e.base[1][3] + decodes(32, 8, 1900 + 19 * 64))
+    # decodes alone: the decode program of 32 rows; one long decode makes the short ones (and padding rows) read
+    # padding
+    assert e.batch_time([], [20] * 20) == pytest.approx(e.decode_base[5] + decodes(32, 1, 400))
+    assert e.batch_time([], [1900] + [64] * 19) == pytest.approx(e.decode_base[5] + decodes(32, 8, 1900 + 19 * 64))
+    assert e.batch_time([], [20]) == pytest.approx(e.decode_base[0] + decodes(1, 1, 20))
+    # past the largest decode program: its rate per row
+    assert e.batch_time([], [20] * 64) == pytest.approx(2 * e.decode_base[5] + decodes(64, 1, 64 * 20))
     assert e.batch_time([(1024, 0)]) == pytest.approx(2 * e.base[5][0] + (32 + 4) * tile(4))  # past the largest
     assert e.batch_time() == 0.0
     assert EngineStepCost.from_dict(e.to_dict()).to_dict() == e.to_dict()

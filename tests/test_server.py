@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import http.client
 import json
 import socket
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.client import AsyncClient, Client
+from jaxserve.engine.runner import forward_sample
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.launch import BackgroundServer
 from jaxserve.server.proto import jaxserve_pb2 as pb
@@ -447,28 +449,29 @@ def http_health(served) -> int:
 
 
 def failing_inside_the_call(runner):
-    """A step program that raises from a host callback after the KV buffers were donated."""
+    """Step programs that raise from a host callback after the KV buffers were donated."""
     def boom(x):
         raise RuntimeError("injected device failure")
 
-    def failing(params, caches, arrays):
-        tokens, caches = runner._forward_sample(params, caches, arrays)
+    def failing(params, caches, arrays, cut):
+        tokens, caches = forward_sample(runner.model, params, caches, arrays, cut)
         return tokens + jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.int32), tokens[0]), caches
 
-    return jax.jit(failing, donate_argnums=(1,))
+    step = jax.jit(failing, donate_argnums=(1,), static_argnums=(3,))
+    return lambda shape, cut: functools.partial(step, cut=cut)
 
 
 def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client, oai):
     """The fault is raised by a host callback inside the jitted step: the cache is rebuilt, the request in that
     step ends with INTERNAL, and the next requests are served."""
     runner = served.server.engine.engine.runner
-    real_step = runner._step
-    runner._step = failing_inside_the_call(runner)
+    real_program = runner._program
+    runner._program = failing_inside_the_call(runner)
     try:
         with pytest.raises(grpc.RpcError) as err:
             grpc_client.generate(PROMPT, max_tokens=4)
     finally:
-        runner._step = real_step
+        runner._program = real_program
     assert err.value.code() == grpc.StatusCode.INTERNAL and "injected device failure" in err.value.details()
     assert not runner.caches_lost  # rebuilt
     wait_until(lambda: free_blocks(served) == initial_blocks(served))
@@ -536,7 +539,7 @@ def test_health_is_not_serving_exactly_while_the_cache_cannot_be_rebuilt(served,
         with pytest.raises(grpc.RpcError) as err:
             grpc_client.generate(PROMPT, max_tokens=4)
         assert err.value.code() == grpc.StatusCode.INTERNAL
-        runner._step = real_step
+        runner._program = real_program
         assert runner.caches_lost
         wait_until(lambda: grpc_client.health() == "NOT_SERVING")
         assert http_health(served) == 503

@@ -49,7 +49,7 @@ CASES = [
 def main(argv: list[str]) -> None:
     del argv
     llm = LLM(max_num_seqs=FLAGS.max_num_seqs, max_model_len=FLAGS.max_model_len, kv_cache_gib=FLAGS.kv_cache_gib,
-              cost_profile=FLAGS.cost_profile)
+              cost_profile=FLAGS.cost_profile, warmup=True)
     runner, cost = llm.engine.runner, llm.cost
     bs, nb = runner.block_size, runner.num_blocks
     rows_out = []
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> None:
         live = median_time(lambda: runner.execute(rows), FLAGS.repeats)
         model = cost.batch_time(prefills, decodes)
         tokens = sum(n for n, _ in prefills) + len(decodes)
-        rows_out.append({"case": name, "bucket": list(runner.buckets.fit(tokens, len(rows))), "live_s": live,
+        rows_out.append({"case": name, "bucket": list(runner.buckets.fit_step(tokens, len(rows))), "live_s": live,
                          "model_s": model, "ratio": live / model})
     print(f"{'case':52s} {'bucket':>10s} {'live ms':>9s} {'model ms':>9s} {'live/model':>10s}")
     for r in rows_out:

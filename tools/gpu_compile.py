@@ -1,7 +1,8 @@
-"""Compile jaxserve's sequence-parallel programs for GPUs that are not here, and read the compiled schedule: does
-every ring transfer of K/V overlap attention?
+"""Compile jaxserve's programs for GPUs that are not here, and read what was compiled: does every ring transfer of
+K/V overlap attention? Does the serving step copy weights or branch?
 
     .venv/bin/python tools/gpu_compile.py --out=bench_out/gpu_compile
+    .venv/bin/python tools/gpu_compile.py --decode --out=bench_out/gpu_decode
 
 Needs JAX's CUDA plugin but no GPU and no CUDA libraries: tools/install.sh puts the plugin matching the installed
 jaxlib in .venv/cuda-compiler, outside the venv's own packages so that nothing else starts it, and this script
@@ -18,6 +19,12 @@ Programs:
 For each collective-permute the report gives its bytes, whether XLA made it asynchronous, and the attention
 kernels (Pallas/Triton calls, counting those inside loops) scheduled while it is in flight. The compiled HLO of
 each program and a JSON summary go to --out. Exit status 1 if a K/V transfer overlaps no kernel.
+
+--decode instead compiles the engine's pure-decode serving step (engine.runner.forward_sample: Llama-3.1-8B's
+32 layers, bf16, the Pallas kernels, the greedy sampler) for one GPU at batch 1 and 16, as `decode_b1.hlo` and
+`decode_b16.hlo`. The summary counts, per program, the compile seconds, the `conditional`s (each makes the host
+wait for the device), the `while` loops, and the weight copies: instructions outside fusions whose result has a
+weight's shape (a layer scan's dynamic slice of the stacked weights is one). Exit status 1 if any is found.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 from typing import Any
 
 PLUGIN = pathlib.Path(sys.prefix) / "cuda-compiler"
@@ -40,8 +48,12 @@ from absl import app, flags  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from jaxserve import xla_flags  # noqa: E402
-from jaxserve.engine import sp_prefill  # noqa: E402
+from jaxserve.engine import batch, compiled, sp_prefill  # noqa: E402
+from jaxserve.engine.kv_cache import RaggedPagedBackend  # noqa: E402
+from jaxserve.engine.runner import forward_sample  # noqa: E402
 from jaxserve.engine.scoring import DenseCausalBackend  # noqa: E402
 from jaxserve.models.config import llama3_8b  # noqa: E402
 from jaxserve.models.llama import Llama  # noqa: E402
@@ -57,6 +69,8 @@ flags.DEFINE_integer("tokens", 8192, "Chunk tokens over the whole group.")
 flags.DEFINE_integer("history", 8192, "History tokens held by the group (over all devices).")
 flags.DEFINE_integer("layers", 2, "Layers of the chunk program's model.")
 flags.DEFINE_string("out", "bench_out/gpu_compile", "Folder for the compiled HLO and summary.json.")
+flags.DEFINE_bool("decode", False, "Compile the pure-decode serving step on one GPU instead (batch 1 and 16).")
+flags.DEFINE_integer("decode_layers", 32, "Layers of the decode step's model (Llama-3.1-8B has 32).")
 
 TARGETS = pathlib.Path(__file__).parent / "gpu_targets"
 KV_MIN_BYTES = 1 << 16  # smaller transfers (positions, scalars) are not the ring's K/V
@@ -104,11 +118,58 @@ def chunk_program(mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
 
 PROGRAMS = {"ring": ring_program, "chunk": chunk_program}
 
+DECODE_ROWS = (1, 16)
+
+
+def decode_program(mesh: jax.sharding.Mesh, rows: int) -> tuple[Any, tuple, list[tuple[int, ...]]]:
+    """The engine's pure-decode step of `rows` rows (block size 16, key block 256, a 2,048-token context), and
+    the shapes of the model's weights."""
+    cfg = llama3_8b(FLAGS.decode_layers)
+    bs, kb = 16, 256
+    model = Llama(cfg, RaggedPagedBackend(bs, kb, 1, "kernel"), jnp.bfloat16, unrolled=True)
+    one = jnp.zeros((1, 1), jnp.int32)
+    here = NamedSharding(mesh, P())
+    on_gpu = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), tree)  # noqa: E731
+    params = on_gpu(jax.eval_shape(lambda: Llama(cfg, DenseCausalBackend(), jnp.bfloat16, unrolled=True).init(
+        jax.random.key(0), one, one, (), one[0])))
+    buckets = batch.Buckets.make(512, 16, 2048, bs, kb)
+    cache = jax.ShapeDtypeStruct((cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
+                                 sharding=here)
+    arrays = on_gpu(jax.tree.map(np.asarray, batch.empty(buckets, buckets.decode(rows), bs)))
+    step = jax.jit(forward_sample, static_argnums=(0, 4), donate_argnums=(2,))
+    weights = [x.shape for x in jax.tree.leaves(params) if len(x.shape) > 1]
+    return (lambda *args: step(model, *args, False)), (params, (cache, cache), arrays), weights
+
+
+def compile_decode(out: pathlib.Path, options: dict) -> bool:
+    mesh = gpu_mesh(1, FLAGS.gpu)
+    summary: dict[str, Any] = {"gpu": FLAGS.gpu, "layers": FLAGS.decode_layers, "jax": jax.__version__,
+                               "compiler_options": options}
+    ok = True
+    for rows in DECODE_ROWS:
+        step, args, weights = decode_program(mesh, rows)
+        start = time.perf_counter()
+        hlo = jax.jit(step).lower(*args).compile(compiler_options=options).as_text()
+        seconds = time.perf_counter() - start
+        (out / f"decode_b{rows}.hlo").write_text(hlo)
+        found = compiled.read_step(hlo, weights) | {"compile_seconds": round(seconds, 1)}
+        summary[f"decode_b{rows}"] = found
+        print(f"decode_b{rows}: compiled in {seconds:.1f} s; {found['conditionals']} conditionals, "
+              f"{found['whiles']} while loops, {len(found['weight_copies'])} weight copies")
+        ok &= not found["conditionals"] and not found["weight_copies"]
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return ok
+
 
 def main(argv: list[str]) -> None:
     del argv
     out = pathlib.Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
+    if FLAGS.decode:
+        options = xla_flags.compiler_options() if FLAGS.launcher_flags else {}
+        if not compile_decode(out, options):
+            raise SystemExit(f"a decode program branches on the device or copies weights; see {out}")
+        return
     mesh = gpu_mesh(FLAGS.sp, FLAGS.gpu)
     options = xla_flags.compiler_options() if FLAGS.launcher_flags else {}
     summary: dict[str, Any] = {"gpu": FLAGS.gpu, "sp": FLAGS.sp, "tokens": FLAGS.tokens, "history": FLAGS.history,

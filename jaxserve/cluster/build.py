@@ -81,7 +81,7 @@ def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> in
     cluster.mover.warmup()
     for d in cluster.decoders:
         d.engine.runner.warmup_land(sp.cap)
-        d.engine.runner.warmup(progress)
+        d.engine.runner.warmup(progress=progress)
     return len(work)
 
 

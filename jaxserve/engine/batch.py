@@ -1,8 +1,9 @@
-"""A step's rows packed into the flat ragged arrays the compiled step reads, padded to a (tokens, rows) bucket.
+"""A step's rows packed into the flat ragged arrays the compiled step reads, padded to a program's shape.
 
 Every row (a prefill chunk or one decode token of a request) lays its new tokens end to end on one token axis.
 The attention regroups them: a one-token row is a decode, any longer row is cut into tiles of `tile` tokens, each
-tile from one request. Padding writes its K/V to the scratch block and is never attended.
+tile from one request. Padding writes its K/V to the scratch block and is never attended. A step of decodes
+alone runs in a decode program (one token per row, no tiles); any other in a mixed (tokens, rows) program.
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ from jaxtyping import Float, Int, UInt
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.sched.kv_manager import SCRATCH_BLOCK
 from jaxserve.sched.step_shapes import StepShapes, powers_of_two
+
+
+class Shape(NamedTuple):
+    """A step program's shape: tokens, rows, attention tiles (0 in a decode program)."""
+
+    tokens: int
+    rows: int
+    tiles: int
 
 
 class Row(NamedTuple):
@@ -53,8 +62,10 @@ class Buckets(StepShapes):
 
     @classmethod
     def make(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
-             key_block: int, tile: int = 32, min_tokens: int = 16, min_rows: int = 4,
-             max_prefills: int = 8) -> Buckets:
+             key_block: int, tile: int = 32, min_tokens: int = 16, max_prefills: int = 8) -> Buckets:
+        """Decode programs for 1, 2, 4, ... rows up to max_num_seqs; mixed programs for min_tokens, 2 min_tokens,
+        ... tokens up to max_num_batched_tokens, each with room for max_num_seqs rows (padding rows cost little
+        beside a chunk's tokens, and one row bucket halves the programs to compile)."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} must be >= max_num_seqs "
                              f"{max_num_seqs}: a step decodes every running request")
@@ -64,14 +75,29 @@ class Buckets(StepShapes):
             raise ValueError(f"max_prefills must be >= 1, got {max_prefills}")
         per_key_block = key_block // block_size
         blocks = -(-max_model_len // block_size)
-        return cls(powers_of_two(min_tokens, max_num_batched_tokens), powers_of_two(min_rows, max_num_seqs),
-                   tile, min(max_prefills, max_num_seqs), -(-blocks // per_key_block) * per_key_block)
+        return cls(powers_of_two(min_tokens, max_num_batched_tokens), powers_of_two(max_num_seqs, max_num_seqs),
+                   tile, min(max_prefills, max_num_seqs), powers_of_two(1, max_num_seqs),
+                   -(-blocks // per_key_block) * per_key_block)
+
+    def programs(self) -> list[Shape]:
+        """Every program serving can run: the decode programs, then the mixed ones."""
+        return [self.decode(r) for r in self.decode_rows] + [self.mixed(t, r) for t, r in self.shapes()]
+
+    def decode(self, rows: int) -> Shape:
+        return Shape(rows, rows, 0)
+
+    def mixed(self, tokens: int, rows: int) -> Shape:
+        return Shape(tokens, rows, self.tiles(tokens, rows))
+
+    def fit_step(self, tokens: int, rows: int) -> Shape:
+        """The program of a step of `rows` rows holding `tokens` tokens (a decode program when tokens == rows)."""
+        return self.decode(self.fit_decode(rows)) if tokens == rows else self.mixed(*self.fit(tokens, rows))
 
 
-def empty(buckets: Buckets, t: int, r: int, block_size: int) -> StepArrays:
-    """An all-padding step of shape (t, r): nothing attended, every write to the scratch block. The warm-up
-    compiles with it; pack fills one in."""
-    nt = buckets.tiles(t, r)
+def empty(buckets: Buckets, shape: Shape, block_size: int) -> StepArrays:
+    """An all-padding step of `shape`: nothing attended, every write to the scratch block. The warm-up compiles
+    with it; pack fills one in."""
+    t, r, nt = shape
     return StepArrays(
         token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
         slots=np.full(t, SCRATCH_BLOCK * block_size, np.int32),
@@ -97,7 +123,7 @@ def pack(rows: Sequence[Row], buckets: Buckets, block_size: int) -> StepArrays:
     prefills = sum(len(r.tokens) > 1 for r in rows)
     if prefills > buckets.max_prefills:
         raise ValueError(f"a step of {prefills} prefill chunks exceeds the {buckets.max_prefills} it has tiles for")
-    a = empty(buckets, *buckets.fit(total, len(rows)), block_size)
+    a = empty(buckets, buckets.fit_step(total, len(rows)), block_size)
     at, tile = 0, 0
     for i, r in enumerate(rows):
         try:
@@ -131,3 +157,12 @@ def _write_row(a: StepArrays, i: int, r: Row, at: int, tile: int, buckets: Bucke
     a.temperature[i], a.top_k[i], a.top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
     a.seeds[i], a.counters[i] = r.seed, r.counter
     return tile
+
+
+def shape_of(a: StepArrays) -> Shape:
+    return Shape(len(a.token_ids), len(a.tables), len(a.tile_tokens))
+
+
+def cuts(a: StepArrays) -> bool:
+    """Does a sampled row cut by top-k or top-p (the sampler's costlier program)?"""
+    return bool(np.any((a.temperature > 0) & ((a.top_k > 0) | (a.top_p < 1.0))))

@@ -45,8 +45,15 @@ class RaggedPagedBackend:
         k_all, v_all = caches
         if self.kvp > 1:
             slots, tables = self._local(slots, tables)
-        k_all = k_all.at[layer, slots].set(k[0].astype(k_all.dtype))
-        v_all = v_all.at[layer, slots].set(v[0].astype(v_all.dtype))
+        k_new, v_new = k[0], v[0]
+        if slots.shape[0] == 1:
+            # XLA rewrites a one-row scatter as a dynamic-update-slice, which it then fuses twice (once for the
+            # attention's flat view, once for the next layer) and copies the whole cache for; a second write, to
+            # the scratch slot 0, keeps it a scatter, in place
+            slots = jnp.concatenate([slots, jnp.zeros_like(slots)])
+            k_new, v_new = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k_new, v_new))
+        k_all = k_all.at[layer, slots].set(k_new.astype(k_all.dtype))
+        v_all = v_all.at[layer, slots].set(v_new.astype(v_all.dtype))
         # k_all[layer] with a traced layer would copy the layer's whole cache every step; the attention reads
         # the flattened cache instead (a free reshape), the layer's blocks numbered from layer * blocks_per_layer
         layers, slots_per_layer = k_all.shape[:2]

@@ -2,9 +2,10 @@
 one call of the compiled step (packing, the forward with sampling, the tokens back on the host), so the packer
 plans with what this device, model and dtype actually cost.
 
-What is measured follows the step's structure: each (tokens, rows) program without attention (an all-padding
-step, which skips it), then the attention's cost per tile and per decode row and key block, from one prefill
-chunk and one full batch of decodes each at a short and a long context. Measured before serving (the blocks it
+What is measured follows the step's structure: each program without attention (an all-padding step: no key
+block is read), then the attention's cost per tile and per decode row and key block, from one prefill chunk and
+one full decode program each at a short and a long context (at most LONG tokens: the cost per key block is what
+is solved for, and a longer context only makes the profile slower). Measured before serving (the blocks it
 writes are free, and hold no cached prefix), cached on disk per device kind, model, dtype and bucket set, or
 loaded from an explicit file (--cost_profile).
 """
@@ -29,7 +30,8 @@ from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.step_shapes import StepShapes
 
 _GREEDY = SamplingParams(max_tokens=1)
-VERSION = 4  # of the step and of how it is measured: a change to either must not load an older profile
+VERSION = 5  # of the step and of how it is measured: a change to either must not load an older profile
+LONG = 2048  # tokens of context at the long points
 
 
 def median_time(run: Callable[[], object], repeats: int) -> float:
@@ -52,15 +54,17 @@ def synthetic_row(n: int, history: int, first_block: int, block_size: int, num_b
 
 def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress: bool = True) -> EngineStepCost:
     bs, nb, buckets, key_block = runner.block_size, runner.num_blocks, runner.buckets, runner.key_block
-    shapes = buckets.shapes()
+    shapes, decode_rows = buckets.shapes(), buckets.decode_rows
+    longest = min(max_model_len, LONG)
     # a prefill chunk of whole tiles, short of the largest bucket so it can have a history (where one fits)
-    n = max(t for t in buckets.tokens if t <= max(max_model_len // 2, buckets.tokens[0]))
-    history = max(min(max_model_len - n, (nb - 1) * bs - n), 0)
-    rows = buckets.rows[-1]
-    kv = max(min(max_model_len, (nb - 1) // rows * bs), 1)  # per decode row, in blocks of its own
+    n = max(t for t in buckets.tokens if t <= max(longest // 2, buckets.tokens[0]))
+    history = max(min(longest - n, (nb - 1) * bs - n), 0)
+    rows = decode_rows[-1]
+    kv = max(min(longest, (nb - 1) // rows * bs), 1)  # per decode row, in blocks of its own
     per_row = -(-kv // bs)
     blocks = lambda span: -(-span // key_block)  # noqa: E731 - the attention's loop trip count
-    with tqdm(total=len(shapes) + 5, desc="profile the step", unit="step", disable=not progress) as bar:
+    with tqdm(total=len(shapes) + len(decode_rows) + 5, desc="profile the step", unit="step",
+              disable=not progress) as bar:
         def timed(run: Callable[[], object]) -> float:
             t = median_time(run, repeats)
             bar.update()
@@ -69,8 +73,12 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
         def step(rs: list[Row]) -> float:
             return timed(lambda: runner.execute(rs))
 
-        measured = {(t, r): timed(lambda: runner.execute_arrays(batch.empty(buckets, t, r, bs))) for t, r in shapes}
+        def padding(shape: batch.Shape) -> float:
+            return timed(lambda: runner.execute_arrays(batch.empty(buckets, shape, bs)))
+
+        measured = {(t, r): padding(buckets.mixed(t, r)) for t, r in shapes}
         base = [[measured[buckets.fit(t, r)] for r in buckets.rows] for t in buckets.tokens]
+        decode_base = [padding(buckets.decode(r)) for r in decode_rows]
 
         tiles = buckets.tiles(*buckets.fit(n, 1))
         short, long = step([synthetic_row(n, 0, 1, bs, nb)]), step([synthetic_row(n, history, 1, bs, nb)])
@@ -80,19 +88,26 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
 
         # decode rows: all short, all long, one long beside short ones (the others then read padding blocks);
         # per row fixed + per block of its own context + per padding block, solved from the three
-        decode_base = measured[buckets.fit(rows, rows)]
         kvs = ([1] * rows, [kv] * rows, [kv] + [1] * (rows - 1))
-        times = [step([synthetic_row(1, k - 1, 1 + i * per_row, bs, nb) for i, k in enumerate(ks)]) - decode_base
+        times = [step([synthetic_row(1, k - 1, 1 + i * per_row, bs, nb) for i, k in enumerate(ks)]) - decode_base[-1]
                  for ks in kvs]
         own = [sum(ks) / key_block for ks in kvs]
         terms = np.array([[rows, o, rows * blocks(max(ks)) - o] for ks, o in zip(kvs, own)])
         decode_fixed, decode_block, decode_pad_block = np.maximum(np.linalg.lstsq(terms, times, rcond=None)[0], 0.0)
-    return EngineStepCost(_shapes(buckets), key_block, base, tile_fixed, tile_block, float(decode_fixed),
+    return EngineStepCost(_shapes(buckets), key_block, base, decode_base, tile_fixed, tile_block, float(decode_fixed),
                           float(decode_block), float(decode_pad_block))
 
 
+def unmeasured(runner: ModelRunner) -> EngineStepCost:
+    """A cost model that prices every step at zero, for an engine started without measuring one: its steps are
+    bounded by tokens alone (the packer's budget must then be unbounded)."""
+    b = runner.buckets
+    return EngineStepCost(_shapes(b), runner.key_block, [[0.0] * len(b.rows) for _ in b.tokens],
+                          [0.0] * len(b.decode_rows), 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
 def _shapes(b: batch.Buckets) -> StepShapes:
-    return StepShapes(b.tokens, b.rows, b.tile, b.max_prefills)
+    return StepShapes(b.tokens, b.rows, b.tile, b.max_prefills, b.decode_rows)
 
 
 def cache_file(model_name: str, dtype: str, shape: str, version: int) -> pathlib.Path:

@@ -1,10 +1,19 @@
 """The compiled step: one jitted call runs any mix of prefill chunks and decodes (a flat ragged batch), writes
 their K/V into the paged cache, and samples one token per row on the device.
 
-Programs are keyed by the (tokens, rows) bucket alone (batch.Buckets), so a warm-up compiles every program a
-configuration can use before the first request, and nothing compiles while serving. The cache buffers are
-donated so XLA updates them in place; a step that fails inside the compiled call leaves them deleted, and
-`recover` allocates fresh ones (their contents are gone: the caller recomputes whatever they held).
+Programs are keyed by their shape (batch.Shape: a decode program per row bucket, a mixed one per (tokens, rows)
+bucket) and by whether the sampler cuts by top-k / top-p, so `warmup` can compile every program a configuration
+uses before the first request (in parallel threads: XLA compiles outside the GIL), and nothing compiles while
+serving; or a program compiles the first time a step needs it (`generate` starts at once). Nothing in the step
+branches on the device.
+
+The layers run unrolled over per-layer weights (models/llama.py), so each GEMM reads its weights in place. A
+layer scan's dynamic slice copies every layer's weights out of the stacked arrays first: on a GPU more than half
+of an 8B decode step (tools/gpu_compile.py --decode checks the compiled step); on a 2-core CPU a SmolLM2 decode
+step of 16 rows ran twice as long (226 against 114 ms) and one of a row a quarter longer. The price is compile
+time (on that CPU about 8 s a program against 1.5 s), paid once per program: lazily, or in parallel threads. The cache buffers are donated so XLA updates them in place; a step that fails
+inside the compiled call leaves them deleted, and `recover` allocates fresh ones (their contents are gone: the
+caller recomputes whatever they held).
 
 On several devices the step runs under shard_map over an ('sp', 'tp') mesh: consecutive runs of `tp` devices
 are tensor-parallel (sharding/tp.py: each holds a slice of every layer's heads, its KV heads' share of the
@@ -14,6 +23,10 @@ group (kv_cache.py: the cache's blocks spread over them). Its interface is the s
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import os
+import threading
 from typing import Any, Sequence
 
 import jax
@@ -27,11 +40,18 @@ from jaxserve.engine import batch
 from jaxserve.engine.kv_cache import RaggedPagedBackend, allocate_caches
 from jaxserve.engine.sampling import sample
 from jaxserve.models.config import LlamaConfig
-from jaxserve.models.llama import Llama
+from jaxserve.models.llama import Llama, unstack_layers
 from jaxserve.pallas_kernels.common import lowering_for
 from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.sharding import processes, rows, tp as tensor_parallel
 from jaxserve.sharding.mesh import SP, TP, make_mesh
+
+
+def forward_sample(model: Llama, params: Any, caches: Any, a: batch.StepArrays, cut: bool) -> tuple[Any, Any]:
+    """The step: the model over the flat batch, writing its K/V into the caches, and one sampled token per row."""
+    ctx = (a.slots, a.tables, a.decode_token, a.tile_tokens, a.tile_row)
+    logits, caches = model.apply(params, a.token_ids[None], a.positions[None], caches, ctx, a.logits_index[None])
+    return sample(logits[0], a.temperature, a.top_k, a.top_p, a.seeds, a.counters, cut=cut), caches
 
 
 class ModelRunner:
@@ -51,39 +71,78 @@ class ModelRunner:
             raise ValueError(f"{num_blocks} KV blocks do not split over a KV-parallel group of {kvp} device sets")
         mesh = make_mesh(self.devices, tp)
         self._cache_sharding = NamedSharding(mesh, P(None, SP, TP))
-        params, specs = tensor_parallel.shard_params(params, cfg, tp)
+        params, specs = tensor_parallel.shard_params(unstack_layers(params), cfg, tp)
         self.cfg, self.dtype = cfg, dtype
         self.params = jax.device_put(params, tensor_parallel.shardings(mesh, specs))
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
-        self.model = Llama(cfg, RaggedPagedBackend(block_size, key_block, kvp, attention), dtype, TP if tp > 1 else None)
+        self.model = Llama(cfg, RaggedPagedBackend(block_size, key_block, kvp, attention), dtype,
+                           TP if tp > 1 else None, unrolled=True)
         self.caches = self._allocate()
-        step = self._forward_sample
+        step = functools.partial(forward_sample, self.model)
         if len(self.devices) > 1:  # every device runs the same batch: step inputs replicated, weights and cache split
             step = jax.shard_map(step, mesh=mesh, in_specs=(specs, P(None, SP, TP), P()),
                                  out_specs=(P(), P(None, SP, TP)), check_vma=False)
-        self._step = jax.jit(step, donate_argnums=(1,))
+        self._step = jax.jit(step, donate_argnums=(1,), static_argnames=("cut",))
+        self._programs: dict[tuple[batch.Shape, bool], jax.stages.Compiled] = {}
+        self._compiling: dict[tuple[batch.Shape, bool], threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._background: threading.Thread | None = None
 
-    def _forward_sample(self, params, caches, a: batch.StepArrays):
-        ctx = (a.slots, a.tables, a.decode_token, a.tile_tokens, a.tile_row)
-        logits, caches = self.model.apply(params, a.token_ids[None], a.positions[None], caches, ctx,
-                                          a.logits_index[None])
-        return sample(logits[0], a.temperature, a.top_k, a.top_p, a.seeds, a.counters), caches
+    def programs(self) -> list[tuple[batch.Shape, bool]]:
+        """Every program serving can run: each shape, with the plain sampler and with top-k / top-p."""
+        return [(shape, cut) for cut in (False, True) for shape in self.buckets.programs()]
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compile (or load from the persistent cache) every program serving can run."""
-        shapes = self.buckets.shapes()
-        for t, r in tqdm(shapes, desc="compile step programs", unit="program", disable=not progress):
-            tokens, self.caches = self._step(self.params, self.caches, batch.empty(self.buckets, t, r, self.block_size))
-            jax.block_until_ready(tokens)
+    def warmup(self, programs: Sequence[tuple[batch.Shape, bool]] | None = None, *, progress: bool = True,
+               threads: int | None = None) -> None:
+        """Compile (or load from the persistent cache) `programs` (default: every one serving can run), `threads`
+        at a time (default: one per CPU core)."""
+        todo = [p for p in (self.programs() if programs is None else programs) if p not in self._programs]
+        threads = threads or os.cpu_count() or 1
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
+                tqdm(total=len(todo), desc="compile step programs", unit="program", disable=not progress) as bar:
+            for done in concurrent.futures.as_completed([pool.submit(self._program, *p) for p in todo]):
+                done.result()
+                bar.update()
 
-    def lower(self, tokens: int, rows: int, platforms: Sequence[str] | None = None) -> jax.stages.Lowered:
-        """The step program of bucket (tokens, rows) lowered for `platforms` (default: this backend), e.g. to read
-        what a GPU would run from a machine without one. One device only (shapes without placement)."""
+    def warmup_in_background(self, programs: Sequence[tuple[batch.Shape, bool]]) -> None:
+        """Compile `programs` in a background thread (a step that needs one meanwhile waits for it)."""
+        self._background = threading.Thread(target=self.warmup, args=(programs,), kwargs=dict(progress=False),
+                                            name="compile-step-programs", daemon=True)
+        self._background.start()
+
+    def join_warmup(self) -> None:
+        """Wait for the background warm-up, if one runs."""
+        if self._background is not None:
+            self._background.join()
+
+    def _program(self, shape: batch.Shape, cut: bool) -> jax.stages.Compiled:
+        """The compiled program (shape, cut), compiled now if it is not yet; one thread compiles each."""
+        key = (shape, cut)
+        with self._lock:
+            if key in self._programs:
+                return self._programs[key]
+            lock = self._compiling.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self._programs:
+                compiled = self._trace(shape, cut, self._abstract).lower().compile()
+                with self._lock:
+                    self._programs[key] = compiled
+        return self._programs[key]
+
+    def _abstract(self, tree: Any) -> Any:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+    def _trace(self, shape: batch.Shape, cut: bool, abstract) -> jax.stages.Traced:
+        arrays = batch.empty(self.buckets, shape, self.block_size)
+        return self._step.trace(abstract(self.params), abstract(self.caches), arrays, cut=cut)
+
+    def lower(self, shape: batch.Shape, cut: bool = False, platforms: Sequence[str] | None = None
+              ) -> jax.stages.Lowered:
+        """The step program of `shape` lowered for `platforms` (default: this backend), e.g. to read what a GPU
+        would run from a machine without one. One device only (shapes without placement)."""
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
         with lowering_for(platforms):
-            return self._step.trace(abstract(self.params), abstract(self.caches),
-                                    batch.empty(self.buckets, tokens, rows, self.block_size)).lower(
-                lowering_platforms=tuple(platforms) if platforms else None)
+            return self._trace(shape, cut, abstract).lower(lowering_platforms=tuple(platforms) if platforms else None)
 
     def execute(self, rows: Sequence[batch.Row]) -> np.ndarray:
         """Run the rows, update the cache, and return the sampled next token of each row."""
@@ -91,7 +150,8 @@ class ModelRunner:
 
     def execute_arrays(self, arrays: batch.StepArrays) -> np.ndarray:
         """Run a packed step; the sampled token of every row of its bucket, padding included."""
-        tokens, self.caches = self._step(self.params, self.caches, arrays)
+        program = self._program(batch.shape_of(arrays), batch.cuts(arrays))
+        tokens, self.caches = program(self.params, self.caches, arrays)
         return processes.read(tokens)
 
     def warmup_land(self, max_rows: int) -> None:

@@ -87,33 +87,39 @@ def sample(
     top_p: Float[Array, "b"],
     seeds: Int[Array, "b"],
     counters: Int[Array, "b"],
+    *,
+    cut: bool,
 ) -> Int[Array, "b"]:
     """One token per row. A row's randomness depends only on (seed, counter), never on its batch neighbours.
 
-    Which work runs is decided on the device (lax.cond), not by a static flag, so one compiled program serves
-    greedy and sampled batches: an all-greedy batch skips the draw, and the full-vocabulary sort runs only when
-    some row cuts by top-k or top-p."""
+    Nothing branches on the device (a branch makes a GPU wait for the host): every row's greedy and drawn tokens
+    are both computed, and the draw is one uniform number per row against the softmax's running sum (inverse
+    CDF), a few passes over the vocabulary. `cut` (static: the host picks the program) adds the top-k / top-p
+    cut, which sorts the whole vocabulary."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    vocab = logits.shape[-1]
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    if cut:
+        scaled = _cut(scaled, top_k, top_p)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    cdf = jnp.cumsum(probs, axis=-1)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds.astype(jnp.uint32), counters)
+    # in (0, 1): a zero would pick a leading token of probability zero
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32, minval=2.0**-24))(keys)
+    drawn = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
+    drawn = jnp.minimum(drawn, logits.shape[-1] - 1)
+    return jnp.where(temperature > 0, drawn, greedy)
 
-    def cut(scaled: Float[Array, "b v"]) -> Float[Array, "b v"]:
-        desc = -jnp.sort(-scaled, axis=-1)
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-        desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], desc, -jnp.inf)
-        probs = jax.nn.softmax(desc, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-        kept = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
-        pth = jnp.take_along_axis(desc, (kept - 1)[:, None], axis=-1)
-        return jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
 
-    def draw(_) -> Int[Array, "b"]:
-        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        sampled = temperature > 0
-        needs_cut = jnp.any(sampled & ((top_k > 0) | (top_p < 1.0)))
-        masked = jax.lax.cond(needs_cut, cut, lambda x: x, scaled)
-        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds.astype(jnp.uint32), counters)
-        drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-        return jnp.where(sampled, drawn, greedy)
-
-    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+def _cut(scaled: Float[Array, "b v"], top_k: Int[Array, "b"], top_p: Float[Array, "b"]) -> Float[Array, "b v"]:
+    """-inf outside each row's top-k and top-p nucleus (no cut where top_k is 0 and top_p is 1)."""
+    vocab = scaled.shape[-1]
+    desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+    desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+    kept = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
+    pth = jnp.take_along_axis(desc, (kept - 1)[:, None], axis=-1)
+    pth = jnp.where(top_p[:, None] < 1.0, pth, -jnp.inf)  # the running sum may round past 1 before the tail
+    return jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)

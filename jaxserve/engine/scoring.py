@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxserve.engine.batch import powers_of_two
 from jaxserve.models.config import LlamaConfig
-from jaxserve.models.llama import Llama
+from jaxserve.models.llama import Llama, is_stacked
 from jaxserve.pallas_kernels.reference import chunk_attention
 
 
@@ -27,8 +27,8 @@ class DenseCausalBackend:
 
 
 @functools.lru_cache(maxsize=8)
-def _forward(cfg: LlamaConfig, dtype: Any):
-    model = Llama(cfg, DenseCausalBackend(), dtype)
+def _forward(cfg: LlamaConfig, dtype: Any, unrolled: bool):
+    model = Llama(cfg, DenseCausalBackend(), dtype, unrolled=unrolled)
 
     def run(params, tokens, q_pos, k_pos):
         logits, _ = model.apply(params, tokens[None], q_pos[None], (), k_pos)
@@ -38,7 +38,7 @@ def _forward(cfg: LlamaConfig, dtype: Any):
 
 
 def prompt_logits(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int]) -> np.ndarray:
-    """Logits [len(ids), vocab] (float32)."""
+    """Logits [len(ids), vocab] (float32); params stacked or per layer (models/llama.py)."""
     n = len(ids)
     t = powers_of_two(16, n)[-1]
     tokens = np.zeros(t, np.int32)
@@ -46,4 +46,4 @@ def prompt_logits(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int])
     pos = np.arange(t, dtype=np.int32)
     # padded queries see nothing (position -1) and padded keys are never visible (a position past every query)
     q_pos, k_pos = np.where(pos < n, pos, -1), np.where(pos < n, pos, 2**30)
-    return np.asarray(_forward(cfg, dtype)(params, tokens, q_pos, k_pos))[:n]
+    return np.asarray(_forward(cfg, dtype, not is_stacked(params))(params, tokens, q_pos, k_pos))[:n]

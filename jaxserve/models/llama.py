@@ -8,11 +8,15 @@ holds its tensor-parallel share of the heads and MLP features (sharding/tp.py) a
 are summed over that axis. Parameter names follow Hugging Face's so that
 loaders map tensors one to one.
 
-The layers run under `nn.scan` over one `DecoderLayer`, so a compile does not grow with depth:
-`params['layers']` is the layer's parameter tree with every leaf stacked along a leading layer axis. The
-backend's caches (every array with a leading layer axis) ride in the scan's carry, not as scanned inputs and
-outputs, so XLA updates the (donated) buffers in place; each layer gets its traced index and touches only its
-own slice.
+The layers run one of two ways (`unrolled`):
+- scanned: `nn.scan` over one `DecoderLayer`, so a compile does not grow with depth. `params['layers']` is the
+  layer's parameter tree with every leaf stacked along a leading layer axis (how loaders and checkpoints keep
+  it). Each iteration reads its layer by a dynamic slice, which a GPU materialises as a copy of the weights.
+- unrolled: a Python loop over per-layer parameter trees `params['layers_{i}']` (`unstack_layers`), so each
+  GEMM reads its weights in place. Compiles grow with depth.
+Either way the backend's caches (every array with a leading layer axis) ride in the carry, not as scanned inputs
+and outputs, so XLA updates the (donated) buffers in place; each layer gets its index (traced when scanned,
+static when unrolled) and touches only its own slice.
 """
 
 from __future__ import annotations
@@ -141,6 +145,23 @@ ScannedLayers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"
                         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast))
 
 
+def is_stacked(params: Any) -> bool:
+    """Are the layers' parameters stacked (the scanned model's layout) rather than per layer?"""
+    return "layers" in params["params"]
+
+
+def unstack_layers(params: Any) -> Any:
+    """The stacked `{'params': {..., 'layers': ...}}` tree as per-layer trees `layers_0`, `layers_1`, ... (what the
+    unrolled model reads; a copy of the layers' weights). A tree already per layer is returned as it is."""
+    if not is_stacked(params):
+        return params
+    inner = dict(params["params"])
+    stacked = inner.pop("layers")
+    count = jax.tree.leaves(stacked)[0].shape[0]
+    inner.update({f"layers_{i}": jax.tree.map(lambda x: x[i], stacked) for i in range(count)})  # noqa: B023
+    return {"params": inner}
+
+
 class Llama(nn.Module):
     """Decoder over the backend's KV.
 
@@ -153,6 +174,7 @@ class Llama(nn.Module):
     backend: AttentionBackend
     dtype: jnp.dtype = jnp.float32
     tp_axis: str | None = None  # inside shard_map: the mesh axis over which layers are tensor-parallel
+    unrolled: bool = False  # per-layer parameters (unstack_layers) in a Python loop, instead of the scan
 
     @nn.compact
     def __call__(
@@ -167,8 +189,14 @@ class Llama(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
         x = embed(tokens)
         cos, sin = rope_cos_sin(cfg, positions)
-        layers = ScannedLayers(cfg, self.dtype, self.backend, self.tp_axis, name="layers")
-        (x, caches), _ = layers((x, caches), jnp.arange(cfg.num_layers, dtype=jnp.int32), cos, sin, positions, ctx)
+        if self.unrolled:
+            for i in range(cfg.num_layers):
+                layer = DecoderLayer(cfg, self.dtype, self.backend, self.tp_axis, name=f"layers_{i}")
+                (x, caches), _ = layer((x, caches), i, cos, sin, positions, ctx)
+        else:
+            layers = ScannedLayers(cfg, self.dtype, self.backend, self.tp_axis, name="layers")
+            (x, caches), _ = layers((x, caches), jnp.arange(cfg.num_layers, dtype=jnp.int32), cos, sin, positions,
+                                    ctx)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)

@@ -8,6 +8,8 @@ an online softmax, and the loop has a dynamic trip count (the reference: as far 
 batch; the kernel: each tile's own), so one compiled program serves every mix of lengths: shapes depend on the
 token and row buckets alone.
 
+A step of decodes alone has no tiles (the engine's decode programs): only the decode rows run.
+
 A block-table entry of -1 is a block held elsewhere (another device of a KV-parallel group): its keys are not
 attended, and the returned log-sum-exp lets the group merge its partials exactly (sharding/lse.py).
 """
@@ -44,22 +46,19 @@ def ragged_paged_attention(
     """
     t, h = q.shape[:2]
 
+    # Nothing branches on the device: padding (position -1) sees no key, and the attention runs no key block
+    # for it. A decode program has no tiles at all (a static shape).
     def attend(idx: Int[Array, "n tq"], rows: Int[Array, "n"]):
-        def run(_):
-            pos = jnp.where(idx < t, jnp.take(positions, idx, mode="clip"), -1)
-            return dispatch.tiled_paged_attention(jnp.take(q, idx, axis=0, mode="clip"), pos, k_cache, v_cache,
-                                                  tables[rows], block_size=block_size, key_block=key_block,
-                                                  implementation=implementation)
-
-        # a decode-only step skips the tiles entirely, and a prefill-only step the decode rows
-        nothing = lambda _: (jnp.zeros((*idx.shape, *q.shape[1:]), q.dtype),  # noqa: E731
-                             jnp.full((*idx.shape, h), -jnp.inf, jnp.float32))
-        return jax.lax.cond(jnp.any(idx < t), run, nothing, None)
+        pos = jnp.where(idx < t, jnp.take(positions, idx, mode="clip"), -1)
+        return dispatch.tiled_paged_attention(jnp.take(q, idx, axis=0, mode="clip"), pos, k_cache, v_cache,
+                                              tables[rows], block_size=block_size, key_block=key_block,
+                                              implementation=implementation)
 
     out, lse = jnp.zeros_like(q), jnp.full((t, h), -jnp.inf, jnp.float32)
-    tile_out, tile_lse = attend(tile_tokens, tile_row)
-    flat = tile_tokens.reshape(-1)
-    out = out.at[flat].set(tile_out.reshape(-1, *q.shape[1:]), mode="drop")
-    lse = lse.at[flat].set(tile_lse.reshape(-1, h), mode="drop")
+    if tile_tokens.shape[0]:
+        tile_out, tile_lse = attend(tile_tokens, tile_row)
+        flat = tile_tokens.reshape(-1)
+        out = out.at[flat].set(tile_out.reshape(-1, *q.shape[1:]), mode="drop")
+        lse = lse.at[flat].set(tile_lse.reshape(-1, h), mode="drop")
     dec_out, dec_lse = attend(decode_token[:, None], jnp.arange(tables.shape[0]))
     return out.at[decode_token].set(dec_out[:, 0], mode="drop"), lse.at[decode_token].set(dec_lse[:, 0], mode="drop")

@@ -158,20 +158,25 @@ class PiecewiseLinear:
 
 
 class EngineStepCost(BatchCost):
-    """The engine's step time, as engine/profile.py measured it: the batch runs in the program of the smallest
-    (tokens, rows) bucket that holds it, which costs `base` without attention. The attention (the jnp reference
-    in pallas_kernels/ragged_paged_attention.py) runs only if the batch has prefill tiles / decodes, and then
-    over every tile / every decode row of the bucket, key block by key block up to the longest context among
-    them: `tile_fixed + tile_block * key_blocks` per tile; per decode row `decode_fixed`, plus `decode_block` per
-    key block of its own context and `decode_pad_block` per block past it (a padding block: the scratch block,
-    read again and again, costs less than a block of real keys), padding rows included."""
+    """The engine's step time, as engine/profile.py measured it. A batch of decodes alone runs in the decode
+    program of its rows (sched.step_shapes), which costs `decode_base` without attention; any other batch runs in
+    the smallest mixed (tokens, rows) program that holds it, which costs `base` without attention. The attention
+    (the jnp reference in pallas_kernels/ragged_paged_attention.py) runs over every tile / every decode row of the
+    program, key block by key block up to the longest context among them: `tile_fixed + tile_block * key_blocks`
+    per tile; per decode row `decode_fixed`, plus `decode_block` per key block of its own context and
+    `decode_pad_block` per block past it (a padding block: the scratch block, read again and again, costs less
+    than a block of real keys), padding rows included."""
 
-    def __init__(self, shapes: StepShapes, key_block: int, base: Sequence[Sequence[float]], tile_fixed: float,
-                 tile_block: float, decode_fixed: float, decode_block: float, decode_pad_block: float):
+    def __init__(self, shapes: StepShapes, key_block: int, base: Sequence[Sequence[float]],
+                 decode_base: Sequence[float], tile_fixed: float, tile_block: float, decode_fixed: float,
+                 decode_block: float, decode_pad_block: float):
         if [len(row) for row in base] != [len(shapes.rows)] * len(shapes.tokens):
             raise ValueError("need one measured base time per (token bucket, row bucket)")
+        if len(decode_base) != len(shapes.decode_rows):
+            raise ValueError("need one measured base time per decode program")
         self.shapes, self.key_block = shapes, key_block
         self.base = [list(row) for row in base]
+        self.decode_base = list(decode_base)
         self.tile_fixed, self.tile_block = tile_fixed, tile_block
         self.decode_fixed, self.decode_block, self.decode_pad_block = decode_fixed, decode_block, decode_pad_block
 
@@ -182,6 +187,11 @@ class EngineStepCost(BatchCost):
         if not state.tokens:
             return 0.0
         shapes = self.shapes
+        if not state.prefills:
+            # decodes past the largest program (a simulator's what-if) price at its rate per row
+            r = shapes.fit_decode(min(state.rows, shapes.decode_rows[-1]))
+            base = self.decode_base[shapes.decode_rows.index(r)] * max(state.rows / r, 1.0)
+            return base + self._decodes(state, max(r, state.rows))
         # rows past the largest bucket (a simulator's what-if) price at the largest; tokens past it, at its rate
         rows = min(state.rows, shapes.rows[-1])
         if max(state.tokens, rows) <= shapes.tokens[-1]:
@@ -190,22 +200,24 @@ class EngineStepCost(BatchCost):
         else:
             t, r = state.tokens, shapes.fit(0, rows)[1]
             base = self.base[-1][shapes.rows.index(r)] * t / shapes.tokens[-1]
-        out = base
-        if state.prefills:
-            out += shapes.tiles(t, r) * (self.tile_fixed + self.tile_block * self._blocks(state.prefill_span))
-        if state.decode_span:
-            own = state.decode_kv / self.key_block
-            out += (r * self.decode_fixed + self.decode_block * own
-                    + self.decode_pad_block * (r * self._blocks(state.decode_span) - own))
-        return out
+        out = base + shapes.tiles(t, r) * (self.tile_fixed + self.tile_block * self._blocks(state.prefill_span))
+        return out + self._decodes(state, r)
+
+    def _decodes(self, state: BatchState, r: int) -> float:
+        """The decode attention of a program with r decode rows."""
+        if not state.decode_span:
+            return 0.0
+        own = state.decode_kv / self.key_block
+        return (r * self.decode_fixed + self.decode_block * own
+                + self.decode_pad_block * (r * self._blocks(state.decode_span) - own))
 
     def to_dict(self) -> dict:
         return {"shapes": self.shapes.to_dict(), "key_block": self.key_block, "base": self.base,
-                "tile_fixed": self.tile_fixed, "tile_block": self.tile_block,
+                "decode_base": self.decode_base, "tile_fixed": self.tile_fixed, "tile_block": self.tile_block,
                 "decode_fixed": self.decode_fixed, "decode_block": self.decode_block,
                 "decode_pad_block": self.decode_pad_block}
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineStepCost:
-        return cls(StepShapes.from_dict(d["shapes"]), d["key_block"], d["base"], d["tile_fixed"], d["tile_block"],
-                   d["decode_fixed"], d["decode_block"], d["decode_pad_block"])
+        return cls(StepShapes.from_dict(d["shapes"]), d["key_block"], d["base"], d["decode_base"], d["tile_fixed"],
+                   d["tile_block"], d["decode_fixed"], d["decode_block"], d["decode_pad_block"])

@@ -25,7 +25,7 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 BS = 4
 PER_DEVICE = 40  # blocks on each device, its scratch block included
 BUCKETS = batch.Buckets.make(max_num_batched_tokens=128, max_num_seqs=4, max_model_len=128, block_size=BS,
-                             key_block=8, tile=8, min_tokens=8, min_rows=4)
+                             key_block=8, tile=8, min_tokens=8)
 
 
 @pytest.fixture(scope="module")

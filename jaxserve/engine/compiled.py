@@ -1,0 +1,39 @@
+"""What a compiled step program holds, read from its optimized HLO text (e.g. one compiled for a GPU on a machine
+without one, tools/gpu_compile.py).
+
+A `conditional` makes the host wait for the device (XLA copies its predicate back) and keeps the program out of
+command buffers (CUDA graphs). A weight copy is an instruction outside any fusion whose result has a weight's
+shape: its own buffer, written and read again, as a layer scan's dynamic slice of the stacked weights is on a
+GPU. A slice fused into a GEMM reads the weights in place and is not counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any, Sequence
+
+
+def read_step(hlo: str, weights: Sequence[tuple[int, ...]]) -> dict[str, Any]:
+    """Conditionals, while loops, and the instructions outside fusions (each its own buffer in memory) whose
+    result has one of the `weights`' shapes, unit dimensions aside."""
+    fused = set(re.findall(r"calls=%([\w.\-]+)", hlo))  # fusion bodies and kernels: their values stay in registers
+    squeeze = lambda dims: tuple(d for d in dims if d != 1)  # noqa: E731
+    shapes = {squeeze(s) for s in weights}
+    ops: collections.Counter[str] = collections.Counter()
+    copies = []
+    for block in re.split(r"\n(?=%|ENTRY)", hlo):
+        name = re.match(r"(?:ENTRY )?%([\w.\-]+)", block)
+        if name is None or name.group(1) in fused:
+            continue
+        for line in block.splitlines()[1:]:
+            m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\w+\[[\d,]*\]\S*) ([\w\-]+)\(", line)
+            if m is None:
+                continue
+            ops[m.group(3)] += 1
+            array = re.fullmatch(r"(\w+)\[([\d,]*)\]\S*", m.group(2))
+            dims = squeeze(int(d) for d in array.group(2).split(",") if d) if array else ()
+            if dims in shapes and m.group(3) not in ("parameter", "bitcast", "get-tuple-element"):
+                copies.append(f"{m.group(1)}: {m.group(3)} {m.group(2)}")
+    return {"conditionals": ops["conditional"], "whiles": ops["while"], "weight_copies": copies,
+            "instructions": sum(ops.values())}
