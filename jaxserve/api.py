@@ -183,7 +183,9 @@ class LLM:
         self._params, self._dtype = params, _DTYPES[dtype]
         self._kv_tokens, self._tp = kv_tokens, tp
         self._block_size, self._key_block, self._cost_profile = block_size, key_block, cost_profile
+        # on a CPU the jnp attention runs every tile of a mixed program: row buckets from 4 keep a lone chunk's few
         self._buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, key_block,
+                                     min_rows=4 if jax.devices()[0].platform == "cpu" else None,
                                      max_prefills=max_prefills_per_step)
         self._warmup = warmup
         self._sched_args = dict(policy=policy, ttft_slo=ttft_slo, prefix_caching=prefix_caching,

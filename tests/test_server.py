@@ -453,12 +453,12 @@ def failing_inside_the_call(runner):
     def boom(x):
         raise RuntimeError("injected device failure")
 
-    def failing(params, caches, arrays, cut):
-        tokens, caches = forward_sample(runner.model, params, caches, arrays, cut)
+    def failing(model, params, caches, arrays, cut):
+        tokens, caches = forward_sample(model, params, caches, arrays, cut)
         return tokens + jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.int32), tokens[0]), caches
 
-    step = jax.jit(failing, donate_argnums=(1,), static_argnums=(3,))
-    return lambda shape, cut: functools.partial(step, cut=cut)
+    step = jax.jit(failing, donate_argnums=(2,), static_argnums=(0, 4))
+    return lambda shape, cut: functools.partial(step, runner._loop_of(shape).model, cut=cut)
 
 
 def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client, oai):

@@ -62,10 +62,13 @@ class Buckets(StepShapes):
 
     @classmethod
     def make(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
-             key_block: int, tile: int = 32, min_tokens: int = 16, max_prefills: int = 8) -> Buckets:
+             key_block: int, tile: int = 32, min_tokens: int = 16, min_rows: int | None = None,
+             max_prefills: int = 8) -> Buckets:
         """Decode programs for 1, 2, 4, ... rows up to max_num_seqs; mixed programs for min_tokens, 2 min_tokens,
-        ... tokens up to max_num_batched_tokens, each with room for max_num_seqs rows (padding rows cost little
-        beside a chunk's tokens, and one row bucket halves the programs to compile)."""
+        ... tokens up to max_num_batched_tokens, and min_rows, 2 min_rows, ... rows (default: max_num_seqs alone).
+        A mixed program's attention tiles grow with its rows (one partial tile per prefill chunk it may hold):
+        the jnp attention runs every tile, padding too, while the GPU kernel skips padding tiles, where one row
+        bucket means fewer programs to compile."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} must be >= max_num_seqs "
                              f"{max_num_seqs}: a step decodes every running request")
@@ -75,7 +78,8 @@ class Buckets(StepShapes):
             raise ValueError(f"max_prefills must be >= 1, got {max_prefills}")
         per_key_block = key_block // block_size
         blocks = -(-max_model_len // block_size)
-        return cls(powers_of_two(min_tokens, max_num_batched_tokens), powers_of_two(max_num_seqs, max_num_seqs),
+        return cls(powers_of_two(min_tokens, max_num_batched_tokens), powers_of_two(min_rows or max_num_seqs,
+                                                                                    max_num_seqs),
                    tile, min(max_prefills, max_num_seqs), powers_of_two(1, max_num_seqs),
                    -(-blocks // per_key_block) * per_key_block)
 

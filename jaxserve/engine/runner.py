@@ -11,7 +11,9 @@ The layers run unrolled over per-layer weights (models/llama.py), so each GEMM r
 layer scan's dynamic slice copies every layer's weights out of the stacked arrays first: on a GPU more than half
 of an 8B decode step (tools/gpu_compile.py --decode checks the compiled step); on a 2-core CPU a SmolLM2 decode
 step of 16 rows ran twice as long (226 against 114 ms) and one of a row a quarter longer. The price is compile
-time (on that CPU about 8 s a program against 1.5 s), paid once per program: lazily, or in parallel threads. The cache buffers are donated so XLA updates them in place; a step that fails
+time, on that CPU about 10 s a program against 2.5 s. So on a CPU only the decode programs (bound by reading the
+weights) are unrolled, and the mixed programs (bound by their chunk's compute) scan over a second, stacked copy
+of the weights; on a GPU every program is unrolled and the weights are held once. The cache buffers are donated so XLA updates them in place; a step that fails
 inside the compiled call leaves them deleted, and `recover` allocates fresh ones (their contents are gone: the
 caller recomputes whatever they held).
 
@@ -27,7 +29,7 @@ import concurrent.futures
 import functools
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +56,14 @@ def forward_sample(model: Llama, params: Any, caches: Any, a: batch.StepArrays, 
     return sample(logits[0], a.temperature, a.top_k, a.top_p, a.seeds, a.counters, cut=cut), caches
 
 
+class _Loop(NamedTuple):
+    """One way through the layers: its weights on the devices, its model, its jitted step."""
+
+    params: Any
+    model: Llama
+    step: Any
+
+
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Any, dtype: jnp.dtype, *, num_blocks: int, block_size: int,
                  buckets: batch.Buckets, key_block: int, devices: Sequence[jax.Device] | None = None, tp: int = 1,
@@ -71,22 +81,36 @@ class ModelRunner:
             raise ValueError(f"{num_blocks} KV blocks do not split over a KV-parallel group of {kvp} device sets")
         mesh = make_mesh(self.devices, tp)
         self._cache_sharding = NamedSharding(mesh, P(None, SP, TP))
-        params, specs = tensor_parallel.shard_params(unstack_layers(params), cfg, tp)
         self.cfg, self.dtype = cfg, dtype
-        self.params = jax.device_put(params, tensor_parallel.shardings(mesh, specs))
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
-        self.model = Llama(cfg, RaggedPagedBackend(block_size, key_block, kvp, attention), dtype,
-                           TP if tp > 1 else None, unrolled=True)
+        backend = RaggedPagedBackend(block_size, key_block, kvp, attention)
+        # on a CPU a mixed program is bound by its chunk's compute, beside which the scan's weight copies are small,
+        # and it compiles in a fraction of the time: those scan over a second, stacked copy of the weights
+        self.scan_mixed = self.device.platform == "cpu"
+        self._loops = {unrolled: self._loop(params, backend, mesh, unrolled)
+                       for unrolled in ([True, False] if self.scan_mixed else [True])}
+        self.params = self._loops[True].params  # per layer
+        self.model = self._loops[True].model
         self.caches = self._allocate()
-        step = functools.partial(forward_sample, self.model)
-        if len(self.devices) > 1:  # every device runs the same batch: step inputs replicated, weights and cache split
-            step = jax.shard_map(step, mesh=mesh, in_specs=(specs, P(None, SP, TP), P()),
-                                 out_specs=(P(), P(None, SP, TP)), check_vma=False)
-        self._step = jax.jit(step, donate_argnums=(1,), static_argnames=("cut",))
         self._programs: dict[tuple[batch.Shape, bool], jax.stages.Compiled] = {}
         self._compiling: dict[tuple[batch.Shape, bool], threading.Lock] = {}
         self._lock = threading.Lock()
         self._background: threading.Thread | None = None
+
+    def _loop(self, params: Any, backend: RaggedPagedBackend, mesh: jax.sharding.Mesh, unrolled: bool) -> _Loop:
+        """The step with the layers unrolled (per-layer weights) or scanned (stacked weights), its weights placed."""
+        params, specs = tensor_parallel.shard_params(unstack_layers(params) if unrolled else params, self.cfg,
+                                                     self.tp)
+        model = Llama(self.cfg, backend, self.dtype, TP if self.tp > 1 else None, unrolled=unrolled)
+        step = functools.partial(forward_sample, model)
+        if len(self.devices) > 1:  # every device runs the same batch: step inputs replicated, weights and cache split
+            step = jax.shard_map(step, mesh=mesh, in_specs=(specs, P(None, SP, TP), P()),
+                                 out_specs=(P(), P(None, SP, TP)), check_vma=False)
+        return _Loop(jax.device_put(params, tensor_parallel.shardings(mesh, specs)), model,
+                     jax.jit(step, donate_argnums=(1,), static_argnames=("cut",)))
+
+    def _loop_of(self, shape: batch.Shape) -> _Loop:
+        return self._loops[shape.tiles == 0 or not self.scan_mixed]
 
     def programs(self) -> list[tuple[batch.Shape, bool]]:
         """Every program serving can run: each shape, with the plain sampler and with top-k / top-p."""
@@ -134,7 +158,8 @@ class ModelRunner:
 
     def _trace(self, shape: batch.Shape, cut: bool, abstract) -> jax.stages.Traced:
         arrays = batch.empty(self.buckets, shape, self.block_size)
-        return self._step.trace(abstract(self.params), abstract(self.caches), arrays, cut=cut)
+        loop = self._loop_of(shape)
+        return loop.step.trace(abstract(loop.params), abstract(self.caches), arrays, cut=cut)
 
     def lower(self, shape: batch.Shape, cut: bool = False, platforms: Sequence[str] | None = None
               ) -> jax.stages.Lowered:
@@ -150,8 +175,9 @@ class ModelRunner:
 
     def execute_arrays(self, arrays: batch.StepArrays) -> np.ndarray:
         """Run a packed step; the sampled token of every row of its bucket, padding included."""
-        program = self._program(batch.shape_of(arrays), batch.cuts(arrays))
-        tokens, self.caches = program(self.params, self.caches, arrays)
+        shape = batch.shape_of(arrays)
+        program = self._program(shape, batch.cuts(arrays))
+        tokens, self.caches = program(self._loop_of(shape).params, self.caches, arrays)
         return processes.read(tokens)
 
     def warmup_land(self, max_rows: int) -> None:
