@@ -198,8 +198,9 @@ class LLM:
                                                     decode_kvp, tp), min_chunk, prefill_profile, progress)
         else:
             self.engine = self.make_engine(progress=progress)
-            if self.lockstep is None and tp == 1:  # keep one copy of the weights: the runner's, per layer
-                self._params = self.engine.runner.params
+            runner = self.engine.runner
+            if self.lockstep is None and tp == 1 and not runner.scan_mixed:
+                self._params = runner.params  # one copy of the weights (the runner's, per layer), not two
         if self.lockstep is not None:  # ready when every process is (followers compile their devices' programs)
             self.lockstep.sync()
         self._queues: dict[str, collections.deque[RequestOutput]] = {}

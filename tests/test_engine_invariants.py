@@ -66,8 +66,8 @@ class CheckingRunner:
 
 def make_engine(runner, *, num_blocks: int, max_model_len: int, max_num_seqs: int = 4, step_tokens: int = 64,
                 policy: str = "fcfs", prefix_caching: bool = True) -> Engine:
-    cost = EngineStepCost(StepShapes((16, 1 << 20), (4,), 32, 4), 256, [[0.01], [0.02]], 1e-7, 1e-7, 1e-7, 1e-7,
-                          1e-7)
+    cost = EngineStepCost(StepShapes((16, 1 << 20), (4,), 32, 4, (1, 2, 4, 8)), 256, [[0.01], [0.02]],
+                          [0.005] * 4, 1e-7, 1e-7, 1e-7, 1e-7, 1e-7)
     packer = PackerConfig(t_target=1.0, chunk_align=min(8, step_tokens), max_batch_tokens=step_tokens)
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=prefix_caching)
     scheduler = ReplicaScheduler(make_policy(policy), cost, packer, kv, max_running=max_num_seqs)

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import pathlib
 
-import jax
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -25,7 +24,7 @@ def export_hf_dir(llm: jaxserve.LLM, root: pathlib.Path, tied: bool) -> None:
     params = llm.engine.runner.params["params"]
     tensors = {"model.embed_tokens.weight": params["embed_tokens"]["embedding"], "model.norm.weight": params["norm"]["weight"]}
     for i in range(cfg.num_layers):
-        layer = jax.tree.map(lambda x: x[i], params["layers"])  # leaves are stacked on a leading layer axis
+        layer = params[f"layers_{i}"]  # the runner holds each layer's parameters apart (models/llama.py)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"model.layers.{i}.{norm}.weight"] = layer[norm]["weight"]
         for block in ("self_attn", "mlp"):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -12,11 +15,26 @@ from jaxserve.engine import profile
 from jaxserve.sched.batch_cost import EngineStepCost
 
 
-def test_the_measured_profile_prices_steps_and_round_trips(llm, tmp_path):
+@pytest.fixture(scope="module")
+def warm():
+    """An LLM started as serve starts it (every program compiled, the profile measured), with small buckets."""
+    import jaxserve
+
+    return jaxserve.LLM(max_model_len=512, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=64,
+                        warmup=True, progress=False)
+
+
+def test_the_measured_profile_prices_steps_and_round_trips(warm, tmp_path):
+    llm = warm
     cost = llm.cost
     b = llm.engine.runner.buckets
     assert (cost.shapes.tokens, cost.shapes.rows, cost.shapes.max_prefills) == (b.tokens, b.rows, b.max_prefills)
-    assert all(t > 0 for row in cost.base for t in row)
+    assert cost.shapes.decode_rows == b.decode_rows == (1, 2, 4)
+    assert all(t > 0 for row in cost.base for t in row) and all(t > 0 for t in cost.decode_base)
+    # decodes alone run in the decode program of their rows
+    assert cost.batch_time([], [10, 20]) == pytest.approx(
+        cost.decode_base[1] + 2 * cost.decode_fixed + cost.decode_block * 30 / b.key_block
+        + cost.decode_pad_block * (2 - 30 / b.key_block))
     assert min(cost.tile_fixed, cost.tile_block, cost.decode_fixed, cost.decode_block, cost.decode_pad_block) >= 0
     # a batch is priced by the program that runs it: the smallest bucket that holds it
     t, r = b.fit(b.tokens[0] + 1, 1)
@@ -31,3 +49,32 @@ def test_the_measured_profile_prices_steps_and_round_trips(llm, tmp_path):
     path.write_text(json.dumps({**cost.to_dict(), "shapes": other.to_dict()}))
     with pytest.raises(ValueError, match="other step shapes"):
         profile.load_or_measure(path, llm.engine.runner, llm.max_model_len, progress=False)
+
+
+def test_profile_step_tool_reports_a_decode_steps_kernels(tmp_path):
+    """tools/profile_step.py (the GPU decode-step profile) runs on this CPU with a tiny random model: every row
+    count gets a wall time, a busy time and its top kernels, which account for no more than the busy time."""
+    tool = pathlib.Path(__file__).parents[1] / "tools" / "profile_step.py"
+    done = subprocess.run([sys.executable, str(tool), "--model=random:tiny", "--dtype=float32", "--rows=1,4",
+                           "--context=64", "--steps=3", f"--out={tmp_path}"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["rows"] for s in summary["steps"]] == [1, 4]
+    for s in summary["steps"]:
+        assert s["wall_ms"] > 0 and s["busy_ms"] > 0 and s["top"]
+        assert sum(k["ms_per_step"] for k in s["top"]) <= s["busy_ms"] * (1 + 1e-6)
+
+
+def test_bench_host_tool_times_every_phase_of_a_step(tmp_path):
+    """tools/bench_host.py (the host's share of a step) runs and accounts each phase of the steady decode steps."""
+    tool = pathlib.Path(__file__).parents[1] / "tools" / "bench_host.py"
+    out = tmp_path / "host.json"
+    done = subprocess.run([sys.executable, str(tool), "--rows=1,2", "--tokens=8", f"--out={out}"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(out.read_text())
+    for key in ("batch1", "batch2"):
+        r = results[key]
+        assert r["steps"] >= 4 and all(r[p] > 0 for p in ("schedule", "pack", "dispatch", "detokenize+stop"))
+        assert r["critical_path"] >= max(r["schedule"], r["pack"], r["dispatch"])  # each step: wall >= a phase

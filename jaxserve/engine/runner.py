@@ -102,10 +102,14 @@ class ModelRunner:
         params, specs = tensor_parallel.shard_params(unstack_layers(params) if unrolled else params, self.cfg,
                                                      self.tp)
         model = Llama(self.cfg, backend, self.dtype, TP if self.tp > 1 else None, unrolled=unrolled)
-        step = functools.partial(forward_sample, model)
-        if len(self.devices) > 1:  # every device runs the same batch: step inputs replicated, weights and cache split
-            step = jax.shard_map(step, mesh=mesh, in_specs=(specs, P(None, SP, TP), P()),
-                                 out_specs=(P(), P(None, SP, TP)), check_vma=False)
+
+        def step(params, caches, arrays, cut: bool):
+            run = functools.partial(forward_sample, model, cut=cut)
+            if len(self.devices) > 1:  # every device runs the same batch: inputs replicated, weights and cache split
+                run = jax.shard_map(run, mesh=mesh, in_specs=(specs, P(None, SP, TP), P()),
+                                    out_specs=(P(), P(None, SP, TP)), check_vma=False)
+            return run(params, caches, arrays)
+
         return _Loop(jax.device_put(params, tensor_parallel.shardings(mesh, specs)), model,
                      jax.jit(step, donate_argnums=(1,), static_argnames=("cut",)))
 

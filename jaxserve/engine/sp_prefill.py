@@ -287,7 +287,8 @@ def chunk_step(cfg: LlamaConfig, mesh: Mesh, specs: Any, *, key_block: int, dtyp
              k_store, v_store):
         ctx = (hist_pos, k_pos, fill[0], blocks[0])
         logits, caches = model.apply(params, ids[None], q_pos[None], (k_store, v_store), ctx, last[None])
-        return (sample(logits[0], temperature, top_k, top_p, seed, counter),) + caches
+        # one draw a chunk, beside a whole chunk's forward: the top-k / top-p sort always runs (one program)
+        return (sample(logits[0], temperature, top_k, top_p, seed, counter, cut=True),) + caches
 
     seq, kv = P(SP), P(SP, None, TP)  # the stores: one per instance on the layer axis, heads over its devices
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,) + (seq,) * 12 + (kv, kv),
