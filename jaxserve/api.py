@@ -142,7 +142,8 @@ class LLM:
         this device at first start and cached (`cost_profile` names the file to load or write instead).
 
         Start-up: with `warmup` (what `serve` does) every step program is compiled here, before the first request
-        (those that sample with top-k / top-p in a background thread, in one process), and the cost model is
+        (those that sample with top-k / top-p in a background thread, in one process; when first used, in
+        several), and the cost model is
         measured if it is not cached. Without it (the default, for generate and notebooks) each program compiles
         the first time a step needs it, and a cost model not yet cached is not measured: steps are then bounded by
         max_num_batched_tokens alone (as in vLLM), with no time budget (unless iteration_budget sets one).
@@ -222,10 +223,11 @@ class LLM:
         budget = a["iteration_budget"]
         if self._warmup:
             programs = runner.programs()
-            background = [p for p in programs if p[1]] if self.lockstep is None else []
-            runner.warmup([p for p in programs if p not in background], progress=progress)
-            if background:  # the top-k / top-p programs: serving starts without them, and waits only if it needs one
-                runner.warmup_in_background(background)
+            runner.warmup([p for p in programs if not p[1]], progress=progress)
+            # the top-k / top-p programs: serving starts without them and waits only if it needs one; with several
+            # processes each compiles them when first used (a thread's calls would not replay in order)
+            if self.lockstep is None:
+                runner.warmup_in_background([p for p in programs if p[1]])
         if self.cost is None:
             path = (pathlib.Path(self._cost_profile) if self._cost_profile else
                     profile.default_path(self.model_name, self._dtype_name, runner))
