@@ -30,6 +30,7 @@ weight's shape (a layer scan's dynamic slice of the stacked weights is one). Exi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -129,16 +130,17 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int) -> tuple[Any, tuple, list
     model = Llama(cfg, RaggedPagedBackend(bs, kb, 1, "kernel"), jnp.bfloat16, unrolled=True)
     one = jnp.zeros((1, 1), jnp.int32)
     here = NamedSharding(mesh, P())
-    on_gpu = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), tree)  # noqa: E731
+    on_gpu = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), tree)
     params = on_gpu(jax.eval_shape(lambda: Llama(cfg, DenseCausalBackend(), jnp.bfloat16, unrolled=True).init(
         jax.random.key(0), one, one, (), one[0])))
     buckets = batch.Buckets.make(512, 16, 2048, bs, kb)
     cache = jax.ShapeDtypeStruct((cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
                                  sharding=here)
     arrays = on_gpu(jax.tree.map(np.asarray, batch.empty(buckets, buckets.decode(rows), bs)))
-    step = jax.jit(forward_sample, static_argnums=(0, 4), donate_argnums=(2,))
+    step = jax.jit(functools.partial(forward_sample, model, cut=False), donate_argnums=(1,))
     weights = [x.shape for x in jax.tree.leaves(params) if len(x.shape) > 1]
-    return (lambda *args: step(model, *args, False)), (params, (cache, cache), arrays), weights
+    return step, (params, (cache, cache), arrays), weights
 
 
 def compile_decode(out: pathlib.Path, options: dict) -> bool:
@@ -149,7 +151,7 @@ def compile_decode(out: pathlib.Path, options: dict) -> bool:
     for rows in DECODE_ROWS:
         step, args, weights = decode_program(mesh, rows)
         start = time.perf_counter()
-        hlo = jax.jit(step).lower(*args).compile(compiler_options=options).as_text()
+        hlo = step.lower(*args).compile(compiler_options=options).as_text()
         seconds = time.perf_counter() - start
         (out / f"decode_b{rows}.hlo").write_text(hlo)
         found = compiled.read_step(hlo, weights) | {"compile_seconds": round(seconds, 1)}
