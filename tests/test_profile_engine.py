@@ -33,8 +33,8 @@ def test_the_measured_profile_prices_steps_and_round_trips(warm, tmp_path):
     assert all(t > 0 for row in cost.base for t in row) and all(t > 0 for t in cost.decode_base)
     # decodes alone run in the decode program of their rows
     assert cost.batch_time([], [10, 20]) == pytest.approx(
-        cost.decode_base[1] + 2 * cost.decode_fixed + cost.decode_block * 30 / b.key_block
-        + cost.decode_pad_block * (2 - 30 / b.key_block))
+        cost.decode_base[1] + 2 * cost.decode_fixed + cost.decode_block * 30 / cost.key_block
+        + cost.decode_pad_block * (2 - 30 / cost.key_block))
     assert min(cost.tile_fixed, cost.tile_block, cost.decode_fixed, cost.decode_block, cost.decode_pad_block) >= 0
     # a batch is priced by the program that runs it: the smallest bucket that holds it
     t, r = b.fit(b.tokens[0] + 1, 1)
