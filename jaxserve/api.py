@@ -141,12 +141,11 @@ class LLM:
         `ttft_slo` seconds after arrival (or 3x its prefill time alone, if longer). The cost model is measured on
         this device at first start and cached (`cost_profile` names the file to load or write instead).
 
-        Start-up: with `warmup` (what `serve` does) every step program is compiled here, before the first request
-        (those that sample with top-k / top-p in a background thread, in one process; when first used, in
-        several), and the cost model is
-        measured if it is not cached. Without it (the default, for generate and notebooks) each program compiles
-        the first time a step needs it, and a cost model not yet cached is not measured: steps are then bounded by
-        max_num_batched_tokens alone (as in vLLM), with no time budget (unless iteration_budget sets one).
+        Start-up: with `warmup` (what `serve` does) every step program is compiled here, before the first request,
+        and the cost model is measured if it is not cached. Without it (the default, for generate and notebooks)
+        each program compiles the first time a step needs it, and a cost model not yet cached is not measured:
+        steps are then bounded by max_num_batched_tokens alone (as in vLLM), with no time budget (unless
+        iteration_budget sets one).
 
         Layout: an instance is `tp` devices of `jax.devices()`, tensor-parallel (each holds a share of every
         layer's heads and MLP). By default the engine is one instance. With prefill_instances > 0 it is a live
@@ -222,12 +221,7 @@ class LLM:
                            devices=devices, tp=self._tp)
         budget = a["iteration_budget"]
         if self._warmup:
-            programs = runner.programs()
-            runner.warmup([p for p in programs if not p[1]], progress=progress)
-            # the top-k / top-p programs: serving starts without them and waits only if it needs one; with several
-            # processes each compiles them when first used (a thread's calls would not replay in order)
-            if self.lockstep is None:
-                runner.warmup_in_background([p for p in programs if p[1]])
+            runner.warmup(progress=progress)
         if self.cost is None:
             path = (pathlib.Path(self._cost_profile) if self._cost_profile else
                     profile.default_path(self.model_name, self._dtype_name, runner))

@@ -258,7 +258,6 @@ def test_no_compiles_while_serving_after_warm_up():
     start-up warm-up (serve's; small buckets, to compile few programs): XLA compiles nothing."""
     llm = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=4, max_num_batched_tokens=64,
                        warmup=True, progress=False)
-    llm.engine.runner.join_warmup()
     compiles = []
 
     def listener(event, duration, **kw):

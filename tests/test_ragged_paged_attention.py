@@ -117,8 +117,12 @@ def test_kernel_at_the_engines_gpu_shape():
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-4)
 
 def test_buckets_bound_the_programs_and_refuse_what_does_not_fit():
+    # one row bucket by default (an accelerator's); a CPU asks for rows from 4
     b = batch.Buckets.make(max_num_batched_tokens=512, max_num_seqs=16, max_model_len=2048, block_size=16,
                            key_block=256)
+    assert b.rows == (16,) and b.decode_rows == (1, 2, 4, 8, 16) and len(b.programs()) == 5 + 6
+    b = batch.Buckets.make(max_num_batched_tokens=512, max_num_seqs=16, max_model_len=2048, block_size=16,
+                           key_block=256, min_rows=4)
     assert b.tokens == (16, 32, 64, 128, 256, 512) and b.rows == (4, 8, 16) and b.width == 128
     assert len(b.shapes()) == 18
     assert b.fit(1, 1) == (16, 4) and b.fit(17, 5) == (32, 8) and b.fit(512, 16) == (512, 16)
@@ -127,7 +131,7 @@ def test_buckets_bound_the_programs_and_refuse_what_does_not_fit():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         batch.Buckets.make(8, 16, 2048, 16, 256)
     # the tile axis has room for whole tiles of the tokens plus one partial tile per prefill chunk
-    b = batch.Buckets.make(512, 16, 2048, 16, 256, max_prefills=2)
+    b = batch.Buckets.make(512, 16, 2048, 16, 256, min_rows=4, max_prefills=2)
     assert b.tiles(512, 16) == 16 + 2 and b.tiles(16, 4) == 0 + 2
     row = lambda n: batch.Row([1] * n, 0, [1, 2], SamplingParams(), 0, 0)  # noqa: E731
     batch.pack([row(17), row(17), row(1)], b, 16)  # two chunks and a decode: the (64, 4) program, 2 + 2 tiles

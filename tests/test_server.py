@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.client import AsyncClient, Client
-from jaxserve.engine.runner import forward_sample
+from jaxserve.engine.runner import Sampler, forward
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.launch import BackgroundServer
 from jaxserve.server.proto import jaxserve_pb2 as pb
@@ -453,12 +453,14 @@ def failing_inside_the_call(runner):
     def boom(x):
         raise RuntimeError("injected device failure")
 
-    def failing(model, params, caches, arrays, cut):
-        tokens, caches = forward_sample(model, params, caches, arrays, cut)
-        return tokens + jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.int32), tokens[0]), caches
+    def failing(model, params, caches, arrays):
+        logits, caches = forward(model, params, caches, arrays)
+        return logits + jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.float32), logits[0, 0]), caches
 
-    step = jax.jit(failing, donate_argnums=(2,), static_argnums=(0, 4))
-    return lambda shape, cut: functools.partial(step, runner._loop_of(shape).model, cut=cut)
+    step = jax.jit(failing, donate_argnums=(2,), static_argnums=(0,))
+    real = runner._program
+    return lambda program: (real(program) if isinstance(program, Sampler) else
+                            functools.partial(step, runner._loop_of(program).model))
 
 
 def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client, oai):
@@ -526,7 +528,7 @@ def test_health_is_not_serving_exactly_while_the_cache_cannot_be_rebuilt(served,
     """The failed step's cache cannot be rebuilt at first (as if device memory were short): both health checks say
     NOT_SERVING and a new request waits; once the rebuild succeeds, health is SERVING and the request is served."""
     runner = served.server.engine.engine.runner
-    real_step, real_recover = runner._step, runner.recover
+    real_program, real_recover = runner._program, runner.recover
     rebuild_fails = True
 
     def recover():
@@ -534,7 +536,7 @@ def test_health_is_not_serving_exactly_while_the_cache_cannot_be_rebuilt(served,
             raise RuntimeError("injected: out of device memory")
         real_recover()
 
-    runner._step, runner.recover = failing_inside_the_call(runner), recover
+    runner._program, runner.recover = failing_inside_the_call(runner), recover
     try:
         with pytest.raises(grpc.RpcError) as err:
             grpc_client.generate(PROMPT, max_tokens=4)
@@ -550,7 +552,7 @@ def test_health_is_not_serving_exactly_while_the_cache_cannot_be_rebuilt(served,
             rebuild_fails = False
             assert len(waiting.result(timeout=60).token_ids) == 4
     finally:
-        runner._step, runner.recover = real_step, real_recover
+        runner._program, runner.recover = real_program, real_recover
     wait_until(lambda: grpc_client.health() == "SERVING")
     assert http_health(served) == 200
 

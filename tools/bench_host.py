@@ -63,8 +63,8 @@ def instrument(llm: jaxserve.LLM) -> Timer:
     timer.wrap(runner_module.processes, "read", "wait")
     program = engine.runner._program
 
-    def dispatching(shape, cut):
-        compiled = program(shape, cut)
+    def dispatching(which):
+        compiled = program(which)
 
         def call(*args):
             start = time.perf_counter()

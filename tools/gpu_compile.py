@@ -20,11 +20,12 @@ For each collective-permute the report gives its bytes, whether XLA made it asyn
 kernels (Pallas/Triton calls, counting those inside loops) scheduled while it is in flight. The compiled HLO of
 each program and a JSON summary go to --out. Exit status 1 if a K/V transfer overlaps no kernel.
 
---decode instead compiles the engine's pure-decode serving step (engine.runner.forward_sample: Llama-3.1-8B's
-32 layers, bf16, the Pallas kernels, the greedy sampler) for one GPU at batch 1 and 16, as `decode_b1.hlo` and
-`decode_b16.hlo`. The summary counts, per program, the compile seconds, the `conditional`s (each makes the host
-wait for the device), the `while` loops, and the weight copies: instructions outside fusions whose result has a
-weight's shape (a layer scan's dynamic slice of the stacked weights is one). Exit status 1 if any is found.
+--decode instead compiles the engine's pure-decode serving step for one GPU at batch 1 and 16: its forward
+(engine.runner.forward: Llama-3.1-8B's 32 layers, bf16, the Pallas kernels) as `decode_b1.hlo` and
+`decode_b16.hlo`, and its sampler (engine.sampling.sample, with and without the top-k / top-p cut). The summary
+counts, per program, the compile seconds, the `conditional`s (each makes the host wait for the device), the
+`while` loops, and the weight copies: instructions outside fusions whose result has a weight's shape (a layer
+scan's dynamic slice of the stacked weights is one). Exit status 1 if any is found.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ import numpy as np  # noqa: E402
 from jaxserve import xla_flags  # noqa: E402
 from jaxserve.engine import batch, compiled, sp_prefill  # noqa: E402
 from jaxserve.engine.kv_cache import RaggedPagedBackend  # noqa: E402
-from jaxserve.engine.runner import forward_sample  # noqa: E402
+from jaxserve.engine.runner import forward  # noqa: E402
+from jaxserve.engine.sampling import sample  # noqa: E402
 from jaxserve.engine.scoring import DenseCausalBackend  # noqa: E402
 from jaxserve.models.config import llama3_8b  # noqa: E402
 from jaxserve.models.llama import Llama  # noqa: E402
@@ -138,9 +140,18 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int) -> tuple[Any, tuple, list
     cache = jax.ShapeDtypeStruct((cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
                                  sharding=here)
     arrays = on_gpu(jax.tree.map(np.asarray, batch.empty(buckets, buckets.decode(rows), bs)))
-    step = jax.jit(functools.partial(forward_sample, model, cut=False), donate_argnums=(1,))
+    step = jax.jit(functools.partial(forward, model), donate_argnums=(1,))
     weights = [x.shape for x in jax.tree.leaves(params) if len(x.shape) > 1]
     return step, (params, (cache, cache), arrays), weights
+
+
+def sampler_program(mesh: jax.sharding.Mesh, rows: int, cut: bool) -> tuple[Any, tuple]:
+    """The engine's sampler over `rows` rows of Llama-3.1-8B's logits."""
+    here = NamedSharding(mesh, P())
+    logits = jax.ShapeDtypeStruct((rows, llama3_8b(1).vocab_size), jnp.float32, sharding=here)
+    arrays = batch.empty(batch.Buckets.make(512, 16, 2048, 16, 256), batch.Shape(rows, rows, 0), 16)
+    sampling = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here) for x in batch.sampling(arrays)]
+    return jax.jit(functools.partial(sample, cut=cut)), (logits, *sampling)
 
 
 def compile_decode(out: pathlib.Path, options: dict) -> bool:
@@ -159,6 +170,12 @@ def compile_decode(out: pathlib.Path, options: dict) -> bool:
         print(f"decode_b{rows}: compiled in {seconds:.1f} s; {found['conditionals']} conditionals, "
               f"{found['whiles']} while loops, {len(found['weight_copies'])} weight copies")
         ok &= not found["conditionals"] and not found["weight_copies"]
+        for cut in (False, True):
+            step, args = sampler_program(mesh, rows, cut)
+            found = compiled.read_step(step.lower(*args).compile(compiler_options=options).as_text(), [])
+            summary[f"sampler_b{rows}{'_cut' if cut else ''}"] = found
+            print(f"sampler_b{rows} (cut: {cut}): {found['conditionals']} conditionals")
+            ok &= not found["conditionals"]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return ok
 

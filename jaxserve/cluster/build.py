@@ -71,8 +71,8 @@ def planner_groups(pool: Pool, sizes: Sequence[int]) -> list[tuple[int, ...]]:
 
 def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> int:
     """Compile every chunk program (planner group x local bucket), every KV-move and KV-export piece program on
-    every instance, every prefill-to-decode instance transfer, and every decode instance's decode programs (plain
-    sampler; the top-k / top-p ones compile when first used). Returns the number of chunk programs."""
+    every instance, every prefill-to-decode instance transfer, and every decode instance's decode programs and
+    samplers. Returns the number of chunk programs."""
     sp = cluster.prefill
     groups = [tuple(cluster.pool_ids[i] for i in g) for g in planner_groups(cluster.pool, cluster.sizes)]
     work = [(g, b) for g in groups for b in sp.buckets(len(g), max_tokens)]
@@ -83,7 +83,7 @@ def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> in
     for d in cluster.decoders:
         d.engine.runner.warmup_land(sp.cap)
         runner = d.engine.runner  # a decode instance decodes (a recompute's prefill compiles when it comes)
-        runner.warmup([(shape, False) for shape in runner.buckets.programs() if shape.tiles == 0], progress=progress)
+        runner.warmup(runner.programs(mixed=False), progress=progress)
     return len(work)
 
 

@@ -167,6 +167,11 @@ def shape_of(a: StepArrays) -> Shape:
     return Shape(len(a.token_ids), len(a.tables), len(a.tile_tokens))
 
 
+def sampling(a: StepArrays) -> tuple[np.ndarray, ...]:
+    """The sampler's inputs: temperature, top_k, top_p, seeds, counters."""
+    return a.temperature, a.top_k, a.top_p, a.seeds, a.counters
+
+
 def cuts(a: StepArrays) -> bool:
     """Does a sampled row cut by top-k or top-p (the sampler's costlier program)?"""
     return bool(np.any((a.temperature > 0) & ((a.top_k > 0) | (a.top_p < 1.0))))

@@ -1,11 +1,11 @@
-"""The compiled step: one jitted call runs any mix of prefill chunks and decodes (a flat ragged batch), writes
-their K/V into the paged cache, and samples one token per row on the device.
+"""The compiled step: one jitted forward runs any mix of prefill chunks and decodes (a flat ragged batch) and
+writes their K/V into the paged cache; a small jitted sampler then draws one token per row on the device.
 
-Programs are keyed by their shape (batch.Shape: a decode program per row bucket, a mixed one per (tokens, rows)
-bucket) and by whether the sampler cuts by top-k / top-p, so `warmup` can compile every program a configuration
-uses before the first request (in parallel threads: XLA compiles outside the GIL), and nothing compiles while
-serving; or a program compiles the first time a step needs it (`generate` starts at once). Nothing in the step
-branches on the device.
+Forwards are keyed by their shape (batch.Shape: a decode program per row bucket, a mixed one per (tokens, rows)
+bucket), samplers by their rows and by whether they cut by top-k / top-p. `warmup` compiles every program a
+configuration uses before the first request (in parallel threads: XLA compiles outside the GIL), and nothing
+compiles while serving; or a program compiles the first time a step needs it (`generate` starts at once).
+Nothing in either program branches on the device.
 
 The layers run unrolled over per-layer weights (models/llama.py), so each GEMM reads its weights in place. A
 layer scan's dynamic slice copies every layer's weights out of the stacked arrays first: on a GPU more than half
@@ -36,6 +36,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
@@ -51,11 +52,21 @@ from jaxserve.sharding import processes, rows, tp as tensor_parallel
 from jaxserve.sharding.mesh import SP, TP, make_mesh
 
 
-def forward_sample(model: Llama, params: Any, caches: Any, a: batch.StepArrays, cut: bool) -> tuple[Any, Any]:
-    """The step: the model over the flat batch, writing its K/V into the caches, and one sampled token per row."""
+def forward(model: Llama, params: Any, caches: Any, a: batch.StepArrays) -> tuple[Float[Array, "r v"], Any]:
+    """The model over the flat batch, writing its K/V into the caches: the logits of each row's last token."""
     ctx = (a.slots, a.tables, a.decode_token, a.tile_tokens, a.tile_row)
     logits, caches = model.apply(params, a.token_ids[None], a.positions[None], caches, ctx, a.logits_index[None])
-    return sample(logits[0], a.temperature, a.top_k, a.top_p, a.seeds, a.counters, cut=cut), caches
+    return logits[0], caches
+
+
+class Sampler(NamedTuple):
+    """The sampler's program for `rows` rows, with the top-k / top-p cut or without."""
+
+    rows: int
+    cut: bool
+
+
+Program = batch.Shape | Sampler
 
 
 class _Loop(NamedTuple):
@@ -87,42 +98,52 @@ class ModelRunner:
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
         backend = RaggedPagedBackend(block_size, key_block, kvp, attention)
         # on a CPU a mixed program is bound by its chunk's compute, beside which the scan's weight copies are small,
-        # and it compiles in a fraction of the time: those scan over a second, stacked copy of the weights
+        # and it compiles in a fraction of the time: those scan over a second, stacked copy of the weights, placed
+        # when a mixed program is first needed (a decode instance never needs one)
         self.scan_mixed = self.device.platform == "cpu"
-        self._loops = {unrolled: self._loop(params, backend, mesh, unrolled)
-                       for unrolled in ([True, False] if self.scan_mixed else [True])}
+        self._stacked = functools.partial(self._loop, params, backend, mesh, False) if self.scan_mixed else None
+        self._loops = {True: self._loop(params, backend, mesh, True)}
         self.params = self._loops[True].params  # per layer
+        self._replicated = NamedSharding(mesh, P())
+        self._sample = jax.jit(sample, static_argnames=("cut",), out_shardings=self._replicated)
         self.model = self._loops[True].model
         self.caches = self._allocate()
-        self._programs: dict[tuple[batch.Shape, bool], jax.stages.Compiled] = {}
-        self._compiling: dict[tuple[batch.Shape, bool], threading.Lock] = {}
+        self._programs: dict[Program, jax.stages.Compiled] = {}
+        self._compiling: dict[Program, threading.Lock] = {}
         self._lock = threading.Lock()
-        self._background: threading.Thread | None = None
 
     def _loop(self, params: Any, backend: RaggedPagedBackend, mesh: jax.sharding.Mesh, unrolled: bool) -> _Loop:
-        """The step with the layers unrolled (per-layer weights) or scanned (stacked weights), its weights placed."""
+        """The forward with the layers unrolled (per-layer weights) or scanned (stacked weights), its weights
+        placed."""
         params, specs = tensor_parallel.shard_params(unstack_layers(params) if unrolled else params, self.cfg,
                                                      self.tp)
         model = Llama(self.cfg, backend, self.dtype, TP if self.tp > 1 else None, unrolled=unrolled)
 
-        def step(params, caches, arrays, cut: bool):
-            run = functools.partial(forward_sample, model, cut=cut)
+        def step(params, caches, arrays):
+            run = functools.partial(forward, model)
             if len(self.devices) > 1:  # every device runs the same batch: inputs replicated, weights and cache split
                 run = jax.shard_map(run, mesh=mesh, in_specs=(specs, P(None, SP, TP), P()),
                                     out_specs=(P(), P(None, SP, TP)), check_vma=False)
             return run(params, caches, arrays)
 
         return _Loop(jax.device_put(params, tensor_parallel.shardings(mesh, specs)), model,
-                     jax.jit(step, donate_argnums=(1,), static_argnames=("cut",)))
+                     jax.jit(step, donate_argnums=(1,)))
 
     def _loop_of(self, shape: batch.Shape) -> _Loop:
-        return self._loops[shape.tiles == 0 or not self.scan_mixed]
+        unrolled = shape.tiles == 0 or not self.scan_mixed
+        with self._lock:
+            if unrolled not in self._loops:
+                self._loops[unrolled] = self._stacked()
+            return self._loops[unrolled]
 
-    def programs(self) -> list[tuple[batch.Shape, bool]]:
-        """Every program serving can run: each shape, with the plain sampler and with top-k / top-p."""
-        return [(shape, cut) for cut in (False, True) for shape in self.buckets.programs()]
+    def programs(self, mixed: bool = True) -> list[Program]:
+        """Every program serving can run (without `mixed`: what decodes alone run): the forwards, then the
+        sampler for each of their row counts, with and without the top-k / top-p cut."""
+        shapes = [s for s in self.buckets.programs() if mixed or s.tiles == 0]
+        rows = sorted({s.rows for s in shapes})
+        return shapes + [Sampler(r, cut) for cut in (False, True) for r in rows]
 
-    def warmup(self, programs: Sequence[tuple[batch.Shape, bool]] | None = None, *, progress: bool = True,
+    def warmup(self, programs: Sequence[Program] | None = None, *, progress: bool = True,
                threads: int | None = None) -> None:
         """Compile (or load from the persistent cache) `programs` (default: every one serving can run), `threads`
         at a time (default: one per CPU core)."""
@@ -130,60 +151,53 @@ class ModelRunner:
         threads = threads or os.cpu_count() or 1
         with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
                 tqdm(total=len(todo), desc="compile step programs", unit="program", disable=not progress) as bar:
-            for done in concurrent.futures.as_completed([pool.submit(self._program, *p) for p in todo]):
+            for done in concurrent.futures.as_completed([pool.submit(self._program, p) for p in todo]):
                 done.result()
                 bar.update()
 
-    def warmup_in_background(self, programs: Sequence[tuple[batch.Shape, bool]]) -> None:
-        """Compile `programs` in a background thread (a step that needs one meanwhile waits for it)."""
-        self._background = threading.Thread(target=self.warmup, args=(programs,), kwargs=dict(progress=False),
-                                            name="compile-step-programs", daemon=True)
-        self._background.start()
-
-    def join_warmup(self) -> None:
-        """Wait for the background warm-up, if one runs."""
-        if self._background is not None:
-            self._background.join()
-
-    def _program(self, shape: batch.Shape, cut: bool) -> jax.stages.Compiled:
-        """The compiled program (shape, cut), compiled now if it is not yet; one thread compiles each."""
-        key = (shape, cut)
+    def _program(self, program: Program) -> jax.stages.Compiled:
+        """The compiled `program`, compiled now if it is not yet; one thread compiles each."""
         with self._lock:
-            if key in self._programs:
-                return self._programs[key]
-            lock = self._compiling.setdefault(key, threading.Lock())
+            if program in self._programs:
+                return self._programs[program]
+            lock = self._compiling.setdefault(program, threading.Lock())
         with lock:
-            if key not in self._programs:
-                compiled = self._trace(shape, cut, self._abstract).lower().compile()
+            if program not in self._programs:
+                compiled = self._trace(program, self._abstract).lower().compile()
                 with self._lock:
-                    self._programs[key] = compiled
-        return self._programs[key]
+                    self._programs[program] = compiled
+        return self._programs[program]
 
     def _abstract(self, tree: Any) -> Any:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
-    def _trace(self, shape: batch.Shape, cut: bool, abstract) -> jax.stages.Traced:
-        arrays = batch.empty(self.buckets, shape, self.block_size)
-        loop = self._loop_of(shape)
-        return loop.step.trace(abstract(loop.params), abstract(self.caches), arrays, cut=cut)
+    def _trace(self, program: Program, abstract) -> jax.stages.Traced:
+        if isinstance(program, Sampler):
+            arrays = batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size)
+            logits = jax.ShapeDtypeStruct((program.rows, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
+            return self._sample.trace(logits, *batch.sampling(arrays), cut=program.cut)
+        loop = self._loop_of(program)
+        arrays = batch.empty(self.buckets, program, self.block_size)
+        return loop.step.trace(abstract(loop.params), abstract(self.caches), arrays)
 
-    def lower(self, shape: batch.Shape, cut: bool = False, platforms: Sequence[str] | None = None
-              ) -> jax.stages.Lowered:
-        """The step program of `shape` lowered for `platforms` (default: this backend), e.g. to read what a GPU
-        would run from a machine without one. One device only (shapes without placement)."""
+    def lower(self, program: Program, platforms: Sequence[str] | None = None) -> jax.stages.Lowered:
+        """`program` lowered for `platforms` (default: this backend), e.g. to read what a GPU would run from a
+        machine without one. One device only (shapes without placement)."""
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
         with lowering_for(platforms):
-            return self._trace(shape, cut, abstract).lower(lowering_platforms=tuple(platforms) if platforms else None)
+            return self._trace(program, abstract).lower(lowering_platforms=tuple(platforms) if platforms else None)
 
     def execute(self, rows: Sequence[batch.Row]) -> np.ndarray:
         """Run the rows, update the cache, and return the sampled next token of each row."""
         return self.execute_arrays(batch.pack(rows, self.buckets, self.block_size))[: len(rows)]
 
     def execute_arrays(self, arrays: batch.StepArrays) -> np.ndarray:
-        """Run a packed step; the sampled token of every row of its bucket, padding included."""
+        """Run a packed step; the sampled token of every row of its bucket, padding included. The forward and
+        the sampler are two programs dispatched back to back (the device runs them without waiting for the
+        host): each forward serves both samplers, so half as many large programs compile."""
         shape = batch.shape_of(arrays)
-        program = self._program(shape, batch.cuts(arrays))
-        tokens, self.caches = program(self._loop_of(shape).params, self.caches, arrays)
+        logits, self.caches = self._program(shape)(self._loop_of(shape).params, self.caches, arrays)
+        tokens = self._program(Sampler(shape.rows, batch.cuts(arrays)))(logits, *batch.sampling(arrays))
         return processes.read(tokens)
 
     def warmup_land(self, max_rows: int) -> None:
