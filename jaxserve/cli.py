@@ -139,11 +139,11 @@ def _engine_flags() -> dict:
                 min_chunk=FLAGS.min_chunk, prefill_profile=FLAGS.prefill_profile)
 
 
-def _join() -> bool:
-    """Join the other processes when asked to (jax.distributed). True in a follower, which then replays the
-    leader's device calls until the leader stops: its whole part in `serve` or `generate`."""
+def _join() -> None:
+    """Join the other processes when asked to (jax.distributed). A follower then replays the leader's device
+    calls until the leader stops, and exits: its whole part in `serve` or `generate`."""
     if not (FLAGS.coordinator_address or FLAGS.distributed):
-        return False
+        return
     import jax
 
     from jaxserve import api
@@ -154,17 +154,16 @@ def _join() -> bool:
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                heartbeat_timeout_seconds=FLAGS.heartbeat_timeout)
     if jax.process_index() == 0:
-        return False
+        return
     api.follow(FLAGS.model, dtype=FLAGS.dtype)
-    return True
+    _exit_now()  # the leader's exit waits for this one's
 
 
 def _generate() -> None:
     import jaxserve
 
     params = jaxserve.SamplingParams(**_sampling_flags())
-    if _join():
-        return
+    _join()
     llm = jaxserve.LLM(FLAGS.model, **_engine_flags())
     prompt = llm.chat_prompt([{"role": "user", "content": FLAGS.prompt}]) if FLAGS.chat else FLAGS.prompt
     for out in llm.stream(prompt, params):
@@ -184,8 +183,7 @@ def _serve() -> None:
     import jaxserve
     from jaxserve.server.launch import Server
 
-    if _join():
-        return
+    _join()
     llm = jaxserve.LLM(FLAGS.model, kv_cache_gib=FLAGS.kv_cache_gib, max_num_seqs=FLAGS.max_num_seqs,
                        warmup=True, **_engine_flags())
     server = Server(llm, host=FLAGS.host, grpc_port=FLAGS.grpc_port, http_port=FLAGS.http_port,
@@ -201,8 +199,12 @@ def _serve() -> None:
         sys.stderr.write(f"error: {server.engine.lost}\n")
         sys.stderr.flush()
         os._exit(3)
-    # Stopped: skip the interpreter's teardown, which frees each compiled program one by one (over a second,
-    # counted against drain_timeout); the OS takes the memory back at once.
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit 0 without the interpreter's teardown, which frees each compiled program one by one (over a second,
+    counted against drain_timeout); the OS takes the memory back at once."""
     import jax
     jax.distributed.shutdown()  # with several processes: the exit every process makes together
     std_logging.shutdown()  # flushes the log handlers

@@ -1,5 +1,5 @@
 """The scheduler's iteration-time model measured on this engine (sched.batch_cost.EngineStepCost): every timing is
-one call of the compiled step (packing, the forward with sampling, the tokens back on the host), so the packer
+one step (packing, the forward and the sampler, the tokens back on the host), so the packer
 plans with what this device, model and dtype actually cost.
 
 What is measured follows the step's structure: each program without attention (an all-padding step: no key
@@ -30,7 +30,7 @@ from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.step_shapes import StepShapes
 
 _GREEDY = SamplingParams(max_tokens=1)
-VERSION = 5  # of the step and of how it is measured: a change to either must not load an older profile
+VERSION = 6  # of the step and of how it is measured: a change to either must not load an older profile
 LONG = 2048  # tokens of context at the long points
 
 
