@@ -32,11 +32,14 @@ FLAGS = flags.FLAGS
 PROMPT = "Write one sentence about the sea."
 
 
+def model_flags() -> list[str]:
+    return [f"--model={FLAGS.model}"] if FLAGS.model else []
+
+
 def timed_generate() -> float:
     args = [sys.executable, "-m", "jaxserve", "generate", f"--prompt={PROMPT}", "--max_tokens=16", "--nochat"]
     start = time.perf_counter()
-    proc = subprocess.run(args + ([f"--model={FLAGS.model}"] if FLAGS.model else []), capture_output=True,
-                          text=True, timeout=1800)
+    proc = subprocess.run(args + model_flags(), capture_output=True, text=True, timeout=1800)
     seconds = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"generate failed:\n{proc.stderr[-3000:]}")
@@ -47,33 +50,29 @@ def timed_serve() -> float:
     from jaxserve.server.spawn import ServerProcess
 
     start = time.perf_counter()
-    server = ServerProcess(*([f"--model={FLAGS.model}"] if FLAGS.model else []))
+    server = ServerProcess(*model_flags())
     seconds = time.perf_counter() - start
     server.stop()
     return seconds
 
 
-def fresh(cache: str) -> str:
+def as_installed(cache: str) -> None:
     """`cache` as install.sh leaves one: the fetched models (linked from the user's cache), nothing else."""
     models = registry.cache_dir() / "models"
     if models.is_dir():
         (pathlib.Path(cache) / "models").symlink_to(models)
-    return cache
 
 
 def main(argv: list[str]) -> None:
     del argv
     rows = []
-    with tempfile.TemporaryDirectory() as generate_cache, tempfile.TemporaryDirectory() as serve_cache:
-        fresh(generate_cache), fresh(serve_cache)
-        os.environ["JAXSERVE_CACHE"] = generate_cache
-        for i in range(1 + FLAGS.runs):
-            rows.append(("generate", "as installed" if i == 0 else f"run {i + 1}", timed_generate()))
-            print(f"{rows[-1][0]:9s} {rows[-1][1]:13s} {rows[-1][2]:6.1f} s", flush=True)
-        os.environ["JAXSERVE_CACHE"] = serve_cache
-        for i in range(2):
-            rows.append(("serve", "as installed" if i == 0 else "run 2", timed_serve()))
-            print(f"{rows[-1][0]:9s} {rows[-1][1]:13s} {rows[-1][2]:6.1f} s", flush=True)
+    for command, timed, runs in (("generate", timed_generate, 1 + FLAGS.runs), ("serve", timed_serve, 2)):
+        with tempfile.TemporaryDirectory() as cache:  # each command starts from its own fresh cache
+            as_installed(cache)
+            os.environ["JAXSERVE_CACHE"] = cache
+            for i in range(runs):
+                rows.append((command, "as installed" if i == 0 else f"run {i + 1}", timed()))
+                print(f"{command:9s} {rows[-1][1]:13s} {rows[-1][2]:6.1f} s", flush=True)
     if FLAGS.out:
         out = pathlib.Path(FLAGS.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -122,21 +122,22 @@ def chunk_program(mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
 PROGRAMS = {"ring": ring_program, "chunk": chunk_program}
 
 DECODE_ROWS = (1, 16)
+BLOCK, KEY_BLOCK = 16, 256
+DECODE_BUCKETS = batch.Buckets.make(512, 16, 2048, BLOCK, KEY_BLOCK)  # a 2,048-token context
 
 
 def decode_program(mesh: jax.sharding.Mesh, rows: int) -> tuple[Any, tuple, list[tuple[int, ...]]]:
     """The engine's pure-decode step of `rows` rows (block size 16, key block 256, a 2,048-token context), and
     the shapes of the model's weights."""
     cfg = llama3_8b(FLAGS.decode_layers)
-    bs, kb = 16, 256
-    model = Llama(cfg, RaggedPagedBackend(bs, kb, 1, "kernel"), jnp.bfloat16, unrolled=True)
+    bs, buckets = BLOCK, DECODE_BUCKETS
+    model = Llama(cfg, RaggedPagedBackend(bs, KEY_BLOCK, 1, "kernel"), jnp.bfloat16, unrolled=True)
     one = jnp.zeros((1, 1), jnp.int32)
     here = NamedSharding(mesh, P())
     on_gpu = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), tree)
     params = on_gpu(jax.eval_shape(lambda: Llama(cfg, DenseCausalBackend(), jnp.bfloat16, unrolled=True).init(
         jax.random.key(0), one, one, (), one[0])))
-    buckets = batch.Buckets.make(512, 16, 2048, bs, kb)
     cache = jax.ShapeDtypeStruct((cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
                                  sharding=here)
     arrays = on_gpu(jax.tree.map(np.asarray, batch.empty(buckets, buckets.decode(rows), bs)))
@@ -149,7 +150,7 @@ def sampler_program(mesh: jax.sharding.Mesh, rows: int, cut: bool) -> tuple[Any,
     """The engine's sampler over `rows` rows of Llama-3.1-8B's logits."""
     here = NamedSharding(mesh, P())
     logits = jax.ShapeDtypeStruct((rows, llama3_8b(1).vocab_size), jnp.float32, sharding=here)
-    arrays = batch.empty(batch.Buckets.make(512, 16, 2048, 16, 256), batch.Shape(rows, rows, 0), 16)
+    arrays = batch.empty(DECODE_BUCKETS, DECODE_BUCKETS.decode(rows), BLOCK)
     sampling = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here) for x in batch.sampling(arrays)]
     return jax.jit(functools.partial(sample, cut=cut)), (logits, *sampling)
 

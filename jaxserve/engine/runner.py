@@ -175,7 +175,7 @@ class ModelRunner:
         if isinstance(program, Sampler):
             arrays = batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size)
             logits = jax.ShapeDtypeStruct((program.rows, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
-            return self._sample.trace(logits, *batch.sampling(arrays), cut=program.cut)
+            return self._sample.trace(abstract(logits), *batch.sampling(arrays), cut=program.cut)
         loop = self._loop_of(program)
         arrays = batch.empty(self.buckets, program, self.block_size)
         return loop.step.trace(abstract(loop.params), abstract(self.caches), arrays)
