@@ -3,6 +3,7 @@ real model, driven by the scheduler's Plans."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -100,10 +101,69 @@ def test_preemption_under_memory_pressure_keeps_outputs():
     params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=t, seed=7) for t in (0.0, 0.9, 0.0, 0.9)]
     alone = [small.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS[:4], params)]
     free = small.engine.kv.num_free
-    together = small.generate(PROMPTS[:4], params)
-    assert [c.token_ids for c in together] == alone
-    assert small.engine.num_preemptions > 0
-    assert small.engine.kv.num_free == free
+    for overlap in (True, False):  # the next step dispatched before the last one's tokens are read, or not
+        small.engine.overlap = overlap
+        preemptions = small.engine.num_preemptions
+        together = small.generate(PROMPTS[:4], params)
+        assert [c.token_ids for c in together] == alone
+        assert small.engine.num_preemptions > preemptions
+        assert small.engine.kv.num_free == free
+
+
+def _run(engine, requests, tag: str) -> tuple[dict, collections.Counter]:
+    """Every request's outputs, stepping until nothing is in flight; and how many decode rows each ran."""
+    rows, row = collections.Counter(), engine._row
+
+    def counted(item, feeds):
+        rows[item.request_id] += item.phase == "decode"
+        return row(item, feeds)
+
+    engine._row = counted
+    try:
+        rids = [engine.add_request(ids, sp, f"{tag}-{i}") for i, (ids, sp) in enumerate(requests)]
+        outs = collections.defaultdict(list)
+        while engine.has_work:
+            for out in engine.step():
+                outs[out.request_id].append(out)
+    finally:
+        del engine._row
+    return {i: outs[rid] for i, rid in enumerate(rids)}, rows
+
+
+def test_overlapped_steps_match_one_step_at_a_time(llm, reference):
+    """With the next step dispatched before the last one's tokens are read, every output is the one of one step
+    at a time: EOS, a stop string mid-output, max_tokens, seeded sampling, prefix-cache hits. A request that
+    stops ran one decode more than it shows (its surplus token dropped); one that reaches max_tokens did not."""
+    eos = next(c for c in reference["greedy"] if c["chat"] and c["tokens"][-1] in llm.tokenizer.stop_ids)
+    long = " ".join(PROMPTS)  # several KV blocks: its prefix is cached after the first run
+    text = llm.generate(long, SamplingParams(max_tokens=24, ignore_eos=True))[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    requests = [(eos["ids"], SamplingParams(max_tokens=64)),
+                (long, SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,))),
+                (long, SamplingParams(max_tokens=9, ignore_eos=True)),
+                *zip(PROMPTS[2:7], MIXED[2:7])]
+    requests = [(llm.tokenizer.encode(p) if isinstance(p, str) else p, sp) for p, sp in requests]
+    engine = llm.engine
+    runs = {}
+    for overlap in (False, True):
+        engine.overlap = overlap
+        hits = engine.kv.stats.hit_tokens
+        runs[overlap] = _run(engine, requests, f"overlap{overlap}")
+        assert engine.kv.stats.hit_tokens > hits
+    engine.overlap = True
+    (sync, sync_rows), (lagged, lagged_rows) = runs[False], runs[True]
+    for i in sync:
+        assert [t for o in lagged[i] for t in o.new_token_ids] == [t for o in sync[i] for t in o.new_token_ids]
+        assert "".join(o.new_text for o in lagged[i]) == "".join(o.new_text for o in sync[i])
+        assert lagged[i][-1].finish_reason == sync[i][-1].finish_reason and lagged[i][-1].finished
+        assert all(not o.finished for o in lagged[i][:-1])
+    assert [sync[0][-1].finish_reason, sync[1][-1].finish_reason, sync[2][-1].finish_reason] == ["stop", "stop",
+                                                                                                 "length"]
+    assert "".join(o.new_text for o in sync[1]) == text[:text.find(stop)]
+    tokens = {i: sum(len(o.new_token_ids) for o in sync[i]) for i in sync}
+    for i, rid in ((0, "0"), (1, "1"), (2, "2")):  # one token comes from the prefill, the others from decodes
+        assert sync_rows[f"overlapFalse-{rid}"] == tokens[i] - 1
+        assert lagged_rows[f"overlapTrue-{rid}"] == tokens[i] - (i == 2)
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):

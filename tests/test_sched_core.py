@@ -293,6 +293,50 @@ def test_a_decode_is_not_planned_again_before_its_token_is_back():
     assert sched.schedule(0.01) is None
 
 
+def test_a_lagged_schedule_decodes_once_ahead_of_the_token_in_flight():
+    """A lagged Plan decodes a request whose token is in flight at the next position (one ahead at most, never
+    past output_len, never by preempting); its Outcome lands after the first one's."""
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(10000))
+    r = Request("a", 0.0, 100, 4)
+    sched.add(r)
+    prefill = sched.schedule(0.0)
+    sched.apply(prefill, Outcome(0.01, (0.01,), {"a": (1,)}))
+    first = sched.schedule(0.01)
+    (d1,) = first.items
+    assert (d1.phase, d1.start) == (Phase.DECODE, 100)
+    assert sched.schedule(0.01) is None  # synchronous: not before its token is back
+    second = sched.schedule(0.01, lagged=True)
+    (d2,) = second.items
+    assert (d2.phase, d2.start, d2.history) == (Phase.DECODE, 101, 101)
+    assert sched.schedule(0.01, lagged=True) is None  # one ahead at most
+    sched.apply(first, Outcome(0.02, (0.01,), {"a": (2,)}))
+    assert r.generated == 2 and r.kv_len == 101
+    third = sched.schedule(0.02, lagged=True)  # the third token's decode, while the second runs
+    assert [i.start for i in third.items] == [102]
+    assert sched.schedule(0.02, lagged=True) is None
+    sched.apply(second, Outcome(0.03, (0.01,), {"a": (3,)}))
+    assert sched.schedule(0.03, lagged=True) is None  # its fourth and last token is in flight: nothing past it
+    assert sched.kv.num_blocks_held("a") == sched.kv.blocks_for(103)
+    assert sched.apply(third, Outcome(0.04, (0.01,), {"a": (4,)})) == [r] and r.finished
+    assert sched.kv.num_free == sched.kv.capacity and not sched.decode_in_flight
+
+
+def test_a_lagged_schedule_never_preempts_for_a_decode_ahead():
+    """A decode ahead of its in-flight token that finds no free block waits for its token instead."""
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(32))
+    a, b = Request("a", 0.0, 15, 4), Request("b", 0.0, 14, 3)
+    for r in (a, b):
+        sched.add(r)
+    prefill = sched.schedule(0.0)
+    assert sorted(i.request_id for i in prefill.items) == ["a", "b"] and sched.kv.num_free == 0
+    sched.apply(prefill, Outcome(0.01, (0.01, 0.01), {"a": (1,), "b": (1,)}))
+    first = sched.schedule(0.01)
+    assert [(i.request_id, i.start) for i in first.items] == [("a", 15), ("b", 14)]
+    ahead = sched.schedule(0.01, lagged=True)  # a's next token needs a second block: none is free
+    assert [(i.request_id, i.start) for i in ahead.items] == [("b", 15)] and not ahead.preempted
+    assert "a" in sched.running and "b" in sched.running
+
+
 def test_a_large_request_is_not_overtaken_forever_by_small_newcomers():
     sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(1000))
     for i in range(2):

@@ -453,8 +453,8 @@ def failing_inside_the_call(runner):
     def boom(x):
         raise RuntimeError("injected device failure")
 
-    def failing(model, params, caches, arrays):
-        logits, caches = forward(model, params, caches, arrays)
+    def failing(model, params, caches, arrays, previous):
+        logits, caches = forward(model, params, caches, arrays, previous)
         return logits + jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.float32), logits[0, 0]), caches
 
     step = jax.jit(failing, donate_argnums=(2,), static_argnums=(0,))

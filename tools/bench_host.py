@@ -1,14 +1,20 @@
-"""The host's share of a serving step: what Python does between one step's tokens coming back and the next step
-being dispatched (the device idles meanwhile, as long as steps are not overlapped).
+"""Does the device wait for Python? The engine's decode steps on a fake device that takes D per step, with the
+next step dispatched before the last one's tokens are read (overlap) and without (one step at a time).
 
-    .venv/bin/python tools/bench_host.py [--rows=1,16] [--tokens=64] [--out=bench_out/host.json]
+    .venv/bin/python tools/bench_host.py [--rows=1,16] [--tokens=64] [--delay_ms=5] [--out=bench_out/host.json]
 
-A tiny random model (`random:tiny`) makes the device's part small, so what is timed is the engine's own work.
-Each phase of `Engine.step` is timed by wrapping the function that does it: schedule (the scheduler's Plan),
-pack (rows into the step's arrays), dispatch (the compiled call, until it returns), wait (until its tokens are
-on the host), detokenize+stop (per token, summed over the step) and apply (the Outcome). The host's critical path
-is the step's wall time less the wait. Medians over the steady decode steps, in microseconds. On a CPU the
-compiled call may run inline, so there dispatch holds the (tiny) model's compute too.
+A tiny random model (`random:tiny`) computes the tokens, so the engine's own work is what the host does. The fake
+device (FakeDevice) wraps the runner: like a GPU's stream it runs steps in order, each D seconds from when it is
+dispatched or the step before it ends, whichever is later; its tokens are ready then. With overlap a step should
+take max(host, D), not their sum. `--delay_ms=auto` sets D to the host's own time per step (measured first, one
+step at a time), where the two are closest.
+
+Per steady decode step (medians, microseconds):
+- wall: between the engine's steps; host: wall less the time blocked on tokens;
+- critical_path: from step N's tokens being ready to step N+1 dispatched (the device idles meanwhile; 0 when
+  N+1 was dispatched first);
+- schedule, pack, dispatch, wait, detokenize+stop (per step, summed over its tokens) and apply: each phase of
+  `Engine.step`, timed by wrapping the function that does it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from jaxserve.engine import runner as runner_module
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["1", "16"], "Requests decoding together.")
 flags.DEFINE_integer("tokens", 64, "Tokens generated per request.")
+flags.DEFINE_string("delay_ms", "5", "The fake device's time per step, in ms; auto: the host's own time.")
 flags.DEFINE_string("out", None, "Optional JSON file for the results.")
 
 PHASES = ("schedule", "pack", "dispatch", "wait", "detokenize+stop", "apply")
@@ -53,6 +60,35 @@ class Timer:
         setattr(owner, name, timed)
 
 
+class _Delayed:
+    """A step's tokens, ready when the fake device finishes the step."""
+
+    def __init__(self, pending: runner_module.Pending, ready_at: float):
+        self.pending, self.ready_at = pending, ready_at
+
+    def value(self) -> np.ndarray:
+        time.sleep(max(self.ready_at - time.perf_counter(), 0.0))
+        return self.pending.value()
+
+
+class FakeDevice:
+    """An in-order device taking `delay` seconds a step, in front of the runner's real one (which computes the
+    tokens, far faster). `idle[k]`: how long it waited for step k to be dispatched after step k - 1 ended."""
+
+    def __init__(self, runner: runner_module.ModelRunner, delay: float):
+        self.delay, self.start_real = delay, runner.start
+        self.free_at = time.perf_counter()
+        self.idle: list[float] = []
+        runner.start = self.start
+
+    def start(self, rows):
+        pending = self.start_real(rows)
+        now = time.perf_counter()
+        self.idle.append(max(now - self.free_at, 0.0))
+        self.free_at = max(now, self.free_at) + self.delay
+        return _Delayed(pending, self.free_at)
+
+
 def instrument(llm: jaxserve.LLM) -> Timer:
     """Time the engine's phases from now on."""
     engine, timer = llm.engine, Timer()
@@ -60,41 +96,33 @@ def instrument(llm: jaxserve.LLM) -> Timer:
     timer.wrap(engine.scheduler, "apply", "apply")
     timer.wrap(runner_module.batch, "pack", "pack")
     timer.wrap(engine, "_append", "detokenize+stop")
-    timer.wrap(runner_module.processes, "read", "wait")
-    program = engine.runner._program
-
-    def dispatching(which):
-        compiled = program(which)
-
-        def call(*args):
-            start = time.perf_counter()
-            try:
-                return compiled(*args)
-            finally:
-                timer.step["dispatch"] = timer.step.get("dispatch", 0.0) + time.perf_counter() - start
-        return call
-
-    engine.runner._program = dispatching
+    timer.wrap(_Delayed, "value", "wait")
+    timer.wrap(engine.runner, "dispatch", "dispatch")
     return timer
 
 
-def measure(llm: jaxserve.LLM, timer: Timer, rows: int, tokens: int) -> dict[str, float]:
+def measure(llm: jaxserve.LLM, timer: Timer, device: FakeDevice, rows: int, tokens: int,
+            overlap: bool) -> dict[str, float]:
     engine = llm.engine
+    engine.overlap = overlap
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     for _ in range(rows):
         engine.add_request(rng.integers(10, 500, size=32).tolist(), params)
-    steps = []
-    while engine.has_unfinished():
+    steps, device.idle = [], []
+    while engine.has_work:
         timer.step = {}
         start = time.perf_counter()
         engine.step()
         wall = time.perf_counter() - start
         steps.append({**{p: timer.step.get(p, 0.0) for p in PHASES}, "wall": wall})
-    decode = steps[2:-1]  # steady decode steps: after the prefill, before the last
-    out = {p: statistics.median(s[p] for s in decode) * 1e6 for p in PHASES}
-    out["critical_path"] = statistics.median((s["wall"] - s["wait"]) for s in decode) * 1e6
-    out["steps"] = len(decode)
+    decode = slice(3, -3)  # steady decode steps: after the prefill, before the last ones
+    out = {p: statistics.median(s[p] for s in steps[decode]) * 1e6 for p in PHASES}
+    out["wall"] = statistics.median(s["wall"] for s in steps[decode]) * 1e6
+    out["host"] = statistics.median(s["wall"] - s["wait"] for s in steps[decode]) * 1e6
+    out["critical_path"] = statistics.median(device.idle[decode]) * 1e6
+    out["delay"] = device.delay * 1e6
+    out["steps"] = len(steps[decode])
     return out
 
 
@@ -105,12 +133,20 @@ def main(argv: list[str]) -> None:
     for r in rows:
         llm = jaxserve.LLM("random:tiny", max_model_len=512, kv_cache_tokens=4096, max_num_seqs=max(rows),
                            max_num_batched_tokens=max(64, max(rows)), prefix_caching=False, progress=False)
+        device = FakeDevice(llm.engine.runner, 0.0)
         timer = instrument(llm)
-        measure(llm, timer, r, 4)  # compile what the measured run uses
-        results[f"batch{r}"] = measure(llm, timer, r, FLAGS.tokens)
-    print(f"{'us per decode step':<22}" + "".join(f"{k:>12}" for k in results))
-    for phase in (*PHASES, "critical_path"):
-        print(f"{phase:<22}" + "".join(f"{v[phase]:12.0f}" for v in results.values()))
+        measure(llm, timer, device, r, 12, overlap=True)  # compile what the measured runs use
+        if FLAGS.delay_ms == "auto":
+            device.delay = measure(llm, timer, device, r, FLAGS.tokens, overlap=False)["host"] / 1e6
+        else:
+            device.delay = float(FLAGS.delay_ms) / 1e3
+        for overlap in (False, True):
+            results[f"batch{r}" + ("_overlap" if overlap else "")] = measure(llm, timer, device, r, FLAGS.tokens,
+                                                                            overlap)
+    keys = ("wall", "host", "delay", "critical_path", *PHASES)
+    print(f"{'us per decode step':<22}" + "".join(f"{k:>16}" for k in results))
+    for key in keys:
+        print(f"{key:<22}" + "".join(f"{v[key]:16.0f}" for v in results.values()))
     if FLAGS.out:
         pathlib.Path(FLAGS.out).write_text(json.dumps(results, indent=1))
 

@@ -141,9 +141,10 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int) -> tuple[Any, tuple, list
     cache = jax.ShapeDtypeStruct((cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
                                  sharding=here)
     arrays = on_gpu(jax.tree.map(np.asarray, batch.empty(buckets, buckets.decode(rows), bs)))
+    previous = on_gpu(np.zeros(rows, np.int32))  # the last step's sampled tokens, fed on the device
     step = jax.jit(functools.partial(forward, model), donate_argnums=(1,))
     weights = [x.shape for x in jax.tree.leaves(params) if len(x.shape) > 1]
-    return step, (params, (cache, cache), arrays), weights
+    return step, (params, (cache, cache), arrays, previous), weights
 
 
 def sampler_program(mesh: jax.sharding.Mesh, rows: int, cut: bool) -> tuple[Any, tuple]:

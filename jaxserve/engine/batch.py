@@ -36,10 +36,12 @@ class Row(NamedTuple):
     params: SamplingParams
     seed: int
     counter: int  # tokens the request has generated so far: the sampler's per-request step
+    feed: int = -1  # a decode whose token is still in flight: its row in the previous step (tokens[0] unused)
 
 
 class StepArrays(NamedTuple):
     token_ids: Int[np.ndarray, "t"]
+    feed: Int[np.ndarray, "t"]  # the previous step's row whose sampled token this token is, or -1
     positions: Int[np.ndarray, "t"]
     slots: Int[np.ndarray, "t"]  # where each token's K/V is written
     tables: Int[np.ndarray, "r w"]
@@ -103,7 +105,7 @@ def empty(buckets: Buckets, shape: Shape, block_size: int) -> StepArrays:
     with it; pack fills one in."""
     t, r, nt = shape
     return StepArrays(
-        token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+        token_ids=np.zeros(t, np.int32), feed=np.full(t, -1, np.int32), positions=np.zeros(t, np.int32),
         slots=np.full(t, SCRATCH_BLOCK * block_size, np.int32),
         tables=np.full((r, buckets.width), SCRATCH_BLOCK, np.int32), decode_token=np.full(r, t, np.int32),
         tile_tokens=np.full((nt, buckets.tile), t, np.int32), tile_row=np.zeros(nt, np.int32),
@@ -151,6 +153,7 @@ def _write_row(a: StepArrays, i: int, r: Row, at: int, tile: int, buckets: Bucke
     a.tables[i, :used] = table[:used]
     if n == 1:
         a.decode_token[i] = at
+        a.feed[at] = r.feed
     else:
         for lo in range(0, n, tq):
             hi = min(lo + tq, n)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
 import random
 import time
 from typing import Callable, Sequence
@@ -22,12 +23,12 @@ from absl import logging
 
 from jaxserve.engine.batch import BadRow, Row
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.runner import ModelRunner
+from jaxserve.engine.runner import ModelRunner, Pending
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.engine.stop_strings import StopMatcher
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched import request as sched_request
-from jaxserve.sched.plan import Outcome, Plan
+from jaxserve.sched.plan import Outcome, Phase, Plan, WorkItem
 from jaxserve.sched.scheduler import ReplicaScheduler
 
 
@@ -74,9 +75,26 @@ class _Live:
     finish_reason: FinishReason | None = None
 
 
+@dataclasses.dataclass
+class _Step:
+    """A dispatched Plan whose tokens are not read yet."""
+
+    plan: Plan
+    items: list[WorkItem]  # the rows it runs, in order (a request that failed alone is left out)
+    lives: list[_Live]  # whose rows they are (a request ended meanwhile and its id reused is not the same)
+    tokens: Pending | None  # None: every row failed alone
+    dispatched: float
+    errors: list[RequestOutput] = dataclasses.field(default_factory=list)  # requests that failed alone
+
+    def rows(self) -> dict[str, int]:
+        """Each decode's row: where the next step finds its token."""
+        return {i.request_id: n for n, i in enumerate(self.items) if i.phase is Phase.DECODE}
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: ReplicaScheduler, tokenizer: TextTokenizer, *,
-                 max_model_len: int, clock: Callable[[], float] = time.monotonic):
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic, overlap: bool = True):
+        """overlap: dispatch each step before reading the last one's tokens (False: one step at a time)."""
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         if max_model_len > scheduler.kv_capacity:
@@ -93,6 +111,9 @@ class Engine:
         self._tables: dict[str, list[int]] = {}  # block tables as the Plans granted them
         self._ids = itertools.count()
         self._seed_rng = random.Random()
+        self.overlap = overlap
+        self._pending: _Step | None = None  # dispatched, its tokens not read
+        self._last_end = -math.inf  # when the last step's tokens were read
 
     # ---- requests -------------------------------------------------------------------------------------
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -184,7 +205,7 @@ class Engine:
     def has_work(self) -> bool:
         """A step would run something: a request decoding, or a prompt waiting to be prefilled here (requests
         expected from a prefill pool are unfinished but give a step nothing to do until they are admitted)."""
-        return bool(self.scheduler.decoding) or len(self.scheduler.queue) > 0
+        return self._pending is not None or bool(self.scheduler.decoding) or len(self.scheduler.queue) > 0
 
     @property
     def num_waiting(self) -> int:
@@ -209,32 +230,58 @@ class Engine:
             self.runner.recover()
 
     def step(self) -> list[RequestOutput]:
+        """Run one Plan and return what it produced. With `overlap`, the next Plan is dispatched before this
+        one's tokens are read, so the device runs it while the host turns them into text and an Outcome."""
         self.recover()  # a no-op unless an earlier rebuild failed
-        plan = self.scheduler.schedule(self.clock())
-        self.last_predicted = plan.predicted_time if plan is not None else None
+        if self._pending is None:
+            self._pending = self._launch(None)
+            if self._pending is None:
+                return []
+        current, self._pending = self._pending, None
+        if self.overlap:
+            self._pending = self._launch(current)
+        return self._finish(current)
+
+    def _launch(self, previous: _Step | None) -> _Step | None:
+        """Plan and dispatch a step (None: nothing to run). `previous`: the step still in flight; the new Plan
+        may decode its requests again, feeding their in-flight tokens on the device."""
+        plan = self.scheduler.schedule(self.clock(), lagged=previous is not None)
         if plan is None:
-            return []
+            return None
         self._grant(plan)
-        outputs: list[RequestOutput] = []
         items = list(plan.items)
-        start = self.clock()
+        step = _Step(plan, items, [self._live[i.request_id] for i in items], None, self.clock())
+        feeds = {} if previous is None else previous.rows()
         while True:
             try:
-                sampled = self.runner.execute([self._row(i) for i in items]) if items else np.zeros(0, np.int32)
-                break
+                step.tokens = self.runner.start([self._row(i, feeds) for i in step.items]) if step.items else None
+                return step
             except BadRow as e:  # one request's inputs: it fails alone, the step runs without it
-                rid = items.pop(e.index).request_id
+                rid = step.items.pop(e.index).request_id
+                step.lives.pop(e.index)
                 logging.warning("request %s fails alone: %s", rid, e)
-                outputs.append(self._error(rid, str(e)))
+                step.errors.append(self._error(rid, str(e)))
             except Exception as e:
-                self._fail(plan)
-                raise StepFailed(f"the engine step failed: {e}", sorted(plan.request_ids)) from e
+                raise self._fail(e, step, previous) from e
+
+    def _finish(self, step: _Step) -> list[RequestOutput]:
+        """Read a dispatched step's tokens, turn them into text and stop decisions, and apply its Outcome. A
+        request that stopped in the step before gets no output (its surplus token is dropped)."""
+        try:
+            sampled = step.tokens.value() if step.tokens is not None else np.zeros(0, np.int32)
+        except Exception as e:
+            raise self._fail(e, step, self._pending) from e
         end = self.clock()
-        tokens, stopped = {}, set()
-        for item, token in zip(items, sampled):
-            if not self.scheduler.yields_token(item):
+        start, self._last_end = max(step.dispatched, self._last_end), end  # under overlap: end to end
+        outputs, tokens, stopped = step.errors, {}, set()
+        plan = step.plan
+        if any(self._live.get(i.request_id) is not live for i, live in zip(step.items, step.lives)):
+            # requests ended after the step was dispatched: their tokens are dropped (a stop found one step late)
+            plan = dataclasses.replace(plan, items=tuple(i for i, live in zip(step.items, step.lives)
+                                                        if self._live.get(i.request_id) is live))
+        for item, live, token in zip(step.items, step.lives, sampled):
+            if self._live.get(item.request_id) is not live or not self.scheduler.yields_token(item):
                 continue
-            live = self._live[item.request_id]
             try:
                 out = self._append(live, int(token))
             except Exception as e:  # noqa: BLE001 - e.g. detokenizing: this request's own work
@@ -245,6 +292,7 @@ class Engine:
             if out.finished:
                 stopped.add(item.request_id)
             outputs.append(out)
+        self.last_predicted = plan.predicted_time
         # the step's time split by token share: what a per-item duration means for one fused call
         total = max(sum(i.tokens for i in plan.items), 1)
         per_item = tuple((end - start) * i.tokens / total for i in plan.items)
@@ -261,11 +309,16 @@ class Engine:
         for rid, ids in plan.blocks.items():
             self._tables.setdefault(rid, []).extend(ids)
 
-    def _row(self, item) -> Row:
+    def _row(self, item: WorkItem, feeds: dict[str, int]) -> Row:
+        """A Plan item as the runner's row. A decode whose token is still in flight (one past the known ones)
+        takes it from its row in the previous step, and counts it as generated for the sampler."""
         live = self._live[item.request_id]
         r = live.sched
-        return Row(r.token_ids[item.start:item.end], item.start, self._tables[item.request_id], live.params,
-                   live.seed, r.generated)
+        if item.start < len(r.token_ids):
+            return Row(r.token_ids[item.start:item.end], item.start, self._tables[item.request_id], live.params,
+                       live.seed, r.generated)
+        return Row((0,), item.start, self._tables[item.request_id], live.params, live.seed, r.generated + 1,
+                   feeds[item.request_id])
 
     def _error(self, request_id: str, message: str) -> RequestOutput:
         """End one request with an error; the scheduler ignores the rest of its Plan."""
@@ -273,15 +326,19 @@ class Engine:
         self.abort(request_id)
         return RequestOutput(request_id, [], "", True, FinishReason.ERROR, cached, error=message)
 
-    def _fail(self, plan: Plan) -> None:
-        """End the failed step's requests and rebuild the cache if the failure took it. A failed rebuild is
-        logged and retried before the next step; meanwhile `can_step` is False."""
-        for rid in plan.request_ids:
+    def _fail(self, error: Exception, *steps: _Step | None) -> StepFailed:
+        """End the requests of a failed step and of the step dispatched beside it (which read its tokens), and
+        rebuild the cache if the failure took it. A failed rebuild is logged and retried before the next step;
+        meanwhile `can_step` is False."""
+        self._pending = None
+        ids = sorted(set().union(*(s.plan.request_ids for s in steps if s is not None)))
+        for rid in ids:
             self.abort(rid)
         try:
             self.recover()
         except Exception:  # noqa: BLE001 - the step's own error is what its requests see
             logging.exception("could not rebuild the KV cache after a failed step; will retry")
+        return StepFailed(f"the engine step failed: {error}", ids)
 
     # ---- stopping and text ----------------------------------------------------------------------------
     def _append(self, live: _Live, token: int) -> RequestOutput:

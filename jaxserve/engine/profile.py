@@ -30,7 +30,7 @@ from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.step_shapes import StepShapes
 
 _GREEDY = SamplingParams(max_tokens=1)
-VERSION = 6  # of the step and of how it is measured: a change to either must not load an older profile
+VERSION = 7  # of the step and of how it is measured: a change to either must not load an older profile
 LONG = 2048  # tokens of context at the long points
 
 

@@ -1,6 +1,10 @@
 """The compiled step: one jitted forward runs any mix of prefill chunks and decodes (a flat ragged batch) and
 writes their K/V into the paged cache; a small jitted sampler then draws one token per row on the device.
 
+`dispatch` returns before the step runs, and its tokens are read later (`Pending.value`), so the caller can
+dispatch the next step first: a decode whose token is still in flight names its row in the previous step
+(`batch.Row.feed`), and the forward takes that token from the previous sampler's output on the device.
+
 Forwards are keyed by their shape (batch.Shape: a decode program per row bucket, a mixed one per (tokens, rows)
 bucket), samplers by their rows and by whether they cut by top-k / top-p. `warmup` compiles every program a
 configuration uses before the first request (in parallel threads: XLA compiles outside the GIL), and nothing
@@ -36,7 +40,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
@@ -52,11 +56,20 @@ from jaxserve.sharding import processes, rows, tp as tensor_parallel
 from jaxserve.sharding.mesh import SP, TP, make_mesh
 
 
-def forward(model: Llama, params: Any, caches: Any, a: batch.StepArrays) -> tuple[Float[Array, "r v"], Any]:
-    """The model over the flat batch, writing its K/V into the caches: the logits of each row's last token."""
+def forward(model: Llama, params: Any, caches: Any, a: batch.StepArrays,
+            previous: Int[Array, "m"]) -> tuple[Float[Array, "r v"], Any]:
+    """The model over the flat batch, writing its K/V into the caches: the logits of each row's last token.
+    previous: the last step's sampled tokens, which the tokens marked in `a.feed` are."""
     ctx = (a.slots, a.tables, a.decode_token, a.tile_tokens, a.tile_row)
-    logits, caches = model.apply(params, a.token_ids[None], a.positions[None], caches, ctx, a.logits_index[None])
+    token_ids = jnp.where(a.feed >= 0, previous[jnp.maximum(a.feed, 0)], a.token_ids)
+    logits, caches = model.apply(params, token_ids[None], a.positions[None], caches, ctx, a.logits_index[None])
     return logits[0], caches
+
+
+def sample_padded(logits: Float[Array, "r v"], *sampling: Array, cut: bool, size: int) -> Int[Array, "m"]:
+    """`sample`, padded with zeros to `size` rows: every sampler's output can feed every forward."""
+    tokens = sample(logits, *sampling, cut=cut)
+    return jnp.pad(tokens, (0, size - tokens.shape[0]))
 
 
 class Sampler(NamedTuple):
@@ -67,6 +80,16 @@ class Sampler(NamedTuple):
 
 
 Program = batch.Shape | Sampler
+
+
+class Pending(NamedTuple):
+    """A dispatched step's sampled tokens, on their way to the host."""
+
+    tokens: processes.Later | processes.Here
+
+    def value(self) -> Int[np.ndarray, "m"]:
+        """Every row's token (padding included, up to the runner's `max_rows`), waiting for the step."""
+        return self.tokens.value()
 
 
 class _Loop(NamedTuple):
@@ -105,7 +128,9 @@ class ModelRunner:
         self._loops = {True: self._loop(params, backend, mesh, True)}
         self.params = self._loops[True].params  # per layer
         self._replicated = NamedSharding(mesh, P())
-        self._sample = jax.jit(sample, static_argnames=("cut",), out_shardings=self._replicated)
+        self._sample = jax.jit(sample_padded, static_argnames=("cut", "size"), out_shardings=self._replicated)
+        self.max_rows = max(s.rows for s in buckets.programs())
+        self._previous = jax.device_put(np.zeros(self.max_rows, np.int32), self._replicated)
         self.model = self._loops[True].model
         self.caches = self._allocate()
         self._programs: dict[Program, jax.stages.Compiled] = {}
@@ -119,12 +144,12 @@ class ModelRunner:
                                                      self.tp)
         model = Llama(self.cfg, backend, self.dtype, TP if self.tp > 1 else None, unrolled=unrolled)
 
-        def step(params, caches, arrays):
+        def step(params, caches, arrays, previous):
             run = functools.partial(forward, model)
             if len(self.devices) > 1:  # every device runs the same batch: inputs replicated, weights and cache split
-                run = jax.shard_map(run, mesh=mesh, in_specs=(specs, P(None, SP, TP), P()),
+                run = jax.shard_map(run, mesh=mesh, in_specs=(specs, P(None, SP, TP), P(), P()),
                                     out_specs=(P(), P(None, SP, TP)), check_vma=False)
-            return run(params, caches, arrays)
+            return run(params, caches, arrays, previous)
 
         return _Loop(jax.device_put(params, tensor_parallel.shardings(mesh, specs)), model,
                      jax.jit(step, donate_argnums=(1,)))
@@ -175,10 +200,10 @@ class ModelRunner:
         if isinstance(program, Sampler):
             arrays = batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size)
             logits = jax.ShapeDtypeStruct((program.rows, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
-            return self._sample.trace(abstract(logits), *batch.sampling(arrays), cut=program.cut)
+            return self._sample.trace(abstract(logits), *batch.sampling(arrays), cut=program.cut, size=self.max_rows)
         loop = self._loop_of(program)
         arrays = batch.empty(self.buckets, program, self.block_size)
-        return loop.step.trace(abstract(loop.params), abstract(self.caches), arrays)
+        return loop.step.trace(abstract(loop.params), abstract(self.caches), arrays, abstract(self._previous))
 
     def lower(self, program: Program, platforms: Sequence[str] | None = None) -> jax.stages.Lowered:
         """`program` lowered for `platforms` (default: this backend), e.g. to read what a GPU would run from a
@@ -189,16 +214,24 @@ class ModelRunner:
 
     def execute(self, rows: Sequence[batch.Row]) -> np.ndarray:
         """Run the rows, update the cache, and return the sampled next token of each row."""
-        return self.execute_arrays(batch.pack(rows, self.buckets, self.block_size))[: len(rows)]
+        return self.start(rows).value()[: len(rows)]
+
+    def start(self, rows: Sequence[batch.Row]) -> Pending:
+        """Pack the rows (BadRow names one that cannot be) and dispatch their step."""
+        return self.dispatch(batch.pack(rows, self.buckets, self.block_size))
 
     def execute_arrays(self, arrays: batch.StepArrays) -> np.ndarray:
-        """Run a packed step; the sampled token of every row of its bucket, padding included. The forward and
-        the sampler are two programs dispatched back to back (the device runs them without waiting for the
-        host): each forward serves both samplers, so half as many large programs compile."""
+        """Run a packed step and wait for it: `max_rows` tokens, padding included."""
+        return self.dispatch(arrays).value()
+
+    def dispatch(self, arrays: batch.StepArrays) -> Pending:
+        """Dispatch a packed step; it runs after the steps dispatched before it. The forward and the sampler are
+        two programs dispatched back to back (the device runs them without waiting for the host): each forward
+        serves both samplers, so half as many large programs compile."""
         shape = batch.shape_of(arrays)
-        logits, self.caches = self._program(shape)(self._loop_of(shape).params, self.caches, arrays)
-        tokens = self._program(Sampler(shape.rows, batch.cuts(arrays)))(logits, *batch.sampling(arrays))
-        return processes.read(tokens)
+        logits, self.caches = self._program(shape)(self._loop_of(shape).params, self.caches, arrays, self._previous)
+        self._previous = self._program(Sampler(shape.rows, batch.cuts(arrays)))(logits, *batch.sampling(arrays))
+        return Pending(processes.read_later(self._previous))
 
     def warmup_land(self, max_rows: int) -> None:
         """Compile what `land` runs for pieces of up to max_rows rows (powers of two, as rows.pieces cuts them),

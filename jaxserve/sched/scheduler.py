@@ -11,8 +11,10 @@ request that ranks first but does not fit yet holds back the admission of lower-
 request is not overtaken forever by a stream of small ones.
 
 Prefill chunks of one request may be in flight together (stream pipeline parallelism: chunk i+1 enters the
-first stage while chunk i is in the second); a decode is planned only once its previous token is back, and a
-request with work in flight is never preempted.
+first stage while chunk i is in the second). A decode is planned once its previous token is back, or, in a
+lagged schedule, while that token is still in flight: the executor then feeds the in-flight token on the device
+(its value is not known here yet), so it can dispatch the next step before it reads the last. A request with
+work in flight is never preempted.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class ReplicaScheduler:
         self.queue = PrefillQueue()  # requests with prefill tokens not yet planned
         self.running: dict[str, Request] = {}  # requests holding KV, in admission order (the last is preempted first)
         self.decoding: dict[str, Request] = {}
-        self.decode_in_flight: set[str] = set()  # a decode token planned, its Outcome not back
+        self.decode_in_flight: dict[str, int] = {}  # decode tokens planned whose Outcomes are not back
         self.requests: dict[str, Request] = {}  # every request not finished
         self._seq: dict[str, int] = {}  # arrival order, kept through preemptions
 
@@ -122,10 +124,13 @@ class ReplicaScheduler:
         return item.phase is Phase.DECODE or (item.end == r.prefill_target and r.generated == 0)
 
     # -- Plan out --------------------------------------------------------------------------------------------
-    def schedule(self, now: float) -> Plan | None:
+    def schedule(self, now: float, lagged: bool = False) -> Plan | None:
+        """The next Plan. lagged: the previous Plan is still running, so a decode whose token is in flight gets
+        its next decode too (at most one ahead; not past its output_len; only into a free block, never by
+        preempting). The simulator plans synchronously."""
         grants: dict[str, list[int]] = {}
         preempted: list[str] = []
-        decodes = self._grant_decodes(grants, preempted)
+        decodes = self._grant_decodes(grants, preempted, lagged)
         # this decision holds for one iteration, so slack is measured at its end: a request that cannot afford
         # to wait one more iteration ranks as such now, not one iteration too late
         horizon = now + self.packer.t_target
@@ -206,7 +211,7 @@ class ReplicaScheduler:
             return Plan((), blocks={}, preempted=tuple(preempted)) if preempted else None
         group, decode = self.group, Phase.DECODE
         items = [WorkItem(r.id, kv, kv + 1, decode, group, 1, "zigzag", 0, kv)
-                 for r in decodes for kv in (r.kv_len,)]
+                 for r in decodes for kv in (r.kv_len + self.decode_in_flight.get(r.id, 0),)]
         for r, n in chunks:
             items.append(WorkItem(r.id, r.planned, r.planned + n, Phase.PREFILL, group, history=r.planned))
             r.planned += n
@@ -214,15 +219,26 @@ class ReplicaScheduler:
                 self.queue.set_remaining(r, self.prefill_time.remaining(r.prefill_target, r.planned))
             else:
                 self.queue.remove(r)
-        self.decode_in_flight.update(r.id for r in decodes)
+        for r in decodes:
+            self.decode_in_flight[r.id] = self.decode_in_flight.get(r.id, 0) + 1
         return Plan(tuple(items), predicted_time=state.time(self.cost),
                     blocks={rid: tuple(ids) for rid, ids in grants.items() if ids}, preempted=tuple(preempted))
 
-    def _grant_decodes(self, grants: dict[str, list[int]], preempted: list[str]) -> list[Request]:
-        """A KV slot for each decode's token, oldest admission first; preempt the newest when none is free."""
+    def _grant_decodes(self, grants: dict[str, list[int]], preempted: list[str], lagged: bool) -> list[Request]:
+        """A KV slot for each decode's token, oldest admission first; preempt the newest when none is free. In a
+        lagged schedule a decode in flight gets the slot after its in-flight token's, if one is free."""
         decodes = []
-        for r in [r for r in self.running.values() if r.id in self.decoding and r.id not in self.decode_in_flight]:
+        for r in [r for r in self.running.values() if r.id in self.decoding]:
             if r.id not in self.running:  # preempted for an older request's token
+                continue
+            flying = self.decode_in_flight.get(r.id, 0)
+            if flying:
+                if not lagged or flying > 1 or r.generated + flying >= r.output_len:
+                    continue
+                new = self.kv.allocate(r.id, r.kv_len + flying + 1)
+                if new is not None:
+                    grants.setdefault(r.id, []).extend(new)
+                    decodes.append(r)
                 continue
             while (new := self.kv.allocate(r.id, r.kv_len + 1)) is None:
                 victim = next(v for v in reversed(self.running.values()) if not self._in_flight(v))
@@ -290,8 +306,10 @@ class ReplicaScheduler:
                 continue
             if item.phase is Phase.PREFILL:
                 r.prefilled = max(r.prefilled, item.end)
+            elif self.decode_in_flight.get(r.id, 0) > 1:
+                self.decode_in_flight[r.id] -= 1
             else:
-                self.decode_in_flight.discard(r.id)
+                self.decode_in_flight.pop(r.id, None)
             tokens = outcome.tokens.get(r.id, ())
             if r.token_ids is not None:
                 r.token_ids.extend(tokens)
@@ -312,7 +330,7 @@ class ReplicaScheduler:
         self.kv.free(r.id)
         self.decoding.pop(r.id, None)
         self.running.pop(r.id, None)
-        self.decode_in_flight.discard(r.id)
+        self.decode_in_flight.pop(r.id, None)
         if r in self.queue:  # stopped before its prompt was fully planned (an abort)
             self.queue.remove(r)
         del self.requests[r.id]

@@ -195,11 +195,12 @@ class Later:
         return self._value
 
 
-class _Here:
-    """A value held in this process (there is only one)."""
+class Here:
+    """A value held in this process (there is only one), copied to the host as soon as it is computed."""
 
     def __init__(self, x: jax.Array, index: int | None):
         self._x, self._index = x, index
+        x.copy_to_host_async()
 
     def ready(self) -> bool:
         return self._x.is_ready()
@@ -209,9 +210,9 @@ class _Here:
         return value if self._index is None else value[self._index]
 
 
-def read_later(x: jax.Array, index: int | None = None) -> Later | _Here:
+def read_later(x: jax.Array, index: int | None = None) -> Later | Here:
     """Call in lockstep (every process, same order) when the program making x is dispatched."""
-    return _Here(x, index) if jax.process_count() == 1 else Later(x, index)
+    return Here(x, index) if jax.process_count() == 1 else Later(x, index)
 
 
 def read(x: jax.Array, index: int | None = None) -> np.ndarray:
