@@ -137,3 +137,25 @@ def test_buckets_bound_the_programs_and_refuse_what_does_not_fit():
     batch.pack([row(17), row(17), row(1)], b, 16)  # two chunks and a decode: the (64, 4) program, 2 + 2 tiles
     with pytest.raises(ValueError, match="3 prefill chunks exceeds the 2"):
         batch.pack([row(5), row(5), row(5)], b, 16)
+
+
+def test_a_step_travels_as_one_blob_and_comes_back_bit_for_bit():
+    """batch.to_blob puts every array of a packed step in one int32 array (one transfer); from_blob, in numpy
+    or inside a compiled program, gives back each array, floats and the unsigned seeds bit for bit."""
+    import jax
+
+    b = batch.Buckets.make(512, 16, 2048, 16, 256, min_rows=4, max_prefills=2)
+    rng = np.random.default_rng(0)
+    params = [SamplingParams(temperature=0.7, top_p=0.93, top_k=5), SamplingParams(), SamplingParams(top_p=0.5)]
+    rows = [batch.Row(rng.integers(0, 500, n).tolist(), start, list(range(1, 9)), p, int(seed), c, feed)
+            for n, start, p, seed, c, feed in [(17, 3, params[0], 2**32 - 1, 4, -1), (1, 40, params[1], 7, 9, 2),
+                                               (9, 0, params[2], 2**31 + 5, 0, -1)]]
+    packed = batch.pack(rows, b, 16)
+    blob = batch.to_blob(packed)
+    assert blob.dtype == np.int32 and blob.ndim == 1
+    shape = batch.shape_of(packed)
+    on_device = jax.jit(lambda x: batch.from_blob(x, shape, b))(blob)
+    for back in (batch.from_blob(blob, shape, b), on_device):
+        for name, want, got in zip(batch.StepArrays._fields, packed, back):
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.client import AsyncClient, Client
+from jaxserve.engine import batch
 from jaxserve.engine.runner import Sampler, forward
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.launch import BackgroundServer
@@ -453,14 +454,16 @@ def failing_inside_the_call(runner):
     def boom(x):
         raise RuntimeError("injected device failure")
 
-    def failing(model, params, caches, arrays, previous):
+    def failing(model, shape, params, caches, blob, previous):
+        arrays = batch.from_blob(blob, shape, runner.buckets)
         logits, caches = forward(model, params, caches, arrays, previous)
-        return logits + jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.float32), logits[0, 0]), caches
+        boom_now = jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.float32), logits[0, 0])
+        return logits + boom_now, caches, batch.sampling(arrays)
 
-    step = jax.jit(failing, donate_argnums=(2,), static_argnums=(0,))
+    step = jax.jit(failing, donate_argnums=(3,), static_argnums=(0, 1))
     real = runner._program
     return lambda program: (real(program) if isinstance(program, Sampler) else
-                            functools.partial(step, runner._loop_of(program).model))
+                            functools.partial(step, runner._loop_of(program).model, program))
 
 
 def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client, oai):

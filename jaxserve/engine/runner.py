@@ -120,6 +120,7 @@ class ModelRunner:
         self.cfg, self.dtype = cfg, dtype
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
         backend = RaggedPagedBackend(block_size, key_block, kvp, attention)
+        self._replicated = NamedSharding(mesh, P())
         # on a CPU a mixed program is bound by its chunk's compute, beside which the scan's weight copies are small,
         # and it compiles in a fraction of the time: those scan over a second, stacked copy of the weights, placed
         # when a mixed program is first needed (a decode instance never needs one)
@@ -127,7 +128,6 @@ class ModelRunner:
         self._stacked = functools.partial(self._loop, params, backend, mesh, False) if self.scan_mixed else None
         self._loops = {True: self._loop(params, backend, mesh, True)}
         self.params = self._loops[True].params  # per layer
-        self._replicated = NamedSharding(mesh, P())
         self._sample = jax.jit(sample_padded, static_argnames=("cut", "size"), out_shardings=self._replicated)
         self.max_rows = max(s.rows for s in buckets.programs())
         self._previous = jax.device_put(np.zeros(self.max_rows, np.int32), self._replicated)
@@ -144,15 +144,20 @@ class ModelRunner:
                                                      self.tp)
         model = Llama(self.cfg, backend, self.dtype, TP if self.tp > 1 else None, unrolled=unrolled)
 
-        def step(params, caches, arrays, previous):
-            run = functools.partial(forward, model)
-            if len(self.devices) > 1:  # every device runs the same batch: inputs replicated, weights and cache split
-                run = jax.shard_map(run, mesh=mesh, in_specs=(specs, P(None, SP, TP), P(), P()),
-                                    out_specs=(P(), P(None, SP, TP)), check_vma=False)
-            return run(params, caches, arrays, previous)
+        def run(params, caches, arrays, previous):
+            logits, caches = forward(model, params, caches, arrays, previous)
+            return logits, caches, batch.sampling(arrays)
+
+        if len(self.devices) > 1:  # every device runs the same batch: inputs replicated, weights and cache split
+            run = jax.shard_map(run, mesh=mesh, in_specs=(specs, P(None, SP, TP), P(), P()),
+                                out_specs=(P(), P(None, SP, TP), P()), check_vma=False)
+
+        def step(params, caches, blob, previous, shape):
+            """The forward of a step packed into one blob; the sampler's inputs, out of the blob."""
+            return run(params, caches, batch.from_blob(blob, shape, self.buckets), previous)
 
         return _Loop(jax.device_put(params, tensor_parallel.shardings(mesh, specs)), model,
-                     jax.jit(step, donate_argnums=(1,)))
+                     jax.jit(step, donate_argnums=(1,), static_argnames=("shape",)))
 
     def _loop_of(self, shape: batch.Shape) -> _Loop:
         unrolled = shape.tiles == 0 or not self.scan_mixed
@@ -199,11 +204,14 @@ class ModelRunner:
     def _trace(self, program: Program, abstract) -> jax.stages.Traced:
         if isinstance(program, Sampler):
             arrays = batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size)
-            logits = jax.ShapeDtypeStruct((program.rows, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
-            return self._sample.trace(abstract(logits), *batch.sampling(arrays), cut=program.cut, size=self.max_rows)
+            logits = np.zeros((program.rows, self.cfg.vocab_size), np.float32)
+            inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated),
+                                  (logits, *batch.sampling(arrays)))
+            return self._sample.trace(*abstract(inputs), cut=program.cut, size=self.max_rows)
         loop = self._loop_of(program)
-        arrays = batch.empty(self.buckets, program, self.block_size)
-        return loop.step.trace(abstract(loop.params), abstract(self.caches), arrays, abstract(self._previous))
+        blob = batch.to_blob(batch.empty(self.buckets, program, self.block_size))
+        return loop.step.trace(abstract(loop.params), abstract(self.caches), blob, abstract(self._previous),
+                               shape=program)
 
     def lower(self, program: Program, platforms: Sequence[str] | None = None) -> jax.stages.Lowered:
         """`program` lowered for `platforms` (default: this backend), e.g. to read what a GPU would run from a
@@ -225,12 +233,15 @@ class ModelRunner:
         return self.dispatch(arrays).value()
 
     def dispatch(self, arrays: batch.StepArrays) -> Pending:
-        """Dispatch a packed step; it runs after the steps dispatched before it. The forward and the sampler are
-        two programs dispatched back to back (the device runs them without waiting for the host): each forward
-        serves both samplers, so half as many large programs compile."""
+        """Dispatch a packed step; it runs after the steps dispatched before it. Its arrays go to the device as
+        one blob (one transfer). The forward and the sampler are two programs dispatched back to back (the device
+        runs them without waiting for the host): each forward serves both samplers, so half as many large
+        programs compile. The forward hands the sampler its inputs, already on the device."""
         shape = batch.shape_of(arrays)
-        logits, self.caches = self._program(shape)(self._loop_of(shape).params, self.caches, arrays, self._previous)
-        self._previous = self._program(Sampler(shape.rows, batch.cuts(arrays)))(logits, *batch.sampling(arrays))
+        forward = self._program(shape)
+        logits, self.caches, sampling = forward(self._loop_of(shape).params, self.caches, batch.to_blob(arrays),
+                                                self._previous)
+        self._previous = self._program(Sampler(shape.rows, batch.cuts(arrays)))(logits, *sampling)
         return Pending(processes.read_later(self._previous))
 
     def warmup_land(self, max_rows: int) -> None:
