@@ -14,7 +14,7 @@ import types
 import numpy as np
 import pytest
 
-from jaxserve.engine.batch import Row
+from jaxserve.engine.batch import BadRow, Row
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.sched.batch_cost import EngineStepCost
@@ -172,3 +172,66 @@ def test_stop_string_held_back_then_released():
 def test_max_model_len_beyond_the_kv_cache_is_rejected():
     with pytest.raises(ValueError, match="exceeds the KV cache"):
         make_engine(CheckingRunner(4), num_blocks=20, max_model_len=1000)
+
+
+def _collect(engine, outputs: dict) -> None:
+    for out in engine.step():
+        outputs.setdefault(out.request_id, []).append(out)
+
+
+def test_a_row_that_fails_in_a_step_planned_ahead_is_told_at_once():
+    """A request whose row cannot be packed in the step dispatched ahead gets its error in that call's outputs,
+    even when it was the last request (nothing would step the engine again to deliver it)."""
+    runner = CheckingRunner(4)
+    real = runner.start
+
+    def start(rows):
+        for i, r in enumerate(rows):
+            if r.seed == 9:
+                raise BadRow(i, ValueError("injected"))
+        return real(rows)
+
+    runner.start = start
+    engine = make_engine(runner, num_blocks=20, max_model_len=64)
+    sp = SamplingParams(max_tokens=3, seed=1, ignore_eos=True)
+    runner.expected[1] = [1, 2] + expected_output([1, 2], sp, 64)
+    outputs: dict = {}
+    a = engine.add_request([1, 2], sp)
+    _collect(engine, outputs)
+    _collect(engine, outputs)  # a's second token; its third is in flight
+    b = engine.add_request([3, 4], SamplingParams(max_tokens=3, seed=9))
+    _collect(engine, outputs)  # reads a's last token, dispatches b's prefill ahead: b fails there
+    assert not engine.has_unfinished()
+    assert [t for o in outputs[a] for t in o.new_token_ids] == runner.expected[1][2:]
+    assert outputs[b][-1].finish_reason == "error" and "injected" in outputs[b][-1].error
+
+
+def test_a_cache_lost_while_a_step_is_in_flight_is_recomputed():
+    """The cache is lost (a failed KV landing) while a step is in flight: that step is dropped, its requests
+    recompute, and every output is still the expected one."""
+    runner = CheckingRunner(4)
+    engine = make_engine(runner, num_blocks=40, max_model_len=64)
+    outputs: dict = {}
+    rids = {}
+    for seed in (1, 2):
+        sp = SamplingParams(max_tokens=8, seed=seed, ignore_eos=True)
+        runner.expected[seed] = [1, 2, seed] + expected_output([1, 2, seed], sp, 64)
+        rids[engine.add_request([1, 2, seed], sp)] = seed
+    for _ in range(3):
+        _collect(engine, outputs)
+    assert engine._pending is not None
+    runner.caches_lost = True
+
+    def recover():
+        runner.cache.clear()
+        runner.caches_lost = False
+
+    runner.recover = recover
+    while engine.has_unfinished():
+        _collect(engine, outputs)
+    for rid, seed in rids.items():
+        assert [t for o in outputs[rid] for t in o.new_token_ids] == runner.expected[seed][3:]
+    assert engine.kv.num_free == engine.kv.capacity
+    while engine.has_work:  # a surplus step left in flight
+        engine.step()
+    assert engine.step() == [] and engine.last_predicted is None  # no Plan ran

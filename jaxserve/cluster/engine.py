@@ -213,7 +213,7 @@ class ClusterEngine:
                 d.admit(rid)
         predicted = []
         for d in self.decoders:
-            if not d.engine.has_unfinished():
+            if not d.engine.has_work:  # also reads a step left in flight after its requests ended
                 continue
             before = self.clock()
             try:

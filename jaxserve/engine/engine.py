@@ -84,7 +84,6 @@ class _Step:
     lives: list[_Live]  # whose rows they are (a request ended meanwhile and its id reused is not the same)
     tokens: Pending | None  # None: every row failed alone
     dispatched: float
-    errors: list[RequestOutput] = dataclasses.field(default_factory=list)  # requests that failed alone
 
     def rows(self) -> dict[str, int]:
         """Each decode's row: where the next step finds its token."""
@@ -113,6 +112,7 @@ class Engine:
         self._seed_rng = random.Random()
         self.overlap = overlap
         self._pending: _Step | None = None  # dispatched, its tokens not read
+        self._failed_alone: list[RequestOutput] = []  # requests a step left out, told in this step's outputs
         self._last_end = -math.inf  # when the last step's tokens were read
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -225,6 +225,7 @@ class Engine:
         """Rebuild the cache if a failed step took it: every request's KV (and every cached prefix) is gone, so
         the requests still held recompute. Raises if the rebuild fails (e.g. out of device memory)."""
         if self.runner.caches_lost:
+            self._pending = None  # its requests recompute what it was computing
             self.scheduler.drop_all_kv()
             self._tables.clear()
             self.runner.recover()
@@ -233,14 +234,16 @@ class Engine:
         """Run one Plan and return what it produced. With `overlap`, the next Plan is dispatched before this
         one's tokens are read, so the device runs it while the host turns them into text and an Outcome."""
         self.recover()  # a no-op unless an earlier rebuild failed
+        self.last_predicted = None
         if self._pending is None:
             self._pending = self._launch(None)
-            if self._pending is None:
-                return []
         current, self._pending = self._pending, None
-        if self.overlap:
+        if current is not None and self.overlap:
             self._pending = self._launch(current)
-        return self._finish(current)
+        outputs = self._finish(current) if current is not None else []
+        outputs += self._failed_alone
+        self._failed_alone = []
+        return outputs
 
     def _launch(self, previous: _Step | None) -> _Step | None:
         """Plan and dispatch a step (None: nothing to run). `previous`: the step still in flight; the new Plan
@@ -260,7 +263,7 @@ class Engine:
                 rid = step.items.pop(e.index).request_id
                 step.lives.pop(e.index)
                 logging.warning("request %s fails alone: %s", rid, e)
-                step.errors.append(self._error(rid, str(e)))
+                self._failed_alone.append(self._error(rid, str(e)))
             except Exception as e:
                 raise self._fail(e, step, previous) from e
 
@@ -273,15 +276,16 @@ class Engine:
             raise self._fail(e, step, self._pending) from e
         end = self.clock()
         start, self._last_end = max(step.dispatched, self._last_end), end  # under overlap: end to end
-        outputs, tokens, stopped = step.errors, {}, set()
-        plan = step.plan
-        if any(self._live.get(i.request_id) is not live for i, live in zip(step.items, step.lives)):
-            # requests ended after the step was dispatched: their tokens are dropped (a stop found one step late)
-            plan = dataclasses.replace(plan, items=tuple(i for i, live in zip(step.items, step.lives)
-                                                        if self._live.get(i.request_id) is live))
-        for item, live, token in zip(step.items, step.lives, sampled):
-            if self._live.get(item.request_id) is not live or not self.scheduler.yields_token(item):
+        outputs, tokens, stopped = [], {}, set()
+        # the Plan as it ran, less the requests that ended since it was dispatched (a stop found one step late
+        # drops their tokens; a request id used again names another request)
+        ran = [(item, token) for item, live, token in zip(step.items, step.lives, sampled)
+               if self._live.get(item.request_id) is live]
+        plan = dataclasses.replace(step.plan, items=tuple(item for item, _ in ran))
+        for item, token in ran:
+            if not self.scheduler.yields_token(item):
                 continue
+            live = self._live[item.request_id]
             try:
                 out = self._append(live, int(token))
             except Exception as e:  # noqa: BLE001 - e.g. detokenizing: this request's own work

@@ -295,6 +295,7 @@ class ModelRunner:
         """Fresh (zeroed) cache buffers after a failed step deleted the donated ones."""
         if self.caches_lost:
             self.caches = self._allocate()
+            self._previous = jax.device_put(np.zeros(self.max_rows, np.int32), self._replicated)
 
     def _allocate(self):
         return jax.jit(lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.dtype, self.tp),

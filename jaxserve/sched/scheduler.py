@@ -108,9 +108,11 @@ class ReplicaScheduler:
 
     def drop_all_kv(self) -> None:
         """The executor lost the cache's contents (a failed step deleted its buffers): every request holding KV
-        recomputes, and no cached prefix may be hit again. Call with nothing in flight."""
+        recomputes, and no cached prefix may be hit again. Work in flight is forgotten: no Outcome of it may be
+        applied."""
         for r in list(self.running.values()):
             self._preempt(r, {}, [])
+        self.decode_in_flight.clear()
         self.kv.reset_prefix_cache()
 
     def outstanding_work(self) -> float:
