@@ -22,8 +22,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.client import AsyncClient, Client
-from jaxserve.engine import batch
-from jaxserve.engine.runner import Sampler, forward
+from jaxserve.engine.runner import Sampler, forward_packed
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.launch import BackgroundServer
 from jaxserve.server.proto import jaxserve_pb2 as pb
@@ -455,10 +454,9 @@ def failing_inside_the_call(runner):
         raise RuntimeError("injected device failure")
 
     def failing(model, shape, params, caches, blob, previous):
-        arrays = batch.from_blob(blob, shape, runner.buckets)
-        logits, caches = forward(model, params, caches, arrays, previous)
+        logits, caches, sampling = forward_packed(model, runner.buckets)(params, caches, blob, previous, shape)
         boom_now = jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.float32), logits[0, 0])
-        return logits + boom_now, caches, batch.sampling(arrays)
+        return logits + boom_now, caches, sampling
 
     step = jax.jit(failing, donate_argnums=(3,), static_argnums=(0, 1))
     real = runner._program

@@ -20,10 +20,10 @@ For each collective-permute the report gives its bytes, whether XLA made it asyn
 kernels (Pallas/Triton calls, counting those inside loops) scheduled while it is in flight. The compiled HLO of
 each program and a JSON summary go to --out. Exit status 1 if a K/V transfer overlaps no kernel.
 
---decode instead compiles the engine's pure-decode serving step for one GPU at batch 1 and 16: its forward
-(engine.runner.forward: Llama-3.1-8B's 32 layers, bf16, the Pallas kernels) as `decode_b1.hlo` and
-`decode_b16.hlo`, and its sampler (engine.sampling.sample, with and without the top-k / top-p cut). The summary
-counts, per program, the compile seconds, the `conditional`s (each makes the host wait for the device), the
+--decode instead compiles the engine's pure-decode serving step for one GPU at batch 1 and 16, as the runner
+compiles it: its forward (engine.runner.forward_packed: Llama-3.1-8B's 32 layers, bf16, the Pallas kernels) as
+`decode_b1.hlo` and `decode_b16.hlo`, and its sampler (engine.runner.sample_padded, with and without the top-k /
+top-p cut). The summary counts, per program, the compile seconds, the `conditional`s (each makes the host wait for the device), the
 `while` loops, and the weight copies: instructions outside fusions whose result has a weight's shape (a layer
 scan's dynamic slice of the stacked weights is one). Exit status 1 if any is found.
 """
@@ -55,8 +55,7 @@ import numpy as np  # noqa: E402
 from jaxserve import xla_flags  # noqa: E402
 from jaxserve.engine import batch, compiled, sp_prefill  # noqa: E402
 from jaxserve.engine.kv_cache import RaggedPagedBackend  # noqa: E402
-from jaxserve.engine.runner import forward  # noqa: E402
-from jaxserve.engine.sampling import sample  # noqa: E402
+from jaxserve.engine.runner import forward_packed, sample_padded  # noqa: E402
 from jaxserve.engine.scoring import DenseCausalBackend  # noqa: E402
 from jaxserve.models.config import llama3_8b  # noqa: E402
 from jaxserve.models.llama import Llama  # noqa: E402
@@ -124,6 +123,7 @@ PROGRAMS = {"ring": ring_program, "chunk": chunk_program}
 DECODE_ROWS = (1, 16)
 BLOCK, KEY_BLOCK = 16, 256
 DECODE_BUCKETS = batch.Buckets.make(512, 16, 2048, BLOCK, KEY_BLOCK)  # a 2,048-token context
+MAX_ROWS = max(s.rows for s in DECODE_BUCKETS.programs())  # the runner's max_rows: every sampler's output
 
 
 def decode_program(mesh: jax.sharding.Mesh, rows: int) -> tuple[Any, tuple, list[tuple[int, ...]]]:
@@ -140,11 +140,11 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int) -> tuple[Any, tuple, list
         jax.random.key(0), one, one, (), one[0])))
     cache = jax.ShapeDtypeStruct((cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
                                  sharding=here)
-    arrays = on_gpu(jax.tree.map(np.asarray, batch.empty(buckets, buckets.decode(rows), bs)))
-    previous = on_gpu(np.zeros(rows, np.int32))  # the last step's sampled tokens, fed on the device
-    step = jax.jit(functools.partial(forward, model), donate_argnums=(1,))
+    blob = on_gpu(batch.to_blob(batch.empty(buckets, buckets.decode(rows), bs)))
+    previous = on_gpu(np.zeros(MAX_ROWS, np.int32))  # the last step's sampled tokens, fed on the device
+    step = jax.jit(functools.partial(forward_packed(model, buckets), shape=buckets.decode(rows)), donate_argnums=(1,))
     weights = [x.shape for x in jax.tree.leaves(params) if len(x.shape) > 1]
-    return step, (params, (cache, cache), arrays, previous), weights
+    return step, (params, (cache, cache), blob, previous), weights
 
 
 def sampler_program(mesh: jax.sharding.Mesh, rows: int, cut: bool) -> tuple[Any, tuple]:
@@ -153,7 +153,7 @@ def sampler_program(mesh: jax.sharding.Mesh, rows: int, cut: bool) -> tuple[Any,
     logits = jax.ShapeDtypeStruct((rows, llama3_8b(1).vocab_size), jnp.float32, sharding=here)
     arrays = batch.empty(DECODE_BUCKETS, DECODE_BUCKETS.decode(rows), BLOCK)
     sampling = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here) for x in batch.sampling(arrays)]
-    return jax.jit(functools.partial(sample, cut=cut)), (logits, *sampling)
+    return jax.jit(functools.partial(sample_padded, cut=cut, size=MAX_ROWS)), (logits, *sampling)
 
 
 def compile_decode(out: pathlib.Path, options: dict) -> bool:

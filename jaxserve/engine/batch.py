@@ -166,14 +166,6 @@ def _write_row(a: StepArrays, i: int, r: Row, at: int, tile: int, buckets: Bucke
     return tile
 
 
-def _layout(shape: Shape, buckets: Buckets) -> list[tuple[tuple[int, ...], np.dtype]]:
-    """Each StepArrays field's dims and dtype in a step of `shape`."""
-    t, r, nt = shape
-    dims = [(t,)] * 4 + [(r, buckets.width), (r,), (nt, buckets.tile), (nt,)] + [(r,)] * 6
-    dtypes = [np.int32] * 9 + [np.float32, np.int32, np.float32, np.uint32, np.int32]
-    return list(zip(dims, map(np.dtype, dtypes)))
-
-
 def to_blob(a: StepArrays) -> Int[np.ndarray, "n"]:
     """Every array of the step end to end in one int32 array (floats bit for bit): one transfer to the device."""
     return np.concatenate([np.ascontiguousarray(x).reshape(-1).view(np.int32) for x in a])
@@ -182,10 +174,9 @@ def to_blob(a: StepArrays) -> Int[np.ndarray, "n"]:
 def from_blob(blob, shape: Shape, buckets: Buckets) -> StepArrays:
     """to_blob undone, for numpy or (inside the compiled step) jax arrays."""
     fields, at = [], 0
-    for dims, dtype in _layout(shape, buckets):
-        n = int(np.prod(dims))
-        fields.append(blob[at:at + n].reshape(dims).view(dtype))
-        at += n
+    for like in empty(buckets, shape, block_size=1):  # each field's dims and dtype
+        fields.append(blob[at:at + like.size].reshape(like.shape).view(like.dtype))
+        at += like.size
     return StepArrays(*fields)
 
 

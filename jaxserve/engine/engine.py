@@ -3,9 +3,11 @@
 Each `step()` asks the ReplicaScheduler (sched/) for a Plan (decodes and several prefill chunks under the
 iteration's token and time budget, the KV block ids it grants, the requests it preempted), runs it as one
 step over a flat ragged batch (runner.ModelRunner: a compiled forward, then the sampler), turns the sampled
-tokens into text and stop decisions, and hands the Outcome back; the scheduler's state moves only from Outcomes, exactly as in the
-simulator. A preempted request recomputes its prompt and generated tokens (mostly from prefix-cache hits); on
-CPU in float32 its output is unchanged (bf16 on GPU makes no such promise: batch shapes change the rounding).
+tokens into text and stop decisions, and hands the Outcome back; the scheduler's state moves only from Outcomes,
+exactly as in the simulator. With overlap (the default) the next step is dispatched before the last one's
+tokens are read, so the device does not wait for this Python. A preempted request recomputes its prompt and
+generated tokens (mostly from prefix-cache hits); on CPU in float32 its output is unchanged (bf16 on GPU makes
+no such promise: batch shapes change the rounding).
 """
 
 from __future__ import annotations

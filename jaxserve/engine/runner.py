@@ -35,7 +35,7 @@ import concurrent.futures
 import functools
 import os
 import threading
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +64,23 @@ def forward(model: Llama, params: Any, caches: Any, a: batch.StepArrays,
     token_ids = jnp.where(a.feed >= 0, previous[jnp.maximum(a.feed, 0)], a.token_ids)
     logits, caches = model.apply(params, token_ids[None], a.positions[None], caches, ctx, a.logits_index[None])
     return logits[0], caches
+
+
+def forward_packed(model: Llama, buckets: batch.Buckets, spread: Callable | None = None) -> Callable:
+    """What the runner compiles for a step: (params, caches, blob, previous, shape) -> (logits, caches, the
+    sampler's inputs). The step's arrays arrive as one blob (batch.to_blob: one transfer), and the sampler takes
+    its inputs from here, already on the device. spread: wraps the per-device part for several devices (a
+    shard_map); None on one."""
+    def one(params, caches, arrays, previous):
+        logits, caches = forward(model, params, caches, arrays, previous)
+        return logits, caches, batch.sampling(arrays)
+
+    run = spread(one) if spread is not None else one
+
+    def step(params, caches, blob, previous, shape):
+        return run(params, caches, batch.from_blob(blob, shape, buckets), previous)
+
+    return step
 
 
 def sample_padded(logits: Float[Array, "r v"], *sampling: Array, cut: bool, size: int) -> Int[Array, "m"]:
@@ -130,7 +147,7 @@ class ModelRunner:
         self.params = self._loops[True].params  # per layer
         self._sample = jax.jit(sample_padded, static_argnames=("cut", "size"), out_shardings=self._replicated)
         self.max_rows = max(s.rows for s in buckets.programs())
-        self._previous = jax.device_put(np.zeros(self.max_rows, np.int32), self._replicated)
+        self._previous = self._no_tokens()
         self.model = self._loops[True].model
         self.caches = self._allocate()
         self._programs: dict[Program, jax.stages.Compiled] = {}
@@ -144,18 +161,11 @@ class ModelRunner:
                                                      self.tp)
         model = Llama(self.cfg, backend, self.dtype, TP if self.tp > 1 else None, unrolled=unrolled)
 
-        def run(params, caches, arrays, previous):
-            logits, caches = forward(model, params, caches, arrays, previous)
-            return logits, caches, batch.sampling(arrays)
-
+        spread = None
         if len(self.devices) > 1:  # every device runs the same batch: inputs replicated, weights and cache split
-            run = jax.shard_map(run, mesh=mesh, in_specs=(specs, P(None, SP, TP), P(), P()),
-                                out_specs=(P(), P(None, SP, TP), P()), check_vma=False)
-
-        def step(params, caches, blob, previous, shape):
-            """The forward of a step packed into one blob; the sampler's inputs, out of the blob."""
-            return run(params, caches, batch.from_blob(blob, shape, self.buckets), previous)
-
+            spread = functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(None, SP, TP), P(), P()),
+                                       out_specs=(P(), P(None, SP, TP), P()), check_vma=False)
+        step = forward_packed(model, self.buckets, spread)
         return _Loop(jax.device_put(params, tensor_parallel.shardings(mesh, specs)), model,
                      jax.jit(step, donate_argnums=(1,), static_argnames=("shape",)))
 
@@ -203,10 +213,9 @@ class ModelRunner:
 
     def _trace(self, program: Program, abstract) -> jax.stages.Traced:
         if isinstance(program, Sampler):
-            arrays = batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size)
-            logits = np.zeros((program.rows, self.cfg.vocab_size), np.float32)
-            inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated),
-                                  (logits, *batch.sampling(arrays)))
+            sampling = batch.sampling(batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size))
+            shapes = [((program.rows, self.cfg.vocab_size), np.float32)] + [(x.shape, x.dtype) for x in sampling]
+            inputs = [jax.ShapeDtypeStruct(s, d, sharding=self._replicated) for s, d in shapes]
             return self._sample.trace(*abstract(inputs), cut=program.cut, size=self.max_rows)
         loop = self._loop_of(program)
         blob = batch.to_blob(batch.empty(self.buckets, program, self.block_size))
@@ -295,7 +304,11 @@ class ModelRunner:
         """Fresh (zeroed) cache buffers after a failed step deleted the donated ones."""
         if self.caches_lost:
             self.caches = self._allocate()
-            self._previous = jax.device_put(np.zeros(self.max_rows, np.int32), self._replicated)
+            self._previous = self._no_tokens()  # the failed step's may hold its error
+
+    def _no_tokens(self) -> Int[Array, "m"]:
+        """What the next forward reads as the previous step's tokens when none ran (no row feeds from it)."""
+        return jax.device_put(np.zeros(self.max_rows, np.int32), self._replicated)
 
     def _allocate(self):
         return jax.jit(lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.dtype, self.tp),

@@ -237,16 +237,13 @@ class ReplicaScheduler:
             if flying:
                 if not lagged or flying > 1 or r.generated + flying >= r.output_len:
                     continue
-                new = self.kv.allocate(r.id, r.kv_len + flying + 1)
-                if new is not None:
-                    grants.setdefault(r.id, []).extend(new)
-                    decodes.append(r)
-                continue
-            while (new := self.kv.allocate(r.id, r.kv_len + 1)) is None:
-                victim = next(v for v in reversed(self.running.values()) if not self._in_flight(v))
-                self._preempt(victim, grants, preempted)
-                if victim is r:
-                    break
+                new = self.kv.allocate(r.id, r.kv_len + flying + 1)  # none free: it waits for its token
+            else:
+                while (new := self.kv.allocate(r.id, r.kv_len + 1)) is None:
+                    victim = next(v for v in reversed(self.running.values()) if not self._in_flight(v))
+                    self._preempt(victim, grants, preempted)
+                    if victim is r:
+                        break
             if new is not None:
                 grants.setdefault(r.id, []).extend(new)
                 decodes.append(r)
