@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import math
 import pathlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from tqdm.auto import tqdm
 
 from jaxserve.engine import profile, scoring
@@ -31,7 +34,8 @@ from jaxserve.models.hf_loader import load_hf_dir
 from jaxserve.models.llama import Llama
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched.kv_manager import KVCacheManager
-from jaxserve.sched.packer import engine_packer
+from jaxserve.sched.batch_cost import EngineStepCost
+from jaxserve.sched.packer import PackerConfig, engine_packer
 from jaxserve.sched.policies import make_policy
 from jaxserve.sched.scheduler import ReplicaScheduler
 from jaxserve.sched.slo import SLO
@@ -128,7 +132,8 @@ class LLM:
                  prefix_caching: bool = True, cost_profile: str | None = None, key_block: int = 256,
                  tp: int = 1, prefill_instances: int = 0, decode_instances: int = 1, decode_kvp: int = 1,
                  node_size: int = 2, receive_buffers: int = 4, min_chunk: int = 1024,
-                 prefill_profile: str | None = None, warmup: bool = False, progress: bool = True):
+                 prefill_profile: str | None = None, warmup: bool = False, quick_start: bool = False,
+                 progress: bool = True):
         """kv_cache_tokens sizes the KV pool directly; otherwise it holds as many tokens as fit in kv_cache_gib
         (per device: with tp > 1 a device holds its share of each token's KV heads). max_model_len defaults to the
         model's context, capped by what the pool holds.
@@ -145,7 +150,11 @@ class LLM:
         and the cost model is measured if it is not cached. Without it (the default, for generate and notebooks)
         each program compiles the first time a step needs it, and a cost model not yet cached is not measured:
         steps are then bounded by max_num_batched_tokens alone (as in vLLM), with no time budget (unless
-        iteration_budget sets one).
+        iteration_budget sets one). With `quick_start` as well (what `serve` does by default), only the programs
+        the first requests run compile here (runner.first_programs); the rest compile in the background, and a
+        step that needs one first waits for it. A cost model not yet cached is then measured the first time the
+        engine is idle (it yields to any request that arrives), and steps are bounded by tokens until then.
+        Quick start applies to one engine in one process; a cluster or several processes warm up in full.
 
         Layout: an instance is `tp` devices of `jax.devices()`, tensor-parallel (each holds a share of every
         layer's heads and MLP). By default the engine is one instance. With prefill_instances > 0 it is a live
@@ -188,6 +197,7 @@ class LLM:
                                      min_rows=4 if jax.devices()[0].platform == "cpu" else None,
                                      max_prefills=max_prefills_per_step)
         self._warmup = warmup
+        self._quick_start = quick_start and warmup and not prefill_instances and jax.process_count() == 1
         self._sched_args = dict(policy=policy, ttft_slo=ttft_slo, prefix_caching=prefix_caching,
                                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 multi_prefill=multi_prefill, space_sharing=space_sharing,
@@ -219,26 +229,55 @@ class LLM:
         runner = self._new(ModelRunner, self.config, self._params, self._dtype, num_blocks=num_blocks,
                            block_size=self._block_size, buckets=self._buckets, key_block=self._key_block,
                            devices=devices, tp=self._tp)
-        budget = a["iteration_budget"]
+        quick = self._quick_start and self.cost is None  # the first engine only
         if self._warmup:
-            runner.warmup(progress=progress)
+            runner.warmup(runner.first_programs() if quick else None, progress=progress)
+        path = None
         if self.cost is None:
             path = (pathlib.Path(self._cost_profile) if self._cost_profile else
                     profile.default_path(self.model_name, self._dtype_name, runner))
-            if self._warmup or path.exists():
+            if path.exists():
+                self.cost = profile.load(path, runner)
+            elif self._warmup and not quick:
                 self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
-        cost = self.cost or profile.unmeasured(runner)
-        if self.cost is None and budget is None:
-            budget = math.inf  # no time model: the token budget alone bounds a step
-        packer = engine_packer(cost, max_batch_tokens=a["max_num_batched_tokens"], max_num_seqs=a["max_num_seqs"],
-                               max_model_len=self.max_model_len, chunk_align=self._buckets.tokens[0],
-                               max_prefills=self._buckets.max_prefills, multi_prefill=a["multi_prefill"],
-                               space_sharing=a["space_sharing"], t_target=budget)
         kv = KVCacheManager(num_blocks, self._block_size, enable_prefix_caching=a["prefix_caching"],
                             scratch_blocks=kvp)
-        scheduler = ReplicaScheduler(make_policy(a["policy"]), cost, packer, kv, slo=SLO(ttft_min=a["ttft_slo"]),
-                                     max_running=a["max_num_seqs"])
-        return Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
+        cost = self.cost or profile.unmeasured(runner)
+        scheduler = ReplicaScheduler(make_policy(a["policy"]), cost, self._packer(cost, measured=self.cost is not None),
+                                     kv, slo=SLO(ttft_min=a["ttft_slo"]), max_running=a["max_num_seqs"])
+        engine = Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
+        if quick:
+            first = set(runner.first_programs())
+            compiled = runner.compile_in_background([p for p in runner.programs() if p not in first])
+            if self.cost is None:
+                engine.defer(functools.partial(self._measure_when_idle, engine, path, compiled))
+        return engine
+
+    def _packer(self, cost: EngineStepCost, measured: bool) -> PackerConfig:
+        a = self._sched_args
+        budget = a["iteration_budget"]
+        if not measured and budget is None:
+            budget = math.inf  # no time model: the token budget alone bounds a step
+        return engine_packer(cost, max_batch_tokens=a["max_num_batched_tokens"], max_num_seqs=a["max_num_seqs"],
+                             max_model_len=self.max_model_len, chunk_align=self._buckets.tokens[0],
+                             max_prefills=self._buckets.max_prefills, multi_prefill=a["multi_prefill"],
+                             space_sharing=a["space_sharing"], t_target=budget)
+
+    def _measure_when_idle(self, engine: Engine, path: pathlib.Path, compiled: concurrent.futures.Future,
+                           stop: Callable[[], bool]) -> bool:
+        """Engine.defer's work after a quick start: once every program is compiled (timings taken beside a
+        compile would be wrong), measure the cost profile and plan with it. Whether it is done."""
+        if not compiled.done():
+            return False
+        engine.scheduler.kv.reset_prefix_cache()  # the measurement writes its own KV over free blocks
+        try:
+            cost = profile.load_or_measure(path, engine.runner, self.max_model_len, progress=False, stop=stop)
+        except profile.Interrupted:
+            return False
+        self.cost = cost
+        engine.scheduler.use_cost(cost, self._packer(cost, measured=True))
+        logging.info("cost profile measured (%s); steps are planned by time from now on", path)
+        return True
 
     def _make_cluster(self, layout: Layout, min_chunk: int, prefill_profile: str | None,
                       progress: bool) -> ClusterEngine:

@@ -41,6 +41,9 @@ flags.DEFINE_integer("max_num_seqs", 16, "serve: most requests in the running ba
 flags.DEFINE_integer("max_queue", 256, "serve: most requests waiting beyond the batch; more are refused "
                      "(RESOURCE_EXHAUSTED / HTTP 429).")
 flags.DEFINE_float("kv_cache_gib", 2.0, "serve: KV cache size, GiB.")
+flags.DEFINE_bool("quick_start", True, "serve: listen once the first requests' programs compile; the rest compile "
+                  "in the background, and an uncached cost profile is measured when first idle (--noquick_start: "
+                  "compile and measure everything before listening, so nothing compiles while serving).")
 flags.DEFINE_float("drain_timeout", 30.0, "serve: on SIGTERM, seconds the whole shutdown may take (in-flight requests get most of it to finish).")
 flags.DEFINE_integer("max_request_bytes", 32 << 20, "serve: the largest HTTP request body read; larger ones get 413 "
                      "before any parsing.")
@@ -185,7 +188,7 @@ def _serve() -> None:
 
     _join()
     llm = jaxserve.LLM(FLAGS.model, kv_cache_gib=FLAGS.kv_cache_gib, max_num_seqs=FLAGS.max_num_seqs,
-                       warmup=True, **_engine_flags())
+                       warmup=True, quick_start=FLAGS.quick_start, **_engine_flags())
     server = Server(llm, host=FLAGS.host, grpc_port=FLAGS.grpc_port, http_port=FLAGS.http_port,
                     model_name=FLAGS.served_model_name, api_key=_api_key(),
                     max_queue=FLAGS.max_queue, drain_timeout=FLAGS.drain_timeout,

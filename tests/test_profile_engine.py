@@ -8,6 +8,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -96,3 +97,37 @@ def test_bench_startup_tool_times_generate_and_serve_from_fresh_caches(tmp_path)
     assert [(r["command"], r["caches"]) for r in rows] == [("generate", "as installed"), ("generate", "run 2"),
                                                            ("serve", "as installed"), ("serve", "run 2")]
     assert all(r["seconds"] > 0 for r in rows)
+    assert all(r["first_reply_seconds"] > 0 for r in rows if r["command"] == "serve")
+
+
+def test_a_quick_start_serves_at_once_then_measures_its_profile_when_idle(tmp_path):
+    """serve's quick start: the first requests' programs compile before the LLM returns and the rest in the
+    background; until the profile is measured, steps are bounded by tokens. The profile is measured when the
+    engine is idle, stops when a request waits (and starts again later), and then prices every step."""
+    import jaxserve
+    from jaxserve import SamplingParams
+
+    path = tmp_path / "profile.json"
+    llm = jaxserve.LLM("random:tiny", max_model_len=256, kv_cache_tokens=2048, max_num_seqs=4,
+                       max_num_batched_tokens=64, warmup=True, quick_start=True, cost_profile=str(path),
+                       progress=False)
+    engine, runner = llm.engine, llm.engine.runner
+    assert all(runner.is_compiled(p) for p in runner.first_programs())
+    assert len(runner.first_programs()) < len(runner.programs())
+    assert llm.cost is None and engine.has_deferred and engine.scheduler.packer.t_target == float("inf")
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 110))]  # the second needs a larger token bucket than the first's
+    before = [o.token_ids for o in llm.generate(prompts, greedy)]
+
+    deadline = time.monotonic() + 300
+    while not all(runner.is_compiled(p) for p in runner.programs()):
+        assert time.monotonic() < deadline, "the background compile did not finish"
+        time.sleep(0.2)
+    asked = []
+    engine.run_deferred(stop=lambda: asked.append(1) or len(asked) > 2)  # a request arrives after two points
+    assert len(asked) == 3 and engine.has_deferred and not path.exists() and llm.cost is None
+    engine.run_deferred(stop=lambda: False)
+    assert not engine.has_deferred and path.exists()
+    assert engine.scheduler.cost is llm.cost and all(t > 0 for t in llm.cost.decode_base)
+    assert 0 < engine.scheduler.packer.t_target < float("inf")
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == before

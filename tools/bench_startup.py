@@ -6,8 +6,9 @@ weights), then again with what the first runs left.
 
 Each run is its own process with JAXSERVE_CACHE pointing at a temporary folder that links the user's fetched
 models (the user's cache is not otherwise touched). `generate`: launch to exit, 16 greedy tokens after a short
-plain prompt. `serve`: launch to both interfaces listening (every step program compiled, the cost model measured
-or loaded). The table goes to stdout and, with --out, to DIR/startup.json.
+plain prompt. `serve`: launch to both interfaces listening (with its default quick start: the first requests'
+programs compiled, the cost model loaded if cached), then a first 16-token completion over HTTP. The table
+goes to stdout and, with --out, to DIR/startup.json.
 """
 
 from __future__ import annotations
@@ -46,14 +47,24 @@ def timed_generate() -> float:
     return seconds
 
 
-def timed_serve() -> float:
+def timed_serve() -> tuple[float, float]:
+    """Seconds from launch to listening, and then to a first completion's whole reply (16 tokens)."""
+    import openai
+
     from jaxserve.server.spawn import ServerProcess
 
     start = time.perf_counter()
     server = ServerProcess(*model_flags())
-    seconds = time.perf_counter() - start
+    ready = time.perf_counter()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none")
+    client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=16, temperature=0)
+    replied = time.perf_counter()
     server.stop()
-    return seconds
+    return ready - start, replied - ready
+
+
+def timed_generate_row() -> tuple[float, None]:
+    return timed_generate(), None
 
 
 def as_installed(cache: str) -> None:
@@ -66,18 +77,20 @@ def as_installed(cache: str) -> None:
 def main(argv: list[str]) -> None:
     del argv
     rows = []
-    for command, timed, runs in (("generate", timed_generate, 1 + FLAGS.runs), ("serve", timed_serve, 2)):
+    for command, timed, runs in (("generate", timed_generate_row, 1 + FLAGS.runs), ("serve", timed_serve, 2)):
         with tempfile.TemporaryDirectory() as cache:  # each command starts from its own fresh cache
             as_installed(cache)
             os.environ["JAXSERVE_CACHE"] = cache
             for i in range(runs):
-                rows.append((command, "as installed" if i == 0 else f"run {i + 1}", timed()))
-                print(f"{command:9s} {rows[-1][1]:13s} {rows[-1][2]:6.1f} s", flush=True)
+                rows.append((command, "as installed" if i == 0 else f"run {i + 1}", *timed()))
+                reply = f"   first reply {rows[-1][3]:5.1f} s later" if rows[-1][3] is not None else ""
+                print(f"{command:9s} {rows[-1][1]:13s} {rows[-1][2]:6.1f} s{reply}", flush=True)
     if FLAGS.out:
         out = pathlib.Path(FLAGS.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "startup.json").write_text(json.dumps([dict(command=c, caches=k, seconds=round(s, 1))
-                                                      for c, k, s in rows], indent=1))
+        (out / "startup.json").write_text(json.dumps(
+            [dict(command=c, caches=k, seconds=round(s, 1), first_reply_seconds=r and round(r, 1))
+             for c, k, s, r in rows], indent=1))
 
 
 if __name__ == "__main__":

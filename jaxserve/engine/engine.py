@@ -116,6 +116,7 @@ class Engine:
         self._pending: _Step | None = None  # dispatched, its tokens not read
         self._failed_alone: list[RequestOutput] = []  # requests a step left out, told in this step's outputs
         self._last_end = -math.inf  # when the last step's tokens were read
+        self._deferred: Callable[[Callable[[], bool]], bool] | None = None  # run_deferred's work
 
     # ---- requests -------------------------------------------------------------------------------------
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -231,6 +232,31 @@ class Engine:
             self.scheduler.drop_all_kv()
             self._tables.clear()
             self.runner.recover()
+
+    def defer(self, work: Callable[[Callable[[], bool]], bool]) -> None:
+        """Work for the device while no request is in the engine (run_deferred), e.g. measuring the cost
+        profile after a quick start. work(stop) returns whether it finished; it should return early (False) as
+        soon as stop() is true: a request is waiting."""
+        self._deferred = work
+
+    @property
+    def has_deferred(self) -> bool:
+        return self._deferred is not None
+
+    def run_deferred(self, stop: Callable[[], bool]) -> None:
+        """Run the deferred work if no request is in the engine. Stopped early, it starts again the next time."""
+        if self._deferred is None or self._live:
+            return
+        try:
+            if self._pending is not None:  # a stopped request's surplus step: read it (the work runs alone)
+                pending, self._pending = self._pending, None
+                self._finish(pending)
+            done = self._deferred(stop)
+        except Exception:  # noqa: BLE001 - the work only refines serving: serve without it
+            logging.exception("deferred work failed; serving without it")
+            done = True
+        if done:
+            self._deferred = None
 
     def step(self) -> list[RequestOutput]:
         """Run one Plan and return what it produced. With `overlap`, the next Plan is dispatched before this

@@ -30,7 +30,7 @@ from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.step_shapes import StepShapes
 
 _GREEDY = SamplingParams(max_tokens=1)
-VERSION = 7  # of the step and of how it is measured: a change to either must not load an older profile
+VERSION = 8  # of the step and of how it is measured: a change to either must not load an older profile
 LONG = 2048  # tokens of context at the long points
 
 
@@ -52,7 +52,13 @@ def synthetic_row(n: int, history: int, first_block: int, block_size: int, num_b
     return Row(np.ones(n, np.int32).tolist(), history, blocks, _GREEDY, 0, 0)
 
 
-def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress: bool = True) -> EngineStepCost:
+class Interrupted(Exception):
+    """A measurement stopped early (its `stop` said so); nothing of it is kept."""
+
+
+def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress: bool = True,
+            stop: Callable[[], bool] = lambda: False) -> EngineStepCost:
+    """stop: asked before each point; True ends the measurement with Interrupted (a request is waiting)."""
     bs, nb, buckets, key_block = runner.block_size, runner.num_blocks, runner.buckets, runner.key_block
     shapes, decode_rows = buckets.shapes(), buckets.decode_rows
     longest = min(max_model_len, LONG)
@@ -66,6 +72,8 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
     with tqdm(total=len(shapes) + len(decode_rows) + 5, desc="profile the step", unit="step",
               disable=not progress) as bar:
         def timed(run: Callable[[], object]) -> float:
+            if stop():
+                raise Interrupted
             t = median_time(run, repeats)
             bar.update()
             return t
@@ -125,17 +133,22 @@ def default_path(model_name: str, dtype: str, runner: ModelRunner) -> pathlib.Pa
     return cache_file(model_name, dtype, shape, VERSION)
 
 
-def load_or_measure(path: pathlib.Path, runner: ModelRunner, max_model_len: int,
-                    progress: bool = True) -> EngineStepCost:
-    """The profile in `path`, measured (and written there) first if the file does not exist."""
+def load(path: pathlib.Path, runner: ModelRunner) -> EngineStepCost:
+    """The profile in `path`, checked against the runner's step shapes."""
+    cost = EngineStepCost.from_dict(json.loads(path.read_text()))
+    b = runner.buckets
+    if cost.shapes != _shapes(b) or cost.key_block != runner.key_block:
+        raise ValueError(f"the cost profile {path} was measured for other step shapes ({cost.shapes}, key block "
+                         f"{cost.key_block}) than this engine's ({_shapes(b)}, key block {runner.key_block})")
+    return cost
+
+
+def load_or_measure(path: pathlib.Path, runner: ModelRunner, max_model_len: int, progress: bool = True,
+                    stop: Callable[[], bool] = lambda: False) -> EngineStepCost:
+    """The profile in `path`, measured (and written there) first if the file does not exist. stop: as measure's."""
     if path.exists():
-        cost = EngineStepCost.from_dict(json.loads(path.read_text()))
-        b = runner.buckets
-        if cost.shapes != _shapes(b) or cost.key_block != runner.key_block:
-            raise ValueError(f"the cost profile {path} was measured for other step shapes ({cost.shapes}, key block "
-                             f"{cost.key_block}) than this engine's ({_shapes(b)}, key block {runner.key_block})")
-        return cost
-    cost = measure(runner, max_model_len, progress=progress)
+        return load(path, runner)
+    cost = measure(runner, max_model_len, progress=progress, stop=stop)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cost.to_dict(), indent=1))
     return cost

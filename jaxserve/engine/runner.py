@@ -109,6 +109,12 @@ class Pending(NamedTuple):
         return self.tokens.value()
 
 
+def _with_samplers(shapes: list[batch.Shape]) -> list[Program]:
+    """The forwards, then the sampler for each of their row counts, with and without the top-k / top-p cut."""
+    rows = sorted({s.rows for s in shapes})
+    return [*shapes, *(Sampler(r, cut) for cut in (False, True) for r in rows)]
+
+
 class _Loop(NamedTuple):
     """One way through the layers: its weights on the devices, its model, its jitted step."""
 
@@ -179,9 +185,7 @@ class ModelRunner:
     def programs(self, mixed: bool = True) -> list[Program]:
         """Every program serving can run (without `mixed`: what decodes alone run): the forwards, then the
         sampler for each of their row counts, with and without the top-k / top-p cut."""
-        shapes = [s for s in self.buckets.programs() if mixed or s.tiles == 0]
-        rows = sorted({s.rows for s in shapes})
-        return shapes + [Sampler(r, cut) for cut in (False, True) for r in rows]
+        return _with_samplers([s for s in self.buckets.programs() if mixed or s.tiles == 0])
 
     def warmup(self, programs: Sequence[Program] | None = None, *, progress: bool = True,
                threads: int | None = None) -> None:
@@ -194,6 +198,32 @@ class ModelRunner:
             for done in concurrent.futures.as_completed([pool.submit(self._program, p) for p in todo]):
                 done.result()
                 bar.update()
+
+    def first_programs(self) -> list[Program]:
+        """What the first requests run: every decode program, the mixed programs of the smallest token bucket
+        (a short prompt's chunk beside decodes), and their samplers. The rest can compile while serving."""
+        smallest = self.buckets.tokens[0]
+        return _with_samplers([s for s in self.buckets.programs() if s.tiles == 0 or s.tokens == smallest])
+
+    def compile_in_background(self, programs: Sequence[Program]) -> concurrent.futures.Future:
+        """Compile `programs` in a daemon thread, one at a time (the step thread keeps a core). A step that needs
+        one first waits for its compile, or compiles it itself if it has not started. Resolves when all are."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                for p in programs:
+                    self._program(p)
+                future.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - told to whoever waits; a step compiles it again
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="jaxserve-compile", daemon=True).start()
+        return future
+
+    def is_compiled(self, program: Program) -> bool:
+        with self._lock:
+            return program in self._programs
 
     def _program(self, program: Program) -> jax.stages.Compiled:
         """The compiled `program`, compiled now if it is not yet; one thread compiles each."""

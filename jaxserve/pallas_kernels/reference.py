@@ -86,6 +86,9 @@ def paged_decode_attention(
     return jax.vmap(one)(q, slots, kv_lens)
 
 
+DECODE_KEYS = 32  # keys a decode tile reads a loop step (tiled_paged_attention)
+
+
 def tiled_paged_attention(
     q: Float[Array, "n tq h d"],
     q_pos: Int[Array, "n tq"],
@@ -100,32 +103,38 @@ def tiled_paged_attention(
     when j <= p and its block entry is not -1 (p = -1 marks padding: it sees nothing). `tables` rows are block
     tables whose width is a multiple of key_block / block_size; blocks past a request's length may hold anything
     (never visible). Softmax in float32 whatever the cache dtype. Returns the output (0 where no key is visible)
-    and its float32 log-sum-exp (-inf there)."""
+    and its float32 log-sum-exp (-inf there).
+
+    Decode tiles (one token) loop over fewer keys at a time than key_block (DECODE_KEYS): a step reads at most
+    that many keys past a row's context. On a 2-core CPU, 16 decode rows at a 96-token context took 3.7 ms a
+    layer in blocks of 256 keys, 0.4 ms in blocks of 32; at 1,000 tokens 16.5 ms against 5.2 ms. Pages are
+    gathered whole (a contiguous block_size x kvh x d piece each), not key by key."""
     n, tq, h, d = q.shape
     kvh = k_cache.shape[-2]
     g = h // kvh
     pages = key_block // block_size
+    if tq == 1:  # the largest divisor of key_block's pages that spans at most DECODE_KEYS keys
+        pages = max(p for p in range(1, pages + 1) if pages % p == 0 and p * block_size <= max(DECODE_KEYS, block_size))
+        key_block = pages * block_size
     # [n, kvh, g*tq, d]: each KV head's query group and tokens as one matrix (row r is token r % tq)
     qg = (q.astype(jnp.float32) * d**-0.5).reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
     rows_pos = jnp.tile(q_pos, (1, g))[:, None, :, None]  # [n, 1, g*tq, 1]
     num_blocks = (jnp.max(q_pos) + key_block) // key_block  # key blocks any query can see (0 if all padding)
-    offsets = jnp.arange(block_size, dtype=tables.dtype)
+    k_pages, v_pages = (c.reshape(-1, block_size, kvh, d) for c in (k_cache, v_cache))
 
     def body(j, carry):
         m, l, acc = carry
         blk = jax.lax.dynamic_slice_in_dim(tables, j * pages, pages, axis=1)  # [n, pages]
         here = jnp.repeat(blk >= 0, block_size, axis=1)[:, None, None, :]  # [n, 1, 1, kb]
-        slots = (jnp.maximum(blk, 0)[:, :, None] * block_size + offsets).reshape(n, key_block)
-        k = k_cache[slots].astype(jnp.float32).transpose(0, 2, 1, 3)  # [n, kvh, kb, d]
-        v = v_cache[slots].astype(jnp.float32).transpose(0, 2, 1, 3)
-        s = jnp.matmul(qg, k.swapaxes(-1, -2))  # [n, kvh, g*tq, kb]
+        k, v = (c[jnp.maximum(blk, 0)].reshape(n, key_block, kvh, d).astype(jnp.float32) for c in (k_pages, v_pages))
+        s = jnp.einsum("nhrd,nkhd->nhrk", qg, k)  # [n, kvh, g*tq, kb]
         key_pos = j * key_block + jnp.arange(key_block)
         seen = (key_pos <= rows_pos) & here
         s = jnp.where(seen, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)  # a row with no key yet must not count masked ones
         scale = jnp.exp(m - m_new)
-        return m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.matmul(p, v)
+        return m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.einsum("nhrk,nkhd->nhrd", p, v)
 
     init = (jnp.full((n, kvh, g * tq), _NEG, jnp.float32), jnp.zeros((n, kvh, g * tq), jnp.float32),
             jnp.zeros((n, kvh, g * tq, d), jnp.float32))

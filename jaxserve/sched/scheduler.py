@@ -34,14 +34,17 @@ from jaxserve.sched.request import Request
 from jaxserve.sched.slo import SLO
 
 
+def _prefill_time(cost: BatchCost, packer: PackerConfig) -> PrefillTimeCache:
+    return PrefillTimeCache(cost, packer.t_target, align=packer.chunk_align, max_chunk_tokens=packer.max_batch_tokens)
+
+
 class ReplicaScheduler:
     def __init__(self, policy: Policy, cost: BatchCost, packer: PackerConfig, kv: KVCacheManager,
                  group: tuple[int, ...] = (0,), slo: SLO | None = None, max_running: int = 256,
                  prefill_cache: PrefillTimeCache | None = None):
         self.policy, self.cost, self.packer, self.slo, self.kv = policy, cost, packer, slo, kv
         self.group, self.max_running = group, max_running
-        self.prefill_time = prefill_cache or PrefillTimeCache(cost, packer.t_target, align=packer.chunk_align,
-                                                                  max_chunk_tokens=packer.max_batch_tokens)
+        self.prefill_time = prefill_cache or _prefill_time(cost, packer)
         self.queue = PrefillQueue()  # requests with prefill tokens not yet planned
         self.running: dict[str, Request] = {}  # requests holding KV, in admission order (the last is preempted first)
         self.decoding: dict[str, Request] = {}
@@ -105,6 +108,13 @@ class ReplicaScheduler:
         if r is not None:
             self._finish(r)
         return r
+
+    def use_cost(self, cost: BatchCost, packer: PackerConfig) -> None:
+        """Plan with another cost model from now on (one measured after a quick start). Only while no request
+        is held: their deadlines and prefill times came from the old one."""
+        if self.requests:
+            raise RuntimeError("the cost model changes only while the scheduler holds no request")
+        self.cost, self.packer, self.prefill_time = cost, packer, _prefill_time(cost, packer)
 
     def drop_all_kv(self) -> None:
         """The executor lost the cache's contents (a failed step deleted its buffers): every request holding KV

@@ -263,7 +263,9 @@ class AsyncEngine:
                 continue
             if not self.engine.has_unfinished():
                 self._waiting = True
-                self._wake.wait()
+                self.engine.run_deferred(stop=lambda: bool(self._commands))
+                # deferred work not done (it waits for something, or yielded): look again in a while
+                self._wake.wait(self.DEFERRED_RETRY_S if self.engine.has_deferred else None)
                 self._alive_at, self._waiting = time.monotonic(), False
                 self._wake.clear()  # commands queued meanwhile are applied at the top of the loop
                 continue
@@ -289,6 +291,7 @@ class AsyncEngine:
                 self.metrics.step_predicted.inc(self.engine.last_predicted)
 
     RECOVER_RETRY_S = 1.0  # between attempts to rebuild a lost cache
+    DEFERRED_RETRY_S = 1.0  # between looks at deferred work while idle
 
     def _recovered(self) -> bool:
         """Try to make the engine able to step again. False: still cannot step."""
