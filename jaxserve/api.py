@@ -151,10 +151,11 @@ class LLM:
         each program compiles the first time a step needs it, and a cost model not yet cached is not measured:
         steps are then bounded by max_num_batched_tokens alone (as in vLLM), with no time budget (unless
         iteration_budget sets one). With `quick_start` as well (what `serve` does by default), only the programs
-        the first requests run compile here (runner.first_programs); the rest compile in the background, and a
-        step that needs one first waits for it. A cost model not yet cached is then measured the first time the
-        engine is idle (it yields to any request that arrives), and steps are bounded by tokens until then.
-        Quick start applies to one engine in one process; a cluster or several processes warm up in full.
+        the first few requests run compile here (runner.first_programs); the rest compile in the background,
+        small ones first, and a step that needs one first waits for it. A cost model not yet cached is then
+        measured the first time the engine is idle (it yields to any request that arrives), and steps are
+        bounded by tokens until then. Quick start applies to one engine in one process; a cluster or several
+        processes warm up in full.
 
         Layout: an instance is `tp` devices of `jax.devices()`, tensor-parallel (each holds a share of every
         layer's heads and MLP). By default the engine is one instance. With prefill_instances > 0 it is a live
@@ -247,8 +248,7 @@ class LLM:
                                      kv, slo=SLO(ttft_min=a["ttft_slo"]), max_running=a["max_num_seqs"])
         engine = Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
         if quick:
-            first = set(runner.first_programs())
-            compiled = runner.compile_in_background([p for p in runner.programs() if p not in first])
+            compiled = runner.compile_in_background(runner.later_programs())
             if self.cost is None:
                 engine.defer(functools.partial(self._measure_when_idle, engine, path, compiled))
         return engine

@@ -109,6 +109,9 @@ class Pending(NamedTuple):
         return self.tokens.value()
 
 
+FIRST_TOKENS = 128  # the chunks first_programs covers: a short prompt (a chat template's system prompt included)
+
+
 def _with_samplers(shapes: list[batch.Shape]) -> list[Program]:
     """The forwards, then the sampler for each of their row counts, with and without the top-k / top-p cut."""
     rows = sorted({s.rows for s in shapes})
@@ -200,14 +203,23 @@ class ModelRunner:
                 bar.update()
 
     def first_programs(self) -> list[Program]:
-        """What the first requests run: every decode program, the mixed programs of the smallest token bucket
-        (a short prompt's chunk beside decodes), and their samplers. The rest can compile while serving."""
-        smallest = self.buckets.tokens[0]
-        return _with_samplers([s for s in self.buckets.programs() if s.tiles == 0 or s.tokens == smallest])
+        """What the first few requests run: programs of at most the smallest mixed row bucket's rows, decodes
+        and chunks of up to FIRST_TOKENS tokens (a short prompt), and their samplers."""
+        b = self.buckets
+        return _with_samplers([s for s in b.programs() if s.rows <= b.rows[0] and (
+            s.tiles == 0 or s.tokens <= max(FIRST_TOKENS, b.tokens[0]))])
+
+    def later_programs(self) -> list[Program]:
+        """The rest of programs(), fewest tokens and rows first, each forward followed by its samplers."""
+        first = set(self.first_programs())
+        shapes = sorted((s for s in self.buckets.programs() if s not in first), key=lambda s: (s.tokens, s.rows))
+        later = [p for s in shapes for p in (s, Sampler(s.rows, False), Sampler(s.rows, True))]
+        return [p for p in dict.fromkeys(later) if p not in first]
 
     def compile_in_background(self, programs: Sequence[Program]) -> concurrent.futures.Future:
-        """Compile `programs` in a daemon thread, one at a time (the step thread keeps a core). A step that needs
-        one first waits for its compile, or compiles it itself if it has not started. Resolves when all are."""
+        """Compile `programs` in a daemon thread, in order, one at a time (the step thread keeps a core). A step
+        that needs one first waits for its compile, or compiles it itself if it has not started. Resolves when
+        all are."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
