@@ -108,15 +108,15 @@ def test_a_quick_start_serves_at_once_then_measures_its_profile_when_idle(tmp_pa
     from jaxserve import SamplingParams
 
     path = tmp_path / "profile.json"
-    llm = jaxserve.LLM("random:tiny", max_model_len=256, kv_cache_tokens=2048, max_num_seqs=4,
-                       max_num_batched_tokens=64, warmup=True, quick_start=True, cost_profile=str(path),
+    llm = jaxserve.LLM("random:tiny", max_model_len=256, kv_cache_tokens=2048, max_num_seqs=8,
+                       max_num_batched_tokens=256, warmup=True, quick_start=True, cost_profile=str(path),
                        progress=False)
     engine, runner = llm.engine, llm.engine.runner
     assert all(runner.is_compiled(p) for p in runner.first_programs())
     assert len(runner.first_programs()) < len(runner.programs())
     assert llm.cost is None and engine.has_deferred and engine.scheduler.packer.t_target == float("inf")
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-    prompts = [[5, 6, 7, 8, 9], list(range(10, 110))]  # the second needs a larger token bucket than the first's
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 210))]  # the second's chunk is not among the first programs
     before = [o.token_ids for o in llm.generate(prompts, greedy)]
 
     deadline = time.monotonic() + 300
@@ -131,3 +131,27 @@ def test_a_quick_start_serves_at_once_then_measures_its_profile_when_idle(tmp_pa
     assert engine.scheduler.cost is llm.cost and all(t > 0 for t in llm.cost.decode_base)
     assert 0 < engine.scheduler.packer.t_target < float("inf")
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == before
+
+
+def test_a_quick_started_server_measures_its_profile_while_idle_and_answers_meanwhile(tmp_path):
+    """Behind the server, the deferred profile runs on the engine thread while no request is open; a request
+    that arrives meanwhile is answered (the measurement yields to it), and the profile is then written."""
+    import openai
+
+    import jaxserve
+    from jaxserve.server.launch import BackgroundServer
+
+    path = tmp_path / "profile.json"
+    llm = jaxserve.LLM("random:tiny", max_model_len=256, kv_cache_tokens=2048, max_num_seqs=8,
+                       max_num_batched_tokens=256, warmup=True, quick_start=True, cost_profile=str(path),
+                       progress=False)
+    with BackgroundServer(llm, grpc_port=0, http_port=0) as s:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.server.http_port}/v1", api_key="-", max_retries=0)
+        deadline = time.monotonic() + 300
+        while not path.exists():
+            reply = client.completions.create(model="random:tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+            assert reply.usage.completion_tokens == 4
+            assert time.monotonic() < deadline, "the profile was not measured while the server was idle"
+            time.sleep(0.5)
+        assert s.call(lambda: s.server.engine.engine.has_deferred) is False
+        assert s.call(lambda: s.server.engine.engine.scheduler.cost) is llm.cost
