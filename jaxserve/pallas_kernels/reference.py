@@ -86,7 +86,9 @@ def paged_decode_attention(
     return jax.vmap(one)(q, slots, kv_lens)
 
 
-DECODE_KEYS = 32  # keys a decode tile reads a loop step (tiled_paged_attention)
+# keys tiled_paged_attention reads a loop step (at most key_block): fewer than the GPU kernel's, so a step's
+# scores stay in a CPU core's cache, and a decode reads few keys past its context
+DECODE_KEYS, TILE_KEYS = 32, 64
 
 
 def tiled_paged_attention(
@@ -105,17 +107,17 @@ def tiled_paged_attention(
     (never visible). Softmax in float32 whatever the cache dtype. Returns the output (0 where no key is visible)
     and its float32 log-sum-exp (-inf there).
 
-    Decode tiles (one token) loop over fewer keys at a time than key_block (DECODE_KEYS): a step reads at most
-    that many keys past a row's context. On a 2-core CPU, 16 decode rows at a 96-token context took 3.7 ms a
-    layer in blocks of 256 keys, 0.4 ms in blocks of 32; at 1,000 tokens 16.5 ms against 5.2 ms. Pages are
-    gathered whole (a contiguous block_size x kvh x d piece each), not key by key."""
+    The loop reads fewer keys a step than key_block: DECODE_KEYS for decode tiles (one token), TILE_KEYS for
+    the others. On a 2-core CPU, 16 decode rows at a 96-token context took 3.7 ms a layer in steps of 256 keys,
+    0.4 ms in steps of 32 (at 1,000 tokens: 16.5 against 5.2 ms); a 512-token chunk's tiles after 512 tokens
+    72 ms in steps of 256, 47 ms in steps of 64. Pages are gathered whole (a block_size x kvh x d piece each)."""
     n, tq, h, d = q.shape
     kvh = k_cache.shape[-2]
     g = h // kvh
     pages = key_block // block_size
-    if tq == 1:  # the largest divisor of key_block's pages that spans at most DECODE_KEYS keys
-        pages = max(p for p in range(1, pages + 1) if pages % p == 0 and p * block_size <= max(DECODE_KEYS, block_size))
-        key_block = pages * block_size
+    keys = max(DECODE_KEYS if tq == 1 else TILE_KEYS, block_size)
+    pages = max(p for p in range(1, pages + 1) if pages % p == 0 and p * block_size <= keys)  # divides key_block
+    key_block = pages * block_size
     # [n, kvh, g*tq, d]: each KV head's query group and tokens as one matrix (row r is token r % tq)
     qg = (q.astype(jnp.float32) * d**-0.5).reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
     rows_pos = jnp.tile(q_pos, (1, g))[:, None, :, None]  # [n, 1, g*tq, 1]
