@@ -153,9 +153,9 @@ class LLM:
         iteration_budget sets one). With `quick_start` as well (what `serve` does by default), only the programs
         the first few requests run compile here (runner.first_programs); the rest compile in the background,
         small ones first, and a step that needs one first waits for it. A cost model not yet cached is then
-        measured the first time the engine is idle (it yields to any request that arrives), and steps are
-        bounded by tokens until then. Quick start applies to one engine in one process; a cluster or several
-        processes warm up in full.
+        deferred work (Engine.run_deferred): the server measures it when its engine is idle and every program
+        has compiled, yielding to any request that arrives. Steps are bounded by tokens until then. Quick start
+        applies to one engine in one process; a cluster or several processes warm up in full.
 
         Layout: an instance is `tp` devices of `jax.devices()`, tensor-parallel (each holds a share of every
         layer's heads and MLP). By default the engine is one instance. With prefill_instances > 0 it is a live
@@ -230,7 +230,7 @@ class LLM:
         runner = self._new(ModelRunner, self.config, self._params, self._dtype, num_blocks=num_blocks,
                            block_size=self._block_size, buckets=self._buckets, key_block=self._key_block,
                            devices=devices, tp=self._tp)
-        quick = self._quick_start and self.cost is None  # the first engine only
+        quick = self._quick_start and self.cost is None  # no cost model known yet: measure it later
         if self._warmup:
             runner.warmup(runner.first_programs() if quick else None, progress=progress)
         path = None
@@ -269,9 +269,18 @@ class LLM:
         compile would be wrong), measure the cost profile and plan with it. Whether it is done."""
         if not compiled.done():
             return False
-        engine.scheduler.kv.reset_prefix_cache()  # the measurement writes its own KV over free blocks
+        kv, cleared = engine.scheduler.kv, []
+
+        def stop_or_go() -> bool:
+            if stop():
+                return True
+            if not cleared:  # the first run of a step: it writes its own KV over free blocks, cached ones too
+                kv.reset_prefix_cache()
+                cleared.append(True)
+            return False
+
         try:
-            cost = profile.load_or_measure(path, engine.runner, self.max_model_len, progress=False, stop=stop)
+            cost = profile.load_or_measure(path, engine.runner, self.max_model_len, progress=False, stop=stop_or_go)
         except profile.Interrupted:
             return False
         self.cost = cost

@@ -203,6 +203,11 @@ class ClusterEngine:
         for d in self.decoders:
             d.engine.recover()
 
+    has_deferred = False  # a cluster warms up in full: no work waits for it to be idle
+
+    def run_deferred(self, stop) -> None:
+        del stop
+
     # ---- one iteration ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = self._run_chunks()  # counted there

@@ -244,13 +244,14 @@ class Engine:
         return self._deferred is not None
 
     def run_deferred(self, stop: Callable[[], bool]) -> None:
-        """Run the deferred work if no request is in the engine. Stopped early, it starts again the next time."""
+        """Run the deferred work if no request is in the engine. Stopped early, it starts again the next time.
+        Raises what reading a surplus step in flight raises (StepFailed)."""
         if self._deferred is None or self._live:
             return
+        if self._pending is not None:  # a stopped request's surplus step: read it (the work runs alone)
+            pending, self._pending = self._pending, None
+            self._finish(pending)
         try:
-            if self._pending is not None:  # a stopped request's surplus step: read it (the work runs alone)
-                pending, self._pending = self._pending, None
-                self._finish(pending)
             done = self._deferred(stop)
         except Exception:  # noqa: BLE001 - the work only refines serving: serve without it
             logging.exception("deferred work failed; serving without it")

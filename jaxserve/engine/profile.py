@@ -34,11 +34,20 @@ VERSION = 8  # of the step and of how it is measured: a change to either must no
 LONG = 2048  # tokens of context at the long points
 
 
-def median_time(run: Callable[[], object], repeats: int) -> float:
-    """Median seconds of one call over `repeats` (a first call warms caches)."""
+class Interrupted(Exception):
+    """A measurement stopped early (its `stop` said so); nothing of it is kept."""
+
+
+def median_time(run: Callable[[], object], repeats: int, stop: Callable[[], bool] = lambda: False) -> float:
+    """Median seconds of one call over `repeats` (a first call warms caches). stop: asked before each call;
+    True raises Interrupted."""
+    if stop():
+        raise Interrupted
     run()
     times = []
     for _ in range(repeats):
+        if stop():
+            raise Interrupted
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
@@ -52,13 +61,9 @@ def synthetic_row(n: int, history: int, first_block: int, block_size: int, num_b
     return Row(np.ones(n, np.int32).tolist(), history, blocks, _GREEDY, 0, 0)
 
 
-class Interrupted(Exception):
-    """A measurement stopped early (its `stop` said so); nothing of it is kept."""
-
-
 def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress: bool = True,
             stop: Callable[[], bool] = lambda: False) -> EngineStepCost:
-    """stop: asked before each point; True ends the measurement with Interrupted (a request is waiting)."""
+    """stop: asked before each run of a step; True ends the measurement with Interrupted (a request waits)."""
     bs, nb, buckets, key_block = runner.block_size, runner.num_blocks, runner.buckets, runner.key_block
     shapes, decode_rows = buckets.shapes(), buckets.decode_rows
     longest = min(max_model_len, LONG)
@@ -72,9 +77,7 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
     with tqdm(total=len(shapes) + len(decode_rows) + 5, desc="profile the step", unit="step",
               disable=not progress) as bar:
         def timed(run: Callable[[], object]) -> float:
-            if stop():
-                raise Interrupted
-            t = median_time(run, repeats)
+            t = median_time(run, repeats, stop)
             bar.update()
             return t
 

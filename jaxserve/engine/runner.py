@@ -40,6 +40,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jaxtyping import Array, Float, Int
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
@@ -227,7 +228,8 @@ class ModelRunner:
                 for p in programs:
                     self._program(p)
                 future.set_result(None)
-            except BaseException as e:  # noqa: BLE001 - told to whoever waits; a step compiles it again
+            except BaseException as e:  # noqa: BLE001 - a step that needs the program compiles it again
+                logging.exception("compiling step programs in the background failed")
                 future.set_exception(e)
 
         threading.Thread(target=run, name="jaxserve-compile", daemon=True).start()

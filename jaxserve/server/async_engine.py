@@ -263,7 +263,10 @@ class AsyncEngine:
                 continue
             if not self.engine.has_unfinished():
                 self._waiting = True
-                self.engine.run_deferred(stop=lambda: bool(self._commands))
+                try:
+                    self.engine.run_deferred(stop=lambda: bool(self._commands))
+                except Exception:  # noqa: BLE001 - e.g. the surplus step it reads first failed: serve on
+                    logging.exception("the engine's deferred work failed")
                 # deferred work not done (it waits for something, or yielded): look again in a while
                 self._wake.wait(self.DEFERRED_RETRY_S if self.engine.has_deferred else None)
                 self._alive_at, self._waiting = time.monotonic(), False
