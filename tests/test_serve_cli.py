@@ -24,7 +24,10 @@ DRAIN_S = 3.0
 
 @pytest.fixture
 def server():
-    s = ServerProcess("--max_model_len=1024", "--kv_cache_gib=0.1", f"--api_key={KEY}", f"--drain_timeout={DRAIN_S:g}")
+    # everything compiled before listening: the drain's timing must not share the CPU with a background compile
+    # (quick start, serve's default, is run by test_profile_engine's bench_startup test)
+    s = ServerProcess("--max_model_len=1024", "--kv_cache_gib=0.1", f"--api_key={KEY}", f"--drain_timeout={DRAIN_S:g}",
+                      "--noquick_start")
     yield s.proc, s.grpc_port, s.http_port, s.log
     if s.proc.poll() is None:
         s.proc.kill()
