@@ -267,20 +267,11 @@ class LLM:
                            stop: Callable[[], bool]) -> bool:
         """Engine.defer's work after a quick start: once every program is compiled (timings taken beside a
         compile would be wrong), measure the cost profile and plan with it. Whether it is done."""
-        if not compiled.done():
+        if not compiled.done() or stop():
             return False
-        kv, cleared = engine.scheduler.kv, []
-
-        def stop_or_go() -> bool:
-            if stop():
-                return True
-            if not cleared:  # the first run of a step: it writes its own KV over free blocks, cached ones too
-                kv.reset_prefix_cache()
-                cleared.append(True)
-            return False
-
+        engine.scheduler.kv.reset_prefix_cache()  # the measurement writes its own KV over free blocks, cached too
         try:
-            cost = profile.load_or_measure(path, engine.runner, self.max_model_len, progress=False, stop=stop_or_go)
+            cost = profile.load_or_measure(path, engine.runner, self.max_model_len, progress=False, stop=stop)
         except profile.Interrupted:
             return False
         self.cost = cost

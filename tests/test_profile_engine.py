@@ -126,7 +126,7 @@ def test_a_quick_start_serves_at_once_then_measures_its_profile_when_idle(tmp_pa
         time.sleep(0.2)
     assert all(runner.is_compiled(p) for p in runner.programs())
     asked.clear()
-    engine.run_deferred(stop=lambda: asked.append(1) or len(asked) > 2)  # a request arrives after two runs
+    engine.run_deferred(stop=lambda: asked.append(1) or len(asked) > 2)  # a request arrives after one run
     assert len(asked) == 3 and engine.has_deferred and not path.exists() and llm.cost is None
     engine.run_deferred(stop=lambda: False)
     assert not engine.has_deferred and path.exists()

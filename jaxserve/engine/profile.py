@@ -41,17 +41,14 @@ class Interrupted(Exception):
 def median_time(run: Callable[[], object], repeats: int, stop: Callable[[], bool] = lambda: False) -> float:
     """Median seconds of one call over `repeats` (a first call warms caches). stop: asked before each call;
     True raises Interrupted."""
-    if stop():
-        raise Interrupted
-    run()
     times = []
-    for _ in range(repeats):
+    for _ in range(1 + repeats):
         if stop():
             raise Interrupted
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times[1:])
 
 
 def synthetic_row(n: int, history: int, first_block: int, block_size: int, num_blocks: int) -> Row:
