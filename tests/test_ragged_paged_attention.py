@@ -12,6 +12,7 @@ from jaxserve.engine import batch
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels import dispatch, reference
+from jaxserve.pallas_kernels import tiled_paged_attention as tiled_kernel
 from jaxserve.pallas_kernels.reference import merge_attention
 from kernel_check import IMPL, TOL
 from test_paged_attention import dense_reference
@@ -115,6 +116,35 @@ def test_kernel_at_the_engines_gpu_shape():
     # bf16 outputs of magnitude ~1, rounded once on each side (2^-8 relative): as the bfloat16 test above
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=2e-2)
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-4)
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_kernel_split_along_the_context_matches_the_reference(splits):
+    """Split-K: each tile's key blocks cut into `splits` ranges, one program each, partials merged. Decode tiles
+    at contexts of one key block (most splits run nothing), several, and the table's whole width; a padding tile;
+    blocks held elsewhere (-1)."""
+    rng = np.random.default_rng(splits)
+    n, heads, kv_heads, d, block_size, key_block = 5, 8, 2, 32, 8, 16
+    width = 16  # pages per table: 8 key blocks
+    pool = 100
+    q = jnp.asarray(rng.standard_normal((n, 1, heads, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((pool * block_size, kv_heads, d)), jnp.float32) for _ in range(2))
+    tables = jnp.asarray(rng.permutation(pool)[:n * width].reshape(n, width), jnp.int32).at[3, 2].set(-1)
+    q_pos = jnp.asarray([[5], [40], [127], [70], [-1]], jnp.int32)
+    args = (q, q_pos, k, v, tables)
+    want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block)
+    got, got_lse = tiled_kernel.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
+                                                      splits=splits, interpret=IMPL == "interpret")
+    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_allclose(got_lse, want_lse, **TOL)
+    assert not np.asarray(got)[4].any() and np.isneginf(np.asarray(got_lse)[4]).all()
+
+
+def test_context_splits_fill_the_sms_and_stop_at_the_table():
+    assert tiled_kernel.context_splits(programs=8, key_blocks=32, cores=132) == 16  # one row of an 8B model
+    assert tiled_kernel.context_splits(programs=32, key_blocks=32, cores=132) == 4
+    assert tiled_kernel.context_splits(programs=128, key_blocks=32, cores=132) == 1  # 16 rows fill them
+    assert tiled_kernel.context_splits(programs=8, key_blocks=2, cores=132) == 2  # a short max_model_len
+
 
 def test_buckets_bound_the_programs_and_refuse_what_does_not_fit():
     # one row bucket by default (an accelerator's); a CPU asks for rows from 4

@@ -67,6 +67,13 @@ def gpu_params(head_dim: int, interpret: bool, num_stages: int = 2):
 
 
 H100 = "NVIDIA H100 80GB HBM3"
+H100_SMS = 132
+
+
+def gpu_cores() -> int:
+    """The SMs of the GPU kernels run on; an H100's where JAX has no GPU (lowering for one from a CPU)."""
+    device = jax.devices()[0]
+    return (getattr(device, "core_count", None) or H100_SMS) if device.platform == "gpu" else H100_SMS
 
 
 @contextlib.contextmanager
