@@ -40,7 +40,7 @@ def test_the_measured_profile_prices_steps_and_round_trips(warm, tmp_path):
     # a batch is priced by the program that runs it: the smallest bucket that holds it
     t, r = b.fit(b.tokens[0] + 1, 1)
     assert cost.batch_time([(b.tokens[0] + 1, 0)]) == pytest.approx(
-        cost.base[b.tokens.index(t)][b.rows.index(r)] + b.tiles(t, r) * (cost.tile_fixed + cost.tile_block))
+        cost.base[b.tokens.index(t)][b.rows.index(r)] + cost.tile_fixed + cost.tile_block)  # one tile, one block
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(cost.to_dict()))
     loaded = profile.load_or_measure(path, llm.engine.runner, llm.max_model_len, progress=False)

@@ -169,14 +169,15 @@ def test_the_engine_cost_prices_a_batch_by_the_program_that_runs_it():
         """rows decode rows over `blocks` key blocks each, `kv` of those keys their own, the rest padding"""
         return rows * e.decode_fixed + e.decode_block * kv / 256 + e.decode_pad_block * (rows * blocks - kv / 256)
 
-    # 101 tokens in 3 rows run in the (128, 4) program: 128 / 32 + 4 tiles, every one over the longest prefill
-    # context's key blocks (240 tokens: 1), and 4 decode rows over the longest decode's (300 tokens: 2)
+    # 101 tokens in 3 rows run in the (128, 4) program: each chunk's tiles over their own key blocks (two tiles
+    # of each chunk, contexts up to 240 tokens: 1 block each; the padding tiles' cost is in base), and 4 decode
+    # rows over the longest decode's (300 tokens: 2)
     assert e.batch_time([(60, 0), (40, 200)], [300]) == pytest.approx(
-        e.base[3][0] + 8 * tile(1) + decodes(4, 2, 300))
-    # a late chunk of a long prompt makes every tile of the batch read its 1,532-token context (6 key blocks)
+        e.base[3][0] + 4 * tile(1) + decodes(4, 2, 300))
+    # a late chunk of a long prompt reads its 1,532-token context (6 key blocks); the other tiles do not
     assert e.batch_time([(60, 0), (40, 200), (32, 1500)], [300]) == pytest.approx(
-        e.base[4][0] + (256 // 32 + 4) * tile(6) + decodes(4, 2, 300))
-    assert e.batch_time([(16, 0)]) == pytest.approx(e.base[0][0] + (0 + 4) * tile(1))  # no decode rows to run
+        e.base[4][0] + 4 * tile(1) + tile(6) + decodes(4, 2, 300))
+    assert e.batch_time([(16, 0)]) == pytest.approx(e.base[0][0] + tile(1))  # no decode rows to run
     # decodes alone: the decode program of 32 rows; one long decode makes the short ones (and padding rows) read
     # padding
     assert e.batch_time([], [20] * 20) == pytest.approx(e.decode_base[5] + decodes(32, 1, 400))
@@ -184,7 +185,8 @@ def test_the_engine_cost_prices_a_batch_by_the_program_that_runs_it():
     assert e.batch_time([], [20]) == pytest.approx(e.decode_base[0] + decodes(1, 1, 20))
     # past the largest decode program: its rate per row
     assert e.batch_time([], [20] * 64) == pytest.approx(2 * e.decode_base[5] + decodes(64, 1, 64 * 20))
-    assert e.batch_time([(1024, 0)]) == pytest.approx(2 * e.base[5][0] + (32 + 4) * tile(4))  # past the largest
+    # past the largest: its rate per token; 32 tiles, the first 8 over one key block, the next 8 over two, ...
+    assert e.batch_time([(1024, 0)]) == pytest.approx(2 * e.base[5][0] + sum(tile(1 + i // 8) for i in range(32)))
     assert e.batch_time() == 0.0
     assert EngineStepCost.from_dict(e.to_dict()).to_dict() == e.to_dict()
 

@@ -26,11 +26,11 @@ from jaxserve.engine import batch
 from jaxserve.engine.batch import Row
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
-from jaxserve.sched.batch_cost import EngineStepCost
+from jaxserve.sched.batch_cost import EngineStepCost, tile_key_blocks
 from jaxserve.sched.step_shapes import StepShapes
 
 _GREEDY = SamplingParams(max_tokens=1)
-VERSION = 8  # of the step and of how it is measured: a change to either must not load an older profile
+VERSION = 9  # of the step and of how it is measured: a change to either must not load an older profile
 LONG = 2048  # tokens of context at the long points
 
 
@@ -88,11 +88,13 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
         base = [[measured[buckets.fit(t, r)] for r in buckets.rows] for t in buckets.tokens]
         decode_base = [padding(buckets.decode(r)) for r in decode_rows]
 
-        tiles = buckets.tiles(*buckets.fit(n, 1))
+        # the chunk's tiles, each over its own key blocks (the program's padding tiles read none)
+        tiles = -(-n // buckets.tile)
+        short_blocks, long_blocks = (tile_key_blocks(n, h, buckets.tile, key_block) for h in (0, history))
         short, long = step([synthetic_row(n, 0, 1, bs, nb)]), step([synthetic_row(n, history, 1, bs, nb)])
         prefill_base = measured[buckets.fit(n, 1)]
-        tile_block = max(long - short, 0.0) / (tiles * max(blocks(history + n) - blocks(n), 1))
-        tile_fixed = max((short - prefill_base) / tiles - tile_block * blocks(n), 0.0)
+        tile_block = max(long - short, 0.0) / max(long_blocks - short_blocks, 1)
+        tile_fixed = max((short - prefill_base - tile_block * short_blocks) / tiles, 0.0)
 
         # decode rows: all short, all long, one long beside short ones (the others then read padding blocks);
         # per row fixed + per block of its own context + per padding block, solved from the three

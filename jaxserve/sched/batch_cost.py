@@ -157,13 +157,20 @@ class PiecewiseLinear:
         return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def tile_key_blocks(n: int, h: int, tile: int, key_block: int) -> int:
+    """The key blocks a chunk of n tokens after h cached ones reads, cut into tiles of `tile` tokens, each tile
+    reading as far as its own last token."""
+    return sum(-(-(h + min(end, n)) // key_block) for end in range(tile, n + tile, tile))
+
+
 class EngineStepCost(BatchCost):
     """The engine's step time, as engine/profile.py measured it. A batch of decodes alone runs in the decode
     program of its rows (sched.step_shapes), which costs `decode_base` without attention; any other batch runs in
     the smallest mixed (tokens, rows) program that holds it, which costs `base` without attention. The attention
     (the jnp reference in pallas_kernels/ragged_paged_attention.py) runs over every tile / every decode row of the
-    program, key block by key block up to the longest context among them: `tile_fixed + tile_block * key_blocks`
-    per tile; per decode row `decode_fixed`, plus `decode_block` per key block of its own context and
+    program, key block by key block: each prefill tile to its own last position, `tile_fixed + tile_block *
+    key_blocks` (a padding tile reads none: its cost is in `base`); the decode rows together, up to the longest
+    decode context, per decode row `decode_fixed`, plus `decode_block` per key block of its own context and
     `decode_pad_block` per block past it (a padding block: the scratch block, read again and again, costs less
     than a block of real keys), padding rows included."""
 
@@ -183,6 +190,10 @@ class EngineStepCost(BatchCost):
     def _blocks(self, span: int) -> int:
         return -(-span // self.key_block)
 
+    def chunk_attention(self, n: int, h: int) -> float:
+        tiles = -(-n // self.shapes.tile)
+        return tiles * self.tile_fixed + self.tile_block * tile_key_blocks(n, h, self.shapes.tile, self.key_block)
+
     def time(self, state: BatchState) -> float:
         if not state.tokens:
             return 0.0
@@ -200,8 +211,7 @@ class EngineStepCost(BatchCost):
         else:
             t, r = state.tokens, shapes.fit(0, rows)[1]
             base = self.base[-1][shapes.rows.index(r)] * t / shapes.tokens[-1]
-        out = base + shapes.tiles(t, r) * (self.tile_fixed + self.tile_block * self._blocks(state.prefill_span))
-        return out + self._decodes(state, r)
+        return base + state.attention + self._decodes(state, r)
 
     def _decodes(self, state: BatchState, r: int) -> float:
         """The decode attention of a program with r decode rows."""
