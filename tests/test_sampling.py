@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampling import SamplingParams, sample
+from jaxserve.engine.sampling import SamplingParams, inverse_cdf, sample
 
 V = 64
 
@@ -69,6 +69,26 @@ def test_the_program_the_host_picks_does_not_change_a_draw():
     both = np.asarray(sample(rows, temperature, top_k, top_p, seeds, counters, cut=True))
     np.testing.assert_array_equal(both[~cutting], plain[~cutting])
     assert (both[cutting] != plain[cutting]).any()
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
+def test_the_two_level_running_sum_finds_the_flat_ones_token(vocab):
+    """inverse_cdf against a flat running sum. Integer weights keep every float32 sum exact, so the two agree
+    token for token; zeros (leading, and whole blocks of them) are never drawn."""
+    rng = np.random.default_rng(vocab)
+    weights = rng.integers(0, 50, (6, vocab)).astype(np.float32)
+    weights[:, :3] = 0
+    weights[1, : vocab // 2] = 0
+    weights[2] = 0
+    weights[2, -1] = 5  # all the mass on the last token
+    u = rng.uniform(2.0**-24, 1, 6).astype(np.float32)
+    u[3] = 2.0**-24
+    u[4] = 1 - 2.0**-24
+    got = np.asarray(inverse_cdf(jnp.asarray(weights), jnp.asarray(u)))
+    flat = np.cumsum(weights, axis=-1)
+    want = np.minimum(np.sum(flat < (u * flat[:, -1])[:, None], axis=-1), vocab - 1)
+    np.testing.assert_array_equal(got, want)
+    assert (weights[np.arange(6), got] > 0).all()
 
 
 def test_seed_and_counter_determine_the_draw(logits):

