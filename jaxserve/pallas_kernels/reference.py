@@ -110,7 +110,7 @@ def tiled_paged_attention(
     and its float32 log-sum-exp (-inf there).
 
     Decode tiles (one token) run together, as far as the longest context among them: on a 2-core CPU, 16 rows
-    at 96 tokens took 0.5 ms a layer so, 1.0 ms one row at a time to its own context. Longer tiles run one
+    at 96 tokens took 0.5 ms a layer together, 1.0 ms one row at a time. Longer tiles run one
     after another, each to its own last position (a padding tile runs none): a 512-token chunk's tiles took
     9.3 against 18.8 ms a layer without history, 21.5 against 36.3 ms after 512 tokens. The loop reads fewer
     keys a step than key_block: DECODE_KEYS for decode tiles, TILE_KEYS for the others. Pages are gathered whole
