@@ -110,10 +110,12 @@ class Pending(NamedTuple):
         return self.tokens.value()
 
 
-# On a CPU, XLA runs a dot of more than one row through YNNPACK by default. A decode step's thin GEMMs ran faster
-# in XLA's own dot emitter (SmolLM2, float32, 2 cores: 16 rows 128-150 -> 102-108 ms a step; one row the same),
-# a prefill chunk's as fast or slower: the CPU's decode programs compile with YNNPACK's dot fusion off.
+# On a CPU, XLA runs a dot of more than one row through YNNPACK by default. The thin GEMMs of a decode step of 8
+# or more rows ran faster in XLA's own dot emitter, those of 2 and 4 rows far slower, a prefill chunk's as fast
+# or slower (SmolLM2, float32, 2 cores, ms a step, YNNPACK -> own: 1 row 38 -> 40, 2 rows 60 -> 192, 4 rows
+# 66 -> 153, 8 rows 106 -> 76, 16 rows 110 -> 100): those decode programs compile with YNNPACK's dot fusion off.
 CPU_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+CPU_DECODE_OPTIONS_ROWS = 8
 
 FIRST_TOKENS = 128  # the chunks first_programs covers: a short prompt (a chat template's system prompt included)
 
@@ -259,7 +261,8 @@ class ModelRunner:
         return self._programs[program]
 
     def _compile(self, lowered: jax.stages.Lowered, program: Program) -> jax.stages.Compiled:
-        if not (self.cpu and isinstance(program, batch.Shape) and program.tiles == 0):
+        if not (self.cpu and isinstance(program, batch.Shape) and program.tiles == 0
+                and program.rows >= CPU_DECODE_OPTIONS_ROWS):
             return lowered.compile()
         try:
             return lowered.compile(compiler_options=CPU_DECODE_OPTIONS)
