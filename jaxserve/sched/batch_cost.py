@@ -28,7 +28,6 @@ class BatchState:
     rows: int = 0
     attention: float = 0.0  # additive models: the sum of the sequences' attention
     prefills: int = 0  # prefill chunks
-    prefill_span: int = 0  # the longest context a prefill chunk reaches (history + chunk)
     decode_span: int = 0  # the longest context a decode reads
     decode_kv: int = 0  # the decodes' contexts summed
     exchanged: int = 0  # query tokens whose partial attention is merged across KV-parallel workers
@@ -46,7 +45,7 @@ class BatchCost(abc.ABC):
         """`state` with a chunk of n tokens after h cached ones."""
         # built directly, not by dataclasses.replace: the packer calls this in its inner loop
         return BatchState(state.tokens + n, state.rows + 1, state.attention + self.chunk_attention(n, h),
-                          state.prefills + 1, max(state.prefill_span, h + n), state.decode_span, state.decode_kv,
+                          state.prefills + 1, state.decode_span, state.decode_kv,
                           state.exchanged + self.chunk_kvp_rows(n, h + n))
 
     def add_decodes(self, state: BatchState, kvs: Sequence[int]) -> BatchState:
@@ -54,7 +53,7 @@ class BatchCost(abc.ABC):
         if not kvs:
             return state
         return BatchState(state.tokens + len(kvs), state.rows + len(kvs),
-                          state.attention + self.decodes_attention(kvs), state.prefills, state.prefill_span,
+                          state.attention + self.decodes_attention(kvs), state.prefills,
                           max(state.decode_span, max(kvs)), state.decode_kv + sum(kvs),
                           state.exchanged + self.decodes_kvp_rows(kvs))
 
