@@ -133,7 +133,7 @@ class LLM:
                  tp: int = 1, prefill_instances: int = 0, decode_instances: int = 1, decode_kvp: int = 1,
                  node_size: int = 2, receive_buffers: int = 4, min_chunk: int = 1024,
                  prefill_profile: str | None = None, warmup: bool = False, quick_start: bool = False,
-                 progress: bool = True):
+                 num_scheduler_steps: int = 1, progress: bool = True):
         """kv_cache_tokens sizes the KV pool directly; otherwise it holds as many tokens as fit in kv_cache_gib
         (per device: with tp > 1 a device holds its share of each token's KV heads). max_model_len defaults to the
         model's context, capped by what the pool holds.
@@ -143,7 +143,9 @@ class LLM:
         most `iteration_budget` seconds (default: the measured time of a full step of max_num_seqs rows, all but
         one decodes at the longest context); `multi_prefill` lets several prompts' chunks share a step and
         `space_sharing` makes a long prefill yield budget to urgent short ones. A prompt's first token is due
-        `ttft_slo` seconds after arrival (or 3x its prefill time alone, if longer). The cost model is measured on
+        `ttft_slo` seconds after arrival (or 3x its prefill time alone, if longer). `num_scheduler_steps` > 1:
+        when no prompt waits, up to that many decode steps run in one device loop (multi-step decode), as many
+        as fit the iteration budget. The cost model is measured on
         this device at first start and cached (`cost_profile` names the file to load or write instead).
 
         Start-up: with `warmup` (what `serve` does) every step program is compiled here, before the first request,
@@ -168,7 +170,8 @@ class LLM:
         for name, value in (("block_size", block_size), ("kv_cache_tokens", kv_cache_tokens or 1),
                             ("max_model_len", max_model_len or 2), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_prefills_per_step", max_prefills_per_step)):
+                            ("max_prefills_per_step", max_prefills_per_step),
+                            ("num_scheduler_steps", num_scheduler_steps)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         _enable_compilation_cache()
@@ -196,7 +199,7 @@ class LLM:
         # on a CPU the jnp attention runs every tile of a mixed program: row buckets from 4 keep a lone chunk's few
         self._buckets = Buckets.make(max_num_batched_tokens, max_num_seqs, self.max_model_len, block_size, key_block,
                                      min_rows=4 if jax.devices()[0].platform == "cpu" else None,
-                                     max_prefills=max_prefills_per_step)
+                                     max_prefills=max_prefills_per_step, num_scheduler_steps=num_scheduler_steps)
         self._warmup = warmup
         self._quick_start = quick_start and warmup and not prefill_instances and jax.process_count() == 1
         self._sched_args = dict(policy=policy, ttft_slo=ttft_slo, prefix_caching=prefix_caching,
@@ -245,7 +248,8 @@ class LLM:
                             scratch_blocks=kvp)
         cost = self.cost or profile.unmeasured(runner)
         scheduler = ReplicaScheduler(make_policy(a["policy"]), cost, self._packer(cost, measured=self.cost is not None),
-                                     kv, slo=SLO(ttft_min=a["ttft_slo"]), max_running=a["max_num_seqs"])
+                                     kv, slo=SLO(ttft_min=a["ttft_slo"]), max_running=a["max_num_seqs"],
+                                     num_scheduler_steps=self._buckets.burst_steps)
         engine = Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
         if quick:
             compiled = runner.compile_in_background(runner.later_programs())

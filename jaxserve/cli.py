@@ -77,6 +77,8 @@ flags.DEFINE_float("iteration_budget", None, "serve/generate: most seconds a ste
 flags.DEFINE_integer("max_num_batched_tokens", 512, "serve/generate: most tokens in one step.")
 flags.DEFINE_integer("max_prefills_per_step", 8, "serve/generate: most prompts' chunks in one step (the compiled "
                      "step's attention runs over room for that many partial tiles, used or not).")
+flags.DEFINE_integer("num_scheduler_steps", 1, "serve/generate/simulate: multi-step decode: when no prompt waits, "
+                     "up to this many decode steps run in one device loop (as many as fit the iteration budget).")
 flags.DEFINE_float("ttft_slo", 1.0, "serve/generate: seconds to the first token a prompt is due (or 3x its prefill "
                    "time alone, if longer); a request may set its own (gRPC/HTTP field ttft_slo).")
 flags.DEFINE_bool("prefix_caching", True, "serve/generate: reuse cached KV of shared prompt prefixes.")
@@ -136,6 +138,7 @@ def _engine_flags() -> dict:
                 space_sharing=FLAGS.space_sharing, multi_prefill=FLAGS.multi_prefill,
                 iteration_budget=FLAGS.iteration_budget, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 max_prefills_per_step=FLAGS.max_prefills_per_step, ttft_slo=FLAGS.ttft_slo,
+                num_scheduler_steps=FLAGS.num_scheduler_steps,
                 prefix_caching=FLAGS.prefix_caching, cost_profile=FLAGS.cost_profile, tp=_tp(1),
                 prefill_instances=FLAGS.prefill_instances, decode_instances=FLAGS.decode_instances,
                 decode_kvp=FLAGS.decode_kvp, node_size=FLAGS.node_size, receive_buffers=FLAGS.receive_buffers,
@@ -250,7 +253,7 @@ def _simulate() -> None:
     config = run.config_for(FLAGS.policy, FLAGS.profile, _tp(8), FLAGS.stages, FLAGS.replicas, FLAGS.t_target,
                             FLAGS.space_sharing, FLAGS.multi_prefill,
                             slo=SLO(FLAGS.ttft_min, FLAGS.ttft_factor, FLAGS.tpot_slo), kvp=FLAGS.kvp,
-                            kvp_tokens=FLAGS.kvp_tokens)
+                            kvp_tokens=FLAGS.kvp_tokens, num_scheduler_steps=FLAGS.num_scheduler_steps)
     results = run.simulate(workload, config)
     summary = results.summary()
     print(json.dumps(summary, indent=1))

@@ -16,9 +16,13 @@ collect_ignore = ["multidevice", "cluster"]
 
 @pytest.fixture(scope="session")
 def llm():
+    """The real model, with room for multi-step decodes of up to 8 steps, planned one step at a time until a
+    test turns them on (tests/test_engine.py: bursts)."""
     import jaxserve
 
-    return jaxserve.LLM(max_model_len=2048, kv_cache_tokens=8192)
+    llm = jaxserve.LLM(max_model_len=2048, kv_cache_tokens=8192, num_scheduler_steps=8)
+    llm.engine.scheduler.num_scheduler_steps = 1
+    return llm
 
 
 @pytest.fixture(scope="session")

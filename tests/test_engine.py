@@ -52,6 +52,17 @@ def step_tokens(llm, tokens: int, prefix_caching: bool = True):
         sched.packer, sched.kv.enable_prefix_caching = packer, caching
 
 
+@contextlib.contextmanager
+def bursts(llm, steps: int):
+    """Plan multi-step decodes of up to `steps` steps (the runner has programs for up to 8)."""
+    sched = llm.engine.scheduler
+    before, sched.num_scheduler_steps = sched.num_scheduler_steps, steps
+    try:
+        yield
+    finally:
+        sched.num_scheduler_steps = before
+
+
 @pytest.fixture(scope="module")
 def one_at_a_time(llm):
     with step_tokens(llm, 512, prefix_caching=False):
@@ -95,28 +106,36 @@ def test_requests_join_and_leave_between_steps(llm, one_at_a_time):
 
 
 def test_preemption_under_memory_pressure_keeps_outputs():
-    """A KV pool far smaller than the batch needs: requests are preempted, recomputed, and outputs unchanged."""
+    """A KV pool far smaller than the batch needs: requests are preempted, recomputed, and outputs unchanged;
+    also with multi-step decodes between the preemptions (a burst never preempts: it runs when the blocks are
+    free)."""
     small = jaxserve.LLM(max_model_len=96, kv_cache_tokens=160, block_size=16, max_num_seqs=4,
-                         max_num_batched_tokens=32)
+                         max_num_batched_tokens=32, num_scheduler_steps=4)
     params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=t, seed=7) for t in (0.0, 0.9, 0.0, 0.9)]
-    alone = [small.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS[:4], params)]
+    with bursts(small, 1):
+        alone = [small.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS[:4], params)]
     free = small.engine.kv.num_free
-    for overlap in (True, False):  # the next step dispatched before the last one's tokens are read, or not
+    # the next step dispatched before the last one's tokens are read, or not; bursts of up to 4 steps, or not
+    for overlap, steps in ((True, 1), (False, 1), (True, 4)):
         small.engine.overlap = overlap
         preemptions = small.engine.num_preemptions
-        together = small.generate(PROMPTS[:4], params)
+        with bursts(small, steps):
+            together = small.generate(PROMPTS[:4], params)
         assert [c.token_ids for c in together] == alone
         assert small.engine.num_preemptions > preemptions
         assert small.engine.kv.num_free == free
 
 
-def _run(engine, requests, tag: str) -> tuple[dict, collections.Counter]:
-    """Every request's outputs, stepping until nothing is in flight; and how many decode rows each ran."""
-    rows, row = collections.Counter(), engine._row
+def _run(engine, requests, tag: str) -> tuple[dict, collections.Counter, collections.Counter]:
+    """Every request's outputs, stepping until nothing is in flight; how many decode tokens each had computed,
+    and in how many bursts."""
+    rows, in_bursts, row = collections.Counter(), collections.Counter(), engine._row
 
-    def counted(item, feeds):
-        rows[item.request_id] += item.phase == "decode"
-        return row(item, feeds)
+    def counted(item, feeds, burst):
+        if item.phase == "decode":
+            rows[item.request_id] += item.tokens
+            in_bursts[item.request_id] += burst
+        return row(item, feeds, burst)
 
     engine._row = counted
     try:
@@ -127,13 +146,15 @@ def _run(engine, requests, tag: str) -> tuple[dict, collections.Counter]:
                 outs[out.request_id].append(out)
     finally:
         del engine._row
-    return {i: outs[rid] for i, rid in enumerate(rids)}, rows
+    return {i: outs[rid] for i, rid in enumerate(rids)}, rows, in_bursts
 
 
-def test_overlapped_steps_match_one_step_at_a_time(llm, reference):
-    """With the next step dispatched before the last one's tokens are read, every output is the one of one step
-    at a time: EOS, a stop string mid-output, max_tokens, seeded sampling, prefix-cache hits. A request that
-    stops ran one decode more than it shows (its surplus token dropped); one that reaches max_tokens did not."""
+def test_overlapped_steps_and_bursts_match_one_step_at_a_time(llm, reference):
+    """With the next step dispatched before the last one's tokens are read, and with multi-step decodes (bursts
+    of up to 8 steps, also dispatched ahead), every output is the one of one step at a time: EOS, a stop string
+    mid-output (mid-burst), max_tokens, seeded sampling, prefix-cache hits. A request that stops ran one decode
+    more than it shows (its surplus token dropped), in a burst the rest of its burst; one that reaches
+    max_tokens did not."""
     eos = next(c for c in reference["greedy"] if c["chat"] and c["tokens"][-1] in llm.tokenizer.stop_ids)
     long = " ".join(PROMPTS)  # several KV blocks: its prefix is cached after the first run
     text = llm.generate(long, SamplingParams(max_tokens=24, ignore_eos=True))[0].text
@@ -145,25 +166,32 @@ def test_overlapped_steps_match_one_step_at_a_time(llm, reference):
     requests = [(llm.tokenizer.encode(p) if isinstance(p, str) else p, sp) for p, sp in requests]
     engine = llm.engine
     runs = {}
-    for overlap in (False, True):
+    for overlap, steps in ((False, 1), (True, 1), (True, 8)):
         engine.overlap = overlap
         hits = engine.kv.stats.hit_tokens
-        runs[overlap] = _run(engine, requests, f"overlap{overlap}")
+        with bursts(llm, steps):
+            runs[overlap, steps] = _run(engine, requests, f"overlap{overlap}-{steps}")
         assert engine.kv.stats.hit_tokens > hits
     engine.overlap = True
-    (sync, sync_rows), (lagged, lagged_rows) = runs[False], runs[True]
-    for i in sync:
-        assert [t for o in lagged[i] for t in o.new_token_ids] == [t for o in sync[i] for t in o.new_token_ids]
-        assert "".join(o.new_text for o in lagged[i]) == "".join(o.new_text for o in sync[i])
-        assert lagged[i][-1].finish_reason == sync[i][-1].finish_reason and lagged[i][-1].finished
-        assert all(not o.finished for o in lagged[i][:-1])
+    (sync, sync_rows, _), (lagged, lagged_rows, _) = runs[False, 1], runs[True, 1]
+    burst, burst_rows, in_bursts = runs[True, 8]
+    for run in (lagged, burst):
+        for i in sync:
+            assert [t for o in run[i] for t in o.new_token_ids] == [t for o in sync[i] for t in o.new_token_ids]
+            assert "".join(o.new_text for o in run[i]) == "".join(o.new_text for o in sync[i])
+            assert run[i][-1].finish_reason == sync[i][-1].finish_reason and run[i][-1].finished
+            assert all(not o.finished for o in run[i][:-1])
     assert [sync[0][-1].finish_reason, sync[1][-1].finish_reason, sync[2][-1].finish_reason] == ["stop", "stop",
                                                                                                  "length"]
     assert "".join(o.new_text for o in sync[1]) == text[:text.find(stop)]
     tokens = {i: sum(len(o.new_token_ids) for o in sync[i]) for i in sync}
     for i, rid in ((0, "0"), (1, "1"), (2, "2")):  # one token comes from the prefill, the others from decodes
-        assert sync_rows[f"overlapFalse-{rid}"] == tokens[i] - 1
-        assert lagged_rows[f"overlapTrue-{rid}"] == tokens[i] - (i == 2)
+        assert sync_rows[f"overlapFalse-1-{rid}"] == tokens[i] - 1
+        assert lagged_rows[f"overlapTrue-1-{rid}"] == tokens[i] - (i == 2)
+        assert in_bursts[f"overlapTrue-8-{rid}"] > 0
+    assert burst_rows["overlapTrue-8-1"] > tokens[1]  # the stop string's burst ran on past it
+    assert burst_rows["overlapTrue-8-2"] == tokens[2] - 1  # bursts stop at max_tokens
+    assert max(len(o.new_token_ids) for outs in burst.values() for o in outs) > 1  # a burst's tokens at once
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):

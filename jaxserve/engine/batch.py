@@ -3,7 +3,9 @@
 Every row (a prefill chunk or one decode token of a request) lays its new tokens end to end on one token axis.
 The attention regroups them: a one-token row is a decode, any longer row is cut into tiles of `tile` tokens, each
 tile from one request. Padding writes its K/V to the scratch block and is never attended. A step of decodes
-alone runs in a decode program (one token per row, no tiles); any other in a mixed (tokens, rows) program.
+alone runs in a decode program (one token per row, no tiles); any other in a mixed (tokens, rows) program. A
+multi-step decode (a burst) packs its first step as a decode program's, with each row's share of the burst's
+tokens (`limit`) and the stop tokens the device checks (`stop_ids`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class Row(NamedTuple):
     seed: int
     counter: int  # tokens the request has generated so far: the sampler's per-request step
     feed: int = -1  # a decode whose token is still in flight: its row in the previous step (tokens[0] unused)
+    steps: int = 1  # in a burst: the most tokens this row may produce
+    stop_ids: Sequence[int] = ()  # in a burst: tokens that end the row (the first STOP_SLOTS go to the device)
 
 
 class StepArrays(NamedTuple):
@@ -54,6 +58,11 @@ class StepArrays(NamedTuple):
     top_p: Float[np.ndarray, "r"]
     seeds: UInt[np.ndarray, "r"]
     counters: Int[np.ndarray, "r"]
+    limit: Int[np.ndarray, "r"]  # a burst's tokens per row (0: a padding row)
+    stop_ids: Int[np.ndarray, "r s"]  # a burst's stop tokens per row, -1 where unused
+
+
+STOP_SLOTS = 8  # stop tokens a burst's row checks on the device; the host checks them all (and stop strings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +70,18 @@ class Buckets(StepShapes):
     """The step's shapes (sched.step_shapes) and the block tables' width."""
 
     width: int  # block-table columns: max_model_len in blocks, rounded up to whole key blocks
+    burst_steps: int = 1  # the most decode steps one multi-step decode runs (1: none)
 
     @classmethod
     def make(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
              key_block: int, tile: int = 32, min_tokens: int = 16, min_rows: int | None = None,
-             max_prefills: int = 8) -> Buckets:
+             max_prefills: int = 8, num_scheduler_steps: int = 1) -> Buckets:
         """Decode programs for 1, 2, 4, ... rows up to max_num_seqs; mixed programs for min_tokens, 2 min_tokens,
         ... tokens up to max_num_batched_tokens, and min_rows, 2 min_rows, ... rows (default: max_num_seqs alone).
         A mixed program's attention tiles grow with its rows (one partial tile per prefill chunk it may hold):
         the jnp attention runs every tile, padding too, while the GPU kernel skips padding tiles, where one row
-        bucket means fewer programs to compile."""
+        bucket means fewer programs to compile. num_scheduler_steps > 1: multi-step decodes of up to that many
+        steps (a burst program per decode row bucket)."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} must be >= max_num_seqs "
                              f"{max_num_seqs}: a step decodes every running request")
@@ -78,12 +89,15 @@ class Buckets(StepShapes):
             raise ValueError(f"key_block {key_block} must be a multiple of block_size {block_size}")
         if max_prefills < 1:
             raise ValueError(f"max_prefills must be >= 1, got {max_prefills}")
+        if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
         per_key_block = key_block // block_size
         blocks = -(-max_model_len // block_size)
         return cls(powers_of_two(min_tokens, max_num_batched_tokens), powers_of_two(min_rows or max_num_seqs,
                                                                                     max_num_seqs),
                    tile, min(max_prefills, max_num_seqs), powers_of_two(1, max_num_seqs),
-                   -(-blocks // per_key_block) * per_key_block)
+                   -(-blocks // per_key_block) * per_key_block,
+                   num_scheduler_steps)
 
     def programs(self) -> list[Shape]:
         """Every program serving can run: the decode programs, then the mixed ones."""
@@ -110,7 +124,8 @@ def empty(buckets: Buckets, shape: Shape, block_size: int) -> StepArrays:
         tables=np.full((r, buckets.width), SCRATCH_BLOCK, np.int32), decode_token=np.full(r, t, np.int32),
         tile_tokens=np.full((nt, buckets.tile), t, np.int32), tile_row=np.zeros(nt, np.int32),
         logits_index=np.zeros(r, np.int32), temperature=np.zeros(r, np.float32), top_k=np.zeros(r, np.int32),
-        top_p=np.ones(r, np.float32), seeds=np.zeros(r, np.uint32), counters=np.zeros(r, np.int32))
+        top_p=np.ones(r, np.float32), seeds=np.zeros(r, np.uint32), counters=np.zeros(r, np.int32),
+        limit=np.zeros(r, np.int32), stop_ids=np.full((r, STOP_SLOTS), -1, np.int32))
 
 
 class BadRow(ValueError):
@@ -163,6 +178,9 @@ def _write_row(a: StepArrays, i: int, r: Row, at: int, tile: int, buckets: Bucke
     a.logits_index[i] = at + n - 1
     a.temperature[i], a.top_k[i], a.top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
     a.seeds[i], a.counters[i] = r.seed, r.counter
+    a.limit[i] = r.steps
+    stops = list(r.stop_ids)[:STOP_SLOTS]
+    a.stop_ids[i, :len(stops)] = stops
     return tile
 
 

@@ -5,7 +5,8 @@ iteration's token and time budget, the KV block ids it grants, the requests it p
 step over a flat ragged batch (runner.ModelRunner: a compiled forward, then the sampler), turns the sampled
 tokens into text and stop decisions, and hands the Outcome back; the scheduler's state moves only from Outcomes,
 exactly as in the simulator. With overlap (the default) the next step is dispatched before the last one's
-tokens are read, so the device does not wait for this Python. A preempted request recomputes its prompt and
+tokens are read, so the device does not wait for this Python. A multi-step decode Plan (Plan.steps > 1) runs
+its decode steps in one device loop; its tokens are read together, each request's up to its first stop. A preempted request recomputes its prompt and
 generated tokens (mostly from prefix-cache hits); on CPU in float32 its output is unchanged (bf16 on GPU makes
 no such promise: batch shapes change the rounding).
 """
@@ -286,7 +287,8 @@ class Engine:
         feeds = {} if previous is None else previous.rows()
         while True:
             try:
-                step.tokens = self.runner.start([self._row(i, feeds) for i in step.items]) if step.items else None
+                rows = [self._row(i, feeds, plan.steps > 1) for i in step.items]
+                step.tokens = self.runner.start(rows, steps=plan.steps) if rows else None
                 return step
             except BadRow as e:  # one request's inputs: it fails alone, the step runs without it
                 rid = step.items.pop(e.index).request_id
@@ -303,25 +305,27 @@ class Engine:
             sampled = step.tokens.value() if step.tokens is not None else np.zeros(0, np.int32)
         except Exception as e:
             raise self._fail(e, step, self._pending) from e
+        sampled = sampled.reshape(-1, sampled.shape[-1]) if sampled.size else np.zeros((1, 0), np.int32)
         end = self.clock()
         start, self._last_end = max(step.dispatched, self._last_end), end  # under overlap: end to end
         outputs, tokens, stopped = [], {}, set()
         # the Plan as it ran, less the requests that ended since it was dispatched (a stop found one step late
         # drops their tokens; a request id used again names another request)
-        ran = [(item, token) for item, live, token in zip(step.items, step.lives, sampled)
+        ran = [(n, item) for n, (item, live) in enumerate(zip(step.items, step.lives))
                if self._live.get(item.request_id) is live]
-        plan = dataclasses.replace(step.plan, items=tuple(item for item, _ in ran))
-        for item, token in ran:
+        plan = dataclasses.replace(step.plan, items=tuple(item for _, item in ran))
+        for n, item in ran:
             if not self.scheduler.yields_token(item):
                 continue
             live = self._live[item.request_id]
+            count = item.tokens if item.phase is Phase.DECODE else 1
             try:
-                out = self._append(live, int(token))
+                out = self._take(live, [int(t) for t in sampled[:count, n]])
             except Exception as e:  # noqa: BLE001 - e.g. detokenizing: this request's own work
                 logging.exception("request %s failed after its step", item.request_id)
                 outputs.append(self._error(item.request_id, f"turning its token into text failed: {e}"))
                 continue
-            tokens[item.request_id] = (int(token),)
+            tokens[item.request_id] = tuple(out.new_token_ids)
             if out.finished:
                 stopped.add(item.request_id)
             outputs.append(out)
@@ -342,16 +346,22 @@ class Engine:
         for rid, ids in plan.blocks.items():
             self._tables.setdefault(rid, []).extend(ids)
 
-    def _row(self, item: WorkItem, feeds: dict[str, int]) -> Row:
-        """A Plan item as the runner's row. A decode whose token is still in flight (one past the known ones)
-        takes it from its row in the previous step, and counts it as generated for the sampler."""
+    def _row(self, item: WorkItem, feeds: dict[str, int], burst: bool) -> Row:
+        """A Plan item as the runner's row. A decode whose token is still in flight (past the known ones) takes
+        it from its row in the previous step, and counts the tokens in flight as generated for the sampler. In a
+        burst, a decode row produces up to item.tokens tokens and stops at its stop tokens on the device."""
         live = self._live[item.request_id]
-        r = live.sched
+        r, table = live.sched, self._tables[item.request_id]
+        steps, stops = 1, ()
+        if burst:
+            p = live.params
+            steps, stops = item.tokens, (*p.stop_token_ids, *(() if p.ignore_eos else self.tokenizer.stop_ids))
         if item.start < len(r.token_ids):
-            return Row(r.token_ids[item.start:item.end], item.start, self._tables[item.request_id], live.params,
-                       live.seed, r.generated)
-        return Row((0,), item.start, self._tables[item.request_id], live.params, live.seed, r.generated + 1,
-                   feeds[item.request_id])
+            tokens = r.token_ids[item.start:item.start + (1 if burst else item.tokens)]
+            return Row(tokens, item.start, table, live.params, live.seed, r.generated, steps=steps, stop_ids=stops)
+        flying = item.start - len(r.token_ids) + 1
+        return Row((0,), item.start, table, live.params, live.seed, r.generated + flying, feeds[item.request_id],
+                   steps, stops)
 
     def _error(self, request_id: str, message: str) -> RequestOutput:
         """End one request with an error; the scheduler ignores the rest of its Plan."""
@@ -374,9 +384,22 @@ class Engine:
         return StepFailed(f"the engine step failed: {error}", ids)
 
     # ---- stopping and text ----------------------------------------------------------------------------
-    def _append(self, live: _Live, token: int) -> RequestOutput:
+    def _take(self, live: _Live, tokens: list[int]) -> RequestOutput:
+        """A step's tokens for one request (several from a burst), up to the first that finishes it: what
+        follows a stop was computed by the device and is dropped."""
+        outs = []
+        for token in tokens:
+            outs.append(self._append(live, token, ahead=len(outs)))
+            if outs[-1].finished:
+                break
+        last = outs[-1]
+        return dataclasses.replace(last, new_token_ids=[o.new_token_ids[0] for o in outs],
+                                   new_text="".join(o.new_text for o in outs))
+
+    def _append(self, live: _Live, token: int, ahead: int = 0) -> RequestOutput:
+        """One new token; `ahead`: tokens of the same step before it."""
         p, r = live.params, live.sched
-        generated = r.generated + 1  # this token included (the scheduler counts it when the Outcome lands)
+        generated = r.generated + ahead + 1  # this token included (the scheduler counts it when the Outcome lands)
         new = live.detokenizer.push(token)
         live.text += new
         text = live.text

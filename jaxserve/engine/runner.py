@@ -6,7 +6,10 @@ dispatch the next step first: a decode whose token is still in flight names its 
 (`batch.Row.feed`), and the forward takes that token from the previous sampler's output on the device.
 
 Forwards are keyed by their shape (batch.Shape: a decode program per row bucket, a mixed one per (tokens, rows)
-bucket), samplers by their rows and by whether they cut by top-k / top-p. `warmup` compiles every program a
+bucket), samplers by their rows and by whether they cut by top-k / top-p. A multi-step decode (a burst: `steps`
+decode steps in one device loop, each step's sampled tokens fed to the next) is one program with its sampler
+inside, keyed by rows and the cut (Burst); its steps are a loop bound on the device, so any count up to the
+configured most runs in the same program. `warmup` compiles every program a
 configuration uses before the first request (in parallel threads: XLA compiles outside the GIL), and nothing
 compiles while serving; or a program compiles the first time a step needs it (`generate` starts at once).
 Nothing in either program branches on the device.
@@ -32,6 +35,7 @@ group (kv_cache.py: the cache's blocks spread over them). Its interface is the s
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import os
 import threading
@@ -54,6 +58,7 @@ from jaxserve.models.llama import Llama, unstack_layers
 from jaxserve.pallas_kernels.common import lowering_for
 from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.sharding import processes, rows, tp as tensor_parallel
+from jaxserve.sched.kv_manager import SCRATCH_BLOCK
 from jaxserve.sharding.mesh import SP, TP, make_mesh
 
 
@@ -84,6 +89,53 @@ def forward_packed(model: Llama, buckets: batch.Buckets, spread: Callable | None
     return step
 
 
+def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous: Int[Array, "m"], *, size: int,
+          cut: bool, block_size: int) -> tuple[Any, Int[Array, "n r"], Int[Array, "r"]]:
+    """Decode steps of a decode program's rows in one loop on the device, each step sampling the token the next
+    feeds, until every row is done: a row stops after `a.limit` tokens (at most `size`) or at one of its
+    `a.stop_ids`, and from then on writes to the scratch block at its first position (its output is ignored).
+    Returns the caches, every step's tokens ([size, r]: rows of steps not run are zeros), and each row's last
+    token (what a following step feeds)."""
+    rows = jnp.arange(a.tables.shape[0])
+    first = jnp.where(a.feed >= 0, previous[jnp.maximum(a.feed, 0)], a.token_ids)  # row i's token is token i
+    no_feed = jnp.full_like(a.feed, -1)
+
+    def one(carry):
+        j, caches, token, live, out = carry
+        positions = jnp.where(live, a.positions + j, a.positions)
+        slots = jnp.where(live, a.tables[rows, positions // block_size] * block_size + positions % block_size,
+                          SCRATCH_BLOCK * block_size)
+        step = a._replace(token_ids=token, feed=no_feed, positions=positions, slots=slots, counters=a.counters + j)
+        logits, caches = forward(model, params, caches, step, previous)
+        new = sample(logits, *batch.sampling(step), cut=cut)
+        token = jnp.where(live, new, token)
+        live = live & (j + 1 < a.limit) & ~jnp.any(new[:, None] == a.stop_ids, axis=-1)
+        return j + 1, caches, token, live, out.at[j].set(new)
+
+    start = (jnp.int32(0), caches, first, a.limit > 0, jnp.zeros((size, rows.shape[0]), jnp.int32))
+    _, caches, last, _, out = jax.lax.while_loop(lambda c: jnp.any(c[3]), one, start)
+    return caches, out, last
+
+
+def burst_packed(model: Llama, buckets: batch.Buckets, block_size: int, size: int,
+                 spread: Callable | None = None) -> Callable:
+    """What the runner compiles for a burst: (params, caches, blob, previous, shape, cut) -> (caches, tokens
+    [buckets.burst_steps, size], last tokens [size]), rows padded with zeros to `size` as the samplers' are."""
+    def one(params, caches, arrays, previous, cut):
+        return burst(model, params, caches, arrays, previous, size=buckets.burst_steps, cut=cut,
+                     block_size=block_size)
+
+    def step(params, caches, blob, previous, shape, cut):
+        run = functools.partial(one, cut=cut)
+        if spread is not None:
+            run = spread(run)
+        caches, out, last = run(params, caches, batch.from_blob(blob, shape, buckets), previous)
+        pad = size - last.shape[0]
+        return caches, jnp.pad(out, ((0, 0), (0, pad))), jnp.pad(last, (0, pad))
+
+    return step
+
+
 def sample_padded(logits: Float[Array, "r v"], *sampling: Array, cut: bool, size: int) -> Int[Array, "m"]:
     """`sample`, padded with zeros to `size` rows: every sampler's output can feed every forward."""
     tokens = sample(logits, *sampling, cut=cut)
@@ -97,7 +149,19 @@ class Sampler(NamedTuple):
     cut: bool
 
 
-Program = batch.Shape | Sampler
+@dataclasses.dataclass(frozen=True)
+class Burst:
+    """A multi-step decode's program: up to Buckets.burst_steps decode steps of `rows` rows, its sampler cutting
+    or not. A dataclass, not a tuple: it must never equal a Sampler."""
+
+    rows: int
+    cut: bool
+
+    def shape(self) -> batch.Shape:
+        return batch.Shape(self.rows, self.rows, 0)
+
+
+Program = batch.Shape | Sampler | Burst
 
 
 class Pending(NamedTuple):
@@ -132,6 +196,7 @@ class _Loop(NamedTuple):
     params: Any
     model: Llama
     step: Any
+    burst: Any  # the multi-step decode (used with unrolled layers)
 
 
 class ModelRunner:
@@ -161,10 +226,10 @@ class ModelRunner:
         self.cpu = self.device.platform == "cpu"
         self.scan_mixed = self.cpu
         self._stacked = functools.partial(self._loop, params, backend, mesh, False) if self.scan_mixed else None
+        self.max_rows = max(s.rows for s in buckets.programs())
         self._loops = {True: self._loop(params, backend, mesh, True)}
         self.params = self._loops[True].params  # per layer
         self._sample = jax.jit(sample_padded, static_argnames=("cut", "size"), out_shardings=self._replicated)
-        self.max_rows = max(s.rows for s in buckets.programs())
         self._previous = self._no_tokens()
         self.model = self._loops[True].model
         self.caches = self._allocate()
@@ -179,13 +244,17 @@ class ModelRunner:
                                                      self.tp)
         model = Llama(self.cfg, backend, self.dtype, TP if self.tp > 1 else None, unrolled=unrolled)
 
-        spread = None
+        spread = spread_burst = None
         if len(self.devices) > 1:  # every device runs the same batch: inputs replicated, weights and cache split
-            spread = functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(None, SP, TP), P(), P()),
-                                       out_specs=(P(), P(None, SP, TP), P()), check_vma=False)
+            spread, spread_burst = (functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(None, SP, TP), P(),
+                                                                                         P()),
+                                                      out_specs=out, check_vma=False)
+                                    for out in ((P(), P(None, SP, TP), P()), (P(None, SP, TP), P(), P())))
         step = forward_packed(model, self.buckets, spread)
+        multi = burst_packed(model, self.buckets, self.block_size, self.max_rows, spread_burst)
         return _Loop(jax.device_put(params, tensor_parallel.shardings(mesh, specs)), model,
-                     jax.jit(step, donate_argnums=(1,), static_argnames=("shape",)))
+                     jax.jit(step, donate_argnums=(1,), static_argnames=("shape",)),
+                     jax.jit(multi, donate_argnums=(1,), static_argnames=("shape", "cut")))
 
     def _loop_of(self, shape: batch.Shape) -> _Loop:
         unrolled = shape.tiles == 0 or not self.scan_mixed
@@ -196,8 +265,13 @@ class ModelRunner:
 
     def programs(self, mixed: bool = True) -> list[Program]:
         """Every program serving can run (without `mixed`: what decodes alone run): the forwards, then the
-        sampler for each of their row counts, with and without the top-k / top-p cut."""
-        return _with_samplers([s for s in self.buckets.programs() if mixed or s.tiles == 0])
+        sampler for each of their row counts, with and without the top-k / top-p cut, then the bursts."""
+        return _with_samplers([s for s in self.buckets.programs() if mixed or s.tiles == 0]) + self._bursts()
+
+    def _bursts(self) -> list[Burst]:
+        """The multi-step decode programs (none unless Buckets.burst_steps > 1), without the cut first."""
+        b = self.buckets
+        return [Burst(r, cut) for cut in (False, True) for r in b.decode_rows] if b.burst_steps > 1 else []
 
     def warmup(self, programs: Sequence[Program] | None = None, *, progress: bool = True,
                threads: int | None = None) -> None:
@@ -219,11 +293,12 @@ class ModelRunner:
             s.tiles == 0 or s.tokens <= max(FIRST_TOKENS, b.tokens[0]))])
 
     def later_programs(self) -> list[Program]:
-        """The rest of programs(), fewest tokens and rows first, each forward followed by its samplers."""
+        """The rest of programs(), fewest tokens and rows first, each forward followed by its samplers, then the
+        bursts."""
         first = set(self.first_programs())
         shapes = sorted((s for s in self.buckets.programs() if s not in first), key=lambda s: (s.tokens, s.rows))
         later = [p for s in shapes for p in (s, Sampler(s.rows, False), Sampler(s.rows, True))]
-        return [p for p in dict.fromkeys(later) if p not in first]
+        return [p for p in dict.fromkeys(later) if p not in first] + self._bursts()
 
     def compile_in_background(self, programs: Sequence[Program]) -> concurrent.futures.Future:
         """Compile `programs` in a daemon thread, in order, one at a time (the step thread keeps a core). A step
@@ -261,8 +336,8 @@ class ModelRunner:
         return self._programs[program]
 
     def _compile(self, lowered: jax.stages.Lowered, program: Program) -> jax.stages.Compiled:
-        if not (self.cpu and isinstance(program, batch.Shape) and program.tiles == 0
-                and program.rows >= CPU_DECODE_OPTIONS_ROWS):
+        decode = isinstance(program, Burst) or (isinstance(program, batch.Shape) and program.tiles == 0)
+        if not (self.cpu and decode and program.rows >= CPU_DECODE_OPTIONS_ROWS):
             return lowered.compile()
         try:
             return lowered.compile(compiler_options=CPU_DECODE_OPTIONS)
@@ -281,6 +356,11 @@ class ModelRunner:
             shapes = [((program.rows, self.cfg.vocab_size), np.float32)] + [(x.shape, x.dtype) for x in sampling]
             inputs = [jax.ShapeDtypeStruct(s, d, sharding=self._replicated) for s, d in shapes]
             return self._sample.trace(*abstract(inputs), cut=program.cut, size=self.max_rows)
+        if isinstance(program, Burst):
+            loop, shape = self._loops[True], program.shape()
+            blob = batch.to_blob(batch.empty(self.buckets, shape, self.block_size))
+            return loop.burst.trace(abstract(loop.params), abstract(self.caches), blob, abstract(self._previous),
+                                    shape=shape, cut=program.cut)
         loop = self._loop_of(program)
         blob = batch.to_blob(batch.empty(self.buckets, program, self.block_size))
         return loop.step.trace(abstract(loop.params), abstract(self.caches), blob, abstract(self._previous),
@@ -297,9 +377,21 @@ class ModelRunner:
         """Run the rows, update the cache, and return the sampled next token of each row."""
         return self.start(rows).value()[: len(rows)]
 
-    def start(self, rows: Sequence[batch.Row]) -> Pending:
-        """Pack the rows (BadRow names one that cannot be) and dispatch their step."""
-        return self.dispatch(batch.pack(rows, self.buckets, self.block_size))
+    def start(self, rows: Sequence[batch.Row], steps: int = 1) -> Pending:
+        """Pack the rows (BadRow names one that cannot be) and dispatch their step. steps > 1: a multi-step
+        decode (every row a decode, each producing up to its Row.steps tokens); its Pending reads
+        [Buckets.burst_steps, m] (rows past `steps` unused)."""
+        arrays = batch.pack(rows, self.buckets, self.block_size)
+        if steps == 1:
+            return self.dispatch(arrays)
+        if not 1 < steps <= self.buckets.burst_steps or any(len(r.tokens) != 1 or r.steps > steps for r in rows):
+            raise ValueError(f"a multi-step decode of {steps} steps (at most {self.buckets.burst_steps}) runs "
+                             "decodes of at most that many tokens")
+        shape = batch.shape_of(arrays)
+        program = Burst(shape.rows, batch.cuts(arrays))
+        self.caches, out, self._previous = self._program(program)(self._loops[True].params, self.caches,
+                                                                  batch.to_blob(arrays), self._previous)
+        return Pending(processes.read_later(out))
 
     def execute_arrays(self, arrays: batch.StepArrays) -> np.ndarray:
         """Run a packed step and wait for it: `max_rows` tokens, padding included."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 import abc
 import bisect
 import dataclasses
-from typing import Iterable, Sequence
+import itertools
+from typing import Iterable, Iterator, Sequence
 
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.step_shapes import StepShapes
@@ -79,6 +80,17 @@ class BatchCost(abc.ABC):
         for n, h in prefills:
             state = self.add_prefill(state, n, h)
         return self.time(state)
+
+
+    def burst_steps(self, rows: Sequence[tuple[int, int]]) -> Iterator[float]:
+        """The times of a multi-step decode's steps, one after another: every row (start, tokens) runs in each
+        step, its context growing with its tokens and then staying (a row past its share still runs, its writes
+        discarded)."""
+        for j in itertools.count():
+            yield self.time(self.add_decodes(BatchState(), [start + min(j, n - 1) for start, n in rows]))
+
+    def burst_time(self, rows: Sequence[tuple[int, int]], steps: int) -> float:
+        return sum(itertools.islice(self.burst_steps(rows), steps))
 
 
 class AdditiveBatchCost(BatchCost):

@@ -43,13 +43,16 @@ class KVMove:
 class Plan:
     """One iteration's work. The scheduler owns the KV blocks: `blocks` are the ids appended to each request's
     block table this iteration (a newly admitted request's start with its prefix-cache hits), `preempted` the
-    requests whose blocks were taken back (their tables are dropped; they recompute later)."""
+    requests whose blocks were taken back (their tables are dropped; they recompute later). `steps` > 1: a
+    multi-step decode, every item a decode of `item.tokens` <= steps tokens run in one device loop (a row past its
+    share, or past a stop token, idles)."""
 
     items: tuple[WorkItem, ...]
     moves: tuple[KVMove, ...] = ()
     predicted_time: float = 0.0  # the scheduler's cost-model estimate, seconds
     blocks: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     preempted: tuple[str, ...] = ()
+    steps: int = 1
 
     @property
     def request_ids(self) -> frozenset[str]:

@@ -15,6 +15,12 @@ first stage while chunk i is in the second). A decode is planned once its previo
 lagged schedule, while that token is still in flight: the executor then feeds the in-flight token on the device
 (its value is not known here yet), so it can dispatch the next step before it reads the last. A request with
 work in flight is never preempted.
+
+Multi-step decode (vLLM's num_scheduler_steps): when nothing waits to be prefilled, a Plan of decodes alone may
+run up to num_scheduler_steps decode steps in one device loop, each row up to its own share (Plan.steps,
+WorkItem.tokens). It runs as many steps as fit the iteration's time budget together (so a prompt arriving
+meanwhile waits at most about one iteration), as some row still has tokens for, and as every row has free KV
+blocks for without preempting anyone; one step fitting, the Plan is a plain one.
 """
 
 from __future__ import annotations
@@ -41,14 +47,17 @@ def _prefill_time(cost: BatchCost, packer: PackerConfig) -> PrefillTimeCache:
 class ReplicaScheduler:
     def __init__(self, policy: Policy, cost: BatchCost, packer: PackerConfig, kv: KVCacheManager,
                  group: tuple[int, ...] = (0,), slo: SLO | None = None, max_running: int = 256,
-                 prefill_cache: PrefillTimeCache | None = None):
+                 prefill_cache: PrefillTimeCache | None = None, num_scheduler_steps: int = 1):
+        if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
+        self.num_scheduler_steps = num_scheduler_steps
         self.policy, self.cost, self.packer, self.slo, self.kv = policy, cost, packer, slo, kv
         self.group, self.max_running = group, max_running
         self.prefill_time = prefill_cache or _prefill_time(cost, packer)
         self.queue = PrefillQueue()  # requests with prefill tokens not yet planned
         self.running: dict[str, Request] = {}  # requests holding KV, in admission order (the last is preempted first)
         self.decoding: dict[str, Request] = {}
-        self.decode_in_flight: dict[str, int] = {}  # decode tokens planned whose Outcomes are not back
+        self.decode_in_flight: dict[str, list[int]] = {}  # tokens of each decode Plan not back, oldest first
         self.requests: dict[str, Request] = {}  # every request not finished
         self._seq: dict[str, int] = {}  # arrival order, kept through preemptions
 
@@ -142,6 +151,10 @@ class ReplicaScheduler:
         preempting). The simulator plans synchronously."""
         grants: dict[str, list[int]] = {}
         preempted: list[str] = []
+        if self.num_scheduler_steps > 1 and not len(self.queue):
+            burst = self._burst(grants, lagged)
+            if burst is not None:
+                return burst
         decodes = self._grant_decodes(grants, preempted, lagged)
         # this decision holds for one iteration, so slack is measured at its end: a request that cannot afford
         # to wait one more iteration ranks as such now, not one iteration too late
@@ -223,7 +236,7 @@ class ReplicaScheduler:
             return Plan((), blocks={}, preempted=tuple(preempted)) if preempted else None
         group, decode = self.group, Phase.DECODE
         items = [WorkItem(r.id, kv, kv + 1, decode, group, 1, "zigzag", 0, kv)
-                 for r in decodes for kv in (r.kv_len + self.decode_in_flight.get(r.id, 0),)]
+                 for r in decodes for kv in (self._next_position(r),)]
         for r, n in chunks:
             items.append(WorkItem(r.id, r.planned, r.planned + n, Phase.PREFILL, group, history=r.planned))
             r.planned += n
@@ -232,7 +245,7 @@ class ReplicaScheduler:
             else:
                 self.queue.remove(r)
         for r in decodes:
-            self.decode_in_flight[r.id] = self.decode_in_flight.get(r.id, 0) + 1
+            self.decode_in_flight.setdefault(r.id, []).append(1)
         return Plan(tuple(items), predicted_time=state.time(self.cost),
                     blocks={rid: tuple(ids) for rid, ids in grants.items() if ids}, preempted=tuple(preempted))
 
@@ -243,11 +256,10 @@ class ReplicaScheduler:
         for r in [r for r in self.running.values() if r.id in self.decoding]:
             if r.id not in self.running:  # preempted for an older request's token
                 continue
-            flying = self.decode_in_flight.get(r.id, 0)
-            if flying:
-                if not lagged or flying > 1 or r.generated + flying >= r.output_len:
+            if r.id in self.decode_in_flight:
+                if self._tokens_left(r, lagged) <= 0:
                     continue
-                new = self.kv.allocate(r.id, r.kv_len + flying + 1)  # none free: it waits for its token
+                new = self.kv.allocate(r.id, self._next_position(r) + 1)  # none free: it waits for its token
             else:
                 while (new := self.kv.allocate(r.id, r.kv_len + 1)) is None:
                     victim = next(v for v in reversed(self.running.values()) if not self._in_flight(v))
@@ -258,6 +270,50 @@ class ReplicaScheduler:
                 grants.setdefault(r.id, []).extend(new)
                 decodes.append(r)
         return decodes
+
+    def _next_position(self, r: Request) -> int:
+        """Where r's next decode starts: after its cached tokens and the decode tokens in flight."""
+        return r.kv_len + sum(self.decode_in_flight.get(r.id, ()))
+
+    def _tokens_left(self, r: Request, lagged: bool) -> int:
+        """Decode tokens r may be planned now: none while a Plan of it is in flight, unless lagged (then one
+        Plan ahead), and none past its output_len."""
+        flying = self.decode_in_flight.get(r.id, ())
+        if flying and (not lagged or len(flying) > 1):
+            return 0
+        return r.output_len - r.generated - sum(flying)
+
+    def _burst(self, grants: dict[str, list[int]], lagged: bool) -> Plan | None:
+        """A multi-step decode Plan of every decode that may run, or None where a plain Plan serves as well (a
+        burst of one step) or better (a decode that needs a block not free: the plain path may preempt)."""
+        rows = [(r, self._next_position(r), left) for r in self.running.values() if r.id in self.decoding
+                for left in (self._tokens_left(r, lagged),) if left > 0]
+        if not rows:
+            return None
+        free, most = self.kv.num_free, min(self.num_scheduler_steps, max(left for _, _, left in rows))
+
+        def need(k: int) -> int:
+            return sum(max(self.kv.blocks_for(start + min(k, left)) - self.kv.num_blocks_held(r.id), 0)
+                       for r, start, left in rows)
+
+        steps, time = 0, 0.0
+        for t in self.cost.burst_steps([(start, left) for _, start, left in rows]):
+            if steps == most or time + t > self.packer.t_target or need(steps + 1) > free:
+                break
+            steps, time = steps + 1, time + t
+        if steps < 2:
+            return None
+        items = []
+        for r, start, left in rows:
+            n = min(steps, left)
+            new = self.kv.allocate(r.id, start + n)
+            assert new is not None, "need() counted these blocks free"
+            if new:
+                grants[r.id] = new
+            items.append(WorkItem(r.id, start, start + n, Phase.DECODE, self.group, history=start))
+            self.decode_in_flight.setdefault(r.id, []).append(n)
+        return Plan(tuple(items), predicted_time=time, blocks={rid: tuple(ids) for rid, ids in grants.items()},
+                    steps=steps)
 
     def _make_room(self, first: Request, grants: dict[str, list[int]], preempted: list[str],
                    tentative: list[Request]) -> None:
@@ -313,16 +369,20 @@ class ReplicaScheduler:
             r = self.requests.get(item.request_id)
             if r is None:  # aborted while its Plan ran
                 continue
+            tokens = outcome.tokens.get(r.id, ())
+            computed = item.end  # tokens whose KV is written: a burst's row ends early where it stopped
             if item.phase is Phase.PREFILL:
                 r.prefilled = max(r.prefilled, item.end)
-            elif self.decode_in_flight.get(r.id, 0) > 1:
-                self.decode_in_flight[r.id] -= 1
             else:
-                self.decode_in_flight.pop(r.id, None)
-            tokens = outcome.tokens.get(r.id, ())
+                flying = self.decode_in_flight.get(r.id)
+                if flying:
+                    flying.pop(0)
+                    if not flying:
+                        del self.decode_in_flight[r.id]
+                computed = item.start + len(tokens)
             if r.token_ids is not None:
                 r.token_ids.extend(tokens)
-                self.kv.commit(r.id, r.token_ids, item.end)
+                self.kv.commit(r.id, r.token_ids, computed)
             if item.phase is Phase.PREFILL and r.in_prefill:
                 continue
             r.add_tokens(len(tokens), outcome.end_time)

@@ -36,9 +36,9 @@ def simulate(workload: Workload, config: ClusterConfig = ClusterConfig(), progre
 def config_for(policy: str = "lars", profile: str = "a100_llama3_8b", tp: int = 8, stages: int = 1,
                replicas: int = 1, t_target: float = 0.05, space_sharing: bool = False, multi_prefill: bool = True,
                long_threshold: int = 32768, slo: SLO = SLO(), kvp: int = 1,
-               kvp_tokens: int | None = None) -> ClusterConfig:
+               kvp_tokens: int | None = None, num_scheduler_steps: int = 1) -> ClusterConfig:
     return ClusterConfig(replicas=replicas, profile=profile, tp=tp, stages=stages, kvp=kvp, kvp_tokens=kvp_tokens,
-                         policy=policy, slo=slo,
+                         policy=policy, slo=slo, num_scheduler_steps=num_scheduler_steps,
                          packer=PackerConfig(t_target=t_target, space_sharing=space_sharing,
                                              multi_prefill=multi_prefill, long_threshold=long_threshold))
 

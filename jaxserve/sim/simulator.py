@@ -49,13 +49,14 @@ class ClusterConfig:
     memory_utilization: float = 0.9
     block_size: int = 16  # KV block, tokens
     max_running: int = 256  # requests holding KV at once per replica
+    num_scheduler_steps: int = 1  # multi-step decode: most decode steps a Plan may run when nothing waits
     dispatch: str = "least_work"  # or "round_robin"
     # what a step takes over what the cost model says: the scheduler plans with the model, the clock charges
     # model x time_scale (a replay of a live run sets the live steps' measured / predicted ratio here)
     time_scale: float = 1.0
 
     def __post_init__(self):
-        for field in ("replicas", "tp", "stages", "kvp"):
+        for field in ("replicas", "tp", "stages", "kvp", "num_scheduler_steps"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
         if self.dispatch not in ("least_work", "round_robin"):
@@ -79,7 +80,8 @@ class Replica:
         group = tuple(range(index * config.gpus_per_replica, (index + 1) * config.gpus_per_replica))
         kv = KVCacheManager.for_tokens(config.replica_kv_capacity(), config.block_size, enable_prefix_caching=False)
         self.scheduler = ReplicaScheduler(policy, cost, _per_stage(config), kv, group, config.slo,
-                                          max_running=config.max_running, prefill_cache=cache)
+                                          max_running=config.max_running, prefill_cache=cache,
+                                          num_scheduler_steps=config.num_scheduler_steps)
         self.cost, self.stages, self.time_scale = cost, config.stages, config.time_scale
         self.stage_free_at = 0.0
         # between stages (a node each) a batch's activations cross the inter-node link, each TP rank sending its
@@ -93,12 +95,16 @@ class Replica:
 
     def execute(self, plan: Plan, start: float) -> tuple[float, Outcome]:
         """Charge a Plan on the cost model: per-stage time, ready again after one stage, done after all."""
-        stage_time = self.cost.batch_time(
-            [(i.tokens, i.history) for i in plan.items if i.phase is Phase.PREFILL],
-            [i.history for i in plan.items if i.phase is Phase.DECODE]) * self.time_scale
+        if plan.steps > 1:
+            stage_time = self.cost.burst_time([(i.start, i.tokens) for i in plan.items], plan.steps)
+        else:
+            stage_time = self.cost.batch_time([(i.tokens, i.history) for i in plan.items if i.phase is Phase.PREFILL],
+                                              [i.history for i in plan.items if i.phase is Phase.DECODE])
+        stage_time *= self.time_scale
         hops = (self.stages - 1) * self.hop(sum(i.tokens for i in plan.items)) if self.stages > 1 else 0.0
         end = start + stage_time * self.stages + hops
-        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items if self.scheduler.yields_token(i)}
+        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) * (i.tokens if i.phase is Phase.DECODE else 1)
+                  for i in plan.items if self.scheduler.yields_token(i)}
         per_item = tuple(end - start for _ in plan.items)
         self.stage_free_at = start + stage_time
         return self.stage_free_at, Outcome(end, per_item, tokens)
