@@ -52,30 +52,40 @@ class CheckingRunner:
         self.caches_lost = False
         self.previous = np.zeros(0, np.int64)  # the last step's sampled tokens
 
-    def start(self, rows: list[Row]) -> types.SimpleNamespace:
+    def start(self, rows: list[Row], steps: int = 1) -> types.SimpleNamespace:
         """Run the step at once; its tokens as the engine reads them later. A row whose token was in flight
-        (feed) takes it from the previous step's sampled tokens, as the device does."""
+        (feed) takes it from the previous step's sampled tokens, as the device does. A burst (steps > 1) runs
+        its steps one after another, each row until its share or a stop token, as the device's loop does."""
         bs = self.block_size
-        for r in rows:
-            tokens = [self.previous[r.feed]] if r.feed >= 0 else r.tokens
-            for i, tok in enumerate(tokens):
-                pos = r.start + i
-                assert self.expected[r.seed][pos] == tok, "a position was fed the wrong token"
-                self.cache[r.block_table[pos // bs] * bs + pos % bs] = tok
-        for r in rows:  # after all writes: every row sees exactly its own history
-            for pos in range(r.start + len(r.tokens)):
-                assert self.cache[r.block_table[pos // bs] * bs + pos % bs] == self.expected[r.seed][pos]
-        tokens = self.previous = np.array([fake_token(r.seed, r.counter) for r in rows])
+        fed = [[self.previous[r.feed]] if r.feed >= 0 else list(r.tokens) for r in rows]
+        live = [r.steps > 0 and tokens[-1] not in r.stop_ids for r, tokens in zip(rows, fed)]
+        out = np.zeros((steps, len(rows)), np.int64)
+        for j in range(steps):
+            for r, tokens, on in zip(rows, fed, live):
+                for i, tok in enumerate(tokens if on else ()):
+                    pos = r.start + j + i
+                    assert self.expected[r.seed][pos] == tok, "a position was fed the wrong token"
+                    self.cache[r.block_table[pos // bs] * bs + pos % bs] = tok
+            for r, tokens, on in zip(rows, fed, live):  # after all writes: every row sees exactly its own history
+                for pos in range(r.start + j + len(tokens) if on else 0):
+                    assert self.cache[r.block_table[pos // bs] * bs + pos % bs] == self.expected[r.seed][pos]
+            for n, r in enumerate(rows):
+                out[j, n] = fake_token(r.seed, r.counter + j) if live[n] else out[j - 1, n]
+                fed[n] = [out[j, n]]
+                live[n] = live[n] and j + 1 < r.steps and out[j, n] not in r.stop_ids
+        tokens, self.previous = (out if steps > 1 else out[0]), out[-1]
         return types.SimpleNamespace(value=lambda: tokens)
 
 
 def make_engine(runner, *, num_blocks: int, max_model_len: int, max_num_seqs: int = 4, step_tokens: int = 64,
-                policy: str = "fcfs", prefix_caching: bool = True, overlap: bool = True) -> Engine:
+                policy: str = "fcfs", prefix_caching: bool = True, overlap: bool = True,
+                num_scheduler_steps: int = 1) -> Engine:
     cost = EngineStepCost(StepShapes((16, 1 << 20), (4,), 32, 4, (1, 2, 4, 8)), 256, [[0.01], [0.02]],
                           [0.005] * 4, 1e-7, 1e-7, 1e-7, 1e-7, 1e-7)
     packer = PackerConfig(t_target=1.0, chunk_align=min(8, step_tokens), max_batch_tokens=step_tokens)
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=prefix_caching)
-    scheduler = ReplicaScheduler(make_policy(policy), cost, packer, kv, max_running=max_num_seqs)
+    scheduler = ReplicaScheduler(make_policy(policy), cost, packer, kv, max_running=max_num_seqs,
+                                 num_scheduler_steps=num_scheduler_steps)
     return Engine(runner, scheduler, FakeTokenizer(), max_model_len=max_model_len, overlap=overlap)
 
 
@@ -88,21 +98,26 @@ def expected_output(prompt: list[int], sp: SamplingParams, max_model_len: int) -
             return out
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap, steps", [(True, 1), (False, 1), (True, 4), (False, 4)])
 @pytest.mark.parametrize("trial", range(40))
-def test_random_workload_keeps_every_invariant(trial, overlap):
-    """With the next step dispatched before the last one's tokens are read (overlap), or one step at a time."""
-    run_random_workload(trial, overlap)
+def test_random_workload_keeps_every_invariant(trial, overlap, steps):
+    """With the next step dispatched before the last one's tokens are read (overlap), or one step at a time;
+    with multi-step decodes of up to `steps` steps or none."""
+    run_random_workload(trial, overlap, steps)
 
 
 def test_random_workloads_preempt_and_hit_the_prefix_cache():
-    """The workloads above are not vacuous: memory pressure preempts, shared prefixes hit."""
+    """The workloads above are not vacuous: memory pressure preempts, shared prefixes hit, bursts run and
+    requests stop inside them."""
     engines = [run_random_workload(trial, True) for trial in range(40)]
     assert sum(e.num_preemptions for e in engines) > 20
     assert sum(e.kv.stats.hit_tokens for e in engines) > 0.1 * sum(e.kv.stats.query_tokens for e in engines)
+    bursting = [run_random_workload(trial, True, 4) for trial in range(40)]
+    assert sum(e.bursts for e in bursting) > 100 and sum(e.stopped_mid_burst for e in bursting) >= 3
+    assert sum(e.num_preemptions for e in bursting) > 20
 
 
-def run_random_workload(trial: int, overlap: bool) -> Engine:
+def run_random_workload(trial: int, overlap: bool, steps: int = 1) -> Engine:
     rng = random.Random(trial)
     bs = rng.choice([1, 2, 4, 16])
     max_model_len = rng.choice([16, 40, 100])
@@ -112,7 +127,18 @@ def run_random_workload(trial: int, overlap: bool) -> Engine:
     engine = make_engine(runner, num_blocks=-(-capacity_tokens // bs) + 1, max_model_len=max_model_len,
                          max_num_seqs=max_num_seqs, step_tokens=rng.choice([8, 16, 64]) + max_num_seqs,
                          policy=rng.choice(["fcfs", "lars", "edf", "sjf"]), prefix_caching=rng.random() < 0.8,
-                         overlap=overlap)
+                         overlap=overlap, num_scheduler_steps=steps)
+    engine.bursts = engine.stopped_mid_burst = 0
+    start = runner.start
+
+    def counted(rows, steps=1):  # bursts run, and rows that sample EOS in one
+        engine.bursts += steps > 1
+        pending = start(rows, steps)
+        engine.stopped_mid_burst += steps > 1 and sum(
+            EOS in pending.value()[:r.steps, n] for n, r in enumerate(rows))
+        return pending
+
+    runner.start = counted
     kv = engine.kv
     free = kv.num_free
     # a few shared prefixes, so prefix-cache hits (and blocks shared between requests) happen
@@ -185,11 +211,11 @@ def test_a_row_that_fails_in_a_step_planned_ahead_is_told_at_once():
     runner = CheckingRunner(4)
     real = runner.start
 
-    def start(rows):
+    def start(rows, steps=1):
         for i, r in enumerate(rows):
             if r.seed == 9:
                 raise BadRow(i, ValueError("injected"))
-        return real(rows)
+        return real(rows, steps)
 
     runner.start = start
     engine = make_engine(runner, num_blocks=20, max_model_len=64)

@@ -253,13 +253,16 @@ def _drive(sched, now=0.0, steps=10000):
         for r in sched.running.values():  # every running request holds blocks for the KV it has or is computing
             assert sched.kv.num_blocks_held(r.id) >= sched.kv.blocks_for(max(r.planned, r.kv_len))
         now += plan.predicted_time
-        tokens = {i.request_id: (7,) for i in plan.items if sched.yields_token(i)}
+        tokens = {i.request_id: (7,) * (i.tokens if i.phase is Phase.DECODE else 1)
+                  for i in plan.items if sched.yields_token(i)}
         sched.apply(plan, Outcome(now, tuple(plan.predicted_time for _ in plan.items), tokens))
     raise AssertionError("scheduler did not drain")
 
 
-def test_replica_scheduler_runs_requests_to_completion_within_kv_memory():
-    sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(t_target=0.05), _kv(12000))
+@pytest.mark.parametrize("steps", [1, 8])
+def test_replica_scheduler_runs_requests_to_completion_within_kv_memory(steps):
+    sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(t_target=0.05), _kv(12000),
+                             num_scheduler_steps=steps)
     reqs = [Request(str(i), 0.0, 1000 + 700 * i, 20 + i) for i in range(10)]
     for r in reqs:
         sched.add(r)
@@ -337,6 +340,67 @@ def test_a_lagged_schedule_never_preempts_for_a_decode_ahead():
     ahead = sched.schedule(0.01, lagged=True)  # a's next token needs a second block: none is free
     assert [(i.request_id, i.start) for i in ahead.items] == [("b", 15)] and not ahead.preempted
     assert "a" in sched.running and "b" in sched.running
+
+
+def _decoding(sched, *requests):
+    """Prefill the requests (each its first token) in one Plan."""
+    for r in requests:
+        sched.add(r)
+    plan = sched.schedule(0.0)
+    assert {i.request_id for i in plan.items} == {r.id for r in requests}
+    sched.apply(plan, Outcome(0.01, tuple(0.01 for _ in plan.items), {r.id: (1,) for r in requests}))
+
+
+def test_a_burst_runs_decodes_together_each_to_its_share_and_a_waiting_prompt_stops_them():
+    """Nothing waiting: one Plan of up to num_scheduler_steps decode steps, each row up to its remaining tokens,
+    timed as its steps together and granted every block its tokens need. A prompt waiting: plain Plans again."""
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(10000), num_scheduler_steps=8)
+    a, b = Request("a", 0.0, 100, 5), Request("b", 0.0, 30, 20)
+    _decoding(sched, a, b)
+    plan = sched.schedule(0.01)
+    assert plan.steps == 8 and [(i.request_id, i.start, i.end) for i in plan.items] == [("a", 100, 104),
+                                                                                         ("b", 30, 38)]
+    assert plan.predicted_time == pytest.approx(EQ1.burst_time([(100, 4), (30, 8)], 8))
+    assert plan.predicted_time == pytest.approx(
+        sum(EQ1.batch_time(decode_kvs=[100 + min(j, 3), 30 + j]) for j in range(8)))
+    assert sched.kv.num_blocks_held("b") == sched.kv.blocks_for(38)
+    assert sched.schedule(0.01) is None  # nothing more until its tokens are back
+    done = sched.apply(plan, Outcome(0.05, (0.04, 0.04), {"a": (2, 3, 4, 5), "b": tuple(range(2, 10))}))
+    assert done == [a] and a.generated == 5 and b.generated == 9 and b.kv_len == 38
+    sched.add(Request("c", 0.05, 64, 4))
+    mixed = sched.schedule(0.05)
+    assert mixed.steps == 1 and sorted((i.request_id, i.tokens) for i in mixed.items) == [("b", 1), ("c", 64)]
+
+
+@pytest.mark.parametrize("budget_steps, capacity, steps", [(3.5, 10000, 3), (100, 32 + 4, 2), (1.5, 10000, 1)])
+def test_a_burst_is_as_long_as_the_budget_and_the_free_blocks_allow(budget_steps, capacity, steps):
+    """Steps fit the iteration budget together, and every row's blocks are free without preempting (two prompts
+    of 16 tokens hold 32 of `capacity`); one step that fits is a plain Plan."""
+    step = EQ1.batch_time(decode_kvs=[16, 16])
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=step * budget_steps),
+                             KVCacheManager.for_tokens(capacity, 1, enable_prefix_caching=False),
+                             num_scheduler_steps=8)
+    _decoding(sched, Request("a", 0.0, 16, 20), Request("b", 0.0, 16, 20))
+    plan = sched.schedule(0.01)
+    assert plan.steps == steps and [i.tokens for i in plan.items] == [steps, steps] and not plan.preempted
+
+
+def test_a_lagged_burst_follows_the_one_in_flight_and_a_stop_mid_burst_ends_the_request():
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(10000), num_scheduler_steps=4)
+    a, b = Request("a", 0.0, 100, 6), Request("b", 0.0, 30, 20)
+    _decoding(sched, a, b)
+    first = sched.schedule(0.01)
+    assert [(i.start, i.end) for i in first.items] == [(100, 104), (30, 34)]
+    ahead = sched.schedule(0.01, lagged=True)  # a has one token left to plan after the four in flight
+    assert ahead.steps == 4 and [(i.request_id, i.start, i.end) for i in ahead.items] == [("a", 104, 105),
+                                                                                          ("b", 34, 38)]
+    assert sched.schedule(0.01, lagged=True) is None  # one Plan ahead at most
+    # b's second token was a stop: the rest of its burst and the Plan ahead are dropped
+    done = sched.apply(first, Outcome(0.05, (0.04, 0.04), {"a": (2, 3, 4, 5), "b": (2, 3)},
+                                      stopped=frozenset({"b"})))
+    assert done == [b] and b.generated == 3 and "b" not in sched.requests
+    assert sched.apply(ahead, Outcome(0.09, (0.04, 0.04), {"a": (6,)})) == [a] and a.generated == 6
+    assert sched.kv.num_free == sched.kv.capacity and not sched.decode_in_flight
 
 
 def test_a_large_request_is_not_overtaken_forever_by_small_newcomers():

@@ -133,6 +133,19 @@ def test_pipeline_stages_pass_each_batch_over_the_inter_node_link():
     assert r.finished_at - r.first_token_at == pytest.approx(step, rel=1e-9)
 
 
+def test_bursts_finish_every_request_with_tokens_that_arrive_together():
+    """Multi-step decode in the simulator: the same requests finish, each with its tokens; a burst's tokens share
+    one arrival time (gaps of 0 inside a burst), and the clock charges every step of it."""
+    reqs = [Request(str(i), 0.0, 200 + 50 * i, 30) for i in range(4)]
+    plain = Simulator(_config(policy="fcfs")).run_requests(reqs, progress=False)
+    reqs = [Request(str(i), 0.0, 200 + 50 * i, 30) for i in range(4)]
+    burst = Simulator(_config(policy="fcfs", num_scheduler_steps=8)).run_requests(reqs, progress=False)
+    for a, b in zip(plain.requests, burst.requests):
+        assert b.generated == a.generated == 30 and b.first_token_at == a.first_token_at
+        assert b.token_gaps.count(0.0) > 0 == a.token_gaps.count(0.0)
+        assert b.finished_at == pytest.approx(a.finished_at, rel=0.05)
+
+
 def test_simultaneous_arrivals_share_a_batch():
     reqs = [Request(str(i), 1.0, 100, 1) for i in range(2)]
     res = Simulator(_config()).run_requests(reqs, progress=False)

@@ -93,7 +93,8 @@ def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous:
           cut: bool, block_size: int) -> tuple[Any, Int[Array, "n r"], Int[Array, "r"]]:
     """Decode steps of a decode program's rows in one loop on the device, each step sampling the token the next
     feeds, until every row is done: a row stops after `a.limit` tokens (at most `size`) or at one of its
-    `a.stop_ids`, and from then on writes to the scratch block at its first position (its output is ignored).
+    `a.stop_ids` (sampled, or fed to it), and from then on writes to the scratch block at its first position
+    (its output is ignored).
     Returns the caches, every step's tokens ([size, r]: rows of steps not run are zeros), and each row's last
     token (what a following step feeds)."""
     rows = jnp.arange(a.tables.shape[0])
@@ -109,10 +110,12 @@ def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous:
         logits, caches = forward(model, params, caches, step, previous)
         new = sample(logits, *batch.sampling(step), cut=cut)
         token = jnp.where(live, new, token)
-        live = live & (j + 1 < a.limit) & ~jnp.any(new[:, None] == a.stop_ids, axis=-1)
+        live = live & (j + 1 < a.limit) & ~stops(new)
         return j + 1, caches, token, live, out.at[j].set(new)
 
-    start = (jnp.int32(0), caches, first, a.limit > 0, jnp.zeros((size, rows.shape[0]), jnp.int32))
+    stops = lambda token: jnp.any(token[:, None] == a.stop_ids, axis=-1)  # noqa: E731
+    # a row fed a stop token (one in flight when this burst was planned) belongs to a finished request
+    start = (jnp.int32(0), caches, first, (a.limit > 0) & ~stops(first), jnp.zeros((size, rows.shape[0]), jnp.int32))
     _, caches, last, _, out = jax.lax.while_loop(lambda c: jnp.any(c[3]), one, start)
     return caches, out, last
 

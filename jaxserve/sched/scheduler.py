@@ -232,8 +232,11 @@ class ReplicaScheduler:
             elif not r.in_prefill:
                 self.queue.remove(r)
                 self.decoding[r.id] = r
+        blocks = {rid: tuple(ids) for rid, ids in grants.items() if ids}
         if not chunks and not decodes:
-            return Plan((), blocks={}, preempted=tuple(preempted)) if preempted else None
+            # a Plan of no work still tells the executor of preemptions, and of the tables of requests admitted
+            # with every token cached (they decode from the next Plan, which grants only their new blocks)
+            return Plan((), blocks=blocks, preempted=tuple(preempted)) if preempted or blocks else None
         group, decode = self.group, Phase.DECODE
         items = [WorkItem(r.id, kv, kv + 1, decode, group, 1, "zigzag", 0, kv)
                  for r in decodes for kv in (self._next_position(r),)]
@@ -246,8 +249,7 @@ class ReplicaScheduler:
                 self.queue.remove(r)
         for r in decodes:
             self.decode_in_flight.setdefault(r.id, []).append(1)
-        return Plan(tuple(items), predicted_time=state.time(self.cost),
-                    blocks={rid: tuple(ids) for rid, ids in grants.items() if ids}, preempted=tuple(preempted))
+        return Plan(tuple(items), predicted_time=state.time(self.cost), blocks=blocks, preempted=tuple(preempted))
 
     def _grant_decodes(self, grants: dict[str, list[int]], preempted: list[str], lagged: bool) -> list[Request]:
         """A KV slot for each decode's token, oldest admission first; preempt the newest when none is free. In a

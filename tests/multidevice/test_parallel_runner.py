@@ -1,7 +1,7 @@
 """The engine's step on several devices equals the step on one (small random Llama with GQA, 8 heads over 2 KV
 heads): KV-parallel groups of 2/4/8 (engine/kv_cache.py: the paged cache split block by block), tensor-parallel
 sets of 2/4/8 (sharding/tp.py: heads and MLP features split, KV heads repeated past 2 devices), and both at once.
-The same greedy tokens through prefill chunks, mixed steps and decodes, and the same K/V in every layer at every
+The same greedy tokens through prefill chunks, mixed steps, decodes and a multi-step decode (a burst), and the same K/V in every layer at every
 position, found on the devices that own its block and hold its head. KV landed from elsewhere goes only there."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 BS = 4
 PER_DEVICE = 40  # blocks on each device, its scratch block included
 BUCKETS = batch.Buckets.make(max_num_batched_tokens=128, max_num_seqs=4, max_model_len=128, block_size=BS,
-                             key_block=8, tile=8, min_tokens=8)
+                             key_block=8, tile=8, min_tokens=8, num_scheduler_steps=4)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_parallel_steps_equal_one_device(devices, params, kvp, tp):
                "c": rng.integers(0, CFG.vocab_size, 5)}
     tokens = {rid: list(p) for rid, p in prompts.items()}
     for rid, p in prompts.items():
-        kv.allocate(rid, len(p) + 8)
+        kv.allocate(rid, len(p) + 12)
     greedy = SamplingParams()
 
     def row(rid, lo, hi):
@@ -85,6 +85,18 @@ def test_parallel_steps_equal_one_device(devices, params, kvp, tp):
         want, got = one.execute(rows), group.execute(rows)
         np.testing.assert_array_equal(got, want)
         for rid, t in zip("abc", want):
+            tokens[rid].append(int(t))
+    # a burst of 4 decode steps in one device loop, on the group, equals 4 steps one at a time on one device;
+    # "c" stops after 2 (its share of the burst)
+    share = {"a": 4, "b": 4, "c": 2}
+    rows = [batch.Row(tokens[rid][-1:], len(tokens[rid]) - 1, kv.block_table(rid), greedy, 0, 0, steps=share[rid])
+            for rid in "abc"]
+    burst = group.start(rows, steps=4).value()
+    for j in range(4):
+        live = [rid for rid in "abc" if j < share[rid]]
+        want = one.execute([row(rid, len(tokens[rid]) - 1, len(tokens[rid])) for rid in live])
+        np.testing.assert_array_equal(burst[j, :len(live)], want)
+        for rid, t in zip(live, want):
             tokens[rid].append(int(t))
     for rid in "abc":
         table, n = kv.block_table(rid), len(tokens[rid]) - 1  # the last sampled token has no K/V yet
