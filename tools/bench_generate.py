@@ -4,6 +4,7 @@
     .venv/bin/pip install -e '.[reference]'
     .venv/bin/python tools/bench_generate.py [--decode_tokens=64] [--repeats=3] [--out=bench.json]
     .venv/bin/python tools/bench_generate.py --gpu [--gpu_models=random:llama3-8b,smollm2-135m-instruct]
+        [--num_scheduler_steps=8]
 
 --gpu needs no download and no transformers: `random:llama3-8b` is Llama-3.1-8B's shapes with random bf16 weights
 drawn on the device (models/random_weights.py); absolute tokens/s are reported, as only a GPU gives them.
@@ -40,6 +41,7 @@ flags.DEFINE_integer("repeats", 3, "Timed repetitions; the median is reported.")
 flags.DEFINE_string("out", None, "Optional JSON file for the results.")
 flags.DEFINE_bool("gpu", False, "jaxserve alone, in bfloat16, for each of --gpu_models (absolute figures).")
 flags.DEFINE_list("gpu_models", ["random:llama3-8b", "smollm2-135m-instruct"], "Models for --gpu.")
+flags.DEFINE_integer("num_scheduler_steps", 1, "jaxserve's multi-step decode: most decode steps in one burst.")
 
 
 def prompts(n: int, length: int, seed: int, vocab: int = 40000) -> list[list[int]]:
@@ -51,10 +53,10 @@ def prompts(n: int, length: int, seed: int, vocab: int = 40000) -> list[list[int
 class JaxServeSide:
     name = "jaxserve"
 
-    def __init__(self, model: str, batch: int, long_prompt: int, dtype: str = "float32"):
+    def __init__(self, model: str, batch: int, long_prompt: int, dtype: str = "float32", num_scheduler_steps: int = 1):
         # no prefix caching: every repetition sends the same prompts, and transformers computes them each time
         self.llm = jaxserve.LLM(model, dtype=dtype, max_model_len=max(2048, 2 * long_prompt), max_num_seqs=batch,
-                                prefix_caching=False)
+                                prefix_caching=False, num_scheduler_steps=num_scheduler_steps)
 
     def generate(self, batch: list[list[int]], n: int) -> None:
         outs = self.llm.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -111,9 +113,10 @@ def measure(sides: list, batch: int, short: int, long: int, n: int, repeats: int
 
 def gpu_table(f) -> dict[str, dict[str, float]]:
     """jaxserve's figures for each model, bfloat16, on this machine's first device."""
-    results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+    results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+               "num_scheduler_steps": f.num_scheduler_steps}
     for model in f.gpu_models:
-        side = JaxServeSide(model, f.batch, f.long_prompt, dtype="bfloat16")
+        side = JaxServeSide(model, f.batch, f.long_prompt, dtype="bfloat16", num_scheduler_steps=f.num_scheduler_steps)
         side.name = model
         results.update(measure([side], f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats,
                                vocab=min(40000, side.llm.config.vocab_size)))
@@ -137,7 +140,8 @@ def main(argv: list[str]) -> None:
     import torch
 
     print(f"torch {torch.__version__} threads {torch.get_num_threads()}; jax {jax.__version__} {jax.devices()}")
-    sides = [TransformersSide(f.model), JaxServeSide(f.model, f.batch, f.long_prompt)]
+    sides = [TransformersSide(f.model), JaxServeSide(f.model, f.batch, f.long_prompt,
+                                                     num_scheduler_steps=f.num_scheduler_steps)]
     results = measure(sides, f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats)
     hf_r, js_r = results["transformers"], results["jaxserve"]
     b1 = js_r["decode_tok_s_batch1"] / hf_r["decode_tok_s_batch1"]

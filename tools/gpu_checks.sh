@@ -3,7 +3,8 @@
 #   OUT=bench_out/gpu bash tools/gpu_checks.sh [kernels] [attention] [generate]
 # kernels: the kernel tests, compiled through Triton (tests/kernel_check.py); ragged: the engine's kernel's alone;
 # attention: tools/bench_attention.py;
-# generate: tools/bench_generate.py --gpu on random Llama-3.1-8B weights; step: tools/profile_step.py (one decode
+# generate: tools/bench_generate.py --gpu on random Llama-3.1-8B weights (burst: the same with multi-step decodes of
+# up to 8 steps); step: tools/profile_step.py (one decode
 # step of it under jax.profiler, at batch 1 and 16: its top kernels); profile: tools/profile_attention.py (the
 # simulator's measured attention). Logs, JSON and CSV go to $OUT.
 set -u
@@ -21,6 +22,8 @@ for part in $parts; do
     ragged) timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_ragged_paged_attention.py ;;
     attention) timeout 240 $PY tools/bench_attention.py --out="$OUT/attention.json" ;;
     generate) timeout 270 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --out="$OUT/generate_gpu.json" ;;
+    burst) timeout 270 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --num_scheduler_steps=8 \
+      --out="$OUT/generate_gpu_burst.json" ;;
     step) timeout 270 $PY tools/profile_step.py --model=random:llama3-8b --out="$OUT/step_profile" ;;
     profile) timeout 270 $PY tools/profile_attention.py --out="$OUT/h100_attention.csv" ;;
     *) echo "unknown part $part"; false ;;
