@@ -147,7 +147,7 @@ def main(argv: list[str]) -> None:
         device = FakeDevice(llm.engine.runner, 0.0)
         timer = instrument(llm)
         measure(llm, timer, device, r, 12, overlap=True)  # compile what the measured runs use
-        measure(llm, timer, device, r, 12, overlap=True, burst=burst)
+        measure(llm, timer, device, r, FLAGS.tokens, overlap=True, burst=burst)
         if FLAGS.delay_ms == "auto":
             device.delay = measure(llm, timer, device, r, FLAGS.tokens, overlap=False)["host"] / 1e6
         else:
