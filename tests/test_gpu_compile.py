@@ -108,13 +108,17 @@ def test_step_reader_finds_weight_copies_and_branches():
 
 def test_the_decode_step_for_an_h100_reads_weights_in_place_and_never_branches(tmp_path):
     """The pure-decode serving step of Llama-3.1-8B (32 layers, bf16), compiled for one H100: no weight copied out
-    of a stacked array, no conditional (so no host sync inside the step), at batch 1 and 16; its samplers (with
-    and without the top-k / top-p cut) have no conditional either."""
+    of a stacked array, no conditional (so no host sync inside the step), at batch 1 and 16; its samplers (of
+    each kind) have no conditional either. Its multi-step decode is one loop (the step and the sampler inside),
+    with no weight copied either."""
     summary = _run(tmp_path, "--decode")
     for rows in (1, 16):
         found = summary[f"decode_b{rows}"]
         assert found["conditionals"] == 0 and found["whiles"] == 0 and found["weight_copies"] == [], found
-        hlo = (tmp_path / f"decode_b{rows}.hlo").read_text()
-        assert hlo.count('"__gpu$xla.gpu.triton"') > 0  # the attention is the Pallas kernel
-        for cut in ("", "_cut"):
-            assert summary[f"sampler_b{rows}{cut}"]["conditionals"] == 0
+        found = summary[f"burst_b{rows}"]
+        assert found["conditionals"] == 0 and found["whiles"] == 1 and found["weight_copies"] == [], found
+        for name in ("decode", "burst"):
+            hlo = (tmp_path / f"{name}_b{rows}.hlo").read_text()
+            assert hlo.count('"__gpu$xla.gpu.triton"') > 0  # the attention is the Pallas kernel
+        for kind in ("greedy", "draw", "cut"):
+            assert summary[f"sampler_b{rows}_{kind}"]["conditionals"] == 0

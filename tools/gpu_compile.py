@@ -22,8 +22,9 @@ each program and a JSON summary go to --out. Exit status 1 if a K/V transfer ove
 
 --decode instead compiles the engine's pure-decode serving step for one GPU at batch 1 and 16, as the runner
 compiles it: its forward (engine.runner.forward_packed: Llama-3.1-8B's 32 layers, bf16, the Pallas kernels) as
-`decode_b1.hlo` and `decode_b16.hlo`, and its sampler (engine.runner.sample_padded, with and without the top-k /
-top-p cut). The summary counts, per program, the compile seconds, the `conditional`s (each makes the host wait for the device), the
+`decode_b1.hlo` and `decode_b16.hlo`, its sampler (engine.runner.sample_padded, of each kind: greedy, a draw, a
+draw cut by top-k / top-p), and its multi-step decode (engine.runner.burst_packed: the forward and the greedy
+sampler in one device loop) as `burst_b1.hlo` and `burst_b16.hlo`. The summary counts, per program, the compile seconds, the `conditional`s (each makes the host wait for the device), the
 `while` loops, and the weight copies: instructions outside fusions whose result has a weight's shape (a layer
 scan's dynamic slice of the stacked weights is one). Exit status 1 if any is found.
 """
@@ -55,7 +56,7 @@ import numpy as np  # noqa: E402
 from jaxserve import xla_flags  # noqa: E402
 from jaxserve.engine import batch, compiled, sp_prefill  # noqa: E402
 from jaxserve.engine.kv_cache import RaggedPagedBackend  # noqa: E402
-from jaxserve.engine.runner import forward_packed, sample_padded  # noqa: E402
+from jaxserve.engine.runner import burst_packed, forward_packed, sample_padded  # noqa: E402
 from jaxserve.engine.scoring import DenseCausalBackend  # noqa: E402
 from jaxserve.models.config import llama3_8b  # noqa: E402
 from jaxserve.models.llama import Llama  # noqa: E402
@@ -122,13 +123,14 @@ PROGRAMS = {"ring": ring_program, "chunk": chunk_program}
 
 DECODE_ROWS = (1, 16)
 BLOCK, KEY_BLOCK = 16, 256
-DECODE_BUCKETS = batch.Buckets.make(512, 16, 2048, BLOCK, KEY_BLOCK)  # a 2,048-token context
+DECODE_BUCKETS = batch.Buckets.make(512, 16, 2048, BLOCK, KEY_BLOCK, num_scheduler_steps=8)  # 2,048-token context
 MAX_ROWS = max(s.rows for s in DECODE_BUCKETS.programs())  # the runner's max_rows: every sampler's output
 
 
-def decode_program(mesh: jax.sharding.Mesh, rows: int) -> tuple[Any, tuple, list[tuple[int, ...]]]:
-    """The engine's pure-decode step of `rows` rows (block size 16, key block 256, a 2,048-token context), and
-    the shapes of the model's weights."""
+def decode_program(mesh: jax.sharding.Mesh, rows: int, burst: bool = False) -> tuple[Any, tuple,
+                                                                                     list[tuple[int, ...]]]:
+    """The engine's pure-decode step of `rows` rows (block size 16, key block 256, a 2,048-token context), or
+    its multi-step decode (`burst`: greedy), and the shapes of the model's weights."""
     cfg = llama3_8b(FLAGS.decode_layers)
     bs, buckets = BLOCK, DECODE_BUCKETS
     model = Llama(cfg, RaggedPagedBackend(bs, KEY_BLOCK, 1, "kernel"), jnp.bfloat16, unrolled=True)
@@ -142,18 +144,23 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int) -> tuple[Any, tuple, list
                                  sharding=here)
     blob = on_gpu(batch.to_blob(batch.empty(buckets, buckets.decode(rows), bs)))
     previous = on_gpu(np.zeros(MAX_ROWS, np.int32))  # the last step's sampled tokens, fed on the device
-    step = jax.jit(functools.partial(forward_packed(model, buckets), shape=buckets.decode(rows)), donate_argnums=(1,))
+    if burst:
+        step = jax.jit(functools.partial(burst_packed(model, buckets, bs, MAX_ROWS), shape=buckets.decode(rows),
+                                         kind="greedy"), donate_argnums=(1,))
+    else:
+        step = jax.jit(functools.partial(forward_packed(model, buckets), shape=buckets.decode(rows)),
+                       donate_argnums=(1,))
     weights = [x.shape for x in jax.tree.leaves(params) if len(x.shape) > 1]
     return step, (params, (cache, cache), blob, previous), weights
 
 
-def sampler_program(mesh: jax.sharding.Mesh, rows: int, cut: bool) -> tuple[Any, tuple]:
+def sampler_program(mesh: jax.sharding.Mesh, rows: int, kind: str) -> tuple[Any, tuple]:
     """The engine's sampler over `rows` rows of Llama-3.1-8B's logits."""
     here = NamedSharding(mesh, P())
     logits = jax.ShapeDtypeStruct((rows, llama3_8b(1).vocab_size), jnp.float32, sharding=here)
     arrays = batch.empty(DECODE_BUCKETS, DECODE_BUCKETS.decode(rows), BLOCK)
     sampling = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here) for x in batch.sampling(arrays)]
-    return jax.jit(functools.partial(sample_padded, cut=cut, size=MAX_ROWS)), (logits, *sampling)
+    return jax.jit(functools.partial(sample_padded, kind=kind, size=MAX_ROWS)), (logits, *sampling)
 
 
 def compile_decode(out: pathlib.Path, options: dict) -> bool:
@@ -162,21 +169,22 @@ def compile_decode(out: pathlib.Path, options: dict) -> bool:
                                "compiler_options": options}
     ok = True
     for rows in DECODE_ROWS:
-        step, args, weights = decode_program(mesh, rows)
-        start = time.perf_counter()
-        hlo = step.lower(*args).compile(compiler_options=options).as_text()
-        seconds = time.perf_counter() - start
-        (out / f"decode_b{rows}.hlo").write_text(hlo)
-        found = compiled.read_step(hlo, weights) | {"compile_seconds": round(seconds, 1)}
-        summary[f"decode_b{rows}"] = found
-        print(f"decode_b{rows}: compiled in {seconds:.1f} s; {found['conditionals']} conditionals, "
-              f"{found['whiles']} while loops, {len(found['weight_copies'])} weight copies")
-        ok &= not found["conditionals"] and not found["weight_copies"]
-        for cut in (False, True):
-            step, args = sampler_program(mesh, rows, cut)
+        for name in ("decode", "burst"):
+            step, args, weights = decode_program(mesh, rows, burst=name == "burst")
+            start = time.perf_counter()
+            hlo = step.lower(*args).compile(compiler_options=options).as_text()
+            seconds = time.perf_counter() - start
+            (out / f"{name}_b{rows}.hlo").write_text(hlo)
+            found = compiled.read_step(hlo, weights) | {"compile_seconds": round(seconds, 1)}
+            summary[f"{name}_b{rows}"] = found
+            print(f"{name}_b{rows}: compiled in {seconds:.1f} s; {found['conditionals']} conditionals, "
+                  f"{found['whiles']} while loops, {len(found['weight_copies'])} weight copies")
+            ok &= not found["conditionals"] and not found["weight_copies"]
+        for kind in batch.SAMPLER_KINDS:
+            step, args = sampler_program(mesh, rows, kind)
             found = compiled.read_step(step.lower(*args).compile(compiler_options=options).as_text(), [])
-            summary[f"sampler_b{rows}{'_cut' if cut else ''}"] = found
-            print(f"sampler_b{rows} (cut: {cut}): {found['conditionals']} conditionals")
+            summary[f"sampler_b{rows}_{kind}"] = found
+            print(f"sampler_b{rows} ({kind}): {found['conditionals']} conditionals")
             ok &= not found["conditionals"]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return ok

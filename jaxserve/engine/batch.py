@@ -207,6 +207,13 @@ def sampling(a: StepArrays) -> tuple[np.ndarray, ...]:
     return a.temperature, a.top_k, a.top_p, a.seeds, a.counters
 
 
-def cuts(a: StepArrays) -> bool:
-    """Does a sampled row cut by top-k or top-p (the sampler's costlier program)?"""
-    return bool(np.any((a.temperature > 0) & ((a.top_k > 0) | (a.top_p < 1.0))))
+def sampler_kind(a: StepArrays) -> str:
+    """Which sampler the rows need: "greedy" (every row: argmax alone), "cut" (a drawn row cuts by top-k or top-p:
+    the costlier program that sorts the vocabulary) or "draw"."""
+    drawn = a.temperature > 0
+    if not drawn.any():
+        return "greedy"
+    return "cut" if bool(np.any(drawn & ((a.top_k > 0) | (a.top_p < 1.0)))) else "draw"
+
+
+SAMPLER_KINDS = ("greedy", "draw", "cut")

@@ -6,9 +6,10 @@ dispatch the next step first: a decode whose token is still in flight names its 
 (`batch.Row.feed`), and the forward takes that token from the previous sampler's output on the device.
 
 Forwards are keyed by their shape (batch.Shape: a decode program per row bucket, a mixed one per (tokens, rows)
-bucket), samplers by their rows and by whether they cut by top-k / top-p. A multi-step decode (a burst: `steps`
+bucket), samplers by their rows and kind (batch.sampler_kind: argmax alone when every row is greedy, a draw, or
+a draw cut by top-k / top-p; the host picks). A multi-step decode (a burst: `steps`
 decode steps in one device loop, each step's sampled tokens fed to the next) is one program with its sampler
-inside, keyed by rows and the cut (Burst); its steps are a loop bound on the device, so any count up to the
+inside, keyed by rows and the sampler's kind (Burst); its steps are a loop bound on the device, so any count up to the
 configured most runs in the same program. `warmup` compiles every program a
 configuration uses before the first request (in parallel threads: XLA compiles outside the GIL), and nothing
 compiles while serving; or a program compiles the first time a step needs it (`generate` starts at once).
@@ -90,7 +91,7 @@ def forward_packed(model: Llama, buckets: batch.Buckets, spread: Callable | None
 
 
 def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous: Int[Array, "m"], *, size: int,
-          cut: bool, block_size: int) -> tuple[Any, Int[Array, "n r"], Int[Array, "r"]]:
+          kind: str, block_size: int) -> tuple[Any, Int[Array, "n r"], Int[Array, "r"]]:
     """Decode steps of a decode program's rows in one loop on the device, each step sampling the token the next
     feeds, until every row is done: a row stops after `a.limit` tokens (at most `size`) or at one of its
     `a.stop_ids` (sampled, or fed to it), and from then on writes to the scratch block at its first position
@@ -108,7 +109,7 @@ def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous:
                           SCRATCH_BLOCK * block_size)
         step = a._replace(token_ids=token, feed=no_feed, positions=positions, slots=slots, counters=a.counters + j)
         logits, caches = forward(model, params, caches, step, previous)
-        new = sample(logits, *batch.sampling(step), cut=cut)
+        new = sample_kind(logits, *batch.sampling(step), kind=kind)
         token = jnp.where(live, new, token)
         live = live & (j + 1 < a.limit) & ~stops(new)
         return j + 1, caches, token, live, out.at[j].set(new)
@@ -122,14 +123,14 @@ def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous:
 
 def burst_packed(model: Llama, buckets: batch.Buckets, block_size: int, size: int,
                  spread: Callable | None = None) -> Callable:
-    """What the runner compiles for a burst: (params, caches, blob, previous, shape, cut) -> (caches, tokens
+    """What the runner compiles for a burst: (params, caches, blob, previous, shape, kind) -> (caches, tokens
     [buckets.burst_steps, size], last tokens [size]), rows padded with zeros to `size` as the samplers' are."""
-    def one(params, caches, arrays, previous, cut):
-        return burst(model, params, caches, arrays, previous, size=buckets.burst_steps, cut=cut,
+    def one(params, caches, arrays, previous, kind):
+        return burst(model, params, caches, arrays, previous, size=buckets.burst_steps, kind=kind,
                      block_size=block_size)
 
-    def step(params, caches, blob, previous, shape, cut):
-        run = functools.partial(one, cut=cut)
+    def step(params, caches, blob, previous, shape, kind):
+        run = functools.partial(one, kind=kind)
         if spread is not None:
             run = spread(run)
         caches, out, last = run(params, caches, batch.from_blob(blob, shape, buckets), previous)
@@ -139,26 +140,34 @@ def burst_packed(model: Llama, buckets: batch.Buckets, block_size: int, size: in
     return step
 
 
-def sample_padded(logits: Float[Array, "r v"], *sampling: Array, cut: bool, size: int) -> Int[Array, "m"]:
-    """`sample`, padded with zeros to `size` rows: every sampler's output can feed every forward."""
-    tokens = sample(logits, *sampling, cut=cut)
+def sample_kind(logits: Float[Array, "r v"], *sampling: Array, kind: str) -> Int[Array, "r"]:
+    """`sample` as the host's batch.sampler_kind chose: argmax alone when every row is greedy (the draw's
+    softmax and running sums over the vocabulary are most of a sampler's time), with or without the cut."""
+    if kind == "greedy":
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return sample(logits, *sampling, cut=kind == "cut")
+
+
+def sample_padded(logits: Float[Array, "r v"], *sampling: Array, kind: str, size: int) -> Int[Array, "m"]:
+    """`sample_kind`, padded with zeros to `size` rows: every sampler's output can feed every forward."""
+    tokens = sample_kind(logits, *sampling, kind=kind)
     return jnp.pad(tokens, (0, size - tokens.shape[0]))
 
 
 class Sampler(NamedTuple):
-    """The sampler's program for `rows` rows, with the top-k / top-p cut or without."""
+    """The sampler's program for `rows` rows, of a batch.SAMPLER_KINDS kind."""
 
     rows: int
-    cut: bool
+    kind: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Burst:
-    """A multi-step decode's program: up to Buckets.burst_steps decode steps of `rows` rows, its sampler cutting
-    or not. A dataclass, not a tuple: it must never equal a Sampler."""
+    """A multi-step decode's program: up to Buckets.burst_steps decode steps of `rows` rows, its sampler of a
+    batch.SAMPLER_KINDS kind. A dataclass, not a tuple: it must never equal a Sampler."""
 
     rows: int
-    cut: bool
+    kind: str
 
     def shape(self) -> batch.Shape:
         return batch.Shape(self.rows, self.rows, 0)
@@ -188,9 +197,9 @@ FIRST_TOKENS = 128  # the chunks first_programs covers: a short prompt (a chat t
 
 
 def _with_samplers(shapes: list[batch.Shape]) -> list[Program]:
-    """The forwards, then the sampler for each of their row counts, with and without the top-k / top-p cut."""
+    """The forwards, then the sampler of each kind for each of their row counts."""
     rows = sorted({s.rows for s in shapes})
-    return [*shapes, *(Sampler(r, cut) for cut in (False, True) for r in rows)]
+    return [*shapes, *(Sampler(r, kind) for kind in batch.SAMPLER_KINDS for r in rows)]
 
 
 class _Loop(NamedTuple):
@@ -232,7 +241,7 @@ class ModelRunner:
         self.max_rows = max(s.rows for s in buckets.programs())
         self._loops = {True: self._loop(params, backend, mesh, True)}
         self.params = self._loops[True].params  # per layer
-        self._sample = jax.jit(sample_padded, static_argnames=("cut", "size"), out_shardings=self._replicated)
+        self._sample = jax.jit(sample_padded, static_argnames=("kind", "size"), out_shardings=self._replicated)
         self._previous = self._no_tokens()
         self.model = self._loops[True].model
         self.caches = self._allocate()
@@ -257,7 +266,7 @@ class ModelRunner:
         multi = burst_packed(model, self.buckets, self.block_size, self.max_rows, spread_burst)
         return _Loop(jax.device_put(params, tensor_parallel.shardings(mesh, specs)), model,
                      jax.jit(step, donate_argnums=(1,), static_argnames=("shape",)),
-                     jax.jit(multi, donate_argnums=(1,), static_argnames=("shape", "cut")))
+                     jax.jit(multi, donate_argnums=(1,), static_argnames=("shape", "kind")))
 
     def _loop_of(self, shape: batch.Shape) -> _Loop:
         unrolled = shape.tiles == 0 or not self.scan_mixed
@@ -268,13 +277,13 @@ class ModelRunner:
 
     def programs(self, mixed: bool = True) -> list[Program]:
         """Every program serving can run (without `mixed`: what decodes alone run): the forwards, then the
-        sampler for each of their row counts, with and without the top-k / top-p cut, then the bursts."""
+        sampler of each kind for each of their row counts, then the bursts."""
         return _with_samplers([s for s in self.buckets.programs() if mixed or s.tiles == 0]) + self._bursts()
 
     def _bursts(self) -> list[Burst]:
-        """The multi-step decode programs (none unless Buckets.burst_steps > 1), without the cut first."""
+        """The multi-step decode programs (none unless Buckets.burst_steps > 1), greedy first."""
         b = self.buckets
-        return [Burst(r, cut) for cut in (False, True) for r in b.decode_rows] if b.burst_steps > 1 else []
+        return [Burst(r, kind) for kind in batch.SAMPLER_KINDS for r in b.decode_rows] if b.burst_steps > 1 else []
 
     def warmup(self, programs: Sequence[Program] | None = None, *, progress: bool = True,
                threads: int | None = None) -> None:
@@ -300,7 +309,7 @@ class ModelRunner:
         bursts."""
         first = set(self.first_programs())
         shapes = sorted((s for s in self.buckets.programs() if s not in first), key=lambda s: (s.tokens, s.rows))
-        later = [p for s in shapes for p in (s, Sampler(s.rows, False), Sampler(s.rows, True))]
+        later = [p for s in shapes for p in (s, *(Sampler(s.rows, kind) for kind in batch.SAMPLER_KINDS))]
         return [p for p in dict.fromkeys(later) if p not in first] + self._bursts()
 
     def compile_in_background(self, programs: Sequence[Program]) -> concurrent.futures.Future:
@@ -358,12 +367,12 @@ class ModelRunner:
             sampling = batch.sampling(batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size))
             shapes = [((program.rows, self.cfg.vocab_size), np.float32)] + [(x.shape, x.dtype) for x in sampling]
             inputs = [jax.ShapeDtypeStruct(s, d, sharding=self._replicated) for s, d in shapes]
-            return self._sample.trace(*abstract(inputs), cut=program.cut, size=self.max_rows)
+            return self._sample.trace(*abstract(inputs), kind=program.kind, size=self.max_rows)
         if isinstance(program, Burst):
             loop, shape = self._loops[True], program.shape()
             blob = batch.to_blob(batch.empty(self.buckets, shape, self.block_size))
             return loop.burst.trace(abstract(loop.params), abstract(self.caches), blob, abstract(self._previous),
-                                    shape=shape, cut=program.cut)
+                                    shape=shape, kind=program.kind)
         loop = self._loop_of(program)
         blob = batch.to_blob(batch.empty(self.buckets, program, self.block_size))
         return loop.step.trace(abstract(loop.params), abstract(self.caches), blob, abstract(self._previous),
@@ -391,7 +400,7 @@ class ModelRunner:
             raise ValueError(f"a multi-step decode of {steps} steps (at most {self.buckets.burst_steps}) runs "
                              "decodes of at most that many tokens")
         shape = batch.shape_of(arrays)
-        program = Burst(shape.rows, batch.cuts(arrays))
+        program = Burst(shape.rows, batch.sampler_kind(arrays))
         self.caches, out, self._previous = self._program(program)(self._loops[True].params, self.caches,
                                                                   batch.to_blob(arrays), self._previous)
         return Pending(processes.read_later(out))
@@ -409,7 +418,7 @@ class ModelRunner:
         forward = self._program(shape)
         logits, self.caches, sampling = forward(self._loop_of(shape).params, self.caches, batch.to_blob(arrays),
                                                 self._previous)
-        self._previous = self._program(Sampler(shape.rows, batch.cuts(arrays)))(logits, *sampling)
+        self._previous = self._program(Sampler(shape.rows, batch.sampler_kind(arrays)))(logits, *sampling)
         return Pending(processes.read_later(self._previous))
 
     def warmup_land(self, max_rows: int) -> None:
