@@ -145,7 +145,8 @@ class LLM:
         `space_sharing` makes a long prefill yield budget to urgent short ones. A prompt's first token is due
         `ttft_slo` seconds after arrival (or 3x its prefill time alone, if longer). `num_scheduler_steps` > 1:
         when no prompt waits, up to that many decode steps run in one device loop (multi-step decode), as many
-        as fit the iteration budget. The cost model is measured on
+        as fit the iteration budget; one engine only (not a cluster), and after a quick start only once the
+        background compile is done. The cost model is measured on
         this device at first start and cached (`cost_profile` names the file to load or write instead).
 
         Start-up: with `warmup` (what `serve` does) every step program is compiled here, before the first request,
@@ -174,6 +175,9 @@ class LLM:
                             ("num_scheduler_steps", num_scheduler_steps)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if num_scheduler_steps > 1 and prefill_instances:
+            raise ValueError("num_scheduler_steps > 1 (multi-step decode) serves one engine; a cluster's decode "
+                             "instances step one token at a time, so that its loop admits prompts between steps")
         _enable_compilation_cache()
         self.model_name, self._dtype_name = model, dtype
         self.config, params, self.tokenizer = _weights(model, dtype)
@@ -253,6 +257,10 @@ class LLM:
         engine = Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
         if quick:
             compiled = runner.compile_in_background(runner.later_programs())
+            if self._buckets.burst_steps > 1:  # no burst before its programs compile (the step would wait)
+                scheduler.num_scheduler_steps = 1
+                compiled.add_done_callback(lambda _: setattr(scheduler, "num_scheduler_steps",
+                                                             self._buckets.burst_steps))
             if self.cost is None:
                 engine.defer(functools.partial(self._measure_when_idle, engine, path, compiled))
         return engine

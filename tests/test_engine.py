@@ -126,6 +126,13 @@ def test_preemption_under_memory_pressure_keeps_outputs():
         assert small.engine.kv.num_free == free
 
 
+def test_multi_step_decode_settings_are_checked():
+    with pytest.raises(ValueError, match="num_scheduler_steps must be a positive integer"):
+        jaxserve.LLM(num_scheduler_steps=0)
+    with pytest.raises(ValueError, match="serves one engine"):
+        jaxserve.LLM(num_scheduler_steps=4, prefill_instances=1)
+
+
 def _run(engine, requests, tag: str) -> tuple[dict, collections.Counter, collections.Counter]:
     """Every request's outputs, stepping until nothing is in flight; how many decode tokens each had computed,
     and in how many bursts."""

@@ -202,6 +202,8 @@ def test_bad_cluster_config_is_an_error():
         ClusterConfig(dispatch="random")
     with pytest.raises(ValueError, match="time_scale"):
         ClusterConfig(time_scale=0.0)
+    with pytest.raises(ValueError, match="one pipeline stage"):
+        ClusterConfig(num_scheduler_steps=8, stages=2)
     with pytest.raises(ValueError, match="does not fit"):
         ClusterConfig(profile="h100_llama2_70b", tp=1).replica_kv_capacity()
 

@@ -103,7 +103,7 @@ def instrument(llm: jaxserve.LLM) -> Timer:
     timer.wrap(engine, "_append", "detokenize+stop")
     timer.wrap(_Delayed, "value", "wait")
     timer.wrap(engine.runner, "dispatch", "dispatch")
-    timer.wrap(engine.runner, "_program", "dispatch")  # a burst's call (its compile is done before measuring)
+    timer.wrap(engine.runner, "dispatch_burst", "dispatch")
     return timer
 
 

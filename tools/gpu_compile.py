@@ -24,9 +24,10 @@ each program and a JSON summary go to --out. Exit status 1 if a K/V transfer ove
 compiles it: its forward (engine.runner.forward_packed: Llama-3.1-8B's 32 layers, bf16, the Pallas kernels) as
 `decode_b1.hlo` and `decode_b16.hlo`, its sampler (engine.runner.sample_padded, of each kind: greedy, a draw, a
 draw cut by top-k / top-p), and its multi-step decode (engine.runner.burst_packed: the forward and the greedy
-sampler in one device loop) as `burst_b1.hlo` and `burst_b16.hlo`. The summary counts, per program, the compile seconds, the `conditional`s (each makes the host wait for the device), the
-`while` loops, and the weight copies: instructions outside fusions whose result has a weight's shape (a layer
-scan's dynamic slice of the stacked weights is one). Exit status 1 if any is found.
+sampler in one device loop) as `burst_b1.hlo` and `burst_b16.hlo`. The summary counts, per program, the compile
+seconds, the `conditional`s (each makes the host wait for the device), the `while` loops, and the weight copies:
+instructions outside fusions whose result has a weight's shape (a layer scan's dynamic slice of the stacked weights
+is one). Exit status 1 if any is found.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The serving engine: executes the scheduler's Plans on one device.
 
 Each `step()` asks the ReplicaScheduler (sched/) for a Plan (decodes and several prefill chunks under the
-iteration's token and time budget, the KV block ids it grants, the requests it preempted), runs it as one
-step over a flat ragged batch (runner.ModelRunner: a compiled forward, then the sampler), turns the sampled
-tokens into text and stop decisions, and hands the Outcome back; the scheduler's state moves only from Outcomes,
-exactly as in the simulator. With overlap (the default) the next step is dispatched before the last one's
-tokens are read, so the device does not wait for this Python. A multi-step decode Plan (Plan.steps > 1) runs
-its decode steps in one device loop; its tokens are read together, each request's up to its first stop. A preempted request recomputes its prompt and
-generated tokens (mostly from prefix-cache hits); on CPU in float32 its output is unchanged (bf16 on GPU makes
+iteration's token and time budget, the KV block ids it grants, the requests it preempted), runs it as one step over
+a flat ragged batch (runner.ModelRunner: a compiled forward, then the sampler), turns the sampled tokens into text
+and stop decisions, and hands the Outcome back; the scheduler's state moves only from Outcomes, exactly as in the
+simulator. With overlap (the default) the next step is dispatched before the last one's tokens are read, so the
+device does not wait for this Python. A multi-step decode Plan (Plan.steps > 1) runs its decode steps in one device
+loop; its tokens are read together, each request's up to its first stop. A preempted request recomputes its prompt
+and generated tokens (mostly from prefix-cache hits); on CPU in float32 its output is unchanged (bf16 on GPU makes
 no such promise: batch shapes change the rounding).
 """
 
@@ -355,7 +355,9 @@ class Engine:
         steps, stops = 1, ()
         if burst:
             p = live.params
-            steps, stops = item.tokens, (*p.stop_token_ids, *(() if p.ignore_eos else self.tokenizer.stop_ids))
+            # the device checks the first batch.STOP_SLOTS: EOS first (the host checks them all)
+            eos = () if p.ignore_eos else sorted(self.tokenizer.stop_ids)
+            steps, stops = item.tokens, tuple(dict.fromkeys((*eos, *p.stop_token_ids)))
         if item.start < len(r.token_ids):
             tokens = r.token_ids[item.start:item.start + (1 if burst else item.tokens)]
             return Row(tokens, item.start, table, live.params, live.seed, r.generated, steps=steps, stop_ids=stops)

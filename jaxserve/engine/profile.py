@@ -29,8 +29,10 @@ from jaxserve.engine.sampling import SamplingParams
 from jaxserve.sched.batch_cost import EngineStepCost, tile_key_blocks
 from jaxserve.sched.step_shapes import StepShapes
 
-_GREEDY = SamplingParams(max_tokens=1)
-VERSION = 9  # of the step and of how it is measured: a change to either must not load an older profile
+# steps are timed with the drawing sampler (a batch of greedy rows runs the cheaper argmax alone): priced so, a
+# step of sampled rows stays within the budget
+_DRAWN = SamplingParams(max_tokens=1, temperature=1.0)
+VERSION = 10  # of the step and of how it is measured: a change to either must not load an older profile
 LONG = 2048  # tokens of context at the long points
 
 
@@ -55,7 +57,7 @@ def synthetic_row(n: int, history: int, first_block: int, block_size: int, num_b
     """n tokens after `history` cached ones, in consecutive blocks from first_block (wrapping past the last)."""
     count = -(-(history + n) // block_size)
     blocks = [1 + (b - 1) % (num_blocks - 1) for b in range(first_block, first_block + count)]
-    return Row(np.ones(n, np.int32).tolist(), history, blocks, _GREEDY, 0, 0)
+    return Row(np.ones(n, np.int32).tolist(), history, blocks, _DRAWN, 0, 0)
 
 
 def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress: bool = True,
@@ -82,7 +84,9 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
             return timed(lambda: runner.execute(rs))
 
         def padding(shape: batch.Shape) -> float:
-            return timed(lambda: runner.execute_arrays(batch.empty(buckets, shape, bs)))
+            arrays = batch.empty(buckets, shape, bs)
+            arrays.temperature[:] = _DRAWN.temperature
+            return timed(lambda: runner.execute_arrays(arrays))
 
         measured = {(t, r): padding(buckets.mixed(t, r)) for t, r in shapes}
         base = [[measured[buckets.fit(t, r)] for r in buckets.rows] for t in buckets.tokens]

@@ -13,7 +13,8 @@ inside, keyed by rows and the sampler's kind (Burst); its steps are a loop bound
 configured most runs in the same program. `warmup` compiles every program a
 configuration uses before the first request (in parallel threads: XLA compiles outside the GIL), and nothing
 compiles while serving; or a program compiles the first time a step needs it (`generate` starts at once).
-Nothing in either program branches on the device.
+Nothing in them branches on the device but a burst's loop, which ends on a device value (on a GPU its predicate
+reaches the host once a step: a small sync, once per token, not per layer).
 
 The layers run unrolled over per-layer weights (models/llama.py), so each GEMM reads its weights in place. A
 layer scan's dynamic slice copies every layer's weights out of the stacked arrays first: on a GPU more than half
@@ -391,19 +392,14 @@ class ModelRunner:
 
     def start(self, rows: Sequence[batch.Row], steps: int = 1) -> Pending:
         """Pack the rows (BadRow names one that cannot be) and dispatch their step. steps > 1: a multi-step
-        decode (every row a decode, each producing up to its Row.steps tokens); its Pending reads
-        [Buckets.burst_steps, m] (rows past `steps` unused)."""
+        decode (every row a decode, each producing up to its Row.steps tokens)."""
         arrays = batch.pack(rows, self.buckets, self.block_size)
         if steps == 1:
             return self.dispatch(arrays)
         if not 1 < steps <= self.buckets.burst_steps or any(len(r.tokens) != 1 or r.steps > steps for r in rows):
             raise ValueError(f"a multi-step decode of {steps} steps (at most {self.buckets.burst_steps}) runs "
                              "decodes of at most that many tokens")
-        shape = batch.shape_of(arrays)
-        program = Burst(shape.rows, batch.sampler_kind(arrays))
-        self.caches, out, self._previous = self._program(program)(self._loops[True].params, self.caches,
-                                                                  batch.to_blob(arrays), self._previous)
-        return Pending(processes.read_later(out))
+        return self.dispatch_burst(arrays)
 
     def execute_arrays(self, arrays: batch.StepArrays) -> np.ndarray:
         """Run a packed step and wait for it: `max_rows` tokens, padding included."""
@@ -420,6 +416,15 @@ class ModelRunner:
                                                 self._previous)
         self._previous = self._program(Sampler(shape.rows, batch.sampler_kind(arrays)))(logits, *sampling)
         return Pending(processes.read_later(self._previous))
+
+    def dispatch_burst(self, arrays: batch.StepArrays) -> Pending:
+        """Dispatch a packed multi-step decode (each row's Row.steps in `arrays.limit`). Its Pending reads
+        [Buckets.burst_steps, max_rows] tokens: step j's in row j (rows of steps not run are zeros)."""
+        shape = batch.shape_of(arrays)
+        program = self._program(Burst(shape.rows, batch.sampler_kind(arrays)))
+        self.caches, out, self._previous = program(self._loops[True].params, self.caches, batch.to_blob(arrays),
+                                                   self._previous)
+        return Pending(processes.read_later(out))
 
     def warmup_land(self, max_rows: int) -> None:
         """Compile what `land` runs for pieces of up to max_rows rows (powers of two, as rows.pieces cuts them),

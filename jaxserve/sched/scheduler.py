@@ -19,8 +19,9 @@ work in flight is never preempted.
 Multi-step decode (vLLM's num_scheduler_steps): when nothing waits to be prefilled, a Plan of decodes alone may
 run up to num_scheduler_steps decode steps in one device loop, each row up to its own share (Plan.steps,
 WorkItem.tokens). It runs as many steps as fit the iteration's time budget together (so a prompt arriving
-meanwhile waits at most about one iteration), as some row still has tokens for, and as every row has free KV
-blocks for without preempting anyone; one step fitting, the Plan is a plain one.
+meanwhile waits for about one budget, two in a lagged schedule), as some row still has tokens for, and as every
+row has free KV blocks for without preempting anyone; one step fitting, the Plan is a plain one. A burst's tokens
+arrive together: the request's token gaps inside it are 0.
 """
 
 from __future__ import annotations

@@ -59,6 +59,9 @@ class ClusterConfig:
         for field in ("replicas", "tp", "stages", "kvp", "num_scheduler_steps"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.num_scheduler_steps > 1 and self.stages > 1:
+            raise ValueError("multi-step decode (num_scheduler_steps > 1) runs on one pipeline stage: each of a "
+                             "burst's steps would cross every stage before the next could start")
         if self.dispatch not in ("least_work", "round_robin"):
             raise ValueError(f"dispatch must be least_work or round_robin, got {self.dispatch!r}")
         if not self.time_scale > 0:

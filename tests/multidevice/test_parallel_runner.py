@@ -1,8 +1,9 @@
 """The engine's step on several devices equals the step on one (small random Llama with GQA, 8 heads over 2 KV
 heads): KV-parallel groups of 2/4/8 (engine/kv_cache.py: the paged cache split block by block), tensor-parallel
 sets of 2/4/8 (sharding/tp.py: heads and MLP features split, KV heads repeated past 2 devices), and both at once.
-The same greedy tokens through prefill chunks, mixed steps, decodes and a multi-step decode (a burst), and the same K/V in every layer at every
-position, found on the devices that own its block and hold its head. KV landed from elsewhere goes only there."""
+The same greedy tokens through prefill chunks, mixed steps, decodes and a multi-step decode (a burst), and the same
+K/V in every layer at every position, found on the devices that own its block and hold its head. KV landed from
+elsewhere goes only there."""
 
 from __future__ import annotations
 
