@@ -334,6 +334,8 @@ class AsyncEngine:
             m.ttft.observe(now - live.stream.arrival)
         else:
             m.itl.observe(now - live.last_token_time)
+        for _ in out.new_token_ids[1:]:  # a multi-step decode's tokens arrive together
+            m.itl.observe(0.0)
         live.last_token_time = now
         if out.finished:
             del self._live[out.request_id]
