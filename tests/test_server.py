@@ -506,10 +506,10 @@ def test_a_request_whose_own_work_fails_ends_alone(llm, served, grpc_client, oai
     engine = served.server.engine.engine
     real_append = engine._append
 
-    def append(live, token):
+    def append(live, token, ahead=0):
         if live.params.max_tokens == 13:  # the marked request
             raise RuntimeError("injected: detokenizer fault")
-        return real_append(live, token)
+        return real_append(live, token, ahead)
 
     (ref,) = llm.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
     engine._append = append
