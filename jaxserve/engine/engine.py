@@ -305,7 +305,7 @@ class Engine:
             sampled = step.tokens.value() if step.tokens is not None else np.zeros(0, np.int32)
         except Exception as e:
             raise self._fail(e, step, self._pending) from e
-        sampled = sampled.reshape(-1, sampled.shape[-1]) if sampled.size else np.zeros((1, 0), np.int32)
+        sampled = np.atleast_2d(sampled)  # [steps, rows]: one step's tokens, or a burst's
         end = self.clock()
         start, self._last_end = max(step.dispatched, self._last_end), end  # under overlap: end to end
         outputs, tokens, stopped = [], {}, set()

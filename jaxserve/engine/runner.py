@@ -6,15 +6,14 @@ dispatch the next step first: a decode whose token is still in flight names its 
 (`batch.Row.feed`), and the forward takes that token from the previous sampler's output on the device.
 
 Forwards are keyed by their shape (batch.Shape: a decode program per row bucket, a mixed one per (tokens, rows)
-bucket), samplers by their rows and kind (batch.sampler_kind: argmax alone when every row is greedy, a draw, or
-a draw cut by top-k / top-p; the host picks). A multi-step decode (a burst: `steps`
-decode steps in one device loop, each step's sampled tokens fed to the next) is one program with its sampler
-inside, keyed by rows and the sampler's kind (Burst); its steps are a loop bound on the device, so any count up to the
-configured most runs in the same program. `warmup` compiles every program a
-configuration uses before the first request (in parallel threads: XLA compiles outside the GIL), and nothing
-compiles while serving; or a program compiles the first time a step needs it (`generate` starts at once).
-Nothing in them branches on the device but a burst's loop, which ends on a device value (on a GPU its predicate
-reaches the host once a step: a small sync, once per token, not per layer).
+bucket), samplers by their rows and kind (batch.sampler_kind: argmax alone when every row is greedy, a draw, or a
+draw cut by top-k / top-p; the host picks). A multi-step decode (a burst: `steps` decode steps in one device loop,
+each step's sampled tokens fed to the next) is one program with its sampler inside, keyed by rows and the sampler's
+kind (Burst); its steps are a loop bound on the device, so any count up to the configured most runs in the same
+program. `warmup` compiles every program a configuration uses before the first request (in parallel threads: XLA
+compiles outside the GIL), and nothing compiles while serving; or a program compiles the first time a step needs it
+(`generate` starts at once). Nothing in them branches on the device but a burst's loop, which ends on a device
+value (on a GPU its predicate reaches the host once a step: a small sync, once per token, not per layer).
 
 The layers run unrolled over per-layer weights (models/llama.py), so each GEMM reads its weights in place. A
 layer scan's dynamic slice copies every layer's weights out of the stacked arrays first: on a GPU more than half
@@ -102,6 +101,7 @@ def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous:
     rows = jnp.arange(a.tables.shape[0])
     first = jnp.where(a.feed >= 0, previous[jnp.maximum(a.feed, 0)], a.token_ids)  # row i's token is token i
     no_feed = jnp.full_like(a.feed, -1)
+    stops = lambda token: jnp.any(token[:, None] == a.stop_ids, axis=-1)  # noqa: E731
 
     def one(carry):
         j, caches, token, live, out = carry
@@ -115,7 +115,6 @@ def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous:
         live = live & (j + 1 < a.limit) & ~stops(new)
         return j + 1, caches, token, live, out.at[j].set(new)
 
-    stops = lambda token: jnp.any(token[:, None] == a.stop_ids, axis=-1)  # noqa: E731
     # a row fed a stop token (one in flight when this burst was planned) belongs to a finished request
     start = (jnp.int32(0), caches, first, (a.limit > 0) & ~stops(first), jnp.zeros((size, rows.shape[0]), jnp.int32))
     _, caches, last, _, out = jax.lax.while_loop(lambda c: jnp.any(c[3]), one, start)
@@ -169,9 +168,6 @@ class Burst:
 
     rows: int
     kind: str
-
-    def shape(self) -> batch.Shape:
-        return batch.Shape(self.rows, self.rows, 0)
 
 
 Program = batch.Shape | Sampler | Burst
@@ -370,7 +366,7 @@ class ModelRunner:
             inputs = [jax.ShapeDtypeStruct(s, d, sharding=self._replicated) for s, d in shapes]
             return self._sample.trace(*abstract(inputs), kind=program.kind, size=self.max_rows)
         if isinstance(program, Burst):
-            loop, shape = self._loops[True], program.shape()
+            loop, shape = self._loops[True], self.buckets.decode(program.rows)
             blob = batch.to_blob(batch.empty(self.buckets, shape, self.block_size))
             return loop.burst.trace(abstract(loop.params), abstract(self.caches), blob, abstract(self._previous),
                                     shape=shape, kind=program.kind)

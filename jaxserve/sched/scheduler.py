@@ -233,7 +233,7 @@ class ReplicaScheduler:
             elif not r.in_prefill:
                 self.queue.remove(r)
                 self.decoding[r.id] = r
-        blocks = {rid: tuple(ids) for rid, ids in grants.items() if ids}
+        blocks = _granted(grants)
         if not chunks and not decodes:
             # a Plan of no work still tells the executor of preemptions, and of the tables of requests admitted
             # with every token cached (they decode from the next Plan, which grants only their new blocks)
@@ -315,8 +315,7 @@ class ReplicaScheduler:
                 grants[r.id] = new
             items.append(WorkItem(r.id, start, start + n, Phase.DECODE, self.group, history=start))
             self.decode_in_flight.setdefault(r.id, []).append(n)
-        return Plan(tuple(items), predicted_time=time, blocks={rid: tuple(ids) for rid, ids in grants.items()},
-                    steps=steps)
+        return Plan(tuple(items), predicted_time=time, blocks=_granted(grants), steps=steps)
 
     def _make_room(self, first: Request, grants: dict[str, list[int]], preempted: list[str],
                    tentative: list[Request]) -> None:
@@ -407,6 +406,11 @@ class ReplicaScheduler:
             self.queue.remove(r)
         del self.requests[r.id]
         del self._seq[r.id]
+
+
+def _granted(grants: dict[str, list[int]]) -> dict[str, tuple[int, ...]]:
+    """A Plan's `blocks`: the requests granted any."""
+    return {rid: tuple(ids) for rid, ids in grants.items() if ids}
 
 
 class _Room:
