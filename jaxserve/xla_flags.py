@@ -5,6 +5,10 @@ on) orders a program around its asynchronous collectives by their estimated cost
 not depend on it (sharding/ring.py orders each transfer beside its step's attention itself; tools/gpu_compile.py
 compiles it both ways), but the other collectives of a chunk step (the history's all-gather and reduce-scatter)
 are scheduled by it.
+
+XLA runs a program's kernels as one command buffer (a CUDA graph) by default, but not a `while` loop: each
+iteration then reads its predicate back to the host and launches its kernels one by one. Multi-step decode is such
+a loop, so WHILE is added to the command types.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 import importlib.util
 from typing import MutableMapping
 
-GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
+# XLA's default command types, and WHILE (written out: a compile option takes no "+WHILE")
+COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE"
+GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true", f"--xla_gpu_enable_command_buffer={COMMAND_BUFFER}")
 
 
 def for_gpu(environ: MutableMapping[str, str]) -> None:

@@ -57,13 +57,15 @@ def test_gpu_xla_flags_only_with_the_cuda_plugin_and_never_over_the_users(monkey
     assert env == {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}  # a CPU install: nothing added
     monkeypatch.setattr(xla_flags.importlib.util, "find_spec", lambda name: name == "jax_cuda12_plugin" or None)
     xla_flags.for_gpu(env)
-    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_latency_hiding_scheduler=true"
+    launcher = " ".join(xla_flags.GPU_XLA_FLAGS)
+    assert "--xla_gpu_enable_command_buffer=" in launcher and launcher.endswith(",WHILE")  # bursts as CUDA graphs
+    assert env["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {launcher}"
     env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
     xla_flags.for_gpu(env)
-    assert env["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=false"
+    assert env["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=false " + launcher.split()[1]
     env = {}
     xla_flags.for_gpu(env)
-    assert env["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=true"
+    assert env["XLA_FLAGS"] == launcher
 
 
 def test_helpfull_lists_the_flags():

@@ -160,6 +160,10 @@ def test_buckets_bound_the_programs_and_refuse_what_does_not_fit():
         b.fit(513, 1)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         batch.Buckets.make(8, 16, 2048, 16, 256)
+    # a GPU runs one decode row as two (a one-row matmul would be strength-reduced into the KV write)
+    b = batch.Buckets.make(512, 16, 2048, 16, 256, min_decode_rows=2)
+    assert b.decode_rows == (2, 4, 8, 16) and b.fit_step(1, 1) == b.decode(2)
+    assert batch.Buckets.make(512, 1, 2048, 16, 256, min_decode_rows=2).decode_rows == (2,)
     # the tile axis has room for whole tiles of the tokens plus one partial tile per prefill chunk
     b = batch.Buckets.make(512, 16, 2048, 16, 256, min_rows=4, max_prefills=2)
     assert b.tiles(512, 16) == 16 + 2 and b.tiles(16, 4) == 0 + 2

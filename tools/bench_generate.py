@@ -19,6 +19,7 @@ batch 16, prefill >= 1.2x.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
@@ -28,7 +29,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 import jaxserve
-from jaxserve import SamplingParams
+from jaxserve import SamplingParams, xla_flags
 from jaxserve.models import registry
 
 FLAGS = flags.FLAGS
@@ -133,6 +134,7 @@ def gpu_table(f) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str]) -> None:
     del argv
+    xla_flags.for_gpu(os.environ)  # the launcher's flags, before JAX starts its backend
     f = FLAGS
     if f.gpu:
         gpu_table(f)

@@ -5,30 +5,34 @@
 # attention: tools/bench_attention.py;
 # generate: tools/bench_generate.py --gpu on random Llama-3.1-8B weights (burst: the same with multi-step decodes of
 # up to 8 steps); step: tools/profile_step.py (one decode
-# step of it under jax.profiler, at batch 1 and 16: its top kernels); profile: tools/profile_attention.py (the
-# simulator's measured attention). Logs, JSON and CSV go to $OUT.
+# step of it under jax.profiler, at batch 1 and 16: its top kernels, with each trace kept); profile:
+# tools/profile_attention.py (the simulator's measured attention). One log ($OUT/checks.log), JSON and CSV go to
+# $OUT, few files, as a lent GPU machine returns at most 8. Timeouts fit the three serving parts in one 10-minute call.
 set -u
 OUT=${OUT:-bench_out/gpu}
 PY=${PY:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 parts=${*:-kernels attention generate}
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-$PY -c "import jax, jaxserve; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$OUT/gpu.txt"
+exec > >(tee "$OUT/checks.log") 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+$PY -c "import jax, jaxserve; print('jax', jax.__version__, jax.devices())"
 status=0
 for part in $parts; do
   case $part in
     kernels) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ragged_paged_attention.py ;;
     ragged) timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_ragged_paged_attention.py ;;
     attention) timeout 240 $PY tools/bench_attention.py --out="$OUT/attention.json" ;;
-    generate) timeout 270 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --out="$OUT/generate_gpu.json" ;;
-    burst) timeout 270 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --num_scheduler_steps=8 \
+    generate) timeout 210 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --out="$OUT/generate_gpu.json" ;;
+    burst) timeout 150 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --num_scheduler_steps=8 \
       --out="$OUT/generate_gpu_burst.json" ;;
-    step) timeout 270 $PY tools/profile_step.py --model=random:llama3-8b --out="$OUT/step_profile" ;;
+    step) timeout 170 $PY tools/profile_step.py --model=random:llama3-8b --out=/tmp/step_profile &&
+      cp /tmp/step_profile/summary.json "$OUT/step_summary.json" &&
+      for b in b1 b16; do cp "$(find /tmp/step_profile/$b -name perfetto_trace.json.gz)" "$OUT/step_$b.json.gz"; done ;;
     profile) timeout 270 $PY tools/profile_attention.py --out="$OUT/h100_attention.csv" ;;
     *) echo "unknown part $part"; false ;;
-  esac 2>&1 | tee "$OUT/$part.log"
-  rc=${PIPESTATUS[0]}
+  esac
+  rc=$?
   echo "== $part: exit $rc"
   [ "$rc" = 0 ] || status=1
 done

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import gzip
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -23,6 +24,7 @@ import jax
 from absl import app, flags
 
 import jaxserve
+from jaxserve import xla_flags
 from jaxserve.engine import batch
 from jaxserve.engine.profile import synthetic_row
 
@@ -81,6 +83,7 @@ def profile_rows(llm: jaxserve.LLM, rows: int, out: pathlib.Path) -> dict:
 
 def main(argv: list[str]) -> None:
     del argv
+    xla_flags.for_gpu(os.environ)  # the launcher's flags, before JAX starts its backend
     rows = [int(r) for r in FLAGS.rows]
     out = pathlib.Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -75,8 +75,9 @@ class Buckets(StepShapes):
     @classmethod
     def make(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
              key_block: int, tile: int = 32, min_tokens: int = 16, min_rows: int | None = None,
-             max_prefills: int = 8, num_scheduler_steps: int = 1) -> Buckets:
-        """Decode programs for 1, 2, 4, ... rows up to max_num_seqs; mixed programs for min_tokens, 2 min_tokens,
+             max_prefills: int = 8, num_scheduler_steps: int = 1, min_decode_rows: int = 1) -> Buckets:
+        """Decode programs for min_decode_rows, 2 min_decode_rows, ... rows up to max_num_seqs (at least one
+        program); mixed programs for min_tokens, 2 min_tokens,
         ... tokens up to max_num_batched_tokens, and min_rows, 2 min_rows, ... rows (default: max_num_seqs alone).
         A mixed program's attention tiles grow with its rows (one partial tile per prefill chunk it may hold):
         the jnp attention runs every tile, padding too, while the GPU kernel skips padding tiles, where one row
@@ -95,7 +96,7 @@ class Buckets(StepShapes):
         blocks = -(-max_model_len // block_size)
         return cls(powers_of_two(min_tokens, max_num_batched_tokens), powers_of_two(min_rows or max_num_seqs,
                                                                                     max_num_seqs),
-                   tile, min(max_prefills, max_num_seqs), powers_of_two(1, max_num_seqs),
+                   tile, min(max_prefills, max_num_seqs), powers_of_two(min_decode_rows, max_num_seqs),
                    -(-blocks // per_key_block) * per_key_block,
                    num_scheduler_steps)
 
