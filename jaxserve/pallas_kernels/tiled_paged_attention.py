@@ -10,7 +10,7 @@ decode's context, a chunk's end): a short request in a batch with a long one rea
 
 Split along the context (split-K, as FlashDecoding): when tiles x KV heads are fewer programs than the GPU has
 SMs (a decode of few rows), each tile's key blocks are cut into `splits` ranges, one program each, and their
-(output, log-sum-exp) partials merge after the kernel (merge.py). Splits past a short context run no block.
+(output, log-sum-exp) partials merge after the kernel (in jnp, fused by XLA). Splits past a short context run no block.
 
 As in the decode kernel, the table and the cache are plain inputs (the cache as one KV head's [slots, d] view)
 rather than TPU-only scalar prefetch, and nothing is gathered outside the kernel.
@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from jaxserve.pallas_kernels import common, merge
+from jaxserve.pallas_kernels import common, reference
 
 
 MAX_SPLITS = 16
@@ -122,7 +122,9 @@ def tiled_paged_attention(
     if splits == 1:
         o, lse = o[0], lse[0]
     else:
-        o, lse = merge.merge_attention(o, lse, interpret=interpret)
+        # in jnp, not the merge kernel: XLA fuses it with its neighbours (a kernel launch a layer saved: 0.17 of
+        # a batch-1 step's 4.7 ms on an H200)
+        o, lse = reference.merge_attention(o, lse)
         o = o.astype(q.dtype)
     o = o[:, :, :g * tq, :d].reshape(n, kvh, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(n, tq, h, d)
     return o, lse[:, :, :g * tq].reshape(n, kvh, g, tq).transpose(0, 3, 1, 2).reshape(n, tq, h)
