@@ -25,6 +25,7 @@ from jaxserve.cluster.build import Layout, build, warmup
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.engine.batch import Buckets
 from jaxserve.engine.engine import Engine, RequestOutput
+from jaxserve.engine.kv_cache import cache_dtype
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.models import random_weights, registry
@@ -194,7 +195,8 @@ class LLM:
         kv_heads = cfg.split(tp).kv_heads  # per device; a ValueError when tp does not divide the model
         if tp > len(jax.devices()):
             raise ValueError(f"tp={tp} needs {tp} devices; there are {len(jax.devices())}")
-        token_bytes = 2 * cfg.num_layers * kv_heads * cfg.head_dim * jnp.dtype(_DTYPES[dtype]).itemsize
+        kv_dtype = cache_dtype(_DTYPES[dtype], jax.devices()[0].platform)
+        token_bytes = 2 * cfg.num_layers * kv_heads * cfg.head_dim * kv_dtype.itemsize
         kv_tokens = kv_cache_tokens or int(kv_cache_gib * 2**30 // token_bytes)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, kv_tokens)
         self._params, self._dtype = params, _DTYPES[dtype]

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import pathlib
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -89,6 +90,8 @@ def test_second_start_restores_converted_weights(llm, gguf_path, private_cache, 
 
 def test_bfloat16_tracks_float32(llm, reference):
     bf16 = jaxserve.LLM(dtype="bfloat16", max_model_len=256, kv_cache_tokens=512)
+    # a CPU keeps the cache in float32: XLA's CPU converts a bfloat16 cache whole at each write (seconds a step)
+    assert bf16.engine.runner.caches[0].dtype == jnp.float32
     ids = reference["prefill"][2]["ids"][:200]  # part of the long prompt
     ref = llm.prompt_logits(ids)
     got = bf16.prompt_logits(ids)

@@ -75,6 +75,12 @@ class RaggedPagedBackend:
         return slots, jnp.where(tables % self.kvp == me, tables // self.kvp, -1)
 
 
+def cache_dtype(dtype: jnp.dtype, platform: str) -> jnp.dtype:
+    """The cache's dtype: the model's, but float32 on a CPU. XLA's CPU backend writes into a 16-bit float cache by
+    converting the whole cache to float32 and back (seconds a step even for a tiny model)."""
+    return jnp.dtype(jnp.float32) if platform == "cpu" else jnp.dtype(dtype)
+
+
 def allocate_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, tp: int = 1) -> Caches:
     """Zeroed (k_all, v_all), each [num_layers, num_blocks * block_size, kvh, d]: kvh counts the KV heads of
     all tp devices (repeated heads once per device that holds them)."""

@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxserve.engine import batch
-from jaxserve.engine.kv_cache import RaggedPagedBackend, allocate_caches
+from jaxserve.engine.kv_cache import RaggedPagedBackend, allocate_caches, cache_dtype
 from jaxserve.engine.sampling import sample
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama, unstack_layers
@@ -233,6 +233,7 @@ class ModelRunner:
         # and it compiles in a fraction of the time: those scan over a second, stacked copy of the weights, placed
         # when a mixed program is first needed (a decode instance never needs one)
         self.cpu = self.device.platform == "cpu"
+        self.kv_dtype = cache_dtype(dtype, self.device.platform)
         self.scan_mixed = self.cpu
         self._stacked = functools.partial(self._loop, params, backend, mesh, False) if self.scan_mixed else None
         self.max_rows = max(s.rows for s in buckets.programs())
@@ -480,5 +481,5 @@ class ModelRunner:
         return jax.device_put(np.zeros(self.max_rows, np.int32), self._replicated)
 
     def _allocate(self):
-        return jax.jit(lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.dtype, self.tp),
+        return jax.jit(lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.kv_dtype, self.tp),
                        out_shardings=self._cache_sharding)()
