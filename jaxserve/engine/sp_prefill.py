@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxserve.engine.kv_cache import cache_dtype
 from jaxserve.engine.sampling import SamplingParams, sample
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
@@ -79,6 +80,7 @@ class SPPrefill:
         if len(devices) % tp:
             raise ValueError(f"{len(devices)} prefill devices do not form instances of {tp}")
         self.cfg, self.dtype, self.key_block, self.layout, self.tp = cfg, dtype, key_block, layout, tp
+        self.kv_dtype = cache_dtype(dtype, devices[0].platform)  # the stores' (float32 on a CPU)
         self.min_local, self.implementation = max(min_local, 2), implementation
         self.cap = -(-capacity // key_block) * key_block
         self.instances = {devices[i].id: tuple(devices[i:i + tp]) for i in range(0, len(devices), tp)}
@@ -90,7 +92,8 @@ class SPPrefill:
         for i, devs in self.instances.items():
             mesh = make_mesh(devs, tp)
             self._params[i] = jax.device_put(params, tensor_parallel.shardings(mesh, self._specs))
-            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, P(None, None, TP)))
+            zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype),
+                            out_shardings=NamedSharding(mesh, P(None, None, TP)))
             self.stores[i] = Store(zeros(), zeros(), np.full(self.cap, NO_POSITION, np.int32))
         self._steps: dict[tuple[Group, int], Any] = {}
         self._group_params: dict[Group, Any] = {}
@@ -142,7 +145,7 @@ class SPPrefill:
             return step  # another host's group: JAX skips its calls here (nothing to compile)
         layers, *rest = self.stores[group[0]].k.shape
         return step.lower(self._mesh_params(group), *chunk_args(mesh, local, self.cap, (layers, *rest),
-                                                                 self.dtype)).compile()
+                                                                 self.kv_dtype)).compile()
 
     def warmup_moves(self) -> None:
         """Compile the row take and put programs of every piece size on every instance (the stores must be free:
@@ -200,7 +203,7 @@ class SPPrefill:
         kv_sharding = NamedSharding(self._mesh(group), P(SP, None, TP))
         kv = [jax.make_array_from_single_device_arrays((p * layers, *rest), kv_sharding,
                                                        [shard.data for x in xs for shard in x.addressable_shards],
-                                                       dtype=self.dtype)
+                                                       dtype=self.kv_dtype)
               for xs in ([s.k for s in stores], [s.v for s in stores])]
         processes.meet(self._mesh(group).devices.flat)
         out, k2, v2 = self.program(group, local)(
