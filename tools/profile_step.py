@@ -6,7 +6,8 @@
 For each --rows, the engine's decode program of that many rows runs warm, then --steps steps under
 `jax.profiler.trace`. The trace (a Perfetto JSON, kept in --out/b<rows>/) gives each kernel's time: on a GPU the
 device's, on a CPU the host threads' XLA ops. Printed per row count: wall ms a step, device-busy ms a step (the
-kernels' sum: the gap is the device waiting), and the top kernels; summary.json holds the same. Absolute times
+kernels' sum: the gap is the device waiting), and the top kernel kinds with their launches a step (a kind: the
+name less its numeric suffix, the layers' copies together); summary.json holds the same. Absolute times
 mean something on a GPU only.
 """
 
@@ -17,6 +18,7 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import statistics
 import time
 
@@ -38,15 +40,17 @@ flags.DEFINE_integer("top", 15, "Kernels listed.")
 flags.DEFINE_string("out", "bench_out/step_profile", "Folder for the traces and summary.json.")
 
 
-def kernel_times(trace_dir: pathlib.Path) -> collections.Counter[str]:
-    """Microseconds per kernel name in the trace: the device's events where there is a device, else the host's
-    XLA ops (not Python frames, not the runtime's own calls)."""
+def kernel_times(trace_dir: pathlib.Path) -> tuple[collections.Counter[str], collections.Counter[str]]:
+    """Microseconds and launches per kernel kind in the trace: the device's events where there is a device, else
+    the host's XLA ops (not Python frames, not the runtime's own calls). A kind is a name less its numeric suffix,
+    so an unrolled model's 32 per-layer copies of a fusion count as one."""
     path = next(trace_dir.rglob("perfetto_trace.json.gz"))
     events = json.loads(gzip.decompress(path.read_bytes()))
     events = events["traceEvents"] if isinstance(events, dict) else events
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     devices = {pid for pid, name in names.items() if name.startswith("/device:")}
     times: collections.Counter[str] = collections.Counter()
+    launches: collections.Counter[str] = collections.Counter()
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -56,8 +60,10 @@ def kernel_times(trace_dir: pathlib.Path) -> collections.Counter[str]:
         else:
             keep = not name.startswith("$") and "::" not in name and "(" not in name and " " not in name
         if keep:
-            times[name] += e.get("dur", 0.0)
-    return times
+            kind = re.sub(r"[._]\d+$", "", name)
+            times[kind] += e.get("dur", 0.0)
+            launches[kind] += 1
+    return times, launches
 
 
 def profile_rows(llm: jaxserve.LLM, rows: int, out: pathlib.Path) -> dict:
@@ -74,11 +80,12 @@ def profile_rows(llm: jaxserve.LLM, rows: int, out: pathlib.Path) -> dict:
             start = time.perf_counter()
             runner.execute_arrays(arrays)
             walls.append(time.perf_counter() - start)
-    times = kernel_times(out)
+    times, launches = kernel_times(out)
     busy = sum(times.values()) / FLAGS.steps / 1e3
-    top = [{"kernel": k, "ms_per_step": v / FLAGS.steps / 1e3, "share": v / max(sum(times.values()), 1e-9)}
-           for k, v in times.most_common(FLAGS.top)]
-    return {"rows": rows, "wall_ms": statistics.median(walls) * 1e3, "busy_ms": busy, "top": top}
+    top = [{"kernel": k, "ms_per_step": v / FLAGS.steps / 1e3, "launches_per_step": launches[k] / FLAGS.steps,
+            "share": v / max(sum(times.values()), 1e-9)} for k, v in times.most_common(FLAGS.top)]
+    return {"rows": rows, "wall_ms": statistics.median(walls) * 1e3, "busy_ms": busy,
+            "launches": sum(launches.values()) / FLAGS.steps, "top": top}
 
 
 def main(argv: list[str]) -> None:
@@ -94,9 +101,11 @@ def main(argv: list[str]) -> None:
     for r in rows:
         found = profile_rows(llm, r, out / f"b{r}")
         summary["steps"].append(found)
-        print(f"batch {r}: wall {found['wall_ms']:.2f} ms a step, device busy {found['busy_ms']:.2f} ms")
+        print(f"batch {r}: wall {found['wall_ms']:.2f} ms a step, device busy {found['busy_ms']:.2f} ms, "
+              f"{found['launches']:.0f} kernels")
         for k in found["top"]:
-            print(f"  {k['ms_per_step']:8.3f} ms  {100 * k['share']:5.1f}%  {k['kernel'][:90]}")
+            print(f"  {k['ms_per_step']:8.3f} ms  {100 * k['share']:5.1f}%  {k['launches_per_step']:6.1f}x  "
+                  f"{k['kernel'][:80]}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
