@@ -4,8 +4,9 @@
     .venv/bin/python tools/bench_cpu_bounds.py [--model=smollm2-135m-instruct] [--out=bench_out/cpu_bounds.json]
 
 A decode step reads every weight once: at batch 1 its time is at least the weights' bytes over the rate at which a
-one-row matmul reads a matrix (measured on the model's largest, the logits' matrix, the faster of JAX and PyTorch). Batch 16 and prefill are matmuls of 16 and 1,024 rows: their
-time is at least their FLOPs over the matmul rate. The tool times the model's own projection shapes (in float32,
+one-row matmul reads a matrix (measured on the model's largest, the logits' matrix, the faster of JAX and
+PyTorch). Batch 16 and prefill are matmuls of 16 and 1,024 rows: their time is at least their FLOPs over the
+matmul rate. The tool times the model's own projection shapes (in float32,
 on all threads) in JAX (XLA's CPU backend, as the engine runs them) and in PyTorch (what transformers runs), side by
 side, and prints the batch-1 bound in tokens/s. Medians of 20 after a warm-up.
 """
@@ -13,9 +14,6 @@ side, and prints the batch-1 bound in tokens/s. Medians of 20 after a warm-up.
 from __future__ import annotations
 
 import json
-import statistics
-import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,23 +21,13 @@ import numpy as np
 from absl import app, flags
 
 import jaxserve
+from jaxserve.engine import profile
 from jaxserve.models import registry
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", registry.DEFAULT_MODEL, "Registered model name or path (GGUF).")
 flags.DEFINE_integer("repeats", 20, "Timed repetitions; the median is reported.")
 flags.DEFINE_string("out", None, "Optional JSON file for the results.")
-
-
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def matmul_rates(m: int, k: int, n: int, repeats: int) -> tuple[float, float]:
@@ -50,10 +38,10 @@ def matmul_rates(m: int, k: int, n: int, repeats: int) -> tuple[float, float]:
     a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
     ja, jb = jnp.asarray(a), jnp.asarray(b)
     matmul = jax.jit(jnp.matmul)
-    t_jax = median_time(lambda: matmul(ja, jb).block_until_ready(), repeats)
+    t_jax = profile.median_time(lambda: matmul(ja, jb).block_until_ready(), repeats)
     ta, tw = torch.from_numpy(a), torch.from_numpy(np.ascontiguousarray(b.T))
     with torch.no_grad():
-        t_torch = median_time(lambda: torch.nn.functional.linear(ta, tw), repeats)
+        t_torch = profile.median_time(lambda: torch.nn.functional.linear(ta, tw), repeats)
     flops = 2 * m * k * n
     return flops / t_jax, flops / t_torch
 
@@ -62,7 +50,7 @@ def main(argv: list[str]) -> None:
     del argv
     import torch
 
-    cfg = jaxserve.LLM(FLAGS.model, progress=False).config
+    cfg = jaxserve.LLM(FLAGS.model, kv_cache_tokens=256, progress=False).config  # the config; a small KV pool
     e, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
     layer = e * (cfg.num_heads * cfg.head_dim) * 2 + 2 * e * kv + 3 * e * f  # q, o, k, v, gate, up, down
     weight_bytes = 4 * (cfg.num_layers * layer + cfg.vocab_size * e)  # the layers and the logits' matrix
@@ -79,7 +67,8 @@ def main(argv: list[str]) -> None:
         for k, n in ((e, f), (f, e), (e, e)):
             jax_rate, torch_rate = matmul_rates(m, k, n, FLAGS.repeats)
             results["matmuls"].append(dict(rows=m, k=k, n=n, jax_gflops=jax_rate / 1e9, torch_gflops=torch_rate / 1e9))
-            print(f"{m:>6} {k:>6} {n:>6} {jax_rate / 1e9:>12.1f} {torch_rate / 1e9:>14.1f} {jax_rate / torch_rate:>9.2f}x")
+            print(f"{m:>6} {k:>6} {n:>6} {jax_rate / 1e9:>12.1f} {torch_rate / 1e9:>14.1f} "
+                  f"{jax_rate / torch_rate:>9.2f}x")
     if FLAGS.out:
         with open(FLAGS.out, "w") as fh:
             json.dump(results, fh, indent=1)
