@@ -360,7 +360,9 @@ class ModelRunner:
     def _abstract(self, tree: Any) -> Any:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
-    def _trace(self, program: Program, abstract) -> jax.stages.Traced:
+    def _trace(self, program: Program, abstract, kv_dtype: jnp.dtype | None = None) -> jax.stages.Traced:
+        kv_dtype = kv_dtype or self.kv_dtype
+        caches = jax.tree.map(lambda x: abstract(x).update(dtype=kv_dtype), self.caches)
         if isinstance(program, Sampler):
             sampling = batch.sampling(batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size))
             shapes = [((program.rows, self.cfg.vocab_size), np.float32)] + [(x.shape, x.dtype) for x in sampling]
@@ -369,19 +371,21 @@ class ModelRunner:
         if isinstance(program, Burst):
             loop, shape = self._loops[True], self.buckets.decode(program.rows)
             blob = batch.to_blob(batch.empty(self.buckets, shape, self.block_size))
-            return loop.burst.trace(abstract(loop.params), abstract(self.caches), blob, abstract(self._previous),
+            return loop.burst.trace(abstract(loop.params), caches, blob, abstract(self._previous),
                                     shape=shape, kind=program.kind)
         loop = self._loop_of(program)
         blob = batch.to_blob(batch.empty(self.buckets, program, self.block_size))
-        return loop.step.trace(abstract(loop.params), abstract(self.caches), blob, abstract(self._previous),
+        return loop.step.trace(abstract(loop.params), caches, blob, abstract(self._previous),
                                shape=program)
 
     def lower(self, program: Program, platforms: Sequence[str] | None = None) -> jax.stages.Lowered:
         """`program` lowered for `platforms` (default: this backend), e.g. to read what a GPU would run from a
-        machine without one. One device only (shapes without placement)."""
+        machine without one. One device only (shapes without placement); the cache takes the target's dtype."""
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+        kv_dtype = cache_dtype(self.dtype, platforms[0]) if platforms else None
         with lowering_for(platforms):
-            return self._trace(program, abstract).lower(lowering_platforms=tuple(platforms) if platforms else None)
+            traced = self._trace(program, abstract, kv_dtype)
+            return traced.lower(lowering_platforms=tuple(platforms) if platforms else None)
 
     def execute(self, rows: Sequence[batch.Row]) -> np.ndarray:
         """Run the rows, update the cache, and return the sampled next token of each row."""
