@@ -13,7 +13,7 @@ def __getattr__(name: str):
 
         return getattr(api, name)
     if name == "SamplingParams":
-        from jaxserve.engine.sampling import SamplingParams
+        from jaxserve.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

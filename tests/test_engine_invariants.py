@@ -16,7 +16,7 @@ import pytest
 
 from jaxserve.engine.batch import BadRow, Row
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.packer import PackerConfig

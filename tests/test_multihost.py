@@ -19,7 +19,7 @@ import pytest
 import urllib.request
 
 import jaxserve
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 HERE = pathlib.Path(__file__).parent / "multihost"
 TIMEOUT_S = 900

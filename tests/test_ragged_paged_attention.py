@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine import batch
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels import dispatch, reference
 from jaxserve.pallas_kernels import tiled_paged_attention as tiled_kernel

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampling import SamplingParams, inverse_cdf, sample
+from jaxserve.engine.sampling import inverse_cdf, sample
+from jaxserve.sampling_params import SamplingParams
 
 V = 64
 

@@ -11,7 +11,9 @@ import pytest
 
 from jaxserve.sched.batch_cost import BatchState, EngineStepCost, PiecewiseLinear, TetrisBatchCost
 from jaxserve.sched.cost_models import TetrisPrefill
-from jaxserve.sched.packer import PackerConfig, PrefillTimeCache, engine_packer, max_chunk, pack
+from jaxserve.config import SchedulerConfig
+from jaxserve.sched.build import packer_config
+from jaxserve.sched.packer import PackerConfig, PrefillTimeCache, max_chunk, pack
 from jaxserve.sched.plan import Outcome, Phase
 from jaxserve.sched.policies import make_policy
 from jaxserve.sched.profiles import ProfileBatchCost
@@ -194,8 +196,8 @@ def test_the_engine_cost_prices_a_batch_by_the_program_that_runs_it():
 def test_the_engine_packer_fills_the_largest_bucket_while_requests_decode():
     # the engine's default budget must leave room for the decodes' attention, or a step with any decode running
     # could never use the largest bucket
-    cfg = engine_packer(ENGINE, max_batch_tokens=512, max_num_seqs=32, max_model_len=2048, chunk_align=16,
-                        max_prefills=8, multi_prefill=True, space_sharing=True)
+    cfg = packer_config(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32), ENGINE, max_model_len=2048,
+                        chunk_align=16, max_prefills=8)
     decodes = [_running(f"d{i}", 200) for i in range(4)]
     prefills = [Request(f"p{i}", 0.0, 158, 64) for i in range(8)]
     chunks, state = pack(ENGINE, cfg, decodes, prefills, lambda r: 1.0, lambda r: True)
@@ -208,8 +210,8 @@ def test_the_engine_packer_fills_the_largest_bucket_while_requests_decode():
 
 
 def test_the_packer_takes_no_more_prefill_chunks_than_the_engine_has_tiles_for():
-    cfg = engine_packer(ENGINE, max_batch_tokens=512, max_num_seqs=32, max_model_len=2048, chunk_align=16,
-                        max_prefills=2, multi_prefill=True, space_sharing=False)
+    cfg = packer_config(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, space_sharing=False), ENGINE,
+                        max_model_len=2048, chunk_align=16, max_prefills=2)
     chunks, state = pack(ENGINE, cfg, [], [Request(f"p{i}", 0.0, 40, 8) for i in range(8)], lambda r: 1.0,
                          lambda r: True)
     assert [n for _, n in chunks] == [40, 40] and state.prefills == 2
@@ -439,9 +441,9 @@ def test_a_long_prefill_progresses_while_decodes_fill_the_budget():
 
 
 def test_slo_fills_only_what_a_request_leaves_open():
-    from jaxserve.sched.slo import SLO
+    from jaxserve.config import SLO
 
-    sched = ReplicaScheduler(make_policy("edf"), EQ1, PackerConfig(t_target=0.05), _kv(10**6), slo=SLO(tpot=0.07))
+    sched = ReplicaScheduler(make_policy("edf"), EQ1, PackerConfig(t_target=0.05), _kv(10**6), slo=SLO(tpot_slo=0.07))
     given = Request("g", 0.0, 100, 10, ttft_deadline=2.0)
     sched.add(given)
     assert given.ttft_deadline == 2.0 and given.tpot_slo == 0.07

@@ -50,7 +50,7 @@ def trace(rng: np.random.Generator) -> list[dict]:
 def serve(llm, requests: list[dict], rng: np.random.Generator) -> tuple[dict[int, float], dict[str, int], float]:
     """Submit each request at its arrival time and step until all finish: first-token time per request (seconds
     from the start), request index per engine id, and the start on the cluster's clock."""
-    from jaxserve.engine.sampling import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     cluster = llm.engine
     prompts = [rng.integers(1000, 20000, r["prompt_len"]).tolist() for r in requests]

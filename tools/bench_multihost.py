@@ -162,7 +162,7 @@ def _serve() -> dict:
 
     import jaxserve
     from jaxserve import api
-    from jaxserve.engine.sampling import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     if jax.process_index() != 0:
         api.follow()

@@ -38,7 +38,7 @@ from tqdm import tqdm  # noqa: E402
 from jaxserve.sched.batch_cost import EngineStepCost  # noqa: E402
 from jaxserve.sched.packer import PackerConfig, engine_packer  # noqa: E402
 from jaxserve.sched.request import Request  # noqa: E402
-from jaxserve.sched.slo import SLO  # noqa: E402
+from jaxserve.config import SLO  # noqa: E402
 from jaxserve.server.spawn import ServerProcess  # noqa: E402
 from jaxserve.sim.metrics import Results  # noqa: E402
 from jaxserve.sim.simulator import ClusterConfig, Simulator  # noqa: E402
@@ -145,7 +145,7 @@ def packer(cost: EngineStepCost, multi: bool, sharing: bool) -> PackerConfig:
 
 def simulate(arrivals: list[Arrival], cost: EngineStepCost, kv_tokens: int, policy: str, multi: bool,
              sharing: bool, time_scale: float = 1.0) -> list[Request]:
-    config = ClusterConfig(policy=policy, packer=packer(cost, multi, sharing), slo=SLO(ttft_min=FLAGS.ttft_slo),
+    config = ClusterConfig(policy=policy, packer=packer(cost, multi, sharing), slo=SLO(ttft_slo=FLAGS.ttft_slo),
                            kv_capacity=kv_tokens, max_running=FLAGS.max_num_seqs, time_scale=time_scale)
     requests = [Request(str(i), a.time, len(a.prompt), a.output_len) for i, a in enumerate(arrivals)]
     return Simulator(config, cost).run_requests(requests, progress=False).requests

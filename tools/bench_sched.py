@@ -19,7 +19,7 @@ from jaxserve.sched.profiles import ProfileBatchCost
 from jaxserve.sched.request import Request
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.scheduler import ReplicaScheduler
-from jaxserve.sched.slo import SLO
+from jaxserve.config import SLO
 from jaxserve.sim import run
 from jaxserve.sim.simulator import ClusterConfig
 

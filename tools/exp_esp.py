@@ -32,7 +32,7 @@ import os
 from absl import app, flags
 from tqdm import tqdm
 
-from jaxserve.sched.slo import SLO
+from jaxserve.config import SLO
 from jaxserve.sim import plots
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
@@ -51,7 +51,7 @@ flags.DEFINE_float("memory_utilization", 0.35, "GPU memory for weights + KV (mem
 flags.DEFINE_list("memory_rates", ["0.05", "0.1", "0.2", "0.3"], "Arrival rates, requests/s (memory setting).")
 flags.DEFINE_string("out", "docs/figures", "Where plots and esp.json go.")
 
-SLO25 = SLO(ttft_min=0.0, ttft_factor=25.0, tpot=0.1)
+SLO25 = SLO(ttft_slo=0.0, ttft_factor=25.0, tpot_slo=0.1)
 VARIANTS = {
     "ESP (LoongServe)": ESPConfig(slo=SLO25),
     "ESP, no scale-up": ESPConfig(scale_up=False, slo=SLO25),

@@ -3,7 +3,6 @@ and the warm-up that compiles every program the layout can run before the first 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import pathlib
 from typing import Any, Callable, Sequence
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from jaxserve.cluster import profile
+from jaxserve.config import ParallelConfig
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.cluster.transfer import KVMover
@@ -22,38 +22,27 @@ from jaxserve.sched.cdsp import CDSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Which of `jax.devices()` do what, in instances of `tp` devices (tensor-parallel inside): the first
-    `prefill_instances` instances form the prefill pool (`node_size` instances to a node, as the planner's Pool),
-    then `decode_instances` decode instances of `decode_kvp` instances each (a KV-parallel group when more than
-    one)."""
+def devices_needed(layout: ParallelConfig) -> int:
+    """Devices a cluster layout uses: instances of `tp` devices, the prefill pool's first, then `decode_instances`
+    decode instances of `decode_kvp` instances each (a KV-parallel group when more than one)."""
+    return (layout.prefill_instances + layout.decode_instances * layout.decode_kvp) * layout.tp
 
-    prefill_instances: int
-    decode_instances: int
-    node_size: int = 2
-    receive_buffers: int = 4
-    decode_kvp: int = 1
-    tp: int = 1
 
-    @property
-    def devices(self) -> int:
-        return (self.prefill_instances + self.decode_instances * self.decode_kvp) * self.tp
+def check_layout(layout: ParallelConfig, available: int) -> None:
+    if min(layout.prefill_instances, layout.decode_instances, layout.decode_kvp, layout.node_size, layout.tp) < 1:
+        raise ValueError(f"a cluster needs at least one prefill and one decode instance, of one device or more, "
+                         f"in nodes of one or more; got {layout}")
+    if devices_needed(layout) > available:
+        tp = f", {layout.tp} devices each" if layout.tp > 1 else ""
+        raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} prefill + "
+                         f"{layout.decode_instances} decode x {layout.decode_kvp}{tp}); there are {available}")
+    if layout.prefill_instances % layout.node_size:
+        raise ValueError(f"{layout.prefill_instances} prefill instances do not form nodes of {layout.node_size}")
 
-    def check(self, available: int) -> None:
-        if min(self.prefill_instances, self.decode_instances, self.decode_kvp, self.node_size, self.tp) < 1:
-            raise ValueError(f"a cluster needs at least one prefill and one decode instance, of one device or more, "
-                             f"in nodes of one or more; got {self}")
-        if self.devices > available:
-            tp = f", {self.tp} devices each" if self.tp > 1 else ""
-            raise ValueError(f"the layout needs {self.devices} devices ({self.prefill_instances} prefill + "
-                             f"{self.decode_instances} decode x {self.decode_kvp}{tp}); there are {available}")
-        if self.prefill_instances % self.node_size:
-            raise ValueError(f"{self.prefill_instances} prefill instances do not form nodes of {self.node_size}")
 
-    @property
-    def pool(self) -> Pool:
-        return Pool(self.prefill_instances // self.node_size, self.node_size)
+def pool_of(layout: ParallelConfig) -> Pool:
+    """The prefill pool as the planner sees it: `node_size` instances to a node."""
+    return Pool(layout.prefill_instances // layout.node_size, layout.node_size)
 
 
 def planner_groups(pool: Pool, sizes: Sequence[int]) -> list[tuple[int, ...]]:
@@ -87,9 +76,9 @@ def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> in
     return len(work)
 
 
-def build(cfg, params, layout: Layout, make_engine: Callable[[list[jax.Device]], Engine],
+def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.Device]], Engine],
           prefill_cost: TetrisPrefill | pathlib.Path, *, capacity: int, dtype=jnp.float32,
-          sizes: Sequence[int] | None = None, improvement_rate: float = 0.1, min_chunk: int = 1024,
+          sizes: Sequence[int] | None = None, improvement_rate: float = 0.1,
           dispatch: str = "freeness", key_block: int = 256, min_local: int = 64,
           devices: Sequence[jax.Device] | None = None, progress: bool = True,
           new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
@@ -98,17 +87,18 @@ def build(cfg, params, layout: Layout, make_engine: Callable[[list[jax.Device]],
     powers of two from a node to the pool when measuring). new: makes the device-layer objects (across
     processes: lockstep.Leader.new)."""
     devices = list(devices or jax.devices())
-    layout.check(len(devices))
+    check_layout(layout, len(devices))
     tp, first = layout.tp, layout.prefill_instances * layout.tp
     sp = new(SPPrefill, cfg, params, devices[:first], capacity=capacity, dtype=dtype, key_block=key_block,
              min_local=min_local, tp=tp)
     if isinstance(prefill_cost, pathlib.Path):
-        pool = layout.pool
+        pool = pool_of(layout)
         sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]
         first_group = {len(g): g for g in reversed(planner_groups(pool, sizes))}  # the first group of each size
         groups = {s: tuple(devices[i * tp].id for i in g) for s, g in first_group.items()}
         prefill_cost = profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
-    planner = CDSPPlanner(prefill_cost, layout.pool, improvement_rate, sizes=sizes, min_chunk=min_chunk)
+    planner = CDSPPlanner(prefill_cost, pool_of(layout), improvement_rate, sizes=sizes,
+                          min_chunk=layout.min_chunk)
     g = layout.decode_kvp * tp
     engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
     mover = new(KVMover, sp, [e.runner for e in engines])

@@ -27,7 +27,7 @@ import numpy as np
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.transfer import KVMover, Transfer
 from jaxserve.engine.engine import RequestOutput, StepFailed
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import ChunkRun, SPPrefill
 from jaxserve.sched.cdsp import Chunk, ChunkPlan
 from jaxserve.sched.kv_manager import PrefixCacheStats

@@ -16,7 +16,7 @@ import time
 from tqdm.auto import tqdm
 
 from jaxserve.engine import profile as engine_profile
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import Group, SPPrefill
 from jaxserve.sched.cost_models import TetrisPrefill
 

@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 from jaxtyping import Float, Int, UInt
 
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.kv_manager import SCRATCH_BLOCK
 from jaxserve.sched.step_shapes import StepShapes, powers_of_two
 

@@ -27,7 +27,7 @@ from absl import logging
 from jaxserve.engine.batch import BadRow, Row
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner, Pending
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.stop_strings import StopMatcher
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched import request as sched_request

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from jaxserve.engine import batch
 from jaxserve.engine.batch import Row
 from jaxserve.engine.runner import ModelRunner
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.batch_cost import EngineStepCost, tile_key_blocks
 from jaxserve.sched.step_shapes import StepShapes
 

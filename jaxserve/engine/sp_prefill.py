@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.engine.kv_cache import cache_dtype
-from jaxserve.engine.sampling import SamplingParams, sample
+from jaxserve.engine.sampling import sample
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
 from jaxserve.pallas_kernels.dispatch import Implementation

@@ -16,7 +16,9 @@ import sys
 import tempfile
 import zipfile
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from jaxserve.config import ModelConfig
+
+DEFAULT_MODEL = ModelConfig.model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,23 +92,6 @@ class PackerConfig:
             raise ValueError(f"max_share must be in [0, 1), got {self.max_share}")
 
 
-def engine_packer(cost: BatchCost, *, max_batch_tokens: int, max_num_seqs: int, max_model_len: int,
-                  chunk_align: int, max_prefills: int, multi_prefill: bool, space_sharing: bool,
-                  t_target: float | None = None) -> PackerConfig:
-    """The packer the live engine serves with (one place, so a simulator replay can use the same). The budget
-    defaults to a full step: max_batch_tokens in max_num_seqs rows, all but one of them decodes at the longest
-    context and the rest a fresh prompt's chunk. A budget of the token bucket's time alone would leave no room
-    for any attention, so once a decode runs, a step could never use the largest bucket. The budget then binds
-    only where attention is dear (late chunks of a long prompt: adaptive chunking). Chunks align to the smallest
-    token bucket; a quarter of the context is long."""
-    if t_target is None:
-        decodes = max_num_seqs - 1
-        t_target = cost.batch_time([(max(max_batch_tokens - decodes, 1), 0)], [max_model_len] * decodes)
-    return PackerConfig(t_target=t_target, multi_prefill=multi_prefill, space_sharing=space_sharing,
-                        chunk_align=chunk_align, max_batch_tokens=max_batch_tokens, max_prefills=max_prefills,
-                        long_threshold=max(max_model_len // 4, 2 * chunk_align))
-
-
 class Room(Protocol):
     """KV memory as the packer sees it: how many more tokens a request may compute now, and taking them."""
 

@@ -38,7 +38,7 @@ from jaxserve.sched.plan import Outcome, Phase, Plan, WorkItem
 from jaxserve.sched.policies import Policy
 from jaxserve.sched.queue import PrefillQueue
 from jaxserve.sched.request import Request
-from jaxserve.sched.slo import SLO
+from jaxserve.config import SLO
 
 
 def _prefill_time(cost: BatchCost, packer: PackerConfig) -> PrefillTimeCache:
@@ -82,7 +82,7 @@ class ReplicaScheduler:
             if math.isinf(request.ttft_deadline):
                 request.ttft_deadline = request.arrival + self.slo.ttft(total)
             if math.isinf(request.tpot_slo):
-                request.tpot_slo = self.slo.tpot
+                request.tpot_slo = self.slo.tpot_slo
         self.requests[request.id] = request
         self._seq[request.id] = self.queue.add(request, total)
 

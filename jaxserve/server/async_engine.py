@@ -21,7 +21,7 @@ from typing import Any, Callable
 from absl import logging
 
 from jaxserve.engine.engine import Engine, RequestOutput, StepFailed
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 
 

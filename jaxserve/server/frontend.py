@@ -9,7 +9,7 @@ import functools
 import hmac
 from typing import Any, Sequence
 
-from jaxserve.engine.sampling import SamplingParams, excerpt
+from jaxserve.sampling_params import SamplingParams, excerpt
 from jaxserve.server.async_engine import AsyncEngine, EngineFailed, ProcessGone, QueueFull, RequestStream, \
     ShuttingDown, \
     fit_max_tokens

@@ -19,6 +19,8 @@ from typing import Any
 import uvicorn
 from absl import logging
 
+from jaxserve import config
+from jaxserve.config import DistributedConfig, ServerConfig
 from jaxserve.server.async_engine import AsyncEngine, ShuttingDown
 from jaxserve.server.frontend import Frontend
 from jaxserve.server.grpc_service import build_grpc_server, set_serving
@@ -41,23 +43,20 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 class Server:
-    def __init__(self, llm: Any, *, host: str = "127.0.0.1", grpc_port: int = 50051, http_port: int = 8000,
-                 model_name: str | None = None, api_key: str | None = None, max_queue: int = 256,
-                 drain_timeout: float = 30.0, max_body_bytes: int = 32 << 20, read_timeout: float = 30.0,
-                 stall_timeout: float = 60.0, heartbeat_timeout: float = 10.0):
-        """llm: a jaxserve.LLM, from then on driven by this server only. Port 0 picks a free port.
-        max_body_bytes, read_timeout: the HTTP body limit, and the seconds allowed for a request's headers and
-        between pieces of its body;
-        stall_timeout: seconds without engine progress, with requests open, before health says NOT_SERVING;
-        heartbeat_timeout: across processes, seconds without a follower's heartbeat before it counts as gone
-        (its requests end UNAVAILABLE, health says NOT_SERVING, and the server stops)."""
-        self.host = host
-        self._http_limits = {"max_body_bytes": max_body_bytes, "read_timeout": read_timeout}
-        self.drain_timeout = drain_timeout
-        self.engine = AsyncEngine(llm.engine, max_queue=max_queue, stall_timeout=stall_timeout,
+    def __init__(self, llm: Any, server: ServerConfig | None = None, *,
+                 heartbeat_timeout: float = DistributedConfig.heartbeat_timeout, **settings: Any):
+        """llm: a jaxserve.LLM, from then on driven by this server only. server: its ServerConfig; settings: any
+        of its fields by name, over it (e.g. grpc_port=0: a free port). heartbeat_timeout: across processes,
+        seconds without a follower's heartbeat before it counts as gone (its requests end UNAVAILABLE, health
+        says NOT_SERVING, and the server stops)."""
+        cfg = config.replace(server or ServerConfig(), **settings)
+        self.host, self.drain_timeout = cfg.host, cfg.drain_timeout
+        self._http_limits = {"max_body_bytes": cfg.max_request_bytes, "read_timeout": cfg.request_read_timeout}
+        self.engine = AsyncEngine(llm.engine, max_queue=cfg.max_queue, stall_timeout=cfg.stall_timeout,
                                   lost=lambda: llm.lost(heartbeat_timeout))
-        self.frontend = Frontend(llm, self.engine, model_name=model_name or llm.model_name, api_key=api_key)
-        self._grpc_port, self._http_port = grpc_port, http_port
+        self.frontend = Frontend(llm, self.engine, model_name=cfg.served_model_name or llm.model_name,
+                                 api_key=cfg.api_key)
+        self._grpc_port, self._http_port = cfg.grpc_port, cfg.http_port
         self.grpc_port = self.http_port = None  # the bound ports, once started
         self._stop = asyncio.Event()
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.engine.sampling import excerpt
+from jaxserve.sampling_params import excerpt
 
 
 class _Strict(BaseModel):

@@ -38,7 +38,7 @@ from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
-from jaxserve.sched.slo import SLO
+from jaxserve.config import SLO
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.prefill_pool import Planner
 from jaxserve.sim.simulator import PLACEHOLDER_TOKEN
@@ -269,7 +269,7 @@ class _Run:
         if plan.ttft >= UNAVAILABLE:
             raise RuntimeError("the prefill planner used a GPU that is not a prefill instance")
         self.free_at = np.where(self.unavailable, self.free_at, t + plan.commit(queues))
-        r.ttft_deadline, r.tpot_slo = t + cfg.slo.ttft(sim.best_latency(p)), cfg.slo.tpot
+        r.ttft_deadline, r.tpot_slo = t + cfg.slo.ttft(sim.best_latency(p)), cfg.slo.tpot_slo
         r.add_tokens(1, t + plan.ttft)  # the first token comes with the last prefill chunk
         self.requests.append(r)
         if r.finished:
@@ -284,7 +284,7 @@ class _Run:
             self.rejected.append(r)
             self._done(1)
             return
-        r.ttft_deadline, r.tpot_slo = t + self.cfg.slo.ttft(self.sim.best_latency(r.prompt_len)), self.cfg.slo.tpot
+        r.ttft_deadline, r.tpot_slo = t + self.cfg.slo.ttft(self.sim.best_latency(r.prompt_len)), self.cfg.slo.tpot_slo
         self.requests.append(r)
         inst = min(self.prefillers, key=lambda s: s.queued_tokens())  # ties: the lowest index
         inst.add(r)

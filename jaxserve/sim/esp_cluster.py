@@ -41,7 +41,7 @@ from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room
 from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
-from jaxserve.sched.slo import SLO
+from jaxserve.config import SLO
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.workload import Workload
 
@@ -181,7 +181,7 @@ class _Run:
         cfg = self.cfg
         for k, (t, p, o) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist(),
                                           workload.output_lens.tolist())):
-            r = Request(str(k), t, p, o, tpot_slo=cfg.slo.tpot)
+            r = Request(str(k), t, p, o, tpot_slo=cfg.slo.tpot_slo)
             # one deadline whatever the variant: the fastest prefill the whole pool could give it
             r.ttft_deadline = t + cfg.slo.ttft(self.cost.fastest_prefill(p, cfg.instances))
             # a request whose prompt and max_tokens outgrow the KV it may span could never finish

@@ -14,7 +14,7 @@ import numpy as np
 from jaxserve.sched.cdsp import Balancing, ChunkPlan, chunk_seconds
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.improvement_rate import RateTable
-from jaxserve.sched.slo import SLO
+from jaxserve.config import SLO
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.workload import Workload
 
@@ -65,7 +65,7 @@ class Executor:
 
 # Tetris and LoongServe call a load sustainable while latency stays within 25x of the light-load latency;
 # per request, that is 25x its fastest isolated prefill.
-SUSTAINABLE = SLO(ttft_min=0.0, ttft_factor=25.0)
+SUSTAINABLE = SLO(ttft_slo=0.0, ttft_factor=25.0)
 
 
 def run_pool(planner: Planner, workload: Workload, pool_size: int, best_latency: Callable[[int], float],

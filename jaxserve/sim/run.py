@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from jaxserve.sched.packer import PackerConfig
-from jaxserve.sched.slo import SLO
+from jaxserve.config import SLO
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.simulator import ClusterConfig, Simulator

@@ -26,7 +26,7 @@ from jaxserve.sched.policies import make_policy
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
 from jaxserve.sched.scheduler import ReplicaScheduler
-from jaxserve.sched.slo import SLO
+from jaxserve.config import SLO
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.workload import Workload
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import jaxserve
-from jaxserve.cluster.build import Layout, build, warmup
+from jaxserve.cluster.build import build, warmup
+from jaxserve.config import ParallelConfig
 from jaxserve.sched.cost_models import TetrisPrefill
 
 MAX_MODEL_LEN = 4096
@@ -37,10 +38,10 @@ def eq1_model() -> TetrisPrefill:
 
 
 def make_cluster(llm, devices, decode_instances: int = 1, receive_buffers: int = 4, warm: bool = True):
-    layout = Layout(prefill_instances=8, decode_instances=decode_instances, node_size=2,
-                    receive_buffers=receive_buffers)
+    layout = ParallelConfig(prefill_instances=8, decode_instances=decode_instances, node_size=2,
+                            receive_buffers=receive_buffers, min_chunk=256)
     cluster = build(llm.config, llm._params, layout, lambda ds: llm.make_engine(ds, progress=False), eq1_model(),
-                    capacity=MAX_MODEL_LEN, min_chunk=256, min_local=128, devices=devices)
+                    capacity=MAX_MODEL_LEN, min_local=128, devices=devices)
     if warm:
         warmup(cluster, MAX_MODEL_LEN, progress=False)
     return cluster

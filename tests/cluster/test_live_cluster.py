@@ -15,7 +15,7 @@ from conftest import MAX_MODEL_LEN, busy, make_cluster, run
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.cluster.transfer import KVMover
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.cost_models import TetrisPrefill
 
 GREEDY = SamplingParams(max_tokens=24)

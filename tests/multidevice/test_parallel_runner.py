@@ -14,7 +14,7 @@ import pytest
 from conftest import random_params
 from jaxserve.engine import batch
 from jaxserve.engine.runner import ModelRunner
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.models.config import LlamaConfig
 from jaxserve.sched.kv_manager import KVCacheManager
 

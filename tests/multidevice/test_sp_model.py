@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import CFG, random_params
-from jaxserve.engine.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import SPPrefill
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama

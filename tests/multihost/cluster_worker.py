@@ -24,8 +24,9 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 
 import jaxserve  # noqa: E402 (after jax.distributed starts)
 from jaxserve import api  # noqa: E402
-from jaxserve.cluster.build import Layout, build, warmup  # noqa: E402
-from jaxserve.engine.sampling import SamplingParams  # noqa: E402
+from jaxserve.cluster.build import build, warmup  # noqa: E402
+from jaxserve.config import ParallelConfig  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.sched.cost_models import TetrisPrefill  # noqa: E402
 
 MAX_MODEL_LEN = 1024
@@ -40,9 +41,10 @@ llm = jaxserve.LLM(max_model_len=MAX_MODEL_LEN, kv_cache_tokens=2 * MAX_MODEL_LE
 d = jax.devices()  # process 0's four, then process 1's
 # a stand-in Eq. (1) in which the 4-device group is faster per token: what is tested is where chunks run
 eq1 = TetrisPrefill({s: np.array([0.01, 4e-4 / s, 2e-7 / s, 1e-7 / s]) for s in (2, 4)})
-cluster = build(llm.config, llm._params, Layout(prefill_instances=4, decode_instances=2, node_size=2),
+layout = ParallelConfig(prefill_instances=4, decode_instances=2, node_size=2, min_chunk=256)
+cluster = build(llm.config, llm._params, layout,
                 lambda devices: llm.make_engine(devices, progress=False), eq1, capacity=MAX_MODEL_LEN,
-                min_chunk=256, min_local=128, devices=[d[2], d[3], d[4], d[5], d[6], d[7]], new=llm._new)
+                min_local=128, devices=[d[2], d[3], d[4], d[5], d[6], d[7]], new=llm._new)
 warmup(cluster, MAX_MODEL_LEN, progress=False)
 
 rng = np.random.default_rng(0)

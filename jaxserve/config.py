@@ -1,0 +1,258 @@
+"""Every setting of jaxserve in one tree of typed dataclasses, with its default and its help.
+
+The command line defines one flag per field (cli.py), named as the field unless its metadata says otherwise.
+`LLM` takes an `EngineConfig`; the simulator a `SchedulerConfig` beside its cluster's shape. Names follow vLLM's
+where the idea is vLLM's. Plain Python: every layer may import it (sched/ and sim/ too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal, NamedTuple
+
+DTYPES = ("float32", "bfloat16")
+POLICIES = ("fcfs", "sjf", "ljf", "edf", "lrs", "lars")
+
+
+def setting(default: Any, help: str, *, flag: str | bool = True) -> Any:
+    """A field with its help. flag: the flag's name if not the field's, or False for a field no flag sets."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+
+
+def section(cls: type) -> Any:
+    """A nested config, built from its own defaults."""
+    return dataclasses.field(default_factory=cls)
+
+
+def _positive(config: Any, *names: str) -> None:
+    """Raise ValueError unless each named setting is a positive integer (or None, where None is its default)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is None and config.__dataclass_fields__[name].default is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model: str = setting("smollm2-135m-instruct", "Registered model name, .gguf file, or Hugging Face directory.")
+    dtype: Literal["float32", "bfloat16"] = setting("float32", "Weights' dtype (the KV cache's too, but float32 on "
+                                                    "a CPU).")
+    max_model_len: int | None = setting(None, "Context length (default: the model's, capped by the KV pool).")
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _positive(self, "max_model_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = setting(16, "KV cache block, tokens.")
+    kv_cache_tokens: int | None = setting(None, "KV pool size, tokens per instance (default: what --kv_cache_gib "
+                                          "holds).")
+    kv_cache_gib: float = setting(2.0, "KV pool size, GiB per device (unless --kv_cache_tokens).")
+    enable_prefix_caching: bool = setting(True, "Reuse cached KV of shared prompt prefixes.")
+    key_block: int = setting(256, "Keys an attention tile reads at once, tokens (a multiple of --block_size).")
+
+    def __post_init__(self):
+        _positive(self, "block_size", "kv_cache_tokens", "key_block")
+
+
+@dataclasses.dataclass(frozen=True)
+class SLO:
+    """Per-request service levels: a TTFT deadline that scales with the prompt's work, and a TPOT target."""
+
+    ttft_slo: float = setting(1.0, "Seconds to the first token a prompt is due at least (a request may set its "
+                              "own: gRPC/HTTP field ttft_slo).")
+    ttft_factor: float = setting(3.0, "A prompt's TTFT deadline: max(--ttft_slo, this x its prefill time alone).")
+    tpot_slo: float = setting(0.1, "Seconds per output token a request is due (the simulator's attainment).")
+
+    def ttft(self, prefill_seconds: float) -> float:
+        return max(self.ttft_slo, self.ttft_factor * prefill_seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = setting("lars", f"Prefill ordering policy: {', '.join(POLICIES)}.")
+    max_num_seqs: int = setting(16, "Most requests in the running batch (holding KV).")
+    max_num_batched_tokens: int = setting(512, "Most tokens in one step.")
+    max_prefills_per_step: int = setting(8, "Most prompts' chunks in one step (the compiled step's attention has "
+                                         "room for that many partial tiles, used or not).")
+    multi_prefill: bool = setting(True, "Several prompts' chunks per step (--nomulti_prefill with --policy=fcfs: "
+                                  "one prompt's chunk per step).")
+    space_sharing: bool = setting(True, "Long prefills yield budget to urgent short ones by relative slack (Medha).")
+    iteration_budget: float | None = setting(None, "Most seconds a step may take by the cost model (default: the "
+                                             "measured time of a full step of --max_num_batched_tokens in "
+                                             "--max_num_seqs rows, all decodes at --max_model_len but one fresh "
+                                             "prompt's chunk; simulate: 0.05).")
+    num_scheduler_steps: int = setting(1, "Multi-step decode: when no prompt waits, up to this many decode steps "
+                                       "run in one device loop (as many as fit the iteration budget).")
+    slo: SLO = section(SLO)
+
+    def __post_init__(self):
+        _positive(self, "max_num_seqs", "max_num_batched_tokens", "max_prefills_per_step", "num_scheduler_steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Which devices do what: instances of `tp` devices; with prefill_instances > 0, a live cluster."""
+
+    tp: int = setting(1, "Tensor-parallel degree: devices per instance, each holding a share of every layer's "
+                      "heads and MLP (simulate: per simulated replica, default 8).")
+    prefill_instances: int = setting(0, "Instances (from the first device) forming a CDSP prefill pool; more than 0 "
+                                     "makes the engine a live cluster. 0: one engine on one instance.")
+    decode_instances: int = setting(1, "Decode instances after the prefill pool (with --prefill_instances).")
+    decode_kvp: int = setting(1, "Instances per decode instance; more than 1 splits its KV cache over them "
+                              "(KV-parallel decode).")
+    node_size: int = setting(2, "Prefill instances per node (the planner keeps groups on whole nodes where it can).")
+    receive_buffers: int = setting(4, "KV transfers a decode instance receives at once.")
+    min_chunk: int = setting(1024, "The smallest CDSP chunk, tokens.")
+
+    def __post_init__(self):
+        _positive(self, "tp")  # the cluster checks its layout (cluster/build.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupConfig:
+    quick_start: bool = setting(True, "serve: listen once the first requests' programs compile; the rest compile "
+                                "in the background, and an uncached cost profile is measured when first idle "
+                                "(--noquick_start: compile and measure everything before listening).")
+    warmup: bool = setting(False, "Compile every step program (and measure an uncached cost profile) before the "
+                           "first request; serve sets it.", flag=False)
+    cost_profile: str | None = setting(None, "The step cost profile to load, or to measure and write (default: "
+                                       "measured at first start, cached per device, model and dtype).")
+    prefill_profile: str | None = setting(None, "The prefill pool's Eq. (1) profile to load, or to measure and "
+                                          "write (default: measured at first start, cached per device, model "
+                                          "and pool).")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What `LLM` serves with: the model, its KV cache, the scheduler, the device layout, start-up."""
+
+    model: ModelConfig = section(ModelConfig)
+    cache: CacheConfig = section(CacheConfig)
+    scheduler: SchedulerConfig = section(SchedulerConfig)
+    parallel: ParallelConfig = section(ParallelConfig)
+    startup: StartupConfig = section(StartupConfig)
+
+    def __post_init__(self):
+        if self.scheduler.num_scheduler_steps > 1 and self.parallel.prefill_instances:
+            raise ValueError("num_scheduler_steps > 1 (multi-step decode) serves one engine; a cluster's decode "
+                             "instances step one token at a time, so that its loop admits prompts between steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = setting("127.0.0.1", "Address to bind (0.0.0.0 or :: to listen beyond this machine).")
+    grpc_port: int = setting(50051, "gRPC port (0: any free port).")
+    http_port: int = setting(8000, "HTTP port of the OpenAI-compatible API (0: any free port).")
+    api_key: str | None = setting(None, "Key both interfaces require (`Authorization: Bearer <key>`); client: the "
+                                  "key to send. Default: $JAXSERVE_API_KEY, if set.")
+    served_model_name: str | None = setting(None, "The model name clients use (default: --model).")
+    max_queue: int = setting(256, "Most requests waiting beyond the batch; more are refused (RESOURCE_EXHAUSTED / "
+                             "HTTP 429).")
+    drain_timeout: float = setting(30.0, "On SIGTERM, seconds the whole shutdown may take (in-flight requests get "
+                                   "most of it to finish).")
+    max_request_bytes: int = setting(32 << 20, "The largest HTTP request body read; larger ones get 413 before any "
+                                     "parsing.")
+    stall_timeout: float = setting(60.0, "Seconds without engine progress, with requests open, before health "
+                                   "reports NOT_SERVING (HTTP /health 503).")
+    request_read_timeout: float = setting(30.0, "Seconds an HTTP client may take to send its request headers (the "
+                                          "connection is closed past it) and between two pieces of its body (408 "
+                                          "past it).")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Serving across processes (jax.distributed): process 0 runs the servers and the scheduler."""
+
+    coordinator_address: str | None = setting(None, "HOST:PORT of process 0; the others replay its device calls.")
+    num_processes: int | None = setting(None, "How many processes (with --coordinator_address).")
+    process_id: int | None = setting(None, "This process's rank, 0 to --num_processes - 1.")
+    distributed: bool = setting(False, "Join the cluster (e.g. SLURM) that jax.distributed detects, instead of "
+                                "--coordinator_address/--num_processes/--process_id.")
+    heartbeat_timeout: int = setting(10, "Seconds without a heartbeat after which a process counts as dead (its "
+                                     "requests end UNAVAILABLE and the job ends).")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """`generate` and `client`: what to ask and where."""
+
+    prompt: str | None = setting(None, "Prompt text.")
+    chat: bool = setting(True, "Wrap --prompt in the model's chat template as a user message.")
+    target: str = setting("127.0.0.1:50051", "client: the server's gRPC address.")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadConfig:
+    """simulate: the arrivals."""
+
+    trace: str = setting("azure_conv", "azure_conv, azure_code, arxiv, or mix (short + long requests).")
+    rate: float | None = setting(None, "Arrival rate, requests/s (traces: rescaled to it; default: as recorded).")
+    requests: int | None = setting(None, "Number of requests (default: the whole trace).")
+    long_fraction: float = setting(0.05, "Share of long requests in --trace=mix.")
+    arrival: Literal["poisson", "gamma"] = setting("poisson", "Arrival process of --trace=mix.")
+    cv: float = setting(1.0, "Coefficient of variation of gamma inter-arrival times (1 = Poisson).")
+    seed: int = setting(0, "The workload's random draws.", flag="workload_seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """simulate: the simulated cluster's shape (its scheduler is a SchedulerConfig) and where results go."""
+
+    profile: str = setting("a100_llama3_8b", "GPU/model profile (a100_llama3_8b, h100_llama2_7b, h100_llama2_70b).")
+    stages: int = setting(1, "Pipeline stages per replica.")
+    replicas: int = setting(1, "Number of replicas.")
+    kvp: int = setting(1, "KV-parallel worker groups per replica (Medha's KVP).")
+    kvp_tokens: int | None = setting(None, "Tokens of one sequence a KVP worker holds before the next joins "
+                                     "(default: what its memory holds).")
+    out: str | None = setting(None, "Directory for summary.json, requests.csv and ttft_cdf.png.")
+
+
+# the sections the command line sets, each once
+FLAG_SECTIONS = (EngineConfig, ServerConfig, DistributedConfig, ClientConfig, WorkloadConfig, SimConfig)
+
+
+class Leaf(NamedTuple):
+    path: tuple[str, ...]  # field names from the root config
+    field: dataclasses.Field
+    kind: Any  # the field's type
+
+
+def leaves(cls: type) -> dict[str, Leaf]:
+    """Every setting under cls by its field name (unique in a tree)."""
+    found, kinds = {}, typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):  # a section
+            found.update({name: leaf._replace(path=(f.name, *leaf.path))
+                          for name, leaf in leaves(f.default_factory).items()})
+        else:
+            found[f.name] = Leaf((f.name,), f, kinds[f.name])
+    return found
+
+
+def flag_name(f: dataclasses.Field) -> str | None:
+    """The flag that sets field f, or None."""
+    flag = f.metadata.get("flag", True)
+    return f.name if flag is True else flag or None
+
+
+def replace(config: Any, **values: Any) -> Any:
+    """config with the named settings (field names, nested sections included) replaced; others kept."""
+    fields = leaves(type(config))
+    for name, value in values.items():
+        if name not in fields:
+            raise TypeError(f"{type(config).__name__} has no setting {name!r}")
+        config = _replace(config, fields[name].path, value)
+    return config
+
+
+def _replace(config: Any, path: tuple[str, ...], value: Any) -> Any:
+    if len(path) == 1:
+        return dataclasses.replace(config, **{path[0]: value})
+    return dataclasses.replace(config, **{path[0]: _replace(getattr(config, path[0]), path[1:], value)})

@@ -1,0 +1,67 @@
+"""The config tree: one field per setting, one flag per field, defaults in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from absl import flags
+
+from jaxserve import cli, config
+from jaxserve.sampling_params import SamplingParams
+
+
+def _cli_flags() -> dict[str, flags.Flag]:
+    return {f.name: f for f in flags.FLAGS.flags_by_module_dict()[cli.__name__]}
+
+
+def _fields(cls: type) -> int:
+    return sum(_fields(f.default_factory) if dataclasses.is_dataclass(f.default_factory) else 1
+               for f in dataclasses.fields(cls))
+
+
+def test_every_flag_is_one_setting_and_every_setting_a_flag():
+    defined = _cli_flags()
+    settings = {}
+    for section in config.FLAG_SECTIONS:
+        leaves = config.leaves(section)
+        assert len(leaves) == _fields(section), f"two settings of {section.__name__} share a name"
+        for leaf in leaves.values():
+            flag = config.flag_name(leaf.field)
+            if flag:
+                assert flag not in settings, f"--{flag} sets two settings"
+                settings[flag] = leaf.field.default
+    for name in cli.SAMPLING_FLAGS:
+        settings[name] = SamplingParams.__dataclass_fields__[name].default
+    assert set(defined) == set(settings)
+    for name, default in settings.items():  # the flag's default is the setting's
+        assert defined[name].default == (list(default) if isinstance(default, tuple) else default), name
+
+
+def test_no_setting_has_a_second_name():
+    names = {name for section in config.FLAG_SECTIONS for name in config.leaves(section)}
+    for old, new in (("t_target", "iteration_budget"), ("max_running", "max_num_seqs"),
+                     ("max_batch_tokens", "max_num_batched_tokens"), ("ttft_min", "ttft_slo"),
+                     ("prefix_caching", "enable_prefix_caching")):
+        assert new in names and old not in names and old not in _cli_flags()
+
+
+def test_replace_reaches_nested_settings_and_refuses_unknown_ones():
+    cfg = config.replace(config.EngineConfig(), max_num_seqs=4, ttft_slo=2.5, tp=2, model="random:tiny")
+    assert (cfg.scheduler.max_num_seqs, cfg.scheduler.slo.ttft_slo, cfg.parallel.tp) == (4, 2.5, 2)
+    assert cfg.model.model == "random:tiny" and cfg.cache == config.CacheConfig()
+    with pytest.raises(TypeError, match="no setting 'max_running'"):
+        config.replace(cfg, max_running=4)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(block_size=0), "block_size must be a positive integer"),
+    (dict(max_num_seqs=True), "max_num_seqs must be a positive integer"),
+    (dict(max_model_len=-3), "max_model_len must be a positive integer"),
+    (dict(dtype="float16"), "dtype must be one of"),
+    (dict(tp=0), "tp must be a positive integer"),
+    (dict(num_scheduler_steps=4, prefill_instances=1), "multi-step decode"),
+])
+def test_bad_settings_are_refused_with_their_name(settings, message):
+    with pytest.raises(ValueError, match=message):
+        config.replace(config.EngineConfig(), **settings)
