@@ -57,7 +57,7 @@ class JaxServeSide:
     def __init__(self, model: str, batch: int, long_prompt: int, dtype: str = "float32", num_scheduler_steps: int = 1):
         # no prefix caching: every repetition sends the same prompts, and transformers computes them each time
         self.llm = jaxserve.LLM(model, dtype=dtype, max_model_len=max(2048, 2 * long_prompt), max_num_seqs=batch,
-                                prefix_caching=False, num_scheduler_steps=num_scheduler_steps)
+                                enable_prefix_caching=False, num_scheduler_steps=num_scheduler_steps)
 
     def generate(self, batch: list[list[int]], n: int) -> None:
         outs = self.llm.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True))

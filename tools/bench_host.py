@@ -142,7 +142,7 @@ def main(argv: list[str]) -> None:
     for r in rows:
         burst = FLAGS.num_scheduler_steps
         llm = jaxserve.LLM("random:tiny", max_model_len=512, kv_cache_tokens=4096, max_num_seqs=max(rows),
-                           max_num_batched_tokens=max(64, max(rows)), prefix_caching=False, progress=False,
+                           max_num_batched_tokens=max(64, max(rows)), enable_prefix_caching=False, progress=False,
                            num_scheduler_steps=burst)
         device = FakeDevice(llm.engine.runner, 0.0)
         timer = instrument(llm)

@@ -36,7 +36,9 @@ from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from jaxserve.sched.batch_cost import EngineStepCost  # noqa: E402
-from jaxserve.sched.packer import PackerConfig, engine_packer  # noqa: E402
+from jaxserve.config import SchedulerConfig  # noqa: E402
+from jaxserve.sched.build import packer_config  # noqa: E402
+from jaxserve.sched.packer import PackerConfig  # noqa: E402
 from jaxserve.sched.request import Request  # noqa: E402
 from jaxserve.config import SLO  # noqa: E402
 from jaxserve.server.spawn import ServerProcess  # noqa: E402
@@ -95,7 +97,7 @@ def workload(rng: np.random.Generator) -> list[Arrival]:
 
 def server_flags(policy: str, multi: bool, sharing: bool, cost_profile: str) -> list[str]:
     return [f"--policy={policy}", f"--{'' if multi else 'no'}multi_prefill",
-            f"--{'' if sharing else 'no'}space_sharing", "--noprefix_caching", f"--cost_profile={cost_profile}",
+            f"--{'' if sharing else 'no'}space_sharing", "--noenable_prefix_caching", f"--cost_profile={cost_profile}",
             f"--max_model_len={FLAGS.max_model_len}", f"--max_num_seqs={FLAGS.max_num_seqs}",
             f"--max_num_batched_tokens={FLAGS.max_num_batched_tokens}", f"--kv_cache_gib={FLAGS.kv_cache_gib}",
             f"--ttft_slo={FLAGS.ttft_slo}", f"--served_model_name={MODEL}", f"--api_key={API_KEY}",
@@ -137,10 +139,10 @@ def summarize(requests: list[Request], long_threshold: int) -> dict[str, float]:
 
 def packer(cost: EngineStepCost, multi: bool, sharing: bool) -> PackerConfig:
     """The packer the server runs with these flags."""
-    return engine_packer(cost, max_batch_tokens=FLAGS.max_num_batched_tokens, max_num_seqs=FLAGS.max_num_seqs,
-                         max_model_len=FLAGS.max_model_len, chunk_align=cost.shapes.tokens[0],
-                         max_prefills=cost.shapes.max_prefills, multi_prefill=multi,
-                         space_sharing=sharing)
+    config = SchedulerConfig(max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_num_seqs=FLAGS.max_num_seqs,
+                             multi_prefill=multi, space_sharing=sharing)
+    return packer_config(config, cost, max_model_len=FLAGS.max_model_len, chunk_align=cost.shapes.tokens[0],
+                         max_prefills=cost.shapes.max_prefills)
 
 
 def simulate(arrivals: list[Arrival], cost: EngineStepCost, kv_tokens: int, policy: str, multi: bool,

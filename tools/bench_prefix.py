@@ -1,7 +1,7 @@
 """Prefix caching, live: one long shared system prompt (about --system_tokens tokens) with a different short
 question per request, sent one after another through the openai client (streaming chat completions). The first
 request computes the whole prompt; the later ones find the system prompt in the prefix cache. The same
-requests go to a server started with --noprefix_caching, in the same run, as the control. Prints the first
+requests go to a server started with --noenable_prefix_caching, in the same run, as the control. Prints the first
 request's TTFT, the median of the later ones and their ratio, with the cached tokens the server reported; writes
 docs/figures/prefix_cache.json.
 
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
                  for i in range(FLAGS.requests)]
     result = {}
     for caching in (True, False):
-        flag = "--prefix_caching" if caching else "--noprefix_caching"
+        flag = "--enable_prefix_caching" if caching else "--noenable_prefix_caching"
         with ServerProcess(flag, "--max_model_len=2048", "--kv_cache_gib=0.5", f"--served_model_name={MODEL}",
                            f"--api_key={API_KEY}") as server:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=API_KEY)

@@ -95,7 +95,7 @@ def main(argv: list[str]) -> None:
     out = pathlib.Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
     llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(rows), max_model_len=4 * FLAGS.context,
-                       prefix_caching=False, progress=False)
+                       enable_prefix_caching=False, progress=False)
     summary = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": FLAGS.model,
                "dtype": FLAGS.dtype, "context": FLAGS.context, "steps": []}
     for r in rows:
