@@ -34,11 +34,11 @@ from tqdm import tqdm
 
 from jaxserve.sched.cdsp import Balancing, CDSPPlanner, FixedSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
-from jaxserve.sched.improvement_rate import AdaptiveCDSP
+from jaxserve.lab.improvement_rate import AdaptiveCDSP, profile_improvement_rates
 from jaxserve.sched.profiles import TETRIS_TABLE1_K, model_shape, network, tetris_table1_samples
-from jaxserve.sim.esp_cluster import ESPCost
+from jaxserve.lab.esp_cluster import ESPCost
 from jaxserve.sim import plots
-from jaxserve.sim.prefill_pool import Executor, max_sustainable_rate, profile_improvement_rates, run_pool
+from jaxserve.sim.prefill_pool import Executor, max_sustainable_rate, run_pool
 from jaxserve.sim.workload import LONG_CONTEXT, Workload, load_trace, long_context
 
 FLAGS = flags.FLAGS

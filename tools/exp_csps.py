@@ -40,7 +40,7 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from jaxserve.sched.cdsp import Pool
-from jaxserve.sched.csps import CSPSPlanner, CSPSPrefill
+from jaxserve.lab.csps import CSPSPlanner, CSPSPrefill
 from jaxserve.sched.packer import PackerConfig
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator

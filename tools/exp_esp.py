@@ -35,7 +35,7 @@ from tqdm import tqdm
 from jaxserve.sched.slo import SLO
 from jaxserve.sim import plots
 from jaxserve.sim.capacity import highest_rate
-from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
+from jaxserve.lab.esp_cluster import ESPConfig, ESPSimulator
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.workload import LONG_CONTEXT, Workload, long_context
 

@@ -28,7 +28,7 @@ from jaxserve.sched.cdsp import Balancing, CDSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
-from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
+from jaxserve.lab.esp_cluster import ESPConfig, ESPSimulator
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.workload import LONG_CONTEXT, Workload, long_context
 

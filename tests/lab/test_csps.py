@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.sched import csa_cost, sp_layout
+from jaxserve.lab import sp_layout
+from jaxserve.lab.csps import CSPSPlanner, CSPSPrefill
+from jaxserve.sched import csa_cost
 from jaxserve.sched.cdsp import Pool
-from jaxserve.sched.csps import CSPSPlanner, CSPSPrefill
 from jaxserve.sched.profiles import ProfileBatchCost, model_shape, network
 
 PROFILE = "a100_llama3_8b"  # 32 query heads
