@@ -1,4 +1,4 @@
-"""CSPS's prefill cost and planner (sched/csps.py): the pieces it adds up, CSA's calibrated drop and kept pairs,
+"""CSPS's prefill cost and planner (lab/csps.py): the pieces it adds up, CSA's calibrated drop and kept pairs,
 SPT sizing and group placement."""
 
 from __future__ import annotations
