@@ -1,5 +1,6 @@
-"""The claims experiments (tools/exp_*.py) run end to end on tiny inputs and write their JSON and plots: the
-figures in docs/BENCHMARKS.md stay reproducible by their commands."""
+"""The claims experiments (jaxserve/lab/experiments.py) run end to end on their tiny set-ups and write their JSON
+and plots, so the figures in docs/BENCHMARKS.md stay reproducible by their commands; a command line
+(tools/exp_*.py) runs as a user runs it and gives the same results."""
 
 from __future__ import annotations
 
@@ -10,26 +11,24 @@ import sys
 
 import pytest
 
+from jaxserve.lab import experiments
+
 TOOLS = pathlib.Path(__file__).parent.parent / "tools"
 
-CASES = {
-    "exp_policies": (["--requests=30", "--seeds=1", "--rates=0.5", "--nocapacity"], "policies_medha.json"),
-    "exp_cdsp": (["--requests=40", "--traces=short"], "cdsp.json"),
-    "exp_cdsp --model=70b": (["--requests=40", "--traces=short", "--model=70b"], "cdsp_70b.json"),
-    "exp_esp": (["--requests=20", "--memory_requests=15", "--memory_rates=0.1"], "esp.json"),
-    "exp_tetriinfer": (["--workloads=mixed", "--rates=burst", "--burst_requests=16", "--layouts=1+1",
-                        "--colocated=2"], "tetriinfer.json"),
-    "exp_csps": (["--requests=12", "--rates=0.1", "--seeds=0", "--light=0.05"], "csps.json"),
-    "exp_tetris_tbt": (["--requests=15", "--traces=short", "--rates=1"], "tetris_tbt.json"),
-    "exp_kvp": (["--requests=20", "--rates=0.5", "--long_tokens=300000", "--kvp_tokens=200000"], "kvp.json"),
-}
 
-
-@pytest.mark.parametrize("tool", sorted(CASES))
-def test_experiment_runs_and_writes_its_results(tool, tmp_path):
-    args, result = CASES[tool]
-    done = subprocess.run([sys.executable, str(TOOLS / f"{tool.split()[0]}.py"), *args, f"--out={tmp_path}"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    json.loads((tmp_path / result).read_text())
+@pytest.mark.parametrize("name, options", [(name, {}) for name in sorted(experiments.EXPERIMENTS)]
+                         + [("cdsp", {"model": "70b"})])
+def test_experiment_runs_and_writes_its_results(name, options, tmp_path):
+    results = experiments.run(name, tiny=True, out=str(tmp_path), **options)
+    (written,) = tmp_path.glob("*.json")
+    assert written.read_text() == json.dumps(results, indent=1)
     assert list(tmp_path.glob("*.png")), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_a_command_line_runs_its_experiment_from_its_flags(tmp_path):
+    cli, registry = tmp_path / "cli", tmp_path / "registry"
+    done = subprocess.run([sys.executable, str(TOOLS / "exp_tetris_tbt.py"), "--requests=15", "--traces=short",
+                           "--rates=1", f"--out={cli}"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    experiments.run("tetris_tbt", tiny=True, out=str(registry))
+    assert (cli / "tetris_tbt.json").read_text() == (registry / "tetris_tbt.json").read_text()

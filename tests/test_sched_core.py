@@ -472,12 +472,13 @@ def test_profile_cost_matches_tetris_table1_order_of_magnitude():
     assert ProfileBatchCost("a100_llama3_8b", tp=8).batch_time([(32768, 0)]) < cost.batch_time([(32768, 0)]) / 3
 
 
-def test_no_module_of_sched_or_sim_imports_jax():
+def test_no_module_of_sched_or_sim_imports_jax_or_the_lab():
     code = ("import importlib, pkgutil, sys, jaxserve.sched, jaxserve.sim\n"
             "for package in (jaxserve.sched, jaxserve.sim):\n"
             "    for m in pkgutil.iter_modules(package.__path__, package.__name__ + '.'):\n"
             "        importlib.import_module(m.name)\n"
-            "assert not [m for m in sys.modules if m == 'jax' or m.startswith('jax.')], 'jax imported'")
+            "assert not [m for m in sys.modules if m == 'jax' or m.startswith('jax.')], 'jax imported'\n"
+            "assert 'jaxserve.lab' not in sys.modules, 'the lab imported from below'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 

@@ -13,7 +13,7 @@ from jaxserve.sched.decode import ADMISSION, DecodeScheduler
 from jaxserve.sched.plan import Outcome
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
-from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
+from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator, LoadWindow
 from jaxserve.sim.workload import Workload, long_context
 
 
@@ -145,13 +145,23 @@ def test_the_cluster_runs_every_admission_policy_with_a_predictor(admission):
         assert sum(d.scheduler.swaps for d in sim.decoders) == 0
 
 
+def test_load_window_needs_a_whole_window_and_forgets_old_samples():
+    w = LoadWindow(window=10.0)
+    for t in range(0, 10):
+        w.add(float(t), 1.0)
+    assert w.mean(9.0) is None
+    for t in range(10, 30):
+        w.add(float(t), 0.0)
+    assert w.mean(29.0) == 0.0
+
+
 def test_instances_flip_toward_the_busy_role():
     """A prefill-heavy phase (64K prompts, 2 output tokens) leaves decode idle: a decode instance turns into 4
     prefill GPUs. A decode-heavy phase after it (short prompts, long outputs) fills decode: prefill GPUs flip
     back. Nothing is lost on the way."""
     import numpy as np
 
-    from jaxserve.sched.flip import FlipPolicy
+    from jaxserve.lab.flip import FlipPolicy
     from jaxserve.sim.workload import Workload
 
     a = np.arange(0, 40, 1.0)
@@ -225,7 +235,7 @@ def test_a_whole_tetriinfer_cluster_serves_azure_conv():
 
 
 def test_tetriinfer_prefill_takes_no_planner_and_no_flips():
-    from jaxserve.sched.flip import FlipPolicy
+    from jaxserve.lab.flip import FlipPolicy
 
     with pytest.raises(ValueError, match="needs a planner"):
         DisaggSimulator(None, best, DisaggConfig())

@@ -1,136 +1,30 @@
-"""Medha Fig. 13 in simulation: scheduling policies on a mix of short requests (Azure conv lengths) and 5% long
-ones (128K-1M tokens), Llama-3-8B on A100s, across arrival rates and seeds.
-
-Settings: `medha` is the paper's (TP8 x 2 stream-pipeline stages on 16 A100, 0.25-1.75 QPS); `tp8` is one TP8
-replica (8 A100, no pipeline) at 0.1-0.4 req/s. Variants: FCFS, EDF, LRS and LARS batching one prefill per
-iteration (Medha 6.4's baselines), then the controls that separate LARS from multi-prefill batching (EDF and
-LARS with several prefills per batch), then Medha's full scheduler (LARS + multi-prefill + space sharing).
-
-Prints per-rate means over the seeds, the Fig. 13 ratio (LRS / Medha, P50 TTFT normalised by each request's
-deadline) beside the same ratio for the EDF + multi-prefill control, FCFS / Medha short-request P50 (marked where
-FCFS is past its capacity: its queue then grows with the run and so does the ratio), and the max sustainable rate
-(SLO attainment >= 90%) of FCFS, LRS, EDF + multi-prefill and Medha. Writes plots and policies_<setting>.json.
+"""Medha Fig. 13 in simulation: scheduling policies on a mix of short requests and 5% long ones, Llama-3-8B on
+A100s, across arrival rates and seeds (jaxserve/lab/claims/policies.py: the variants and what it prints). Writes
+plots and policies_<setting>.json.
 
     .venv/bin/python tools/exp_policies.py [--setting=medha] [--requests=600] [--seeds=2] [--capacity]
 """
 
 from __future__ import annotations
 
-import json
-import os
-
-import numpy as np
 from absl import app, flags
-from tqdm import tqdm
 
-from jaxserve.sim import plots, run
+from jaxserve.lab import experiments
+from jaxserve.lab.claims.policies import Options
 
-FLAGS = flags.FLAGS
-flags.DEFINE_enum("setting", "medha", ["medha", "tp8"], "medha: TP8 x SPP2, 0.25-1.75 QPS; tp8: one TP8 replica.")
-flags.DEFINE_integer("requests", 600, "Requests per run.")
-flags.DEFINE_integer("seeds", 2, "Workload seeds per point (0..seeds-1).")
-flags.DEFINE_list("rates", None, "Arrival rates, requests/s (default: the setting's).")
-flags.DEFINE_bool("capacity", True, "Also search the max sustainable rate of FCFS, LRS, EDF + multi-prefill, Medha.")
-flags.DEFINE_string("out", "docs/figures", "Where plots and policies_<setting>.json go.")
-
-SETTINGS = {"medha": dict(stages=2, rates=(0.25, 0.75, 1.25, 1.75), cluster="TP8 x SPP2, 16 A100"),
-            "tp8": dict(stages=1, rates=(0.1, 0.2, 0.3, 0.4), cluster="TP8, 8 A100")}
-MEDHA = "Medha (LARS + multi-prefill + space sharing)"
-# label -> (policy, multi-prefill batching, space sharing)
-VARIANTS = {"FCFS": ("fcfs", False, False), "EDF": ("edf", False, False), "LRS": ("lrs", False, False),
-            "LARS": ("lars", False, False), "EDF + multi-prefill": ("edf", True, False),
-            "LARS + multi-prefill": ("lars", True, False), MEDHA: ("lars", True, True)}
-CAPACITY = ("FCFS", "LRS", "EDF + multi-prefill", MEDHA)
-METRICS = ("short_ttft_p50", "short_ttft_p99", "long_ttft_p50", "ttft_norm_p50", "ttft_norm_p90", "slo_attainment")
-
-
-def config(label: str):
-    policy, multi, sharing = VARIANTS[label]
-    return run.config_for(policy, tp=8, stages=SETTINGS[FLAGS.setting]["stages"], multi_prefill=multi,
-                          space_sharing=sharing)
-
-
-def measure(label: str, rate: float, seed: int):
-    res = run.simulate(run.make_workload("mix", rate, FLAGS.requests, seed=seed), config(label), progress=False)
-    s = res.summary()
-    row = {"label": label, "rate": rate, "seed": seed, "short_ttft_p50": s["short"]["ttft_p50"],
-           "short_ttft_p99": s["short"]["ttft_p99"], "long_ttft_p50": s["long"]["ttft_p50"],
-           "ttft_norm_p50": s["all"]["ttft_norm_p50"], "ttft_norm_p90": s["all"]["ttft_norm_p90"],
-           "slo_attainment": s["all"]["slo_attainment"]}
-    return row, res
-
-
-def means(rows: list[dict]) -> list[dict]:
-    """One row per (label, rate): each metric's mean over the seeds, and its min and max."""
-    out = []
-    for label in VARIANTS:
-        for rate in sorted({r["rate"] for r in rows}):
-            runs = [r for r in rows if r["label"] == label and r["rate"] == rate]
-            row = {"label": label, "rate": rate}
-            for m in METRICS:
-                values = [r[m] for r in runs]
-                row |= {m: float(np.mean(values)), f"{m}_min": min(values), f"{m}_max": max(values)}
-            out.append(row)
-    return out
+flags.DEFINE_enum("setting", Options.setting, ["medha", "tp8"],
+                  "medha: TP8 x SPP2, 0.25-1.75 QPS; tp8: one TP8 replica.")
+flags.DEFINE_integer("requests", Options.requests, "Requests per run.")
+flags.DEFINE_integer("seeds", Options.seeds, "Workload seeds per point (0..seeds-1).")
+flags.DEFINE_list("rates", Options.rates, "Arrival rates, requests/s (default: the setting's).")
+flags.DEFINE_bool("capacity", Options.capacity,
+                  "Also search the max sustainable rate of FCFS, LRS, EDF + multi-prefill, Medha.")
+flags.DEFINE_string("out", Options.out, "Where plots and policies_<setting>.json go.")
 
 
 def main(argv):
     del argv
-    setting = SETTINGS[FLAGS.setting]
-    rates = [float(r) for r in FLAGS.rates] if FLAGS.rates else list(setting["rates"])
-    rows, at_top = [], {}
-    points = [(rate, label, seed) for rate in rates for label in VARIANTS for seed in range(FLAGS.seeds)]
-    for rate, label, seed in tqdm(points, desc="runs"):
-        row, res = measure(label, rate, seed)
-        rows.append(row)
-        if rate == max(rates) and seed == 0:
-            at_top[label] = res
-    table = means(rows)
-    at = {(r["label"], r["rate"]): r for r in table}
-    print(f"{setting['cluster']}, {FLAGS.requests} requests, seeds 0-{FLAGS.seeds - 1} (means)")
-    print(f"{'variant':46s} {'rate':>5s} {'short P50':>9s} {'short P99':>9s} {'long P50':>8s} {'norm P50':>8s} "
-          f"{'norm P90':>8s} {'SLO met':>7s}")
-    for r in table:
-        print(f"{r['label']:46s} {r['rate']:5.2f} {r['short_ttft_p50']:9.3f} {r['short_ttft_p99']:9.2f} "
-              f"{r['long_ttft_p50']:8.1f} {r['ttft_norm_p50']:8.3f} {r['ttft_norm_p90']:8.2f} "
-              f"{r['slo_attainment']:7.1%}")
-    ratios = []
-    for rate in rates:
-        medha = at[(MEDHA, rate)]
-        fcfs = at[("FCFS", rate)]
-        ratio = {"rate": rate,
-                 "lrs_over_medha_norm_p50": at[("LRS", rate)]["ttft_norm_p50"] / medha["ttft_norm_p50"],
-                 "edf_multi_over_medha_norm_p50":
-                     at[("EDF + multi-prefill", rate)]["ttft_norm_p50"] / medha["ttft_norm_p50"],
-                 "fcfs_over_medha_short_p50": fcfs["short_ttft_p50"] / medha["short_ttft_p50"],
-                 "fcfs_overloaded": fcfs["slo_attainment"] < 0.9}
-        ratios.append(ratio)
-        print(f"at {rate} req/s, P50 normalised TTFT: LRS / Medha {ratio['lrs_over_medha_norm_p50']:.2f}x, "
-              f"EDF + multi-prefill / Medha {ratio['edf_multi_over_medha_norm_p50']:.2f}x; short P50 FCFS / Medha "
-              f"{ratio['fcfs_over_medha_short_p50']:.1f}x"
-              + (" (FCFS past its capacity: grows with the run's length)" if ratio["fcfs_overloaded"] else ""))
-    capacity = {}
-    if FLAGS.capacity:
-        for label in tqdm(CAPACITY, desc="max sustainable rate"):
-            capacity[label], _ = run.max_sustainable_rate(
-                config(label), lambda rate: run.make_workload("mix", rate, FLAGS.requests, seed=0),
-                lo=0.02, hi=4.0, iterations=6)
-            print(f"max sustainable rate (SLO attainment >= 90%, seed 0), {label}: {capacity[label]:.3f} req/s")
-        print(f"capacity Medha / FCFS: {capacity[MEDHA] / max(capacity['FCFS'], 1e-9):.1f}x, "
-              f"Medha / EDF + multi-prefill: {capacity[MEDHA] / max(capacity['EDF + multi-prefill'], 1e-9):.2f}x")
-    os.makedirs(FLAGS.out, exist_ok=True)
-    name = f"policies_{FLAGS.setting}"
-    plots.ttft_cdf(at_top, os.path.join(FLAGS.out, f"{name}_ttft_cdf.png"), which="short",
-                   title=f"short requests, {max(rates)} req/s, {setting['cluster']}")
-    plots.metric_vs_load(table, os.path.join(FLAGS.out, f"{name}_norm_p50_vs_load.png"), "ttft_norm_p50",
-                         "P50 TTFT / deadline", title=f"5% long mix, {setting['cluster']}")
-    plots.metric_vs_load(table, os.path.join(FLAGS.out, f"{name}_slo_vs_load.png"), "slo_attainment",
-                         "SLO attainment", title=f"5% long mix, {setting['cluster']}", log=False)
-    with open(os.path.join(FLAGS.out, f"{name}.json"), "w") as f:
-        json.dump({"setting": FLAGS.setting, "requests": FLAGS.requests, "seeds": FLAGS.seeds, "runs": rows,
-                   "means": table, "ratios": ratios, "max_sustainable_rate": capacity}, f, indent=1)
-    print(f"wrote {FLAGS.out}/{name}_ttft_cdf.png, {name}_norm_p50_vs_load.png, {name}_slo_vs_load.png, "
-          f"{name}.json")
+    experiments.run("policies", **{k: flags.FLAGS[k].value for k in experiments.option_names("policies")})
 
 
 if __name__ == "__main__":

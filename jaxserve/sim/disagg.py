@@ -20,12 +20,13 @@ side, KV transfer to a decode instance, and decode instances running sched/decod
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
 import random
 import time
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -33,7 +34,6 @@ from tqdm.auto import tqdm
 from jaxserve.sched.cdsp import ChunkPlan
 from jaxserve.sched.decode import DecodeScheduler
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
-from jaxserve.sched.flip import FlipPolicy, LoadWindow
 from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
@@ -43,6 +43,45 @@ from jaxserve.sim.metrics import Results
 from jaxserve.sim.prefill_pool import Planner
 from jaxserve.sim.simulator import PLACEHOLDER_TOKEN
 from jaxserve.sim.workload import Workload
+
+
+class FlipRule(Protocol):
+    """When a unit changes role (the lab's FlipPolicy, TetriInfer 3.5); the run measures, drains and flips."""
+
+    @property
+    def window(self) -> float:
+        """Seconds of load a unit's mean is taken over."""
+        ...
+
+    @property
+    def check_every(self) -> float:
+        """Seconds between checks."""
+        ...
+
+    def choose(self, prefill: Sequence[float | None], decode: Sequence[float | None]) -> tuple[str, int] | None:
+        """Each unit's mean load (None until a whole window is seen) -> ("to_decode" | "to_prefill", unit)."""
+        ...
+
+
+class LoadWindow:
+    """Load samples of one unit; their mean over the last `window` seconds once that much has been seen."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self.samples: collections.deque[tuple[float, float]] = collections.deque()
+        self.since: float | None = None
+
+    def add(self, t: float, load: float) -> None:
+        if self.since is None:
+            self.since = t
+        self.samples.append((t, load))
+        while self.samples[0][0] < t - self.window:
+            self.samples.popleft()
+
+    def mean(self, now: float) -> float | None:
+        if self.since is None or now - self.since < self.window:
+            return None
+        return sum(v for _, v in self.samples) / len(self.samples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +99,7 @@ class DisaggConfig:
     dispatch: str = "freeness"  # or "power_of_two" (TetriInfer; needs a length predictor)
     admission: str = "oracle"  # decode admission (sched/decode.py); predictions come from the predictor
     host_bandwidth: float = 25e9  # bytes/s per GPU to host memory (PCIe 4 x16), for swaps
-    flip: FlipPolicy | None = None  # TetriInfer's instance flip: decode_tp prefill GPUs <-> one decode instance
+    flip: FlipRule | None = None  # TetriInfer's instance flip: decode_tp prefill GPUs <-> one decode instance
     seed: int = 0  # power of two's sampling
     slo: SLO = SLO()
     memory_utilization: float = 0.9

@@ -13,7 +13,6 @@ import numpy as np
 
 from jaxserve.sched.cdsp import Balancing, ChunkPlan, chunk_seconds
 from jaxserve.sched.cost_models import TetrisPrefill
-from jaxserve.sched.improvement_rate import RateTable
 from jaxserve.config import SLO
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.workload import Workload
@@ -71,7 +70,7 @@ SUSTAINABLE = SLO(ttft_slo=0.0, ttft_factor=25.0)
 def run_pool(planner: Planner, workload: Workload, pool_size: int, best_latency: Callable[[int], float],
              slo: SLO = SUSTAINABLE, executor: Executor | None = None) -> PoolRun:
     """best_latency(tokens): the prompt's fastest isolated prefill, which its TTFT deadline scales with. A
-    planner with an on_arrival(t) method (AdaptiveCDSP) sees every arrival time before planning it. executor:
+    planner with an on_arrival(t) method (lab's AdaptiveCDSP) sees every arrival time before planning it. executor:
     times the chunks (default: as planned)."""
     on_arrival = getattr(planner, "on_arrival", None)
     free_at = np.zeros(pool_size)
@@ -105,22 +104,3 @@ def max_sustainable_rate(make_planner: Callable[[], Planner], workload_at: Calla
         return run.slo_attainment >= target
 
     return highest_rate(ok, lo, hi, iterations)
-
-
-# the improvement rates the offline profiler tries: Tetris 7.1's range, 0.05 to 0.75
-IMPROVEMENT_RATES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75)
-
-
-def profile_improvement_rates(make_planner: Callable[[float], Planner], workload_at: Callable[[float], Workload],
-                              pool_size: int, best_latency: Callable[[int], float], arrival_rates: Sequence[float],
-                              candidates: Sequence[float] = IMPROVEMENT_RATES, executor: Executor | None = None
-                              ) -> RateTable:
-    """Tetris's offline profiler: at each arrival rate, the improvement rate with the lowest mean TTFT.
-    make_planner(improvement_rate) builds a fresh planner; workload_at(rate) samples the length distribution."""
-    best = []
-    for rate in arrival_rates:
-        workload = workload_at(rate)
-        ttft = {r: run_pool(make_planner(r), workload, pool_size, best_latency, executor=executor).ttft.mean()
-                for r in candidates}
-        best.append(min(candidates, key=ttft.__getitem__))
-    return RateTable(tuple(arrival_rates), tuple(best))

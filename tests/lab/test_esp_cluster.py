@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxserve.lab.esp_cluster import ESPConfig, ESPCost, ESPSimulator, _Decoding, _Run
 from jaxserve.sched.profiles import GPUS, network
 from jaxserve.sched.request import Request
-from jaxserve.sim.esp_cluster import ESPConfig, ESPCost, ESPSimulator, _Decoding, _Run
 from jaxserve.sim.workload import Workload, long_context
 
 # Llama-2-7B at TP=2: each GPU holds 16 of the 32 KV heads, 128 dims, K and V in bf16

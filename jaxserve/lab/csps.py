@@ -29,7 +29,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.sched import csa_cost, sp_layout
+from jaxserve.lab import sp_layout
+from jaxserve.sched import csa_cost
 from jaxserve.sched.cdsp import Chunk, ChunkPlan, Pool
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, model_shape, network
 

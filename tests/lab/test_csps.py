@@ -1,13 +1,14 @@
-"""CSPS's prefill cost and planner (sched/csps.py): the pieces it adds up, CSA's calibrated drop and kept pairs,
+"""CSPS's prefill cost and planner (lab/csps.py): the pieces it adds up, CSA's calibrated drop and kept pairs,
 SPT sizing and group placement."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxserve.sched import csa_cost, sp_layout
+from jaxserve.lab import sp_layout
+from jaxserve.lab.csps import CSPSPlanner, CSPSPrefill
+from jaxserve.sched import csa_cost
 from jaxserve.sched.cdsp import Pool
-from jaxserve.sched.csps import CSPSPlanner, CSPSPrefill
 from jaxserve.sched.profiles import ProfileBatchCost, model_shape, network
 
 PROFILE = "a100_llama3_8b"  # 32 query heads

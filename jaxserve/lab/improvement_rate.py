@@ -1,6 +1,7 @@
-"""Tetris's load-aware improvement rate (Section 5.1): an offline simulator sweep picks, for each arrival rate,
-the improvement rate with the lowest mean TTFT; online, a sliding-window arrival-rate estimate selects the
-recorded rate closest to what is observed, refreshed every `update_every` seconds (Tetris: 30 s)."""
+"""Tetris's load-aware improvement rate (Section 5.1): an offline simulator sweep (profile_improvement_rates)
+picks, for each arrival rate, the improvement rate with the lowest mean TTFT; online, a sliding-window
+arrival-rate estimate selects the recorded rate closest to what is observed, refreshed every `update_every`
+seconds (Tetris: 30 s)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import bisect
 import collections
 import dataclasses
 import json
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from jaxserve.sched.cdsp import CDSPPlanner, ChunkPlan
+from jaxserve.sim.prefill_pool import Executor, Planner, run_pool
+from jaxserve.sim.workload import Workload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,3 +99,22 @@ class AdaptiveCDSP:
 
     def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan:
         return self.planner.plan(tokens, queues)
+
+
+# the improvement rates the offline profiler tries: Tetris 7.1's range, 0.05 to 0.75
+IMPROVEMENT_RATES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75)
+
+
+def profile_improvement_rates(make_planner: Callable[[float], Planner], workload_at: Callable[[float], Workload],
+                              pool_size: int, best_latency: Callable[[int], float], arrival_rates: Sequence[float],
+                              candidates: Sequence[float] = IMPROVEMENT_RATES, executor: Executor | None = None
+                              ) -> RateTable:
+    """Tetris's offline profiler: at each arrival rate, the improvement rate with the lowest mean TTFT.
+    make_planner(improvement_rate) builds a fresh planner; workload_at(rate) samples the length distribution."""
+    best = []
+    for rate in arrival_rates:
+        workload = workload_at(rate)
+        ttft = {r: run_pool(make_planner(r), workload, pool_size, best_latency, executor=executor).ttft.mean()
+                for r in candidates}
+        best.append(min(candidates, key=ttft.__getitem__))
+    return RateTable(tuple(arrival_rates), tuple(best))

@@ -1,8 +1,8 @@
-"""TetriInfer's flip policy and its load window."""
+"""TetriInfer's flip policy."""
 
 from __future__ import annotations
 
-from jaxserve.sched.flip import FlipPolicy, LoadWindow
+from jaxserve.lab.flip import FlipPolicy
 
 
 def test_flip_toward_the_busy_role_only_from_an_idle_unit():
@@ -13,13 +13,3 @@ def test_flip_toward_the_busy_role_only_from_an_idle_unit():
     assert policy.choose([0.95], [0.05, 0.01]) == ("to_prefill", 1)
     assert policy.choose([0.05], [0.9]) is None  # the last prefill unit stays
     assert policy.choose([None, 0.9], [0.9, None]) is None  # not watched for a whole window yet
-
-
-def test_load_window_needs_a_whole_window_and_forgets_old_samples():
-    w = LoadWindow(window=10.0)
-    for t in range(0, 10):
-        w.add(float(t), 1.0)
-    assert w.mean(9.0) is None
-    for t in range(10, 30):
-        w.add(float(t), 0.0)
-    assert w.mean(29.0) == 0.0
