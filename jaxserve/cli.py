@@ -41,10 +41,8 @@ def _define(name: str, kind: Any, default: Any, help: str) -> None:
 
 def _define_flags() -> None:
     """A flag for every setting of config.py (its default and help) and for the request's sampling parameters."""
-    for section in config.FLAG_SECTIONS:
-        for leaf in config.leaves(section).values():
-            if config.flag_name(leaf.field):
-                _define(config.flag_name(leaf.field), leaf.kind, leaf.field.default, leaf.field.metadata["help"])
+    for flag, leaf in config.flags().items():
+        _define(flag, leaf.kind, leaf.field.default, leaf.field.metadata["help"])
     kinds = typing.get_type_hints(SamplingParams)
     for name, help in SAMPLING_FLAGS.items():
         _define(name, kinds[name], SamplingParams.__dataclass_fields__[name].default, f"generate/client: {help}")
@@ -54,12 +52,6 @@ def _define_flags() -> None:
 SAMPLING_FLAGS = {"max_tokens": "Most tokens to generate.", "temperature": "Sampling temperature; 0 is greedy.",
                   "top_k": "Keep the k most likely tokens (0: all).", "top_p": "Nucleus sampling mass in (0, 1].",
                   "seed": "Sampling seed (default: random).", "stop": "Stop string (repeatable)."}
-# simulate's defaults where a simulated GPU replica differs from this machine's engine
-SIMULATE = config.EngineConfig(scheduler=config.SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=1 << 16,
-                                                                iteration_budget=0.05),
-                               parallel=config.ParallelConfig(tp=8))
-
-
 def _config(base: Any) -> Any:
     """base with every setting whose flag was given on the command line."""
     given = {}
@@ -183,14 +175,13 @@ def _simulate() -> None:
 
     from jaxserve.sim import plots, run
 
-    w, sim, engine = _config(config.WorkloadConfig()), _config(config.SimConfig()), _config(SIMULATE)
-    sched = engine.scheduler
+    w, sim = _config(config.WorkloadConfig()), _config(config.SimConfig())
+    if FLAGS["tp"].present:  # --tp is the engine's setting; a simulated replica takes it too
+        sim = config.replace(sim, tp=FLAGS.tp)
+    sched = sim.scheduler
     workload = run.make_workload(w.trace, w.rate, w.requests, seed=w.seed, long_fraction=w.long_fraction,
                                  arrival=w.arrival, cv=w.cv)
-    cluster = run.config_for(sched.policy, sim.profile, engine.parallel.tp, sim.stages, sim.replicas,
-                             sched.iteration_budget, sched.space_sharing, sched.multi_prefill, slo=sched.slo,
-                             kvp=sim.kvp, kvp_tokens=sim.kvp_tokens, num_scheduler_steps=sched.num_scheduler_steps)
-    results = run.simulate(workload, cluster)
+    results = run.simulate(workload, sim)
     summary = results.summary()
     print(json.dumps(summary, indent=1))
     if sim.out:

@@ -8,6 +8,7 @@ where the idea is vLLM's. Plain Python: every layer may import it (sched/ and si
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from typing import Any, Literal, NamedTuple
 
@@ -20,9 +21,9 @@ def setting(default: Any, help: str, *, flag: str | bool = True) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
 
 
-def section(cls: type) -> Any:
-    """A nested config, built from its own defaults."""
-    return dataclasses.field(default_factory=cls)
+def section(cls: type, **defaults: Any) -> Any:
+    """A nested config, built from its own defaults (or these, where its parent's differ)."""
+    return dataclasses.field(default_factory=functools.partial(cls, **defaults) if defaults else cls)
 
 
 def _positive(config: Any, *names: str) -> None:
@@ -203,15 +204,51 @@ class WorkloadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
-    """simulate: the simulated cluster's shape (its scheduler is a SchedulerConfig) and where results go."""
+    """A simulated cluster (simulate, jaxserve.sim): replicas of tp x stages x kvp GPUs, each driven by the replica
+    scheduler over a built-in GPU profile. Its scheduler's defaults are an 8-GPU replica's, not this machine's."""
 
-    profile: str = setting("a100_llama3_8b", "GPU/model profile (a100_llama3_8b, h100_llama2_7b, h100_llama2_70b).")
-    stages: int = setting(1, "Pipeline stages per replica.")
-    replicas: int = setting(1, "Number of replicas.")
-    kvp: int = setting(1, "KV-parallel worker groups per replica (Medha's KVP).")
-    kvp_tokens: int | None = setting(None, "Tokens of one sequence a KVP worker holds before the next joins "
-                                     "(default: what its memory holds).")
-    out: str | None = setting(None, "Directory for summary.json, requests.csv and ttft_cdf.png.")
+    profile: str = setting("a100_llama3_8b", "simulate: GPU/model profile (a100_llama3_8b, h100_llama2_7b, "
+                           "h100_llama2_70b).")
+    tp: int = setting(8, "GPUs per pipeline stage of a replica (simulate: --tp).", flag=False)
+    stages: int = setting(1, "simulate: pipeline stages per replica.")
+    replicas: int = setting(1, "simulate: number of replicas.")
+    kvp: int = setting(1, "simulate: KV-parallel worker groups per replica (Medha's KVP), each tp x stages GPUs.")
+    kvp_tokens: int | None = setting(None, "simulate: tokens of one sequence a KVP worker holds before the next "
+                                     "joins (default: what its memory holds).")
+    scheduler: SchedulerConfig = section(SchedulerConfig, max_num_seqs=256, max_num_batched_tokens=1 << 16,
+                                         iteration_budget=0.05)
+    chunk_align: int = setting(32, "Prefill chunks are multiples of this many tokens.", flag=False)
+    long_threshold: int = setting(32768, "Prompts this long count as long: at most one per batch.", flag=False)
+    max_prefills: int | None = setting(None, "Most prefill chunks in a batch (None: any).", flag=False)
+    sjf_batch: int = setting(16, "TetriInfer's scheduling batch for sjf / ljf.", flag=False)
+    kv_capacity: int | None = setting(None, "KV tokens per replica (None: what the GPUs' memory holds beside the "
+                                      "weights).", flag=False)
+    memory_utilization: float = setting(0.9, "The share of GPU memory for weights and KV.", flag=False)
+    block_size: int = setting(16, "KV block, tokens.", flag=False)
+    dispatch: Literal["least_work", "round_robin"] = setting("least_work", "Which replica an arrival goes to.",
+                                                             flag=False)
+    time_scale: float = setting(1.0, "What a step takes over what the cost model says: the scheduler plans with "
+                                "the model, the clock charges model x time_scale (a replay of a live run sets the "
+                                "live steps' measured / predicted ratio).", flag=False)
+    out: str | None = setting(None, "simulate: directory for summary.json, requests.csv and ttft_cdf.png.")
+
+    def __post_init__(self):
+        for name in ("replicas", "tp", "stages", "kvp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.scheduler.iteration_budget is None:
+            raise ValueError("a simulated replica needs an iteration_budget (seconds)")
+        if self.scheduler.num_scheduler_steps > 1 and self.stages > 1:
+            raise ValueError("multi-step decode (num_scheduler_steps > 1) runs on one pipeline stage: each of a "
+                             "burst's steps would cross every stage before the next could start")
+        if self.dispatch not in ("least_work", "round_robin"):
+            raise ValueError(f"dispatch must be least_work or round_robin, got {self.dispatch!r}")
+        if not self.time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.stages * self.kvp
 
 
 # the sections the command line sets, each once
@@ -228,9 +265,9 @@ def leaves(cls: type) -> dict[str, Leaf]:
     """Every setting under cls by its field name (unique in a tree)."""
     found, kinds = {}, typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.default_factory):  # a section
+        if dataclasses.is_dataclass(kinds[f.name]):  # a section
             found.update({name: leaf._replace(path=(f.name, *leaf.path))
-                          for name, leaf in leaves(f.default_factory).items()})
+                          for name, leaf in leaves(kinds[f.name]).items()})
         else:
             found[f.name] = Leaf((f.name,), f, kinds[f.name])
     return found
@@ -240,6 +277,18 @@ def flag_name(f: dataclasses.Field) -> str | None:
     """The flag that sets field f, or None."""
     flag = f.metadata.get("flag", True)
     return f.name if flag is True else flag or None
+
+
+def flags() -> dict[str, Leaf]:
+    """Every command-line flag and the setting it sets (a section in two trees, e.g. SchedulerConfig in
+    EngineConfig and SimConfig, gives its flags once). ValueError if two settings claim one flag."""
+    found: dict[str, Leaf] = {}
+    for section in FLAG_SECTIONS:
+        for leaf in leaves(section).values():
+            flag = flag_name(leaf.field)
+            if flag and found.setdefault(flag, leaf).field is not leaf.field:
+                raise ValueError(f"--{flag} would set two settings")
+    return found
 
 
 def replace(config: Any, **values: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 from absl import flags
@@ -16,26 +17,25 @@ def _cli_flags() -> dict[str, flags.Flag]:
 
 
 def _fields(cls: type) -> int:
-    return sum(_fields(f.default_factory) if dataclasses.is_dataclass(f.default_factory) else 1
+    kinds = typing.get_type_hints(cls)
+    return sum(_fields(kinds[f.name]) if dataclasses.is_dataclass(kinds[f.name]) else 1
                for f in dataclasses.fields(cls))
 
 
 def test_every_flag_is_one_setting_and_every_setting_a_flag():
+    for section in config.FLAG_SECTIONS:  # names are unique in each tree
+        assert len(config.leaves(section)) == _fields(section), f"two settings of {section.__name__} share a name"
+    settings = {flag: leaf.field.default for flag, leaf in config.flags().items()}  # refuses a flag set twice
+    assert not set(settings) & set(cli.SAMPLING_FLAGS)
+    settings |= {name: SamplingParams.__dataclass_fields__[name].default for name in cli.SAMPLING_FLAGS}
     defined = _cli_flags()
-    settings = {}
-    for section in config.FLAG_SECTIONS:
-        leaves = config.leaves(section)
-        assert len(leaves) == _fields(section), f"two settings of {section.__name__} share a name"
-        for leaf in leaves.values():
-            flag = config.flag_name(leaf.field)
-            if flag:
-                assert flag not in settings, f"--{flag} sets two settings"
-                settings[flag] = leaf.field.default
-    for name in cli.SAMPLING_FLAGS:
-        settings[name] = SamplingParams.__dataclass_fields__[name].default
     assert set(defined) == set(settings)
     for name, default in settings.items():  # the flag's default is the setting's
         assert defined[name].default == (list(default) if isinstance(default, tuple) else default), name
+    unflagged = {name for section in config.FLAG_SECTIONS for name, leaf in config.leaves(section).items()
+                 if not config.flag_name(leaf.field)}
+    assert unflagged == {"warmup", "tp", "chunk_align", "long_threshold", "max_prefills", "sjf_batch", "kv_capacity",
+                         "memory_utilization", "block_size", "dispatch", "time_scale"}  # SimConfig's (and warmup)
 
 
 def test_no_setting_has_a_second_name():

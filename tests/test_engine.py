@@ -44,7 +44,8 @@ def step_tokens(llm, tokens: int, prefix_caching: bool = True):
     """At most `tokens` tokens per step (prefill chunks of a few tokens), optionally without prefix caching."""
     sched = llm.engine.scheduler
     packer, caching = sched.packer, sched.kv.enable_prefix_caching
-    sched.packer = dataclasses.replace(packer, max_batch_tokens=tokens, chunk_align=min(tokens, packer.chunk_align))
+    sched.packer = dataclasses.replace(packer, max_num_batched_tokens=tokens,
+                                       chunk_align=min(tokens, packer.chunk_align))
     sched.kv.enable_prefix_caching = prefix_caching
     try:
         yield

@@ -82,9 +82,9 @@ def make_engine(runner, *, num_blocks: int, max_model_len: int, max_num_seqs: in
                 num_scheduler_steps: int = 1) -> Engine:
     cost = EngineStepCost(StepShapes((16, 1 << 20), (4,), 32, 4, (1, 2, 4, 8)), 256, [[0.01], [0.02]],
                           [0.005] * 4, 1e-7, 1e-7, 1e-7, 1e-7, 1e-7)
-    packer = PackerConfig(t_target=1.0, chunk_align=min(8, step_tokens), max_batch_tokens=step_tokens)
+    packer = PackerConfig(iteration_budget=1.0, chunk_align=min(8, step_tokens), max_num_batched_tokens=step_tokens)
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=prefix_caching)
-    scheduler = ReplicaScheduler(make_policy(policy), cost, packer, kv, max_running=max_num_seqs,
+    scheduler = ReplicaScheduler(make_policy(policy), cost, packer, kv, max_num_seqs=max_num_seqs,
                                  num_scheduler_steps=num_scheduler_steps)
     return Engine(runner, scheduler, FakeTokenizer(), max_model_len=max_model_len, overlap=overlap)
 

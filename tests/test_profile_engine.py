@@ -114,7 +114,7 @@ def test_a_quick_start_serves_at_once_then_measures_its_profile_when_idle(tmp_pa
     engine, runner = llm.engine, llm.engine.runner
     assert all(runner.is_compiled(p) for p in runner.first_programs())
     assert len(runner.first_programs()) < len(runner.programs())
-    assert llm.cost is None and engine.has_deferred and engine.scheduler.packer.t_target == float("inf")
+    assert llm.cost is None and engine.has_deferred and engine.scheduler.packer.iteration_budget == float("inf")
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], list(range(10, 210))]  # the second's chunk is not among the first programs
     before = [o.token_ids for o in llm.generate(prompts, greedy)]
@@ -131,7 +131,7 @@ def test_a_quick_start_serves_at_once_then_measures_its_profile_when_idle(tmp_pa
     engine.run_deferred(stop=lambda: False)
     assert not engine.has_deferred and path.exists()
     assert engine.scheduler.cost is llm.cost and all(t > 0 for t in llm.cost.decode_base)
-    assert 0 < engine.scheduler.packer.t_target < float("inf")
+    assert 0 < engine.scheduler.packer.iteration_budget < float("inf")
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == before
 
 

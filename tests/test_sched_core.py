@@ -106,7 +106,7 @@ def test_prefill_time_cache_times_a_short_prompt_as_one_whole_chunk():
 
 
 def test_packer_fits_a_short_remainder_when_an_aligned_chunk_would_not():
-    cfg = PackerConfig(t_target=0.05, chunk_align=32)
+    cfg = PackerConfig(iteration_budget=0.05, chunk_align=32)
     decodes = [_running(f"d{i}", 2000) for i in range(8)]
     state_time = EQ1.batch_time([], [2000] * 8)
     r = Request("p", 0.0, 1000, 10)
@@ -144,7 +144,7 @@ def _running(rid, kv):
 
 
 def test_packer_puts_decodes_first_and_fills_the_budget_in_priority_order():
-    cfg = PackerConfig(t_target=0.05, chunk_align=32)
+    cfg = PackerConfig(iteration_budget=0.05, chunk_align=32)
     decodes = [_running(f"d{i}", 2000) for i in range(8)]
     prefills = [Request(f"p{i}", 0.0, 3000, 10) for i in range(3)]
     chunks, state = pack(EQ1, cfg, decodes, prefills, lambda r: 1.0, lambda r: True)
@@ -218,7 +218,7 @@ def test_the_packer_takes_no_more_prefill_chunks_than_the_engine_has_tiles_for()
 
 
 def test_packer_takes_at_most_one_long_prefill():
-    cfg = PackerConfig(t_target=0.5, long_threshold=10000, chunk_align=32)
+    cfg = PackerConfig(iteration_budget=0.5, long_threshold=10000, chunk_align=32)
     longs = [Request(f"L{i}", 0.0, 50000, 10) for i in range(2)]
     short = Request("s", 0.0, 300, 10)
     chunks, _ = pack(EQ1, cfg, [], [longs[0], longs[1], short], lambda r: 0.0, lambda r: True)
@@ -229,7 +229,7 @@ def test_space_sharing_makes_a_long_prefill_yield_its_relative_slack():
     long = Request("L", 0.0, 100000, 10)
     short = Request("s", 0.0, 20000, 10)
     for slack, share in [(0.1, 0.1), (0.9, 0.4), (-1.0, 0.0)]:  # rho clipped to [0, max_share=0.4]
-        cfg = PackerConfig(t_target=0.2, long_threshold=50000, space_sharing=True, chunk_align=1)
+        cfg = PackerConfig(iteration_budget=0.2, long_threshold=50000, space_sharing=True, chunk_align=1)
         chunks, _ = pack(EQ1, cfg, [], [long, short], lambda r: slack, lambda r: r is long)
         n_long = chunks[0][1]
         assert EQ1.batch_time([(n_long, 0)]) <= 0.2 * (1 - share) + 1e-12
@@ -237,7 +237,7 @@ def test_space_sharing_makes_a_long_prefill_yield_its_relative_slack():
         if share:
             assert chunks[1][0] is short  # the yielded budget goes to the next prefill
     # nobody else waiting: no yielding
-    chunks, _ = pack(EQ1, PackerConfig(t_target=0.2, long_threshold=50000, space_sharing=True, chunk_align=1),
+    chunks, _ = pack(EQ1, PackerConfig(iteration_budget=0.2, long_threshold=50000, space_sharing=True, chunk_align=1),
                      [], [long], lambda r: 0.9, lambda r: False)
     assert EQ1.batch_time([(chunks[0][1] + 1, 0)]) > 0.2
 
@@ -263,7 +263,7 @@ def _drive(sched, now=0.0, steps=10000):
 
 @pytest.mark.parametrize("steps", [1, 8])
 def test_replica_scheduler_runs_requests_to_completion_within_kv_memory(steps):
-    sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(t_target=0.05), _kv(12000),
+    sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(iteration_budget=0.05), _kv(12000),
                              num_scheduler_steps=steps)
     reqs = [Request(str(i), 0.0, 1000 + 700 * i, 20 + i) for i in range(10)]
     for r in reqs:
@@ -277,7 +277,7 @@ def test_replica_scheduler_runs_requests_to_completion_within_kv_memory(steps):
 
 
 def test_replica_scheduler_state_moves_only_on_outcomes():
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(10000))
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10000))
     r = Request("a", 0.0, 5000, 3)
     sched.add(r)
     first = sched.schedule(0.0)
@@ -291,7 +291,7 @@ def test_replica_scheduler_state_moves_only_on_outcomes():
 
 
 def test_a_decode_is_not_planned_again_before_its_token_is_back():
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(10000))
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10000))
     sched.add(Request("a", 0.0, 100, 5))
     plan = sched.schedule(0.0)
     sched.apply(plan, Outcome(0.01, (0.01,), {"a": (1,)}))
@@ -303,7 +303,7 @@ def test_a_decode_is_not_planned_again_before_its_token_is_back():
 def test_a_lagged_schedule_decodes_once_ahead_of_the_token_in_flight():
     """A lagged Plan decodes a request whose token is in flight at the next position (one ahead at most, never
     past output_len, never by preempting); its Outcome lands after the first one's."""
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(10000))
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10000))
     r = Request("a", 0.0, 100, 4)
     sched.add(r)
     prefill = sched.schedule(0.0)
@@ -330,7 +330,7 @@ def test_a_lagged_schedule_decodes_once_ahead_of_the_token_in_flight():
 
 def test_a_lagged_schedule_never_preempts_for_a_decode_ahead():
     """A decode ahead of its in-flight token that finds no free block waits for its token instead."""
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(32))
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(32))
     a, b = Request("a", 0.0, 15, 4), Request("b", 0.0, 14, 3)
     for r in (a, b):
         sched.add(r)
@@ -356,7 +356,7 @@ def _decoding(sched, *requests):
 def test_a_burst_runs_decodes_together_each_to_its_share_and_a_waiting_prompt_stops_them():
     """Nothing waiting: one Plan of up to num_scheduler_steps decode steps, each row up to its remaining tokens,
     timed as its steps together and granted every block its tokens need. A prompt waiting: plain Plans again."""
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(10000), num_scheduler_steps=8)
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10000), num_scheduler_steps=8)
     a, b = Request("a", 0.0, 100, 5), Request("b", 0.0, 30, 20)
     _decoding(sched, a, b)
     plan = sched.schedule(0.01)
@@ -379,7 +379,7 @@ def test_a_burst_is_as_long_as_the_budget_and_the_free_blocks_allow(budget_steps
     """Steps fit the iteration budget together, and every row's blocks are free without preempting (two prompts
     of 16 tokens hold 32 of `capacity`); one step that fits is a plain Plan."""
     step = EQ1.batch_time(decode_kvs=[16, 16])
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=step * budget_steps),
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=step * budget_steps),
                              KVCacheManager.for_tokens(capacity, 1, enable_prefix_caching=False),
                              num_scheduler_steps=8)
     _decoding(sched, Request("a", 0.0, 16, 20), Request("b", 0.0, 16, 20))
@@ -388,7 +388,7 @@ def test_a_burst_is_as_long_as_the_budget_and_the_free_blocks_allow(budget_steps
 
 
 def test_a_lagged_burst_follows_the_one_in_flight_and_a_stop_mid_burst_ends_the_request():
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(10000), num_scheduler_steps=4)
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10000), num_scheduler_steps=4)
     a, b = Request("a", 0.0, 100, 6), Request("b", 0.0, 30, 20)
     _decoding(sched, a, b)
     first = sched.schedule(0.01)
@@ -406,7 +406,7 @@ def test_a_lagged_burst_follows_the_one_in_flight_and_a_stop_mid_burst_ends_the_
 
 
 def test_a_large_request_is_not_overtaken_forever_by_small_newcomers():
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(1000))
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(1000))
     for i in range(2):
         sched.add(Request(f"s{i}", 0.0, 150, 50))
     big = Request("big", 0.1, 700, 110)
@@ -428,7 +428,7 @@ def test_a_large_request_is_not_overtaken_forever_by_small_newcomers():
 
 
 def test_a_long_prefill_progresses_while_decodes_fill_the_budget():
-    sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(t_target=0.05), _kv(10**7))
+    sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10**7))
     d = _running("d", 100)
     sched.requests[d.id] = sched.running[d.id] = sched.decoding[d.id] = d
     sched.kv.allocate(d.id, d.kv_len)
@@ -443,14 +443,14 @@ def test_a_long_prefill_progresses_while_decodes_fill_the_budget():
 def test_slo_fills_only_what_a_request_leaves_open():
     from jaxserve.config import SLO
 
-    sched = ReplicaScheduler(make_policy("edf"), EQ1, PackerConfig(t_target=0.05), _kv(10**6), slo=SLO(tpot_slo=0.07))
+    sched = ReplicaScheduler(make_policy("edf"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10**6), slo=SLO(tpot_slo=0.07))
     given = Request("g", 0.0, 100, 10, ttft_deadline=2.0)
     sched.add(given)
     assert given.ttft_deadline == 2.0 and given.tpot_slo == 0.07
 
 
 def test_replica_scheduler_rejects_what_cannot_fit_and_duplicate_ids():
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(t_target=0.05), _kv(1000))
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(1000))
     with pytest.raises(ValueError, match="needs 1099 KV tokens"):
         sched.add(Request("big", 0.0, 1000, 100))
     sched.add(Request("a", 0.0, 10, 1))
@@ -497,10 +497,10 @@ def test_network_profiles_fit_send_recv_measurements():
 
 
 def test_space_sharing_yields_nothing_to_a_request_that_cannot_start():
-    cfg = PackerConfig(t_target=0.2, long_threshold=50000, space_sharing=True, chunk_align=1)
+    cfg = PackerConfig(iteration_budget=0.2, long_threshold=50000, space_sharing=True, chunk_align=1)
     long = Request("L", 0.0, 100000, 10, ttft_deadline=1000.0)
     stuck = Request("s", 0.0, 5000, 10, ttft_deadline=1000.0)  # may not start: L holds the one running slot
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, cfg, _kv(104000), max_running=1)
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, cfg, _kv(104000), max_num_seqs=1)
     sched.add(long)
     sched.add(stuck)
     (item,) = sched.schedule(0.0).items
@@ -511,7 +511,7 @@ def test_half_done_prefills_holding_every_block_do_not_stall_the_scheduler():
     """Each newcomer is due sooner than all before it (EDF), so each takes the step and leaves the others halfway
     through their prompts; soon nothing decodes and every block is held by half-done prefills. The top one is
     given room by preempting the most recently admitted of the rest, and every request finishes."""
-    sched = ReplicaScheduler(make_policy("edf"), EQ1, PackerConfig(t_target=0.02, chunk_align=16, max_prefills=8),
+    sched = ReplicaScheduler(make_policy("edf"), EQ1, PackerConfig(iteration_budget=0.02, chunk_align=16, max_prefills=8),
                              _kv(1024))
     reqs = [Request(str(k), 0.0, 600, 4, ttft_deadline=10.0 - k) for k in range(8)]
     now, preempted = 0.0, 0

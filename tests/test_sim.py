@@ -10,10 +10,11 @@ import pytest
 
 from jaxserve.sched.batch_cost import TetrisBatchCost
 from jaxserve.sched.cost_models import TetrisPrefill
-from jaxserve.sched.packer import PackerConfig
 from jaxserve.sched.request import Request
 from jaxserve.sched.profiles import model_shape, network
-from jaxserve.sim.simulator import ClusterConfig, Simulator
+from jaxserve.config import SimConfig
+from jaxserve.sim.run import config_for
+from jaxserve.sim.simulator import Simulator, replica_kv_capacity
 from jaxserve.sim.workload import synthetic_mix
 
 # One token of prefill costs 1 ms, nothing else: a request's work in seconds is prompt_len / 1000.
@@ -26,9 +27,8 @@ def scenario(policy, short_stream=(), space_sharing=False):
     reqs = [Request("L", 0.0, 10000, 1, ttft_deadline=16.0),
             Request("S1", 5.0, 500, 1, ttft_deadline=6.0), Request("S2", 5.0, 500, 1, ttft_deadline=6.0)]
     reqs += [Request(f"x{i}", t, 500, 1, ttft_deadline=t + 1.0) for i, t in enumerate(short_stream)]
-    cfg = ClusterConfig(policy=policy, kv_capacity=10**6,
-                        packer=PackerConfig(t_target=0.01, chunk_align=1, long_threshold=5000,
-                                            space_sharing=space_sharing))
+    cfg = config_for(policy, tp=1, kv_capacity=10**6, iteration_budget=0.01, chunk_align=1, long_threshold=5000,
+                     space_sharing=space_sharing)
     res = Simulator(cfg, UNIT).run_requests(reqs, progress=False)
     return {r.id: r for r in res.requests}
 
@@ -85,8 +85,8 @@ def _requests(w):
 
 
 def _config(**kw):
-    base = dict(profile="a100_llama3_8b", tp=8, policy="lars", packer=PackerConfig(t_target=0.05))
-    return ClusterConfig(**(base | kw))
+    return config_for(**(dict(profile="a100_llama3_8b", tp=8, policy="lars", iteration_budget=0.05,
+                           space_sharing=False) | kw))
 
 
 def test_simulation_is_deterministic_and_finishes_every_request():
@@ -103,9 +103,8 @@ def test_lars_cuts_short_request_ttft_against_fcfs_on_a_long_mix():
     """Like for like, one prefill per batch as in Medha 6.4: only the ordering differs. (With multi-prefill
     batching FCFS itself stops convoying: short prompts fill what a late long chunk leaves of the budget.)"""
     w = synthetic_mix(400, 0.3, long_fraction=0.05, seed=0)
-    packer = PackerConfig(t_target=0.05, multi_prefill=False)
-    fcfs = Simulator(_config(policy="fcfs", packer=packer)).run(w, False).summary()["short"]["ttft_p50"]
-    lars = Simulator(_config(policy="lars", packer=packer)).run(w, False).summary()["short"]["ttft_p50"]
+    fcfs = Simulator(_config(policy="fcfs", multi_prefill=False)).run(w, False).summary()["short"]["ttft_p50"]
+    lars = Simulator(_config(policy="lars", multi_prefill=False)).run(w, False).summary()["short"]["ttft_p50"]
     assert fcfs > 10 * lars
 
 
@@ -197,15 +196,17 @@ def test_results_write_json_and_csv(tmp_path):
 
 def test_bad_cluster_config_is_an_error():
     with pytest.raises(ValueError, match="replicas must be >= 1"):
-        ClusterConfig(replicas=0)
+        SimConfig(replicas=0)
     with pytest.raises(ValueError, match="dispatch"):
-        ClusterConfig(dispatch="random")
+        SimConfig(dispatch="random")
     with pytest.raises(ValueError, match="time_scale"):
-        ClusterConfig(time_scale=0.0)
+        SimConfig(time_scale=0.0)
     with pytest.raises(ValueError, match="one pipeline stage"):
-        ClusterConfig(num_scheduler_steps=8, stages=2)
+        config_for(num_scheduler_steps=8, stages=2)
+    with pytest.raises(ValueError, match="iteration_budget"):
+        config_for(iteration_budget=None)
     with pytest.raises(ValueError, match="does not fit"):
-        ClusterConfig(profile="h100_llama2_70b", tp=1).replica_kv_capacity()
+        replica_kv_capacity(SimConfig(profile="h100_llama2_70b", tp=1))
 
 
 def test_max_sustainable_rate_brackets_the_slo_knee():

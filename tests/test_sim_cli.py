@@ -21,7 +21,7 @@ def test_simulate_writes_summary_requests_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["summary"]["all"]["finished"] == 300
-    assert summary["config"]["policy"] == "sjf" and summary["config"]["workload"] == "azure_code"
+    assert summary["config"]["scheduler"]["policy"] == "sjf" and summary["config"]["workload"] == "azure_code"
     assert (tmp_path / "requests.csv").read_text().count("\n") == 301
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 10_000
     assert json.loads(proc.stdout[: proc.stdout.rindex("}") + 1])["all"]["requests"] == 300

@@ -7,8 +7,9 @@ import pytest
 
 from jaxserve.sched.profiles import ProfileBatchCost, network
 from jaxserve.sched.request import Request
-from jaxserve.sim.simulator import ClusterConfig, Simulator
-from jaxserve.sched.packer import PackerConfig
+from jaxserve.config import SimConfig
+from jaxserve.sim.run import config_for
+from jaxserve.sim.simulator import Simulator, replica_kv_capacity
 
 K = 1 << 10
 
@@ -57,8 +58,8 @@ def test_a_chunk_costs_its_busiest_worker():
 
 
 def _long_decode(kvp: int, kvp_tokens: int | None = None):
-    cfg = ClusterConfig(profile="h100_llama2_70b", tp=8, kvp=kvp, kvp_tokens=kvp_tokens,
-                        packer=PackerConfig(t_target=0.2, long_threshold=1 << 30))
+    cfg = config_for(profile="h100_llama2_70b", tp=8, kvp=kvp, kvp_tokens=kvp_tokens, iteration_budget=0.2,
+                     long_threshold=1 << 30, space_sharing=False)
     r = Request("long", 0.0, prompt_len=1_500_000, output_len=32)
     return Simulator(cfg).run_requests([r], progress=False)
 
@@ -66,7 +67,7 @@ def _long_decode(kvp: int, kvp_tokens: int | None = None):
 def test_a_prompt_one_node_cannot_hold_runs_on_two_kvp_workers_and_decodes_faster_than_one_could():
     """Llama-2-70B on one TP8 H100 node holds ~1.3M KV tokens: a 1.5M-token prompt is refused there, and served
     with two KVP workers; spreading its KV further (four workers of 400K) cuts the time per output token."""
-    assert ClusterConfig(profile="h100_llama2_70b", tp=8).replica_kv_capacity() < 1_500_000
+    assert replica_kv_capacity(SimConfig(profile="h100_llama2_70b", tp=8)) < 1_500_000
     alone = _long_decode(kvp=1)
     assert alone.rejected and not alone.requests
     two, four = _long_decode(kvp=2), _long_decode(kvp=4, kvp_tokens=400_000)

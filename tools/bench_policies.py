@@ -36,14 +36,13 @@ from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from jaxserve.sched.batch_cost import EngineStepCost  # noqa: E402
-from jaxserve.config import SchedulerConfig  # noqa: E402
+from jaxserve.config import SLO, SchedulerConfig, SimConfig  # noqa: E402
 from jaxserve.sched.build import packer_config  # noqa: E402
 from jaxserve.sched.packer import PackerConfig  # noqa: E402
 from jaxserve.sched.request import Request  # noqa: E402
-from jaxserve.config import SLO  # noqa: E402
 from jaxserve.server.spawn import ServerProcess  # noqa: E402
 from jaxserve.sim.metrics import Results  # noqa: E402
-from jaxserve.sim.simulator import ClusterConfig, Simulator  # noqa: E402
+from jaxserve.sim.simulator import Simulator  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("variants", ["fcfs", "edf", "edf_multi", "lars_ss"], "Which of VARIANTS to run, in order.")
@@ -139,16 +138,25 @@ def summarize(requests: list[Request], long_threshold: int) -> dict[str, float]:
 
 def packer(cost: EngineStepCost, multi: bool, sharing: bool) -> PackerConfig:
     """The packer the server runs with these flags."""
-    config = SchedulerConfig(max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_num_seqs=FLAGS.max_num_seqs,
-                             multi_prefill=multi, space_sharing=sharing)
-    return packer_config(config, cost, max_model_len=FLAGS.max_model_len, chunk_align=cost.shapes.tokens[0],
-                         max_prefills=cost.shapes.max_prefills)
+    return packer_config(scheduler(multi, sharing), cost, max_model_len=FLAGS.max_model_len,
+                         chunk_align=cost.shapes.tokens[0], max_prefills=cost.shapes.max_prefills)
+
+
+def scheduler(multi: bool, sharing: bool, policy: str = "lars") -> SchedulerConfig:
+    """The server's scheduler settings under these flags."""
+    return SchedulerConfig(policy=policy, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                           max_num_seqs=FLAGS.max_num_seqs, multi_prefill=multi, space_sharing=sharing,
+                           slo=SLO(ttft_slo=FLAGS.ttft_slo))
 
 
 def simulate(arrivals: list[Arrival], cost: EngineStepCost, kv_tokens: int, policy: str, multi: bool,
              sharing: bool, time_scale: float = 1.0) -> list[Request]:
-    config = ClusterConfig(policy=policy, packer=packer(cost, multi, sharing), slo=SLO(ttft_slo=FLAGS.ttft_slo),
-                           kv_capacity=kv_tokens, max_running=FLAGS.max_num_seqs, time_scale=time_scale)
+    """The same arrivals through the simulator, with the server's scheduler, packer and cost model."""
+    live = packer(cost, multi, sharing)
+    config = SimConfig(tp=1, scheduler=dataclasses.replace(scheduler(multi, sharing, policy),
+                                                           iteration_budget=live.iteration_budget),
+                       chunk_align=live.chunk_align, long_threshold=live.long_threshold,
+                       max_prefills=live.max_prefills, kv_capacity=kv_tokens, time_scale=time_scale)
     requests = [Request(str(i), a.time, len(a.prompt), a.output_len) for i, a in enumerate(arrivals)]
     return Simulator(config, cost).run_requests(requests, progress=False).requests
 

@@ -19,9 +19,9 @@ from jaxserve.sched.profiles import ProfileBatchCost
 from jaxserve.sched.request import Request
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.scheduler import ReplicaScheduler
-from jaxserve.config import SLO
+from jaxserve.config import SLO, SimConfig
 from jaxserve.sim import run
-from jaxserve.sim.simulator import ClusterConfig
+from jaxserve.sim.simulator import replica_kv_capacity
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("queued", 1000, "Prefill requests waiting.")
@@ -37,9 +37,9 @@ def batch_formation() -> np.ndarray:
     --decodes requests decode per batch; only schedule() is timed."""
     rng = np.random.default_rng(0)
     cost = ProfileBatchCost("a100_llama3_8b", tp=8)
-    sched = ReplicaScheduler(make_policy(FLAGS.policy), cost, PackerConfig(t_target=0.05, space_sharing=True),
-                             KVCacheManager.for_tokens(ClusterConfig(tp=8).replica_kv_capacity(), 16, False), slo=SLO(),
-                             max_running=FLAGS.decodes)
+    sched = ReplicaScheduler(make_policy(FLAGS.policy), cost, PackerConfig(iteration_budget=0.05, space_sharing=True),
+                             KVCacheManager.for_tokens(replica_kv_capacity(SimConfig(tp=8)), 16, False), slo=SLO(),
+                             max_num_seqs=FLAGS.decodes)
     ids = iter(range(10**9))
 
     def arrive(now: float) -> None:
@@ -68,7 +68,7 @@ def main(argv):
     print(f"{FLAGS.policy} batch formation, {FLAGS.queued} queued prefills + up to {FLAGS.decodes} decodes: "
           f"p50 {np.percentile(t, 50):.0f} us, p99 {np.percentile(t, 99):.0f} us (goal <= 200 us)")
     workload = run.make_workload("azure_conv", rate=None, requests=FLAGS.trace_requests)
-    res = run.simulate(workload, run.config_for(FLAGS.policy), progress=True)
+    res = run.simulate(workload, run.config_for(FLAGS.policy, space_sharing=False), progress=True)
     s = res.summary()["all"]
     print(f"simulated {len(workload)} Azure conv requests ({workload.rate:.2f} req/s as recorded) in "
           f"{res.wall_seconds:.1f} s: {s['sim_requests_per_wall_s']:.0f} requests per wall-second "

@@ -105,7 +105,7 @@ class Engine:
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.kv = scheduler.kv
         self.max_model_len = max_model_len
-        self.max_num_seqs = scheduler.max_running
+        self.max_num_seqs = scheduler.max_num_seqs
         self.clock = clock
         self.num_preemptions = 0
         self.last_predicted: float | None = None  # the cost model's time of the last step (None: no Plan)

@@ -22,11 +22,11 @@ ADMISSION = ("oracle", "greedy", "reserve_static", "reserve_dynamic")
 
 
 class DecodeScheduler:
-    def __init__(self, kv_capacity: int, admission: str = "reserve_static", max_running: int = 256,
+    def __init__(self, kv_capacity: int, admission: str = "reserve_static", max_num_seqs: int = 256,
                  group: tuple[int, ...] = (0,)):
         if admission not in ADMISSION:
             raise ValueError(f"admission must be one of {ADMISSION}, got {admission!r}")
-        self.kv_capacity, self.admission, self.max_running, self.group = kv_capacity, admission, max_running, group
+        self.kv_capacity, self.admission, self.max_num_seqs, self.group = kv_capacity, admission, max_num_seqs, group
         self.waiting: collections.deque[Request] = collections.deque()  # landed or swapped out, in order
         self.running: dict[str, Request] = {}
         self.predicted: dict[str, int] = {}
@@ -59,7 +59,7 @@ class DecodeScheduler:
         return sum(r.prompt_len + max(self.predicted[r.id], r.generated) for r in self.running.values())
 
     def _room_for(self, r: Request) -> bool:
-        if len(self.running) >= self.max_running:
+        if len(self.running) >= self.max_num_seqs:
             return False
         if self.admission == "greedy":
             return self.used() + r.kv_len + 1 <= self.kv_capacity

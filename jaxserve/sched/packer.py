@@ -46,7 +46,7 @@ class PrefillTimeCache:
     whole chunks before l plus its own shorter last chunk, timed exactly (a short prompt pays a whole
     iteration's fixed cost, not a pro-rated share of the first chunk). Remaining work is a difference."""
 
-    def __init__(self, cost: BatchCost, t_target: float, max_len: int = 1 << 20, align: int = 1,
+    def __init__(self, cost: BatchCost, iteration_budget: float, max_len: int = 1 << 20, align: int = 1,
                  max_chunk_tokens: int = 1 << 20):
         self.cost, self.max_len = cost, max_len
         self._points, self._times = [0], [0.0]  # chunk boundaries and the time to reach each
@@ -54,7 +54,7 @@ class PrefillTimeCache:
         while done < max_len:
             # a chunk that overruns the budget still runs (the scheduler does the same), at the minimum size
             limit = min(max_len - done, max_chunk_tokens)
-            n = max_chunk(cost, BatchState(), done, limit, t_target, align) or min(align, limit)
+            n = max_chunk(cost, BatchState(), done, limit, iteration_budget, align) or min(align, limit)
             elapsed += cost.batch_time([(n, done)])
             done += n
             self._points.append(done)
@@ -76,18 +76,18 @@ class PrefillTimeCache:
 
 @dataclasses.dataclass(frozen=True)
 class PackerConfig:
-    t_target: float  # iteration budget, seconds (from the TPOT SLO)
+    iteration_budget: float  # iteration budget, seconds (from the TPOT SLO)
     long_threshold: int = 32768  # prompts this long count as long: at most one per batch
     multi_prefill: bool = True  # several prefill chunks per batch (Medha 4.2); False: one, as the baselines of Fig. 13
     space_sharing: bool = False
     max_share: float = 0.4  # rho_max: the most of the budget a long prefill yields
     chunk_align: int = 32
-    max_batch_tokens: int = 1 << 16
+    max_num_batched_tokens: int = 1 << 16
     max_prefills: int | None = None  # prefill chunks per batch (the engine's programs have tiles for so many)
 
     def __post_init__(self):
-        if self.t_target <= 0:
-            raise ValueError(f"t_target must be > 0, got {self.t_target}")
+        if self.iteration_budget <= 0:
+            raise ValueError(f"iteration_budget must be > 0, got {self.iteration_budget}")
         if not 0 <= self.max_share < 1:
             raise ValueError(f"max_share must be in [0, 1), got {self.max_share}")
 
@@ -114,17 +114,17 @@ def pack(cost: BatchCost, config: PackerConfig, decodes: Sequence[Request], pref
     smallest = smallest_chunk or config.chunk_align
     most = config.max_prefills if config.multi_prefill else 1
     for r in prefills:
-        if state.time(cost) >= config.t_target or state.tokens >= config.max_batch_tokens:
+        if state.time(cost) >= config.iteration_budget or state.tokens >= config.max_num_batched_tokens:
             break
-        if cost.time(cost.add_prefill(state, smallest, 0)) > config.t_target:
+        if cost.time(cost.add_prefill(state, smallest, 0)) > config.iteration_budget:
             break
         is_long = r.prompt_len >= config.long_threshold
         if is_long and has_long:
             continue
-        budget = config.t_target
+        budget = config.iteration_budget
         if config.space_sharing and is_long and more_waiting(r):
             budget *= 1.0 - min(config.max_share, max(0.0, relative_slack(r)))
-        limit = min(r.prefill_target - r.planned, config.max_batch_tokens - state.tokens)
+        limit = min(r.prefill_target - r.planned, config.max_num_batched_tokens - state.tokens)
         if room is not None:
             limit = min(limit, room.limit(r))
         n = max_chunk(cost, state, r.planned, limit, budget, config.chunk_align)

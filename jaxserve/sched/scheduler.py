@@ -6,7 +6,7 @@ it is planned, a decode one slot per token. When a decode finds no free block, t
 request is preempted: its blocks go back (free but still cached), it re-enters the queue keeping its place, and
 it later recomputes, mostly from prefix-cache hits; likewise when nothing decodes and the blocks are all held by
 half-done prefills, so that the top one could never get its next chunk. A step that preempted admits nothing
-new. At most `max_running` requests hold KV at once (vLLM's max_num_seqs), which bounds the decode batch. A
+new. At most `max_num_seqs` requests hold KV at once, which bounds the decode batch. A
 request that ranks first but does not fit yet holds back the admission of lower-ranked newcomers, so a large
 request is not overtaken forever by a stream of small ones.
 
@@ -42,18 +42,19 @@ from jaxserve.config import SLO
 
 
 def _prefill_time(cost: BatchCost, packer: PackerConfig) -> PrefillTimeCache:
-    return PrefillTimeCache(cost, packer.t_target, align=packer.chunk_align, max_chunk_tokens=packer.max_batch_tokens)
+    return PrefillTimeCache(cost, packer.iteration_budget, align=packer.chunk_align,
+                            max_chunk_tokens=packer.max_num_batched_tokens)
 
 
 class ReplicaScheduler:
     def __init__(self, policy: Policy, cost: BatchCost, packer: PackerConfig, kv: KVCacheManager,
-                 group: tuple[int, ...] = (0,), slo: SLO | None = None, max_running: int = 256,
+                 group: tuple[int, ...] = (0,), slo: SLO | None = None, max_num_seqs: int = 256,
                  prefill_cache: PrefillTimeCache | None = None, num_scheduler_steps: int = 1):
         if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
         self.num_scheduler_steps = num_scheduler_steps
         self.policy, self.cost, self.packer, self.slo, self.kv = policy, cost, packer, slo, kv
-        self.group, self.max_running = group, max_running
+        self.group, self.max_num_seqs = group, max_num_seqs
         self.prefill_time = prefill_cache or _prefill_time(cost, packer)
         self.queue = PrefillQueue()  # requests with prefill tokens not yet planned
         self.running: dict[str, Request] = {}  # requests holding KV, in admission order (the last is preempted first)
@@ -91,7 +92,7 @@ class ReplicaScheduler:
         (nothing changes) while they are not free or the batch is full. From here the request holds KV but is
         not planned (nor preempted: its prefill counts as in flight) until add_prefilled."""
         self._check_new(request)
-        if len(self.running) >= self.max_running:
+        if len(self.running) >= self.max_num_seqs:
             return None
         blocks = self.kv.allocate(request.id, request.prompt_len)
         if blocks is None:
@@ -159,7 +160,7 @@ class ReplicaScheduler:
         decodes = self._grant_decodes(grants, preempted, lagged)
         # this decision holds for one iteration, so slack is measured at its end: a request that cannot afford
         # to wait one more iteration ranks as such now, not one iteration too late
-        horizon = now + self.packer.t_target
+        horizon = now + self.packer.iteration_budget
         queued = self.queue.requests
         order = self.policy.order(self.queue, horizon)
         tentative: list[Request] = []
@@ -167,12 +168,12 @@ class ReplicaScheduler:
 
         def could_admit(r: Request) -> bool:
             """Room for a newcomer's first (smallest) chunk, before any prefix hit."""
-            return (not preempted and len(self.running) < self.max_running and
+            return (not preempted and len(self.running) < self.max_num_seqs and
                     self.kv.num_free >= self.kv.blocks_for(min(smallest, r.prefill_target)))
 
         def admitted(r: Request) -> bool:
             """Admit a newcomer tentatively: take its prefix hits, then check its first chunk has room."""
-            if preempted or len(self.running) >= self.max_running:
+            if preempted or len(self.running) >= self.max_num_seqs:
                 return False
             self._admit(r, grants)
             need = self.kv.blocks_for(r.planned + min(smallest, r.prefill_target - r.planned))
@@ -301,7 +302,7 @@ class ReplicaScheduler:
 
         steps, time = 0, 0.0
         for t in self.cost.burst_steps([(start, left) for _, start, left in rows]):
-            if steps == most or time + t > self.packer.t_target or need(steps + 1) > free:
+            if steps == most or time + t > self.packer.iteration_budget or need(steps + 1) > free:
                 break
             steps, time = steps + 1, time + t
         if steps < 2:

@@ -122,7 +122,7 @@ class DecodeInstance:
     def busy(self) -> float:
         """Load for the flip policy: the fuller of KV memory and the batch."""
         s = self.scheduler
-        return max(s.committed() / s.kv_capacity, len(s.running) / s.max_running)
+        return max(s.committed() / s.kv_capacity, len(s.running) / s.max_num_seqs)
 
     def load(self) -> DecodeLoad:
         s = self.scheduler

@@ -3,13 +3,12 @@ under a cluster config, search for the highest load that still meets the SLOs.""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
-from jaxserve.sched.packer import PackerConfig
-from jaxserve.config import SLO
+from jaxserve.config import SimConfig, replace
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.metrics import Results
-from jaxserve.sim.simulator import ClusterConfig, Simulator
+from jaxserve.sim.simulator import Simulator
 from jaxserve.sim.workload import TRACES, Workload, load_trace, synthetic_mix
 
 WORKLOADS = TRACES + ("mix",)
@@ -29,21 +28,17 @@ def make_workload(trace: str, rate: float | None, requests: int | None = None, s
     return load_trace(trace, rate=rate, seed=seed, limit=requests, max_len=max_len)
 
 
-def simulate(workload: Workload, config: ClusterConfig = ClusterConfig(), progress: bool = True) -> Results:
+def simulate(workload: Workload, config: SimConfig = SimConfig(), progress: bool = True) -> Results:
     return Simulator(config).run(workload, progress=progress)
 
 
-def config_for(policy: str = "lars", profile: str = "a100_llama3_8b", tp: int = 8, stages: int = 1,
-               replicas: int = 1, t_target: float = 0.05, space_sharing: bool = False, multi_prefill: bool = True,
-               long_threshold: int = 32768, slo: SLO = SLO(), kvp: int = 1,
-               kvp_tokens: int | None = None, num_scheduler_steps: int = 1) -> ClusterConfig:
-    return ClusterConfig(replicas=replicas, profile=profile, tp=tp, stages=stages, kvp=kvp, kvp_tokens=kvp_tokens,
-                         policy=policy, slo=slo, num_scheduler_steps=num_scheduler_steps,
-                         packer=PackerConfig(t_target=t_target, space_sharing=space_sharing,
-                                             multi_prefill=multi_prefill, long_threshold=long_threshold))
+def config_for(policy: str = "lars", **settings: Any) -> SimConfig:
+    """A simulated cluster by its settings' names (jaxserve/config.py: SimConfig and its scheduler's), e.g.
+    config_for("lars", tp=8, stages=2, space_sharing=True); the rest are SimConfig's defaults."""
+    return replace(SimConfig(), policy=policy, **settings)
 
 
-def max_sustainable_rate(config: ClusterConfig, workload_at: Callable[[float], Workload], lo: float, hi: float,
+def max_sustainable_rate(config: SimConfig, workload_at: Callable[[float], Workload], lo: float, hi: float,
                          target: float = 0.9, iterations: int = 8) -> tuple[float, list[dict]]:
     """Highest arrival rate in [lo, hi] whose SLO attainment stays >= target, by geometric bisection (attainment
     falls as load rises). Returns the rate and every probe (rate, attainment)."""

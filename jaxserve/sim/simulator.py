@@ -5,7 +5,7 @@ from one to the next. Deterministic: no randomness beyond the workload's seed.
 A replica is `tp * stages * kvp` devices. With pipeline stages (Medha's stream pipeline parallelism) a new batch
 starts whenever the first stage frees up, so up to `stages` batches are in flight: a long prompt's next chunk
 enters the first stage while its previous one is still further down, and decodes wait for their token. Each
-stage gets t_target / stages, so the time between tokens stays near t_target.
+stage gets iteration_budget / stages, so the time between tokens stays near iteration_budget.
 """
 
 from __future__ import annotations
@@ -18,73 +18,41 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
+from jaxserve.config import SimConfig
 from jaxserve.sched.batch_cost import BatchCost
 from jaxserve.sched.kv_manager import KVCacheManager
+from jaxserve.sched.build import packer_config, replica_scheduler
 from jaxserve.sched.packer import PackerConfig, PrefillTimeCache
 from jaxserve.sched.plan import Outcome, Phase, Plan
-from jaxserve.sched.policies import make_policy
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
-from jaxserve.sched.scheduler import ReplicaScheduler
-from jaxserve.config import SLO
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.workload import Workload
 
 PLACEHOLDER_TOKEN = 0  # the simulator produces token counts, not text
 
 
-@dataclasses.dataclass(frozen=True)
-class ClusterConfig:
-    replicas: int = 1
-    profile: str = "a100_llama3_8b"  # built-in GPU profile (sched/profiles.py)
-    tp: int = 1
-    stages: int = 1
-    kvp: int = 1  # KV-parallel worker groups per replica, each tp x stages GPUs (Medha 3.3)
-    kvp_tokens: int | None = None  # a KVP worker's share of one sequence before the next joins; None: its memory
-    policy: str = "lars"
-    sjf_batch: int = 16  # TetriInfer's scheduling batch for sjf / ljf
-    packer: PackerConfig = PackerConfig(t_target=0.05)
-    slo: SLO = SLO()
-    kv_capacity: int | None = None  # tokens per replica; None: what the GPUs' memory holds beside the weights
-    memory_utilization: float = 0.9
-    block_size: int = 16  # KV block, tokens
-    max_running: int = 256  # requests holding KV at once per replica
-    num_scheduler_steps: int = 1  # multi-step decode: most decode steps a Plan may run when nothing waits
-    dispatch: str = "least_work"  # or "round_robin"
-    # what a step takes over what the cost model says: the scheduler plans with the model, the clock charges
-    # model x time_scale (a replay of a live run sets the live steps' measured / predicted ratio here)
-    time_scale: float = 1.0
+def replica_kv_capacity(config: SimConfig) -> int:
+    """KV tokens a replica holds: the config's, or what its GPUs' memory holds beside the weights."""
+    if config.kv_capacity is not None:
+        return config.kv_capacity
+    return config.kvp * kv_capacity(config.profile, config.tp * config.stages, config.memory_utilization)
 
-    def __post_init__(self):
-        for field in ("replicas", "tp", "stages", "kvp", "num_scheduler_steps"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
-        if self.num_scheduler_steps > 1 and self.stages > 1:
-            raise ValueError("multi-step decode (num_scheduler_steps > 1) runs on one pipeline stage: each of a "
-                             "burst's steps would cross every stage before the next could start")
-        if self.dispatch not in ("least_work", "round_robin"):
-            raise ValueError(f"dispatch must be least_work or round_robin, got {self.dispatch!r}")
-        if not self.time_scale > 0:
-            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
 
-    def replica_kv_capacity(self) -> int:
-        if self.kv_capacity is not None:
-            return self.kv_capacity
-        return self.kvp * kv_capacity(self.profile, self.tp * self.stages, self.memory_utilization)
-
-    @property
-    def gpus_per_replica(self) -> int:
-        return self.tp * self.stages * self.kvp
+def stage_packer(config: SimConfig, cost: BatchCost) -> PackerConfig:
+    """A token passes every stage once per iteration: each stage gets 1/stages of the iteration budget, so time
+    between tokens stays near the budget however deep the pipeline."""
+    return packer_config(config.scheduler, cost, chunk_align=config.chunk_align, max_prefills=config.max_prefills,
+                         long_threshold=config.long_threshold, stages=config.stages)
 
 
 class Replica:
-    def __init__(self, index: int, config: ClusterConfig, cost: BatchCost, cache: PrefillTimeCache):
-        policy = make_policy(config.policy, **({"batch": config.sjf_batch} if config.policy in ("sjf", "ljf") else {}))
+    def __init__(self, index: int, config: SimConfig, cost: BatchCost, cache: PrefillTimeCache):
+        sjf = config.scheduler.policy in ("sjf", "ljf")
         group = tuple(range(index * config.gpus_per_replica, (index + 1) * config.gpus_per_replica))
-        kv = KVCacheManager.for_tokens(config.replica_kv_capacity(), config.block_size, enable_prefix_caching=False)
-        self.scheduler = ReplicaScheduler(policy, cost, _per_stage(config), kv, group, config.slo,
-                                          max_running=config.max_running, prefill_cache=cache,
-                                          num_scheduler_steps=config.num_scheduler_steps)
+        kv = KVCacheManager.for_tokens(replica_kv_capacity(config), config.block_size, enable_prefix_caching=False)
+        self.scheduler = replica_scheduler(config.scheduler, cost, kv, stage_packer(config, cost), group=group,
+                                           prefill_cache=cache, **({"batch": config.sjf_batch} if sjf else {}))
         self.cost, self.stages, self.time_scale = cost, config.stages, config.time_scale
         self.stage_free_at = 0.0
         # between stages (a node each) a batch's activations cross the inter-node link, each TP rank sending its
@@ -113,22 +81,16 @@ class Replica:
         return self.stage_free_at, Outcome(end, per_item, tokens)
 
 
-def _per_stage(config: ClusterConfig) -> PackerConfig:
-    """A token passes every stage once per iteration: each stage gets 1/stages of the iteration budget, so time
-    between tokens stays near t_target however deep the pipeline."""
-    return dataclasses.replace(config.packer, t_target=config.packer.t_target / config.stages)
-
-
 class Simulator:
-    def __init__(self, config: ClusterConfig = ClusterConfig(), cost: BatchCost | None = None):
+    def __init__(self, config: SimConfig = SimConfig(), cost: BatchCost | None = None):
         """cost: the iteration cost model of one pipeline stage; defaults to the config's built-in profile."""
         self.config = config
         self.cost = cost or ProfileBatchCost(config.profile, config.tp, config.stages, config.kvp, config.kvp_tokens)
         # chunks of one prompt stream through the stages back to back: a prompt costs the sum of its chunks'
         # stage times (plus a pipeline fill, left out)
-        packer = _per_stage(config)
-        self.cache = PrefillTimeCache(self.cost, packer.t_target, align=packer.chunk_align,
-                                      max_chunk_tokens=packer.max_batch_tokens)
+        packer = stage_packer(config, self.cost)
+        self.cache = PrefillTimeCache(self.cost, packer.iteration_budget, align=packer.chunk_align,
+                                      max_chunk_tokens=packer.max_num_batched_tokens)
 
     def run(self, workload: Workload, progress: bool = True, max_time: float | None = None) -> Results:
         """Replay a workload; deadlines come from the config's SLO."""
@@ -154,7 +116,7 @@ class Simulator:
             if cfg.dispatch == "least_work" else (lambda: replicas[next(rr)]))
         started = time.perf_counter()
         now = 0.0
-        bar = tqdm(total=len(requests), desc=f"simulate {cfg.policy}", unit="req", disable=not progress,
+        bar = tqdm(total=len(requests), desc=f"simulate {cfg.scheduler.policy}", unit="req", disable=not progress,
                    mininterval=0.5)
         ready: dict[int, Replica] = {}  # replicas to offer a batch once every event at `now` is in
 
@@ -196,4 +158,4 @@ class Simulator:
         last = max((r.finished_at for r in accepted if r.finished_at is not None), default=first)
         return Results(accepted, rejected, span=max(last - first, 1e-9), wall_seconds=time.perf_counter() - started,
                        config=dataclasses.asdict(cfg) | {"workload": name, "requests": len(requests)},
-                       long_threshold=cfg.packer.long_threshold)
+                       long_threshold=cfg.long_threshold)

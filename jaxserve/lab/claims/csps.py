@@ -38,11 +38,11 @@ from tqdm import tqdm
 
 from jaxserve.lab.csps import CSPSPlanner, CSPSPrefill
 from jaxserve.sched.cdsp import Pool
-from jaxserve.sched.packer import PackerConfig
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
 from jaxserve.sim.metrics import Results
-from jaxserve.sim.simulator import ClusterConfig, Simulator
+from jaxserve.sim.run import config_for
+from jaxserve.sim.simulator import Simulator
 from jaxserve.sim.workload import Workload, poisson_arrivals
 
 
@@ -75,8 +75,8 @@ def workload(n: int, rate: float, seed: int) -> Workload:
 
 def systems(opts: Options) -> dict[str, Callable[[Workload], Results]]:
     """name -> run(workload) for Sarathi-Serve and the CSPS variants."""
-    sarathi = ClusterConfig(replicas=GPUS // 8, profile=PROFILE, tp=4, stages=2, policy="fcfs",
-                            packer=PackerConfig(t_target=1e3, max_batch_tokens=256))
+    sarathi = config_for("fcfs", replicas=GPUS // 8, profile=PROFILE, tp=4, stages=2, iteration_budget=1e3,
+                         max_num_batched_tokens=256, space_sharing=False)
     decode = DisaggConfig(prefill_instances=opts.prefill_gpus, decode_instances=(GPUS - opts.prefill_gpus)
                           // opts.decode_tp, decode_tp=opts.decode_tp, profile=PROFILE)
     pool = Pool(opts.prefill_gpus // PER_NODE, PER_NODE)

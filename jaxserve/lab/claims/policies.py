@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from jaxserve.sim import plots, run as sim
 from jaxserve.sim.metrics import Results
-from jaxserve.sim.simulator import ClusterConfig
+from jaxserve.config import SimConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ CAPACITY = ("FCFS", "LRS", "EDF + multi-prefill", MEDHA)
 METRICS = ("short_ttft_p50", "short_ttft_p99", "long_ttft_p50", "ttft_norm_p50", "ttft_norm_p90", "slo_attainment")
 
 
-def config(label: str, setting: str) -> ClusterConfig:
+def config(label: str, setting: str) -> SimConfig:
     policy, multi, sharing = VARIANTS[label]
     return sim.config_for(policy, tp=8, stages=SETTINGS[setting]["stages"], multi_prefill=multi,
                           space_sharing=sharing)

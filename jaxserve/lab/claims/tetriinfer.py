@@ -96,10 +96,11 @@ def row(label: str, res: Results, gpus: int, gpu_seconds: float) -> dict:
             "gpu_seconds": gpu_seconds, "span": res.span}
 
 
-def colocated(w: Workload, gpus: int, max_running: int = 256) -> dict:
-    cfg = sim.config_for("fcfs", PROFILE, tp=1, replicas=gpus, multi_prefill=True)
-    res = sim.simulate(w, dataclasses.replace(cfg, max_running=max_running), progress=False)
-    label = f"colocated {gpus} GPUs" + (f" <={max_running}" if max_running != cfg.max_running else "")
+def colocated(w: Workload, gpus: int, max_num_seqs: int = 256) -> dict:
+    cfg = sim.config_for("fcfs", profile=PROFILE, tp=1, replicas=gpus, multi_prefill=True, space_sharing=False,
+                         max_num_seqs=max_num_seqs)
+    res = sim.simulate(w, cfg, progress=False)
+    label = f"colocated {gpus} GPUs" + (f" <={max_num_seqs}" if max_num_seqs != 256 else "")
     return row(label, res, gpus, gpus * res.span)
 
 
