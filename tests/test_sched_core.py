@@ -18,7 +18,7 @@ from jaxserve.sched.plan import Outcome, Phase
 from jaxserve.sched.policies import make_policy
 from jaxserve.sched.profiles import ProfileBatchCost
 from jaxserve.sched.queue import PrefillQueue
-from jaxserve.sched.request import Request
+from jaxserve.sched.request import Request, RequestStatus
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.scheduler import ReplicaScheduler
 from jaxserve.sched.step_shapes import StepShapes
@@ -290,6 +290,41 @@ def test_replica_scheduler_state_moves_only_on_outcomes():
     assert r.prefilled == item.end and r.first_token_at is None
 
 
+def test_a_request_status_follows_its_life_and_moves_only_on_plans_and_outcomes():
+    """waiting -> prefilling (admitted, chunks in flight) -> decoding -> finished for its reason; a preempted
+    request waits as preempted and prefills again; reserved blocks await KV; an abort finishes it."""
+    S = RequestStatus
+    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(32))
+    a, b = Request("a", 0.0, 15, 3), Request("b", 0.0, 14, 18)
+    for r in (a, b):
+        sched.add(r)
+    assert (a.status, b.status) == (S.WAITING, S.WAITING)
+    prefill = sched.schedule(0.0)
+    assert (a.status, b.status) == (S.PREFILLING, S.PREFILLING)  # planned, not yet computed
+    sched.apply(prefill, Outcome(0.01, (0.01, 0.01), {"a": (1,), "b": (1,)}))
+    assert (a.status, b.status) == (S.DECODING, S.DECODING) and sched.decoding == [a, b]
+    first = sched.schedule(0.01)
+    sched.apply(first, Outcome(0.02, (0.01, 0.01), {"a": (2,), "b": (2,)}))
+    second = sched.schedule(0.02)  # a's token needs a second block, none is free: b (the newest) is preempted
+    assert second.preempted == ("b",) and b.status is S.PREEMPTED and sched.decoding == [a]
+    sched.apply(second, Outcome(0.03, (0.01,), {"a": (3,)}))
+    assert a.status is S.FINISHED_LENGTH and a.finished_at == 0.03
+    recompute = sched.schedule(0.03)
+    assert b.status is S.PREFILLING and [i.phase for i in recompute.items] == [Phase.PREFILL]
+    sched.apply(recompute, Outcome(0.04, (0.01,), {}))
+    assert b.status is S.DECODING and b.generated == 2  # a recompute yields no token
+    stop = sched.schedule(0.04)
+    sched.apply(stop, Outcome(0.05, (0.01,), {"b": (7,)}, frozenset({"b"})))
+    assert b.status is S.FINISHED_STOPPED and b.generated == 3
+    c = Request("c", 0.05, 10, 4)
+    assert sched.reserve(c) is not None and c.status is S.AWAITING_KV and sched.schedule(0.05) is None
+    c.add_tokens(1, 0.06)  # the prefill pool's first token
+    sched.add_prefilled(c)
+    assert c.status is S.DECODING
+    sched.abort("c")
+    assert c.status is S.FINISHED_ABORTED and not sched.requests
+
+
 def test_a_decode_is_not_planned_again_before_its_token_is_back():
     sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10000))
     sched.add(Request("a", 0.0, 100, 5))
@@ -430,7 +465,8 @@ def test_a_large_request_is_not_overtaken_forever_by_small_newcomers():
 def test_a_long_prefill_progresses_while_decodes_fill_the_budget():
     sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10**7))
     d = _running("d", 100)
-    sched.requests[d.id] = sched.running[d.id] = sched.decoding[d.id] = d
+    sched.requests[d.id] = sched.running[d.id] = d
+    d.status = RequestStatus.DECODING
     sched.kv.allocate(d.id, d.kv_len)
     long = Request("L", 0.0, 3_000_000, 1)
     long.planned = long.prefilled = 2_500_000  # a 32-token chunk at this history overruns the 50 ms budget

@@ -39,7 +39,7 @@ from jaxserve.sched.batch_cost import EngineStepCost  # noqa: E402
 from jaxserve.config import SLO, SchedulerConfig, SimConfig  # noqa: E402
 from jaxserve.sched.build import packer_config  # noqa: E402
 from jaxserve.sched.packer import PackerConfig  # noqa: E402
-from jaxserve.sched.request import Request  # noqa: E402
+from jaxserve.sched.request import Request, RequestStatus  # noqa: E402
 from jaxserve.server.spawn import ServerProcess  # noqa: E402
 from jaxserve.sim.metrics import Results  # noqa: E402
 from jaxserve.sim.simulator import Simulator  # noqa: E402
@@ -118,7 +118,7 @@ async def drive(port: int, arrivals: list[Arrival], bar: tqdm) -> list[Request]:
             if chunk.choices and chunk.choices[0].text:
                 r.add_tokens(1, time.monotonic() - start)
         r.generated = a.output_len  # a chunk may carry more than one token (or none, mid-character)
-        r.finished_at = r.last_token_at
+        r.finish(RequestStatus.FINISHED_LENGTH, r.last_token_at)
         bar.update()
         return r
 

@@ -75,7 +75,6 @@ class _Live:
     stops: StopMatcher
     text: str = ""  # decoded output so far
     emitted_chars: int = 0
-    finish_reason: FinishReason | None = None
 
 
 @dataclasses.dataclass
@@ -406,18 +405,18 @@ class Engine:
         live.text += new
         text = live.text
         stop_at = live.stops.feed(new)
+        reason = None
         if stop_at is not None:
             text = text[:stop_at]
-            live.finish_reason = FinishReason.STOP
+            reason = FinishReason.STOP
         elif token in p.stop_token_ids or (token in self.tokenizer.stop_ids and not p.ignore_eos):
-            live.finish_reason = FinishReason.STOP
+            reason = FinishReason.STOP
         elif generated >= r.output_len:
-            live.finish_reason = FinishReason.LENGTH
-        if live.finish_reason is None:  # hold back any tail that may begin a stop string
+            reason = FinishReason.LENGTH
+        if reason is None:  # hold back any tail that may begin a stop string
             text = text[:max(len(text) - live.stops.held, live.emitted_chars)]
         elif stop_at is None:
             text = live.text = live.text + live.detokenizer.flush()
         delta = text[live.emitted_chars:]
         live.emitted_chars = len(text)
-        return RequestOutput(r.id, [token], delta, live.finish_reason is not None, live.finish_reason,
-                             r.cached_tokens)
+        return RequestOutput(r.id, [token], delta, reason is not None, reason, r.cached_tokens)

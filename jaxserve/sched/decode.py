@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 
 from jaxserve.sched.plan import KVMove, Outcome, Phase, Plan, WorkItem
-from jaxserve.sched.request import Request
+from jaxserve.sched.request import Request, RequestStatus
 
 ADMISSION = ("oracle", "greedy", "reserve_static", "reserve_dynamic")
 
@@ -105,8 +105,8 @@ class DecodeScheduler:
         for item in plan.items:
             r = self.running[item.request_id]
             r.add_tokens(len(outcome.tokens.get(r.id, ())), outcome.end_time)
-            if r.id in outcome.stopped and not r.finished:
-                r.finished_at = outcome.end_time
+            if r.id in outcome.stopped:
+                r.finish(RequestStatus.FINISHED_STOPPED, outcome.end_time)
             if r.finished:
                 del self.running[r.id]
                 del self.predicted[r.id]

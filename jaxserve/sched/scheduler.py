@@ -37,8 +37,11 @@ from jaxserve.sched.packer import PackerConfig, PrefillTimeCache, pack
 from jaxserve.sched.plan import Outcome, Phase, Plan, WorkItem
 from jaxserve.sched.policies import Policy
 from jaxserve.sched.queue import PrefillQueue
-from jaxserve.sched.request import Request
+from jaxserve.sched.request import Request, RequestStatus
 from jaxserve.config import SLO
+
+
+DECODING = RequestStatus.DECODING
 
 
 def _prefill_time(cost: BatchCost, packer: PackerConfig) -> PrefillTimeCache:
@@ -58,10 +61,14 @@ class ReplicaScheduler:
         self.prefill_time = prefill_cache or _prefill_time(cost, packer)
         self.queue = PrefillQueue()  # requests with prefill tokens not yet planned
         self.running: dict[str, Request] = {}  # requests holding KV, in admission order (the last is preempted first)
-        self.decoding: dict[str, Request] = {}
         self.decode_in_flight: dict[str, list[int]] = {}  # tokens of each decode Plan not back, oldest first
         self.requests: dict[str, Request] = {}  # every request not finished
         self._seq: dict[str, int] = {}  # arrival order, kept through preemptions
+
+    @property
+    def decoding(self) -> list[Request]:
+        """Running requests past their prefill, in admission order."""
+        return [r for r in self.running.values() if r.status is DECODING]
 
     @property
     def kv_capacity(self) -> int:
@@ -98,6 +105,7 @@ class ReplicaScheduler:
         if blocks is None:
             return None
         request.planned, request.prefilled = request.prompt_len, 0
+        request.status = RequestStatus.AWAITING_KV
         self.requests[request.id] = request
         self._seq[request.id] = self.queue.new_seq()
         self.running[request.id] = request
@@ -106,17 +114,18 @@ class ReplicaScheduler:
     def add_prefilled(self, request: Request) -> None:
         """Its prompt's KV has landed in the reserved blocks and its first token is counted: it decodes from the
         next Plan on."""
-        if self.running.get(request.id) is not request or request.generated < 1:
+        if request.status is not RequestStatus.AWAITING_KV or request.generated < 1:
             raise ValueError(f"request {request.id} must hold reserved blocks and have its first token")
         request.prefilled = request.prompt_len
         if request.token_ids is not None:
             self.kv.commit(request.id, request.token_ids, request.prompt_len)
-        self.decoding[request.id] = request
+        request.status = DECODING
 
     def abort(self, request_id: str) -> Request | None:
         """End a request at once (client gone): its blocks go back; an Outcome still in flight for it is ignored."""
         r = self.requests.get(request_id)
         if r is not None:
+            r.status = RequestStatus.FINISHED_ABORTED
             self._finish(r)
         return r
 
@@ -233,7 +242,7 @@ class ReplicaScheduler:
                 self._unadmit(r, grants)
             elif not r.in_prefill:
                 self.queue.remove(r)
-                self.decoding[r.id] = r
+                r.status = DECODING
         blocks = _granted(grants)
         if not chunks and not decodes:
             # a Plan of no work still tells the executor of preemptions, and of the tables of requests admitted
@@ -257,7 +266,7 @@ class ReplicaScheduler:
         """A KV slot for each decode's token, oldest admission first; preempt the newest when none is free. In a
         lagged schedule a decode in flight gets the slot after its in-flight token's, if one is free."""
         decodes = []
-        for r in [r for r in self.running.values() if r.id in self.decoding]:
+        for r in self.decoding:
             if r.id not in self.running:  # preempted for an older request's token
                 continue
             if r.id in self.decode_in_flight:
@@ -290,7 +299,7 @@ class ReplicaScheduler:
     def _burst(self, grants: dict[str, list[int]], lagged: bool) -> Plan | None:
         """A multi-step decode Plan of every decode that may run, or None where a plain Plan serves as well (a
         burst of one step) or better (a decode that needs a block not free: the plain path may preempt)."""
-        rows = [(r, self._next_position(r), left) for r in self.running.values() if r.id in self.decoding
+        rows = [(r, self._next_position(r), left) for r in self.decoding
                 for left in (self._tokens_left(r, lagged),) if left > 0]
         if not rows:
             return None
@@ -343,6 +352,7 @@ class ReplicaScheduler:
             if r.preemptions == 0:
                 r.cached_tokens = r.prefilled
         self.running[r.id] = r
+        r.status = RequestStatus.PREFILLING
         self.queue.set_admitted(r, True)
         grants[r.id] = self.kv.block_table(r.id)
 
@@ -350,13 +360,13 @@ class ReplicaScheduler:
         self.kv.free(r.id)
         r.planned = r.prefilled = 0
         del self.running[r.id]
+        r.status = RequestStatus.PREEMPTED if r.preemptions else RequestStatus.WAITING
         self.queue.set_admitted(r, False)
         grants.pop(r.id, None)
 
     def _preempt(self, r: Request, grants: dict[str, list[int]], preempted: list[str]) -> None:
         self.kv.free(r.id)
         del self.running[r.id]
-        self.decoding.pop(r.id, None)
         grants.pop(r.id, None)
         preempted.append(r.id)
         if r in self.queue:
@@ -389,18 +399,17 @@ class ReplicaScheduler:
             if item.phase is Phase.PREFILL and r.in_prefill:
                 continue
             r.add_tokens(len(tokens), outcome.end_time)
-            if r.id in outcome.stopped and not r.finished:
-                r.finished_at = outcome.end_time
+            if r.id in outcome.stopped:
+                r.finish(RequestStatus.FINISHED_STOPPED, outcome.end_time)
             if r.finished:
                 self._finish(r)
                 done.append(r)
             else:
-                self.decoding[r.id] = r
+                r.status = DECODING
         return done
 
     def _finish(self, r: Request) -> None:
         self.kv.free(r.id)
-        self.decoding.pop(r.id, None)
         self.running.pop(r.id, None)
         self.decode_in_flight.pop(r.id, None)
         if r in self.queue:  # stopped before its prompt was fully planned (an abort)
