@@ -121,9 +121,8 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as a list of ints, or ValueError naming what is wrong with the request."""
-        if not isinstance(params, SamplingParams):
+        if not isinstance(params, SamplingParams):  # which validated itself when it was made
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt_ids):
             raise ValueError("a prompt must be a string or a list of integer token ids")
         ids = [int(t) for t in prompt_ids]
