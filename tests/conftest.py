@@ -10,14 +10,14 @@ import pytest
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
-# Need 8 and 12 devices: run by tests/test_multidevice.py, each in its own process.
-collect_ignore = ["multidevice", "cluster"]
+# Need 8 and 12 devices: run by tests/test_many_devices.py, each in its own process.
+collect_ignore = ["sharding", "cluster"]
 
 
 @pytest.fixture(scope="session")
 def llm():
     """The real model, with room for multi-step decodes of up to 8 steps, planned one step at a time until a
-    test turns them on (tests/test_engine.py: bursts)."""
+    test turns them on (tests/engine/test_engine.py: bursts)."""
     import jaxserve
 
     llm = jaxserve.LLM(max_model_len=2048, kv_cache_tokens=8192, num_scheduler_steps=8)

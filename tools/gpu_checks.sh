@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one run, on a machine whose python3 has JAX with CUDA (no download needed):
 #   OUT=bench_out/gpu bash tools/gpu_checks.sh [kernels] [attention] [generate]
-# kernels: the kernel tests, compiled through Triton (tests/kernel_check.py); ragged: the engine's kernel's alone;
+# kernels: the kernel tests, compiled through Triton (tests/pallas_kernels/kernel_check.py); ragged: the engine's kernel's alone;
 # attention: tools/bench_attention.py;
 # generate: tools/bench_generate.py --gpu on random Llama-3.1-8B weights (burst: the same with multi-step decodes of
 # up to 8 steps); step: tools/profile_step.py (one decode
@@ -20,8 +20,8 @@ $PY -c "import jax, jaxserve; print('jax', jax.__version__, jax.devices())"
 status=0
 for part in $parts; do
   case $part in
-    kernels) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ragged_paged_attention.py ;;
-    ragged) timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_ragged_paged_attention.py ;;
+    kernels) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kernels.py tests/pallas_kernels/test_ragged_paged_attention.py ;;
+    ragged) timeout 200 $PY -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_ragged_paged_attention.py ;;
     attention) timeout 240 $PY tools/bench_attention.py --out="$OUT/attention.json" ;;
     generate) timeout 210 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --out="$OUT/generate_gpu.json" ;;
     burst) timeout 150 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --num_scheduler_steps=8 \

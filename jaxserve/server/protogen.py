@@ -1,7 +1,7 @@
 """Generate the gRPC Python stubs from protos/ with grpcio-tools.
 
 The build runs this (setup.py, before collecting the package), so the stubs always match the installed
-grpcio-tools and the .proto files; tests/test_protos.py regenerates them and fails if the installed ones differ.
+grpcio-tools and the .proto files; tests/server/test_protos.py regenerates them and fails if the installed ones differ.
 Loaded by file path from setup.py, so it imports nothing from jaxserve.
 """
 

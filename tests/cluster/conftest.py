@@ -1,5 +1,5 @@
 """Tests of the live cluster: 8 prefill devices (groups of 2 -> 4 -> 8) and decode instances on other devices, so
-12 CPU devices. tests/test_multidevice.py runs this folder in its own process with
+12 CPU devices. tests/test_many_devices.py runs this folder in its own process with
 XLA_FLAGS=--xla_force_host_platform_device_count=12 (the flag must be set before JAX starts)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ MAX_MODEL_LEN = 4096
 def devices():
     devs = jax.devices()
     if len(devs) < 12:
-        pytest.fail(f"need 12 devices, got {len(devs)}: run through tests/test_multidevice.py")
+        pytest.fail(f"need 12 devices, got {len(devs)}: run through tests/test_many_devices.py")
     return devs
 
 

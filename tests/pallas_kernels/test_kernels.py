@@ -1,5 +1,5 @@
 """Pallas attention kernels against their pure-jnp references on random data (compiled on a GPU, interpret mode
-elsewhere: tests/kernel_check.py).
+elsewhere: tests/pallas_kernels/kernel_check.py).
 
 Shapes are small because interpret mode is slow on CPU; sizes are chosen so t and s are not multiples of the
 tiles, GQA ratios 1 and 3, head dims both powers of two and not.
@@ -205,7 +205,7 @@ def test_dispatch_defaults_and_rejects_unknown():
 def test_bench_attention_smoke_writes_every_part(tmp_path):
     """The GPU benchmark runs anywhere with --smoke, and its JSON holds every part (it is written after each)."""
     out = tmp_path / "attention.json"
-    tool = pathlib.Path(__file__).parents[1] / "tools" / "bench_attention.py"
+    tool = pathlib.Path(__file__).parents[2] / "tools" / "bench_attention.py"
     # on a GPU this process holds most of its memory already (JAX preallocates): the child allocates as it goes
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     proc = subprocess.run([sys.executable, str(tool), "--smoke", f"--out={out}"], capture_output=True, text=True,

@@ -55,7 +55,7 @@ def test_the_measured_profile_prices_steps_and_round_trips(warm, tmp_path):
 def test_profile_step_tool_reports_a_decode_steps_kernels(tmp_path):
     """tools/profile_step.py (the GPU decode-step profile) runs on this CPU with a tiny random model: every row
     count gets a wall time, a busy time and its top kernels, which account for no more than the busy time."""
-    tool = pathlib.Path(__file__).parents[1] / "tools" / "profile_step.py"
+    tool = pathlib.Path(__file__).parents[2] / "tools" / "profile_step.py"
     done = subprocess.run([sys.executable, str(tool), "--model=random:tiny", "--dtype=float32", "--rows=1,4",
                            "--context=64", "--steps=3", f"--out={tmp_path}"], capture_output=True, text=True,
                           timeout=600)
@@ -71,7 +71,7 @@ def test_the_device_never_waits_for_the_host(tmp_path):
     """tools/bench_host.py: on a fake device taking D = 5 ms a step, 16 rows decode at max(host, D) a step with
     overlap (within 10%), and N + 1 is dispatched before N's tokens are ready; one step at a time is slower than
     that bound (the check can fail). Every phase of the step is accounted."""
-    tool = pathlib.Path(__file__).parents[1] / "tools" / "bench_host.py"
+    tool = pathlib.Path(__file__).parents[2] / "tools" / "bench_host.py"
     out = tmp_path / "host.json"
     done = subprocess.run([sys.executable, str(tool), "--rows=16", "--tokens=40", "--delay_ms=5", f"--out={out}"],
                           capture_output=True, text=True, timeout=600)
@@ -89,7 +89,7 @@ def test_the_device_never_waits_for_the_host(tmp_path):
 def test_bench_startup_tool_times_generate_and_serve_from_fresh_caches(tmp_path):
     """tools/bench_startup.py (start-up as a new user meets it) runs generate and serve from fresh caches and
     again, with a tiny random model."""
-    tool = pathlib.Path(__file__).parents[1] / "tools" / "bench_startup.py"
+    tool = pathlib.Path(__file__).parents[2] / "tools" / "bench_startup.py"
     done = subprocess.run([sys.executable, str(tool), "--model=random:tiny", "--runs=1", f"--out={tmp_path}"],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]

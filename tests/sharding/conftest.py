@@ -1,4 +1,4 @@
-"""Tests that need 8 devices. tests/test_multidevice.py runs this folder in its own process with
+"""The sharding tests, most on 8 devices. tests/test_many_devices.py runs this folder in its own process with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (the flag must be set before JAX starts)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ CFG = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layer
 def devices():
     devs = jax.devices()
     if len(devs) < 8:
-        pytest.fail(f"need 8 devices, got {len(devs)}: run through tests/test_multidevice.py")
+        pytest.fail(f"need 8 devices, got {len(devs)}: run through tests/test_many_devices.py")
     return devs
 
 

@@ -7,7 +7,7 @@ import shutil
 
 from jaxserve.server import protogen
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_generated_stubs_are_current():

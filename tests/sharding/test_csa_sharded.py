@@ -37,7 +37,7 @@ def inputs(seed, n, h, kvh):
 @pytest.mark.parametrize("t", [1, 5, 16])
 def test_sharded_matches_reference(devices, p, h, kvh, t):
     """Both sides are float32, in different orders: each within 4 * eps * sqrt(terms) * max |out| of the exact
-    value (tests/multidevice/test_sp_attention.py's `close`), so within twice that of each other."""
+    value (tests/sharding/test_sp_attention.py's `close`), so within twice that of each other."""
     n = p * t
     q, k, v, imp = inputs([p, h, t], n, h, kvh)
     mesh = make_mesh(devices[:p])

@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.lab import experiments
 
-TOOLS = pathlib.Path(__file__).parent.parent / "tools"
+TOOLS = pathlib.Path(__file__).parents[2] / "tools"
 
 
 @pytest.mark.parametrize("name, options", [(name, {}) for name in sorted(experiments.EXPERIMENTS)]

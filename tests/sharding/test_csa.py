@@ -1,7 +1,7 @@
 """CSA (sharding/csa.py) on one device: the reference against float64 numpy attention (drop 0 is dense causal
 attention; with drops, the softmax over exactly the kept keys), the level masks against a brute-force reading of
 the rules, the dense error bound as drops shrink, the K/V it moves against SP-NTP's, and sched/csa_cost.py against
-all of it. The sharded path runs on 8 devices in tests/multidevice/test_csa_sharded.py. Random data throughout."""
+all of it. The sharded path runs on 8 devices in tests/sharding/test_csa_sharded.py. Random data throughout."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def causal(n, kvh):
 
 
 def tolerance(want, terms):
-    """float32 against float64, as tests/multidevice/test_sp_attention.py's `close` derives it: a reduction of n
+    """float32 against float64, as tests/sharding/test_sp_attention.py's `close` derives it: a reduction of n
     float32 terms errs about eps * sqrt(n) times the terms' magnitude (max |want|), up to four chained stages."""
     return 4 * EPS32 * np.sqrt(terms) * np.abs(want).max()
 

@@ -1,5 +1,5 @@
 """Runs the folders that need many devices, each in a child process with that many CPU devices (XLA_FLAGS is set
-for that process only): tests/multidevice (8) and tests/cluster (12: 8 prefill devices plus decode instances)."""
+for that process only): tests/sharding (8) and tests/cluster (12: 8 prefill devices plus decode instances)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 HERE = pathlib.Path(__file__).parent
 
 
-@pytest.mark.parametrize("folder, devices", [("multidevice", 8), ("cluster", 12)])
+@pytest.mark.parametrize("folder, devices", [("sharding", 8), ("cluster", 12)])
 def test_many_device_suite(folder, devices):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / folder)],

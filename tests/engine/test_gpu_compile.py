@@ -18,7 +18,7 @@ from jaxserve import xla_flags
 from jaxserve.engine import compiled
 from jaxserve.sharding import overlap
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 _HLO = """\
 %body (p: (s32[], bf16[64,128])) -> (s32[], bf16[64,128]) {

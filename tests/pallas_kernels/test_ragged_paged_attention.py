@@ -1,6 +1,6 @@
 """Ragged paged attention (the engine's flat batch: decodes and prefill chunks of many requests in one token
 axis) against plain causal attention per request, on random data packed by the engine's own batch.pack: the
-jnp reference and the Pallas kernel (interpret mode; compiled through Triton on a GPU: tests/kernel_check.py)."""
+jnp reference and the Pallas kernel (interpret mode; compiled through Triton on a GPU: tests/pallas_kernels/kernel_check.py)."""
 
 from __future__ import annotations
 
