@@ -25,7 +25,7 @@ DRAIN_S = 3.0
 @pytest.fixture
 def server():
     # everything compiled before listening: the drain's timing must not share the CPU with a background compile
-    # (quick start, serve's default, is run by test_profile_engine's bench_startup test)
+    # (quick start, serve's default, is run by tests/engine/test_profile.py's bench_startup test)
     s = ServerProcess("--max_model_len=1024", "--kv_cache_gib=0.1", f"--api_key={KEY}", f"--drain_timeout={DRAIN_S:g}",
                       "--noquick_start")
     yield s.proc, s.grpc_port, s.http_port, s.log
