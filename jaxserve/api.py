@@ -127,16 +127,13 @@ class LLM:
     def __init__(self, model: str | EngineConfig = registry.DEFAULT_MODEL, *, progress: bool = True,
                  **settings: Any):
         """model: a registered name, a .gguf file or a Hugging Face folder, or a whole EngineConfig. settings: any
-        of EngineConfig's settings by name (e.g. max_num_seqs=32, kv_cache_tokens=4096), over the defaults or over
-        the given config; jaxserve/config.py says what each does. `progress` shows compile and profile bars.
+        of EngineConfig's settings by name (e.g. max_num_seqs=32), over it; jaxserve/config.py says what each does.
 
-        Start-up: with `warmup` (what `serve` does) every step program compiles here, and a cost model not cached
-        is measured. Without it (generate, notebooks) each program compiles when a step first needs it, and steps
-        are bounded by max_num_batched_tokens alone until a cost model is known. With `quick_start` as well,
-        only the first requests' programs compile here; the rest compile in the background.
-
-        Layout: an instance is `tp` devices of `jax.devices()`, tensor-parallel. With prefill_instances > 0 the
-        engine is a live cluster (cluster/): a CDSP prefill pool, then decode instances."""
+        Start-up: with `warmup` (serve) every step program compiles here, and a cost model not cached is measured.
+        Without it (generate, notebooks) a program compiles when a step first needs it, and steps are bounded by
+        max_num_batched_tokens alone until a cost model is known. `quick_start` compiles only the first
+        requests' programs here, the rest in the background. With prefill_instances > 0 the engine is a live
+        cluster (cluster/): a CDSP prefill pool, then decode instances."""
         base = model if isinstance(model, EngineConfig) else EngineConfig(model=ModelConfig(model=model))
         self.engine_config = cfg = config.replace(base, **settings)
         _enable_compilation_cache()
