@@ -40,13 +40,13 @@ MIXED = [
 
 
 @contextlib.contextmanager
-def step_tokens(llm, tokens: int, prefix_caching: bool = True):
+def step_tokens(llm, tokens: int, enable_prefix_caching: bool = True):
     """At most `tokens` tokens per step (prefill chunks of a few tokens), optionally without prefix caching."""
     sched = llm.engine.scheduler
     packer, caching = sched.packer, sched.kv.enable_prefix_caching
     sched.packer = dataclasses.replace(packer, max_num_batched_tokens=tokens,
                                        chunk_align=min(tokens, packer.chunk_align))
-    sched.kv.enable_prefix_caching = prefix_caching
+    sched.kv.enable_prefix_caching = enable_prefix_caching
     try:
         yield
     finally:
@@ -66,17 +66,17 @@ def bursts(llm, steps: int):
 
 @pytest.fixture(scope="module")
 def one_at_a_time(llm):
-    with step_tokens(llm, 512, prefix_caching=False):
+    with step_tokens(llm, 512, enable_prefix_caching=False):
         return [llm.generate(p, sp)[0] for p, sp in zip(PROMPTS, MIXED)]
 
 
-@pytest.mark.parametrize("chunk, prefix_caching", [(24, False), (32, True), (512, True)])
-def test_batched_chunked_equals_one_at_a_time(llm, one_at_a_time, chunk, prefix_caching):
+@pytest.mark.parametrize("chunk, enable_prefix_caching", [(24, False), (32, True), (512, True)])
+def test_batched_chunked_equals_one_at_a_time(llm, one_at_a_time, chunk, enable_prefix_caching):
     """Several prompts' chunks per step, decodes beside them, prefix hits (the prompts ran before): greedy and
     seeded outputs are those of each request alone."""
     free_before = llm.engine.kv.num_free
-    with step_tokens(llm, chunk, prefix_caching):
-        if prefix_caching:  # cache the prompts' full blocks, so the batched run starts from hits
+    with step_tokens(llm, chunk, enable_prefix_caching):
+        if enable_prefix_caching:  # cache the prompts' full blocks, so the batched run starts from hits
             llm.generate(PROMPTS[3])
         hits = llm.engine.kv.stats.hit_tokens
         batched = llm.generate(PROMPTS, MIXED)
@@ -84,7 +84,7 @@ def test_batched_chunked_equals_one_at_a_time(llm, one_at_a_time, chunk, prefix_
         assert got.token_ids == ref.token_ids, got.prompt
         assert got.text == ref.text and got.finish_reason == ref.finish_reason
     assert llm.engine.kv.num_free == free_before
-    assert (llm.engine.kv.stats.hit_tokens > hits) == prefix_caching
+    assert (llm.engine.kv.stats.hit_tokens > hits) == enable_prefix_caching
 
 
 def test_requests_join_and_leave_between_steps(llm, one_at_a_time):

@@ -78,12 +78,12 @@ class CheckingRunner:
 
 
 def make_engine(runner, *, num_blocks: int, max_model_len: int, max_num_seqs: int = 4, step_tokens: int = 64,
-                policy: str = "fcfs", prefix_caching: bool = True, overlap: bool = True,
+                policy: str = "fcfs", enable_prefix_caching: bool = True, overlap: bool = True,
                 num_scheduler_steps: int = 1) -> Engine:
     cost = EngineStepCost(StepShapes((16, 1 << 20), (4,), 32, 4, (1, 2, 4, 8)), 256, [[0.01], [0.02]],
                           [0.005] * 4, 1e-7, 1e-7, 1e-7, 1e-7, 1e-7)
     packer = PackerConfig(iteration_budget=1.0, chunk_align=min(8, step_tokens), max_num_batched_tokens=step_tokens)
-    kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=prefix_caching)
+    kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=enable_prefix_caching)
     scheduler = ReplicaScheduler(make_policy(policy), cost, packer, kv, max_num_seqs=max_num_seqs,
                                  num_scheduler_steps=num_scheduler_steps)
     return Engine(runner, scheduler, FakeTokenizer(), max_model_len=max_model_len, overlap=overlap)
@@ -126,7 +126,7 @@ def run_random_workload(trial: int, overlap: bool, steps: int = 1) -> Engine:
     max_num_seqs = rng.choice([1, 3, 8])
     engine = make_engine(runner, num_blocks=-(-capacity_tokens // bs) + 1, max_model_len=max_model_len,
                          max_num_seqs=max_num_seqs, step_tokens=rng.choice([8, 16, 64]) + max_num_seqs,
-                         policy=rng.choice(["fcfs", "lars", "edf", "sjf"]), prefix_caching=rng.random() < 0.8,
+                         policy=rng.choice(["fcfs", "lars", "edf", "sjf"]), enable_prefix_caching=rng.random() < 0.8,
                          overlap=overlap, num_scheduler_steps=steps)
     engine.bursts = engine.stopped_mid_burst = 0
     start = runner.start
