@@ -29,6 +29,7 @@ from jaxserve.engine.kv_cache import cache_dtype
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.models import random_weights, registry
+from jaxserve.models.attention import DenseCausalBackend
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.gguf_loader import load_gguf
 from jaxserve.models.hf_loader import load_hf_dir
@@ -107,7 +108,7 @@ def _weights(model: str, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
 
 def _init_shapes(cfg: LlamaConfig, dtype) -> Any:
     one = jnp.zeros((1, 1), jnp.int32)
-    return Llama(cfg, scoring.DenseCausalBackend(), dtype).init(jax.random.key(0), one, one, (), one[0])
+    return Llama(cfg, DenseCausalBackend(), dtype).init(jax.random.key(0), one, one, (), one[0])
 
 
 def _enable_compilation_cache() -> None:

@@ -22,8 +22,8 @@ from jax import export
 
 from jaxserve.engine import batch
 from jaxserve.engine.runner import ModelRunner
+from jaxserve.models.attention import DenseCausalBackend
 from jaxserve.models.config import LlamaConfig
-from jaxserve.engine.scoring import DenseCausalBackend
 from jaxserve.models.llama import Llama
 
 from jaxserve.pallas_kernels import (chunk_attention, common, decode_attention, dispatch, merge, reference,

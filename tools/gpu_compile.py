@@ -59,7 +59,7 @@ from jaxserve import xla_flags  # noqa: E402
 from jaxserve.engine import batch, compiled, sp_prefill  # noqa: E402
 from jaxserve.engine.kv_cache import RaggedPagedBackend  # noqa: E402
 from jaxserve.engine.runner import burst_packed, forward_packed, sample_padded  # noqa: E402
-from jaxserve.engine.scoring import DenseCausalBackend  # noqa: E402
+from jaxserve.models.attention import DenseCausalBackend  # noqa: E402
 from jaxserve.models.config import llama3_8b  # noqa: E402
 from jaxserve.models.llama import Llama  # noqa: E402
 from jaxserve.sharding import overlap, ring  # noqa: E402

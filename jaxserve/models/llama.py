@@ -21,29 +21,15 @@ static when unrolled) and touches only its own slice.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxserve.models.attention import AttentionBackend, Caches
 from jaxserve.models.config import LlamaConfig
-
-Caches = Any  # the backend's whole KV pytree, every array with a leading layer axis, e.g. (k_all, v_all)
-
-
-class AttentionBackend(Protocol):
-    """Attention over wherever the KV lives.
-
-    caches: the whole per-model KV pytree (arrays [num_layers, ...]); layer: traced int32 scalar, the current
-    layer. The backend writes only the slice of `layer` and returns the whole pytree. ctx holds the arrays shared
-    by all layers (slots, tables, ...).
-    """
-
-    def __call__(self, q: Float[Array, "b t h d"], k: Float[Array, "b t kvh d"], v: Float[Array, "b t kvh d"],
-                 positions: Int[Array, "b t"], caches: Caches, layer: Int[Array, ""], ctx: Any
-                 ) -> tuple[Float[Array, "b t h d"], Caches]: ...
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from jaxserve.engine.scoring import DenseCausalBackend
+from jaxserve.models.attention import DenseCausalBackend
 from jaxserve.models.config import LlamaConfig, llama3_8b
 from jaxserve.models.llama import Llama
 from jaxserve.models.tokenizer import TextTokenizer

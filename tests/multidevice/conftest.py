@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.scoring import DenseCausalBackend
+from jaxserve.models.attention import DenseCausalBackend
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
 from jaxserve.pallas_kernels.reference import NO_POSITION
