@@ -29,11 +29,10 @@ from jaxserve.engine.kv_cache import cache_dtype
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
 from jaxserve.models import random_weights, registry
-from jaxserve.models.attention import DenseCausalBackend
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.gguf_loader import load_gguf
 from jaxserve.models.hf_loader import load_hf_dir
-from jaxserve.models.llama import Llama
+from jaxserve.models.llama import param_shapes
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.batch_cost import EngineStepCost
@@ -77,7 +76,7 @@ def _load(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextToken
         cfg = LlamaConfig.from_json((ckpt_dir / "config.json").read_text())
         here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # each process restores its own copy
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here),
-                                jax.eval_shape(lambda: _init_shapes(cfg, _DTYPES[dtype])))
+                                param_shapes(cfg, _DTYPES[dtype]))
         return cfg, checkpointer.restore(ckpt_dir / "params", abstract), TextTokenizer.load(ckpt_dir)
     if source.is_file():
         cfg, host_params, gguf_file = load_gguf(source)
@@ -104,11 +103,6 @@ def _weights(model: str, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
     if random_weights.is_random(model):
         return random_weights.load(model, _DTYPES[dtype])
     return _load(registry.resolve(model), dtype)
-
-
-def _init_shapes(cfg: LlamaConfig, dtype) -> Any:
-    one = jnp.zeros((1, 1), jnp.int32)
-    return Llama(cfg, DenseCausalBackend(), dtype).init(jax.random.key(0), one, one, (), one[0])
 
 
 def _enable_compilation_cache() -> None:

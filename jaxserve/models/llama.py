@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxserve.models.attention import AttentionBackend, Caches
+from jaxserve.models.attention import AttentionBackend, Caches, DenseCausalBackend
 from jaxserve.models.config import LlamaConfig
 
 
@@ -191,3 +191,14 @@ class Llama(nn.Module):
         else:
             logits = _dense(cfg.vocab_size, self.dtype, "lm_head")(x)
         return logits.astype(jnp.float32), caches
+
+
+def init_params(cfg: LlamaConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32, unrolled: bool = False) -> Any:
+    """Flax's initial parameters: random matrices, norms at 1; stacked layers unless unrolled."""
+    one = jnp.zeros((1, 1), jnp.int32)
+    return Llama(cfg, DenseCausalBackend(), dtype, unrolled=unrolled).init(key, one, one, (), one[0])
+
+
+def param_shapes(cfg: LlamaConfig, dtype: jnp.dtype, unrolled: bool = False) -> Any:
+    """The parameters' shapes and dtypes (jax.ShapeDtypeStruct leaves), nothing allocated."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype, unrolled))
