@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxserve.engine.batch import powers_of_two
-from jaxserve.models.attention import DenseCausalBackend
+from jaxserve.models.attention import DenseCausalBackend, DenseCausalMetadata
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama, is_stacked
 
@@ -21,7 +21,7 @@ def _forward(cfg: LlamaConfig, dtype: Any, unrolled: bool):
     model = Llama(cfg, DenseCausalBackend(), dtype, unrolled=unrolled)
 
     def run(params, tokens, q_pos, k_pos):
-        logits, _ = model.apply(params, tokens[None], q_pos[None], (), k_pos)
+        logits, _ = model.apply(params, tokens[None], q_pos[None], (), DenseCausalMetadata(k_pos))
         return logits[0]
 
     return jax.jit(run)
