@@ -6,15 +6,12 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
 import math
 import pathlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from absl import logging
 from tqdm.auto import tqdm
 
@@ -28,12 +25,8 @@ from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.kv_cache import cache_dtype
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.sampling import SamplingParams
-from jaxserve.models import random_weights, registry
-from jaxserve.models.config import LlamaConfig
-from jaxserve.models.gguf_loader import load_gguf
-from jaxserve.models.hf_loader import load_hf_dir
-from jaxserve.models.llama import param_shapes
-from jaxserve.models.tokenizer import TextTokenizer
+from jaxserve.models import registry
+from jaxserve.models.loader import DTYPES, load_weights
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.packer import PackerConfig, engine_packer
@@ -43,8 +36,6 @@ from jaxserve.sched.slo import SLO
 
 Messages = Sequence[dict[str, str]]
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
 
 @dataclasses.dataclass
 class Completion:
@@ -53,56 +44,6 @@ class Completion:
     text: str
     token_ids: list[int]
     finish_reason: str
-
-
-_CONVERTED_FORMAT = 3  # bump when what _load saves changes, so old caches are not misread
-
-
-def _converted_dir(source: pathlib.Path, dtype: str) -> pathlib.Path:
-    """Cache folder for converted weights, keyed by the identity of every source file that shapes it."""
-    files = [source] if source.is_file() else sorted(
-        f for pattern in ("*.safetensors", "*.json", "*.jinja") for f in source.glob(pattern))
-    ident = "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-    digest = hashlib.sha256(f"{_CONVERTED_FORMAT}|{ident}|{dtype}".encode()).hexdigest()[:16]
-    return registry.cache_dir() / "converted" / f"{source.stem}-{dtype}-{digest}"
-
-
-def _load(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
-    """Config, device params and tokenizer. The first start converts the source and saves the result (weights
-    with orbax, config and tokenizer as JSON); later starts restore it without reading the source again."""
-    ckpt_dir = _converted_dir(source, dtype)
-    checkpointer = ocp.StandardCheckpointer()
-    if (ckpt_dir / "params").exists() and (ckpt_dir / "config.json").exists():
-        cfg = LlamaConfig.from_json((ckpt_dir / "config.json").read_text())
-        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # each process restores its own copy
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here),
-                                param_shapes(cfg, _DTYPES[dtype]))
-        return cfg, checkpointer.restore(ckpt_dir / "params", abstract), TextTokenizer.load(ckpt_dir)
-    if source.is_file():
-        cfg, host_params, gguf_file = load_gguf(source)
-        tokenizer = TextTokenizer.from_gguf(gguf_file)
-    else:
-        cfg, host_params = load_hf_dir(source)
-        tokenizer = TextTokenizer.from_hf_dir(source)
-    params = jax.tree.map(lambda x: jnp.asarray(x, _DTYPES[dtype]), host_params)
-    if jax.process_count() > 1:
-        # orbax's save is a collective over all processes and refuses host-local arrays: each process keeps
-        # its own conversion, and a later single-process start fills the cache
-        return cfg, params, tokenizer
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    checkpointer.save(ckpt_dir / "params", params, force=True)
-    checkpointer.wait_until_finished()
-    tokenizer.save(ckpt_dir)
-    (ckpt_dir / "config.json").write_text(cfg.to_json())  # written last: marks the folder complete
-    return cfg, params, tokenizer
-
-
-def _weights(model: str, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
-    """Config, device params and tokenizer of `model`: drawn for `random:<shape>` (the same in every process),
-    else loaded (_load)."""
-    if random_weights.is_random(model):
-        return random_weights.load(model, _DTYPES[dtype])
-    return _load(registry.resolve(model), dtype)
 
 
 def _enable_compilation_cache() -> None:
@@ -162,8 +103,8 @@ class LLM:
         chunks of at least min_chunk tokens), then decode_instances decode instances of decode_kvp instances each
         (KV-parallel when more than one), each with receive_buffers receive buffers. The pool's Eq. (1) is
         measured at first start and cached (`prefill_profile` names the file instead)."""
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         for name, value in (("block_size", block_size), ("kv_cache_tokens", kv_cache_tokens or 1),
                             ("max_model_len", max_model_len or 2), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -176,7 +117,7 @@ class LLM:
                              "instances step one token at a time, so that its loop admits prompts between steps")
         _enable_compilation_cache()
         self.model_name, self._dtype_name = model, dtype
-        self.config, params, self.tokenizer = _weights(model, dtype)
+        self.config, params, self.tokenizer = load_weights(model, dtype)
         if jax.process_index() != lockstep.LEADER:
             raise RuntimeError("LLM runs on the leader (process 0); other processes call jaxserve.api.follow")
         # the device layer: in one process made here; with several, made here and in every follower (lockstep)
@@ -190,11 +131,11 @@ class LLM:
         kv_heads = cfg.split(tp).kv_heads  # per device; a ValueError when tp does not divide the model
         if tp > len(jax.devices()):
             raise ValueError(f"tp={tp} needs {tp} devices; there are {len(jax.devices())}")
-        kv_dtype = cache_dtype(_DTYPES[dtype], jax.devices()[0].platform)
+        kv_dtype = cache_dtype(DTYPES[dtype], jax.devices()[0].platform)
         token_bytes = 2 * cfg.num_layers * kv_heads * cfg.head_dim * kv_dtype.itemsize
         kv_tokens = kv_cache_tokens or int(kv_cache_gib * 2**30 // token_bytes)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, kv_tokens)
-        self._params, self._dtype = params, _DTYPES[dtype]
+        self._params, self._dtype = params, DTYPES[dtype]
         self._kv_tokens, self._tp = kv_tokens, tp
         self._block_size, self._key_block, self._cost_profile = block_size, key_block, cost_profile
         # on a CPU the jnp attention runs every tile of a mixed program: row buckets from 4 keep a lone chunk's few;
@@ -420,8 +361,8 @@ class LLM:
 def follow(model: str = registry.DEFAULT_MODEL, *, dtype: str = "float32") -> None:
     """A follower's life (jax.distributed, every process but the leader): load the same weights as the leader's
     LLM, then make the device-layer calls the leader publishes until it stops (cluster/lockstep.py)."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     _enable_compilation_cache()
-    _, params, _ = _weights(model, dtype)
+    _, params, _ = load_weights(model, dtype)
     lockstep.follow(jax.tree.map(np.asarray, params))
