@@ -75,13 +75,14 @@ def default_path(model_name: str, dtype: str, pool_size: int, node_size: int, tp
 def load_or_measure(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
                     progress: bool = True) -> TetrisPrefill:
     """The Eq. (1) fit in `path`, measured (and written there) first if the file does not exist."""
-    if path.exists():
-        model = TetrisPrefill.from_json(path.read_text())
-        if set(model.coefficients) != set(groups):
-            raise ValueError(f"the prefill profile {path} was fitted for SP sizes {sorted(model.coefficients)}, "
-                             f"not this pool's {sorted(groups)}")
-        return model
-    model = measure(sp, groups, max_tokens, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(model.to_json())
+    return engine_profile.cached(path, lambda: load(path, groups),
+                                 lambda: measure(sp, groups, max_tokens, progress=progress), TetrisPrefill.to_json)
+
+
+def load(path: pathlib.Path, groups: dict[int, Group]) -> TetrisPrefill:
+    """The Eq. (1) fit in `path`, checked against the pool's SP sizes."""
+    model = TetrisPrefill.from_json(path.read_text())
+    if set(model.coefficients) != set(groups):
+        raise ValueError(f"the prefill profile {path} was fitted for SP sizes {sorted(model.coefficients)}, "
+                         f"not this pool's {sorted(groups)}")
     return model
