@@ -16,7 +16,7 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from jaxserve.engine import profile, scoring
-from jaxserve.cluster import profile as cluster_profile
+from jaxserve.cluster import pool_profile
 from jaxserve.cluster import lockstep
 from jaxserve.cluster.build import Layout, build, warmup
 from jaxserve.cluster.engine import ClusterEngine
@@ -235,8 +235,8 @@ class LLM:
     def _make_cluster(self, layout: Layout, min_chunk: int, prefill_profile: str | None,
                       progress: bool) -> ClusterEngine:
         path = (pathlib.Path(prefill_profile) if prefill_profile else
-                cluster_profile.default_path(self.model_name, self._dtype_name, layout.prefill_instances,
-                                             layout.node_size, layout.tp, self.max_model_len, self._key_block))
+                pool_profile.default_path(self.model_name, self._dtype_name, layout.prefill_instances,
+                                          layout.node_size, layout.tp, self.max_model_len, self._key_block))
         cluster = build(self.config, self._params, layout, lambda ds: self.make_engine(ds, progress), path,
                         capacity=self.max_model_len, dtype=self._dtype, min_chunk=min_chunk,
                         key_block=self._key_block, progress=progress, new=self._new)

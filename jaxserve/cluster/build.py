@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jaxserve.cluster import profile
+from jaxserve.cluster import pool_profile
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.cluster.transfer import KVMover
@@ -107,7 +107,7 @@ def build(cfg, params, layout: Layout, make_engine: Callable[[list[jax.Device]],
         sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]
         first_group = {len(g): g for g in reversed(planner_groups(pool, sizes))}  # the first group of each size
         groups = {s: tuple(devices[i * tp].id for i in g) for s, g in first_group.items()}
-        prefill_cost = profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
+        prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
     planner = CDSPPlanner(prefill_cost, layout.pool, improvement_rate, sizes=sizes, min_chunk=min_chunk)
     g = layout.decode_kvp * tp
     engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
