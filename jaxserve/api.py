@@ -6,22 +6,18 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
-import math
 import pathlib
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from absl import logging
 from tqdm.auto import tqdm
 
 from jaxserve import config
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import profile, scoring
-from jaxserve.cluster import profile as cluster_profile
+from jaxserve.cluster import pool_profile
 from jaxserve.cluster import lockstep
 from jaxserve.cluster.build import build, warmup
 from jaxserve.cluster.engine import ClusterEngine
@@ -30,20 +26,14 @@ from jaxserve.engine.engine import Engine, RequestOutput
 from jaxserve.engine.kv_cache import cache_dtype
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.models import random_weights, registry
-from jaxserve.models.config import LlamaConfig
-from jaxserve.models.gguf_loader import load_gguf
-from jaxserve.models.hf_loader import load_hf_dir
-from jaxserve.models.llama import Llama
-from jaxserve.models.tokenizer import TextTokenizer
+from jaxserve.models import registry
+from jaxserve.models.loader import DTYPES, load_weights
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.build import packer_config, replica_scheduler
 from jaxserve.sched.packer import PackerConfig
 
 Messages = Sequence[dict[str, str]]
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass
@@ -53,61 +43,6 @@ class Completion:
     text: str
     token_ids: list[int]
     finish_reason: str
-
-
-_CONVERTED_FORMAT = 3  # bump when what _load saves changes, so old caches are not misread
-
-
-def _converted_dir(source: pathlib.Path, dtype: str) -> pathlib.Path:
-    """Cache folder for converted weights, keyed by the identity of every source file that shapes it."""
-    files = [source] if source.is_file() else sorted(
-        f for pattern in ("*.safetensors", "*.json", "*.jinja") for f in source.glob(pattern))
-    ident = "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-    digest = hashlib.sha256(f"{_CONVERTED_FORMAT}|{ident}|{dtype}".encode()).hexdigest()[:16]
-    return registry.cache_dir() / "converted" / f"{source.stem}-{dtype}-{digest}"
-
-
-def _load(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
-    """Config, device params and tokenizer. The first start converts the source and saves the result (weights
-    with orbax, config and tokenizer as JSON); later starts restore it without reading the source again."""
-    ckpt_dir = _converted_dir(source, dtype)
-    checkpointer = ocp.StandardCheckpointer()
-    if (ckpt_dir / "params").exists() and (ckpt_dir / "config.json").exists():
-        cfg = LlamaConfig.from_json((ckpt_dir / "config.json").read_text())
-        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # each process restores its own copy
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here),
-                                jax.eval_shape(lambda: _init_shapes(cfg, _DTYPES[dtype])))
-        return cfg, checkpointer.restore(ckpt_dir / "params", abstract), TextTokenizer.load(ckpt_dir)
-    if source.is_file():
-        cfg, host_params, gguf_file = load_gguf(source)
-        tokenizer = TextTokenizer.from_gguf(gguf_file)
-    else:
-        cfg, host_params = load_hf_dir(source)
-        tokenizer = TextTokenizer.from_hf_dir(source)
-    params = jax.tree.map(lambda x: jnp.asarray(x, _DTYPES[dtype]), host_params)
-    if jax.process_count() > 1:
-        # orbax's save is a collective over all processes and refuses host-local arrays: each process keeps
-        # its own conversion, and a later single-process start fills the cache
-        return cfg, params, tokenizer
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    checkpointer.save(ckpt_dir / "params", params, force=True)
-    checkpointer.wait_until_finished()
-    tokenizer.save(ckpt_dir)
-    (ckpt_dir / "config.json").write_text(cfg.to_json())  # written last: marks the folder complete
-    return cfg, params, tokenizer
-
-
-def _weights(model: str, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
-    """Config, device params and tokenizer of `model`: drawn for `random:<shape>` (the same in every process),
-    else loaded (_load)."""
-    if random_weights.is_random(model):
-        return random_weights.load(model, _DTYPES[dtype])
-    return _load(registry.resolve(model), dtype)
-
-
-def _init_shapes(cfg: LlamaConfig, dtype) -> Any:
-    one = jnp.zeros((1, 1), jnp.int32)
-    return Llama(cfg, scoring.DenseCausalBackend(), dtype).init(jax.random.key(0), one, one, (), one[0])
 
 
 def _enable_compilation_cache() -> None:
@@ -137,8 +72,8 @@ class LLM:
         base = model if isinstance(model, EngineConfig) else EngineConfig(model=ModelConfig(model=model))
         self.engine_config = cfg = config.replace(base, **settings)
         _enable_compilation_cache()
-        self.model_name, self._dtype_name, self._dtype = cfg.model.model, cfg.model.dtype, _DTYPES[cfg.model.dtype]
-        self.config, params, self.tokenizer = _weights(cfg.model.model, cfg.model.dtype)
+        self.model_name, self._dtype_name, self._dtype = cfg.model.model, cfg.model.dtype, DTYPES[cfg.model.dtype]
+        self.config, params, self.tokenizer = load_weights(cfg.model.model, cfg.model.dtype)
         if jax.process_index() != lockstep.LEADER:
             raise RuntimeError("LLM runs on the leader (process 0); other processes call jaxserve.api.follow")
         if jax.process_count() > 1:  # on the host: each process puts its copy on whichever of its devices need it
@@ -251,8 +186,8 @@ class LLM:
         layout, key_block = self.engine_config.parallel, self.engine_config.cache.key_block
         prefill_profile = self.engine_config.startup.prefill_profile
         path = (pathlib.Path(prefill_profile) if prefill_profile else
-                cluster_profile.default_path(self.model_name, self._dtype_name, layout.prefill_instances,
-                                             layout.node_size, layout.tp, self.max_model_len, key_block))
+                pool_profile.default_path(self.model_name, self._dtype_name, layout.prefill_instances,
+                                          layout.node_size, layout.tp, self.max_model_len, key_block))
         cluster = build(self.config, self._params, layout, lambda ds: self.make_engine(ds, progress), path,
                         capacity=self.max_model_len, dtype=self._dtype, key_block=key_block, progress=progress,
                         new=self._new)
@@ -378,5 +313,5 @@ def follow(model: ModelConfig = ModelConfig()) -> None:
     """A follower's life (jax.distributed, every process but the leader): load the same weights as the leader's
     LLM, then make the device-layer calls the leader publishes until it stops (cluster/lockstep.py)."""
     _enable_compilation_cache()
-    _, params, _ = _weights(model.model, model.dtype)
+    _, params, _ = load_weights(model.model, model.dtype)
     lockstep.follow(jax.tree.map(np.asarray, params))

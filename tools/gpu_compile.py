@@ -59,9 +59,8 @@ from jaxserve import xla_flags  # noqa: E402
 from jaxserve.engine import batch, compiled, sp_prefill  # noqa: E402
 from jaxserve.engine.kv_cache import RaggedPagedBackend  # noqa: E402
 from jaxserve.engine.runner import burst_packed, forward_packed, sample_padded  # noqa: E402
-from jaxserve.engine.scoring import DenseCausalBackend  # noqa: E402
 from jaxserve.models.config import llama3_8b  # noqa: E402
-from jaxserve.models.llama import Llama  # noqa: E402
+from jaxserve.models.llama import Llama, param_shapes  # noqa: E402
 from jaxserve.sharding import overlap, ring  # noqa: E402
 from jaxserve.sharding.mesh import SP, make_mesh  # noqa: E402
 
@@ -107,9 +106,7 @@ def ring_program(mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
 
 def chunk_program(mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
     cfg = llama3_8b(FLAGS.layers)
-    one = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(lambda: Llama(cfg, DenseCausalBackend(), jnp.bfloat16).init(
-        jax.random.key(0), one, one, (), one[0]))
+    shapes = param_shapes(cfg, jnp.bfloat16)
     specs = jax.tree.map(lambda _: P(), shapes)  # tp = 1: every instance holds the whole model
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
                           shapes)
@@ -137,12 +134,10 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int, burst: bool = False) -> t
     cfg = llama3_8b(FLAGS.decode_layers)
     bs, buckets = BLOCK, DECODE_BUCKETS
     model = Llama(cfg, RaggedPagedBackend(bs, KEY_BLOCK, 1, "kernel"), jnp.bfloat16, unrolled=True)
-    one = jnp.zeros((1, 1), jnp.int32)
     here = NamedSharding(mesh, P())
     on_gpu = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), tree)
-    params = on_gpu(jax.eval_shape(lambda: Llama(cfg, DenseCausalBackend(), jnp.bfloat16, unrolled=True).init(
-        jax.random.key(0), one, one, (), one[0])))
+    params = on_gpu(param_shapes(cfg, jnp.bfloat16, unrolled=True))
     cache = jax.ShapeDtypeStruct((cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
                                  sharding=here)
     shape = buckets.decode(buckets.fit_decode(rows))  # batch 1 runs in the engine's smallest decode program

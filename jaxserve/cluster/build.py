@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jaxserve.cluster import profile
+from jaxserve.cluster import pool_profile
 from jaxserve.config import ParallelConfig
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
@@ -96,7 +96,7 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]
         first_group = {len(g): g for g in reversed(planner_groups(pool, sizes))}  # the first group of each size
         groups = {s: tuple(devices[i * tp].id for i in g) for s, g in first_group.items()}
-        prefill_cost = profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
+        prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
     planner = CDSPPlanner(prefill_cost, pool_of(layout), improvement_rate, sizes=sizes,
                           min_chunk=layout.min_chunk)
     g = layout.decode_kvp * tp

@@ -15,8 +15,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
+from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import LlamaConfig
 from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -27,21 +28,38 @@ from jaxserve.sharding.mesh import SP
 Caches = tuple[Float[Array, "layers slots kvh d"], Float[Array, "layers slots kvh d"]]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedPagedMetadata(AttentionMetadata):
+    """What RaggedPagedBackend reads: a flat ragged batch of t tokens in r rows (batch.StepArrays), in the
+    group's global block numbers."""
+
+    slots: Int[Array, "t"]
+    """Where each token's K/V is written (padding: the scratch block)."""
+    tables: Int[Array, "r w"]
+    """Each row's block table."""
+    decode_token: Int[Array, "r"]
+    """The flat index of a decode row's token; t for other rows."""
+    tile_tokens: Int[Array, "nt tq"]
+    """Each attention tile's flat token indices; t where padded."""
+    tile_row: Int[Array, "nt"]
+    """The row each tile's tokens belong to."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RaggedPagedBackend:
     """The model's attention over the paged cache for a flat ragged batch.
 
     caches = (k [layers, slots, kvh, d], v [...]) (this device's share when kvp > 1, inside shard_map over the
-    'sp' axis); ctx = (write slots [t], block tables [r, w], decode_token [r], tile_tokens [nt, tq],
-    tile_row [nt]) as batch.StepArrays describes, in the group's global block numbers."""
+    'sp' axis)."""
 
     block_size: int
     key_block: int
     kvp: int = 1
     implementation: Implementation | None = None  # of the attention kernel (default: the kernel on GPU only)
 
-    def __call__(self, q, k, v, positions, caches, layer, ctx):
-        slots, tables, decode_token, tile_tokens, tile_row = ctx
+    def __call__(self, q, k, v, positions, caches, layer, metadata: RaggedPagedMetadata):
+        slots, tables = metadata.slots, metadata.tables
         k_all, v_all = caches
         if self.kvp > 1:
             slots, tables = self._local(slots, tables)
@@ -60,7 +78,8 @@ class RaggedPagedBackend:
         flat = (layers * slots_per_layer, *k_all.shape[2:])
         tables = jnp.where(tables >= 0, tables + layer * (slots_per_layer // self.block_size), -1)
         out, lse = ragged_paged_attention(q[0], positions[0], k_all.reshape(flat), v_all.reshape(flat), tables,
-                                          decode_token, tile_tokens, tile_row, block_size=self.block_size,
+                                          metadata.decode_token, metadata.tile_tokens, metadata.tile_row,
+                                          block_size=self.block_size,
                                           key_block=self.key_block, implementation=self.implementation)
         if self.kvp > 1:
             out, _ = merge_gathered(out, lse, SP)

@@ -16,7 +16,7 @@ import json
 import pathlib
 import statistics
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import jax
 import numpy as np
@@ -34,6 +34,9 @@ from jaxserve.sched.step_shapes import StepShapes
 _DRAWN = SamplingParams(max_tokens=1, temperature=1.0)
 VERSION = 10  # of the step and of how it is measured: a change to either must not load an older profile
 LONG = 2048  # tokens of context at the long points
+
+
+T = TypeVar("T")
 
 
 class Interrupted(Exception):
@@ -152,9 +155,16 @@ def load(path: pathlib.Path, runner: ModelRunner) -> EngineStepCost:
 def load_or_measure(path: pathlib.Path, runner: ModelRunner, max_model_len: int, progress: bool = True,
                     stop: Callable[[], bool] = lambda: False) -> EngineStepCost:
     """The profile in `path`, measured (and written there) first if the file does not exist. stop: as measure's."""
+    return cached(path, lambda: load(path, runner),
+                  lambda: measure(runner, max_model_len, progress=progress, stop=stop),
+                  lambda cost: json.dumps(cost.to_dict(), indent=1))
+
+
+def cached(path: pathlib.Path, read: Callable[[], T], take: Callable[[], T], dumps: Callable[[T], str]) -> T:
+    """A measured profile kept on disk: read if `path` exists, else taken (measured) and written there."""
     if path.exists():
-        return load(path, runner)
-    cost = measure(runner, max_model_len, progress=progress, stop=stop)
+        return read()
+    profile = take()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cost.to_dict(), indent=1))
-    return cost
+    path.write_text(dumps(profile))
+    return profile

@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxserve.engine import batch
-from jaxserve.engine.kv_cache import RaggedPagedBackend, allocate_caches, cache_dtype
+from jaxserve.engine.kv_cache import RaggedPagedBackend, RaggedPagedMetadata, allocate_caches, cache_dtype
 from jaxserve.engine.sampling import sample
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama, unstack_layers
@@ -67,9 +67,9 @@ def forward(model: Llama, params: Any, caches: Any, a: batch.StepArrays,
             previous: Int[Array, "m"]) -> tuple[Float[Array, "r v"], Any]:
     """The model over the flat batch, writing its K/V into the caches: the logits of each row's last token.
     previous: the last step's sampled tokens, which the tokens marked in `a.feed` are."""
-    ctx = (a.slots, a.tables, a.decode_token, a.tile_tokens, a.tile_row)
+    metadata = RaggedPagedMetadata(a.slots, a.tables, a.decode_token, a.tile_tokens, a.tile_row)
     token_ids = jnp.where(a.feed >= 0, previous[jnp.maximum(a.feed, 0)], a.token_ids)
-    logits, caches = model.apply(params, token_ids[None], a.positions[None], caches, ctx, a.logits_index[None])
+    logits, caches = model.apply(params, token_ids[None], a.positions[None], caches, metadata, a.logits_index[None])
     return logits[0], caches
 
 

@@ -4,7 +4,6 @@ does)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -12,18 +11,9 @@ import jax
 import numpy as np
 
 from jaxserve.engine.batch import powers_of_two
+from jaxserve.models.attention import DenseCausalBackend, DenseCausalMetadata
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama, is_stacked
-from jaxserve.pallas_kernels.reference import chunk_attention
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseCausalBackend:
-    """Causal attention of one sequence over itself; keeps no cache (caches pass through untouched)."""
-
-    def __call__(self, q, k, v, positions, caches, layer, ctx):
-        out, _ = chunk_attention(q[0], k[0], v[0], positions[0], ctx)
-        return out[None].astype(q.dtype), caches
 
 
 @functools.lru_cache(maxsize=8)
@@ -31,7 +21,7 @@ def _forward(cfg: LlamaConfig, dtype: Any, unrolled: bool):
     model = Llama(cfg, DenseCausalBackend(), dtype, unrolled=unrolled)
 
     def run(params, tokens, q_pos, k_pos):
-        logits, _ = model.apply(params, tokens[None], q_pos[None], (), k_pos)
+        logits, _ = model.apply(params, tokens[None], q_pos[None], (), DenseCausalMetadata(k_pos))
         return logits[0]
 
     return jax.jit(run)

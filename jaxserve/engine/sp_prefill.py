@@ -33,7 +33,7 @@ from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.pallas_kernels.reference import NO_POSITION
 from jaxserve.sharding import layouts, processes, rebalance, rows, tp as tensor_parallel
 from jaxserve.sharding.mesh import SP, TP, make_mesh
-from jaxserve.sharding.ring import StoreRingBackend
+from jaxserve.sharding.ring import StoreRingBackend, StoreRingMetadata
 
 Group = tuple[int, ...]  # instance ids (each instance's first device's id) in ring order
 
@@ -289,8 +289,8 @@ def chunk_step(cfg: LlamaConfig, mesh: Mesh, specs: Any, *, key_block: int, dtyp
 
     def body(params, ids, q_pos, k_pos, hist_pos, fill, blocks, last, temperature, top_k, top_p, seed, counter,
              k_store, v_store):
-        ctx = (hist_pos, k_pos, fill[0], blocks[0])
-        logits, caches = model.apply(params, ids[None], q_pos[None], (k_store, v_store), ctx, last[None])
+        metadata = StoreRingMetadata(hist_pos, k_pos, fill[0], blocks[0])
+        logits, caches = model.apply(params, ids[None], q_pos[None], (k_store, v_store), metadata, last[None])
         # one draw a chunk, beside a whole chunk's forward: the top-k / top-p sort always runs (one program)
         return (sample(logits[0], temperature, top_k, top_p, seed, counter, cut=True),) + caches
 

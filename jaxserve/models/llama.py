@@ -1,12 +1,12 @@
 """Llama-family decoder in Flax: RMSNorm, RoPE (Llama-3 scaling), GQA, SwiGLU, tied or untied embeddings.
 
 The model does not know where its KV lives or how many devices hold the sequence: each layer hands its
-rotated q/k/v to an attention backend, `backend(q, k, v, positions, caches, layer, ctx) -> (out, caches)`.
-The engine's paged-cache backend serves prefill chunks and decode on one device; the sharding layer's ring
-backend runs the same layers over an SP group inside `shard_map`. With `tp_axis` (inside shard_map) each device
-holds its tensor-parallel share of the heads and MLP features (sharding/tp.py) and the two row-split projections
-are summed over that axis. Parameter names follow Hugging Face's so that
-loaders map tensors one to one.
+rotated q/k/v to an attention backend (models/attention.py),
+`backend(q, k, v, positions, caches, layer, metadata) -> (out, caches)`. The engine's paged-cache backend
+serves prefill chunks and decode on one device; the sharding layer's ring backend runs the same layers over an
+SP group inside `shard_map`. With `tp_axis` (inside shard_map) each device holds its tensor-parallel share of
+the heads and MLP features (sharding/tp.py) and the two row-split projections are summed over that axis.
+Parameter names follow Hugging Face's so that loaders map tensors one to one.
 
 The layers run one of two ways (`unrolled`):
 - scanned: `nn.scan` over one `DecoderLayer`, so a compile does not grow with depth. `params['layers']` is the
@@ -21,29 +21,16 @@ static when unrolled) and touches only its own slice.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxserve.models.attention import (AttentionBackend, AttentionMetadata, Caches, DenseCausalBackend,
+                                       DenseCausalMetadata)
 from jaxserve.models.config import LlamaConfig
-
-Caches = Any  # the backend's whole KV pytree, every array with a leading layer axis, e.g. (k_all, v_all)
-
-
-class AttentionBackend(Protocol):
-    """Attention over wherever the KV lives.
-
-    caches: the whole per-model KV pytree (arrays [num_layers, ...]); layer: traced int32 scalar, the current
-    layer. The backend writes only the slice of `layer` and returns the whole pytree. ctx holds the arrays shared
-    by all layers (slots, tables, ...).
-    """
-
-    def __call__(self, q: Float[Array, "b t h d"], k: Float[Array, "b t kvh d"], v: Float[Array, "b t kvh d"],
-                 positions: Int[Array, "b t"], caches: Caches, layer: Int[Array, ""], ctx: Any
-                 ) -> tuple[Float[Array, "b t h d"], Caches]: ...
 
 
 class RMSNorm(nn.Module):
@@ -93,14 +80,14 @@ class Attention(nn.Module):
     tp_axis: str | None = None
 
     @nn.compact
-    def __call__(self, x, cos, sin, positions, caches: Caches, layer, ctx):
+    def __call__(self, x, cos, sin, positions, caches: Caches, layer, metadata: AttentionMetadata):
         cfg, share = self.cfg, _split(self.cfg, self.tp_axis)
         b, t, _ = x.shape
         q = _dense(share.heads * cfg.head_dim, self.dtype, "q_proj")(x).reshape(b, t, share.heads, cfg.head_dim)
         k = _dense(share.kv_heads * cfg.head_dim, self.dtype, "k_proj")(x).reshape(b, t, share.kv_heads, cfg.head_dim)
         v = _dense(share.kv_heads * cfg.head_dim, self.dtype, "v_proj")(x).reshape(b, t, share.kv_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, caches = self.backend(q, k, v, positions, caches, layer, ctx)
+        out, caches = self.backend(q, k, v, positions, caches, layer, metadata)
         out = _dense(cfg.hidden_size, self.dtype, "o_proj")(out.reshape(b, t, -1).astype(self.dtype))
         return _reduce(out, self.tp_axis), caches
 
@@ -127,12 +114,12 @@ class DecoderLayer(nn.Module):
     tp_axis: str | None = None
 
     @nn.compact
-    def __call__(self, carry, layer, cos, sin, positions, ctx):
+    def __call__(self, carry, layer, cos, sin, positions, metadata: AttentionMetadata):
         x, caches = carry
         eps = self.cfg.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
         attn, caches = Attention(self.cfg, self.dtype, self.backend, self.tp_axis, name="self_attn")(
-            h, cos, sin, positions, caches, layer, ctx)
+            h, cos, sin, positions, caches, layer, metadata)
         x = x + attn
         h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
         x = x + MLP(self.cfg, self.dtype, self.tp_axis, name="mlp")(h)
@@ -140,7 +127,7 @@ class DecoderLayer(nn.Module):
 
 
 # Parameters stacked on axis 0 (one slice per layer, each initialised with its own rng); the layer index is
-# the scanned input; cos/sin/positions/ctx are the same for every layer.
+# the scanned input; cos/sin/positions/metadata are the same for every layer.
 ScannedLayers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast))
 
@@ -166,8 +153,9 @@ class Llama(nn.Module):
     """Decoder over the backend's KV.
 
     tokens/positions: the new tokens of each request. caches: the backend's KV pytree (leading layer axis);
-    ctx: the backend's shared arrays. logits_index [b, n]: which new tokens' logits to return per request
-    (indices into the t axis), giving [b, n, vocab]; None returns all [b, t, vocab]. Logits are float32.
+    metadata: the backend's arrays shared by all layers. logits_index [b, n]: which new tokens' logits to return
+    per request (indices into the t axis), giving [b, n, vocab]; None returns all [b, t, vocab]. Logits are
+    float32.
     """
 
     cfg: LlamaConfig
@@ -182,7 +170,7 @@ class Llama(nn.Module):
         tokens: Int[Array, "b t"],
         positions: Int[Array, "b t"],
         caches: Caches,
-        ctx: Any,
+        metadata: AttentionMetadata,
         logits_index: Int[Array, "b n"] | None = None,
     ) -> tuple[Float[Array, "b n vocab"], Caches]:
         cfg = self.cfg
@@ -192,11 +180,11 @@ class Llama(nn.Module):
         if self.unrolled:
             for i in range(cfg.num_layers):
                 layer = DecoderLayer(cfg, self.dtype, self.backend, self.tp_axis, name=f"layers_{i}")
-                (x, caches), _ = layer((x, caches), i, cos, sin, positions, ctx)
+                (x, caches), _ = layer((x, caches), i, cos, sin, positions, metadata)
         else:
             layers = ScannedLayers(cfg, self.dtype, self.backend, self.tp_axis, name="layers")
             (x, caches), _ = layers((x, caches), jnp.arange(cfg.num_layers, dtype=jnp.int32), cos, sin, positions,
-                                    ctx)
+                                    metadata)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
@@ -205,3 +193,15 @@ class Llama(nn.Module):
         else:
             logits = _dense(cfg.vocab_size, self.dtype, "lm_head")(x)
         return logits.astype(jnp.float32), caches
+
+
+def init_params(cfg: LlamaConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32, unrolled: bool = False) -> Any:
+    """Flax's initial parameters: random matrices, norms at 1; stacked layers unless unrolled."""
+    one = jnp.zeros((1, 1), jnp.int32)
+    model = Llama(cfg, DenseCausalBackend(), dtype, unrolled=unrolled)
+    return model.init(key, one, one, (), DenseCausalMetadata(one[0]))
+
+
+def param_shapes(cfg: LlamaConfig, dtype: jnp.dtype, unrolled: bool = False) -> Any:
+    """The parameters' shapes and dtypes (jax.ShapeDtypeStruct leaves), nothing allocated."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype, unrolled))

@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from jaxserve.engine.scoring import DenseCausalBackend
 from jaxserve.models.config import LlamaConfig, llama3_8b
-from jaxserve.models.llama import Llama
+from jaxserve.models.llama import param_shapes
 from jaxserve.models.tokenizer import TextTokenizer
 
 PREFIX = "random:"
@@ -42,9 +41,7 @@ def config(model: str) -> LlamaConfig:
 def load(model: str, dtype: jnp.dtype, seed: int = 0) -> tuple[LlamaConfig, Any, TextTokenizer]:
     """Config, random device parameters (normal(0, STD); norm scales 1) and a tokenizer of `<id>` words."""
     cfg = config(model)
-    one = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(lambda: Llama(cfg, DenseCausalBackend(), dtype).init(jax.random.key(0), one, one, (),
-                                                                                  one[0]))
+    shapes = param_shapes(cfg, dtype)
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     params = [_draw(key, leaf.shape, leaf.dtype, any("norm" in str(getattr(k, "key", "")) for k in path))

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxserve.models.attention import AttentionMetadata
 from jaxserve.pallas_kernels import dispatch as kernels
 from jaxserve.sharding.lse import merge_scatter
 from jaxserve.sharding.mesh import SP
@@ -120,14 +121,27 @@ def ring_attention(
                       implementation=implementation)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StoreRingMetadata(AttentionMetadata):
+    """What StoreRingBackend reads on one device of the group."""
+
+    hist_pos: Int[Array, "cap"]
+    """The store's row positions; NO_POSITION where empty."""
+    k_pos: Int[Array, "t"]
+    """This shard's key positions."""
+    fill: Int[Array, ""]
+    """The store row where this shard's K/V goes."""
+    blocks: Int[Array, ""]
+    """How many key blocks of the store hold history."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StoreRingBackend:
     """The model's attention backend inside `shard_map` for a CDSP chunk: ring attention over the group, the
     request's history read from each device's preallocated store.
 
-    caches = this device's (k_store, v_store), each [layers, cap, kvh, d]; ctx = (hist_pos [cap]: the store's
-    row positions, NO_POSITION where empty; k_pos [t]: this shard's key positions; fill: the store row where this
-    shard's K/V goes; blocks: key blocks of the store holding history). Each layer attends, then writes the
+    caches = this device's (k_store, v_store), each [layers, cap, kvh, d]. Each layer attends, then writes the
     shard's K/V at rows [fill, fill + t) of its own slice (the store is donated: updated in place).
     """
 
@@ -136,14 +150,13 @@ class StoreRingBackend:
     axis_name: str = SP
     implementation: kernels.Implementation | None = None
 
-    def __call__(self, q, k, v, positions, caches, layer, ctx):
+    def __call__(self, q, k, v, positions, caches, layer, metadata: StoreRingMetadata):
         k_store, v_store = caches
-        hist_pos, k_pos, fill, blocks = ctx
         kw = dict(axis_name=self.axis_name, implementation=self.implementation)
-        o, lse = stored_history_attention(q[0], positions[0], k_store, v_store, hist_pos, layer, blocks,
-                                          key_block=self.key_block, **kw)
-        o, _ = chunk_ring(o, lse, q[0], k[0], v[0], positions[0], k_pos, axis_size=self.axis_size, **kw)
-        at = (layer, fill, 0, 0)
+        o, lse = stored_history_attention(q[0], positions[0], k_store, v_store, metadata.hist_pos, layer,
+                                          metadata.blocks, key_block=self.key_block, **kw)
+        o, _ = chunk_ring(o, lse, q[0], k[0], v[0], positions[0], metadata.k_pos, axis_size=self.axis_size, **kw)
+        at = (layer, metadata.fill, 0, 0)
         k_store = jax.lax.dynamic_update_slice(k_store, k.astype(k_store.dtype), at)  # k: [1, t, kvh, d]
         v_store = jax.lax.dynamic_update_slice(v_store, v.astype(v_store.dtype), at)
         return o[None].astype(q.dtype), (k_store, v_store)

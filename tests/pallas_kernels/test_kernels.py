@@ -23,8 +23,7 @@ from jax import export
 from jaxserve.engine import batch
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.models.config import LlamaConfig
-from jaxserve.engine.scoring import DenseCausalBackend
-from jaxserve.models.llama import Llama
+from jaxserve.models.llama import init_params
 
 from jaxserve.pallas_kernels import (chunk_attention, common, decode_attention, dispatch, merge, reference,
                                     tiled_paged_attention)
@@ -178,8 +177,7 @@ def test_serving_step_lowers_for_cuda_with_the_kernel():
     cfg = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4,
                       num_kv_heads=1, head_dim=128, max_position_embeddings=4096, rope_theta=500000.0,
                       tie_word_embeddings=False)
-    one = jnp.zeros((1, 1), jnp.int32)
-    params = Llama(cfg, DenseCausalBackend()).init(jax.random.key(0), one, one, (), one[0])
+    params = init_params(cfg, jax.random.key(0))
     buckets = batch.Buckets.make(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=4096, block_size=16,
                                  key_block=256)
     runner = ModelRunner(cfg, params, jnp.bfloat16, num_blocks=64, block_size=16, buckets=buckets, key_block=256,

@@ -4,13 +4,11 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 (the flag must be set before 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.scoring import DenseCausalBackend
 from jaxserve.models.config import LlamaConfig
-from jaxserve.models.llama import Llama
+from jaxserve.models.llama import init_params
 from jaxserve.pallas_kernels.reference import NO_POSITION
 
 # A small random Llama with GQA (6 heads over 2 KV heads) for the sharded model paths.
@@ -29,8 +27,7 @@ def devices():
 def random_params(cfg: LlamaConfig) -> dict:
     """cfg's weights, all random: Flax's default init leaves norms at 1, so every weight is drawn (norm weights,
     stacked [layers, e] in the scanned layers or [e] for the final norm, at scale 1; matrices at 0.3)."""
-    one = jnp.zeros((1, 1), jnp.int32)
-    variables = Llama(cfg, DenseCausalBackend()).init(jax.random.key(1), one, one, (), one[0])
+    variables = init_params(cfg, jax.random.key(1))
     leaves, tree = jax.tree_util.tree_flatten_with_path(variables)
     keys = jax.random.split(jax.random.key(2), len(leaves))
     return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * (1.0 if path[-1].key == "weight" else 0.3)

@@ -33,7 +33,7 @@ CFG_8_2 = dataclasses.replace(CFG, num_heads=8, hidden_size=64, intermediate_siz
 class RecordingBackend:
     """Dense causal attention over the whole sequence that also keeps every layer's K/V (the reference)."""
 
-    def __call__(self, q, k, v, positions, caches, layer, ctx):
+    def __call__(self, q, k, v, positions, caches, layer, metadata):
         out, _ = chunk_attention(q[0], k[0], v[0], positions[0], positions[0])
         caches = tuple(jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (layer, 0, 0, 0))
                        for c, x in zip(caches, (k, v)))

@@ -1,7 +1,7 @@
 """Tetris's Eq. (1) measured on the live prefill pool: the latency of a chunk of n tokens after h history tokens on
 an SP group of each size, c0 + c1*n + c2*n*h + c3*n^2, fitted to timed chunks (the compiled program, the ring over
 the group and the sampled token back on the host). The CDSP planner plans with it; measured once per device
-kind, model, dtype and pool shape, cached on disk like the engine's step profile.
+kind, model, dtype and pool shape, cached on disk as the engine's step profile is (engine/profile.py).
 
 A chunk runs in power-of-two per-device buckets, so its time is a step function of n: the grid measures chunks
 that fill their bucket (what a planned chunk costs at worst) at no history and at a long one.
@@ -15,7 +15,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from jaxserve.engine import profile as engine_profile
+from jaxserve.engine import profile
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import Group, SPPrefill
 from jaxserve.sched.cost_models import TetrisPrefill
@@ -68,20 +68,21 @@ def measure(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, repeats: i
 def default_path(model_name: str, dtype: str, pool_size: int, node_size: int, tp: int, capacity: int,
                  key_block: int) -> pathlib.Path:
     """Per device kind, model, dtype and pool shape (what the chunk programs and their timings depend on)."""
-    return engine_profile.cache_file(model_name, dtype,
-                                     f"cdsp-p{pool_size}x{node_size}-tp{tp}-cap{capacity}-kb{key_block}", VERSION)
+    shape = f"cdsp-p{pool_size}x{node_size}-tp{tp}-cap{capacity}-kb{key_block}"
+    return profile.cache_file(model_name, dtype, shape, VERSION)
 
 
 def load_or_measure(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
                     progress: bool = True) -> TetrisPrefill:
     """The Eq. (1) fit in `path`, measured (and written there) first if the file does not exist."""
-    if path.exists():
-        model = TetrisPrefill.from_json(path.read_text())
-        if set(model.coefficients) != set(groups):
-            raise ValueError(f"the prefill profile {path} was fitted for SP sizes {sorted(model.coefficients)}, "
-                             f"not this pool's {sorted(groups)}")
-        return model
-    model = measure(sp, groups, max_tokens, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(model.to_json())
+    return profile.cached(path, lambda: load(path, groups), lambda: measure(sp, groups, max_tokens, progress=progress),
+                          TetrisPrefill.to_json)
+
+
+def load(path: pathlib.Path, groups: dict[int, Group]) -> TetrisPrefill:
+    """The Eq. (1) fit in `path`, checked against the pool's SP sizes."""
+    model = TetrisPrefill.from_json(path.read_text())
+    if set(model.coefficients) != set(groups):
+        raise ValueError(f"the prefill profile {path} was fitted for SP sizes {sorted(model.coefficients)}, "
+                         f"not this pool's {sorted(groups)}")
     return model

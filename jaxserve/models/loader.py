@@ -1,0 +1,71 @@
+"""A model's config, device parameters and tokenizer, by name: drawn for `random:<shape>`, else loaded from a GGUF
+file or a Hugging Face folder. The first load converts the source and caches the result on disk; later loads
+restore it."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from jaxserve.models import random_weights, registry
+from jaxserve.models.config import LlamaConfig
+from jaxserve.models.gguf_loader import load_gguf
+from jaxserve.models.hf_loader import load_hf_dir
+from jaxserve.models.llama import param_shapes
+from jaxserve.models.tokenizer import TextTokenizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+_CONVERTED_FORMAT = 3  # bump when what _load saves changes, so old caches are not misread
+
+
+def load_weights(model: str, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
+    """Config, device params and tokenizer of `model`: drawn for `random:<shape>` (the same in every process),
+    else converted from the file or folder the name resolves to (registry.resolve), or restored from the cache."""
+    if random_weights.is_random(model):
+        return random_weights.load(model, DTYPES[dtype])
+    return _load(registry.resolve(model), dtype)
+
+
+def _converted_dir(source: pathlib.Path, dtype: str) -> pathlib.Path:
+    """Cache folder for converted weights, keyed by the identity of every source file that shapes it."""
+    files = [source] if source.is_file() else sorted(
+        f for pattern in ("*.safetensors", "*.json", "*.jinja") for f in source.glob(pattern))
+    ident = "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    digest = hashlib.sha256(f"{_CONVERTED_FORMAT}|{ident}|{dtype}".encode()).hexdigest()[:16]
+    return registry.cache_dir() / "converted" / f"{source.stem}-{dtype}-{digest}"
+
+
+def _load(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
+    """Config, device params and tokenizer. The first start converts the source and saves the result (weights
+    with orbax, config and tokenizer as JSON); later starts restore it without reading the source again."""
+    ckpt_dir = _converted_dir(source, dtype)
+    checkpointer = ocp.StandardCheckpointer()
+    if (ckpt_dir / "params").exists() and (ckpt_dir / "config.json").exists():
+        cfg = LlamaConfig.from_json((ckpt_dir / "config.json").read_text())
+        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # each process restores its own copy
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here),
+                                param_shapes(cfg, DTYPES[dtype]))
+        return cfg, checkpointer.restore(ckpt_dir / "params", abstract), TextTokenizer.load(ckpt_dir)
+    if source.is_file():
+        cfg, host_params, gguf_file = load_gguf(source)
+        tokenizer = TextTokenizer.from_gguf(gguf_file)
+    else:
+        cfg, host_params = load_hf_dir(source)
+        tokenizer = TextTokenizer.from_hf_dir(source)
+    params = jax.tree.map(lambda x: jnp.asarray(x, DTYPES[dtype]), host_params)
+    if jax.process_count() > 1:
+        # orbax's save is a collective over all processes and refuses host-local arrays: each process keeps
+        # its own conversion, and a later single-process start fills the cache
+        return cfg, params, tokenizer
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    checkpointer.save(ckpt_dir / "params", params, force=True)
+    checkpointer.wait_until_finished()
+    tokenizer.save(ckpt_dir)
+    (ckpt_dir / "config.json").write_text(cfg.to_json())  # written last: marks the folder complete
+    return cfg, params, tokenizer
