@@ -1,8 +1,9 @@
 """Every setting of jaxserve in one tree of typed dataclasses, with its default and its help.
 
 The command line defines one flag per field (cli.py), named as the field unless its metadata says otherwise.
-`LLM` takes an `EngineConfig`; the simulator a `SchedulerConfig` beside its cluster's shape. Names follow vLLM's
-where the idea is vLLM's. Plain Python: every layer may import it (sched/ and sim/ too).
+`LLM` takes an `EngineConfig`, `Server` a `ServerConfig`, the simulator a `SimConfig`. The engine's and the
+simulator's trees hold the same `SchedulerConfig`. Names follow vLLM's where the idea is vLLM's. Plain Python: every layer may
+import it (sched/ and sim/ too).
 """
 
 from __future__ import annotations
@@ -283,8 +284,8 @@ def flags() -> dict[str, Leaf]:
     """Every command-line flag and the setting it sets (a section in two trees, e.g. SchedulerConfig in
     EngineConfig and SimConfig, gives its flags once). ValueError if two settings claim one flag."""
     found: dict[str, Leaf] = {}
-    for section in FLAG_SECTIONS:
-        for leaf in leaves(section).values():
+    for root in FLAG_SECTIONS:
+        for leaf in leaves(root).values():
             flag = flag_name(leaf.field)
             if flag and found.setdefault(flag, leaf).field is not leaf.field:
                 raise ValueError(f"--{flag} would set two settings")
