@@ -3,12 +3,12 @@
     .venv/bin/pip install -e '.[reference]'
     .venv/bin/python tools/bench_cpu_bounds.py [--model=smollm2-135m-instruct] [--out=bench_out/cpu_bounds.json]
 
-A decode step reads every weight once: at batch 1 its time is at least the weights' bytes over the rate at which a
-one-row matmul reads a matrix (measured on the model's largest, the logits' matrix, the faster of JAX and
-PyTorch). Batch 16 and prefill are matmuls of 16 and 1,024 rows: their time is at least their FLOPs over the
-matmul rate. The tool times the model's own projection shapes (in float32,
-on all threads) in JAX (XLA's CPU backend, as the engine runs them) and in PyTorch (what transformers runs), side by
-side, and prints the batch-1 bound in tokens/s. Medians of 20 after a warm-up.
+A decode step reads every weight once: at batch 1 its time is at least the weights' bytes over the rate at which
+memory is read. Two measures of that rate: a one-row matmul over the model's largest matrix (the logits'), and a
+plain sum over as many bytes as the weights, each the faster of JAX and PyTorch. Batch 16 and prefill are matmuls
+of 16 and 1,024 rows: their time is at least their FLOPs over the matmul rate. The tool times the model's own
+projection shapes (in float32, on all threads) in JAX (XLA's CPU backend, as the engine runs them) and in PyTorch
+(what transformers runs), side by side, and prints the batch-1 bounds in tokens/s. Medians of 20 after a warm-up.
 """
 
 from __future__ import annotations
@@ -46,6 +46,17 @@ def matmul_rates(m: int, k: int, n: int, repeats: int) -> tuple[float, float]:
     return flops / t_jax, flops / t_torch
 
 
+def read_rates(nbytes: int, repeats: int) -> tuple[float, float]:
+    """Bytes/s at which JAX and PyTorch (all threads) sum a float32 array of nbytes: what memory gives a reader."""
+    import torch
+
+    x = np.random.default_rng(0).standard_normal(nbytes // 4, np.float32)
+    jx, total = jnp.asarray(x), jax.jit(jnp.sum)
+    t_jax = profile.median_time(lambda: total(jx).block_until_ready(), repeats)
+    t_torch = profile.median_time(lambda: torch.from_numpy(x).sum(), repeats)
+    return nbytes / t_jax, nbytes / t_torch
+
+
 def main(argv: list[str]) -> None:
     del argv
     import torch
@@ -62,6 +73,10 @@ def main(argv: list[str]) -> None:
     print(f"jax {jax.__version__}, torch {torch.__version__} ({results['threads']} threads); {FLAGS.model}")
     print(f"a one-row matmul reads {bandwidth / 1e9:.1f} GB/s; {weight_bytes / 1e6:.0f} MB of float32 weights a token: "
           f"batch-1 decode at most {bandwidth / weight_bytes:.1f} tok/s")
+    jax_read, torch_read = read_rates(weight_bytes, FLAGS.repeats)
+    results |= {"sum_read_gb_s": {"jax": jax_read / 1e9, "torch": torch_read / 1e9}}
+    print(f"a sum over as many bytes reads {jax_read / 1e9:.1f} GB/s (JAX), {torch_read / 1e9:.1f} GB/s (PyTorch): "
+          f"at that rate batch-1 decode would reach {max(jax_read, torch_read) / weight_bytes:.1f} tok/s")
     print(f"{'rows':>6} {'k':>6} {'n':>6} {'jax GFLOP/s':>12} {'torch GFLOP/s':>14} {'jax/torch':>10}")
     for m in (1, 16, 1024):
         for k, n in ((e, f), (f, e), (e, e)):
