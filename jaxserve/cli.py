@@ -22,6 +22,10 @@ from jaxserve import config, xla_flags
 from jaxserve.sampling_params import SamplingParams
 
 FLAGS = flags.FLAGS
+# the sampling parameters `generate` and `client` take from the command line
+SAMPLING_FLAGS = {"max_tokens": "Most tokens to generate.", "temperature": "Sampling temperature; 0 is greedy.",
+                  "top_k": "Keep the k most likely tokens (0: all).", "top_p": "Nucleus sampling mass in (0, 1].",
+                  "seed": "Sampling seed (default: random).", "stop": "Stop string (repeatable)."}
 
 
 def _define(name: str, kind: Any, default: Any, help: str) -> None:
@@ -48,10 +52,6 @@ def _define_flags() -> None:
         _define(name, kinds[name], SamplingParams.__dataclass_fields__[name].default, f"generate/client: {help}")
 
 
-# the sampling parameters `generate` and `client` take from the command line
-SAMPLING_FLAGS = {"max_tokens": "Most tokens to generate.", "temperature": "Sampling temperature; 0 is greedy.",
-                  "top_k": "Keep the k most likely tokens (0: all).", "top_p": "Nucleus sampling mass in (0, 1].",
-                  "seed": "Sampling seed (default: random).", "stop": "Stop string (repeatable)."}
 def _config(base: Any) -> Any:
     """base with every setting whose flag was given on the command line."""
     given = {}
