@@ -61,6 +61,12 @@ class PrefillTimeCache:
             self._times.append(elapsed)
         self._tail = PiecewiseLinear(self._points[-2:], self._times[-2:])  # past max_len: the last chunk's rate
 
+    @classmethod
+    def for_packer(cls, cost: BatchCost, packer: PackerConfig) -> PrefillTimeCache:
+        """Prefill times under this packer's budget, chunk alignment and step size."""
+        return cls(cost, packer.iteration_budget, align=packer.chunk_align,
+                   max_chunk_tokens=packer.max_num_batched_tokens)
+
     def __call__(self, tokens: int) -> float:
         if tokens >= self.max_len:
             return self._tail(tokens)

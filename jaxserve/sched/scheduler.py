@@ -44,11 +44,6 @@ from jaxserve.config import SLO
 DECODING = RequestStatus.DECODING
 
 
-def _prefill_time(cost: BatchCost, packer: PackerConfig) -> PrefillTimeCache:
-    return PrefillTimeCache(cost, packer.iteration_budget, align=packer.chunk_align,
-                            max_chunk_tokens=packer.max_num_batched_tokens)
-
-
 class ReplicaScheduler:
     def __init__(self, policy: Policy, cost: BatchCost, packer: PackerConfig, kv: KVCacheManager,
                  group: tuple[int, ...] = (0,), slo: SLO | None = None, max_num_seqs: int = 256,
@@ -58,7 +53,7 @@ class ReplicaScheduler:
         self.num_scheduler_steps = num_scheduler_steps
         self.policy, self.cost, self.packer, self.slo, self.kv = policy, cost, packer, slo, kv
         self.group, self.max_num_seqs = group, max_num_seqs
-        self.prefill_time = prefill_cache or _prefill_time(cost, packer)
+        self.prefill_time = prefill_cache or PrefillTimeCache.for_packer(cost, packer)
         self.queue = PrefillQueue()  # requests with prefill tokens not yet planned
         self.running: dict[str, Request] = {}  # requests holding KV, in admission order (the last is preempted first)
         self.decode_in_flight: dict[str, list[int]] = {}  # tokens of each decode Plan not back, oldest first
@@ -134,7 +129,7 @@ class ReplicaScheduler:
         is held: their deadlines and prefill times came from the old one."""
         if self.requests:
             raise RuntimeError("the cost model changes only while the scheduler holds no request")
-        self.cost, self.packer, self.prefill_time = cost, packer, _prefill_time(cost, packer)
+        self.cost, self.packer, self.prefill_time = cost, packer, PrefillTimeCache.for_packer(cost, packer)
 
     def drop_all_kv(self) -> None:
         """The executor lost the cache's contents (a failed step deleted its buffers): every request holding KV

@@ -47,11 +47,11 @@ def stage_packer(config: SimConfig, cost: BatchCost) -> PackerConfig:
 
 
 class Replica:
-    def __init__(self, index: int, config: SimConfig, cost: BatchCost, cache: PrefillTimeCache):
+    def __init__(self, index: int, config: SimConfig, cost: BatchCost, packer: PackerConfig, cache: PrefillTimeCache):
         sjf = config.scheduler.policy in ("sjf", "ljf")
         group = tuple(range(index * config.gpus_per_replica, (index + 1) * config.gpus_per_replica))
         kv = KVCacheManager.for_tokens(replica_kv_capacity(config), config.block_size, enable_prefix_caching=False)
-        self.scheduler = replica_scheduler(config.scheduler, cost, kv, stage_packer(config, cost), group=group,
+        self.scheduler = replica_scheduler(config.scheduler, cost, kv, packer, group=group,
                                            prefill_cache=cache, **({"batch": config.sjf_batch} if sjf else {}))
         self.cost, self.stages, self.time_scale = cost, config.stages, config.time_scale
         self.stage_free_at = 0.0
@@ -88,9 +88,8 @@ class Simulator:
         self.cost = cost or ProfileBatchCost(config.profile, config.tp, config.stages, config.kvp, config.kvp_tokens)
         # chunks of one prompt stream through the stages back to back: a prompt costs the sum of its chunks'
         # stage times (plus a pipeline fill, left out)
-        packer = stage_packer(config, self.cost)
-        self.cache = PrefillTimeCache(self.cost, packer.iteration_budget, align=packer.chunk_align,
-                                      max_chunk_tokens=packer.max_num_batched_tokens)
+        self.packer = stage_packer(config, self.cost)
+        self.cache = PrefillTimeCache.for_packer(self.cost, self.packer)
 
     def run(self, workload: Workload, progress: bool = True, max_time: float | None = None) -> Results:
         """Replay a workload; deadlines come from the config's SLO."""
@@ -102,7 +101,7 @@ class Simulator:
                      max_time: float | None = None) -> Results:
         """Replay requests as given (a request with a finite ttft_deadline keeps it)."""
         cfg = self.config
-        replicas = [Replica(i, cfg, self.cost, self.cache) for i in range(cfg.replicas)]
+        replicas = [Replica(i, cfg, self.cost, self.packer, self.cache) for i in range(cfg.replicas)]
         requests = sorted(requests, key=lambda r: r.arrival)
         # at equal times: completions first (they free requests and memory), then stage frees, then arrivals
         events: list[tuple[float, int, int, str, object]] = []
