@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxserve import config
 from jaxserve.models import random_weights, registry
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.gguf_loader import load_gguf
@@ -19,7 +20,7 @@ from jaxserve.models.hf_loader import load_hf_dir
 from jaxserve.models.llama import param_shapes
 from jaxserve.models.tokenizer import TextTokenizer
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {name: jnp.dtype(name) for name in config.DTYPES}  # the names config.ModelConfig accepts
 
 _CONVERTED_FORMAT = 3  # bump when what _load saves changes, so old caches are not misread
 
