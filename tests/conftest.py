@@ -13,6 +13,14 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 # Need 8 and 12 devices: run by tests/test_many_devices.py, each in its own process.
 collect_ignore = ["sharding", "cluster"]
 
+# Tests that start child processes with their own devices, run first: the children (the 12-device cluster folder
+# peaks near 16 GB) then share the machine with a parent that has not yet loaded models and compiled programs.
+CHILD_PROCESS_MODULES = ("test_many_devices.py", "test_multihost.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in CHILD_PROCESS_MODULES)  # stable: the order within stays
+
 
 @pytest.fixture(scope="session")
 def llm():

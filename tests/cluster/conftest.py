@@ -31,6 +31,14 @@ def llm(devices):
                         max_num_batched_tokens=256, progress=False)
 
 
+def prompt(llm, n: int, seed: int) -> list[int]:
+    """n tokens of real text (the tokenizer's encoding of varied English), so greedy decoding is not degenerate."""
+    words = "the of and to in is was for on that with as by at from his her it an were are which this be".split()
+    rng = np.random.default_rng(seed)
+    ids = llm.tokenizer.encode(" ".join(rng.choice(words, 2 * n)))
+    return ids[:n]
+
+
 def eq1_model() -> TetrisPrefill:
     """A stand-in Eq. (1) (the planner's decisions are what these tests set up, not its accuracy): larger groups
     are faster per token, a chunk has a small fixed cost."""

@@ -1,8 +1,7 @@
 """The live cluster against the single-device engine: a ~3K-token prompt chunked over prefill groups of 2 -> 4 ->
 8 devices, its KV streamed chunk by chunk to a decode instance on other devices, gives the same greedy tokens;
 the same with the decode on a KV-parallel group; nothing compiles after warm-up; the receive-buffer handshake
-orders transfers and decode starts; and LLM's layout arguments build, profile and serve such a cluster, with
-tensor-parallel instances, and serve one tensor-parallel instance alone."""
+orders transfers and decode starts."""
 
 from __future__ import annotations
 
@@ -10,23 +9,16 @@ import jax
 import numpy as np
 import pytest
 
-import jaxserve
-from conftest import MAX_MODEL_LEN, busy, make_cluster, run
+from conftest import MAX_MODEL_LEN, busy, make_cluster, prompt, run
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.cluster.transfer import KVMover
+from jaxserve.engine.interface import ServingEngine
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sched.cluster import ClusterScheduler
+from jaxserve.sched.decode_dispatch import ObservedLengths
 
 GREEDY = SamplingParams(max_tokens=24)
-
-
-def prompt(llm, n: int, seed: int) -> list[int]:
-    """n tokens of real text (the tokenizer's encoding of varied English), so greedy decoding is not degenerate."""
-    words = "the of and to in is was for on that with as by at from his her it an were are which this be".split()
-    rng = np.random.default_rng(seed)
-    ids = llm.tokenizer.encode(" ".join(rng.choice(words, 2 * n)))
-    return ids[:n]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +38,7 @@ def prefill_over_2_4_8(cluster, ids) -> list[int]:
     """Run the prompt with queues set so the planner chunks it over groups of 2 -> 4 -> 8 devices."""
     busy(cluster, {2: 0.2, 3: 0.2} | {i: 0.3 for i in range(4, 8)})
     (got,) = run(cluster, [(ids, GREEDY)])
-    rid = next(reversed(cluster.plans))
+    rid = cluster.records[-1].request_id
     assert [len(r.group) for r in cluster.records if r.request_id == rid] == [2, 4, 8]
     # the history was rebalanced before each larger group; the transfers came chunk by chunk
     assert len([t for _, t in cluster.transfers if t.request_id == rid]) == 3
@@ -54,6 +46,7 @@ def prefill_over_2_4_8(cluster, ids) -> list[int]:
 
 
 def test_prefill_over_growing_groups_then_decode_elsewhere_equals_one_device(cluster, long_prompt):
+    assert isinstance(cluster, ServingEngine)  # what LLM and the servers drive
     ids, want = long_prompt
     assert prefill_over_2_4_8(cluster, ids) == want
 
@@ -61,7 +54,8 @@ def test_prefill_over_growing_groups_then_decode_elsewhere_equals_one_device(clu
 def one_decoder(cluster, engine, receive_buffers: int) -> ClusterEngine:
     """The cluster's prefill pool and planner with `engine` as its one decode instance."""
     mover = KVMover(cluster.prefill, [engine.runner])
-    return ClusterEngine(cluster.prefill, cluster.planner, [DecodeInstance(0, engine, receive_buffers, mover)], mover)
+    scheduler = ClusterScheduler(cluster.planner, cluster.pool_ids, predictor=ObservedLengths())
+    return ClusterEngine(cluster.prefill, scheduler, [DecodeInstance(0, engine, receive_buffers, mover)], mover)
 
 
 @pytest.mark.parametrize("kvp", [2, 4])
@@ -114,48 +108,17 @@ def test_one_receive_buffer_sends_transfers_one_after_the_other(llm, cluster):
 
 
 def test_no_compilation_after_warmup_across_varied_requests(llm, cluster):
-    """Eight prompts of 100 to 3,000 tokens under varied queues: chunks on every group size, no compile."""
+    """Six prompts of 100 to 1,500 tokens under varied queues: chunks on every group size, no compile."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
         else None)
     rng = np.random.default_rng(1)
     requests = [(prompt(llm, int(n), i), SamplingParams(max_tokens=4))
-                for i, n in enumerate(rng.integers(100, 3000, 8))]
+                for i, n in enumerate(rng.integers(100, 1500, 6))]
+    before = len(cluster.records)
     for k, (ids, params) in enumerate(requests):  # varied queues: every group size gets chunks
         busy(cluster, {i: float(rng.uniform(0, 0.4)) for i in range(8)})
         run(cluster, [(ids, params)])
     assert compiles == []
-    assert {len(r.group) for r in cluster.records} == {2, 4, 8}
-
-
-def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(llm, tmp_path):
-    """LLM(tp=..., prefill_instances=...) (what serve/generate's layout flags build), in instances of 3
-    tensor-parallel devices (SmolLM2's 9 heads over 3 KV heads: 3 and 1 per device): the pool's Eq. (1) is
-    measured and written where asked, and generation through the cluster (a prefill pool of 2 instances, one
-    decode instance KV-parallel over 2, 12 devices in all) gives the single-device engine's greedy tokens."""
-    path = tmp_path / "eq1.json"
-    clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4, max_num_batched_tokens=256,
-                             tp=3, prefill_instances=2, decode_instances=1, decode_kvp=2, min_chunk=256,
-                             prefill_profile=str(path), progress=False)
-    assert isinstance(clustered.engine, ClusterEngine)
-    assert [len(i) for i in clustered.engine.prefill.instances.values()] == [3, 3]
-    assert len(clustered.engine.decoders[0].engine.runner.devices) == 6
-    fit = TetrisPrefill.from_json(path.read_text())
-    assert set(fit.coefficients) == {2} and fit.predict(2, 512) > fit.predict(2, 64) > 0
-    ids = [prompt(llm, 700, 3), prompt(llm, 90, 4)]
-    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
-    assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == want
-
-
-def test_llm_on_one_tensor_parallel_instance_equals_one_device(llm):
-    """LLM(tp=3) without a cluster layout: one engine whose step runs on 3 devices, each with a third of every
-    layer's heads and MLP and of the KV cache's heads, gives the single-device engine's greedy tokens."""
-    tp = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256, tp=3,
-                      progress=False)
-    runner = tp.engine.runner
-    assert len(runner.devices) == 3 and runner.caches[0].shape[2] == 3
-    assert {s.data.shape[2] for s in runner.caches[0].addressable_shards} == {1}  # one KV head per device
-    ids = [prompt(llm, 700, 5), prompt(llm, 90, 6), prompt(llm, 30, 7)]
-    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
-    assert [c.token_ids for c in tp.generate(ids, GREEDY)] == want
+    assert {len(r.group) for r in cluster.records[before:]} == {2, 4, 8}

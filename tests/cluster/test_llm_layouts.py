@@ -1,0 +1,45 @@
+"""LLM's layout arguments against the single-device engine: they build, profile and serve a cluster of
+tensor-parallel instances, and serve one tensor-parallel instance alone. Apart from test_live_cluster.py so that
+its module's cluster is freed first (the folder's memory peak)."""
+
+from __future__ import annotations
+
+import jaxserve
+from conftest import prompt
+from jaxserve.cluster.engine import ClusterEngine
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.sched.cost_models import TetrisPrefill
+
+GREEDY = SamplingParams(max_tokens=24)
+
+
+def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(llm, tmp_path):
+    """LLM(tp=..., prefill_instances=...) (what serve/generate's layout flags build), in instances of 3
+    tensor-parallel devices (SmolLM2's 9 heads over 3 KV heads: 3 and 1 per device): the pool's Eq. (1) is
+    measured and written where asked, and generation through the cluster (a prefill pool of 2 instances, one
+    decode instance KV-parallel over 2, 12 devices in all) gives the single-device engine's greedy tokens."""
+    path = tmp_path / "eq1.json"
+    clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4, max_num_batched_tokens=256,
+                             tp=3, prefill_instances=2, decode_instances=1, decode_kvp=2, min_chunk=256,
+                             prefill_profile=str(path), progress=False)
+    assert isinstance(clustered.engine, ClusterEngine)
+    assert [len(i) for i in clustered.engine.prefill.instances.values()] == [3, 3]
+    assert len(clustered.engine.decoders[0].engine.runner.devices) == 6
+    fit = TetrisPrefill.from_json(path.read_text())
+    assert set(fit.coefficients) == {2} and fit.predict(2, 512) > fit.predict(2, 64) > 0
+    ids = [prompt(llm, 700, 3), prompt(llm, 90, 4)]
+    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
+    assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == want
+
+
+def test_llm_on_one_tensor_parallel_instance_equals_one_device(llm):
+    """LLM(tp=3) without a cluster layout: one engine whose step runs on 3 devices, each with a third of every
+    layer's heads and MLP and of the KV cache's heads, gives the single-device engine's greedy tokens."""
+    tp = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256, tp=3,
+                      progress=False)
+    runner = tp.engine.runner
+    assert len(runner.devices) == 3 and runner.caches[0].shape[2] == 3
+    assert {s.data.shape[2] for s in runner.caches[0].addressable_shards} == {1}  # one KV head per device
+    ids = [prompt(llm, 700, 5), prompt(llm, 90, 6), prompt(llm, 30, 7)]
+    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
+    assert [c.token_ids for c in tp.generate(ids, GREEDY)] == want
