@@ -23,6 +23,7 @@ from jaxserve.cluster.build import build, warmup
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.engine.batch import Buckets
 from jaxserve.engine.engine import Engine, RequestOutput
+from jaxserve.engine.interface import ServingEngine
 from jaxserve.engine.kv_cache import cache_dtype
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -88,12 +89,13 @@ class LLM:
         self._quick_start = (cfg.startup.quick_start and cfg.startup.warmup and not cfg.parallel.prefill_instances
                              and jax.process_count() == 1)
         self.cost = None
+        self.engine: ServingEngine
         if cfg.parallel.prefill_instances:
             self.engine = self._make_cluster(progress)
         else:
-            self.engine = self.make_engine(progress=progress)
-            if self.lockstep is None and cfg.parallel.tp == 1 and not self.engine.runner.scan_mixed:
-                self._params = self.engine.runner.params  # one copy of the weights (the runner's, per layer)
+            self.engine = replica = self.make_engine(progress=progress)
+            if self.lockstep is None and cfg.parallel.tp == 1 and not replica.runner.scan_mixed:
+                self._params = replica.runner.params  # one copy of the weights (the runner's, per layer)
         if self.lockstep is not None:  # ready when every process is (followers compile their devices' programs)
             self.lockstep.sync()
         self._queues: dict[str, collections.deque[RequestOutput]] = {}

@@ -108,6 +108,7 @@ def _generate() -> None:
         sys.stdout.flush()
     sys.stdout.write("\n")
     llm.close()
+    _exit_now()  # as serve: the processes leave jax.distributed together, before any teardown
 
 
 def _api_key() -> str | None:

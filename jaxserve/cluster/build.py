@@ -19,6 +19,8 @@ from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sp_prefill import SPPrefill
 from jaxserve.sched.cdsp import CDSPPlanner, Pool
+from jaxserve.sched.cluster import ClusterScheduler
+from jaxserve.sched.decode_dispatch import ObservedLengths
 from jaxserve.sched.cost_models import TetrisPrefill
 
 
@@ -103,4 +105,5 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
     mover = new(KVMover, sp, [e.runner for e in engines])
     decoders = [DecodeInstance(i, e, layout.receive_buffers, mover) for i, e in enumerate(engines)]
-    return ClusterEngine(sp, planner, decoders, mover, dispatch=dispatch)
+    scheduler = ClusterScheduler(planner, sorted(sp.instances), dispatch, ObservedLengths())
+    return ClusterEngine(sp, scheduler, decoders, mover)

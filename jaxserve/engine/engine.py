@@ -173,8 +173,7 @@ class Engine:
         """The prefill's sampled token, turned into text and stop decisions; a request it finishes ends here."""
         live = self._live[request_id]
         out = self._append(live, token)
-        live.sched.token_ids.append(token)
-        live.sched.add_tokens(1, self.clock())
+        self.scheduler.prefilled_elsewhere(live.sched, Outcome(self.clock(), (), {request_id: (token,)}))
         if out.finished:
             self.abort(request_id)
         return out

@@ -102,6 +102,9 @@ class CSPSPlanner:
         most = min(self.pool.size, model_shape(self.model.profile).heads)
         return min(1 << max(math.ceil(math.log2(tokens / self.spt)), 0), 1 << int(math.log2(most)))
 
+    def on_arrival(self, t: float) -> None:
+        del t  # plans from the queues alone
+
     def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan:
         sp = self.sp_for(tokens)
         q = np.maximum(np.asarray(queues, np.float64), 0.0)

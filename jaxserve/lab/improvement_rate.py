@@ -14,7 +14,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxserve.sched.cdsp import CDSPPlanner, ChunkPlan
-from jaxserve.sim.prefill_pool import Executor, Planner, run_pool
+from jaxserve.sched.cluster import Planner
+from jaxserve.sim.prefill_pool import Executor, run_pool
 from jaxserve.sim.workload import Workload
 
 

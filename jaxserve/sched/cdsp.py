@@ -230,6 +230,9 @@ class CDSPPlanner:
         return best_end, best
 
     # -- Algorithm 1 -----------------------------------------------------------------------------------------
+    def on_arrival(self, t: float) -> None:
+        del t  # plans from the queues alone
+
     def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan:
         if tokens < 1:
             raise ValueError(f"a prompt needs at least one token, got {tokens}")
@@ -398,6 +401,9 @@ class FixedSPPlanner:
             raise ValueError(f"a pool of {pool.size} instances does not split into groups of {sp}")
         self.model, self.pool, self.sp = model, pool, sp
         self.groups = [tuple(range(g, g + sp)) for g in range(0, pool.size, sp)]
+
+    def on_arrival(self, t: float) -> None:
+        del t  # plans from the queues alone
 
     def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan:
         q = np.maximum(np.asarray(queues, np.float64), 0.0)

@@ -27,6 +27,9 @@ class LengthPredictor(Protocol):
     def predict(self, prompt_len: int) -> tuple[int, int]:
         """The predicted decode-length range [lo, hi)."""
 
+    def observe(self, generated: int) -> None:
+        """A request finished after `generated` tokens (a predictor that learns from what it served)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class BucketPredictor:
@@ -53,6 +56,9 @@ class BucketPredictor:
     def predict(self, prompt_len: int) -> tuple[int, int]:
         b = self.buckets[int(np.searchsorted(self.band_edges, prompt_len, side="right"))]
         return b * self.granularity, (b + 1) * self.granularity
+
+    def observe(self, generated: int) -> None:
+        del generated  # fitted on a trace; learns nothing while serving
 
     def accuracy(self, prompt_lens: Sequence[int], output_lens: Sequence[int]) -> float:
         """Share of requests whose decode length falls in the predicted bucket."""

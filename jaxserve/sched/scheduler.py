@@ -106,6 +106,14 @@ class ReplicaScheduler:
         self.running[request.id] = request
         return blocks
 
+    def prefilled_elsewhere(self, request: Request, outcome: Outcome) -> None:
+        """The Outcome of a prompt prefilled elsewhere (disaggregation): its first token, counted whether or not
+        its KV has landed here yet."""
+        tokens = outcome.tokens.get(request.id, ())
+        if request.token_ids is not None:
+            request.token_ids.extend(tokens)
+        request.add_tokens(len(tokens), outcome.end_time)
+
     def add_prefilled(self, request: Request) -> None:
         """Its prompt's KV has landed in the reserved blocks and its first token is counted: it decodes from the
         next Plan on."""

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 from absl import logging
 
-from jaxserve.engine.engine import Engine, RequestOutput, StepFailed
+from jaxserve.engine.engine import RequestOutput, StepFailed
+from jaxserve.engine.interface import ServingEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 
@@ -128,10 +129,10 @@ class _Live:
 
 
 class AsyncEngine:
-    """Runs an Engine in its own thread for asyncio servers. Capacity: the engine's running batch
-    (max_num_seqs) plus `max_queue` waiting requests; beyond that `submit` raises QueueFull."""
+    """Runs a ServingEngine (one replica's or a cluster's) in its own thread for asyncio servers. Capacity: the
+    engine's running batch (max_num_seqs) plus `max_queue` waiting requests; beyond that `submit` raises QueueFull."""
 
-    def __init__(self, engine: Engine, *, max_queue: int, metrics: ServerMetrics | None = None,
+    def __init__(self, engine: ServingEngine, *, max_queue: int, metrics: ServerMetrics | None = None,
                  stall_timeout: float = 60.0, lost: Callable[[], str | None] = lambda: None):
         """stall_timeout: seconds the engine thread may go without coming round its loop while requests are
         open before health says it is stalled (a watchdog: one step or one request's work stuck for everyone).

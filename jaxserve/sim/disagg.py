@@ -24,23 +24,21 @@ import collections
 import dataclasses
 import heapq
 import itertools
-import random
 import time
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.sched.cdsp import ChunkPlan
+from jaxserve.sched.cluster import ClusterScheduler, Dispatch, Planner
 from jaxserve.sched.decode import DecodeScheduler
-from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
+from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor
 from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
 from jaxserve.config import SLO
 from jaxserve.sim.metrics import Results
-from jaxserve.sim.prefill_pool import Planner
 from jaxserve.sim.simulator import PLACEHOLDER_TOKEN
 from jaxserve.sim.workload import Workload
 
@@ -168,9 +166,6 @@ class DisaggSimulator:
         return _Run(self, workload, progress).results()
 
 
-UNAVAILABLE = 1e9  # queue time the planner sees for a GPU that is not a prefill instance (now or any more)
-
-
 class _Run:
     """One simulation: arrivals, KV landings, decode steps and (with a flip policy) role checks, in time
     order. GPU slots 0..P-1 start as prefill instances; with flips, the planner's pool also holds the decode
@@ -187,8 +182,9 @@ class _Run:
         if pool_size is not None and pool_size != slots:
             raise ValueError(f"the planner's pool has {pool_size} instances; this cluster has {slots} GPU slots "
                              "for it (prefill instances, plus the decode instances' GPUs when flips are on)")
-        self.free_at = np.zeros(slots)
-        self.unavailable = np.zeros(slots, bool)
+        # the cluster scheduler: arrivals, decode dispatch and the GPU slots' bookings (its arrays, updated in place)
+        self.scheduler = ClusterScheduler(sim.planner, range(slots), cfg.dispatch, sim.predictor, cfg.seed)
+        self.free_at, self.unavailable = self.scheduler.free_at, self.scheduler.unavailable
         self.decoders: list[DecodeInstance] = []
         self.retired: list[DecodeInstance] = []
         for i in range(cfg.decode_instances):
@@ -209,7 +205,6 @@ class _Run:
         self.pending = len(workload)
         self.requests: list[Request] = []
         self.rejected: list[Request] = []
-        self.rng = random.Random(cfg.seed)
         self.bar = tqdm(total=len(workload), desc="simulate disaggregated", unit="req", disable=not progress)
 
     def _push(self, t: float, order: int, kind: str, payload: object) -> None:
@@ -267,22 +262,19 @@ class _Run:
                                                               "requests": len(self.workload),
                                                               "flips": self.flips, "gpu_seconds": gpu_seconds})
 
-    def _choose(self, r: Request) -> tuple[DecodeInstance, int, bool]:
-        """The decode instance for r, its predicted decode length (upper end) and whether that is heavy."""
-        sim = self.sim
-        p = r.prompt_len
+    def _choose(self, r: Request) -> tuple[DecodeInstance, Dispatch]:
+        """r's decode instance, among those not draining, and its predicted decode length (the true one
+        without a predictor: an oracle)."""
         active = [d for d in self.decoders if d.index not in self.draining]
-        loads = [d.load() for d in active]
-        hi = sim.predictor.predict(p)[1] if sim.predictor is not None else r.output_len
-        heavy = hi > HEAVY_DECODE
-        if self.cfg.dispatch == "freeness":
-            return active[by_freeness(loads)], hi, heavy
-        return active[power_of_two(loads, p + hi, heavy, self.rng)], hi, heavy
+        chosen = self.scheduler.dispatch(r.prompt_len, [d.load() for d in active],
+                                         None if self.sim.predictor is not None else r.output_len)
+        return active[chosen.decoder], chosen
 
-    def _send(self, dec: DecodeInstance, r: Request, hi: int, heavy: bool, landed: float) -> None:
+    def _send(self, dec: DecodeInstance, r: Request, chosen: Dispatch, landed: float) -> None:
         """r's KV is on its way to dec, all of it there at `landed`."""
         # virtual usage: the prompt's KV on its way, plus the predicted decode where a predictor is configured;
         # never the true output length, which the dispatcher cannot know
+        hi, heavy = chosen.predicted, chosen.heavy
         promised = r.prompt_len + (hi if self.sim.predictor is not None else 0)
         dec.virtual += promised
         dec.is_heavy[r.id] = heavy
@@ -291,31 +283,26 @@ class _Run:
 
     def _arrive(self, t: float, r: Request) -> None:
         cfg, sim = self.cfg, self.sim
-        p, o = r.prompt_len, r.output_len
         if self.prefillers:
             self._arrive_tetriinfer(t, r)
             return
-        on_arrival = getattr(sim.planner, "on_arrival", None)
-        if on_arrival is not None:
-            on_arrival(t)
-        dec, hi, heavy = self._choose(r)
-        if p + o > dec.scheduler.kv_capacity:
+        active = [d for d in self.decoders if d.index not in self.draining]
+        fits = lambda chosen: r.prompt_len + r.output_len <= active[chosen.decoder].scheduler.kv_capacity  # noqa: E731
+        arrival = self.scheduler.arrive(r.prompt_len, t, [d.load() for d in active],
+                                        None if sim.predictor is not None else r.output_len, admits=fits)
+        if arrival is None:
             self.rejected.append(r)
             self._done(1)
             return
-        queues = np.where(self.unavailable, UNAVAILABLE, np.maximum(self.free_at - t, 0.0))
-        plan: ChunkPlan = sim.planner.plan(p, queues)
-        if plan.ttft >= UNAVAILABLE:
-            raise RuntimeError("the prefill planner used a GPU that is not a prefill instance")
-        self.free_at = np.where(self.unavailable, self.free_at, t + plan.commit(queues))
-        r.ttft_deadline, r.tpot_slo = t + cfg.slo.ttft(sim.best_latency(p)), cfg.slo.tpot_slo
+        dec, plan = active[arrival.dispatch.decoder], arrival.plan
+        r.ttft_deadline, r.tpot_slo = t + cfg.slo.ttft(sim.best_latency(r.prompt_len)), cfg.slo.tpot_slo
         r.add_tokens(1, t + plan.ttft)  # the first token comes with the last prefill chunk
         self.requests.append(r)
         if r.finished:
             self._done(1)
             return
         landed = max(dec.receive(t + c.end, sim.transfer_seconds(c.tokens, c.sp)) for c in plan.chunks)
-        self._send(dec, r, hi, heavy, landed)
+        self._send(dec, r, arrival.dispatch, landed)
 
     # -- TetriInfer's prefill instances (3.3) -----------------------------------------------------------------
     def _arrive_tetriinfer(self, t: float, r: Request) -> None:
@@ -343,9 +330,9 @@ class _Run:
             if r.finished:
                 self._done(1)
                 continue
-            dec, hi, heavy = self._choose(r)
-            self._send(dec, r, hi, heavy, dec.receive(now, self.sim.transfer_seconds(r.prompt_len,
-                                                                                     self.cfg.prefill_tp)))
+            dec, chosen = self._choose(r)
+            self._send(dec, r, chosen, dec.receive(now, self.sim.transfer_seconds(r.prompt_len,
+                                                                                  self.cfg.prefill_tp)))
         self._prefill(inst, now)
 
     def _launch(self, dec: DecodeInstance, now: float) -> None:

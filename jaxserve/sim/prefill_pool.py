@@ -7,19 +7,16 @@ the CDSP planner predicts with (Eq. (1) plus exposed cache balancing), so a plan
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol, Sequence
+from typing import Callable
 
 import numpy as np
 
 from jaxserve.sched.cdsp import Balancing, ChunkPlan, chunk_seconds
+from jaxserve.sched.cluster import ClusterScheduler, Planner
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.config import SLO
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.workload import Workload
-
-
-class Planner(Protocol):
-    def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan: ...
 
 
 @dataclasses.dataclass
@@ -69,23 +66,16 @@ SUSTAINABLE = SLO(ttft_slo=0.0, ttft_factor=25.0)
 
 def run_pool(planner: Planner, workload: Workload, pool_size: int, best_latency: Callable[[int], float],
              slo: SLO = SUSTAINABLE, executor: Executor | None = None) -> PoolRun:
-    """best_latency(tokens): the prompt's fastest isolated prefill, which its TTFT deadline scales with. A
-    planner with an on_arrival(t) method (lab's AdaptiveCDSP) sees every arrival time before planning it. executor:
-    times the chunks (default: as planned)."""
-    on_arrival = getattr(planner, "on_arrival", None)
-    free_at = np.zeros(pool_size)
+    """best_latency(tokens): the prompt's fastest isolated prefill, which its TTFT deadline scales with. The
+    cluster scheduler's arrival decision plans and books each prompt (the planner sees every arrival time first).
+    executor: times the chunks (default: as planned)."""
+    scheduler = ClusterScheduler(planner, range(pool_size))
     n = len(workload)
     ttft, deadline, chunks = np.empty(n), np.empty(n), np.empty(n, np.int64)
     busy = 0.0
     plans = []
     for k, (t, tokens) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist())):
-        if on_arrival is not None:
-            on_arrival(t)
-        queues = np.maximum(free_at - t, 0.0)
-        plan = planner.plan(tokens, queues)
-        if executor is not None:
-            plan = executor(plan, queues)
-        free_at = t + plan.commit(queues)
+        plan = scheduler.arrive(tokens, t, retime=executor).plan
         plans.append(plan)
         ttft[k], chunks[k] = plan.ttft, len(plan.chunks)
         deadline[k] = slo.ttft(best_latency(tokens))

@@ -14,6 +14,7 @@ import pytest
 
 import jaxserve
 from jaxserve import SamplingParams
+from jaxserve.engine.interface import ServingEngine
 from jaxserve.sched.request import Request as SchedRequest
 
 PROMPTS = [
@@ -86,6 +87,10 @@ def test_batched_chunked_equals_one_at_a_time(llm, one_at_a_time, chunk, enable_
     assert llm.engine.kv.num_free == free_before
     assert (llm.engine.kv.stats.hit_tokens > hits) == enable_prefix_caching
 
+
+
+def test_the_engine_is_the_serving_interface_the_front_ends_drive(llm):
+    assert isinstance(llm.engine, ServingEngine)
 
 def test_requests_join_and_leave_between_steps(llm, one_at_a_time):
     """Requests arrive while others decode; every output is still the one-at-a-time output."""

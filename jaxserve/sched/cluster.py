@@ -1,0 +1,171 @@
+"""The disaggregated cluster's scheduler (Tetris 5.1-5.2, TetriInfer 3.3.4). One object makes the cluster's
+decisions for the live cluster (cluster/engine.py) and the simulators (sim/disagg.py, sim/prefill_pool.py).
+
+- Arrival (`arrive`): the prompt's chunks on groups of the prefill pool, planned on each device's bookings, and
+  its decode instance, chosen from the predicted decode length (never the true one). Booked at once.
+- Chunk order (`schedule`, live): the chunks that can start now, in booked order, on free and disjoint groups;
+  a request's history moves to a larger group before its chunk (a rebalance).
+- Outcomes (`complete`): a chunk's measured end moves its devices' bookings by how late or early it ended.
+
+Pool slots are the planner's instance indices; Plans name device ids (`pool_ids[slot]`). Slots marked
+`unavailable` (a decode instance's devices, with flips) look busy forever to the planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from jaxserve.sched.cdsp import Chunk, ChunkPlan
+from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
+from jaxserve.sched.plan import KVMove, Phase, Plan, WorkItem
+
+UNAVAILABLE = 1e9  # queue seconds the planner sees for a slot that is not a prefill instance
+
+
+class Planner(Protocol):
+    def on_arrival(self, t: float) -> None:
+        """Sees every arrival's time before its plan (an adaptive planner tracks the load)."""
+
+    def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """A prompt's decode instance (an index into the loads given) and its predicted decode length."""
+
+    decoder: int
+    predicted: int  # decode tokens: the upper end of the predicted range
+    heavy: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    dispatch: Dispatch | None  # None without a decode side (a prefill pool alone)
+    plan: ChunkPlan  # chunk times relative to the arrival
+
+
+@dataclasses.dataclass
+class _Prefill:
+    request_id: str
+    chunks: tuple[Chunk, ...]  # groups as device ids
+    arrival: float
+    started: int = 0  # chunks handed to the executor
+    done: int = 0  # chunks completed
+    group: tuple[int, ...] = ()  # devices holding its history
+
+
+class ClusterScheduler:
+    def __init__(self, planner: Planner | None, pool_ids: Sequence[int], dispatch: str = "freeness",
+                 predictor: LengthPredictor | None = None, seed: int = 0):
+        """planner: None where prefill instances schedule themselves (TetriInfer's); then only `dispatch` runs.
+        pool_ids: the device id of each planner slot. predictor: decode lengths (None: the caller's limit)."""
+        if dispatch not in ("freeness", "power_of_two"):
+            raise ValueError(f"dispatch must be freeness or power_of_two, got {dispatch!r}")
+        self.planner, self.pool_ids, self.dispatch_rule = planner, tuple(pool_ids), dispatch
+        self.predictor = predictor
+        self.free_at = np.zeros(len(self.pool_ids))  # absolute time each slot's bookings end (updated in place)
+        self.unavailable = np.zeros(len(self.pool_ids), bool)
+        self._prefills: dict[str, _Prefill] = {}
+        self._rng = random.Random(seed)
+
+    # ---- arrival ---------------------------------------------------------------------------------------------
+    def predict(self, prompt_len: int, limit: int | None = None) -> int:
+        """Decode tokens to plan for: the predictor's upper end, at most `limit` (max_tokens); without a
+        predictor, `limit` itself (the simulator's oracle)."""
+        if self.predictor is None:
+            if limit is None:
+                raise ValueError("without a length predictor the caller gives the decode length")
+            return limit
+        hi = self.predictor.predict(prompt_len)[1]
+        return hi if limit is None else min(hi, limit)
+
+    def dispatch(self, prompt_len: int, loads: Sequence[DecodeLoad], limit: int | None = None) -> Dispatch:
+        """The decode instance for a prompt: by freeness (virtual usage counted in the loads), or power of two
+        over the instances with room for prompt plus predicted decode."""
+        hi = self.predict(prompt_len, limit)
+        heavy = hi > HEAVY_DECODE
+        if self.dispatch_rule == "freeness":
+            return Dispatch(by_freeness(loads), hi, heavy)
+        return Dispatch(power_of_two(loads, prompt_len + hi, heavy, self._rng), hi, heavy)
+
+    def arrive(self, prompt_len: int, now: float, loads: Sequence[DecodeLoad] | None = None,
+               limit: int | None = None, admits: Callable[[Dispatch], bool] | None = None,
+               retime: Callable[[ChunkPlan, np.ndarray], ChunkPlan] | None = None) -> Arrival | None:
+        """The arrival decision: the planner sees the time, the decode instance is chosen (if `loads`), and,
+        unless `admits` refuses it (None is returned then), the chunks are planned and booked. retime: times
+        the plan's chunks otherwise before booking (the simulator's executor)."""
+        if self.planner is None:
+            raise ValueError("this cluster's prefill instances plan their own chunks")
+        self.planner.on_arrival(now)
+        chosen = None if loads is None else self.dispatch(prompt_len, loads, limit)
+        if chosen is not None and admits is not None and not admits(chosen):
+            return None
+        queues = np.where(self.unavailable, UNAVAILABLE, np.maximum(self.free_at - now, 0.0))
+        plan = self.planner.plan(prompt_len, queues)
+        if retime is not None:
+            plan = retime(plan, queues)
+        if plan.ttft >= UNAVAILABLE:
+            raise RuntimeError("the prefill planner used a slot that is not a prefill instance")
+        self.free_at[:] = np.where(self.unavailable, self.free_at, now + plan.commit(queues))
+        return Arrival(chosen, plan)
+
+    # ---- chunk order and outcomes (live) -----------------------------------------------------------------------
+    def add(self, request_id: str, arrival: Arrival, now: float) -> None:
+        """Run an admitted arrival's chunks (their groups become device ids, in id order)."""
+        if request_id in self._prefills:
+            raise ValueError(f"request id {request_id} is already in use")
+        chunks = tuple(dataclasses.replace(c, group=tuple(sorted(self.pool_ids[i] for i in c.group)))
+                       for c in arrival.plan.chunks)
+        self._prefills[request_id] = _Prefill(request_id, chunks, now)
+
+    def schedule(self) -> Plan:
+        """The chunks that start now: each request's next chunk, in booked order, where its devices are free of
+        every chunk running or booked before it (groups disjoint). A chunk on other devices than the history's
+        comes with its rebalance move."""
+        taken = {d for p in self._prefills.values() if p.started > p.done for d in p.chunks[p.done].group}
+        pending = sorted((p for p in self._prefills.values() if p.started == p.done),
+                         key=lambda p: (p.arrival + p.chunks[p.done].start, p.arrival))
+        items, moves = [], []
+        for p in pending:
+            c = p.chunks[p.done]
+            if not set(c.group) & taken:
+                if p.group and p.group != c.group:
+                    moves.append(KVMove(p.request_id, p.group, c.group, c.history, "rebalance"))
+                items.append(WorkItem(p.request_id, c.history, c.history + c.tokens, Phase.PREFILL, c.group,
+                                      len(c.group), chunk_index=p.done, history=c.history))
+                p.started += 1
+                p.group = c.group
+            taken |= set(c.group)
+        return Plan(tuple(items), tuple(moves))
+
+    def complete(self, item: WorkItem, end: float) -> bool:
+        """A chunk's Outcome: it ended at `end`. Its devices' bookings move by how late or early it ended.
+        Returns whether it was the request's last chunk (the request leaves the prefill side)."""
+        p = self._prefills[item.request_id]
+        c = p.chunks[item.chunk_index]
+        slots = [self.pool_ids.index(d) for d in c.group]
+        self.free_at[slots] = np.maximum(self.free_at[slots] + (end - (p.arrival + c.end)), end)
+        p.done += 1
+        if p.done < len(p.chunks):
+            return False
+        del self._prefills[item.request_id]
+        return True
+
+    def booked(self, item: WorkItem) -> tuple[float, float]:
+        """The booked (start, end) of a scheduled chunk, in the clock's time."""
+        p = self._prefills[item.request_id]
+        c = p.chunks[item.chunk_index]
+        return p.arrival + c.start, p.arrival + c.end
+
+    def prefilling(self, request_id: str) -> bool:
+        return request_id in self._prefills
+
+    def finish(self, request_id: str, generated: int) -> None:
+        """The request ended: forget it; a predictor that learns sees how long its decode was."""
+        self._prefills.pop(request_id, None)
+        if self.predictor is not None and generated:
+            self.predictor.observe(generated)

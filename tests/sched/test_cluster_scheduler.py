@@ -1,0 +1,132 @@
+"""The cluster scheduler (sched/cluster.py): one arrival decision for the live cluster and the simulators; the
+chunk order a live executor follows; bookings moved by chunks' measured ends; decode dispatch."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import pytest
+
+from jaxserve.sched import cost_models as cm
+from jaxserve.sched.cdsp import CDSPPlanner, ChunkPlan, Pool
+from jaxserve.sched.cluster import ClusterScheduler
+from jaxserve.sched.decode_dispatch import DecodeLoad, ObservedLengths
+from jaxserve.sched.plan import Phase
+from jaxserve.sched.profiles import tetris_table1_samples
+from jaxserve.sim.prefill_pool import run_pool
+from jaxserve.sim.workload import long_context
+
+MODEL = cm.TetrisPrefill.fit(tetris_table1_samples())
+POOL = Pool(nodes=2, per_node=4)
+DEVICE_IDS = [10 + 2 * i for i in range(POOL.size)]  # the live pool's device ids, not the planner's slots
+
+
+def fake_executor(scheduler: ClusterScheduler, arrivals, prompt_lens, late: float = 0.0) -> dict[str, ChunkPlan]:
+    """A live executor without devices: arrivals and chunk ends in time order; each chunk starts when the
+    scheduler's Plan names it and ends `late` seconds after its booked end. Returns every request's plan."""
+    events = [(float(t), 1, str(k), n) for k, (t, n) in enumerate(zip(arrivals, prompt_lens))]
+    heapq.heapify(events)
+    plans, seq = {}, 0
+    while events:
+        now, kind, rid, payload = heapq.heappop(events)
+        if kind == 1:
+            arrival = scheduler.arrive(payload, now)
+            scheduler.add(rid, arrival, now)
+            plans[rid] = arrival.plan
+        else:
+            scheduler.complete(payload, now)
+        for item in scheduler.schedule().items:
+            _, end = scheduler.booked(item)
+            seq += 1
+            heapq.heappush(events, (max(end + late, now), 0, f"{item.request_id}/{seq}", item))
+    return plans
+
+
+def test_the_live_executor_and_the_simulator_get_the_same_plans():
+    """The same arrivals through the simulator (run_pool) and through a fake live executor whose chunks end as
+    booked: the same chunk plans, request by request, and the same bookings at the end."""
+    w = long_context("medium", 60, 2.0, seed=3)
+    sim = run_pool(CDSPPlanner(MODEL, POOL, 0.2), w, POOL.size, MODEL.fastest)
+    live = ClusterScheduler(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS)
+    plans = fake_executor(live, w.arrivals, w.prompt_lens)
+    assert [plans[str(k)] for k in range(len(w))] == sim.plans
+    assert max(len(p.chunks) for p in sim.plans) > 1  # chunked prompts are among them
+    ends = w.arrivals[:, None] + np.array([p.commit(np.zeros(POOL.size)) for p in sim.plans])
+    assert np.allclose(live.free_at, ends.max(axis=0))
+
+
+def test_chunks_start_in_booked_order_on_free_disjoint_groups_with_their_rebalance():
+    """Two prompts at once, devices booked so that the long one's chunks grow from 2 to 4 to 8 devices: every
+    Plan's groups are disjoint and free of running chunks; a chunk on other devices than its history's comes with
+    that history's move; items name device ids."""
+    s = ClusterScheduler(CDSPPlanner(MODEL, POOL, 0.05, min_chunk=1024), DEVICE_IDS)
+    s.free_at[:] = [0, 0, 2, 2, 3, 3, 3, 3]
+    for rid, n in (("a", 120_000), ("b", 30_000)):
+        s.add(rid, s.arrive(n, 0.0), 0.0)
+    running, held, started = set(), {}, []
+    for _ in range(100):
+        plan = s.schedule()
+        groups = [set(i.group) for i in plan.items]
+        assert all(not (g & h) for k, g in enumerate(groups) for h in groups[k + 1:])
+        for item in plan.items:
+            assert not set(item.group) & {d for r in running for d in r.group}
+            assert set(item.group) <= set(DEVICE_IDS) and item.phase is Phase.PREFILL
+            moved = [m for m in plan.moves if m.request_id == item.request_id]
+            prev = held.get(item.request_id)
+            assert moved == [] if prev in (None, item.group) else [(m.src, m.dst, m.tokens) for m in moved] == [
+                (prev, item.group, item.history)]
+            held[item.request_id] = item.group
+        running |= set(plan.items)
+        started += plan.items
+        if not running:
+            break
+        first = min(running, key=lambda i: s.booked(i)[1])  # the chunk due first ends
+        running.remove(first)
+        s.complete(first, s.booked(first)[1])
+    assert not running and {i.request_id for i in started} == {"a", "b"}
+    for rid, n in (("a", 120_000), ("b", 30_000)):
+        mine = [i for i in started if i.request_id == rid]
+        assert [i.chunk_index for i in mine] == list(range(len(mine)))
+        assert sum(i.tokens for i in mine) == n and mine[0].history == 0
+    assert [len(i.group) for i in started if i.request_id == "a"] == [2, 4, 8]
+
+
+def test_a_late_chunk_moves_its_devices_bookings_and_the_next_arrival_sees_it():
+    s = ClusterScheduler(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS)
+    s.add("a", s.arrive(4096, 0.0), 0.0)
+    (item,) = s.schedule().items
+    _, end = s.booked(item)
+    slots = [DEVICE_IDS.index(d) for d in item.group]
+    assert np.allclose(s.free_at[slots], end)
+    assert s.complete(item, end + 0.5)  # its only chunk, half a second late
+    assert np.allclose(s.free_at[slots], end + 0.5)
+    later = s.arrive(4096, end).plan
+    assert not set(later.chunks[0].group) & set(slots) or later.chunks[0].start >= 0.5 - 1e-9
+
+
+def test_dispatch_by_freeness_and_power_of_two_from_the_predicted_length():
+    loads = [DecodeLoad(1000, 4), DecodeLoad(4000, 2), DecodeLoad(100, 0)]
+    s = ClusterScheduler(None, (), predictor=ObservedLengths(prior=600, granularity=64))
+    chosen = s.dispatch(100, loads)
+    assert chosen.decoder == 1 and chosen.predicted == 640 and chosen.heavy  # 2,000 free slots a running request
+    assert s.dispatch(100, loads, limit=16).predicted == 16 and not s.dispatch(100, loads, limit=16).heavy
+    s.finish("x", 10)  # the predictor learns from what was served
+    assert s.dispatch(100, loads).predicted == 64
+    two = ClusterScheduler(None, (), "power_of_two", seed=1)
+    assert two.dispatch(100, loads, limit=3000).decoder == 1  # only one has room for 3,100 tokens
+    with pytest.raises(ValueError, match="decode length"):
+        two.dispatch(100, loads)  # no predictor and no limit
+    with pytest.raises(ValueError, match="plan their own"):
+        two.arrive(100, 0.0)
+    with pytest.raises(ValueError, match="dispatch must be"):
+        ClusterScheduler(None, (), "random")
+
+
+def test_an_admission_check_refuses_before_anything_is_booked():
+    s = ClusterScheduler(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS, predictor=ObservedLengths())
+    loads = [DecodeLoad(10, 0)]
+    assert s.arrive(4096, 0.0, loads, admits=lambda d: False) is None
+    assert not s.free_at.any()
+    assert s.arrive(4096, 0.0, loads, admits=lambda d: d.decoder == 0).dispatch.decoder == 0
+    assert s.free_at.any()
