@@ -68,8 +68,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: pathlib.Path, timeout: f
 
 def test_server_across_two_processes_answers_openai_then_ends_requests_when_a_follower_is_killed(tmp_path):
     """`serve` on two processes: the leader's pool prefills, the follower's devices decode. The openai client
-    gets the single-device engine's greedy text; then the follower is SIGKILLed mid-stream: the stream ends with
-    an error, and the leader stops (exit 3) within its heartbeat timeout, nothing left hanging."""
+    gets the single-device engine's greedy text, and the metrics count the cluster's chunks and transfers; then
+    the follower is SIGKILLed mid-stream: the stream ends with an error, and the leader stops (exit 3) within its
+    heartbeat timeout, nothing left hanging."""
     port, http = free_port(), free_port()
     flags = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--max_model_len=1024",
              "--kv_cache_gib=0.25", "--max_num_seqs=4", "--max_num_batched_tokens=256", "--prefill_instances=4",
@@ -87,6 +88,10 @@ def test_server_across_two_processes_answers_openai_then_ends_requests_when_a_fo
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=0)
         got = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=8, temperature=0)
         assert got.choices[0].text == want
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
+        assert 'jaxserve_cluster_events_total{event="chunks"}' in metrics  # the prompt's chunks on the pool
+        assert 'jaxserve_cluster_events_total{event="transfers"}' in metrics
 
         stream = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=500,
                                            temperature=0, stream=True)

@@ -14,6 +14,7 @@ Plan-executing engine.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -94,6 +95,7 @@ class ClusterEngine:
         first = self.decoders[0].engine
         self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
         self.max_num_seqs = sum(d.engine.max_num_seqs for d in self.decoders)
+        self.events: collections.Counter[str] = collections.Counter()  # chunks, rebalances, transfers
         self.records: list[ChunkRecord] = []
         self.transfers: list[tuple[int, Transfer]] = []  # (decode instance, landed transfer)
         self.decode_started: dict[str, float] = {}
@@ -196,6 +198,7 @@ class ClusterEngine:
         for i, d in enumerate(self.decoders):
             for t in d.pump(self.clock):
                 self.transfers.append((i, t))
+                self.events["transfers"] += 1
             for rid in [rid for rid in d.incoming if d.ready(rid) and rid not in self._prefills]:
                 d.admit(rid)
         predicted = []
@@ -251,9 +254,11 @@ class ClusterEngine:
             p, start = self._prefills[item.request_id], self.clock()
             if item.request_id in moves:
                 self.prefill.rebalance(item.request_id, moves[item.request_id].dst)
+                self.events["rebalances"] += 1
             run = self.prefill.run_chunk(item.request_id, item.group, p.ids[item.start:item.end], item.history,
                                          p.params, p.seed)
             self._inflight.append(_Running(item, run, start))
+            self.events["chunks"] += 1
         idle = self._inflight and not any(d.engine.has_work for d in self.decoders)  # wait a little for a chunk
         outputs = []
         for f in self._finished(WAIT if idle else 0.0):

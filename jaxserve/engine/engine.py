@@ -19,7 +19,7 @@ import itertools
 import math
 import random
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from absl import logging
@@ -207,6 +207,8 @@ class Engine:
         """A step would run something: a request decoding, or a prompt waiting to be prefilled here (requests
         expected from a prefill pool are unfinished but give a step nothing to do until they are admitted)."""
         return self._pending is not None or bool(self.scheduler.decoding) or len(self.scheduler.queue) > 0
+
+    events: Mapping[str, int] = {}  # one replica has no cluster events (preemptions are counted apart)
 
     @property
     def num_waiting(self) -> int:

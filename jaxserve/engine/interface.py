@@ -3,7 +3,7 @@ it: engine.Engine (one replica) and cluster.engine.ClusterEngine (a prefill pool
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.models.tokenizer import TextTokenizer
@@ -53,6 +53,10 @@ class ServingEngine(Protocol):
 
     @property
     def num_preemptions(self) -> int: ...
+
+    @property
+    def events(self) -> Mapping[str, int]:
+        """Scheduling events counted since start, by kind (a cluster's chunks, moves and transfers)."""
 
     @property
     def kv(self) -> KVUsage: ...

@@ -155,6 +155,7 @@ class AsyncEngine:
         self.steps = 0  # engine iterations run (tests read it to bound how soon an abort lands)
         self._prefix = (0, 0)  # prefix-cache (queries, hits) already counted in the metrics
         self._preemptions = 0
+        self._events: dict[str, int] = {}  # the engine's event counts already in the metrics
         self._open: dict[str, RequestStream] = {}  # event-loop side: submitted, not yet ended
         self._live: dict[str, _Live] = {}  # engine-thread side: in the engine
         self._commands: collections.deque[tuple[str, Any]] = collections.deque()
@@ -373,3 +374,6 @@ class AsyncEngine:
         self._prefix = (queries, hits)
         m.preemptions.inc(engine.num_preemptions - self._preemptions)
         self._preemptions = engine.num_preemptions
+        for event, count in engine.events.items():
+            m.cluster_events.labels(event).inc(count - self._events.get(event, 0))
+            self._events[event] = count

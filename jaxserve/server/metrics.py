@@ -44,6 +44,10 @@ class ServerMetrics:
                                 "(stop, length, abort: the client left or the server shut down, error: the engine "
                                 "could not run it).", ["reason"],
                                 registry=r)
+        self.cluster_events = Counter("jaxserve_cluster_events", "A cluster's scheduling events, by kind (chunks: "
+                                      "prefill chunks run on the pool; rebalances: a history moved to a chunk's "
+                                      "group; transfers: a chunk's KV landed on a decode instance).", ["event"],
+                                      registry=r)
         self.errors = Counter("jaxserve_request_errors", "Requests answered with an error, by reason (invalid, "
                               "unauthenticated, too_large, read_timeout, queue_full, shutting_down, engine_failed, "
                               "internal).", ["reason"], registry=r)

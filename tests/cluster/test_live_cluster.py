@@ -34,10 +34,17 @@ def long_prompt(llm):
     return ids, want
 
 
+# queues under which the planner chunks a ~3K-token prompt over groups of 2 -> 4 -> 8 devices
+GROWING = {2: 0.2, 3: 0.2} | {i: 0.3 for i in range(4, 8)}
+
+
 def prefill_over_2_4_8(cluster, ids) -> list[int]:
     """Run the prompt with queues set so the planner chunks it over groups of 2 -> 4 -> 8 devices."""
-    busy(cluster, {2: 0.2, 3: 0.2} | {i: 0.3 for i in range(4, 8)})
+    busy(cluster, GROWING)
+    rebalances = cluster.events["rebalances"]
     (got,) = run(cluster, [(ids, GREEDY)])
+    assert cluster.events["rebalances"] == rebalances + 2  # before the group of 4, and before the group of 8
+    assert (cluster.events["chunks"], cluster.events["transfers"]) == (len(cluster.records), len(cluster.transfers))
     rid = cluster.records[-1].request_id
     assert [len(r.group) for r in cluster.records if r.request_id == rid] == [2, 4, 8]
     # the history was rebalanced before each larger group; the transfers came chunk by chunk
@@ -108,17 +115,18 @@ def test_one_receive_buffer_sends_transfers_one_after_the_other(llm, cluster):
 
 
 def test_no_compilation_after_warmup_across_varied_requests(llm, cluster):
-    """Six prompts of 100 to 1,500 tokens under varied queues: chunks on every group size, no compile."""
+    """Six prompts, one of 3,000 tokens and five of 100 to 1,500, under varied queues: chunks on every group
+    size, no compile."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
         else None)
     rng = np.random.default_rng(1)
     requests = [(prompt(llm, int(n), i), SamplingParams(max_tokens=4))
-                for i, n in enumerate(rng.integers(100, 1500, 6))]
+                for i, n in enumerate([3000, *rng.integers(100, 1500, 5)])]
     before = len(cluster.records)
-    for k, (ids, params) in enumerate(requests):  # varied queues: every group size gets chunks
-        busy(cluster, {i: float(rng.uniform(0, 0.4)) for i in range(8)})
+    for k, (ids, params) in enumerate(requests):  # the long one grows over 2 -> 4 -> 8, the others vary
+        busy(cluster, GROWING if k == 0 else {i: float(rng.uniform(0, 0.4)) for i in range(8)})
         run(cluster, [(ids, params)])
     assert compiles == []
     assert {len(r.group) for r in cluster.records[before:]} == {2, 4, 8}
