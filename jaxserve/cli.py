@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging as std_logging
 import os
 import sys
+import time
 import typing
 from typing import Any
 
@@ -137,15 +138,35 @@ def _serve() -> None:
     _exit_now()
 
 
+# seconds the leader keeps the coordination service up after the shutdown barrier
+SERVICE_GRACE_S = 2.0
+
+
 def _exit_now() -> None:
     """Exit 0 without the interpreter's teardown, which frees each compiled program one by one (over a second,
     counted against drain_timeout); the OS takes the memory back at once."""
-    import jax
-    jax.distributed.shutdown()  # with several processes: the exit every process makes together
+    _leave_distributed()
     std_logging.shutdown()  # flushes the log handlers
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _leave_distributed() -> None:
+    """Every process leaves jax.distributed together: the client's shutdown is a barrier. The leader hosts the
+    coordination service and keeps it up a moment after the barrier, so that the followers' shutdown calls get
+    their answer: torn down at once, a follower's call could fail, and the follower aborted (status 134)."""
+    from jax._src import distributed  # the service is not public; without it, jax.distributed.shutdown() alone
+
+    import jax
+    state = getattr(distributed, "global_state", None)
+    service = getattr(state, "service", None)
+    if service is not None:
+        state.service = None  # jax.distributed.shutdown() below leaves it running
+    jax.distributed.shutdown()
+    if service is not None:
+        time.sleep(SERVICE_GRACE_S)
+        service.shutdown()
 
 
 def _client() -> None:
