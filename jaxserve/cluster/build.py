@@ -3,7 +3,6 @@ and the warm-up that compiles every program the layout can run before the first 
 
 from __future__ import annotations
 
-import itertools
 import pathlib
 from typing import Any, Callable, Sequence
 
@@ -15,12 +14,14 @@ from jaxserve.cluster import pool_profile
 from jaxserve.config import ParallelConfig
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
+from jaxserve.cluster.tetriinfer import TetriInferCluster
 from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sp_prefill import SPPrefill
-from jaxserve.sched.cdsp import CDSPPlanner, Pool
+from jaxserve.sched.cdsp import CDSPPlanner, Pool, planner_groups
 from jaxserve.sched.cluster import ClusterScheduler
 from jaxserve.sched.decode_dispatch import ObservedLengths
+from jaxserve.sched.prefill_batches import PrefillBatchScheduler
 from jaxserve.sched.cost_models import TetrisPrefill
 
 
@@ -38,7 +39,7 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
         tp = f", {layout.tp} devices each" if layout.tp > 1 else ""
         raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} prefill + "
                          f"{layout.decode_instances} decode x {layout.decode_kvp}{tp}); there are {available}")
-    if layout.prefill_instances % layout.node_size:
+    if layout.cluster_policy == "cdsp" and layout.prefill_instances % layout.node_size:
         raise ValueError(f"{layout.prefill_instances} prefill instances do not form nodes of {layout.node_size}")
 
 
@@ -47,26 +48,12 @@ def pool_of(layout: ParallelConfig) -> Pool:
     return Pool(layout.prefill_instances // layout.node_size, layout.node_size)
 
 
-def planner_groups(pool: Pool, sizes: Sequence[int]) -> list[tuple[int, ...]]:
-    """Every group (as sorted instance ids) the CDSP planner can give a chunk: groups of a multiple of the node
-    size are unions of whole nodes (its node-aware extension), others any instances of that size."""
-    out = []
-    for s in sizes:
-        if s % pool.per_node == 0:
-            for nodes in itertools.combinations(range(pool.nodes), s // pool.per_node):
-                out.append(tuple(i for n in nodes for i in range(n * pool.per_node, (n + 1) * pool.per_node)))
-        else:
-            out += list(itertools.combinations(range(pool.size), s))
-    return out
-
-
 def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> int:
-    """Compile every chunk program (planner group x local bucket), every KV-move and KV-export piece program on
+    """Compile every chunk program (group x local bucket the policy can run), every KV-move and KV-export piece program on
     every instance, every prefill-to-decode instance transfer, and every decode instance's decode programs and
     samplers. Returns the number of chunk programs."""
     sp = cluster.prefill
-    groups = [tuple(cluster.pool_ids[i] for i in g) for g in planner_groups(cluster.pool, cluster.sizes)]
-    work = [(g, b) for g in groups for b in sp.buckets(len(g), max_tokens)]
+    work = cluster.chunk_shapes(max_tokens)
     for g, b in tqdm(work, desc="compile chunk programs", unit="program", disable=not progress):
         sp.program(g, b)
     sp.warmup_moves()
@@ -84,8 +71,9 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
           dispatch: str = "freeness", key_block: int = 256, min_local: int = 64,
           devices: Sequence[jax.Device] | None = None, progress: bool = True,
           new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
-    """prefill_cost: Eq. (1) for the planner, or the file to load it from (measured on this pool and written
-    there first if it does not exist). sizes: the SP sizes chunks may use (default: the fitted ones, or the
+    """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool) or tetriinfer (each pool
+    instance its own PrefillBatchScheduler; power-of-two dispatch). prefill_cost (cdsp): Eq. (1) for the planner,
+    or the file to load it from (measured on this pool and written there first if it does not exist). sizes: the SP sizes chunks may use (default: the fitted ones, or the
     powers of two from a node to the pool when measuring). new: makes the device-layer objects (across
     processes: lockstep.Leader.new)."""
     devices = list(devices or jax.devices())
@@ -93,6 +81,16 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     tp, first = layout.tp, layout.prefill_instances * layout.tp
     sp = new(SPPrefill, cfg, params, devices[:first], capacity=capacity, dtype=dtype, key_block=key_block,
              min_local=min_local, tp=tp)
+    g = layout.decode_kvp * tp
+    engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
+    mover = new(KVMover, sp, [e.runner for e in engines])
+    decoders = [DecodeInstance(i, e, layout.receive_buffers, mover) for i, e in enumerate(engines)]
+    pool_ids = sorted(sp.instances)
+    if layout.cluster_policy == "tetriinfer":
+        instances = [PrefillBatchScheduler(layout.prefill_chunk, layout.prefill_batch, layout.prefill_order, (d,))
+                     for d in pool_ids]
+        scheduler = ClusterScheduler(None, pool_ids, "power_of_two", ObservedLengths())
+        return TetriInferCluster(sp, scheduler, decoders, mover, instances)
     if isinstance(prefill_cost, pathlib.Path):
         pool = pool_of(layout)
         sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]
@@ -101,9 +99,5 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
     planner = CDSPPlanner(prefill_cost, pool_of(layout), improvement_rate, sizes=sizes,
                           min_chunk=layout.min_chunk)
-    g = layout.decode_kvp * tp
-    engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
-    mover = new(KVMover, sp, [e.runner for e in engines])
-    decoders = [DecodeInstance(i, e, layout.receive_buffers, mover) for i, e in enumerate(engines)]
-    scheduler = ClusterScheduler(planner, sorted(sp.instances), dispatch, ObservedLengths())
+    scheduler = ClusterScheduler(planner, pool_ids, dispatch, ObservedLengths())
     return ClusterEngine(sp, scheduler, decoders, mover)

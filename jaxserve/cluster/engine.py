@@ -27,7 +27,7 @@ from jaxserve.cluster.transfer import KVMover, Transfer
 from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import ChunkRun, SPPrefill
-from jaxserve.sched.cdsp import ChunkPlan
+from jaxserve.sched.cdsp import ChunkPlan, planner_groups
 from jaxserve.sched.cluster import ClusterScheduler
 from jaxserve.sched.kv_manager import PrefixCacheStats
 from jaxserve.sched.plan import WorkItem
@@ -48,8 +48,8 @@ class ChunkRecord:
     history: int
     start: float
     end: float
-    predicted_start: float
-    predicted_end: float
+    predicted_start: float | None  # as booked (None: a policy that books no times)
+    predicted_end: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +81,6 @@ class _Running:
 class ClusterEngine:
     def __init__(self, prefill: SPPrefill, scheduler: ClusterScheduler, decoders: Sequence[DecodeInstance],
                  mover: KVMover, *, clock: Callable[[], float] = time.monotonic):
-        planner = scheduler.planner
-        cdsp = getattr(planner, "planner", planner)  # AdaptiveCDSP wraps a CDSPPlanner
-        self.pool, self.sizes = cdsp.pool, cdsp.sizes
         self.pool_ids = tuple(sorted(prefill.instances))
         if scheduler.pool_ids != self.pool_ids:
             raise ValueError(f"the scheduler's pool is devices {scheduler.pool_ids}; the prefill pool's "
@@ -103,13 +100,20 @@ class ClusterEngine:
         self.last_predicted: float | None = None
         self._prefills: dict[str, _Prefill] = {}
         self._inflight: list[_Running] = []  # chunks dispatched, in dispatch order
-        self._owner: dict[str, DecodeInstance] = {}  # every live request's decode instance
+        self._owner: dict[str, DecodeInstance | None] = {}  # every live request's decode instance (None: not
+        # chosen yet)
         self._generated: dict[str, int] = {}
         self._ids = itertools.count()
 
     @property
     def planner(self):
         return self.scheduler.planner
+
+    def chunk_shapes(self, max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
+        """Every (group, local bucket) a chunk can run as: the planner's groups, chunks up to max_tokens."""
+        cdsp = getattr(self.planner, "planner", self.planner)  # AdaptiveCDSP wraps a CDSPPlanner
+        groups = [tuple(self.pool_ids[i] for i in g) for g in planner_groups(cdsp.pool, cdsp.sizes)]
+        return [(g, b) for g in groups for b in self.prefill.buckets(len(g), max_tokens)]
 
     @property
     def free_at(self) -> np.ndarray:
@@ -144,11 +148,12 @@ class ClusterEngine:
         return rid
 
     def abort(self, request_id: str) -> bool:
-        decoder = self._owner.get(request_id)
-        if decoder is None:
+        if request_id not in self._owner:
             return False
+        decoder = self._owner[request_id]
         self._end(request_id, observe=False)
-        decoder.engine.abort(request_id)
+        if decoder is not None:
+            decoder.engine.abort(request_id)
         return True
 
     def _drop_prefill(self, request_id: str) -> None:

@@ -21,6 +21,7 @@ Times are relative to now; queues are per-instance seconds until free. Pure Pyth
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Sequence
 
@@ -72,6 +73,19 @@ class Pool:
 
 
 Coef = tuple[float, float, float, float]  # Eq. (1)'s c0..c3 for one SP size
+def planner_groups(pool: Pool, sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every group (as sorted instance ids) the CDSP planner can give a chunk: groups of a multiple of the node
+    size are unions of whole nodes (its node-aware extension), others any instances of that size."""
+    out = []
+    for s in sizes:
+        if s % pool.per_node == 0:
+            for nodes in itertools.combinations(range(pool.nodes), s // pool.per_node):
+                out.append(tuple(i for n in nodes for i in range(n * pool.per_node, (n + 1) * pool.per_node)))
+        else:
+            out += list(itertools.combinations(range(pool.size), s))
+    return out
+
+
 # a chunk before its times are filled in: (group, tokens, history, the group holding the history)
 Step = tuple["_Group", int, int, "_Group"]
 

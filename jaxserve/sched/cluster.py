@@ -161,9 +161,6 @@ class ClusterScheduler:
         c = p.chunks[item.chunk_index]
         return p.arrival + c.start, p.arrival + c.end
 
-    def prefilling(self, request_id: str) -> bool:
-        return request_id in self._prefills
-
     def finish(self, request_id: str, generated: int) -> None:
         """The request ended: forget it; a predictor that learns sees how long its decode was."""
         self._prefills.pop(request_id, None)

@@ -37,6 +37,12 @@ def chunk_time(cost: BatchCost, items: Sequence[WorkItem], chunk: int) -> float:
     return cost.time(dataclasses.replace(state, tokens=max(state.tokens, chunk)))
 
 
+def least_queued(instances: Sequence["PrefillBatchScheduler"]) -> int:
+    """TetriInfer's global scheduler: an arrival joins the instance with the fewest prompt tokens left to prefill
+    (ties: the lowest index)."""
+    return min(range(len(instances)), key=lambda i: (instances[i].queued_tokens(), i))
+
+
 class PrefillBatchScheduler:
     def __init__(self, chunk: int = 512, batch: int = 16, order: str = "sjf", group: tuple[int, ...] = (0,)):
         if order not in ORDERS:
@@ -54,6 +60,14 @@ class PrefillBatchScheduler:
             raise ValueError(f"request {request.id} is already queued")
         self.requests[request.id] = request
         self.raw.append(request)
+
+    def remove(self, request_id: str) -> None:
+        """Drop a request (aborted); a chunk in flight with its piece still applies to the others."""
+        r = self.requests.pop(request_id, None)
+        if r is not None:
+            for queue in (self.raw, self.scheduled):
+                if r in queue:
+                    queue.remove(r)
 
     def queued_tokens(self) -> int:
         """Prompt tokens not yet prefilled: the load a global scheduler balances over instances."""
@@ -94,7 +108,9 @@ class PrefillBatchScheduler:
         self.in_flight = False
         done = []
         for item in plan.items:
-            r = self.requests[item.request_id]
+            r = self.requests.get(item.request_id)
+            if r is None:  # removed while its chunk ran
+                continue
             r.prefilled = item.end
             if r.prefilled == r.prompt_len:
                 r.add_tokens(len(outcome.tokens.get(r.id, ())), outcome.end_time)

@@ -34,7 +34,7 @@ from jaxserve.sched.cluster import ClusterScheduler, Dispatch, Planner
 from jaxserve.sched.decode import DecodeScheduler
 from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor
 from jaxserve.sched.plan import Outcome, Plan
-from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
+from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time, least_queued
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
 from jaxserve.config import SLO
@@ -312,7 +312,7 @@ class _Run:
             return
         r.ttft_deadline, r.tpot_slo = t + self.cfg.slo.ttft(self.sim.best_latency(r.prompt_len)), self.cfg.slo.tpot_slo
         self.requests.append(r)
-        inst = min(self.prefillers, key=lambda s: s.queued_tokens())  # ties: the lowest index
+        inst = self.prefillers[least_queued(self.prefillers)]
         inst.add(r)
         self._push(t, 4, "prefill", inst)  # after every arrival at t: simultaneous ones share a scheduling batch
 

@@ -8,7 +8,7 @@ import pytest
 from jaxserve.sched import cost_models as cm
 from jaxserve.sched.batch_cost import TetrisBatchCost
 from jaxserve.sched.plan import Outcome, Phase, WorkItem
-from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
+from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time, least_queued
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 
@@ -91,3 +91,17 @@ def test_rejects_bad_settings_and_duplicates():
     sched.add(r)
     with pytest.raises(ValueError, match="already queued"):
         sched.add(r)
+
+
+def test_arrivals_join_the_least_loaded_instance_and_a_removed_request_is_never_planned():
+    a, b = PrefillBatchScheduler(chunk=512, group=(0,)), PrefillBatchScheduler(chunk=512, group=(1,))
+    for r in requests(1300, 300, 40, 700):
+        [a, b][least_queued([a, b])].add(r)
+    assert (list(a.requests), list(b.requests)) == (["0"], ["1", "2", "3"])  # ties: the lowest index
+    plan = b.schedule(0.0)
+    assert [i.request_id for i in plan.items] == ["2", "1", "3"]  # shortest first
+    b.remove("1")  # aborted while its chunk runs: the chunk's Outcome still applies to the others
+    done = b.apply(plan, Outcome(1.0, (), {"2": (0,)}))
+    assert [r.id for r in done] == ["2"] and set(b.requests) == {"3"}
+    b.remove("3")
+    assert b.schedule(1.0) is None and b.queued_tokens() == 0

@@ -1,0 +1,160 @@
+"""TetriInfer's disaggregated cluster, live (TetriInfer 3.3-3.4): the pool's instances prefill on their own, and
+decode instances run the Plan-executing engine as under CDSP (ClusterEngine: receive buffers, decode steps).
+
+- Arrival: a prompt joins the prefill instance with the fewest prompt tokens left (sched.prefill_batches
+  .least_queued, the simulator's rule too).
+- Prefill: each instance runs sched/prefill_batches.py's PrefillBatchScheduler, one chunk of `chunk` tokens at a
+  time: the scheduling batch's prompts (ordered SJF / LJF / FCFS) sliced and merged in order. A chunk's pieces run
+  one after another on the instance (each its own program call); every piece but the chunk's last ends its
+  prompt, so the instance's history store holds one prompt at a time.
+- Dispatch: a prompt's decode instance is chosen when its last piece is planned (power of two over the instances
+  with room for the prompt plus its predicted decode), so the first token is drawn with the decode side's seed.
+- Transfer: once the prompt is done, its whole KV goes to the decode instance in one transfer (TetriInfer's
+  request-level transfer; CDSP streams chunk by chunk).
+Not live yet: TetriInfer's instance flip (a prefill instance turned decode instance and back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from jaxserve.cluster.engine import WAIT, ChunkRecord, ClusterEngine
+from jaxserve.cluster.transfer import Transfer
+from jaxserve.engine.engine import RequestOutput
+from jaxserve.engine.sp_prefill import ChunkRun
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.sched.plan import Outcome, Plan
+from jaxserve.sched.prefill_batches import PrefillBatchScheduler, least_queued
+from jaxserve.sched.request import Request
+
+
+@dataclasses.dataclass
+class _Prompt:
+    ids: list[int]
+    params: SamplingParams
+    instance: int  # index of its prefill instance
+    seed: int = 0  # the decode instance's, once chosen (earlier pieces' draws are not used)
+    rows: tuple[int, int] | None = None  # history store rows written so far
+    positions: list[np.ndarray] | None = None  # its staged KV's token positions, once done
+    pieces: int = 0  # pieces run
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """One instance's chunk in flight: its Plan and each piece's run."""
+
+    plan: Plan
+    runs: list[ChunkRun]
+    start: float
+
+
+class TetriInferCluster(ClusterEngine):
+    def __init__(self, prefill, scheduler, decoders, mover, instances: list[PrefillBatchScheduler], **kwargs):
+        """instances: one PrefillBatchScheduler per pool instance, in pool order (its group: the instance id)."""
+        super().__init__(prefill, scheduler, decoders, mover, **kwargs)
+        if [i.group for i in instances] != [(d,) for d in self.pool_ids]:
+            raise ValueError("one prefill scheduler per pool instance, in pool order")
+        self.instances = instances
+        self._prompts: dict[str, _Prompt] = {}
+        self._chunks: dict[int, _Chunk] = {}  # instance index -> its chunk in flight
+
+    def chunk_shapes(self, max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
+        """Each instance alone, pieces up to a chunk."""
+        most = min(self.instances[0].chunk, max_tokens)
+        return [((d,), b) for d in self.pool_ids for b in self.prefill.buckets(1, most)]
+
+    def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
+                ttft_slo: float | None = None) -> str:
+        """Queue the prompt on the least loaded prefill instance (ttft_slo: accepted for the interface)."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._owner:
+            raise ValueError(f"request id {rid} is already in use")
+        k = least_queued(self.instances)
+        self.instances[k].add(Request(rid, self.clock(), len(ids), params.max_tokens))
+        self._prompts[rid] = _Prompt(ids, params, k)
+        self._owner[rid] = None  # its decode instance is chosen with its last piece
+        return rid
+
+    @property
+    def num_running(self) -> int:
+        return sum(d.engine.num_running for d in self.decoders) + len(self._prompts)
+
+    def _drop_prefill(self, request_id: str) -> None:
+        p = self._prompts.pop(request_id, None)
+        if p is not None:
+            self.instances[p.instance].remove(request_id)
+            self.prefill.release(request_id)
+
+    def _dispatch(self, rid: str, p: _Prompt) -> None:
+        chosen = self.scheduler.dispatch(len(p.ids), [d.load() for d in self.decoders], p.params.max_tokens)
+        decoder = self.decoders[chosen.decoder]
+        p.seed = decoder.engine.expect(p.ids, p.params, rid)
+        decoder.expect(rid, len(p.ids), chosen.predicted, chosen.heavy)
+        self._owner[rid] = decoder
+
+    def _start(self, k: int, plan: Plan) -> None:
+        """Run a chunk's pieces in order on instance k; a prompt's last piece stages its whole KV and frees the
+        store for the next prompt."""
+        instance, runs = self.pool_ids[k], []
+        for item in plan.items:
+            p = self._prompts.get(item.request_id)
+            if p is None:  # aborted after its chunk was planned
+                runs.append(None)
+                continue
+            last = item.end == len(p.ids)
+            if last:
+                self._dispatch(item.request_id, p)
+            run = self.prefill.run_chunk(item.request_id, (instance,), p.ids[item.start:item.end], item.start,
+                                         p.params, p.seed)
+            lo, hi = run.written[instance]
+            p.rows = (p.rows[0] if p.rows else lo, hi)
+            if last:
+                p.positions = self.mover.stage((item.request_id, 0), {instance: p.rows})
+                self.prefill.release(item.request_id)
+            runs.append(run)
+            self.events["chunks"] += 1
+        self._chunks[k] = _Chunk(plan, runs, self.clock())
+
+    def _run_chunks(self) -> list[RequestOutput]:
+        for k, inst in enumerate(self.instances):
+            if k not in self._chunks and (plan := inst.schedule(self.clock())) is not None:
+                self._start(k, plan)
+        idle = self._chunks and not any(d.engine.has_work for d in self.decoders)
+        outputs = []
+        for k in self._done_chunks(WAIT if idle else 0.0):
+            outputs += self._take(k, self._chunks.pop(k))
+        self._count(outputs)
+        return outputs
+
+    def _done_chunks(self, wait: float) -> list[int]:
+        """Instances whose chunk has finished, polling up to `wait` seconds while none has."""
+        end = time.perf_counter() + wait
+        while True:
+            done = [k for k, c in self._chunks.items() if all(r is None or r.ready() for r in c.runs)]
+            if done or time.perf_counter() >= end:
+                return done
+            time.sleep(WAIT / 20)
+
+    def _take(self, k: int, chunk: _Chunk) -> list[RequestOutput]:
+        """A finished chunk: its Outcome to the instance's scheduler; each prompt it finished sends its first
+        token and its whole KV to its decode instance."""
+        end, instance = self.clock(), self.pool_ids[k]
+        tokens = {}
+        for item, run in zip(chunk.plan.items, chunk.runs):
+            if run is None or item.request_id not in self._prompts:
+                continue
+            p = self._prompts[item.request_id]
+            self.records.append(ChunkRecord(item.request_id, p.pieces, (instance,), item.tokens, item.history,
+                                            chunk.start, end, None, None))
+            p.pieces += 1
+            if item.end == len(self._prompts[item.request_id].ids):
+                tokens[item.request_id] = (run.token(),)
+        outputs = []
+        for r in self.instances[k].apply(chunk.plan, Outcome(end, (), tokens)):
+            p, decoder = self._prompts.pop(r.id), self._owner[r.id]
+            decoder.buffers.offer(Transfer(r.id, 0, True, p.positions, end))
+            outputs.append(decoder.engine.first_token(r.id, tokens[r.id][0]))
+        return outputs

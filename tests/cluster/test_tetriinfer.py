@@ -1,0 +1,57 @@
+"""TetriInfer's cluster live (--cluster_policy=tetriinfer): prefill instances of fixed-size chunks with SJF
+scheduling batches, whole-KV transfer to a decode instance chosen by power of two, against the single-device
+engine's greedy tokens."""
+
+from __future__ import annotations
+
+import jaxserve
+from conftest import MAX_MODEL_LEN, prompt, run
+from jaxserve.cluster.build import build, warmup
+from jaxserve.cluster.tetriinfer import TetriInferCluster
+from jaxserve.config import ParallelConfig
+from jaxserve.engine.interface import ServingEngine
+from jaxserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12)
+
+
+def test_prefill_instances_with_sjf_batches_and_whole_kv_transfer_equal_one_device(llm, devices):
+    """Six prompts at once on 2 prefill instances (chunks of 512 tokens) and 2 decode instances: the 1,300-token
+    prompt fills instance 0 (3 chunks), the five short ones queue on instance 1, which runs them shortest first
+    within its scheduling batch, merging several into one chunk; each prompt's KV moves in one transfer once its
+    prompt is done; every prompt gets the single-device engine's greedy tokens."""
+    layout = ParallelConfig(prefill_instances=2, decode_instances=2, cluster_policy="tetriinfer", prefill_chunk=512,
+                            prefill_batch=8, prefill_order="sjf")
+    cluster = build(llm.config, llm._params, layout, lambda ds: llm.make_engine(ds, progress=False), None,
+                    capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
+    assert isinstance(cluster, TetriInferCluster) and isinstance(cluster, ServingEngine)
+    warmup(cluster, MAX_MODEL_LEN, progress=False)
+    lengths = [1300, 300, 40, 700, 120, 90]
+    ids = [prompt(llm, n, 20 + k) for k, n in enumerate(lengths)]
+    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
+    assert run(cluster, [(x, GREEDY) for x in ids]) == want
+
+    rids = list(dict.fromkeys(r.request_id for r in cluster.records))  # in order of their first piece
+    by_rid = {rid: [r for r in cluster.records if r.request_id == rid] for rid in rids}
+    long_rid = next(rid for rid, rs in by_rid.items() if sum(r.tokens for r in rs) == 1300)
+    assert [r.tokens for r in by_rid[long_rid]] == [512, 512, 276] and {r.group for r in by_rid[long_rid]} == {(0,)}
+    short = [rid for rid in rids if rid != long_rid]
+    assert [sum(r.tokens for r in by_rid[rid]) for rid in short] == sorted(lengths[1:])  # shortest first
+    assert all(r.group == (1,) for rid in short for r in by_rid[rid])
+    merged = {r.start for rid in short for r in by_rid[rid]}
+    assert len(merged) < len(short)  # short prompts shared chunks
+    assert sorted(t.request_id for _, t in cluster.transfers) == sorted(rids)  # one whole-KV transfer each
+    assert all(t.chunk == 0 and t.last for _, t in cluster.transfers)
+    assert cluster.events["chunks"] == len(cluster.records) and cluster.events["transfers"] == len(rids)
+    assert not cluster.has_unfinished() and cluster.num_running == 0
+
+
+def test_llm_serves_through_tetriinfer_by_its_flag(llm):
+    """LLM(cluster_policy="tetriinfer", ...) (what --cluster_policy builds) generates the single-device text."""
+    clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
+                             prefill_instances=2, decode_instances=1, cluster_policy="tetriinfer", prefill_chunk=256,
+                             progress=False)
+    assert isinstance(clustered.engine, TetriInferCluster)
+    ids = [prompt(llm, 600, 31), prompt(llm, 50, 32)]
+    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
+    assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == want
