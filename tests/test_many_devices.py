@@ -16,7 +16,8 @@ HERE = pathlib.Path(__file__).parent
 @pytest.mark.parametrize("folder, devices", [("sharding", 8), ("cluster", 12)])
 def test_many_device_suite(folder, devices):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / folder)],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10",
+                           str(HERE / folder)],
                           env=env, capture_output=True, text=True, timeout=2400)
     print(proc.stdout[-20000:], proc.stderr[-5000:])
     assert proc.returncode == 0, proc.stdout[-5000:]
