@@ -39,6 +39,9 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
         tp = f", {layout.tp} devices each" if layout.tp > 1 else ""
         raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} prefill + "
                          f"{layout.decode_instances} decode x {layout.decode_kvp}{tp}); there are {available}")
+    chunk = layout.prefill_chunk
+    if layout.cluster_policy == "tetriinfer" and (chunk & (chunk - 1) or chunk < 16):
+        raise ValueError(f"--prefill_chunk must be a power of two of 16 or more, got {chunk}")
     if layout.cluster_policy == "cdsp" and layout.prefill_instances % layout.node_size:
         raise ValueError(f"{layout.prefill_instances} prefill instances do not form nodes of {layout.node_size}")
 
@@ -73,13 +76,16 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
           new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
     """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool) or tetriinfer (each pool
     instance its own PrefillBatchScheduler; power-of-two dispatch). prefill_cost (cdsp): Eq. (1) for the planner,
-    or the file to load it from (measured on this pool and written there first if it does not exist). sizes: the SP sizes chunks may use (default: the fitted ones, or the
-    powers of two from a node to the pool when measuring). new: makes the device-layer objects (across
-    processes: lockstep.Leader.new)."""
+    or the file to load it from (measured on this pool and written there first if it does not exist). sizes: the
+    SP sizes chunks may use (default: the fitted ones, or the powers of two from a node to the pool when
+    measuring). new: makes the device-layer objects (across processes: lockstep.Leader.new)."""
     devices = list(devices or jax.devices())
     check_layout(layout, len(devices))
     tp, first = layout.tp, layout.prefill_instances * layout.tp
-    sp = new(SPPrefill, cfg, params, devices[:first], capacity=capacity, dtype=dtype, key_block=key_block,
+    # a TetriInfer prompt's pieces each fill a power-of-two bucket of rows: the first and the last waste less
+    # than a chunk each (a power of two), the pieces between fill theirs
+    rows = capacity + 2 * layout.prefill_chunk if layout.cluster_policy == "tetriinfer" else capacity
+    sp = new(SPPrefill, cfg, params, devices[:first], capacity=rows, dtype=dtype, key_block=key_block,
              min_local=min_local, tp=tp)
     g = layout.decode_kvp * tp
     engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]

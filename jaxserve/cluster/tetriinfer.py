@@ -11,6 +11,8 @@ decode instances run the Plan-executing engine as under CDSP (ClusterEngine: rec
   with room for the prompt plus its predicted decode), so the first token is drawn with the decode side's seed.
 - Transfer: once the prompt is done, its whole KV goes to the decode instance in one transfer (TetriInfer's
   request-level transfer; CDSP streams chunk by chunk).
+Where the simulator (sim/disagg.py, prefill="tetriinfer") differs: it chooses the decode instance when the chunk
+ends (here: when the last piece starts, a chunk earlier) by its configured dispatch rule (here: power of two).
 Not live yet: TetriInfer's instance flip (a prefill instance turned decode instance and back).
 """
 
@@ -83,10 +85,17 @@ class TetriInferCluster(ClusterEngine):
         return sum(d.engine.num_running for d in self.decoders) + len(self._prompts)
 
     def _drop_prefill(self, request_id: str) -> None:
+        """Forget a prompt: out of its instance's queue, its piece in a running chunk ignored (the id may come
+        back), its staged KV dropped."""
         p = self._prompts.pop(request_id, None)
-        if p is not None:
-            self.instances[p.instance].remove(request_id)
-            self.prefill.release(request_id)
+        if p is None:
+            return
+        self.instances[p.instance].remove(request_id)
+        self.prefill.release(request_id)
+        if p.positions is not None:
+            self.mover.drop((request_id, 0))
+        for c in self._chunks.values():
+            c.runs = [None if item.request_id == request_id else run for item, run in zip(c.plan.items, c.runs)]
 
     def _dispatch(self, rid: str, p: _Prompt) -> None:
         chosen = self.scheduler.dispatch(len(p.ids), [d.load() for d in self.decoders], p.params.max_tokens)
@@ -121,7 +130,11 @@ class TetriInferCluster(ClusterEngine):
     def _run_chunks(self) -> list[RequestOutput]:
         for k, inst in enumerate(self.instances):
             if k not in self._chunks and (plan := inst.schedule(self.clock())) is not None:
-                self._start(k, plan)
+                try:
+                    self._start(k, plan)
+                except BaseException:
+                    inst.cancel(plan)  # the instance stays usable; the caller ends the requests
+                    raise
         idle = self._chunks and not any(d.engine.has_work for d in self.decoders)
         outputs = []
         for k in self._done_chunks(WAIT if idle else 0.0):
@@ -142,10 +155,9 @@ class TetriInferCluster(ClusterEngine):
         """A finished chunk: its Outcome to the instance's scheduler; each prompt it finished sends its first
         token and its whole KV to its decode instance."""
         end, instance = self.clock(), self.pool_ids[k]
+        ran = [(item, run) for item, run in zip(chunk.plan.items, chunk.runs) if run is not None]
         tokens = {}
-        for item, run in zip(chunk.plan.items, chunk.runs):
-            if run is None or item.request_id not in self._prompts:
-                continue
+        for item, run in ran:
             p = self._prompts[item.request_id]
             self.records.append(ChunkRecord(item.request_id, p.pieces, (instance,), item.tokens, item.history,
                                             chunk.start, end, None, None))
@@ -153,7 +165,7 @@ class TetriInferCluster(ClusterEngine):
             if item.end == len(self._prompts[item.request_id].ids):
                 tokens[item.request_id] = (run.token(),)
         outputs = []
-        for r in self.instances[k].apply(chunk.plan, Outcome(end, (), tokens)):
+        for r in self.instances[k].apply(Plan(tuple(item for item, _ in ran)), Outcome(end, (), tokens)):
             p, decoder = self._prompts.pop(r.id), self._owner[r.id]
             decoder.buffers.offer(Transfer(r.id, 0, True, p.positions, end))
             outputs.append(decoder.engine.first_token(r.id, tokens[r.id][0]))

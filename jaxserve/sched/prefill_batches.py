@@ -103,6 +103,14 @@ class PrefillBatchScheduler:
         self.in_flight = True
         return Plan(tuple(items))
 
+    def cancel(self, plan: Plan) -> None:
+        """The executor could not run this chunk: its pieces are planned again (the instance is free)."""
+        self.in_flight = False
+        for item in plan.items:
+            r = self.requests.get(item.request_id)
+            if r is not None:
+                r.planned = min(r.planned, item.start)
+
     def apply(self, plan: Plan, outcome: Outcome) -> list[Request]:
         """Advance the chunk's prompts; those it finished leave the queue, with their first token."""
         self.in_flight = False

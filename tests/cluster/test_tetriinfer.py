@@ -47,11 +47,15 @@ def test_prefill_instances_with_sjf_batches_and_whole_kv_transfer_equal_one_devi
 
 
 def test_llm_serves_through_tetriinfer_by_its_flag(llm):
-    """LLM(cluster_policy="tetriinfer", ...) (what --cluster_policy builds) generates the single-device text."""
+    """LLM(cluster_policy="tetriinfer", ...) (what --cluster_policy builds) generates the single-device text. The
+    1,000-token prompt follows a short one on the same instance: its pieces (206, 256, 256, 256, 26 tokens) take
+    more rows of the history store than max_model_len, padded to power-of-two buckets."""
     clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
                              prefill_instances=2, decode_instances=1, cluster_policy="tetriinfer", prefill_chunk=256,
                              progress=False)
     assert isinstance(clustered.engine, TetriInferCluster)
-    ids = [prompt(llm, 600, 31), prompt(llm, 50, 32)]
+    ids = [prompt(llm, 600, 31), prompt(llm, 50, 32), prompt(llm, 1000, 33)]
     want = [c.token_ids for c in llm.generate(ids, GREEDY)]
     assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == want
+    pieces = [r.tokens for r in clustered.engine.records if r.group == (1,)]
+    assert pieces == [50, 206, 256, 256, 256, 26]

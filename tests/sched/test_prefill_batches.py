@@ -105,3 +105,14 @@ def test_arrivals_join_the_least_loaded_instance_and_a_removed_request_is_never_
     assert [r.id for r in done] == ["2"] and set(b.requests) == {"3"}
     b.remove("3")
     assert b.schedule(1.0) is None and b.queued_tokens() == 0
+
+
+def test_a_cancelled_chunk_is_planned_again():
+    sched = PrefillBatchScheduler(chunk=512)
+    for r in requests(300, 400):
+        sched.add(r)
+    plan = sched.schedule(0.0)
+    sched.cancel(plan)  # the executor could not run it
+    again = sched.schedule(0.0)
+    pieces = lambda p: [(i.request_id, i.start, i.end) for i in p.items]  # noqa: E731
+    assert pieces(again) == pieces(plan)
