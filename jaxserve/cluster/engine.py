@@ -100,8 +100,8 @@ class ClusterEngine:
         self.last_predicted: float | None = None
         self._prefills: dict[str, _Prefill] = {}
         self._inflight: list[_Running] = []  # chunks dispatched, in dispatch order
-        self._owner: dict[str, DecodeInstance | None] = {}  # every live request's decode instance (None: not
-        # chosen yet)
+        # every live request's decode instance (None: not chosen yet)
+        self._owner: dict[str, DecodeInstance | None] = {}
         self._generated: dict[str, int] = {}
         self._ids = itertools.count()
 
@@ -241,13 +241,18 @@ class ClusterEngine:
                 self._end(out.request_id)
 
     def _finished(self, wait: float) -> list[_Running]:
-        """The chunks in flight that have finished, polling up to `wait` seconds while none has (polled, not
-        blocked on, so that the step returns and a request arriving meanwhile is started on free devices)."""
+        """The chunks in flight that have finished (polling up to `wait` seconds while none has)."""
+        return self._poll(lambda: [f for f in self._inflight if f.run.ready()], wait)
+
+    @staticmethod
+    def _poll(find: Callable[[], list], wait: float) -> list:
+        """find()'s result once it is not empty, polling up to `wait` seconds (polled, not blocked on, so that
+        the step returns and a request arriving meanwhile is started on free devices)."""
         end = time.perf_counter() + wait
         while True:
-            done = [f for f in self._inflight if f.run.ready()]
-            if done or time.perf_counter() >= end:
-                return done
+            found = find()
+            if found or time.perf_counter() >= end:
+                return found
             time.sleep(WAIT / 20)
 
     def _run_chunks(self) -> list[RequestOutput]:

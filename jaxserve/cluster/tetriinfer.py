@@ -19,7 +19,6 @@ Not live yet: TetriInfer's instance flip (a prefill instance turned decode insta
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 
@@ -49,7 +48,7 @@ class _Chunk:
     """One instance's chunk in flight: its Plan and each piece's run."""
 
     plan: Plan
-    runs: list[ChunkRun]
+    runs: list[ChunkRun | None]  # None: its prompt was dropped
     start: float
 
 
@@ -113,7 +112,7 @@ class TetriInferCluster(ClusterEngine):
             if p is None:  # aborted after its chunk was planned
                 runs.append(None)
                 continue
-            last = item.end == len(p.ids)
+            last = self.instances[k].yields_token(item)
             if last:
                 self._dispatch(item.request_id, p)
             run = self.prefill.run_chunk(item.request_id, (instance,), p.ids[item.start:item.end], item.start,
@@ -136,20 +135,15 @@ class TetriInferCluster(ClusterEngine):
                     inst.cancel(plan)  # the instance stays usable; the caller ends the requests
                     raise
         idle = self._chunks and not any(d.engine.has_work for d in self.decoders)
+
+        def done() -> list[int]:  # instances whose chunk has finished
+            return [k for k, c in self._chunks.items() if all(r is None or r.ready() for r in c.runs)]
+
         outputs = []
-        for k in self._done_chunks(WAIT if idle else 0.0):
+        for k in self._poll(done, WAIT if idle else 0.0):
             outputs += self._take(k, self._chunks.pop(k))
         self._count(outputs)
         return outputs
-
-    def _done_chunks(self, wait: float) -> list[int]:
-        """Instances whose chunk has finished, polling up to `wait` seconds while none has."""
-        end = time.perf_counter() + wait
-        while True:
-            done = [k for k, c in self._chunks.items() if all(r is None or r.ready() for r in c.runs)]
-            if done or time.perf_counter() >= end:
-                return done
-            time.sleep(WAIT / 20)
 
     def _take(self, k: int, chunk: _Chunk) -> list[RequestOutput]:
         """A finished chunk: its Outcome to the instance's scheduler; each prompt it finished sends its first
@@ -162,7 +156,7 @@ class TetriInferCluster(ClusterEngine):
             self.records.append(ChunkRecord(item.request_id, p.pieces, (instance,), item.tokens, item.history,
                                             chunk.start, end, None, None))
             p.pieces += 1
-            if item.end == len(self._prompts[item.request_id].ids):
+            if self.instances[k].yields_token(item):
                 tokens[item.request_id] = (run.token(),)
         outputs = []
         for r in self.instances[k].apply(Plan(tuple(item for item, _ in ran)), Outcome(end, (), tokens)):
