@@ -112,12 +112,14 @@ class ParallelConfig:
     node_size: int = setting(2, "Prefill instances per node (the planner keeps groups on whole nodes where it can).")
     receive_buffers: int = setting(4, "KV transfers a decode instance receives at once.")
     min_chunk: int = setting(1024, "The smallest CDSP chunk, tokens.")
-    cluster_policy: Literal["cdsp", "tetriinfer"] = setting(
+    cluster_policy: Literal["cdsp", "tetriinfer", "esp"] = setting(
         "cdsp", "How a cluster prefills. cdsp (Tetris): each prompt planned chunk by chunk over SP groups of the "
         "pool, its KV streamed chunk by chunk to the decode instance chosen on arrival (by freeness). tetriinfer "
         "(TetriInfer): every pool instance prefills its own queue in fixed-size chunks, ordered by "
         "--prefill_order within scheduling batches; a done prompt's whole KV moves to a decode instance chosen "
-        "by power of two on its predicted decode length.")
+        "by power of two on its predicted decode length. esp (LoongServe): the --prefill_instances instances "
+        "both prefill and decode (no separate decode instances); a batch of prompts prefills over an elastic "
+        "group of them (ring attention), and each prompt then decodes on one instance of its group.")
     prefill_chunk: int = setting(512, "tetriinfer: tokens in a prefill chunk (TetriInfer's ChunkSize).")
     prefill_batch: int = setting(16, "tetriinfer: prompts in a scheduling batch.")
     prefill_order: Literal["fcfs", "sjf", "ljf"] = setting("sjf", "tetriinfer: the order within a scheduling "
@@ -125,8 +127,8 @@ class ParallelConfig:
 
     def __post_init__(self):
         _positive(self, "tp", "prefill_chunk", "prefill_batch")  # the cluster checks its layout (cluster/build.py)
-        if self.cluster_policy not in ("cdsp", "tetriinfer"):
-            raise ValueError(f"cluster_policy must be cdsp or tetriinfer, got {self.cluster_policy!r}")
+        if self.cluster_policy not in ("cdsp", "tetriinfer", "esp"):
+            raise ValueError(f"cluster_policy must be cdsp, tetriinfer or esp, got {self.cluster_policy!r}")
         if self.prefill_order not in ("fcfs", "sjf", "ljf"):
             raise ValueError(f"prefill_order must be fcfs, sjf or ljf, got {self.prefill_order!r}")
 

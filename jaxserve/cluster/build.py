@@ -14,20 +14,25 @@ from jaxserve.cluster import pool_profile
 from jaxserve.config import ParallelConfig
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
+from jaxserve.cluster.esp import ESPCluster, aligned_groups
 from jaxserve.cluster.tetriinfer import TetriInferCluster
 from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.sp_prefill import SPPrefill
+from jaxserve.engine.sp_prefill import SPPrefill, next_power_of_two
 from jaxserve.sched.cdsp import CDSPPlanner, Pool, planner_groups
 from jaxserve.sched.cluster import ClusterScheduler
 from jaxserve.sched.decode_dispatch import ObservedLengths
+from jaxserve.sched.esp import ESPScheduler
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler
-from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill
 
 
 def devices_needed(layout: ParallelConfig) -> int:
     """Devices a cluster layout uses: instances of `tp` devices, the prefill pool's first, then `decode_instances`
-    decode instances of `decode_kvp` instances each (a KV-parallel group when more than one)."""
+    decode instances of `decode_kvp` instances each (a KV-parallel group when more than one). Under ESP the pool's
+    instances decode too."""
+    if layout.cluster_policy == "esp":
+        return layout.prefill_instances * layout.tp
     return (layout.prefill_instances + layout.decode_instances * layout.decode_kvp) * layout.tp
 
 
@@ -35,6 +40,9 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
     if min(layout.prefill_instances, layout.decode_instances, layout.decode_kvp, layout.node_size, layout.tp) < 1:
         raise ValueError(f"a cluster needs at least one prefill and one decode instance, of one device or more, "
                          f"in nodes of one or more; got {layout}")
+    if layout.cluster_policy == "esp" and devices_needed(layout) > available:
+        raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} elastic "
+                         f"instances of {layout.tp}); there are {available}")
     if devices_needed(layout) > available:
         tp = f", {layout.tp} devices each" if layout.tp > 1 else ""
         raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} prefill + "
@@ -69,26 +77,33 @@ def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> in
 
 
 def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.Device]], Engine],
-          prefill_cost: TetrisPrefill | pathlib.Path, *, capacity: int, dtype=jnp.float32,
+          prefill_cost: TetrisPrefill | LoongServePrefill | pathlib.Path, *, capacity: int, dtype=jnp.float32,
           sizes: Sequence[int] | None = None, improvement_rate: float = 0.1,
           dispatch: str = "freeness", key_block: int = 256, min_local: int = 64,
           devices: Sequence[jax.Device] | None = None, progress: bool = True,
           new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
-    """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool) or tetriinfer (each pool
-    instance its own PrefillBatchScheduler; power-of-two dispatch). prefill_cost (cdsp): Eq. (1) for the planner,
-    or the file to load it from (measured on this pool and written there first if it does not exist). sizes: the
+    """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool), tetriinfer (each pool
+    instance its own PrefillBatchScheduler; power-of-two dispatch) or esp (the pool's instances decode too, an
+    ESPScheduler batches prompts onto elastic groups). prefill_cost (cdsp: Eq. (1); esp: LoongServe's batch
+    model): the planner's model, or the file to load it from (measured on this pool and written there first if
+    it does not exist). sizes: the
     SP sizes chunks may use (default: the fitted ones, or the powers of two from a node to the pool when
     measuring). new: makes the device-layer objects (across processes: lockstep.Leader.new)."""
     devices = list(devices or jax.devices())
     check_layout(layout, len(devices))
     tp, first = layout.tp, layout.prefill_instances * layout.tp
     # a TetriInfer prompt's pieces each fill a power-of-two bucket of rows: the first and the last waste less
-    # than a chunk each (a power of two), the pieces between fill theirs
-    rows = capacity + 2 * layout.prefill_chunk if layout.cluster_policy == "tetriinfer" else capacity
+    # than a chunk each (a power of two), the pieces between fill theirs. An ESP prompt is one chunk: on one
+    # instance, it fills a power-of-two bucket
+    rows = {"tetriinfer": capacity + 2 * layout.prefill_chunk,
+            "esp": next_power_of_two(capacity)}.get(layout.cluster_policy, capacity)
     sp = new(SPPrefill, cfg, params, devices[:first], capacity=rows, dtype=dtype, key_block=key_block,
              min_local=min_local, tp=tp)
-    g = layout.decode_kvp * tp
-    engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
+    if layout.cluster_policy == "esp":  # every instance decodes, on the pool's devices
+        engines = [make_engine(devices[i * tp:(i + 1) * tp]) for i in range(layout.prefill_instances)]
+    else:
+        g = layout.decode_kvp * tp
+        engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
     mover = new(KVMover, sp, [e.runner for e in engines])
     decoders = [DecodeInstance(i, e, layout.receive_buffers, mover) for i, e in enumerate(engines)]
     pool_ids = sorted(sp.instances)
@@ -97,6 +112,16 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
                      for d in pool_ids]
         scheduler = ClusterScheduler(None, pool_ids, "power_of_two", ObservedLengths())
         return TetriInferCluster(sp, scheduler, decoders, mover, instances)
+    if layout.cluster_policy == "esp":
+        groups = aligned_groups(layout.prefill_instances)
+        if isinstance(prefill_cost, pathlib.Path):
+            first_group = {len(g): tuple(pool_ids[i] for i in g) for g in reversed(groups)}
+            prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, first_group, capacity, progress, esp=True)
+        # a batch is admitted while one iteration takes at most a full-length prompt's time on one instance
+        knee = prefill_cost.predict(1, tp, [capacity])
+        esp = ESPScheduler(prefill_cost, tp, knee, None, 0.0, groups=groups)  # no bandwidth: no KV evacuated
+        scheduler = ClusterScheduler(None, pool_ids, "freeness", ObservedLengths())
+        return ESPCluster(sp, scheduler, decoders, mover, esp)
     if isinstance(prefill_cost, pathlib.Path):
         pool = pool_of(layout)
         sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]

@@ -5,6 +5,9 @@ kind, model, dtype and pool shape, cached on disk as the engine's step profile i
 
 A chunk runs in power-of-two per-device buckets, so its time is a step function of n: the grid measures chunks
 that fill their bucket (what a planned chunk costs at worst) at no history and at a long one.
+
+The ESP policy plans with LoongServe's batch model instead, a + b*sum(l) + c*sum(l^2) per SP size, fitted to
+whole prompts (no history) timed the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from tqdm.auto import tqdm
 from jaxserve.engine import profile
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import Group, SPPrefill
-from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sched.cost_models import KeyedLinearModel, LoongServePrefill, TetrisPrefill
 
 VERSION = 1  # of the chunk step and of how it is measured: a change to either must not load an older profile
 _GREEDY = SamplingParams(max_tokens=1)
@@ -65,24 +68,43 @@ def measure(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, repeats: i
     return TetrisPrefill.fit(samples)
 
 
-def default_path(model_name: str, dtype: str, pool_size: int, node_size: int, tp: int, capacity: int,
+def measure_batches(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, repeats: int = 2,
+                    progress: bool = True) -> LoongServePrefill:
+    """Fit LoongServe's batch model per (SP size, TP) from whole prompts (each filling its bucket) timed on one
+    group of each size: a batch of one prompt of l tokens has sum(l) = l and sum(l^2) = l^2."""
+    work = []
+    for size in sorted(groups):
+        full = [size * b for b in sp.buckets(size, max_tokens)]
+        work += [(size, n) for n in sorted({full[0], full[len(full) // 3], full[2 * len(full) // 3], full[-1]})]
+    for size, n in work:
+        sp.program(groups[size], sp.local_bucket(size, n))
+    samples = [((size, sp.tp), (n, n * n), time_chunk(sp, groups[size], n, 0, repeats))
+               for size, n in tqdm(work, desc="measure ESP prefill latency", unit="point", disable=not progress)]
+    return LoongServePrefill.fit(samples)
+
+
+def default_path(model_name: str, dtype: str, policy: str, pool_size: int, node_size: int, tp: int, capacity: int,
                  key_block: int) -> pathlib.Path:
-    """Per device kind, model, dtype and pool shape (what the chunk programs and their timings depend on)."""
-    shape = f"cdsp-p{pool_size}x{node_size}-tp{tp}-cap{capacity}-kb{key_block}"
+    """Per device kind, model, dtype, policy and pool shape (what the chunk programs and their timings depend on)."""
+    shape = f"{policy}-p{pool_size}x{node_size}-tp{tp}-cap{capacity}-kb{key_block}"
     return profile.cache_file(model_name, dtype, shape, VERSION)
 
 
 def load_or_measure(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
-                    progress: bool = True) -> TetrisPrefill:
-    """The Eq. (1) fit in `path`, measured (and written there) first if the file does not exist."""
-    return profile.cached(path, lambda: load(path, groups), lambda: measure(sp, groups, max_tokens, progress=progress),
-                          TetrisPrefill.to_json)
+                    progress: bool = True, esp: bool = False) -> KeyedLinearModel:
+    """The fit in `path` (Eq. (1), or with esp LoongServe's batch model), measured (and written there) first if
+    the file does not exist."""
+    kind = LoongServePrefill if esp else TetrisPrefill
+    keys = {(s, sp.tp) for s in groups} if esp else set(groups)
+    measure_one = measure_batches if esp else measure
+    return profile.cached(path, lambda: load(path, kind, keys),
+                          lambda: measure_one(sp, groups, max_tokens, progress=progress), kind.to_json)
 
 
-def load(path: pathlib.Path, groups: dict[int, Group]) -> TetrisPrefill:
-    """The Eq. (1) fit in `path`, checked against the pool's SP sizes."""
-    model = TetrisPrefill.from_json(path.read_text())
-    if set(model.coefficients) != set(groups):
-        raise ValueError(f"the prefill profile {path} was fitted for SP sizes {sorted(model.coefficients)}, "
-                         f"not this pool's {sorted(groups)}")
+def load(path: pathlib.Path, kind: type[KeyedLinearModel], keys: set) -> KeyedLinearModel:
+    """The fit in `path`, checked against the pool's SP sizes."""
+    model = kind.from_json(path.read_text())
+    if set(model.coefficients) != keys:
+        raise ValueError(f"the prefill profile {path} was fitted for {sorted(model.coefficients)}, not this "
+                         f"pool's {sorted(keys)}")
     return model

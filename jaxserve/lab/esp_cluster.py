@@ -1,6 +1,6 @@
 """LoongServe's elastic sequence parallelism in simulation: a pool of elastic instances (each a full model copy
 on `tp` GPUs) that prefill in batches on elastic groups and decode with their KV spread across instances, run by
-lab/esp.py's ESPScheduler.
+sched/esp.py's ESPScheduler.
 
 - Iterations: at every event the scheduler plans prefill batches on the idle instances (admission, elastic
   allocation, batching); then every decoding request whose instances are all idle takes one decode step, the
@@ -37,7 +37,7 @@ from typing import Iterable, Mapping
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.lab.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room
+from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room
 from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request

@@ -12,11 +12,13 @@ elastic instances, and split into which batches (LoongServe Section 5; slides in
   the chosen instances' free memory cannot hold the requests (slides: "当KV不够或需要提升性能", when the KV does
   not fit or to speed up), then while the time it saves, Gain = sum_r (T(R, E) - T(R, E + e)) / l_r, exceeds
   the time to move its KV away, Cost = sum_r V(e) / (bandwidth * l_r) (both per prompt token, so long prompts
-  weigh less per token).
+  weigh less per token). A live cluster (no bandwidth given) pauses e's decodes instead of moving their KV: its
+  Cost is their wait, T(R, E + e) per token each has generated (admission's preemption cost).
 - Batching by dynamic programming: requests sorted longest first, instances emptiest first;
   f[i][k] = min over j, l of f[j][l] + (i - j) T(R[j..i], E[l..k]) (the summed prefill time of the requests) with
   the batch's tokens fitting those instances' free KV. Evaluated over contiguous ranges with numpy along one axis
-  (O(n^2 m) Python steps).
+  (O(n^2 m) Python steps). A live cluster may allow only some instance sets (`groups`: those it has compiled
+  programs for); the DP skips the ranges that are not one.
 - Scale-down after prefill with proactive migration: a request decodes on the fewest of its batch's instances
   whose free memory holds its prompt plus room to grow; while the prefill ring circulates K/V, each block is kept
   by the instance that will decode it, so nothing moves after the prefill ends (reactive migration would move the
@@ -46,6 +48,7 @@ class ElasticInstance:
     id: int
     kv_capacity: int  # tokens
     kv_used: int = 0  # tokens held by requests decoding on it
+    generated: tuple[int, ...] = ()  # tokens each request decoding on it has generated (live: what a prefill pauses)
 
     @property
     def free(self) -> int:
@@ -70,17 +73,19 @@ class ESPBatch:
 
 
 class ESPScheduler:
-    def __init__(self, model: LoongServePrefill, tp: int, knee: float, migration_bandwidth: float,
+    def __init__(self, model: LoongServePrefill, tp: int, knee: float, migration_bandwidth: float | None,
                  kv_bytes_per_token: float, output_estimate: int = 1024, max_sp: int | None = None,
-                 max_overtakes: int = 0):
+                 max_overtakes: int = 0, groups: Sequence[Sequence[int]] | None = None):
         """knee: seconds per prefill iteration past which admitting more stops paying (profiled);
-        migration_bandwidth: bytes/s of one link; kv_bytes_per_token: the bytes of a token's KV that one link
-        carries (an instance's GPUs move their TP shards over their own links at once); output_estimate:
-        predicted decode length;
+        migration_bandwidth: bytes/s of one link (None: a busy instance's decodes pause, their KV stays);
+        kv_bytes_per_token: the bytes of a token's KV that one link carries (an instance's GPUs move their TP
+        shards over their own links at once); output_estimate: predicted decode length;
         max_sp: the most instances one batch may span (1 = independent replicas, the no-ESP baseline);
         max_overtakes: how many later requests may be admitted ahead of one the memory cannot take yet (0: the
-        slides' strict FCFS; LoongServe's code bounds such out-of-order admissions, `max_num_ooe`)."""
+        slides' strict FCFS; LoongServe's code bounds such out-of-order admissions, `max_num_ooe`);
+        groups: the instance id sets a batch may run on (None: any)."""
         self.tp, self.knee, self.bandwidth, self.max_sp = tp, knee, migration_bandwidth, max_sp
+        self.groups = None if groups is None else {frozenset(g) for g in groups}
         self.max_overtakes = max_overtakes
         self._overtaken: dict[str, int] = {}  # request id -> admissions that went ahead of it
         self.kv_bytes, self.output_estimate = kv_bytes_per_token, output_estimate
@@ -160,7 +165,10 @@ class ESPScheduler:
         for e in busy:
             if chosen and sum(x.free for x in chosen) >= need:  # till then e is taken whatever it costs
                 gain = (self.latency(lengths, len(chosen)) - self.latency(lengths, len(chosen) + 1)) * inv
-                cost = e.kv_used * self.kv_bytes / self.bandwidth * inv
+                if self.bandwidth is None:  # its decodes wait out the prefill
+                    cost = self.latency(lengths, len(chosen) + 1) * sum(1.0 / max(g, 1) for g in e.generated)
+                else:
+                    cost = e.kv_used * self.kv_bytes / self.bandwidth * inv
                 if gain <= cost:
                     break
             chosen.append(e)
@@ -196,6 +204,8 @@ class ESPScheduler:
                     ls = np.arange(0 if self.max_sp is None else max(k - self.max_sp, 0), k)  # instances l+1..k
                     sp = k - ls
                     fits = free[k] - free[ls] >= need
+                    if self.groups is not None:
+                        fits &= np.array([frozenset(e.id for e in ins[l:k]) in self.groups for l in ls], bool)
                     cand = f[j, ls] + (i - j) * (coef[sp - 1, 0] + coef[sp - 1, 1] * s1 + coef[sp - 1, 2] * s2)
                     cand = np.where(fits, cand, np.inf)
                     l_best = int(np.argmin(cand))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-from jaxserve.lab.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, split_evenly
+from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, split_evenly
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 

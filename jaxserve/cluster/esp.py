@@ -1,0 +1,182 @@
+"""LoongServe's elastic sequence parallelism, live (LoongServe Sections 4-5): every instance of the pool both
+prefills and decodes; there are no separate decode instances.
+
+- Arrival: a prompt waits, in arrival order.
+- Prefill (each step, on the instances no prefill holds): sched/esp.py's ESPScheduler admits waiting prompts,
+  allocates elastic instances and batches them by its DP, over the instance sets this cluster has programs for
+  (aligned power-of-two groups). A batch's prompts run one after another on its group, each as one chunk with
+  ring attention over the group's devices: a scale-up when the group has more than one instance.
+- Scale-down: each prompt decodes on one instance of its group, the one with the most free KV (sched/esp.py's
+  first choice). Its KV share on that instance is copied on its own device; the other instances' shares move
+  to it (one transfer, through the decode instance's receive buffers). Its first token is drawn with that
+  instance's seed.
+- Decode: every instance runs the Plan-executing engine over the requests it holds. An instance in a prefill
+  pauses its decodes until the batch ends: the wait admission and allocation weigh (no KV is evacuated).
+Where LoongServe goes further: a request's decode may stay spread over several instances (multi-master decode,
+the query moving to the KV) and grow onto another when its instance fills; here it runs on one instance, and a
+full instance preempts (recompute) as the single-instance engine does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.cluster.engine import WAIT, ChunkRecord, ClusterEngine
+from jaxserve.cluster.transfer import Transfer
+from jaxserve.engine.engine import RequestOutput
+from jaxserve.engine.sp_prefill import ChunkRun
+from jaxserve.pallas_kernels.reference import NO_POSITION
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.sched import esp as elastic
+from jaxserve.sched.decode_dispatch import HEAVY_DECODE
+from jaxserve.sched.request import Request
+
+
+def aligned_groups(n: int) -> list[tuple[int, ...]]:
+    """The instance index sets a batch may use: power-of-two sizes, aligned (0-1, 2-3, 0-3, ...)."""
+    sizes = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+    return [tuple(range(j, j + s)) for s in sizes for j in range(0, n - s + 1, s)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prompt:
+    ids: list[int]
+    params: SamplingParams
+    request: Request
+
+
+@dataclasses.dataclass
+class _Run:
+    """One prompt of a running batch."""
+
+    request_id: str
+    tokens: int
+    run: ChunkRun | None  # None: aborted
+    positions: list[np.ndarray]  # its staged KV pieces' token positions
+
+
+@dataclasses.dataclass
+class _Batch:
+    group: tuple[int, ...]  # instance ids, ring order
+    runs: list[_Run]
+    start: float
+
+    def ready(self) -> bool:
+        return all(r.run is None or r.run.ready() for r in self.runs)
+
+
+class ESPCluster(ClusterEngine):
+    def __init__(self, prefill, scheduler, decoders, mover, esp: elastic.ESPScheduler, **kwargs):
+        """decoders: one per pool instance, on its devices, in pool order. esp: its `groups` are instance
+        indices (what chunk_shapes compiles)."""
+        super().__init__(prefill, scheduler, decoders, mover, **kwargs)
+        if [d.engine.runner.device.id for d in self.decoders] != list(self.pool_ids):
+            raise ValueError("ESP decodes on the prefill instances: one decode engine per instance, in pool order")
+        self.esp = esp
+        self._waiting: dict[str, _Prompt] = {}  # in arrival order
+        self._batches: list[_Batch] = []
+
+    def chunk_shapes(self, max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
+        groups = [tuple(self.pool_ids[k] for k in g) for g in aligned_groups(len(self.pool_ids))]
+        return [(g, b) for g in groups for b in self.prefill.buckets(len(g), max_tokens)]
+
+    def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
+                ttft_slo: float | None = None) -> str:
+        """Queue the prompt (ttft_slo: accepted for the interface; ESP admits in arrival order)."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._owner:
+            raise ValueError(f"request id {rid} is already in use")
+        self._waiting[rid] = _Prompt(ids, params, Request(rid, self.clock(), len(ids), params.max_tokens))
+        self._owner[rid] = None  # its decode instance is chosen when its batch starts
+        return rid
+
+    @property
+    def num_running(self) -> int:
+        return sum(d.engine.num_running for d in self.decoders) + sum(len(b.runs) for b in self._batches)
+
+    def _drop_prefill(self, request_id: str) -> None:
+        """Forget a prompt: out of the queue, or its run in a batch ignored and its staged KV dropped."""
+        self._waiting.pop(request_id, None)
+        for b in self._batches:
+            for r in b.runs:
+                if r.request_id == request_id and r.run is not None:
+                    r.run = None
+                    self.mover.drop((request_id, 0))
+
+    def _paused(self, index: int) -> bool:
+        return any(self.pool_ids[index] in b.group for b in self._batches)
+
+    # ---- prefill batches ------------------------------------------------------------------------------------
+    def _instance(self, k: int) -> elastic.ElasticInstance:
+        """Decode instance k as the ESP scheduler sees it: KV tokens in use (promised ones included)."""
+        d = self.decoders[k]
+        capacity = d.engine.kv.capacity * d.engine.kv.block_size
+        decoding = [self._generated.get(rid, 1) for rid in d.heavy if rid not in d.incoming]
+        return elastic.ElasticInstance(k, capacity, capacity - d.load().free_slots, tuple(decoding))
+
+    def _plan(self) -> list[elastic.ESPBatch]:
+        busy = {i for b in self._batches for i in b.group}
+        instances = [self._instance(k) for k, i in enumerate(self.pool_ids) if i not in busy]
+        if not self._waiting or not instances:
+            return []
+        estimate = self.scheduler.predict(0)
+        self.esp.output_estimate = estimate
+        generated = tuple(g for e in instances for g in e.generated)
+        decodes = elastic.DecodeLoad(elastic.isolated_room(instances), generated, estimate, self.decode_seconds)
+        growth = sum(max(estimate - g, 0) for g in generated)
+        return self.esp.plan([p.request for p in self._waiting.values()], instances, growth, decodes)
+
+    def _start(self, batch: elastic.ESPBatch) -> None:
+        """Run the batch's prompts on its group, each decoding afterwards on the group's instance with the most
+        free KV (its share there stays on the device; the others' move)."""
+        group = tuple(sorted(self.pool_ids[k] for k in batch.instances))
+        runs = []
+        for r in batch.requests:
+            p = self._waiting[r.id]
+            k = max(batch.instances, key=lambda k: (self.decoders[k].load().free_slots, -k))
+            decoder = self.decoders[k]
+            hi = self.scheduler.predict(len(p.ids), p.params.max_tokens)
+            seed = decoder.engine.expect(p.ids, p.params, r.id)
+            decoder.expect(r.id, len(p.ids), hi, hi > HEAVY_DECODE)
+            run = self.prefill.run_chunk(r.id, group, p.ids, 0, p.params, seed)
+            del self._waiting[r.id]
+            self._owner[r.id] = decoder
+            kept = self.pool_ids[k]
+            lo, hi_row = run.written[kept]
+            here = int(np.count_nonzero(self.prefill.stores[kept].pos[lo:hi_row] != NO_POSITION))
+            positions = self.mover.stage((r.id, 0), run.written)
+            self.prefill.release(r.id)
+            runs.append(_Run(r.id, len(p.ids), run, positions))
+            self.events["chunks"] += 1
+            if len(group) > 1:
+                self.events["scale_downs"] += 1
+                self.events["migrated_tokens"] += len(p.ids) - here
+        if len(group) > 1:
+            self.events["scale_ups"] += 1
+        self._batches.append(_Batch(group, runs, self.clock()))
+
+    def _run_chunks(self) -> list[RequestOutput]:
+        for batch in self._plan():
+            self._start(batch)
+        idle = self._batches and not any(d.engine.has_work and not self._paused(k)
+                                         for k, d in enumerate(self.decoders))
+        outputs = []
+        for b in self._poll(lambda: [b for b in self._batches if b.ready()], WAIT if idle else 0.0):
+            self._batches.remove(b)
+            outputs += self._take(b)
+        self._count(outputs)
+        return outputs
+
+    def _take(self, batch: _Batch) -> list[RequestOutput]:
+        """A finished batch: each prompt's first token, and its KV sent to its decode instance."""
+        end, outputs = self.clock(), []
+        for r in batch.runs:
+            if r.run is None:
+                continue
+            self.records.append(ChunkRecord(r.request_id, 0, batch.group, r.tokens, 0, batch.start, end, None, None))
+            decoder = self._owner[r.request_id]
+            decoder.buffers.offer(Transfer(r.request_id, 0, True, r.positions, end))
+            outputs.append(decoder.engine.first_token(r.request_id, r.run.token()))
+        return outputs
