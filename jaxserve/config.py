@@ -124,9 +124,15 @@ class ParallelConfig:
     prefill_batch: int = setting(16, "tetriinfer: prompts in a scheduling batch.")
     prefill_order: Literal["fcfs", "sjf", "ljf"] = setting("sjf", "tetriinfer: the order within a scheduling "
                                                            "batch (shortest or longest prompt first, or arrival).")
+    flip_window: float = setting(0.0, "tetriinfer: instance flip (TetriInfer 3.5). An instance whose load stayed "
+                                 "under 10% for this many seconds turns to the other role when that role's mean "
+                                 "load is over 80% (it drains first; one of each role stays). Every instance can "
+                                 "then both prefill and decode. 0: no flips.")
 
     def __post_init__(self):
         _positive(self, "tp", "prefill_chunk", "prefill_batch")  # the cluster checks its layout (cluster/build.py)
+        if self.flip_window < 0:
+            raise ValueError(f"flip_window must be 0 (no flips) or more, got {self.flip_window}")
         if self.cluster_policy not in ("cdsp", "tetriinfer", "esp"):
             raise ValueError(f"cluster_policy must be cdsp, tetriinfer or esp, got {self.cluster_policy!r}")
         if self.prefill_order not in ("fcfs", "sjf", "ljf"):

@@ -23,6 +23,7 @@ from jaxserve.sched.cdsp import CDSPPlanner, Pool, planner_groups
 from jaxserve.sched.cluster import ClusterScheduler
 from jaxserve.sched.decode_dispatch import ObservedLengths
 from jaxserve.sched.esp import ESPScheduler
+from jaxserve.sched.flip import FlipPolicy
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler
 from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill
 
@@ -50,6 +51,9 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
     chunk = layout.prefill_chunk
     if layout.cluster_policy == "tetriinfer" and (chunk & (chunk - 1) or chunk < 16):
         raise ValueError(f"--prefill_chunk must be a power of two of 16 or more, got {chunk}")
+    if layout.flip_window and (layout.cluster_policy != "tetriinfer" or layout.decode_kvp > 1):
+        raise ValueError("instance flips (--flip_window) are TetriInfer's: they need --cluster_policy=tetriinfer "
+                         "and decode instances of one instance each (--decode_kvp=1)")
     if layout.cluster_policy == "cdsp" and layout.prefill_instances % layout.node_size:
         raise ValueError(f"{layout.prefill_instances} prefill instances do not form nodes of {layout.node_size}")
 
@@ -97,10 +101,13 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     # instance, it fills a power-of-two bucket
     rows = {"tetriinfer": capacity + 2 * layout.prefill_chunk,
             "esp": next_power_of_two(capacity)}.get(layout.cluster_policy, capacity)
+    flips = bool(layout.flip_window)
+    if flips:  # every instance may prefill and decode: a store and an engine on each
+        first = (layout.prefill_instances + layout.decode_instances) * tp
     sp = new(SPPrefill, cfg, params, devices[:first], capacity=rows, dtype=dtype, key_block=key_block,
              min_local=min_local, tp=tp)
-    if layout.cluster_policy == "esp":  # every instance decodes, on the pool's devices
-        engines = [make_engine(devices[i * tp:(i + 1) * tp]) for i in range(layout.prefill_instances)]
+    if layout.cluster_policy == "esp" or flips:  # instances that decode on the pool's devices
+        engines = [make_engine(devices[i * tp:(i + 1) * tp]) for i in range(first // tp)]
     else:
         g = layout.decode_kvp * tp
         engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
@@ -111,7 +118,9 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         instances = [PrefillBatchScheduler(layout.prefill_chunk, layout.prefill_batch, layout.prefill_order, (d,))
                      for d in pool_ids]
         scheduler = ClusterScheduler(None, pool_ids, "power_of_two", ObservedLengths())
-        return TetriInferCluster(sp, scheduler, decoders, mover, instances)
+        flip = FlipPolicy(window=layout.flip_window, check_every=layout.flip_window / 12) if flips else None
+        return TetriInferCluster(sp, scheduler, decoders, mover, instances, flip=flip,
+                                 prefilling=layout.prefill_instances)
     if layout.cluster_policy == "esp":
         groups = aligned_groups(layout.prefill_instances)
         if isinstance(prefill_cost, pathlib.Path):

@@ -11,9 +11,13 @@ decode instances run the Plan-executing engine as under CDSP (ClusterEngine: rec
   with room for the prompt plus its predicted decode), so the first token is drawn with the decode side's seed.
 - Transfer: once the prompt is done, its whole KV goes to the decode instance in one transfer (TetriInfer's
   request-level transfer; CDSP streams chunk by chunk).
+- Flip (TetriInfer 3.5, with a FlipPolicy): every instance has a prefill store and a decode engine on its
+  devices, and one role at a time. Every check_every seconds each instance's load is sampled (prefill: a chunk
+  running or prompts queued; decode: the fuller of its KV and its batch); when the policy picks an instance, it
+  stops taking work in its role (no new prompts, or no new dispatches), drains, then takes the other role.
 Where the simulator (sim/disagg.py, prefill="tetriinfer") differs: it chooses the decode instance when the chunk
-ends (here: when the last piece starts, a chunk earlier) by its configured dispatch rule (here: power of two).
-Not live yet: TetriInfer's instance flip (a prefill instance turned decode instance and back).
+ends (here: when the last piece starts, a chunk earlier) by its configured dispatch rule (here: power of two);
+it simulates flips only with the CDSP pool.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from jaxserve.cluster.transfer import Transfer
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.sched.flip import FlipPolicy, LoadWindow
 from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, least_queued
 from jaxserve.sched.request import Request
@@ -53,14 +58,28 @@ class _Chunk:
 
 
 class TetriInferCluster(ClusterEngine):
-    def __init__(self, prefill, scheduler, decoders, mover, instances: list[PrefillBatchScheduler], **kwargs):
-        """instances: one PrefillBatchScheduler per pool instance, in pool order (its group: the instance id)."""
+    def __init__(self, prefill, scheduler, decoders, mover, instances: list[PrefillBatchScheduler],
+                 flip: FlipPolicy | None = None, prefilling: int | None = None, **kwargs):
+        """instances: one PrefillBatchScheduler per pool instance, in pool order (its group: the instance id).
+        flip: flip instances between roles; then decoders[k] is on pool instance k, and the first `prefilling`
+        instances start as prefill instances, the others as decode instances."""
         super().__init__(prefill, scheduler, decoders, mover, **kwargs)
         if [i.group for i in instances] != [(d,) for d in self.pool_ids]:
             raise ValueError("one prefill scheduler per pool instance, in pool order")
         self.instances = instances
         self._prompts: dict[str, _Prompt] = {}
         self._chunks: dict[int, _Chunk] = {}  # instance index -> its chunk in flight
+        self.flip = flip
+        if flip is None:
+            self.prefilling, self.decoding = set(range(len(instances))), set(range(len(self.decoders)))
+        else:
+            if [d.engine.runner.device.id for d in self.decoders] != list(self.pool_ids):
+                raise ValueError("flipping instances prefill and decode: one decode engine per pool instance")
+            self.prefilling, self.decoding = set(range(prefilling)), set(range(prefilling, len(instances)))
+        self._joining: int | None = None  # a prefill instance draining to decode
+        self._leaving: int | None = None  # a decode instance draining to prefill
+        self._windows: dict[tuple[str, int], LoadWindow] = {}
+        self._next_check = self.clock()
 
     def chunk_shapes(self, max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
         """Each instance alone, pieces up to a chunk."""
@@ -73,7 +92,8 @@ class TetriInferCluster(ClusterEngine):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")
-        k = least_queued(self.instances)
+        open_ = sorted(self.prefilling)
+        k = open_[least_queued([self.instances[i] for i in open_])]
         self.instances[k].add(Request(rid, self.clock(), len(ids), params.max_tokens))
         self._prompts[rid] = _Prompt(ids, params, k)
         self._owner[rid] = None  # its decode instance is chosen with its last piece
@@ -97,8 +117,9 @@ class TetriInferCluster(ClusterEngine):
             c.runs = [None if item.request_id == request_id else run for item, run in zip(c.plan.items, c.runs)]
 
     def _dispatch(self, rid: str, p: _Prompt) -> None:
-        chosen = self.scheduler.dispatch(len(p.ids), [d.load() for d in self.decoders], p.params.max_tokens)
-        decoder = self.decoders[chosen.decoder]
+        open_ = sorted(self.decoding)
+        chosen = self.scheduler.dispatch(len(p.ids), [self.decoders[i].load() for i in open_], p.params.max_tokens)
+        decoder = self.decoders[open_[chosen.decoder]]
         p.seed = decoder.engine.expect(p.ids, p.params, rid)
         decoder.expect(rid, len(p.ids), chosen.predicted, chosen.heavy)
         self._owner[rid] = decoder
@@ -127,6 +148,8 @@ class TetriInferCluster(ClusterEngine):
         self._chunks[k] = _Chunk(plan, runs, self.clock())
 
     def _run_chunks(self) -> list[RequestOutput]:
+        if self.flip is not None and self.clock() >= self._next_check:
+            self._check_flip()
         for k, inst in enumerate(self.instances):
             if k not in self._chunks and (plan := inst.schedule(self.clock())) is not None:
                 try:
@@ -164,3 +187,50 @@ class TetriInferCluster(ClusterEngine):
             decoder.buffers.offer(Transfer(r.id, 0, True, p.positions, end))
             outputs.append(decoder.engine.first_token(r.id, tokens[r.id][0]))
         return outputs
+
+    # ---- instance flip (TetriInfer 3.5) ---------------------------------------------------------------------
+    def _prefill_load(self, k: int) -> float:
+        return float(k in self._chunks or self.instances[k].queued_tokens() > 0)
+
+    def _decode_load(self, k: int) -> float:
+        d = self.decoders[k]
+        capacity = d.engine.kv.capacity * d.engine.kv.block_size
+        load = d.load()
+        return max(1.0 - load.free_slots / capacity, load.running / d.engine.max_num_seqs)
+
+    def _window(self, role: str, k: int) -> LoadWindow:
+        return self._windows.setdefault((role, k), LoadWindow(self.flip.window))
+
+    def _check_flip(self) -> None:
+        """Finish a drained flip, sample every instance's load, and start the flip the policy chooses (one at a
+        time)."""
+        now = self.clock()
+        self._next_check = now + self.flip.check_every
+        if self._joining is not None and not self._prefill_load(self._joining):
+            self.decoding.add(self._joining)
+            self._windows.pop(("prefill", self._joining), None)
+            self._joining = None
+            self.events["flips_to_decode"] += 1
+        if self._leaving is not None and not self.decoders[self._leaving].heavy:  # nothing dispatched there left
+            self.prefilling.add(self._leaving)
+            self._windows.pop(("decode", self._leaving), None)
+            self._leaving = None
+            self.events["flips_to_prefill"] += 1
+        prefill, decode = sorted(self.prefilling), sorted(self.decoding)
+        for k in prefill:
+            self._window("prefill", k).add(now, self._prefill_load(k))
+        for k in decode:
+            self._window("decode", k).add(now, self._decode_load(k))
+        if self._joining is not None or self._leaving is not None:
+            return
+        choice = self.flip.choose([self._window("prefill", k).mean(now) for k in prefill],
+                                  [self._window("decode", k).mean(now) for k in decode])
+        if choice is None:
+            return
+        kind, i = choice
+        if kind == "to_decode":  # no new prompts; its queue drains
+            self._joining = prefill[i]
+            self.prefilling.discard(self._joining)
+        else:  # no new dispatches; its requests finish
+            self._leaving = decode[i]
+            self.decoding.discard(self._leaving)

@@ -20,7 +20,6 @@ side, KV transfer to a decode instance, and decode instances running sched/decod
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import heapq
 import itertools
@@ -33,6 +32,7 @@ from tqdm.auto import tqdm
 from jaxserve.sched.cluster import ClusterScheduler, Dispatch, Planner
 from jaxserve.sched.decode import DecodeScheduler
 from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor
+from jaxserve.sched.flip import LoadWindow
 from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time, least_queued
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
@@ -44,7 +44,7 @@ from jaxserve.sim.workload import Workload
 
 
 class FlipRule(Protocol):
-    """When a unit changes role (the lab's FlipPolicy, TetriInfer 3.5); the run measures, drains and flips."""
+    """When a unit changes role (sched/flip.py's FlipPolicy, TetriInfer 3.5); the run measures, drains and flips."""
 
     @property
     def window(self) -> float:
@@ -59,27 +59,6 @@ class FlipRule(Protocol):
     def choose(self, prefill: Sequence[float | None], decode: Sequence[float | None]) -> tuple[str, int] | None:
         """Each unit's mean load (None until a whole window is seen) -> ("to_decode" | "to_prefill", unit)."""
         ...
-
-
-class LoadWindow:
-    """Load samples of one unit; their mean over the last `window` seconds once that much has been seen."""
-
-    def __init__(self, window: float):
-        self.window = window
-        self.samples: collections.deque[tuple[float, float]] = collections.deque()
-        self.since: float | None = None
-
-    def add(self, t: float, load: float) -> None:
-        if self.since is None:
-            self.since = t
-        self.samples.append((t, load))
-        while self.samples[0][0] < t - self.window:
-            self.samples.popleft()
-
-    def mean(self, now: float) -> float | None:
-        if self.since is None or now - self.since < self.window:
-            return None
-        return sum(v for _, v in self.samples) / len(self.samples)
 
 
 @dataclasses.dataclass(frozen=True)

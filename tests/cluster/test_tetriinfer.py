@@ -59,3 +59,51 @@ def test_llm_serves_through_tetriinfer_by_its_flag(llm):
     assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == want
     pieces = [r.tokens for r in clustered.engine.records if r.group == (1,)]
     assert pieces == [50, 206, 256, 256, 256, 26]
+
+
+def step_until(cluster, tokens: dict[str, list[int]], done) -> None:
+    """Step, collecting each request's tokens, until done() or nothing is left."""
+    while cluster.has_unfinished() and not done():
+        for out in cluster.step():
+            assert out.error is None, out.error
+            tokens[out.request_id] += out.new_token_ids
+
+
+def test_instances_flip_to_decode_and_back_to_prefill_as_the_load_shifts(llm, devices):
+    """2 prefill + 2 decode instances, flips on a 0.5 s window. Eight long decodes fill the decode side while the
+    prefill side idles: a prefill instance drains and turns decode instance. Then four long prompts queue on the
+    one prefill instance left while the decode side idles: a decode instance turns prefill instance, and the next
+    prompt prefills there (the emptiest queue). Every prompt gets the single-device engine's greedy tokens."""
+    layout = ParallelConfig(prefill_instances=2, decode_instances=2, cluster_policy="tetriinfer", prefill_chunk=256,
+                            flip_window=0.5)
+    cluster = build(llm.config, llm._params, layout, lambda ds: llm.make_engine(ds, progress=False), None,
+                    capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
+    warmup(cluster, 1024, progress=False)
+    assert cluster.prefilling == {0, 1} and cluster.decoding == {2, 3}
+    decode_heavy = SamplingParams(max_tokens=40)
+    first = [prompt(llm, 40 + 20 * k, 80 + k) for k in range(8)]
+    tokens: dict[str, list[int]] = {}
+    rids = [cluster.add_request(x, decode_heavy) for x in first]
+    tokens |= {r: [] for r in rids}
+    step_until(cluster, tokens, lambda: cluster.events["flips_to_decode"] == 1)
+    assert len(cluster.prefilling) == 1 and len(cluster.decoding) == 3
+    step_until(cluster, tokens, lambda: False)
+
+    one_token = SamplingParams(max_tokens=1)  # finished by its first token: the decode side stays idle
+    second = [prompt(llm, 800, 90 + k) for k in range(4)]
+    later = [cluster.add_request(x, one_token) for x in second]
+    tokens |= {r: [] for r in later}
+    (old,) = cluster.prefilling
+    step_until(cluster, tokens, lambda: cluster.events["flips_to_prefill"] == 1)
+    assert cluster.instances[old].queued_tokens() > 0  # still busy with the long prompts
+    (new,) = cluster.prefilling - {old}
+    third = prompt(llm, 100, 99)
+    last = cluster.add_request(third, GREEDY)
+    tokens[last] = []
+    step_until(cluster, tokens, lambda: False)
+    assert [r.group for r in cluster.records if r.request_id == last] == [(cluster.pool_ids[new],)]
+
+    want = ([c.token_ids for c in llm.generate(first, decode_heavy)] + [c.token_ids for c in llm.generate(second, one_token)]
+            + [llm.generate([third], GREEDY)[0].token_ids])
+    assert [tokens[r] for r in rids + later + [last]] == want
+    assert not cluster.has_unfinished()

@@ -13,7 +13,8 @@ from jaxserve.sched.decode import ADMISSION, DecodeScheduler
 from jaxserve.sched.plan import Outcome
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
-from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator, LoadWindow
+from jaxserve.sched.flip import FlipPolicy, LoadWindow
+from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
 from jaxserve.sim.workload import Workload, long_context
 
 
@@ -161,7 +162,7 @@ def test_instances_flip_toward_the_busy_role():
     back. Nothing is lost on the way."""
     import numpy as np
 
-    from jaxserve.lab.flip import FlipPolicy
+
     from jaxserve.sim.workload import Workload
 
     a = np.arange(0, 40, 1.0)
@@ -235,7 +236,7 @@ def test_a_whole_tetriinfer_cluster_serves_azure_conv():
 
 
 def test_tetriinfer_prefill_takes_no_planner_and_no_flips():
-    from jaxserve.lab.flip import FlipPolicy
+
 
     with pytest.raises(ValueError, match="needs a planner"):
         DisaggSimulator(None, best, DisaggConfig())

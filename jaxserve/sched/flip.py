@@ -1,11 +1,35 @@
 """TetriInfer's instance flip policy (3.5): an instance whose load stayed under `idle` for a whole window
-changes role when the other role is busy (mean load over `busy`). The mechanism (load windows, drain, then flip)
-belongs to whoever runs the instances (sim/disagg.py, which takes the policy as its FlipRule)."""
+changes role when the other role is busy (mean load over `busy`). The mechanism (drain, then flip) belongs to
+whoever runs the instances (cluster/tetriinfer.py live, sim/disagg.py simulated); both measure load in
+LoadWindows."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
+
+
+class LoadWindow:
+    """Load samples of one unit; their mean over the last `window` seconds once that much has been seen."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self.samples: collections.deque[tuple[float, float]] = collections.deque()
+        self.since: float | None = None
+
+    def add(self, t: float, load: float) -> None:
+        if self.since is None:
+            self.since = t
+        self.samples.append((t, load))
+        while self.samples[0][0] < t - self.window:
+            self.samples.popleft()
+
+    def mean(self, now: float) -> float | None:
+        if self.since is None or now - self.since < self.window:
+            return None
+        return sum(v for _, v in self.samples) / len(self.samples)
+
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve.lab.flip import FlipPolicy
+from jaxserve.sched.flip import FlipPolicy
 
 
 def test_flip_toward_the_busy_role_only_from_an_idle_unit():
