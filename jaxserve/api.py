@@ -197,6 +197,17 @@ class LLM:
         warmup(cluster, self.max_model_len, progress)
         return cluster
 
+    def fail_over(self) -> ServingEngine:
+        """After a follower process is lost: the engine becomes one replica on this process's first devices
+        (the cluster's layout spanned the lost process), its programs compiled; the lockstep ends (nothing is
+        published any more). What the old engine held is dropped. Returns the new engine."""
+        self.lockstep = None  # the follower is gone: publish nothing (a stop would wait for no one)
+        self._new = lambda cls, *args, **kwargs: cls(*args, **kwargs)
+        tp = self.engine_config.parallel.tp
+        logging.warning("building one engine on this process's %d first device(s) after a lost process", tp)
+        self.engine = self.make_engine(jax.local_devices()[:tp], progress=False)
+        return self.engine
+
     def lost(self, timeout: float) -> str | None:
         """Why a follower process counts as gone (no heartbeat for `timeout` seconds), or None."""
         return self.lockstep.lost(timeout) if self.lockstep is not None else None

@@ -131,21 +131,22 @@ def _serve() -> None:
         asyncio.run(server.serve_until_signalled())
     finally:
         llm.close()
-    if server.engine.lost:  # a step may be stuck waiting for the lost process, and jax.distributed's exit too
-        sys.stderr.write(f"error: {server.engine.lost}\n")
+    if server.engine.lost and not server.engine.failed_over:  # a step may be stuck waiting for the lost
+        sys.stderr.write(f"error: {server.engine.lost}\n")  # process, and jax.distributed's exit too
         sys.stderr.flush()
         os._exit(3)
-    _exit_now()
+    _exit_now(leave=not server.engine.failed_over)  # a lost process cannot meet jax.distributed's exit barrier
 
 
 # seconds the leader keeps the coordination service up after the shutdown barrier
 SERVICE_GRACE_S = 2.0
 
 
-def _exit_now() -> None:
+def _exit_now(leave: bool = True) -> None:
     """Exit 0 without the interpreter's teardown, which frees each compiled program one by one (over a second,
-    counted against drain_timeout); the OS takes the memory back at once."""
-    _leave_distributed()
+    counted against drain_timeout); the OS takes the memory back at once. leave: leave jax.distributed first."""
+    if leave:
+        _leave_distributed()
     std_logging.shutdown()  # flushes the log handlers
     sys.stdout.flush()
     sys.stderr.flush()

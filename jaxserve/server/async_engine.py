@@ -6,6 +6,11 @@ the thread applies between steps; that is why a client that leaves has its reque
 freed within one engine step. Outputs go back to each request's asyncio queue through the event loop's
 call_soon_threadsafe. The steps themselves run outside the event loop, so handlers, health checks and
 /metrics stay responsive while the model computes.
+
+Fail-over (with a `fallback`): when a process the engine needs is lost, the engine thread is retired (it may be
+stuck in a step that waits for that process: it is left behind, and nothing it does afterwards is delivered),
+the fallback engine is built on what remains, and every open request is recomputed there from its prompt and
+the tokens it has already streamed, so its stream goes on with nothing repeated or missing.
 """
 
 from __future__ import annotations
@@ -126,6 +131,7 @@ class _Live:
 
     stream: RequestStream
     last_token_time: float | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)  # delivered so far (a fail-over resumes after them)
 
 
 class AsyncEngine:
@@ -133,15 +139,21 @@ class AsyncEngine:
     engine's running batch (max_num_seqs) plus `max_queue` waiting requests; beyond that `submit` raises QueueFull."""
 
     def __init__(self, engine: ServingEngine, *, max_queue: int, metrics: ServerMetrics | None = None,
-                 stall_timeout: float = 60.0, lost: Callable[[], str | None] = lambda: None):
+                 stall_timeout: float = 60.0, lost: Callable[[], str | None] = lambda: None,
+                 fallback: Callable[[], ServingEngine] | None = None):
         """stall_timeout: seconds the engine thread may go without coming round its loop while requests are
         open before health says it is stalled (a watchdog: one step or one request's work stuck for everyone).
         lost: why a process the engine needs is gone, or None (LLM.lost; checked from the event loop, which a
-        step stuck waiting for that process cannot hold up)."""
+        step stuck waiting for that process cannot hold up). fallback: builds an engine on what remains after
+        such a loss (LLM.fail_over); None: every open request ends with ProcessGone."""
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.stall_timeout = stall_timeout
         self._lost, self.lost = lost, None  # lost: the reason, once a process is gone
+        self._fallback = fallback
+        self.failed_over = False  # serving on the fallback engine (health: degraded)
+        self._generation = 0  # of the engine thread: a retired thread's work is dropped
+        self._lock = threading.Lock()  # the engine thread's bookkeeping against a fail-over's swap
         # What health reads, written by the engine thread only between steps: reading the engine itself from
         # another thread would see a step's donated cache buffers as deleted while it runs.
         self._alive_at = time.monotonic()  # when the engine thread last came round its loop
@@ -169,7 +181,11 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will read the streams."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._start_thread()
+
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, args=(self._generation,), name="jaxserve-engine",
+                                        daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -215,16 +231,48 @@ class AsyncEngine:
     def healthy(self) -> bool:
         """The engine can step and is stepping: false while a failed step's cache could not be rebuilt, or
         while the engine is stalled."""
-        return self._can_step and not self.stalled and self.lost is None
+        return self._can_step and not self.stalled and (self.lost is None or self.failed_over)
 
     def check_lost(self) -> str | None:
-        """Whether a process is gone (event-loop side); the first time, every open request ends with
-        ProcessGone and no more are accepted. Returns the reason."""
+        """Whether a process is gone (event-loop side). The first time, with a fallback, the engine fails over
+        (requests wait meanwhile, health says NOT_SERVING until the fallback serves); without one, every open
+        request ends with ProcessGone and no more are accepted. Returns the reason."""
         if self.lost is None and (reason := self._lost()) is not None:
-            self.lost, self.accepting = reason, False
-            self.closing.set()
-            self.abort_all(ProcessGone(f"the server lost a process of its cluster: {reason}"))
+            self.lost = reason
+            if self._fallback is not None:
+                with self._lock:
+                    self._generation += 1  # the engine thread stops at its next look
+                self._wake.set()
+                threading.Thread(target=self._fail_over, name="jaxserve-failover", daemon=True).start()
+            else:
+                self.accepting = False
+                self.closing.set()
+                self.abort_all(ProcessGone(f"the server lost a process of its cluster: {reason}"))
         return self.lost
+
+    def _fail_over(self) -> None:
+        """Build the fallback engine, recompute every request the lost engine held on it, and start its thread.
+        If it cannot be built, every open request ends with ProcessGone."""
+        try:
+            engine = self._fallback()
+        except Exception as e:  # noqa: BLE001 - nothing left to serve with
+            logging.exception("the fallback engine could not be built")
+            self.accepting = False
+            self._loop.call_soon_threadsafe(self.closing.set)
+            self._loop.call_soon_threadsafe(self.abort_all, ProcessGone(f"the server lost a process of its "
+                                                                        f"cluster ({self.lost}) and cannot go on: {e}"))
+            return
+        with self._lock:
+            self.capacity += engine.max_num_seqs - self.engine.max_num_seqs  # the same queue beyond its batch
+            self.engine, self._can_step, self._events = engine, True, {}
+            for rid, live in list(self._live.items()):
+                stream, done = live.stream, len(live.tokens)
+                params = dataclasses.replace(stream.params, max_tokens=stream.params.max_tokens - done)
+                engine.enqueue(stream.prompt_ids + live.tokens, params, request_id=rid, ttft_slo=stream.ttft_slo)
+            self.failed_over = True
+            self._start_thread()
+        logging.warning("serving on the fallback engine after losing a process (%s); %d requests resumed",
+                        self.lost, len(self._live))
 
     # ---- requests (event-loop side) -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, ttft_slo: float | None = None) -> RequestStream:
@@ -254,11 +302,12 @@ class AsyncEngine:
         self._wake.set()
 
     # ---- the engine thread ----------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, generation: int) -> None:
         while True:
             self._alive_at = time.monotonic()
-            if not self._apply_commands():
-                return
+            with self._lock:
+                if generation != self._generation or not self._apply_commands():
+                    return
             if not self._recovered():
                 self._wake.wait(self.RECOVER_RETRY_S)
                 self._wake.clear()
@@ -278,25 +327,45 @@ class AsyncEngine:
             start = time.monotonic()
             try:
                 outputs = self.engine.step()
-            except StepFailed as e:  # the engine ended that step's requests and rebuilt what it lost
-                logging.exception("engine step failed; ending the requests in it")
-                self._fail(e.request_ids, EngineFailed(f"the engine failed while running this request: {e}"))
-                continue
             except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
-                logging.exception("engine step failed outside the compiled call; dropping every request")
-                self._fail(list(self._live), EngineFailed(f"the engine failed while running this request: {e}"))
+                if self._retired(generation):  # it failed for a lost process: the fail-over resumes its requests
+                    return
+                with self._lock:
+                    if isinstance(e, StepFailed):  # the engine ended that step's requests and rebuilt what it lost
+                        logging.exception("engine step failed; ending the requests in it")
+                        failed = e.request_ids
+                    else:
+                        logging.exception("engine step failed outside the compiled call; dropping every request")
+                        failed = list(self._live)
+                    self._fail(failed, EngineFailed(f"the engine failed while running this request: {e}"))
                 continue
             now = time.monotonic()
-            self.steps += 1
-            for out in outputs:
-                self._deliver(out, now)
-            self._update_gauges()
+            with self._lock:
+                if generation != self._generation:
+                    return
+                self.steps += 1
+                for out in outputs:
+                    self._deliver(out, now)
+                self._update_gauges()
             if self.engine.last_predicted is not None:  # the step ran a Plan
                 self.metrics.step_seconds.observe(time.monotonic() - start)
                 self.metrics.step_predicted.inc(self.engine.last_predicted)
 
     RECOVER_RETRY_S = 1.0  # between attempts to rebuild a lost cache
     DEFERRED_RETRY_S = 1.0  # between looks at deferred work while idle
+    LOSS_GRACE_S = 30.0  # how long a failed step waits to learn whether a process was lost (with a fallback)
+
+    def _retired(self, generation: int) -> bool:
+        """After a failed step: whether this thread is retired by a fail-over, waiting (with a fallback) up to
+        LOSS_GRACE_S for the loss to be noticed: a step that needed the lost process fails before its heartbeat
+        times out."""
+        end = time.monotonic() + (self.LOSS_GRACE_S if self._fallback is not None and self.lost is None else 0.0)
+        while True:
+            if generation != self._generation:
+                return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.1)
 
     def _recovered(self) -> bool:
         """Try to make the engine able to step again. False: still cannot step."""
@@ -331,6 +400,7 @@ class AsyncEngine:
             self._fail([out.request_id], EngineFailed(f"the engine could not run this request: {out.error}"))
             return
         m = self.metrics
+        live.tokens += out.new_token_ids
         m.generated_tokens.inc(len(out.new_token_ids))
         if live.last_token_time is None:
             m.ttft.observe(now - live.stream.arrival)

@@ -330,7 +330,12 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if frontend.engine.accepting and frontend.engine.healthy else 503)
+        engine = frontend.engine
+        ok = engine.accepting and engine.healthy
+        # degraded: serving on what remained after a lost process
+        status = ("degraded" if engine.failed_over else "ok") if ok else "unavailable"
+        return JSONResponse({"status": status} | ({"lost": engine.lost} if engine.lost else {}),
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -47,13 +47,15 @@ class Server:
                  heartbeat_timeout: float = DistributedConfig.heartbeat_timeout, **settings: Any):
         """llm: a jaxserve.LLM, from then on driven by this server only. server: its ServerConfig; settings: any
         of its fields by name, over it (e.g. grpc_port=0: a free port). heartbeat_timeout: across processes,
-        seconds without a follower's heartbeat before it counts as gone (its requests end UNAVAILABLE, health
-        says NOT_SERVING, and the server stops)."""
+        seconds without a follower's heartbeat before it counts as gone: the server fails over to an engine on
+        this process's devices (LLM.fail_over), and every open request resumes there; health says degraded.
+        If that cannot be built, its requests end UNAVAILABLE and the server stops."""
         cfg = config.replace(server or ServerConfig(), **settings)
         self.host, self.drain_timeout = cfg.host, cfg.drain_timeout
         self._http_limits = {"max_body_bytes": cfg.max_request_bytes, "read_timeout": cfg.request_read_timeout}
         self.engine = AsyncEngine(llm.engine, max_queue=cfg.max_queue, stall_timeout=cfg.stall_timeout,
-                                  lost=lambda: llm.lost(heartbeat_timeout))
+                                  lost=lambda: llm.lost(heartbeat_timeout),
+                                  fallback=llm.fail_over if llm.lockstep is not None else None)
         self.frontend = Frontend(llm, self.engine, model_name=cfg.served_model_name or llm.model_name,
                                  api_key=cfg.api_key)
         self._grpc_port, self._http_port = cfg.grpc_port, cfg.http_port
@@ -88,7 +90,7 @@ class Server:
         a stuck engine thread cannot hold up; draining keeps NOT_SERVING."""
         reported = self.engine.healthy
         while self.engine.accepting:
-            if self.engine.check_lost():
+            if self.engine.check_lost() and not self.engine.accepting:  # no fallback, or it failed
                 logging.error("%s: ending every request and stopping", self.engine.lost)
                 await set_serving(self._health, False)
                 self.request_stop()
