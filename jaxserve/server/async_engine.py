@@ -264,7 +264,8 @@ class AsyncEngine:
             return
         with self._lock:
             self.capacity += engine.max_num_seqs - self.engine.max_num_seqs  # the same queue beyond its batch
-            self.engine, self._can_step, self._events = engine, True, {}
+            self.engine, self._can_step = engine, True
+            self._events, self._prefix, self._preemptions = {}, (0, 0), 0  # its counts start from zero
             for rid, live in list(self._live.items()):
                 stream, done = live.stream, len(live.tokens)
                 params = dataclasses.replace(stream.params, max_tokens=stream.params.max_tokens - done)
