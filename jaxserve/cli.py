@@ -86,8 +86,8 @@ def _join(model: config.ModelConfig) -> None:
     from jaxserve import api
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts (GPUs use NCCL)
-    jax.config.update("jax_enable_recoverability", True)  # a dead follower must not kill the leader: it ends
-    # its requests with UNAVAILABLE first (--heartbeat_timeout)
+    jax.config.update("jax_enable_recoverability", True)  # a dead follower must not kill the leader: it fails
+    # over and serves on (--heartbeat_timeout)
     jax.distributed.initialize(dist.coordinator_address, dist.num_processes, dist.process_id,
                                heartbeat_timeout_seconds=dist.heartbeat_timeout)
     if jax.process_index() == 0:

@@ -199,8 +199,10 @@ class DistributedConfig:
     process_id: int | None = setting(None, "This process's rank, 0 to --num_processes - 1.")
     distributed: bool = setting(False, "Join the cluster (e.g. SLURM) that jax.distributed detects, instead of "
                                 "--coordinator_address/--num_processes/--process_id.")
-    heartbeat_timeout: int = setting(10, "Seconds without a heartbeat after which a process counts as dead (its "
-                                     "requests end UNAVAILABLE and the job ends).")
+    heartbeat_timeout: int = setting(10, "Seconds without a heartbeat after which a process counts as dead: "
+                                     "serve fails over to one engine on process 0's devices and resumes every "
+                                     "request there (if that cannot be built, they end UNAVAILABLE and the job "
+                                     "ends).")
 
 
 @dataclasses.dataclass(frozen=True)
