@@ -27,7 +27,6 @@ from jaxserve.cluster.engine import WAIT, ChunkRecord, ClusterEngine
 from jaxserve.cluster.transfer import Transfer
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
-from jaxserve.pallas_kernels.reference import NO_POSITION
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched import esp as elastic
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE
@@ -143,16 +142,12 @@ class ESPCluster(ClusterEngine):
             run = self.prefill.run_chunk(r.id, group, p.ids, 0, p.params, seed)
             del self._waiting[r.id]
             self._owner[r.id] = decoder
-            kept = self.pool_ids[k]
-            lo, hi_row = run.written[kept]
-            here = int(np.count_nonzero(self.prefill.stores[kept].pos[lo:hi_row] != NO_POSITION))
             positions = self.mover.stage((r.id, 0), run.written)
             self.prefill.release(r.id)
             runs.append(_Run(r.id, len(p.ids), run, positions))
             self.events["chunks"] += 1
-            if len(group) > 1:
+            if len(group) > 1:  # its KV leaves the other instances of the group
                 self.events["scale_downs"] += 1
-                self.events["migrated_tokens"] += len(p.ids) - here
         if len(group) > 1:
             self.events["scale_ups"] += 1
         self._batches.append(_Batch(group, runs, self.clock()))

@@ -52,7 +52,7 @@ def test_elastic_batches_scale_up_and_down_and_equal_one_device(llm, devices):
     assert sorted(t.request_id for _, t in cluster.transfers) == sorted(group)
     assert all(cluster.pool_ids[i] in group[t.request_id] for i, t in cluster.transfers)
     spread = sum(len(g) > 1 for g in group.values())
-    assert cluster.events["scale_downs"] == spread and cluster.events["migrated_tokens"] > 0
+    assert cluster.events["scale_downs"] == spread
     assert cluster.events["scale_ups"] >= 1 and cluster.events["chunks"] == len(lengths)
     assert cluster.events["transfers"] == len(lengths)
 
