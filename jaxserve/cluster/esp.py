@@ -93,7 +93,8 @@ class ESPCluster(ClusterEngine):
 
     @property
     def num_running(self) -> int:
-        return sum(d.engine.num_running for d in self.decoders) + sum(len(b.runs) for b in self._batches)
+        return (sum(d.engine.num_running for d in self.decoders)
+                + sum(r.run is not None for b in self._batches for r in b.runs))
 
     def _drop_prefill(self, request_id: str) -> None:
         """Forget a prompt: out of the queue, or its run in a batch ignored and its staged KV dropped."""

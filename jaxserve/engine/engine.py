@@ -141,24 +141,34 @@ class Engine:
         return self.enqueue(self.check_request(prompt_ids, params), params, request_id, ttft_slo)
 
     def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                ttft_slo: float | None = None) -> str:
+                ttft_slo: float | None = None, generated: int = 0) -> str:
         """Queue a request whose prompt and params check_request already passed (checking is O(prompt), so a
         caller that checked first does not pay for a long prompt twice). ttft_slo: seconds to the first token,
-        the deadline the deadline-aware policies (edf, lrs, lars) rank by; None takes the scheduler's SLO."""
-        live = self._new_live(ids, params, request_id if request_id is not None else f"req-{next(self._ids)}")
+        the deadline the deadline-aware policies (edf, lrs, lars) rank by; None takes the scheduler's SLO.
+        generated: a resumed request (a fail-over) whose last `generated` ids it generated already: their text
+        was streamed (or is held back, as it was), so its text resumes where it stopped."""
+        live = self._new_live(ids, params, request_id if request_id is not None else f"req-{next(self._ids)}",
+                              generated)
         r = live.sched
         if ttft_slo is not None:
             r.ttft_deadline = r.arrival + ttft_slo
         self.scheduler.add(r)
         return r.id
 
-    def _new_live(self, ids: list[int], params: SamplingParams, request_id: str) -> _Live:
-        """The engine's side of a new request (its seed: the params' or a random one), kept in _live."""
+    def _new_live(self, ids: list[int], params: SamplingParams, request_id: str, generated: int = 0) -> _Live:
+        """The engine's side of a new request (its seed: the params' or a random one), kept in _live. With
+        `generated`, the text and stop state are replayed over those last ids as _append made them."""
         r = sched_request.Request(request_id, self.clock(), len(ids),
                                   min(params.max_tokens, self.max_model_len - len(ids)), token_ids=list(ids))
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        live = self._live[request_id] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, ids),
+        prompt = ids[:len(ids) - generated]
+        live = self._live[request_id] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, prompt),
                                               StopMatcher(params.stop))
+        for token in ids[len(prompt):]:
+            new = live.detokenizer.push(token)
+            live.text += new
+            live.stops.feed(new)
+        live.emitted_chars = len(live.text) - live.stops.held  # what the stream has (the rest was held back)
         return live
 
     # ---- requests prefilled elsewhere (a prefill pool; cluster/) ------------------------------------------

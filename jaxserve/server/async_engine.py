@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from absl import logging
 
-from jaxserve.engine.engine import RequestOutput, StepFailed
+from jaxserve.engine.engine import Engine, RequestOutput, StepFailed
 from jaxserve.engine.interface import ServingEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
@@ -140,17 +140,19 @@ class AsyncEngine:
 
     def __init__(self, engine: ServingEngine, *, max_queue: int, metrics: ServerMetrics | None = None,
                  stall_timeout: float = 60.0, lost: Callable[[], str | None] = lambda: None,
-                 fallback: Callable[[], ServingEngine] | None = None):
+                 fallback: Callable[[], Engine] | None = None, loss_grace: float = 30.0):
         """stall_timeout: seconds the engine thread may go without coming round its loop while requests are
         open before health says it is stalled (a watchdog: one step or one request's work stuck for everyone).
         lost: why a process the engine needs is gone, or None (LLM.lost; checked from the event loop, which a
         step stuck waiting for that process cannot hold up). fallback: builds an engine on what remains after
-        such a loss (LLM.fail_over); None: every open request ends with ProcessGone."""
+        such a loss (LLM.fail_over); None: every open request ends with ProcessGone. loss_grace: with a
+        fallback, how long a failed step waits to learn whether it failed for a lost process (more than the time
+        a loss takes to notice) before it fails its requests."""
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.stall_timeout = stall_timeout
         self._lost, self.lost = lost, None  # lost: the reason, once a process is gone
-        self._fallback = fallback
+        self._fallback, self.loss_grace = fallback, loss_grace
         self.failed_over = False  # serving on the fallback engine (health: degraded)
         self._generation = 0  # of the engine thread: a retired thread's work is dropped
         self._lock = threading.Lock()  # the engine thread's bookkeeping against a fail-over's swap
@@ -238,17 +240,22 @@ class AsyncEngine:
         (requests wait meanwhile, health says NOT_SERVING until the fallback serves); without one, every open
         request ends with ProcessGone and no more are accepted. Returns the reason."""
         if self.lost is None and (reason := self._lost()) is not None:
-            self.lost = reason
             if self._fallback is not None:
                 with self._lock:
                     self._generation += 1  # the engine thread stops at its next look
+                    self.lost = reason
                 self._wake.set()
                 threading.Thread(target=self._fail_over, name="jaxserve-failover", daemon=True).start()
             else:
-                self.accepting = False
-                self.closing.set()
-                self.abort_all(ProcessGone(f"the server lost a process of its cluster: {reason}"))
+                self.lost = reason
+                self._give_up(ProcessGone(f"the server lost a process of its cluster: {reason}"))
         return self.lost
+
+    def _give_up(self, error: ProcessGone) -> None:
+        """Nothing can serve: every open request ends with `error`, and no more are accepted."""
+        self.accepting = False
+        self.closing.set()
+        self.abort_all(error)
 
     def _fail_over(self) -> None:
         """Build the fallback engine, recompute every request the lost engine held on it, and start its thread.
@@ -257,10 +264,8 @@ class AsyncEngine:
             engine = self._fallback()
         except Exception as e:  # noqa: BLE001 - nothing left to serve with
             logging.exception("the fallback engine could not be built")
-            self.accepting = False
-            self._loop.call_soon_threadsafe(self.closing.set)
-            self._loop.call_soon_threadsafe(self.abort_all, ProcessGone(f"the server lost a process of its "
-                                                                        f"cluster ({self.lost}) and cannot go on: {e}"))
+            self._loop.call_soon_threadsafe(self._give_up, ProcessGone(f"the server lost a process of its "
+                                                                       f"cluster ({self.lost}) and cannot go on: {e}"))
             return
         with self._lock:
             self.capacity += engine.max_num_seqs - self.engine.max_num_seqs  # the same queue beyond its batch
@@ -269,7 +274,8 @@ class AsyncEngine:
             for rid, live in list(self._live.items()):
                 stream, done = live.stream, len(live.tokens)
                 params = dataclasses.replace(stream.params, max_tokens=stream.params.max_tokens - done)
-                engine.enqueue(stream.prompt_ids + live.tokens, params, request_id=rid, ttft_slo=stream.ttft_slo)
+                engine.enqueue(stream.prompt_ids + live.tokens, params, request_id=rid, ttft_slo=stream.ttft_slo,
+                               generated=done)
             self.failed_over = True
             self._start_thread()
         logging.warning("serving on the fallback engine after losing a process (%s); %d requests resumed",
@@ -332,6 +338,8 @@ class AsyncEngine:
                 if self._retired(generation):  # it failed for a lost process: the fail-over resumes its requests
                     return
                 with self._lock:
+                    if generation != self._generation:
+                        return
                     if isinstance(e, StepFailed):  # the engine ended that step's requests and rebuilt what it lost
                         logging.exception("engine step failed; ending the requests in it")
                         failed = e.request_ids
@@ -354,13 +362,11 @@ class AsyncEngine:
 
     RECOVER_RETRY_S = 1.0  # between attempts to rebuild a lost cache
     DEFERRED_RETRY_S = 1.0  # between looks at deferred work while idle
-    LOSS_GRACE_S = 30.0  # how long a failed step waits to learn whether a process was lost (with a fallback)
-
     def _retired(self, generation: int) -> bool:
         """After a failed step: whether this thread is retired by a fail-over, waiting (with a fallback) up to
-        LOSS_GRACE_S for the loss to be noticed: a step that needed the lost process fails before its heartbeat
-        times out."""
-        end = time.monotonic() + (self.LOSS_GRACE_S if self._fallback is not None and self.lost is None else 0.0)
+        loss_grace seconds for the loss to be noticed: a step that needed the lost process fails before its
+        heartbeat times out."""
+        end = time.monotonic() + (self.loss_grace if self._fallback is not None and self.lost is None else 0.0)
         while True:
             if generation != self._generation:
                 return True

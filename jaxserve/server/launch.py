@@ -55,7 +55,8 @@ class Server:
         self._http_limits = {"max_body_bytes": cfg.max_request_bytes, "read_timeout": cfg.request_read_timeout}
         self.engine = AsyncEngine(llm.engine, max_queue=cfg.max_queue, stall_timeout=cfg.stall_timeout,
                                   lost=lambda: llm.lost(heartbeat_timeout),
-                                  fallback=llm.fail_over if llm.lockstep is not None else None)
+                                  fallback=llm.fail_over if llm.lockstep is not None else None,
+                                  loss_grace=heartbeat_timeout + 5.0)
         self.frontend = Frontend(llm, self.engine, model_name=cfg.served_model_name or llm.model_name,
                                  api_key=cfg.api_key)
         self._grpc_port, self._http_port = cfg.grpc_port, cfg.http_port
@@ -89,11 +90,14 @@ class Server:
         """gRPC health follows the engine (HTTP /health reads it directly), polled from the event loop, which
         a stuck engine thread cannot hold up; draining keeps NOT_SERVING."""
         reported = self.engine.healthy
-        while self.engine.accepting:
-            if self.engine.check_lost() and not self.engine.accepting:  # no fallback, or it failed
-                logging.error("%s: ending every request and stopping", self.engine.lost)
+        while True:
+            engine = self.engine
+            if engine.check_lost() and not engine.accepting and not engine.failed_over:  # no fallback, or none
+                logging.error("%s: ending every request and stopping", engine.lost)  # could be built
                 await set_serving(self._health, False)
                 self.request_stop()
+                return
+            if not engine.accepting:  # draining
                 return
             healthy = self.engine.healthy
             if healthy != reported:

@@ -14,22 +14,22 @@ from jaxserve.server.async_engine import AsyncEngine
 def test_a_lost_engine_fails_over_and_every_stream_goes_on(llm):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(100, 5000, int(n)).tolist() for n in rng.integers(5, 200, 6)]
-    params = SamplingParams(max_tokens=16)
-    want = [c.token_ids for c in llm.generate(prompts, params)]
+    params = SamplingParams(max_tokens=16, stop=["the end of it"])  # a stop string: its prefixes are held back
+    want = [(c.token_ids, c.text) for c in llm.generate(prompts, params)]
     first, fallback = llm.make_engine(progress=False), llm.make_engine(progress=False)
     lost: list[str] = []
 
     async def main():
         engine = AsyncEngine(first, max_queue=16, lost=lambda: lost[0] if lost else None, fallback=lambda: fallback)
         engine.start()
-        got = [[] for _ in prompts]
+        got = [([], "") for _ in prompts]
 
         async def read(k: int, stream) -> None:
             async for out in stream:
-                got[k] += out.new_token_ids
+                got[k] = (got[k][0] + out.new_token_ids, got[k][1] + out.new_text)
 
         readers = [asyncio.create_task(read(k, engine.submit(p, params))) for k, p in enumerate(prompts)]
-        while sum(map(len, got)) < 20:  # some streams have tokens, none is done
+        while sum(len(ids) for ids, _ in got) < 20:  # some streams have tokens, none is done
             await asyncio.sleep(0.005)
         assert engine.healthy and not engine.failed_over
         lost.append("process 1 stopped answering")
