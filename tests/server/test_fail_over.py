@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.server.async_engine import AsyncEngine
@@ -40,3 +41,32 @@ def test_a_lost_engine_fails_over_and_every_stream_goes_on(llm):
         return got
 
     assert asyncio.run(main()) == want
+
+
+def test_a_fallback_that_cannot_be_built_ends_every_stream_with_process_gone(llm):
+    from jaxserve.server.async_engine import ProcessGone
+
+    prompts = [[101, 102, 103, 104] * k for k in range(1, 4)]
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    lost: list[str] = []
+
+    def fallback():
+        raise RuntimeError("no device left")
+
+    async def main():
+        engine = AsyncEngine(llm.make_engine(progress=False), max_queue=16,
+                             lost=lambda: lost[0] if lost else None, fallback=fallback)
+        engine.start()
+        streams = [engine.submit(p, params) for p in prompts]
+        first = [await stream.__anext__() for stream in streams]  # every stream has started
+        assert all(out.new_token_ids for out in first)
+        lost.append("process 1 stopped answering")
+        engine.check_lost()
+        for stream in streams:
+            with pytest.raises(ProcessGone, match="no device left"):
+                async for _ in stream:
+                    pass
+        assert not engine.accepting and not engine.healthy and not engine.failed_over
+        engine.stop(5)
+
+    asyncio.run(asyncio.wait_for(main(), 600))
