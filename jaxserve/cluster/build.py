@@ -41,11 +41,11 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
     if min(layout.prefill_instances, layout.decode_instances, layout.decode_kvp, layout.node_size, layout.tp) < 1:
         raise ValueError(f"a cluster needs at least one prefill and one decode instance, of one device or more, "
                          f"in nodes of one or more; got {layout}")
-    if layout.cluster_policy == "esp" and devices_needed(layout) > available:
-        raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} elastic "
-                         f"instances of {layout.tp}); there are {available}")
     if devices_needed(layout) > available:
         tp = f", {layout.tp} devices each" if layout.tp > 1 else ""
+        if layout.cluster_policy == "esp":
+            raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} "
+                             f"elastic instances{tp}); there are {available}")
         raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} prefill + "
                          f"{layout.decode_instances} decode x {layout.decode_kvp}{tp}); there are {available}")
     chunk = layout.prefill_chunk

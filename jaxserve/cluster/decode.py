@@ -35,6 +35,11 @@ class DecodeInstance:
         self.incoming[request_id] = _Incoming(prompt_len, predicted)
         self.heavy[request_id] = heavy
 
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens its KV pool holds."""
+        return self.engine.kv.capacity * self.engine.kv.block_size
+
     def load(self) -> DecodeLoad:
         kv = self.engine.kv
         promised = sum(r.predicted + (0 if r.reserved else r.prompt_len) for r in self.incoming.values())

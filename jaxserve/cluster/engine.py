@@ -229,6 +229,12 @@ class ClusterEngine:
         self.last_predicted = max(predicted) if predicted else None
         return outputs
 
+    def _check_decoders_on_pool(self, policy: str) -> None:
+        """Where the pool's instances decode too: decoders[k] must run on pool instance k."""
+        if [d.engine.runner.device.id for d in self.decoders] != list(self.pool_ids):
+            raise ValueError(f"{policy} instances prefill and decode: one decode engine per pool instance, on its "
+                             "devices, in pool order")
+
     def _paused(self, index: int) -> bool:
         """Whether decode instance `index` skips this step (its devices prefill, under ESP)."""
         del index

@@ -71,8 +71,7 @@ class ESPCluster(ClusterEngine):
         """decoders: one per pool instance, on its devices, in pool order. esp: its `groups` are instance
         indices (what chunk_shapes compiles)."""
         super().__init__(prefill, scheduler, decoders, mover, **kwargs)
-        if [d.engine.runner.device.id for d in self.decoders] != list(self.pool_ids):
-            raise ValueError("ESP decodes on the prefill instances: one decode engine per instance, in pool order")
+        self._check_decoders_on_pool("ESP")
         self.esp = esp
         self._waiting: dict[str, _Prompt] = {}  # in arrival order
         self._batches: list[_Batch] = []
@@ -112,9 +111,8 @@ class ESPCluster(ClusterEngine):
     def _instance(self, k: int) -> elastic.ElasticInstance:
         """Decode instance k as the ESP scheduler sees it: KV tokens in use (promised ones included)."""
         d = self.decoders[k]
-        capacity = d.engine.kv.capacity * d.engine.kv.block_size
         decoding = [self._generated.get(rid, 1) for rid in d.heavy if rid not in d.incoming]
-        return elastic.ElasticInstance(k, capacity, capacity - d.load().free_slots, tuple(decoding))
+        return elastic.ElasticInstance(k, d.kv_tokens, d.kv_tokens - d.load().free_slots, tuple(decoding))
 
     def _plan(self) -> list[elastic.ESPBatch]:
         busy = {i for b in self._batches for i in b.group}

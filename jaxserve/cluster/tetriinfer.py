@@ -73,8 +73,7 @@ class TetriInferCluster(ClusterEngine):
         if flip is None:
             self.prefilling, self.decoding = set(range(len(instances))), set(range(len(self.decoders)))
         else:
-            if [d.engine.runner.device.id for d in self.decoders] != list(self.pool_ids):
-                raise ValueError("flipping instances prefill and decode: one decode engine per pool instance")
+            self._check_decoders_on_pool("Flipping")
             self.prefilling, self.decoding = set(range(prefilling)), set(range(prefilling, len(instances)))
         self._joining: int | None = None  # a prefill instance draining to decode
         self._leaving: int | None = None  # a decode instance draining to prefill
@@ -194,9 +193,8 @@ class TetriInferCluster(ClusterEngine):
 
     def _decode_load(self, k: int) -> float:
         d = self.decoders[k]
-        capacity = d.engine.kv.capacity * d.engine.kv.block_size
         load = d.load()
-        return max(1.0 - load.free_slots / capacity, load.running / d.engine.max_num_seqs)
+        return max(1.0 - load.free_slots / d.kv_tokens, load.running / d.engine.max_num_seqs)
 
     def _window(self, role: str, k: int) -> LoadWindow:
         return self._windows.setdefault((role, k), LoadWindow(self.flip.window))

@@ -133,7 +133,7 @@ class ESPScheduler:
             else:
                 extra = admitted[direct:] + [r]
                 prefill = self.latency(lengths, len(instances))
-                if self.preemption_gain(extra, decodes) <= self.preemption_cost(prefill, decodes):
+                if self.preemption_gain(extra, decodes) <= self.preemption_cost(prefill, decodes.generated):
                     break
             admitted.append(r)
         return admitted
@@ -149,11 +149,11 @@ class ESPScheduler:
         return wait * sum(1.0 / r.prompt_len for r in extra)
 
     @staticmethod
-    def preemption_cost(prefill_time: float, decodes: DecodeLoad) -> float:
+    def preemption_cost(prefill_time: float, generated: Sequence[int]) -> float:
         """Slides: Cost = sum_{r in B} T(R_p + R', E_p + G) / r.output_len, "T(所有加入的请求, 占据的GPU) / 被抢占的
         请求已经生成的token长度": each paused decode waits out the prefill of every admitted request on every
         offered instance (`prefill_time`), per token it has generated so far."""
-        return prefill_time * sum(1.0 / g for g in decodes.generated)
+        return prefill_time * sum(1.0 / g for g in generated)
 
     # -- elastic instance allocation -------------------------------------------------------------------------
     def allocate(self, requests: Sequence[Request], instances: Sequence[ElasticInstance]) -> list[ElasticInstance]:
@@ -166,7 +166,7 @@ class ESPScheduler:
             if chosen and sum(x.free for x in chosen) >= need:  # till then e is taken whatever it costs
                 gain = (self.latency(lengths, len(chosen)) - self.latency(lengths, len(chosen) + 1)) * inv
                 if self.bandwidth is None:  # its decodes wait out the prefill
-                    cost = self.latency(lengths, len(chosen) + 1) * sum(1.0 / max(g, 1) for g in e.generated)
+                    cost = self.preemption_cost(self.latency(lengths, len(chosen) + 1), e.generated)
                 else:
                     cost = e.kv_used * self.kv_bytes / self.bandwidth * inv
                 if gain <= cost:

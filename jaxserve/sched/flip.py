@@ -31,7 +31,6 @@ class LoadWindow:
         return sum(v for _, v in self.samples) / len(self.samples)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class FlipPolicy:
     idle: float = 0.1

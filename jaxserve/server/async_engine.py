@@ -362,6 +362,7 @@ class AsyncEngine:
 
     RECOVER_RETRY_S = 1.0  # between attempts to rebuild a lost cache
     DEFERRED_RETRY_S = 1.0  # between looks at deferred work while idle
+
     def _retired(self, generation: int) -> bool:
         """After a failed step: whether this thread is retired by a fail-over, waiting (with a fallback) up to
         loss_grace seconds for the loss to be noticed: a step that needed the lost process fails before its

@@ -76,7 +76,7 @@ def test_decode_preemption_gain_and_cost_by_hand():
     # the least advanced decode has 900 steps of 20 ms left: 18 s saved for each request that need not wait
     assert ESPScheduler.preemption_gain([req(0, 20_000), req(1, 10_000)], decodes) == pytest.approx(
         18 * (1 / 20_000 + 1 / 10_000))
-    assert ESPScheduler.preemption_cost(2.0, decodes) == pytest.approx(2.0 * (1 / 100 + 1 / 400))
+    assert ESPScheduler.preemption_cost(2.0, decodes.generated) == pytest.approx(2.0 * (1 / 100 + 1 / 400))
     past_average = DecodeLoad(room=0, generated=(1500,), avg_output=1000, step_time=0.02)
     assert ESPScheduler.preemption_gain([req(0, 20_000)], past_average) == 0.0  # (.)^+: no wait to save
 
