@@ -45,8 +45,10 @@ class ServerMetrics:
                                 "could not run it).", ["reason"],
                                 registry=r)
         self.cluster_events = Counter("jaxserve_cluster_events", "A cluster's scheduling events, by kind (chunks: "
-                                      "prefill chunks run on the pool; rebalances: a history moved to a chunk's "
-                                      "group; transfers: a chunk's KV landed on a decode instance).", ["event"],
+                                      "prefill chunks run; rebalances: a history moved to a chunk's group; "
+                                      "transfers: KV landed on a decode instance; scale_ups: an elastic batch over "
+                                      "several instances; scale_downs: a prompt's KV gathered onto one of them; "
+                                      "flips_to_decode, flips_to_prefill: an instance changed role).", ["event"],
                                       registry=r)
         self.errors = Counter("jaxserve_request_errors", "Requests answered with an error, by reason (invalid, "
                               "unauthenticated, too_large, read_timeout, queue_full, shutting_down, engine_failed, "

@@ -33,6 +33,7 @@ from jaxserve.sched.cluster import ClusterScheduler, Dispatch, Planner
 from jaxserve.sched.decode import DecodeScheduler
 from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor
 from jaxserve.sched.flip import LoadWindow
+from jaxserve.sched.batch_cost import BatchCost
 from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time, least_queued
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
@@ -85,10 +86,34 @@ class DisaggConfig:
         return kv_capacity(self.profile, self.decode_tp, self.memory_utilization)
 
 
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """What the simulated executor charges: the GPU profile's by default (`profile_costs`); a replay of a live run
+    passes what that run measured (tools/bench_cluster.py)."""
+
+    decode: BatchCost  # one decode instance's step
+    prefill: BatchCost  # one TetriInfer prefill instance's chunk
+    transfer: Callable[[int, int], float]  # seconds to move `tokens` of KV sent by `senders` GPUs at once
+    swap_seconds_per_token: float  # a decode instance's KV to host memory and back
+    decode_kv_capacity: int  # tokens of KV one decode instance holds
+    max_num_seqs: int = 256  # sequences one decode step runs
+
+
+def profile_costs(config: DisaggConfig) -> Costs:
+    """The costs of `config`'s GPU profile: measured operators, the inter-node link, host swaps over PCIe."""
+    link = network(PROFILES[config.profile][0])
+    kv_bytes = model_shape(config.profile).kv_bytes_per_token()
+    return Costs(decode=ProfileBatchCost(config.profile, config.decode_tp),
+                 prefill=ProfileBatchCost(config.profile, config.prefill_tp),
+                 transfer=lambda tokens, senders: link.predict("inter_node", tokens * kv_bytes / senders),
+                 swap_seconds_per_token=kv_bytes / (config.host_bandwidth * config.decode_tp),
+                 decode_kv_capacity=config.decode_kv_capacity())
+
+
 class DecodeInstance:
-    def __init__(self, index: int, config: DisaggConfig, cost: ProfileBatchCost):
-        self.index, self.cost = index, cost
-        self.scheduler = DecodeScheduler(config.decode_kv_capacity(), config.admission, group=(index,))
+    def __init__(self, index: int, config: DisaggConfig, costs: Costs):
+        self.index, self.cost = index, costs.decode
+        self.scheduler = DecodeScheduler(costs.decode_kv_capacity, config.admission, costs.max_num_seqs, (index,))
         self.virtual = 0  # KV slots promised to requests whose transfer is in flight (Tetris's virtual usage)
         self.backends = [0.0] * config.recv_backends  # when each receive buffer frees
         self.heavy = self.light = 0  # assigned requests by predicted decode length
@@ -115,10 +140,11 @@ class DecodeInstance:
 
 class DisaggSimulator:
     def __init__(self, planner: Planner | None, best_latency: Callable[[int], float],
-                 config: DisaggConfig = DisaggConfig(), predictor: LengthPredictor | None = None):
+                 config: DisaggConfig = DisaggConfig(), predictor: LengthPredictor | None = None,
+                 costs: Costs | None = None):
         """planner: the pool's (None with TetriInfer's prefill instances); best_latency(tokens): a prompt's
         fastest isolated prefill, which its TTFT deadline scales with; predictor: decode-length ranges for
-        power-of-two dispatch."""
+        power-of-two dispatch; costs: what the executor charges (None: config's GPU profile)."""
         if config.prefill not in ("pool", "tetriinfer"):
             raise ValueError(f"prefill must be pool or tetriinfer, got {config.prefill!r}")
         if (config.prefill == "pool") != (planner is not None):
@@ -132,14 +158,11 @@ class DisaggSimulator:
             raise ValueError(f"{config.dispatch} dispatch with {config.admission} admission needs a decode-length "
                              "predictor")
         self.planner, self.best_latency, self.config, self.predictor = planner, best_latency, config, predictor
-        self.cost = ProfileBatchCost(config.profile, config.decode_tp)
-        self.prefill_cost = ProfileBatchCost(config.profile, config.prefill_tp)
-        gpu = PROFILES[config.profile][0]
-        self.link = network(gpu)
-        self.kv_bytes = model_shape(config.profile).kv_bytes_per_token()
+        self.costs = costs or profile_costs(config)
+        self.cost, self.prefill_cost = self.costs.decode, self.costs.prefill
 
     def transfer_seconds(self, tokens: int, senders: int) -> float:
-        return self.link.predict("inter_node", tokens * self.kv_bytes / senders)
+        return self.costs.transfer(tokens, senders)
 
     def run(self, workload: Workload, progress: bool = True) -> Results:
         return _Run(self, workload, progress).results()
@@ -184,13 +207,14 @@ class _Run:
         self.pending = len(workload)
         self.requests: list[Request] = []
         self.rejected: list[Request] = []
+        self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # chunks as run
         self.bar = tqdm(total=len(workload), desc="simulate disaggregated", unit="req", disable=not progress)
 
     def _push(self, t: float, order: int, kind: str, payload: object) -> None:
         heapq.heappush(self.events, (t, order, next(self.seq), kind, payload))
 
     def _new_decoder(self, slots: tuple[int, ...]) -> DecodeInstance:
-        dec = DecodeInstance(len(self.decoders) + len(self.retired), self.cfg, self.sim.cost)
+        dec = DecodeInstance(len(self.decoders) + len(self.retired), self.cfg, self.sim.costs)
         dec.slots = slots
         self.unavailable[list(slots)] = True
         self.decoders.append(dec)
@@ -239,7 +263,8 @@ class _Run:
                        wall_seconds=time.perf_counter() - started,
                        config=dataclasses.asdict(self.cfg) | {"workload": self.workload.name,
                                                               "requests": len(self.workload),
-                                                              "flips": self.flips, "gpu_seconds": gpu_seconds})
+                                                              "flips": self.flips, "gpu_seconds": gpu_seconds},
+                       prefills=self.prefills)
 
     def _choose(self, r: Request) -> tuple[DecodeInstance, Dispatch]:
         """r's decode instance, among those not draining, and its predicted decode length (the true one
@@ -276,6 +301,7 @@ class _Run:
         dec, plan = active[arrival.dispatch.decoder], arrival.plan
         r.ttft_deadline, r.tpot_slo = t + cfg.slo.ttft(sim.best_latency(r.prompt_len)), cfg.slo.tpot_slo
         r.add_tokens(1, t + plan.ttft)  # the first token comes with the last prefill chunk
+        self.prefills += [((r.id,), tuple(c.group), t + c.start, t + c.end) for c in plan.chunks]
         self.requests.append(r)
         if r.finished:
             self._done(1)
@@ -285,7 +311,7 @@ class _Run:
 
     # -- TetriInfer's prefill instances (3.3) -----------------------------------------------------------------
     def _arrive_tetriinfer(self, t: float, r: Request) -> None:
-        if r.prompt_len + r.output_len > self.cfg.decode_kv_capacity():
+        if r.prompt_len + r.output_len > self.sim.costs.decode_kv_capacity:
             self.rejected.append(r)
             self._done(1)
             return
@@ -300,6 +326,7 @@ class _Run:
         if plan is None:
             return
         end = now + chunk_time(self.sim.prefill_cost, plan.items, inst.chunk)
+        self.prefills.append((tuple(i.request_id for i in plan.items), inst.group, now, end))
         self.free_at[inst.group[0]] = end
         tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items if inst.yields_token(i)}
         self._push(end, 0, "prefilled", (inst, plan, Outcome(end, (), tokens)))
@@ -315,11 +342,11 @@ class _Run:
         self._prefill(inst, now)
 
     def _launch(self, dec: DecodeInstance, now: float) -> None:
-        cfg, sim = self.cfg, self.sim
+        sim = self.sim
         plan = dec.scheduler.schedule(now)
         if plan is None:
             return
-        swapped = sum(m.tokens for m in plan.moves) * sim.kv_bytes / (cfg.host_bandwidth * cfg.decode_tp)
+        swapped = sum(m.tokens for m in plan.moves) * sim.costs.swap_seconds_per_token
         end = now + sim.cost.batch_time([], [i.history for i in plan.items]) + swapped
         dec.last_end = end
         tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items}

@@ -73,3 +73,33 @@ def run(cluster, requests):
             assert out.error is None, out.error
             tokens[out.request_id] += out.new_token_ids
     return [tokens[r] for r in rids]
+
+
+def serve(clustered, prompts: list[list[int]], max_tokens: int) -> tuple[list[str], dict[str, float]]:
+    """Serve `clustered` (an LLM) on loopback and send every prompt at once through the official openai client,
+    the first one streamed: each prompt's greedy text, and the cluster events /metrics reports."""
+    import concurrent.futures
+    import re
+    import urllib.request
+
+    import openai
+
+    from jaxserve.server.launch import BackgroundServer
+
+    with BackgroundServer(clustered, grpc_port=0, http_port=0) as s:
+        port = s.server.http_port
+        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=1200)
+
+        def complete(k: int) -> str:
+            args = dict(model=clustered.model_name, prompt=prompts[k], max_tokens=max_tokens, temperature=0)
+            if k:
+                return oai.completions.create(**args).choices[0].text
+            return "".join(c.choices[0].text for c in oai.completions.create(**args, stream=True))
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(complete, range(len(prompts))))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+            metrics = reply.read().decode()
+    events = {m[1]: float(m[2]) for m in re.finditer(r'^jaxserve_cluster_events_total\{event="(\w+)"\} (\S+)$',
+                                                      metrics, re.M)}
+    return texts, events

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 import jaxserve
-from conftest import MAX_MODEL_LEN, prompt, run
+from conftest import MAX_MODEL_LEN, prompt, run, serve
 from jaxserve.cluster.build import build
 from jaxserve.cluster.esp import ESPCluster, aligned_groups
 from jaxserve.config import ParallelConfig
@@ -78,11 +78,15 @@ def test_elastic_batches_scale_up_and_down_and_equal_one_device(llm, devices):
 
 def test_llm_serves_through_esp_by_its_flag(llm):
     """LLM(cluster_policy="esp", ...) (what --cluster_policy builds) measures LoongServe's batch model on its
-    instances and generates the single-device text."""
+    instances, generates the single-device text, and serves it (the openai client over HTTP) with its events in
+    /metrics."""
     clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
                              prefill_instances=2, cluster_policy="esp", progress=False)
     assert isinstance(clustered.engine, ESPCluster)
     assert set(clustered.engine.esp._sp) == {1, 2}  # fitted per SP size
     ids = [prompt(llm, 900, 31), prompt(llm, 50, 32), prompt(llm, 400, 33)]
-    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
-    assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == want
+    want = llm.generate(ids, GREEDY)
+    assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == [c.token_ids for c in want]
+    texts, events = serve(clustered, ids, GREEDY.max_tokens)  # `serve` over the same cluster
+    assert texts == [c.text for c in want]
+    assert events == {k: float(v) for k, v in clustered.engine.events.items()} and events["chunks"] == 6, events

@@ -5,7 +5,7 @@ its module's cluster is freed first (the folder's memory peak)."""
 from __future__ import annotations
 
 import jaxserve
-from conftest import prompt
+from conftest import prompt, serve
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.cost_models import TetrisPrefill
@@ -17,7 +17,8 @@ def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(llm, tmp_path):
     """LLM(tp=..., prefill_instances=...) (what serve/generate's layout flags build), in instances of 3
     tensor-parallel devices (SmolLM2's 9 heads over 3 KV heads: 3 and 1 per device): the pool's Eq. (1) is
     measured and written where asked, and generation through the cluster (a prefill pool of 2 instances, one
-    decode instance KV-parallel over 2, 12 devices in all) gives the single-device engine's greedy tokens."""
+    decode instance KV-parallel over 2, 12 devices in all) gives the single-device engine's greedy tokens, and
+    serves them (the openai client over HTTP) with its events in /metrics."""
     path = tmp_path / "eq1.json"
     clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4, max_num_batched_tokens=256,
                              tp=3, prefill_instances=2, decode_instances=1, decode_kvp=2, min_chunk=256,
@@ -28,8 +29,11 @@ def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(llm, tmp_path):
     fit = TetrisPrefill.from_json(path.read_text())
     assert set(fit.coefficients) == {2} and fit.predict(2, 512) > fit.predict(2, 64) > 0
     ids = [prompt(llm, 700, 3), prompt(llm, 90, 4)]
-    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
-    assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == want
+    want = llm.generate(ids, GREEDY)
+    assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == [c.token_ids for c in want]
+    texts, events = serve(clustered, ids, GREEDY.max_tokens)  # `serve` over the same cluster
+    assert texts == [c.text for c in want]
+    assert events == {k: float(v) for k, v in clustered.engine.events.items()} and events["transfers"] >= 2, events
 
 
 def test_llm_on_one_tensor_parallel_instance_equals_one_device(llm):

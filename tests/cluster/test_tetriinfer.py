@@ -5,7 +5,7 @@ engine's greedy tokens."""
 from __future__ import annotations
 
 import jaxserve
-from conftest import MAX_MODEL_LEN, prompt, run
+from conftest import MAX_MODEL_LEN, prompt, run, serve
 from jaxserve.cluster.build import build, warmup
 from jaxserve.cluster.tetriinfer import TetriInferCluster
 from jaxserve.config import ParallelConfig
@@ -47,7 +47,8 @@ def test_prefill_instances_with_sjf_batches_and_whole_kv_transfer_equal_one_devi
 
 
 def test_llm_serves_through_tetriinfer_by_its_flag(llm):
-    """LLM(cluster_policy="tetriinfer", ...) (what --cluster_policy builds) generates the single-device text. The
+    """LLM(cluster_policy="tetriinfer", ...) (what --cluster_policy builds) generates the single-device text, and
+    serves it (the openai client over HTTP) with its events in /metrics. The
     1,000-token prompt follows a short one on the same instance: its pieces (206, 256, 256, 256, 26 tokens) take
     more rows of the history store than max_model_len, padded to power-of-two buckets."""
     clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
@@ -55,10 +56,13 @@ def test_llm_serves_through_tetriinfer_by_its_flag(llm):
                              progress=False)
     assert isinstance(clustered.engine, TetriInferCluster)
     ids = [prompt(llm, 600, 31), prompt(llm, 50, 32), prompt(llm, 1000, 33)]
-    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
-    assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == want
+    want = llm.generate(ids, GREEDY)
+    assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == [c.token_ids for c in want]
     pieces = [r.tokens for r in clustered.engine.records if r.group == (1,)]
     assert pieces == [50, 206, 256, 256, 256, 26]
+    texts, events = serve(clustered, ids, GREEDY.max_tokens)  # `serve` over the same cluster
+    assert texts == [c.text for c in want]
+    assert events == {k: float(v) for k, v in clustered.engine.events.items()} and events["transfers"] == 6, events
 
 
 def step_until(cluster, tokens: dict[str, list[int]], done) -> None:

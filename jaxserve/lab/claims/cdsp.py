@@ -29,7 +29,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from jaxserve.lab.esp_cluster import ESPCost
+from jaxserve.sim.esp_cluster import ESPCost
 from jaxserve.lab.improvement_rate import AdaptiveCDSP, profile_improvement_rates
 from jaxserve.sched.cdsp import Balancing, CDSPPlanner, FixedSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill

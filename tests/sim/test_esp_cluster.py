@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.lab.esp_cluster import ESPConfig, ESPCost, ESPSimulator, _Decoding, _Run
+from jaxserve.sim.esp_cluster import ESPConfig, ESPCost, ESPSimulator, _Decoding, _Run
 from jaxserve.sched.profiles import GPUS, network
 from jaxserve.sched.request import Request
 from jaxserve.sim.workload import Workload, long_context

@@ -61,6 +61,11 @@ class ESPConfig:
     knee_tokens: int = 16384  # a prefill batch past this many tokens on one instance stops gaining from batching
     slo: SLO = SLO()
     memory_utilization: float = 0.9
+    kv_tokens: int | None = None  # KV one instance holds (None: the profile's GPUs at memory_utilization)
+    # What the live cluster (cluster/esp.py) does where LoongServe goes further:
+    evacuate: bool = True  # False: a prefill's instances pause their decodes, their KV stays
+    gather: bool = False  # a prompt's whole KV onto its batch's instance with the most free KV, after the prefill
+    groups: tuple[tuple[int, ...], ...] | None = None  # the instance sets a batch may run on (None: any)
 
     def label(self) -> dict:
         return dataclasses.asdict(self) | {"slo": dataclasses.asdict(self.slo)}
@@ -103,6 +108,18 @@ class ESPCost:
     def fastest_prefill(self, tokens: int, max_sp: int) -> float:
         return min(self.prefill([tokens], sp) for sp in range(1, max_sp + 1))
 
+    @property
+    def migration_bandwidth(self) -> float:
+        """Bytes/s of one link, what admission prices a KV evacuation with."""
+        return self.link.bandwidth("intra_node")
+
+    def decode_step(self, mastered: int, held: list[int], spread: int) -> float:
+        """One instance's part of a decode step: linear ops for the `mastered` requests it runs the query of,
+        attention over the KV it holds of each request (`held`, tokens), and the query exchange for the `spread`
+        requests whose KV spans several instances."""
+        return ((self.batch.linear_ops(mastered) if mastered else 0.0)
+                + sum(self.batch.decode_attention(t) for t in held) + (self.exchange(spread) if spread else 0.0))
+
     def fit(self, max_sp: int, tp: int) -> LoongServePrefill:
         """LoongServe's model a + b sum(l) + c sum(l^2), fitted per SP size to this profile's prefill times."""
         rng = np.random.default_rng(0)
@@ -140,17 +157,20 @@ class _Decoding:
 
 
 class ESPSimulator:
-    def __init__(self, config: ESPConfig = ESPConfig()):
+    def __init__(self, config: ESPConfig = ESPConfig(), cost: ESPCost | None = None):
+        """cost: what the executor charges (None: config's GPU profile; a replay passes the live run's, an object
+        with ESPCost's methods)."""
         c = self.config = config
         if c.instances < 1 or c.tp < 1:
             raise ValueError(f"instances and tp must be >= 1, got {c.instances}, {c.tp}")
-        self.cost = ESPCost(c.profile, c.tp)
-        self.capacity = kv_capacity(c.profile, c.tp, c.memory_utilization)
+        self.cost = cost or ESPCost(c.profile, c.tp)
+        self.capacity = c.kv_tokens or kv_capacity(c.profile, c.tp, c.memory_utilization)
         model = self.cost.fit(c.instances, c.tp)
         self.scheduler = ESPScheduler(
             model, c.tp, knee=self.cost.prefill([c.knee_tokens], 1),
-            migration_bandwidth=self.cost.link.bandwidth("intra_node"), kv_bytes_per_token=self.cost.shard_bytes,
-            output_estimate=c.output_estimate, max_sp=c.max_sp, max_overtakes=c.max_overtakes)
+            migration_bandwidth=self.cost.migration_bandwidth if c.evacuate else None,
+            kv_bytes_per_token=self.cost.shard_bytes, output_estimate=c.output_estimate, max_sp=c.max_sp,
+            max_overtakes=c.max_overtakes, groups=c.groups)
 
     def run(self, workload: Workload, progress: bool = True) -> Results:
         return _Run(self, workload, progress).results()
@@ -164,6 +184,7 @@ class _Run:
         self.pending: list[Request] = []  # what the scheduler sees (a preempted request comes back as a proxy)
         self.origin: dict[str, Request] = {}  # scheduled request id -> the workload's request
         self.prefilling: list[tuple[float, ESPBatch]] = []  # (end, batch)
+        self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # every batch as run
         self.decoding: dict[str, _Decoding] = {}
         self.steps: list[tuple[float, set[int], list[_Decoding]]] = []  # decode steps in flight: end, instances
         self.moves: list[tuple[float, set[int]]] = []  # KV moves in flight: end, instances busy until then
@@ -244,10 +265,12 @@ class _Run:
                 break
             reserved = {i for b in batches for i in b.instances}
             for batch in batches:
-                start = self._evacuate(set(batch.instances), reserved, now)
-                self.prefilling.append((start + self.cost.prefill([r.prompt_len for r in batch.requests],
-                                                                   len(batch.instances),
-                                                                   self.cost.link_of(batch.instances)), batch))
+                start = self._evacuate(set(batch.instances), reserved, now) if self.cfg.evacuate else now
+                end = start + self.cost.prefill([r.prompt_len for r in batch.requests], len(batch.instances),
+                                                self.cost.link_of(batch.instances))
+                self.prefilling.append((end, batch))
+                self.prefills.append((tuple(self.origin[r.id].id for r in batch.requests), batch.instances, start,
+                                      end))
                 planned = {r.id for r in batch.requests}
                 self.pending = [r for r in self.pending if r.id not in planned]
             idle = self._idle()
@@ -297,7 +320,7 @@ class _Run:
         return end
 
     def _prefilled(self, batch: ESPBatch, end: float) -> None:
-        shards = self.esp.scale_down(batch, self.instances)
+        shards = self._gather(batch) if self.cfg.gather else self.esp.scale_down(batch, self.instances)
         first, ready = self._scale_down(batch, shards, end)
         for r in batch.requests:
             original = self.origin.pop(r.id)
@@ -307,6 +330,15 @@ class _Run:
                 self._finish(original, shards[r.id])
             else:
                 self.decoding[original.id] = _Decoding(original, shards[r.id], ready)
+
+    def _gather(self, batch: ESPBatch) -> dict[str, dict[int, int]]:
+        """The live cluster's scale-down: each prompt's whole KV on the batch's instance with the most free KV."""
+        out = {}
+        for r in batch.requests:
+            keeper = max((self.instances[i] for i in batch.instances), key=lambda e: (e.free, -e.id))
+            keeper.kv_used += r.prompt_len
+            out[r.id] = {keeper.id: r.prompt_len}
+        return out
 
     def _scale_down(self, batch: ESPBatch, shards: dict[str, dict[int, int]], end: float) -> tuple[float, float]:
         """When the batch's first tokens come out and its requests can decode: the ring left 1/sp of each
@@ -375,17 +407,16 @@ class _Run:
         """The slowest instance: linear ops for the requests it masters, attention over the KV it holds, and the
         per-layer query exchange for requests spread over several instances."""
         mastered: dict[int, int] = {}
-        load: dict[int, list] = {}  # instance -> [requests mastered, attention seconds, spread requests]
+        load: dict[int, list] = {}  # instance -> [requests mastered, KV tokens held of each, spread requests]
         for d in members:
             m = self.esp.master(d.shards, mastered, self.cfg.multi_master)
             mastered[m] = mastered.get(m, 0) + 1
             for i, tokens in d.shards.items():
-                row = load.setdefault(i, [0, 0.0, 0])
-                row[1] += self.cost.batch.decode_attention(tokens)
+                row = load.setdefault(i, [0, [], 0])
+                row[1].append(tokens)
                 row[2] += len(d.shards) > 1
             load[m][0] += 1
-        return max((self.cost.batch.linear_ops(b) if b else 0.0) + att
-                   + (self.cost.exchange(spread) if spread else 0.0) for b, att, spread in load.values())
+        return max(self.cost.decode_step(*row) for row in load.values())
 
     def _room_for_one(self, d: _Decoding, now: float, idle: set[int]) -> bool:
         """Make room for the token this step appends; False if the request cannot step now."""
@@ -453,4 +484,5 @@ class _Run:
                                      "decode_pauses": self.decode_pauses,
                                      "kv_capacity_per_instance": self.sim.capacity,
                                      "kv_held_at_end": sum(e.kv_used for e in self.instances)}
-        return Results(self.requests, self.rejected, span, time.perf_counter() - self.wall, config)
+        return Results(self.requests, self.rejected, span, time.perf_counter() - self.wall, config,
+                       prefills=self.prefills)
