@@ -14,7 +14,7 @@ from jaxserve.cluster import pool_profile
 from jaxserve.config import ParallelConfig
 from jaxserve.cluster.decode import DecodeInstance
 from jaxserve.cluster.engine import ClusterEngine
-from jaxserve.cluster.esp import ESPCluster, aligned_groups
+from jaxserve.cluster.esp import ESPCluster
 from jaxserve.cluster.tetriinfer import TetriInferCluster
 from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import Engine
@@ -22,7 +22,7 @@ from jaxserve.engine.sp_prefill import SPPrefill, next_power_of_two
 from jaxserve.sched.cdsp import CDSPPlanner, Pool, planner_groups
 from jaxserve.sched.cluster import ClusterScheduler
 from jaxserve.sched.decode_dispatch import ObservedLengths
-from jaxserve.sched.esp import ESPScheduler
+from jaxserve.sched.esp import ESPScheduler, aligned_groups
 from jaxserve.sched.flip import FlipPolicy
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler
 from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill

@@ -33,12 +33,6 @@ from jaxserve.sched.decode_dispatch import HEAVY_DECODE
 from jaxserve.sched.request import Request
 
 
-def aligned_groups(n: int) -> list[tuple[int, ...]]:
-    """The instance index sets a batch may use: power-of-two sizes, aligned (0-1, 2-3, 0-3, ...)."""
-    sizes = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
-    return [tuple(range(j, j + s)) for s in sizes for j in range(0, n - s + 1, s)]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Prompt:
     ids: list[int]
@@ -77,7 +71,7 @@ class ESPCluster(ClusterEngine):
         self._batches: list[_Batch] = []
 
     def chunk_shapes(self, max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
-        groups = [tuple(self.pool_ids[k] for k in g) for g in aligned_groups(len(self.pool_ids))]
+        groups = [tuple(self.pool_ids[k] for k in g) for g in elastic.aligned_groups(len(self.pool_ids))]
         return [(g, b) for g in groups for b in self.prefill.buckets(len(g), max_tokens)]
 
     def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,

@@ -84,7 +84,7 @@ class ESPScheduler:
         max_overtakes: how many later requests may be admitted ahead of one the memory cannot take yet (0: the
         slides' strict FCFS; LoongServe's code bounds such out-of-order admissions, `max_num_ooe`);
         groups: the instance id sets a batch may run on (None: any)."""
-        self.tp, self.knee, self.bandwidth, self.max_sp = tp, knee, migration_bandwidth, max_sp
+        self.model, self.tp, self.knee, self.bandwidth, self.max_sp = model, tp, knee, migration_bandwidth, max_sp
         self.groups = None if groups is None else {frozenset(g) for g in groups}
         self.max_overtakes = max_overtakes
         self._overtaken: dict[str, int] = {}  # request id -> admissions that went ahead of it
@@ -287,6 +287,13 @@ class ESPScheduler:
         if not multi_master:
             return next(iter(shards))
         return min(shards, key=lambda i: (mastered.get(i, 0), -shards[i]))
+
+
+def aligned_groups(n: int) -> list[tuple[int, ...]]:
+    """The instance index sets a live cluster's batches may use (what it has programs for): power-of-two sizes,
+    aligned (0-1, 2-3, 0-3, ...)."""
+    sizes = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+    return [tuple(range(j, j + s)) for s in sizes for j in range(0, n - s + 1, s)]
 
 
 def isolated_room(instances: Sequence[ElasticInstance]) -> int:

@@ -92,7 +92,7 @@ class Costs:
     passes what that run measured (tools/bench_cluster.py)."""
 
     decode: BatchCost  # one decode instance's step
-    prefill: BatchCost  # one TetriInfer prefill instance's chunk
+    prefill: BatchCost | None  # one TetriInfer prefill instance's chunk (None: a prefill pool, planned)
     transfer: Callable[[int, int], float]  # seconds to move `tokens` of KV sent by `senders` GPUs at once
     swap_seconds_per_token: float  # a decode instance's KV to host memory and back
     decode_kv_capacity: int  # tokens of KV one decode instance holds

@@ -9,11 +9,12 @@ import numpy as np
 import jaxserve
 from conftest import MAX_MODEL_LEN, prompt, run, serve
 from jaxserve.cluster.build import build
-from jaxserve.cluster.esp import ESPCluster, aligned_groups
+from jaxserve.cluster.esp import ESPCluster
 from jaxserve.config import ParallelConfig
 from jaxserve.engine.interface import ServingEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.cost_models import LoongServePrefill
+from jaxserve.sched.esp import aligned_groups
 
 GREEDY = SamplingParams(max_tokens=12)
 

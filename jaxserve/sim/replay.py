@@ -1,0 +1,155 @@
+"""A live cluster run replayed in the simulator with the costs that run measured: the same arrivals, prompt and
+output lengths, the same policy, layout and schedulers, and every executor cost taken from the live devices.
+
+- cdsp: sim/disagg.py's prefill pool, planned by a CDSPPlanner on the pool's measured Eq. (1).
+- tetriinfer: sim/disagg.py's TetriInfer prefill instances, each chunk priced by Eq. (1) at SP 1, measured on one
+  live instance.
+- esp: sim/esp_cluster.py as cluster/esp.py runs it (aligned groups, no KV evacuated, each prompt's KV gathered on
+  one instance, no multi-master decode), batches priced by the LoongServe model measured on the pool.
+- Everywhere: decode steps by the engine's measured step cost (EngineStepCost), KV moves by a line fitted to the
+  live run's transfers, decode-length prediction by the live cluster's predictor (ObservedLengths).
+
+tools/bench_cluster.py records a LiveRun and sets its replay beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from jaxserve.sched.batch_cost import EngineStepCost, TetrisBatchCost
+from jaxserve.sched.cdsp import CDSPPlanner, Pool
+from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill
+from jaxserve.sched.decode_dispatch import ObservedLengths
+from jaxserve.sched.esp import aligned_groups
+from jaxserve.sim.disagg import Costs, DisaggConfig, DisaggSimulator
+from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
+from jaxserve.sim.metrics import Results
+from jaxserve.sim.workload import Workload
+
+POLICIES = ("cdsp", "esp", "tetriinfer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """seconds = fixed + per_token * tokens, fitted to measured (tokens, seconds)."""
+
+    fixed: float
+    per_token: float
+
+    @classmethod
+    def fit(cls, tokens: Sequence[int], seconds: Sequence[float]) -> Line:
+        if not len(tokens):
+            return cls(0.0, 0.0)
+        x, y = np.asarray(tokens, np.float64), np.asarray(seconds, np.float64)
+        if np.ptp(x) == 0:  # one size only: no slope to see
+            return cls(float(y.mean()), 0.0)
+        per_token, fixed = np.polyfit(x, y, 1)
+        return cls(max(float(fixed), 0.0), max(float(per_token), 0.0))
+
+    def __call__(self, tokens: float) -> float:
+        return self.fixed + self.per_token * tokens if tokens else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveRun:
+    """What a live run was and what it measured (JSON: `to_dict` / `from_dict`)."""
+
+    policy: str  # cdsp, esp or tetriinfer
+    prefill_instances: int
+    decode_instances: int  # 0 under esp: the pool's instances decode
+    node_size: int
+    trace: list[tuple[float, int, int]]  # (arrival seconds from the first, prompt tokens, output tokens)
+    prefill_model: dict  # cdsp: Eq. (1) on the pool; tetriinfer: Eq. (1) at SP 1; esp: LoongServe's batch model
+    step_cost: dict  # the decode engine's EngineStepCost
+    transfer: Line  # one KV transfer (or gather) of a request's tokens
+    kv_tokens: int  # KV one decode instance holds
+    max_num_seqs: int  # sequences one decode step runs
+    max_model_len: int
+    planner: dict = dataclasses.field(default_factory=dict)  # cdsp: improvement_rate, sizes, min_chunk
+    prefill_chunk: int = 512  # tetriinfer
+    prefill_batch: int = 16
+    prefill_order: str = "sjf"
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> LiveRun:
+        return cls(**{**d, "trace": [tuple(t) for t in d["trace"]], "transfer": Line(**d["transfer"])})
+
+    def workload(self) -> Workload:
+        arrival, prompt, output = (np.array(col) for col in zip(*self.trace))
+        return Workload(arrival.astype(np.float64), prompt.astype(np.int64), output.astype(np.int64), "live trace")
+
+
+class MeasuredESPCost:
+    """sim/esp_cluster.ESPCost's methods from a live run's measurements. The live cluster evacuates no KV and keeps
+    no request spread over instances, so there is no link bandwidth and no query exchange to price."""
+
+    shard_bytes = 0.0
+
+    def __init__(self, model: LoongServePrefill, tp: int, step: EngineStepCost, transfer: Line):
+        self.model, self.tp, self.step, self.transfer = model, tp, step, transfer
+        self._sizes = sorted(sp for sp, t in model.coefficients if t == tp)
+
+    def prefill(self, lengths: list[int], sp: int, link: str = "intra_node") -> float:
+        return self.model.predict(sp, self.tp, lengths)
+
+    def fastest_prefill(self, tokens: int, max_sp: int) -> float:
+        return min(self.prefill([tokens], sp) for sp in self._sizes if sp <= max_sp)
+
+    def fit(self, max_sp: int, tp: int) -> LoongServePrefill:
+        return self.model
+
+    def link_of(self, instances) -> str:
+        return "intra_node"
+
+    def moves(self, sent: Mapping[int, float], received: Mapping[int, float]) -> float:
+        return self.transfer(max([*sent.values(), *received.values()], default=0))
+
+    def copy(self, tokens: float) -> float:
+        raise ValueError("the live cluster gathers KV after the prefill (proactive=False)")
+
+    def decode_step(self, mastered: int, held: list[int], spread: int) -> float:
+        if spread:
+            raise ValueError("the live cluster decodes each request on one instance (multi_master=False)")
+        return self.step.batch_time([], held)
+
+
+def replay(run: LiveRun, progress: bool = False) -> Results:
+    """The run's trace through the simulator of its policy, with its measured costs."""
+    step = EngineStepCost.from_dict(run.step_cost)
+    workload = run.workload()
+    if run.policy == "esp":
+        cfg = ESPConfig(instances=run.prefill_instances, tp=1, scale_up=False, multi_master=False, proactive=False,
+                        evacuate=False, gather=True, groups=tuple(aligned_groups(run.prefill_instances)),
+                        kv_tokens=run.kv_tokens, knee_tokens=run.max_model_len,
+                        output_estimate=ObservedLengths().predict(0)[1])
+        model = LoongServePrefill.from_json(json.dumps(run.prefill_model))
+        return ESPSimulator(cfg, MeasuredESPCost(model, 1, step, run.transfer)).run(workload, progress)
+    eq1 = TetrisPrefill.from_json(json.dumps(run.prefill_model))
+    costs = Costs(decode=step, prefill=TetrisBatchCost(eq1, 1) if run.policy == "tetriinfer" else None,
+                  transfer=lambda tokens, senders: run.transfer(tokens), swap_seconds_per_token=run.transfer.per_token,
+                  decode_kv_capacity=run.kv_tokens, max_num_seqs=run.max_num_seqs)
+    if run.policy == "tetriinfer":
+        cfg = DisaggConfig(prefill="tetriinfer", prefill_instances=run.prefill_instances,
+                           prefill_chunk=run.prefill_chunk, prefill_batch=run.prefill_batch,
+                           prefill_order=run.prefill_order, decode_instances=run.decode_instances, decode_tp=1,
+                           dispatch="power_of_two")
+        sim = DisaggSimulator(None, eq1.fastest, cfg, ObservedLengths(), costs)
+    else:
+        pool = Pool(run.prefill_instances // run.node_size, run.node_size)
+        planner = CDSPPlanner(eq1, pool, run.planner["improvement_rate"], sizes=run.planner["sizes"],
+                              min_chunk=run.planner["min_chunk"])
+        cfg = DisaggConfig(prefill_instances=run.prefill_instances, decode_instances=run.decode_instances,
+                           decode_tp=1)
+        sim = DisaggSimulator(planner, eq1.fastest, cfg, ObservedLengths(), costs)
+    return sim.run(workload, progress)
