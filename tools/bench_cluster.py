@@ -1,15 +1,21 @@
-"""A mixed trace served through the live cluster on CPU devices, each request's CDSP plan and TTFT next to the
-simulator's for the same trace (sim/'s prefill pool, the same planner, the pool's measured Eq. (1)).
+"""Each cluster policy served live on CPU devices, then replayed in the simulator with the costs the live run
+measured (sim/replay.py): P50 and P99 TTFT and TPOT live and simulated, and a Gantt chart of the prefill work.
+
+One policy per call (each builds its own cluster); every call prints the table of all policies found in --out:
+
+    .venv/bin/python tools/bench_cluster.py --cluster_policy=cdsp --out=bench_out/cluster
+    .venv/bin/python tools/bench_cluster.py --cluster_policy=tetriinfer --out=bench_out/cluster
+    .venv/bin/python tools/bench_cluster.py --cluster_policy=esp --out=bench_out/cluster
+
+Measured on the live devices: the prefill model (cdsp: the pool's Eq. (1); esp: LoongServe's batch model; both
+measured when the cluster starts, cached; tetriinfer: Eq. (1) at SP 1 on one instance, measured here), the decode
+engine's step cost (engine/profile.py) and a line through the live KV transfers (seconds against tokens).
 
 Read the comparison with this in mind: in one process the XLA CPU runtime runs one multi-device program at a
-time, so chunks the planner puts side by side on disjoint groups run one after the other here, and the decode
-steps take turns with them; the live TTFTs show the plans' ordering, not their overlap (on GPUs they overlap).
-The simulator's chunk takes exactly its Eq. (1) prediction and nothing else runs.
+time, so work the simulator overlaps (chunks on disjoint groups, decode steps beside chunks) runs one piece after
+another here. Where requests overlap, live times exceed the simulator's; at a low rate they mostly do not.
 
-    .venv/bin/python tools/bench_cluster.py --out=bench_out/cluster [--prefill_instances=6 --decode_instances=2
-        --requests=16 --rate=0.3 --max_model_len=2048]
-
-Writes run.json (trace, plans, chunks, TTFTs), plan_gantt.png (tools/plot_plan.py) and prints the table.
+Writes <policy>.json (the LiveRun, each request's live and simulated TTFT and TPOT) and <policy>_gantt.png.
 """
 
 from __future__ import annotations
@@ -24,110 +30,161 @@ from absl import app, flags
 from tqdm.auto import tqdm
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("prefill_instances", 6, "Instances in the CDSP prefill pool.")
-flags.DEFINE_integer("decode_instances", 2, "Decode instances.")
-flags.DEFINE_integer("node_size", 2, "Prefill instances per node.")
-flags.DEFINE_integer("tp", 1, "Devices per instance, tensor-parallel (SmolLM2: 1 or 3).")
+flags.DEFINE_enum("cluster_policy", "cdsp", ["cdsp", "esp", "tetriinfer"], "The policy to serve and replay.")
+flags.DEFINE_integer("prefill_instances", 4, "Prefill instances (esp: the instances, which decode too).")
+flags.DEFINE_integer("decode_instances", 2, "Decode instances (cdsp, tetriinfer).")
+flags.DEFINE_integer("node_size", 2, "Prefill instances per node (cdsp).")
+flags.DEFINE_integer("prefill_chunk", 256, "TetriInfer's fixed chunk, tokens.")
 flags.DEFINE_integer("requests", 16, "Requests in the trace.")
-flags.DEFINE_float("rate", 0.3, "Poisson arrival rate, requests/s.")
+flags.DEFINE_float("rate", 0.1, "Poisson arrival rate, requests/s.")
 flags.DEFINE_float("long_fraction", 0.3, "Share of long prompts (max_model_len/2 .. max_model_len - 64 tokens; "
                    "the others 64-512).")
 flags.DEFINE_integer("max_model_len", 2048, "Context length.")
 flags.DEFINE_integer("min_chunk", 256, "Smallest CDSP chunk, tokens.")
 flags.DEFINE_integer("seed", 0, "Trace seed.")
-flags.DEFINE_string("out", "bench_out/cluster", "Directory for run.json and plan_gantt.png.")
+flags.DEFINE_string("out", "bench_out/cluster", "Directory for <policy>.json and <policy>_gantt.png.")
 
 
-def trace(rng: np.random.Generator) -> list[dict]:
+def trace(rng: np.random.Generator) -> list[tuple[float, int, int]]:
+    """(arrival from the first, prompt tokens, output tokens) per request."""
     n, top = FLAGS.requests, FLAGS.max_model_len
     long = rng.random(n) < FLAGS.long_fraction
     prompt = np.where(long, rng.integers(top // 2, top - 64, n), rng.integers(64, 513, n))
     arrival = np.cumsum(rng.exponential(1 / FLAGS.rate, n))
-    return [dict(arrival=float(a - arrival[0]), prompt_len=int(p), output_len=int(o))
-            for a, p, o in zip(arrival, prompt, rng.integers(4, 17, n))]
+    return [(float(a - arrival[0]), int(p), int(o)) for a, p, o in zip(arrival, prompt, rng.integers(4, 17, n))]
 
 
-def serve(llm, requests: list[dict], rng: np.random.Generator) -> tuple[dict[int, float], dict[str, int], float]:
-    """Submit each request at its arrival time and step until all finish: first-token time per request (seconds
-    from the start), request index per engine id, and the start on the cluster's clock."""
+def serve(cluster, requests: list[tuple[float, int, int]], rng: np.random.Generator) -> dict:
+    """Submit each request at its arrival and step until all finish. Per request (seconds from the start):
+    submitted, first token, finished; the request index of each engine id; the start on the cluster's clock."""
     from jaxserve.sampling_params import SamplingParams
 
-    cluster = llm.engine
-    prompts = [rng.integers(1000, 20000, r["prompt_len"]).tolist() for r in requests]
-    index, first = {}, {}
+    prompts = [rng.integers(1000, 20000, p).tolist() for _, p, _ in requests]
+    index, submitted, first, finished = {}, {}, {}, {}
     start = cluster.clock()
     pending = list(range(len(requests)))
     with tqdm(total=len(requests), desc="serve the trace", unit="request") as bar:
         while pending or cluster.has_unfinished():
             now = cluster.clock() - start
-            while pending and requests[pending[0]]["arrival"] <= now:
+            while pending and requests[pending[0]][0] <= now:
                 k = pending.pop(0)
-                index[cluster.add_request(prompts[k], SamplingParams(max_tokens=requests[k]["output_len"],
-                                                                     ignore_eos=True))] = k
+                submitted[k] = cluster.clock() - start
+                index[cluster.add_request(prompts[k], SamplingParams(max_tokens=requests[k][2], ignore_eos=True))] = k
             if not cluster.has_unfinished():
-                time.sleep(max(0.0, min(0.01, requests[pending[0]]["arrival"] - now)))
+                time.sleep(max(0.0, min(0.01, requests[pending[0]][0] - now)))
                 continue
             for out in cluster.step():
                 k = index[out.request_id]
-                if out.new_token_ids and k not in first:
-                    first[k] = cluster.clock() - start
-                bar.update(int(out.finished))
-    return first, index, start
+                if out.new_token_ids:
+                    first.setdefault(k, cluster.clock() - start)
+                if out.finished:
+                    finished[k] = cluster.clock() - start
+                    bar.update()
+    return dict(index=index, start=start, submitted=submitted, first=first, finished=finished)
+
+
+def measure(llm, policy: str):
+    """The LiveRun's measured costs: the prefill model, the decode step cost, the KV transfer line."""
+    from jaxserve.cluster import pool_profile
+    from jaxserve.engine import profile
+    from jaxserve.sim.replay import Line
+
+    cluster = llm.engine
+    if policy == "esp":
+        model = cluster.esp.model
+    elif policy == "cdsp":
+        model = cluster.planner.model
+    else:  # TetriInfer plans nothing with a model: Eq. (1) at SP 1 measured on one instance, for the replay
+        layout = llm.engine_config.parallel
+        path = pool_profile.default_path(llm.model_name, llm._dtype_name, "tetriinfer-sp1", layout.prefill_instances,
+                                         1, layout.tp, FLAGS.max_model_len, llm.engine_config.cache.key_block)
+        model = pool_profile.load_or_measure(path, cluster.prefill, {1: (cluster.pool_ids[0],)}, FLAGS.max_model_len)
+    runner = cluster.decoders[0].engine.runner
+    step = llm.cost or profile.load_or_measure(profile.default_path(llm.model_name, llm._dtype_name, runner), runner,
+                                               FLAGS.max_model_len)
+    moved = [(sum(len(p) for p in t.positions), t.landed - t.sent) for _, t in cluster.transfers]
+    return json.loads(model.to_json()), step.to_dict(), Line.fit(*zip(*moved)) if moved else Line(0.0, 0.0)
+
+
+def percentiles(values) -> tuple[float, float]:
+    values = [v for v in values if v is not None and np.isfinite(v)]
+    return (float(np.percentile(values, 50)), float(np.percentile(values, 99))) if values else (np.nan, np.nan)
+
+
+def table(out: pathlib.Path) -> None:
+    print(f"\n{'policy':<11} {'TTFT P50 live / sim (s)':>24} {'TTFT P99 live / sim':>20} "
+          f"{'TPOT P50 live / sim (ms)':>25} {'TPOT P99 live / sim':>20}")
+    for policy in ("cdsp", "esp", "tetriinfer"):
+        path = out / f"{policy}.json"
+        if not path.exists():
+            continue
+        rows = json.loads(path.read_text())["requests"]
+        cells = []
+        for key, scale in (("ttft", 1), ("tpot", 1e3)):
+            live, sim = percentiles(r[f"live_{key}"] for r in rows), percentiles(r[f"sim_{key}"] for r in rows)
+            cells += [f"{scale * live[i]:.3g} / {scale * sim[i]:.3g} ({live[i] / sim[i]:.2f}x)" for i in (0, 1)]
+        print(f"{policy:<11} {cells[0]:>24} {cells[1]:>20} {cells[2]:>25} {cells[3]:>20}")
 
 
 def main(argv: list[str]) -> None:
     del argv
-    devices = (FLAGS.prefill_instances + FLAGS.decode_instances) * FLAGS.tp
+    policy = FLAGS.cluster_policy
+    devices = FLAGS.prefill_instances + (0 if policy == "esp" else FLAGS.decode_instances)
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"  # before JAX's backend starts
     import jax
 
     import jaxserve
-    from plot_plan import draw, simulate
+    from jaxserve.sim import plots
+    from jaxserve.sim.replay import LiveRun, replay
 
     out = pathlib.Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(FLAGS.seed)
     requests = trace(rng)
     top = FLAGS.max_model_len
+    layout = dict(prefill_instances=FLAGS.prefill_instances, cluster_policy=policy)
+    if policy != "esp":
+        layout |= dict(decode_instances=FLAGS.decode_instances)
+    if policy == "cdsp":
+        layout |= dict(node_size=FLAGS.node_size, min_chunk=FLAGS.min_chunk)
+    if policy == "tetriinfer":
+        layout |= dict(prefill_chunk=FLAGS.prefill_chunk)
     llm = jaxserve.LLM(max_model_len=top, kv_cache_tokens=2 * top, max_num_seqs=4, max_num_batched_tokens=256,
-                       prefill_instances=FLAGS.prefill_instances, decode_instances=FLAGS.decode_instances,
-                       node_size=FLAGS.node_size, min_chunk=FLAGS.min_chunk, tp=FLAGS.tp)
+                       **layout)
     cluster = llm.engine
-    first, index, start = serve(llm, requests, rng)
-    pool_index = {d: i for i, d in enumerate(cluster.pool_ids)}
-    chunks = [dict(request=index[c.request_id], group=[pool_index[d] for d in c.group], tokens=c.tokens,
-                   history=c.history, start=c.start - start, end=c.end - start,
-                   predicted_start=c.predicted_start - start, predicted_end=c.predicted_end - start)
-              for c in cluster.records]
-    for rid, k in index.items():
-        requests[k]["live_plan"] = [[c.sp, c.tokens] for c in cluster.plans[rid].chunks]
-        requests[k]["live_ttft"] = first[k] - requests[k]["arrival"]
-        requests[k]["planned_ttft"] = cluster.plans[rid].ttft
-    run = dict(device=f"{jax.devices()[0].device_kind} x {devices} (one process)", requests=requests, chunks=chunks,
-               pool=dict(instances=FLAGS.prefill_instances, node_size=FLAGS.node_size, tp=FLAGS.tp),
-               planner=dict(improvement_rate=cluster.planner.improvement_rate, sizes=cluster.planner.sizes,
-                            min_chunk=cluster.planner.min_chunk),
-               eq1=json.loads(cluster.planner.model.to_json()))
-    sim = simulate(run)
-    for r, plan in zip(requests, sim.plans):
-        r["sim_plan"] = [[c.sp, c.tokens] for c in plan.chunks]
-        r["sim_ttft"] = plan.ttft
-    (out / "run.json").write_text(json.dumps(run, indent=1))
-    draw(run, sim, str(out / "plan_gantt.png"))
-
-    print(f"{'#':>3} {'arrive':>7} {'prompt':>6}  {'live plan (sp x tokens)':<28} {'sim plan':<28} "
-          f"{'planned':>8} {'live':>8} {'sim':>8}")
-    for k, r in enumerate(requests):
-        fmt = lambda plan: " ".join(f"{sp}x{n}" for sp, n in plan)  # noqa: E731
-        print(f"{k:>3} {r['arrival']:7.2f} {r['prompt_len']:>6}  {fmt(r['live_plan']):<28} {fmt(r['sim_plan']):<28} "
-              f"{r['planned_ttft']:8.3f} {r['live_ttft']:8.3f} {r['sim_ttft']:8.3f}")
-    live, sim_t = np.array([r["live_ttft"] for r in requests]), np.array([r["sim_ttft"] for r in requests])
-    same = sum(r["live_plan"] == r["sim_plan"] for r in requests)
-    err = np.array([c["end"] - c["start"] for c in chunks]) / np.array(
-        [c["predicted_end"] - c["predicted_start"] for c in chunks])
-    print(f"plans identical: {same}/{len(requests)}; TTFT live/sim: median {np.median(live / sim_t):.2f}x, "
-          f"p90 {np.percentile(live / sim_t, 90):.2f}x; chunk time measured/Eq. (1): median {np.median(err):.2f}x")
-    print(f"wrote {out}/run.json and {out}/plan_gantt.png")
+    live = serve(cluster, requests, rng)
+    prefill_model, step_cost, transfer = measure(llm, policy)
+    first = cluster.decoders[0]
+    planner = {}
+    if policy == "cdsp":
+        planner = dict(improvement_rate=cluster.planner.improvement_rate, sizes=list(cluster.planner.sizes),
+                       min_chunk=cluster.planner.min_chunk)
+    # the trace as it was submitted (the loop submits a little after each arrival)
+    submitted = [(live["submitted"][k], p, o) for k, (_, p, o) in enumerate(requests)]
+    run = LiveRun(policy, FLAGS.prefill_instances, 0 if policy == "esp" else FLAGS.decode_instances,
+                  FLAGS.node_size, submitted, prefill_model, step_cost, transfer, first.kv_tokens,
+                  first.engine.max_num_seqs, top, planner, prefill_chunk=FLAGS.prefill_chunk)
+    sim = replay(run)
+    sim_rows = {int(r["id"]): r for r in sim.table()}
+    rows = []
+    for k, (arrival, p, o) in enumerate(submitted):
+        ttft = live["first"][k] - arrival
+        tpot = (live["finished"][k] - live["first"][k]) / (o - 1) if o > 1 else None
+        rows.append(dict(arrival=arrival, prompt_len=p, output_len=o, live_ttft=ttft, live_tpot=tpot,
+                         sim_ttft=sim_rows[k]["ttft"], sim_tpot=sim_rows[k]["tpot"]))
+    device = f"{jax.devices()[0].device_kind} x {devices} (one process)"
+    (out / f"{policy}.json").write_text(json.dumps(dict(device=device, run=run.to_dict(), requests=rows,
+                                                        events=dict(cluster.events)), indent=1))
+    pool = {d: i for i, d in enumerate(cluster.pool_ids)}
+    live_bars = [plots.Bar(live["index"][c.request_id], tuple(pool[d] for d in c.group), c.start - live["start"],
+                           c.end - live["start"]) for c in cluster.records]
+    sim_bars = [plots.Bar(int(ids[0]), tuple(group), start, end) for ids, group, start, end in sim.prefills]
+    plots.gantt({f"{policy} live (measured)": live_bars, f"{policy} simulated (measured costs)": sim_bars},
+                FLAGS.prefill_instances, str(out / f"{policy}_gantt.png"),
+                title=f"{len(requests)} requests at {FLAGS.rate}/s, {policy} ({device})")
+    print(f"{policy}: events {dict(cluster.events)}; KV transfer {1e3 * transfer.fixed:.2f} ms + "
+          f"{1e6 * transfer.per_token:.2f} us/token; wrote {out}/{policy}.json and {out}/{policy}_gantt.png")
+    table(out)
 
 
 if __name__ == "__main__":
