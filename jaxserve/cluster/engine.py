@@ -9,7 +9,8 @@ Plan-executing engine.
 - Executing: each step runs the scheduler's Plan of chunks (they may run at once, on disjoint groups); takes the
   chunks that have finished (polling briefly when no decode instance has work); then moves KV (ReceiveBuffers)
   and runs one step on every decode instance with work, while the chunks still in flight run on.
-- Observability: every executed chunk and transfer is recorded with measured times (records, transfers).
+- Observability: the latest executed chunks, transfers and decode starts are recorded with measured times
+  (records, transfers, decode_started; HISTORY of each).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from jaxserve.cluster.transfer import KVMover, Transfer
 from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import ChunkRun, SPPrefill
-from jaxserve.sched.cdsp import ChunkPlan, planner_groups
+from jaxserve.sched.cdsp import planner_groups
 from jaxserve.sched.cluster import ClusterScheduler
 from jaxserve.sched.kv_manager import PrefixCacheStats
 from jaxserve.sched.plan import WorkItem
 
 
 WAIT = 0.005  # seconds an idle step polls for a finished chunk before it returns
+HISTORY = 10_000  # chunk, transfer and decode-start records kept, the latest: a server runs for weeks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +95,12 @@ class ClusterEngine:
         self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
         self.max_num_seqs = sum(d.engine.max_num_seqs for d in self.decoders)
         self.events: collections.Counter[str] = collections.Counter()  # chunks, rebalances, transfers
-        self.records: list[ChunkRecord] = []
-        self.transfers: list[tuple[int, Transfer]] = []  # (decode instance, landed transfer)
-        self.decode_started: dict[str, float] = {}
-        self.plans: dict[str, ChunkPlan] = {}  # every request's chunk plan, times relative to its arrival
+        self.records: collections.deque[ChunkRecord] = collections.deque(maxlen=HISTORY)
+        self.transfers: collections.deque[tuple[int, Transfer]] = collections.deque(maxlen=HISTORY)  # (decode
+        # instance, landed transfer)
+        self.decode_started: collections.deque[tuple[str, float]] = collections.deque(maxlen=HISTORY)  # (request,
+        # when its first decode step began)
+        self._decoding: set[str] = set()  # live requests that have begun decoding
         self.last_predicted: float | None = None
         self.decode_seconds = 0.0  # a decode instance's step, measured (moving average; 0 before the first)
         self._prefills: dict[str, _Prefill] = {}
@@ -143,7 +147,6 @@ class ClusterEngine:
         seed = decoder.engine.expect(ids, params, rid)
         decoder.expect(rid, len(ids), chosen.predicted, chosen.heavy)
         self.scheduler.add(rid, arrival, now)
-        self.plans[rid] = arrival.plan
         self._prefills[rid] = _Prefill(ids, params, seed, decoder)
         self._owner[rid] = decoder
         return rid
@@ -223,7 +226,9 @@ class ClusterEngine:
             if d.engine.last_predicted is not None:
                 predicted.append(d.engine.last_predicted)
             for out in outs:
-                self.decode_started.setdefault(out.request_id, before)
+                if out.request_id not in self._decoding:
+                    self._decoding.add(out.request_id)
+                    self.decode_started.append((out.request_id, before))
             self._count(outs)
             outputs += outs
         self.last_predicted = max(predicted) if predicted else None
@@ -242,6 +247,7 @@ class ClusterEngine:
 
     def _end(self, request_id: str, observe: bool = True) -> None:
         decoder = self._owner.pop(request_id, None)
+        self._decoding.discard(request_id)
         if decoder is not None:
             decoder.forget(request_id)
         self._drop_prefill(request_id)
