@@ -4,6 +4,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count=12 (the flag must be set before
 
 from __future__ import annotations
 
+import gc
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +16,15 @@ from jaxserve.config import ParallelConfig
 from jaxserve.sched.cost_models import TetrisPrefill
 
 MAX_MODEL_LEN = 4096
+
+
+@pytest.fixture(autouse=True)
+def collect_garbage():
+    """Clusters and servers hold GBs of device buffers behind reference cycles: collect what earlier tests and
+    modules left before a test builds its own (this folder's memory peak), and after."""
+    gc.collect()
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
