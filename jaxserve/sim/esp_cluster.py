@@ -259,13 +259,20 @@ class _Run:
         while self.pending and idle:  # rounds until nothing more starts (the knee bounds each round)
             growth = sum(max(min(self.cfg.output_estimate, d.request.output_len) - d.request.generated, 0)
                          for d in self.decoding.values())
+            for e in self.instances:  # what a prefill taking it pauses (allocation's cost without evacuation)
+                e.generated = tuple(d.request.generated for d in self.decoding.values() if e.id in d.shards)
             batches = self.esp.plan(self.pending, [self.instances[i] for i in sorted(idle)], growth,
                                     self._decode_load())
             if not batches:
                 break
             reserved = {i for b in batches for i in b.instances}
             for batch in batches:
-                start = self._evacuate(set(batch.instances), reserved, now) if self.cfg.evacuate else now
+                if self.cfg.evacuate:
+                    start = self._evacuate(set(batch.instances), reserved, now)
+                else:  # the decodes holding KV on the batch's instances wait for it
+                    start = now
+                    self.decode_pauses += sum(not set(d.shards).isdisjoint(batch.instances)
+                                              for d in self.decoding.values())
                 end = start + self.cost.prefill([r.prompt_len for r in batch.requests], len(batch.instances),
                                                 self.cost.link_of(batch.instances))
                 self.prefilling.append((end, batch))
@@ -351,6 +358,10 @@ class _Run:
         sent: collections.Counter[int] = collections.Counter()
         received: collections.Counter[int] = collections.Counter()
         for r in batch.requests:
+            if self.cfg.gather:  # the live cluster sends each prompt's whole KV to its decode engine, even from
+                (keeper,) = shards[r.id]  # the keeper's own store
+                received[keeper] += r.prompt_len
+                continue
             for i in batch.instances:
                 delta = round(shards[r.id].get(i, 0) - r.prompt_len / sp)
                 if delta:
