@@ -67,6 +67,11 @@ class Frontend:
         self.model_name = model_name
         self._api_key = api_key
 
+    def release(self) -> None:
+        """Let go of the model once the servers have stopped: FastAPI keeps the endpoint functions (and so this
+        object) for the life of the process, and the model's device buffers must not stay with them."""
+        self.llm = self.engine = None
+
     @property
     def max_model_len(self) -> int:
         return self.llm.max_model_len

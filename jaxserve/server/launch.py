@@ -153,6 +153,7 @@ class Server:
             await asyncio.gather(self._grpc.stop(grace=max(left() - end / 8, 0.0)), self._http_task)
         finally:
             await asyncio.to_thread(self.engine.stop, max(left(), end / 8))
+            self.frontend.release()
 
     async def serve_until_signalled(self) -> None:
         """Start, print where it listens, serve until SIGTERM or SIGINT, then drain and stop."""

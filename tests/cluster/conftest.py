@@ -92,6 +92,7 @@ def serve(clustered, prompts: list[list[int]], max_tokens: int) -> tuple[list[st
     import concurrent.futures
     import re
     import urllib.request
+    import weakref
 
     import openai
 
@@ -111,6 +112,10 @@ def serve(clustered, prompts: list[list[int]], max_tokens: int) -> tuple[list[st
             texts = list(pool.map(complete, range(len(prompts))))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
             metrics = reply.read().decode()
+        engine = weakref.ref(s.server.engine)
+    del s
+    gc.collect()
+    assert engine() is None, "a stopped server still holds its engine (and the model's device buffers)"
     events = {m[1]: float(m[2]) for m in re.finditer(r'^jaxserve_cluster_events_total\{event="(\w+)"\} (\S+)$',
                                                       metrics, re.M)}
     return texts, events
