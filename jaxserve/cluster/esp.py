@@ -127,7 +127,7 @@ class ESPCluster(ClusterEngine):
         runs = []
         for r in batch.requests:
             p = self._waiting[r.id]
-            k = max(batch.instances, key=lambda k: (self.decoders[k].load().free_slots, -k))
+            k = elastic.keeper([self._instance(k) for k in batch.instances]).id
             decoder = self.decoders[k]
             hi = self.scheduler.predict(len(p.ids), p.params.max_tokens)
             seed = decoder.engine.expect(p.ids, p.params, r.id)

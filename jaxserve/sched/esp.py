@@ -296,6 +296,12 @@ def aligned_groups(n: int) -> list[tuple[int, ...]]:
     return [tuple(range(j, j + s)) for s in sizes for j in range(0, n - s + 1, s)]
 
 
+def keeper(group: Sequence[ElasticInstance]) -> ElasticInstance:
+    """The instance of a batch's group that keeps a prompt's whole KV after its prefill (the live cluster's
+    scale-down): the one with the most free KV, ties to the lowest id."""
+    return max(group, key=lambda e: (e.free, -e.id))
+
+
 def isolated_room(instances: Sequence[ElasticInstance]) -> int:
     """KV tokens free on the instances left empty if the KV in use were packed onto the largest instances (the
     memory a prefill can take without sharing an instance with a decode; the packing is allocation's KV moves)."""

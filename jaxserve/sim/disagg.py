@@ -159,7 +159,14 @@ class DisaggSimulator:
                              "predictor")
         self.planner, self.best_latency, self.config, self.predictor = planner, best_latency, config, predictor
         self.costs = costs or profile_costs(config)
-        self.cost, self.prefill_cost = self.costs.decode, self.costs.prefill
+
+    @property
+    def cost(self) -> BatchCost:
+        return self.costs.decode
+
+    @property
+    def prefill_cost(self) -> BatchCost | None:
+        return self.costs.prefill
 
     def transfer_seconds(self, tokens: int, senders: int) -> float:
         return self.costs.transfer(tokens, senders)

@@ -37,7 +37,7 @@ from typing import Iterable, Mapping
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room
+from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, keeper
 from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
@@ -342,9 +342,9 @@ class _Run:
         """The live cluster's scale-down: each prompt's whole KV on the batch's instance with the most free KV."""
         out = {}
         for r in batch.requests:
-            keeper = max((self.instances[i] for i in batch.instances), key=lambda e: (e.free, -e.id))
-            keeper.kv_used += r.prompt_len
-            out[r.id] = {keeper.id: r.prompt_len}
+            kept = keeper([self.instances[i] for i in batch.instances])
+            kept.kv_used += r.prompt_len
+            out[r.id] = {kept.id: r.prompt_len}
         return out
 
     def _scale_down(self, batch: ESPBatch, shards: dict[str, dict[int, int]], end: float) -> tuple[float, float]:

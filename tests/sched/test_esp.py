@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, split_evenly
+from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, keeper, split_evenly
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 
@@ -252,3 +252,9 @@ def test_batches_use_only_the_allowed_instance_groups():
     only_pairs = esp(groups=[(0, 1)])  # emptiest first is 1, 2, 0: (0, 1) is no contiguous range of that order
     with pytest.raises(ValueError, match="does not fit"):
         only_pairs.batch([req(0, 1000)], odd)
+
+
+def test_the_keeper_is_the_instance_with_the_most_free_kv_ties_to_the_lowest_id():
+    group = [ElasticInstance(3, 100, 40), ElasticInstance(1, 100, 70), ElasticInstance(2, 100, 40)]
+    assert keeper(group).id == 2
+    assert keeper(group[1:2]).id == 1
