@@ -26,7 +26,7 @@ for part in $parts; do
     generate) timeout 210 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --out="$OUT/generate_gpu.json" ;;
     burst) timeout 150 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --num_scheduler_steps=8 \
       --out="$OUT/generate_gpu_burst.json" ;;
-    step) timeout 170 $PY tools/profile_step.py --model=random:llama3-8b --out=/tmp/step_profile &&
+    step) rm -rf /tmp/step_profile; timeout 170 $PY tools/profile_step.py --model=random:llama3-8b --out=/tmp/step_profile &&
       cp /tmp/step_profile/summary.json "$OUT/step_summary.json" &&
       for b in b1 b16; do cp "$(find /tmp/step_profile/$b -name perfetto_trace.json.gz)" "$OUT/step_$b.json.gz"; done ;;
     profile) timeout 270 $PY tools/profile_attention.py --out="$OUT/h100_attention.csv" ;;

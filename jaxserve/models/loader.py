@@ -15,7 +15,6 @@ import orbax.checkpoint as ocp
 from jaxserve import config
 from jaxserve.models import random_weights, registry
 from jaxserve.models.config import LlamaConfig
-from jaxserve.models.gguf_loader import load_gguf
 from jaxserve.models.hf_loader import load_hf_dir
 from jaxserve.models.llama import param_shapes
 from jaxserve.models.tokenizer import TextTokenizer
@@ -54,6 +53,9 @@ def _load(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextToken
                                 param_shapes(cfg, DTYPES[dtype]))
         return cfg, checkpointer.restore(ckpt_dir / "params", abstract), TextTokenizer.load(ckpt_dir)
     if source.is_file():
+        # imported here: the gguf package is needed only for GGUF files (a GPU image may lack it)
+        from jaxserve.models.gguf_loader import load_gguf
+
         cfg, host_params, gguf_file = load_gguf(source)
         tokenizer = TextTokenizer.from_gguf(gguf_file)
     else:

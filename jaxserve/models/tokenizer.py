@@ -7,14 +7,15 @@ import json
 import pathlib
 import re
 import secrets
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from jaxserve.models.gguf_loader import GGUFFile
+if TYPE_CHECKING:  # gguf is imported only where a GGUF file is read
+    from jaxserve.models.gguf_loader import GGUFFile
 
 _GGUF_CONTROL = 3  # llama.cpp token type of control tokens such as <|im_start|>
 _GGUF_USER_DEFINED = 4
