@@ -91,7 +91,7 @@ def measure(llm, policy: str):
 
     cluster = llm.engine
     if policy == "esp":
-        model = cluster.esp.model
+        model = cluster.scheduler.elastic.model
     elif policy == "cdsp":
         model = cluster.planner.model
     else:  # TetriInfer plans nothing with a model: Eq. (1) at SP 1 measured on one instance, for the replay

@@ -117,10 +117,9 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     if layout.cluster_policy == "tetriinfer":
         instances = [PrefillBatchScheduler(layout.prefill_chunk, layout.prefill_batch, layout.prefill_order, (d,))
                      for d in pool_ids]
-        scheduler = ClusterScheduler(None, pool_ids, "power_of_two", ObservedLengths())
+        scheduler = ClusterScheduler(None, pool_ids, "power_of_two", ObservedLengths(), instances=instances)
         flip = FlipPolicy(window=layout.flip_window, check_every=layout.flip_window / 12) if flips else None
-        return TetriInferCluster(sp, scheduler, decoders, mover, instances, flip=flip,
-                                 prefilling=layout.prefill_instances)
+        return TetriInferCluster(sp, scheduler, decoders, mover, flip=flip, prefilling=layout.prefill_instances)
     if layout.cluster_policy == "esp":
         groups = aligned_groups(layout.prefill_instances)
         if isinstance(prefill_cost, pathlib.Path):
@@ -129,8 +128,8 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         # a batch is admitted while one iteration takes at most a full-length prompt's time on one instance
         knee = prefill_cost.predict(1, tp, [capacity])
         esp = ESPScheduler(prefill_cost, tp, knee, None, 0.0, groups=groups)  # no bandwidth: no KV evacuated
-        scheduler = ClusterScheduler(None, pool_ids, "freeness", ObservedLengths())
-        return ESPCluster(sp, scheduler, decoders, mover, esp)
+        scheduler = ClusterScheduler(None, pool_ids, "freeness", ObservedLengths(), elastic=esp)
+        return ESPCluster(sp, scheduler, decoders, mover)
     if isinstance(prefill_cost, pathlib.Path):
         pool = pool_of(layout)
         sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]

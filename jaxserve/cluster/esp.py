@@ -1,9 +1,9 @@
 """LoongServe's elastic sequence parallelism, live (LoongServe Sections 4-5): every instance of the pool both
 prefills and decodes; there are no separate decode instances.
 
-- Arrival: a prompt waits, in arrival order.
-- Prefill (each step, on the instances no prefill holds): sched/esp.py's ESPScheduler admits waiting prompts,
-  allocates elastic instances and batches them by its DP, over the instance sets this cluster has programs for
+- Arrival: a prompt waits, in arrival order (the cluster scheduler's `wait`).
+- Prefill (each step, on the instances no prefill holds): the cluster scheduler's `elastic_batches` (sched/esp.py's
+  ESPScheduler) admits waiting prompts, allocates elastic instances and batches them by its DP, over the instance sets this cluster has programs for
   (aligned power-of-two groups). A batch's prompts run one after another on its group, each as one chunk with
   ring attention over the group's devices: a scale-up when the group has more than one instance.
 - Scale-down: each prompt decodes on one instance of its group, the one with the most free KV (sched/esp.py's
@@ -37,7 +37,6 @@ from jaxserve.sched.request import Request
 class _Prompt:
     ids: list[int]
     params: SamplingParams
-    request: Request
 
 
 @dataclasses.dataclass
@@ -61,13 +60,12 @@ class _Batch:
 
 
 class ESPCluster(ClusterEngine):
-    def __init__(self, prefill, scheduler, decoders, mover, esp: elastic.ESPScheduler, **kwargs):
-        """decoders: one per pool instance, on its devices, in pool order. esp: its `groups` are instance
-        indices (what chunk_shapes compiles)."""
+    def __init__(self, prefill, scheduler, decoders, mover, **kwargs):
+        """decoders: one per pool instance, on its devices, in pool order. scheduler: its `elastic` planner's
+        `groups` are instance indices (what chunk_shapes compiles)."""
         super().__init__(prefill, scheduler, decoders, mover, **kwargs)
         self._check_decoders_on_pool("ESP")
-        self.esp = esp
-        self._waiting: dict[str, _Prompt] = {}  # in arrival order
+        self._waiting: dict[str, _Prompt] = {}  # the prompts the scheduler holds waiting
         self._batches: list[_Batch] = []
 
     def chunk_shapes(self, max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
@@ -80,7 +78,8 @@ class ESPCluster(ClusterEngine):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")
-        self._waiting[rid] = _Prompt(ids, params, Request(rid, self.clock(), len(ids), params.max_tokens))
+        self.scheduler.wait(Request(rid, self.clock(), len(ids), params.max_tokens))
+        self._waiting[rid] = _Prompt(ids, params)
         self._owner[rid] = None  # its decode instance is chosen when its batch starts
         return rid
 
@@ -90,7 +89,8 @@ class ESPCluster(ClusterEngine):
                 + sum(r.run is not None for b in self._batches for r in b.runs))
 
     def _drop_prefill(self, request_id: str) -> None:
-        """Forget a prompt: out of the queue, or its run in a batch ignored and its staged KV dropped."""
+        """Forget a prompt (the scheduler takes it out of its queue): its run in a batch ignored and its staged KV
+        dropped."""
         self._waiting.pop(request_id, None)
         for b in self._batches:
             for r in b.runs:
@@ -114,11 +114,10 @@ class ESPCluster(ClusterEngine):
         if not self._waiting or not instances:
             return []
         estimate = self.scheduler.predict(0)
-        self.esp.output_estimate = estimate
         generated = tuple(g for e in instances for g in e.generated)
         decodes = elastic.DecodeLoad(elastic.isolated_room(instances), generated, estimate, self.decode_seconds)
         growth = sum(max(estimate - g, 0) for g in generated)
-        return self.esp.plan([p.request for p in self._waiting.values()], instances, growth, decodes)
+        return self.scheduler.elastic_batches(instances, growth, decodes)
 
     def _start(self, batch: elastic.ESPBatch) -> None:
         """Run the batch's prompts on its group, each decoding afterwards on the group's instance with the most

@@ -1,10 +1,10 @@
 """TetriInfer's disaggregated cluster, live (TetriInfer 3.3-3.4): the pool's instances prefill on their own, and
 decode instances run the Plan-executing engine as under CDSP (ClusterEngine: receive buffers, decode steps).
 
-- Arrival: a prompt joins the prefill instance with the fewest prompt tokens left (sched.prefill_batches
-  .least_queued, the simulator's rule too).
-- Prefill: each instance runs sched/prefill_batches.py's PrefillBatchScheduler, one chunk of `chunk` tokens at a
-  time: the scheduling batch's prompts (ordered SJF / LJF / FCFS) sliced and merged in order. A chunk's pieces run
+- Arrival: a prompt joins the prefill instance with the fewest prompt tokens left (the cluster scheduler's
+  `queue`, the simulator's too).
+- Prefill: each instance's chunks come from the cluster scheduler (`next_chunk`: sched/prefill_batches.py's
+  PrefillBatchScheduler per instance), one chunk of `chunk` tokens at a time: the scheduling batch's prompts (ordered SJF / LJF / FCFS) sliced and merged in order. A chunk's pieces run
   one after another on the instance (each its own program call); every piece but the chunk's last ends its
   prompt, so the instance's history store holds one prompt at a time.
 - Dispatch: a prompt's decode instance is chosen when its last piece is planned (power of two over the instances
@@ -33,7 +33,6 @@ from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.flip import FlipPolicy, LoadWindow
 from jaxserve.sched.plan import Outcome, Plan
-from jaxserve.sched.prefill_batches import PrefillBatchScheduler, least_queued
 from jaxserve.sched.request import Request
 
 
@@ -58,15 +57,15 @@ class _Chunk:
 
 
 class TetriInferCluster(ClusterEngine):
-    def __init__(self, prefill, scheduler, decoders, mover, instances: list[PrefillBatchScheduler],
-                 flip: FlipPolicy | None = None, prefilling: int | None = None, **kwargs):
-        """instances: one PrefillBatchScheduler per pool instance, in pool order (its group: the instance id).
-        flip: flip instances between roles; then decoders[k] is on pool instance k, and the first `prefilling`
-        instances start as prefill instances, the others as decode instances."""
+    def __init__(self, prefill, scheduler, decoders, mover, flip: FlipPolicy | None = None,
+                 prefilling: int | None = None, **kwargs):
+        """scheduler: its `instances` are one PrefillBatchScheduler per pool instance, in pool order (its group:
+        the instance id). flip: flip instances between roles; then decoders[k] is on pool instance k, and the first
+        `prefilling` instances start as prefill instances, the others as decode instances."""
         super().__init__(prefill, scheduler, decoders, mover, **kwargs)
-        if [i.group for i in instances] != [(d,) for d in self.pool_ids]:
+        if [i.group for i in scheduler.instances] != [(d,) for d in self.pool_ids]:
             raise ValueError("one prefill scheduler per pool instance, in pool order")
-        self.instances = instances
+        instances = scheduler.instances
         self._prompts: dict[str, _Prompt] = {}
         self._chunks: dict[int, _Chunk] = {}  # instance index -> its chunk in flight
         self.flip = flip
@@ -82,7 +81,7 @@ class TetriInferCluster(ClusterEngine):
 
     def chunk_shapes(self, max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
         """Each instance alone, pieces up to a chunk."""
-        most = min(self.instances[0].chunk, max_tokens)
+        most = min(self.scheduler.instances[0].chunk, max_tokens)
         return [((d,), b) for d in self.pool_ids for b in self.prefill.buckets(1, most)]
 
     def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -91,9 +90,7 @@ class TetriInferCluster(ClusterEngine):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")
-        open_ = sorted(self.prefilling)
-        k = open_[least_queued([self.instances[i] for i in open_])]
-        self.instances[k].add(Request(rid, self.clock(), len(ids), params.max_tokens))
+        k = self.scheduler.queue(Request(rid, self.clock(), len(ids), params.max_tokens), self.prefilling)
         self._prompts[rid] = _Prompt(ids, params, k)
         self._owner[rid] = None  # its decode instance is chosen with its last piece
         return rid
@@ -103,12 +100,11 @@ class TetriInferCluster(ClusterEngine):
         return sum(d.engine.num_running for d in self.decoders) + len(self._prompts)
 
     def _drop_prefill(self, request_id: str) -> None:
-        """Forget a prompt: out of its instance's queue, its piece in a running chunk ignored (the id may come
-        back), its staged KV dropped."""
+        """Forget a prompt (the scheduler takes it out of its queue): its piece in a running chunk ignored (the id
+        may come back), its staged KV dropped."""
         p = self._prompts.pop(request_id, None)
         if p is None:
             return
-        self.instances[p.instance].remove(request_id)
         self.prefill.release(request_id)
         if p.positions is not None:
             self.mover.drop((request_id, 0))
@@ -132,7 +128,7 @@ class TetriInferCluster(ClusterEngine):
             if p is None:  # aborted after its chunk was planned
                 runs.append(None)
                 continue
-            last = self.instances[k].yields_token(item)
+            last = self.scheduler.yields_token(k, item)
             if last:
                 self._dispatch(item.request_id, p)
             run = self.prefill.run_chunk(item.request_id, (instance,), p.ids[item.start:item.end], item.start,
@@ -149,12 +145,12 @@ class TetriInferCluster(ClusterEngine):
     def _run_chunks(self) -> list[RequestOutput]:
         if self.flip is not None and self.clock() >= self._next_check:
             self._check_flip()
-        for k, inst in enumerate(self.instances):
-            if k not in self._chunks and (plan := inst.schedule(self.clock())) is not None:
+        for k in range(len(self.pool_ids)):
+            if k not in self._chunks and (plan := self.scheduler.next_chunk(k, self.clock())) is not None:
                 try:
                     self._start(k, plan)
                 except BaseException:
-                    inst.cancel(plan)  # the instance stays usable; the caller ends the requests
+                    self.scheduler.cancel_chunk(k, plan)  # the instance stays usable; the caller ends the requests
                     raise
         idle = self._chunks and not any(d.engine.has_work for d in self.decoders)
 
@@ -178,10 +174,10 @@ class TetriInferCluster(ClusterEngine):
             self.records.append(ChunkRecord(item.request_id, p.pieces, (instance,), item.tokens, item.history,
                                             chunk.start, end, None, None))
             p.pieces += 1
-            if self.instances[k].yields_token(item):
+            if self.scheduler.yields_token(k, item):
                 tokens[item.request_id] = (run.token(),)
         outputs = []
-        for r in self.instances[k].apply(Plan(tuple(item for item, _ in ran)), Outcome(end, (), tokens)):
+        for r in self.scheduler.chunk_done(k, Plan(tuple(item for item, _ in ran)), Outcome(end, (), tokens)):
             p, decoder = self._prompts.pop(r.id), self._owner[r.id]
             decoder.buffers.offer(Transfer(r.id, 0, True, p.positions, end))
             outputs.append(decoder.engine.first_token(r.id, tokens[r.id][0]))
@@ -189,7 +185,7 @@ class TetriInferCluster(ClusterEngine):
 
     # ---- instance flip (TetriInfer 3.5) ---------------------------------------------------------------------
     def _prefill_load(self, k: int) -> float:
-        return float(k in self._chunks or self.instances[k].queued_tokens() > 0)
+        return float(k in self._chunks or self.scheduler.queued_tokens(k) > 0)
 
     def _decode_load(self, k: int) -> float:
         d = self.decoders[k]

@@ -1,16 +1,22 @@
-"""The disaggregated cluster's scheduler (Tetris 5.1-5.2, TetriInfer 3.3.4). One object makes the cluster's
-decisions for the live cluster (cluster/engine.py) and the simulators (sim/disagg.py, sim/prefill_pool.py).
+"""The cluster's scheduler: one object makes the cluster's decisions under each policy, for the live cluster
+(cluster/engine.py, cluster/tetriinfer.py, cluster/esp.py) and the simulators (sim/disagg.py,
+sim/prefill_pool.py, sim/esp_cluster.py).
 
-- Arrival (`arrive`): the prompt's chunks on groups of the prefill pool, planned on each device's bookings, and
-  its decode instance, chosen from the predicted decode length (never the true one). Booked at once.
-- Chunk order (`schedule`, live): the chunks that can start now, in booked order, on free and disjoint groups;
-  a request's history moves to a larger group before its chunk (a rebalance).
-- Outcomes (`complete`): a chunk's measured end moves its devices' bookings by how late or early it ended.
+- Arrival, by policy. CDSP (`arrive`, Tetris 5.1-5.2): the prompt's chunks on groups of the prefill pool,
+  planned on each device's bookings, and its decode instance, chosen from the predicted decode length (never the
+  true one); booked at once. TetriInfer (`queue`, 3.3.4): the prompt joins the prefill instance with the fewest
+  prompt tokens left. ESP (`wait`, LoongServe): the prompt waits in arrival order.
+- Prefill work, by policy. CDSP (`schedule`, live): the chunks that can start now, in booked order, on free and
+  disjoint groups; a request's history moves to a larger group before its chunk (a rebalance). TetriInfer
+  (`next_chunk`): each prefill instance's next fixed-size chunk (sched/prefill_batches.py). ESP
+  (`elastic_batches`): the waiting prompts admitted, allocated elastic instances and batched (sched/esp.py).
+- Decode dispatch (`dispatch`): by freeness or power of two, from the predicted decode length.
+- Outcomes: a CDSP chunk's measured end moves its devices' bookings (`complete`); a TetriInfer chunk advances its
+  prompts (`chunk_done`); a finished request teaches the length predictor (`finish`).
 
 Pool slots are the planner's instance indices; Plans name device ids (`pool_ids[slot]`). Slots marked
 `unavailable` (a decode instance's devices, with flips) look busy forever to the planner.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +27,11 @@ import numpy as np
 
 from jaxserve.sched.cdsp import Chunk, ChunkPlan
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
-from jaxserve.sched.plan import KVMove, Phase, Plan, WorkItem
+from jaxserve.sched.esp import DecodeLoad as ESPDecodes
+from jaxserve.sched.esp import ElasticInstance, ESPBatch, ESPScheduler
+from jaxserve.sched.plan import KVMove, Outcome, Phase, Plan, WorkItem
+from jaxserve.sched.prefill_batches import PrefillBatchScheduler, least_queued
+from jaxserve.sched.request import Request
 
 UNAVAILABLE = 1e9  # queue seconds the planner sees for a slot that is not a prefill instance
 
@@ -60,13 +70,21 @@ class _Prefill:
 
 class ClusterScheduler:
     def __init__(self, planner: Planner | None, pool_ids: Sequence[int], dispatch: str = "freeness",
-                 predictor: LengthPredictor | None = None, seed: int = 0):
-        """planner: None where prefill instances schedule themselves (TetriInfer's); then only `dispatch` runs.
-        pool_ids: the device id of each planner slot. predictor: decode lengths (None: the caller's limit)."""
+                 predictor: LengthPredictor | None = None, seed: int = 0,
+                 instances: Sequence[PrefillBatchScheduler] = (), elastic: ESPScheduler | None = None):
+        """The policy is what is given: planner (CDSP's chunk planner), instances (TetriInfer's prefill
+        instances, one scheduler each, in pool order) or elastic (LoongServe's ESP planner); none of them: decode
+        dispatch alone. pool_ids: the device id of each planner slot. predictor: decode lengths (None: the
+        caller's limit)."""
         if dispatch not in ("freeness", "power_of_two"):
             raise ValueError(f"dispatch must be freeness or power_of_two, got {dispatch!r}")
+        if (planner is not None) + bool(instances) + (elastic is not None) > 1:
+            raise ValueError("one policy: a chunk planner, prefill instances or an elastic planner")
         self.planner, self.pool_ids, self.dispatch_rule = planner, tuple(pool_ids), dispatch
         self.predictor = predictor
+        self.instances, self.elastic = list(instances), elastic
+        self._queued_on: dict[str, int] = {}  # TetriInfer: request id -> its prefill instance
+        self._waiting: dict[str, Request] = {}  # ESP: the waiting prompts, in arrival order
         self.free_at = np.zeros(len(self.pool_ids))  # absolute time each slot's bookings end (updated in place)
         self.unavailable = np.zeros(len(self.pool_ids), bool)
         self._prefills: dict[str, _Prefill] = {}
@@ -161,8 +179,77 @@ class ClusterScheduler:
         c = p.chunks[item.chunk_index]
         return p.arrival + c.start, p.arrival + c.end
 
+    # ---- TetriInfer's prefill instances (3.3) --------------------------------------------------------------
+    def queue(self, request: Request, open_: Sequence[int] | None = None) -> int:
+        """The arrival decision with prefill instances: the request joins the open instance (all when None) with
+        the fewest prompt tokens left to prefill. Returns that instance's index."""
+        if not self.instances:
+            raise ValueError("this cluster has no prefill instances of its own")
+        open_ = sorted(open_) if open_ is not None else range(len(self.instances))
+        k = open_[least_queued([self.instances[i] for i in open_])]
+        self.instances[k].add(request)
+        self._queued_on[request.id] = k
+        return k
+
+    def next_chunk(self, k: int, now: float) -> Plan | None:
+        """Instance k's next fixed-size chunk (None: nothing queued or a chunk in flight)."""
+        return self.instances[k].schedule(now)
+
+    def cancel_chunk(self, k: int, plan: Plan) -> None:
+        """A chunk the executor could not start: instance k stays usable, its prompts stay queued."""
+        self.instances[k].cancel(plan)
+
+    def yields_token(self, k: int, item: WorkItem) -> bool:
+        """Whether the piece ends its prompt (the executor samples the first token there)."""
+        return self.instances[k].yields_token(item)
+
+    def queued_tokens(self, k: int) -> int:
+        return self.instances[k].queued_tokens()
+
+    def chunk_done(self, k: int, plan: Plan, outcome: Outcome) -> list[Request]:
+        """Instance k's chunk ended: its prompts advance. Returns those whose prefill is done."""
+        done = self.instances[k].apply(plan, outcome)
+        for r in done:
+            self._queued_on.pop(r.id, None)
+        return done
+
+    # ---- LoongServe's elastic instances ----------------------------------------------------------------------
+    def wait(self, request: Request, first: bool = False) -> None:
+        """The arrival decision under ESP: the prompt waits in arrival order (first: at the head, a preempted
+        request's recompute)."""
+        if self.elastic is None:
+            raise ValueError("this cluster has no elastic planner")
+        self._waiting[request.id] = request
+        if first:
+            self._waiting = {request.id: request} | self._waiting
+
+    @property
+    def waiting(self) -> list[Request]:
+        return list(self._waiting.values())
+
+    def elastic_batches(self, instances: Sequence[ElasticInstance], growth: int = 0,
+                        decodes: ESPDecodes | None = None) -> list[ESPBatch]:
+        """One ESP round over the free `instances`: the waiting prompts admitted, allocated elastic instances and
+        batched (sched/esp.py's plan); the batched ones stop waiting. growth and decodes: the decoding requests,
+        as ESPScheduler.plan takes them. With a length predictor its estimate sizes each request's KV."""
+        if self.elastic is None:
+            raise ValueError("this cluster has no elastic planner")
+        if not self._waiting or not instances:
+            return []
+        if self.predictor is not None:
+            self.elastic.output_estimate = self.predict(0)
+        batches = self.elastic.plan(self.waiting, instances, growth, decodes)
+        for b in batches:
+            for r in b.requests:
+                del self._waiting[r.id]
+        return batches
+
     def finish(self, request_id: str, generated: int) -> None:
-        """The request ended: forget it; a predictor that learns sees how long its decode was."""
+        """The request ended (or was aborted): forget it wherever it waits; a predictor that learns sees how long
+        its decode was."""
         self._prefills.pop(request_id, None)
+        self._waiting.pop(request_id, None)
+        if (k := self._queued_on.pop(request_id, None)) is not None:
+            self.instances[k].remove(request_id)
         if self.predictor is not None and generated:
             self.predictor.observe(generated)

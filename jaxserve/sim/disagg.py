@@ -35,7 +35,7 @@ from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor
 from jaxserve.sched.flip import LoadWindow
 from jaxserve.sched.batch_cost import BatchCost
 from jaxserve.sched.plan import Outcome, Plan
-from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time, least_queued
+from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
 from jaxserve.config import SLO
@@ -186,13 +186,15 @@ class _Run:
         self.sim, self.workload = sim, workload
         pool_size = getattr(getattr(sim.planner, "pool", None), "size", None)
         slots = cfg.prefill_instances + (cfg.decode_instances * cfg.decode_tp if cfg.flip else 0)
-        self.prefillers = [PrefillBatchScheduler(cfg.prefill_chunk, cfg.prefill_batch, cfg.prefill_order, (i,))
-                           for i in range(cfg.prefill_instances)] if cfg.prefill == "tetriinfer" else []
+        instances = [PrefillBatchScheduler(cfg.prefill_chunk, cfg.prefill_batch, cfg.prefill_order, (i,))
+                     for i in range(cfg.prefill_instances)] if cfg.prefill == "tetriinfer" else []
         if pool_size is not None and pool_size != slots:
             raise ValueError(f"the planner's pool has {pool_size} instances; this cluster has {slots} GPU slots "
                              "for it (prefill instances, plus the decode instances' GPUs when flips are on)")
-        # the cluster scheduler: arrivals, decode dispatch and the GPU slots' bookings (its arrays, updated in place)
-        self.scheduler = ClusterScheduler(sim.planner, range(slots), cfg.dispatch, sim.predictor, cfg.seed)
+        # the cluster scheduler: arrivals, prefill work, decode dispatch and the GPU slots' bookings (its arrays,
+        # updated in place)
+        self.scheduler = ClusterScheduler(sim.planner, range(slots), cfg.dispatch, sim.predictor, cfg.seed,
+                                          instances=instances)
         self.free_at, self.unavailable = self.scheduler.free_at, self.scheduler.unavailable
         self.decoders: list[DecodeInstance] = []
         self.retired: list[DecodeInstance] = []
@@ -263,7 +265,7 @@ class _Run:
         last = max((r.finished_at for r in reqs if r.finished_at is not None), default=first)
         # TetriInfer 5.1's resource usage time: every instance's wall time from the first arrival to its last
         # work, here per GPU (an instance idle from then on is recycled)
-        prefill_tp = self.cfg.prefill_tp if self.prefillers else 1
+        prefill_tp = self.cfg.prefill_tp if self.scheduler.instances else 1
         gpu_seconds = (prefill_tp * float(np.maximum(self.free_at - first, 0.0).sum())
                        + sum(self.cfg.decode_tp * max(d.last_end - first, 0.0) for d in self.decoders + self.retired))
         return Results(reqs, self.rejected, span=max(last - first, 1e-9),
@@ -294,7 +296,7 @@ class _Run:
 
     def _arrive(self, t: float, r: Request) -> None:
         cfg, sim = self.cfg, self.sim
-        if self.prefillers:
+        if self.scheduler.instances:
             self._arrive_tetriinfer(t, r)
             return
         active = [d for d in self.decoders if d.index not in self.draining]
@@ -324,29 +326,28 @@ class _Run:
             return
         r.ttft_deadline, r.tpot_slo = t + self.cfg.slo.ttft(self.sim.best_latency(r.prompt_len)), self.cfg.slo.tpot_slo
         self.requests.append(r)
-        inst = self.prefillers[least_queued(self.prefillers)]
-        inst.add(r)
-        self._push(t, 4, "prefill", inst)  # after every arrival at t: simultaneous ones share a scheduling batch
+        k = self.scheduler.queue(r)
+        self._push(t, 4, "prefill", k)  # after every arrival at t: simultaneous ones share a scheduling batch
 
-    def _prefill(self, inst: PrefillBatchScheduler, now: float) -> None:
-        plan = inst.schedule(now)
+    def _prefill(self, k: int, now: float) -> None:
+        plan = self.scheduler.next_chunk(k, now)
         if plan is None:
             return
-        end = now + chunk_time(self.sim.prefill_cost, plan.items, inst.chunk)
-        self.prefills.append((tuple(i.request_id for i in plan.items), inst.group, now, end))
-        self.free_at[inst.group[0]] = end
-        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items if inst.yields_token(i)}
-        self._push(end, 0, "prefilled", (inst, plan, Outcome(end, (), tokens)))
+        end = now + chunk_time(self.sim.prefill_cost, plan.items, self.cfg.prefill_chunk)
+        self.prefills.append((tuple(i.request_id for i in plan.items), (k,), now, end))
+        self.free_at[k] = end
+        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items if self.scheduler.yields_token(k, i)}
+        self._push(end, 0, "prefilled", (k, plan, Outcome(end, (), tokens)))
 
-    def _prefilled(self, now: float, inst: PrefillBatchScheduler, plan: Plan, outcome: Outcome) -> None:
-        for r in inst.apply(plan, outcome):
+    def _prefilled(self, now: float, k: int, plan: Plan, outcome: Outcome) -> None:
+        for r in self.scheduler.chunk_done(k, plan, outcome):
             if r.finished:
                 self._done(1)
                 continue
             dec, chosen = self._choose(r)
             self._send(dec, r, chosen, dec.receive(now, self.sim.transfer_seconds(r.prompt_len,
                                                                                   self.cfg.prefill_tp)))
-        self._prefill(inst, now)
+        self._prefill(k, now)
 
     def _launch(self, dec: DecodeInstance, now: float) -> None:
         sim = self.sim

@@ -1,6 +1,6 @@
 """LoongServe's elastic sequence parallelism in simulation: a pool of elastic instances (each a full model copy
 on `tp` GPUs) that prefill in batches on elastic groups and decode with their KV spread across instances, run by
-sched/esp.py's ESPScheduler.
+sched/esp.py's ESPScheduler through the cluster scheduler (sched/cluster.py), as the live cluster runs it.
 
 - Iterations: at every event the scheduler plans prefill batches on the idle instances (admission, elastic
   allocation, batching); then every decoding request whose instances are all idle takes one decode step, the
@@ -37,6 +37,7 @@ from typing import Iterable, Mapping
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.sched.cluster import ClusterScheduler
 from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, keeper
 from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
@@ -181,7 +182,8 @@ class _Run:
         self.sim, self.cfg, self.cost, self.esp = sim, sim.config, sim.cost, sim.scheduler
         self.instances = [ElasticInstance(i, sim.capacity) for i in range(self.cfg.instances)]
         self.requests, self.rejected = [], []
-        self.pending: list[Request] = []  # what the scheduler sees (a preempted request comes back as a proxy)
+        # arrivals wait in it (a preempted request comes back as a proxy); its elastic planner is the simulator's
+        self.scheduler = ClusterScheduler(None, range(self.cfg.instances), elastic=sim.scheduler)
         self.origin: dict[str, Request] = {}  # scheduled request id -> the workload's request
         self.prefilling: list[tuple[float, ESPBatch]] = []  # (end, batch)
         self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # every batch as run
@@ -224,7 +226,7 @@ class _Run:
             self.moves = [m for m in self.moves if m[0] > now]
             while arrived < len(self.requests) and self.requests[arrived].arrival <= now:
                 r = self.requests[arrived]
-                self.pending.append(r)
+                self.scheduler.wait(r)
                 self.origin[r.id] = r
                 arrived += 1
             for end, batch in [p for p in self.prefilling if p[0] <= now]:
@@ -236,8 +238,8 @@ class _Run:
             self._schedule(now)
             bar.update(self.finished - bar.n)
         bar.close()
-        if self.pending or self.decoding:
-            raise RuntimeError(f"stuck: {len(self.pending)} waiting, {len(self.decoding)} decoding")
+        if self.scheduler.waiting or self.decoding:
+            raise RuntimeError(f"stuck: {len(self.scheduler.waiting)} waiting, {len(self.decoding)} decoding")
 
     def _idle(self) -> set[int]:
         """Instances neither prefilling, in a decode step nor moving KV."""
@@ -256,13 +258,13 @@ class _Run:
 
     def _plan_prefills(self, now: float) -> None:
         idle = self._idle()
-        while self.pending and idle:  # rounds until nothing more starts (the knee bounds each round)
+        while self.scheduler.waiting and idle:  # rounds until nothing more starts (the knee bounds each round)
             growth = sum(max(min(self.cfg.output_estimate, d.request.output_len) - d.request.generated, 0)
                          for d in self.decoding.values())
             for e in self.instances:  # what a prefill taking it pauses (allocation's cost without evacuation)
                 e.generated = tuple(d.request.generated for d in self.decoding.values() if e.id in d.shards)
-            batches = self.esp.plan(self.pending, [self.instances[i] for i in sorted(idle)], growth,
-                                    self._decode_load())
+            batches = self.scheduler.elastic_batches([self.instances[i] for i in sorted(idle)], growth,
+                                                     self._decode_load())
             if not batches:
                 break
             reserved = {i for b in batches for i in b.instances}
@@ -278,8 +280,6 @@ class _Run:
                 self.prefilling.append((end, batch))
                 self.prefills.append((tuple(self.origin[r.id].id for r in batch.requests), batch.instances, start,
                                       end))
-                planned = {r.id for r in batch.requests}
-                self.pending = [r for r in self.pending if r.id not in planned]
             idle = self._idle()
 
     def _decode_load(self) -> DecodeLoad | None:
@@ -478,7 +478,7 @@ class _Run:
         proxy = Request(f"{r.id}/{self.preemptions}", r.arrival, r.prompt_len + r.generated,
                         r.output_len - r.generated)
         self.origin[proxy.id] = r
-        self.pending.insert(0, proxy)
+        self.scheduler.wait(proxy, first=True)
 
     def _stepped(self, end: float, stepping: list[_Decoding]) -> None:
         for d in stepping:

@@ -84,7 +84,7 @@ def test_llm_serves_through_esp_by_its_flag(llm):
     clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
                              prefill_instances=2, cluster_policy="esp", progress=False)
     assert isinstance(clustered.engine, ESPCluster)
-    assert set(clustered.engine.esp._sp) == {1, 2}  # fitted per SP size
+    assert set(clustered.engine.scheduler.elastic._sp) == {1, 2}  # fitted per SP size
     ids = [prompt(llm, 900, 31), prompt(llm, 50, 32), prompt(llm, 400, 33)]
     want = llm.generate(ids, GREEDY)
     assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == [c.token_ids for c in want]

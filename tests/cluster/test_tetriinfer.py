@@ -99,7 +99,7 @@ def test_instances_flip_to_decode_and_back_to_prefill_as_the_load_shifts(llm, de
     tokens |= {r: [] for r in later}
     (old,) = cluster.prefilling
     step_until(cluster, tokens, lambda: cluster.events["flips_to_prefill"] == 1)
-    assert cluster.instances[old].queued_tokens() > 0  # still busy with the long prompts
+    assert cluster.scheduler.queued_tokens(old) > 0  # still busy with the long prompts
     (new,) = cluster.prefilling - {old}
     third = prompt(llm, 100, 99)
     last = cluster.add_request(third, GREEDY)

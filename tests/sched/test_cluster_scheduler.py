@@ -1,21 +1,33 @@
-"""The cluster scheduler (sched/cluster.py): one arrival decision for the live cluster and the simulators; the
-chunk order a live executor follows; bookings moved by chunks' measured ends; decode dispatch."""
+"""The cluster scheduler (sched/cluster.py): one object for the live cluster and the simulators under each policy
+(CDSP's chunk plans, TetriInfer's prefill instances, LoongServe's elastic batches); the chunk order a live
+executor follows; bookings moved by chunks' measured ends; decode dispatch."""
 
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
+from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.cdsp import CDSPPlanner, ChunkPlan, Pool
 from jaxserve.sched.cluster import ClusterScheduler
+from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.decode_dispatch import DecodeLoad, ObservedLengths
-from jaxserve.sched.plan import Phase
+from jaxserve.sched.esp import DecodeLoad as ESPDecodes
+from jaxserve.sched.esp import ElasticInstance, ESPScheduler, aligned_groups, isolated_room
+from jaxserve.sched.plan import Outcome, Phase
+from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import tetris_table1_samples
+from jaxserve.sched.request import Request
+from jaxserve.sched.step_shapes import StepShapes
+from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
+from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
 from jaxserve.sim.prefill_pool import run_pool
-from jaxserve.sim.workload import long_context
+from jaxserve.sim.replay import Line, MeasuredESPCost
+from jaxserve.sim.workload import Workload, long_context
 
 MODEL = cm.TetrisPrefill.fit(tetris_table1_samples())
 POOL = Pool(nodes=2, per_node=4)
@@ -130,3 +142,104 @@ def test_an_admission_check_refuses_before_anything_is_booked():
     assert not s.free_at.any()
     assert s.arrive(4096, 0.0, loads, admits=lambda d: d.decoder == 0).dispatch.decoder == 0
     assert s.free_at.any()
+
+
+def tetriinfer_executor(scheduler: ClusterScheduler, workload: Workload, seconds) -> list[tuple]:
+    """TetriInfer's prefill instances, live without devices: an arrival joins the queue the scheduler picks; an
+    idle instance starts the chunk the scheduler gives it, which takes seconds(items). Returns every chunk as
+    (request ids, (instance,), start, end), the simulator's Results.prefills."""
+    events, seq, chunks = [], itertools.count(), []
+    for k, (t, n) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist())):
+        heapq.heappush(events, (t, 1, next(seq), "arrive", Request(str(k), t, n, 2)))
+    while events:
+        now, _, _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+            heapq.heappush(events, (now, 2, next(seq), "start", scheduler.queue(payload)))
+            continue
+        if kind == "end":
+            k, plan = payload
+            tokens = {i.request_id: (0,) for i in plan.items if scheduler.yields_token(k, i)}
+            scheduler.chunk_done(k, plan, Outcome(now, (), tokens))
+        else:
+            k = payload
+        if (plan := scheduler.next_chunk(k, now)) is not None:
+            end = now + seconds(plan.items)
+            chunks.append((tuple(i.request_id for i in plan.items), (k,), now, end))
+            heapq.heappush(events, (end, 0, next(seq), "end", (k, plan)))
+    return chunks
+
+
+def test_tetriinfer_instances_get_the_same_chunks_live_and_simulated():
+    """The same arrivals through the disaggregated simulator and through a fake live executor of TetriInfer's
+    prefill instances, both asking one ClusterScheduler: the same chunks, on the same instances, at the same
+    times; prompts merged into chunks and spread over the instances among them."""
+    rng = np.random.default_rng(5)
+    n = 40
+    w = Workload(np.cumsum(rng.exponential(0.02, n)), rng.integers(50, 3000, n), np.full(n, 2), "mixed")
+    cfg = DisaggConfig(prefill="tetriinfer", prefill_instances=3, decode_instances=2, decode_tp=1,
+                       prefill_chunk=512, prefill_batch=4, prefill_order="sjf")
+    sim = DisaggSimulator(None, MODEL.fastest, cfg)
+    simulated = sim.run(w, progress=False).prefills
+
+    def instances() -> list[PrefillBatchScheduler]:
+        return [PrefillBatchScheduler(512, 4, "sjf", (i,)) for i in range(3)]
+
+    live = tetriinfer_executor(ClusterScheduler(None, range(3), "power_of_two", instances=instances()), w,
+                               lambda items: chunk_time(sim.prefill_cost, items, 512))
+    assert live == simulated
+    assert {c[1] for c in live} == {(0,), (1,), (2,)} and max(len(c[0]) for c in live) > 1
+    s = ClusterScheduler(None, range(3), instances=instances())
+    s.queue(Request("a", 0.0, 900, 2))
+    assert s.queue(Request("b", 0.0, 100, 2), open_=[0, 2]) == 2  # the open instance with less queued
+    s.finish("a", 0)  # aborted: out of its queue
+    assert s.queued_tokens(0) == 0 and s.queued_tokens(2) == 100
+
+
+def elastic_executor(scheduler: ClusterScheduler, workload: Workload, kv_tokens: int, seconds) -> list[tuple]:
+    """LoongServe's elastic instances, live without devices, for one-token requests (no decode): arrivals wait;
+    at every event the scheduler batches the waiting prompts onto the instances no batch holds, each batch taking
+    seconds(prompt lengths, instances). Returns every batch as the simulator's Results.prefills."""
+    instances = [ElasticInstance(i, kv_tokens) for i in range(len(scheduler.pool_ids))]
+    arrivals = [Request(str(k), t, n, 1) for k, (t, n) in enumerate(zip(workload.arrivals.tolist(),
+                                                                       workload.prompt_lens.tolist()))]
+    running, batches = [], []
+    while arrivals or running:
+        now = min([end for end, _ in running] + [r.arrival for r in arrivals[:1]])
+        while arrivals and arrivals[0].arrival <= now:
+            scheduler.wait(arrivals.pop(0))
+        running = [(end, b) for end, b in running if end > now]
+        while True:
+            busy = {i for _, b in running for i in b.instances}
+            idle = [e for e in instances if e.id not in busy]
+            planned = scheduler.elastic_batches(idle, 0, ESPDecodes(isolated_room(idle), (), 1.0, 0.0))
+            if not planned:
+                break
+            for b in planned:
+                end = now + seconds([r.prompt_len for r in b.requests], len(b.instances))
+                running.append((end, b))
+                batches.append((tuple(r.id for r in b.requests), b.instances, now, end))
+    return batches
+
+
+def test_elastic_instances_get_the_same_batches_live_and_simulated():
+    """The same arrivals through the ESP simulator (run as the live cluster runs: no KV evacuated, each prompt's
+    KV gathered on one instance) and through a fake live executor, both asking one ClusterScheduler: the same
+    prefill batches on the same instance groups at the same times; some of them scaled up."""
+    model = LoongServePrefill({(sp, 1): np.array([0.01 * sp, 2e-4 / sp, 1e-9 / sp]) for sp in (1, 2, 4)})
+    step = EngineStepCost(StepShapes((16, 512), (4,), 32, 4, (1, 2, 4)), 256, [[0.05], [0.4]], [0.02, 0.025, 0.03],
+                          tile_fixed=1e-3, tile_block=5e-3, decode_fixed=1e-4, decode_block=2e-3, decode_pad_block=1e-3)
+    cfg = ESPConfig(instances=4, tp=1, scale_up=False, multi_master=False, proactive=False, evacuate=False,
+                    gather=True, groups=tuple(aligned_groups(4)), kv_tokens=100_000, knee_tokens=8192)
+    rng = np.random.default_rng(2)
+    n = 30
+    w = Workload(np.cumsum(rng.exponential(0.3, n)), rng.integers(100, 8000, n), np.ones(n, int), "mixed")
+    sim = ESPSimulator(cfg, MeasuredESPCost(model, 1, step, Line(0.0, 0.0)))
+    simulated = sim.run(w, progress=False).prefills
+    elastic = ESPScheduler(model, 1, sim.scheduler.knee, None, 0.0, output_estimate=cfg.output_estimate,
+                           groups=aligned_groups(4))
+    live = elastic_executor(ClusterScheduler(None, range(4), elastic=elastic), w, 100_000,
+                            lambda lengths, sp: model.predict(sp, 1, lengths))
+    assert live == simulated
+    assert max(len(b[1]) for b in live) > 1  # scale-ups among them
+    with pytest.raises(ValueError, match="one policy"):
+        ClusterScheduler(None, range(4), instances=[PrefillBatchScheduler()], elastic=elastic)

@@ -162,7 +162,7 @@ def test_a_prefill_starts_once_the_decode_kv_on_its_instances_has_moved_away():
     decoding(run, "a", {0: 8000})
     decoding(run, "c", {1: 100_000})
     b = Request("b", 0.0, 60_000, 10)
-    run.pending.append(b)
+    run.scheduler.wait(b)
     run.origin["b"] = b
     run._plan_prefills(0.0)
     (end, batch), = run.prefilling
