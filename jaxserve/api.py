@@ -94,7 +94,8 @@ class LLM:
             self.engine = self._make_cluster(progress)
         else:
             self.engine = replica = self.make_engine(progress=progress)
-            if self.lockstep is None and cfg.parallel.tp == 1 and not replica.runner.scan_mixed:
+            if (self.lockstep is None and cfg.parallel.tp == 1 and replica.runner.stages == 1
+                    and not replica.runner.scan_mixed):
                 self._params = replica.runner.params  # one copy of the weights (the runner's, per layer)
         if self.lockstep is not None:  # ready when every process is (followers compile their devices' programs)
             self.lockstep.sync()
@@ -102,13 +103,17 @@ class LLM:
 
     def _kv_pool_tokens(self) -> int:
         """Tokens an instance's KV pool holds: kv_cache_tokens, or what kv_cache_gib holds (per device: with
-        tp > 1 a device holds its share of each token's KV heads)."""
-        cache, tp = self.engine_config.cache, self.engine_config.parallel.tp
+        tp > 1 a device holds its share of each token's KV heads, with pipeline stages its stage's layers')."""
+        cache, layout = self.engine_config.cache, self.engine_config.parallel
+        tp, stages, kvp = layout.tp, layout.instance.stages, layout.instance.kvp
         kv_heads = self.config.split(tp).kv_heads  # per device; a ValueError when tp does not divide the model
-        if tp > len(jax.devices()):
-            raise ValueError(f"tp={tp} needs {tp} devices; there are {len(jax.devices())}")
+        if tp * stages * kvp > len(jax.devices()):
+            sizes = (("tp", tp), ("stages", stages), ("kvp", kvp))
+            named = " x ".join(f"{k}={v}" for k, v in sizes if k == "tp" or v > 1)
+            raise ValueError(f"{named} needs {tp * stages * kvp} devices; there are {len(jax.devices())}")
         kv_dtype = cache_dtype(self._dtype, jax.devices()[0].platform)
-        token_bytes = 2 * self.config.num_layers * kv_heads * self.config.head_dim * kv_dtype.itemsize
+        layers = -(-self.config.num_layers // stages)  # the first stage's, the most
+        token_bytes = 2 * layers * kv_heads * self.config.head_dim * kv_dtype.itemsize
         return cache.kv_cache_tokens or int(cache.kv_cache_gib * 2**30 // token_bytes)
 
     def _make_buckets(self) -> Buckets:
@@ -123,19 +128,21 @@ class LLM:
 
     def make_engine(self, devices: Sequence[jax.Device] | None = None, progress: bool = True,
                     kv_cache_tokens: int | None = None) -> Engine:
-        """An engine with this LLM's settings on `devices` (default: JAX's first tp devices; runs of tp are
-        tensor-parallel instances, and several instances form a KV-parallel group whose KV pool is the sum of
-        theirs), its step programs compiled; the step cost model is measured once (on the first engine) and
-        shared. kv_cache_tokens: each instance's pool (default: this LLM's)."""
+        """An engine with this LLM's settings on `devices` (default: JAX's first tp x kvp x stages devices; runs
+        of tp are tensor-parallel instances, several instances form a KV-parallel group whose KV pool is the sum of
+        theirs, and with pipeline stages each stage is an equal share of them), its step programs compiled; the
+        step cost model is measured once (on the first engine) and shared. kv_cache_tokens: each instance's pool
+        (default: this LLM's)."""
         cfg = self.engine_config
-        cache, tp = cfg.cache, cfg.parallel.tp
-        devices = list(devices or jax.devices()[:tp])
-        kvp = len(devices) // tp
+        cache, tp, shape = cfg.cache, cfg.parallel.tp, cfg.parallel.instance
+        devices = list(devices or jax.devices()[:tp * shape.kvp * shape.stages])
+        stages = shape.stages
+        kvp = len(devices) // (tp * stages)
         per_instance = -(-(kv_cache_tokens or self._kv_tokens) // cache.block_size) + 1  # + its scratch block
         num_blocks = per_instance * kvp
         runner = self._new(ModelRunner, self.config, self._params, self._dtype, num_blocks=num_blocks,
                            block_size=cache.block_size, buckets=self._buckets, key_block=cache.key_block,
-                           devices=devices, tp=tp)
+                           devices=devices, tp=tp, stages=stages)
         quick = self._quick_start and self.cost is None  # no cost model known yet: measure it later
         if cfg.startup.warmup:
             runner.warmup(runner.first_programs() if quick else None, progress=progress)
@@ -148,7 +155,7 @@ class LLM:
             elif cfg.startup.warmup and not quick:
                 self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
         kv = KVCacheManager(num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
-                            scratch_blocks=kvp)
+                            scratch_blocks=kvp, kvp_tokens=shape.kvp_tokens if kvp > 1 else None)
         cost = self.cost or profile.unmeasured(runner)
         scheduler = replica_scheduler(cfg.scheduler, cost, kv, self._packer(cost, measured=self.cost is not None),
                                       num_scheduler_steps=self._buckets.burst_steps)

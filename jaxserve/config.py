@@ -99,6 +99,27 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class InstanceShape:
+    """How an instance (the engine's, or a simulated replica) spans devices past tensor parallelism: Medha's
+    pipeline stages and KV-parallel sets. One section in both trees: a flag means the same to serve and simulate."""
+
+    stages: int = setting(1, "Pipeline stages of an instance: its layers split evenly over this many consecutive "
+                          "sets of --tp x --kvp devices, each holding its layers' weights and KV cache, hidden "
+                          "states passed stage to stage (serve: not with --prefill_instances or "
+                          "--num_scheduler_steps > 1).")
+    kvp: int = setting(1, "KV-parallel sets of --tp devices in each pipeline stage (Medha's KVP): the KV cache's "
+                       "blocks spread over them and the batch runs on all, the attention's partials merged "
+                       "(serve: not with --prefill_instances, whose decode instances take --decode_kvp).")
+    kvp_tokens: int | None = setting(None, "With --kvp > 1: a sequence's tokens on one KV-parallel set before the "
+                                     "next set joins (Medha's progressive KVP; a short request stays on one set). "
+                                     "Default: serve spreads each request's blocks over every set; simulate fills "
+                                     "what a set's memory holds.")
+
+    def __post_init__(self):
+        _positive(self, "stages", "kvp", "kvp_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """Which devices do what: instances of `tp` devices; with prefill_instances > 0, a live cluster."""
 
@@ -107,6 +128,7 @@ class ParallelConfig:
     prefill_instances: int = setting(0, "Instances (from the first device) forming a CDSP prefill pool; more than 0 "
                                      "makes the engine a live cluster. 0: one engine on one instance.")
     decode_instances: int = setting(1, "Decode instances after the prefill pool (with --prefill_instances).")
+    instance: InstanceShape = section(InstanceShape)
     decode_kvp: int = setting(1, "Instances per decode instance; more than 1 splits its KV cache over them "
                               "(KV-parallel decode).")
     node_size: int = setting(2, "Prefill instances per node (the planner keeps groups on whole nodes where it can).")
@@ -235,11 +257,8 @@ class SimConfig:
     profile: str = setting("a100_llama3_8b", "simulate: GPU/model profile (a100_llama3_8b, h100_llama2_7b, "
                            "h100_llama2_70b).")
     tp: int = setting(8, "GPUs per pipeline stage of a replica (simulate: --tp).", flag=False)
-    stages: int = setting(1, "simulate: pipeline stages per replica.")
+    instance: InstanceShape = section(InstanceShape)  # a replica's pipeline stages and KV-parallel sets
     replicas: int = setting(1, "simulate: number of replicas.")
-    kvp: int = setting(1, "simulate: KV-parallel worker groups per replica (Medha's KVP), each tp x stages GPUs.")
-    kvp_tokens: int | None = setting(None, "simulate: tokens of one sequence a KVP worker holds before the next "
-                                     "joins (default: what its memory holds).")
     scheduler: SchedulerConfig = section(SchedulerConfig, max_num_seqs=256, max_num_batched_tokens=1 << 16,
                                          iteration_budget=0.05)
     chunk_align: int = setting(32, "Prefill chunks are multiples of this many tokens.", flag=False)
@@ -258,7 +277,7 @@ class SimConfig:
     out: str | None = setting(None, "simulate: directory for summary.json, requests.csv and ttft_cdf.png.")
 
     def __post_init__(self):
-        for name in ("replicas", "tp", "stages", "kvp"):
+        for name in ("replicas", "tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.scheduler.iteration_budget is None:
@@ -270,6 +289,18 @@ class SimConfig:
             raise ValueError(f"dispatch must be least_work or round_robin, got {self.dispatch!r}")
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+
+    @property
+    def stages(self) -> int:
+        return self.instance.stages
+
+    @property
+    def kvp(self) -> int:
+        return self.instance.kvp
+
+    @property
+    def kvp_tokens(self) -> int | None:
+        return self.instance.kvp_tokens
 
     @property
     def gpus_per_replica(self) -> int:

@@ -100,8 +100,9 @@ def cache_dtype(dtype: jnp.dtype, platform: str) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if platform == "cpu" else jnp.dtype(dtype)
 
 
-def allocate_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, tp: int = 1) -> Caches:
-    """Zeroed (k_all, v_all), each [num_layers, num_blocks * block_size, kvh, d]: kvh counts the KV heads of
-    all tp devices (repeated heads once per device that holds them)."""
-    shape = (cfg.num_layers, num_blocks * block_size, cfg.split(tp).cache_heads, cfg.head_dim)
+def allocate_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, tp: int = 1,
+                    layers: int | None = None) -> Caches:
+    """Zeroed (k_all, v_all), each [layers, num_blocks * block_size, kvh, d]: kvh counts the KV heads of
+    all tp devices (repeated heads once per device that holds them); layers: a pipeline stage's (default all)."""
+    shape = (layers or cfg.num_layers, num_blocks * block_size, cfg.split(tp).cache_heads, cfg.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -138,7 +138,8 @@ def cache_file(model_name: str, dtype: str, shape: str, version: int) -> pathlib
 def default_path(model_name: str, dtype: str, runner: ModelRunner) -> pathlib.Path:
     b = runner.buckets
     shape = (f"t{b.tokens[-1]}-r{b.rows[-1]}-p{b.max_prefills}-w{b.width}-bs{runner.block_size}-kb{runner.key_block}"
-             f"-tp{runner.tp}")
+             f"-tp{runner.tp}" + (f"-pp{runner.stages}" if runner.stages > 1 else "")
+             + (f"-kvp{runner.kvp}" if runner.kvp > 1 else ""))
     return cache_file(model_name, dtype, shape, VERSION)
 
 

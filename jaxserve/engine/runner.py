@@ -55,7 +55,7 @@ from jaxserve.engine import batch
 from jaxserve.engine.kv_cache import RaggedPagedBackend, RaggedPagedMetadata, allocate_caches, cache_dtype
 from jaxserve.engine.sampling import sample
 from jaxserve.models.config import LlamaConfig
-from jaxserve.models.llama import Llama, unstack_layers
+from jaxserve.models.llama import Llama, stage_layers, stage_params, unstack_layers
 from jaxserve.pallas_kernels.common import lowering_for
 from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.sharding import processes, rows, tp as tensor_parallel
@@ -64,13 +64,15 @@ from jaxserve.sharding.mesh import SP, TP, make_mesh
 
 
 def forward(model: Llama, params: Any, caches: Any, a: batch.StepArrays,
-            previous: Int[Array, "m"]) -> tuple[Float[Array, "r v"], Any]:
+            inputs: Int[Array, "m"] | Float[Array, "t e"]) -> tuple[Float[Array, "r v"] | Float[Array, "t e"], Any]:
     """The model over the flat batch, writing its K/V into the caches: the logits of each row's last token.
-    previous: the last step's sampled tokens, which the tokens marked in `a.feed` are."""
+    inputs: the last step's sampled tokens, which the tokens marked in `a.feed` are; on a pipeline stage after the
+    first, the previous stage's hidden states (and a stage before the last returns its own)."""
     metadata = RaggedPagedMetadata(a.slots, a.tables, a.decode_token, a.tile_tokens, a.tile_row)
-    token_ids = jnp.where(a.feed >= 0, previous[jnp.maximum(a.feed, 0)], a.token_ids)
-    logits, caches = model.apply(params, token_ids[None], a.positions[None], caches, metadata, a.logits_index[None])
-    return logits[0], caches
+    if model.layers is None or model.layers[0] == 0:
+        inputs = jnp.where(a.feed >= 0, inputs[jnp.maximum(a.feed, 0)], a.token_ids)
+    out, caches = model.apply(params, inputs[None], a.positions[None], caches, metadata, a.logits_index[None])
+    return out[0], caches
 
 
 def forward_packed(model: Llama, buckets: batch.Buckets, spread: Callable | None = None) -> Callable:
@@ -208,54 +210,105 @@ class _Loop(NamedTuple):
     burst: Any  # the multi-step decode (used with unrolled layers)
 
 
+@dataclasses.dataclass
+class _Stage:
+    """A pipeline stage (the whole model without stages): its devices, its layers, its ways through them and its
+    part of the cache (its layers' K/V)."""
+
+    devices: list[jax.Device]
+    layers: tuple[int, int]
+    mesh: jax.sharding.Mesh
+    loops: dict[bool, _Loop]
+    caches: Any = None
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    @property
+    def cache_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(None, SP, TP))
+
+
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Any, dtype: jnp.dtype, *, num_blocks: int, block_size: int,
                  buckets: batch.Buckets, key_block: int, devices: Sequence[jax.Device] | None = None, tp: int = 1,
-                 attention: Implementation | None = None):
-        """devices: where the weights, the cache and the step run (default: JAX's first tp devices), consecutive
-        runs of tp devices tensor-parallel; several such runs form a KV-parallel group holding the num_blocks
-        blocks between them. attention: the attention's implementation (default: the Pallas kernel on GPU, the
-        jnp reference elsewhere)."""
-        self.devices = list(devices or jax.devices()[:tp])
-        if len(self.devices) % tp:
-            raise ValueError(f"{len(self.devices)} devices do not form tensor-parallel sets of {tp}")
-        self.device, self.tp, kvp = self.devices[0], tp, len(self.devices) // tp
+                 stages: int = 1, attention: Implementation | None = None):
+        """devices: where the weights, the cache and the step run (default: JAX's first tp x stages devices),
+        consecutive runs of tp devices tensor-parallel; several such runs form a KV-parallel group holding the
+        num_blocks blocks between them. stages: pipeline stages, each an equal consecutive share of the devices
+        running an even share of the layers (its hidden states moved on to the next stage's devices).
+        attention: the attention's implementation (default: the Pallas kernel on GPU, the jnp reference
+        elsewhere)."""
+        self.devices = list(devices or jax.devices()[:tp * stages])
+        if len(self.devices) % (tp * stages):
+            raise ValueError(f"{len(self.devices)} devices do not form {stages} pipeline stages of tensor-parallel "
+                             f"sets of {tp}")
+        per_stage = len(self.devices) // stages
+        self.device, self.tp, kvp = self.devices[0], tp, per_stage // tp
         self.share = cfg.split(tp)
         if num_blocks % kvp:
             raise ValueError(f"{num_blocks} KV blocks do not split over a KV-parallel group of {kvp} device sets")
-        mesh = make_mesh(self.devices, tp)
-        self._cache_sharding = NamedSharding(mesh, P(None, SP, TP))
+        if stages > 1 and buckets.burst_steps > 1:
+            raise ValueError("multi-step decode runs on one pipeline stage: num_scheduler_steps must be 1 with "
+                             "pipeline stages")
         self.cfg, self.dtype = cfg, dtype
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
         backend = RaggedPagedBackend(block_size, key_block, kvp, attention)
-        self._replicated = NamedSharding(mesh, P())
-        # on a CPU a mixed program is bound by its chunk's compute, beside which the scan's weight copies are small,
-        # and it compiles in a fraction of the time: those scan over a second, stacked copy of the weights, placed
-        # when a mixed program is first needed (a decode instance never needs one)
         self.cpu = self.device.platform == "cpu"
         self.kv_dtype = cache_dtype(dtype, self.device.platform)
-        self.scan_mixed = self.cpu
-        self._stacked = functools.partial(self._loop, params, backend, mesh, False) if self.scan_mixed else None
         self.max_rows = max(s.rows for s in buckets.programs())
-        self._loops = {True: self._loop(params, backend, mesh, True)}
-        self.params = self._loops[True].params  # per layer
+        self._stages = []
+        for k, layers in enumerate(stage_layers(cfg.num_layers, stages)):
+            devices = self.devices[k * per_stage:(k + 1) * per_stage]
+            stage = _Stage(devices, layers, make_mesh(devices, tp), {})
+            own = params if stages == 1 else stage_params(params, cfg, layers)
+            stage.loops[True] = self._loop(own, backend, stage, True)
+            stage.caches = self._allocate(stage)
+            self._stages.append(stage)
+        # on a CPU a mixed program is bound by its chunk's compute, beside which the scan's weight copies are small,
+        # and it compiles in a fraction of the time: those scan over a second, stacked copy of the weights, placed
+        # when a mixed program is first needed (a decode instance never needs one); a pipeline's stages unroll all
+        self.scan_mixed = self.cpu and stages == 1
+        self._stacked = (functools.partial(self._loop, params, backend, self._stages[0], False)
+                         if self.scan_mixed else None)
+        self.params = self._stages[0].loops[True].params  # per layer (the first stage's)
+        self._replicated = self._stages[-1].replicated  # where the sampler runs and its tokens are
         self._sample = jax.jit(sample_padded, static_argnames=("kind", "size"), out_shardings=self._replicated)
         self._previous = self._no_tokens()
-        self.model = self._loops[True].model
-        self.caches = self._allocate()
-        self._programs: dict[Program, jax.stages.Compiled] = {}
+        self._programs: dict[Program, tuple[jax.stages.Compiled, ...]] = {}
         self._compiling: dict[Program, threading.Lock] = {}
         self._lock = threading.Lock()
 
-    def _loop(self, params: Any, backend: RaggedPagedBackend, mesh: jax.sharding.Mesh, unrolled: bool) -> _Loop:
-        """The forward with the layers unrolled (per-layer weights) or scanned (stacked weights), its weights
-        placed."""
+    @property
+    def stages(self) -> int:
+        return len(self._stages)
+
+    @property
+    def kvp(self) -> int:
+        """KV-parallel sets of tp devices in each stage."""
+        return len(self._stages[0].devices) // self.tp
+
+    @property
+    def caches(self) -> Any:
+        """The first stage's (k, v) cache arrays (the whole cache without pipeline stages)."""
+        return self._stages[0].caches
+
+    @property
+    def stage_caches(self) -> list[Any]:
+        """Each pipeline stage's (k, v) cache arrays, in stage order: its layers' K/V."""
+        return [stage.caches for stage in self._stages]
+
+    def _loop(self, params: Any, backend: RaggedPagedBackend, stage: _Stage, unrolled: bool) -> _Loop:
+        """The forward of the stage's layers unrolled (per-layer weights) or scanned (stacked weights), its
+        weights placed."""
         params, specs = tensor_parallel.shard_params(unstack_layers(params) if unrolled else params, self.cfg,
                                                      self.tp)
-        model = Llama(self.cfg, backend, self.dtype, TP if self.tp > 1 else None, unrolled=unrolled)
+        mesh, layers = stage.mesh, stage.layers if len(self.devices) > len(stage.devices) else None
+        model = Llama(self.cfg, backend, self.dtype, TP if self.tp > 1 else None, unrolled=unrolled, layers=layers)
 
         spread = spread_burst = None
-        if len(self.devices) > 1:  # every device runs the same batch: inputs replicated, weights and cache split
+        if len(stage.devices) > 1:  # every device runs the same batch: inputs replicated, weights and cache split
             spread, spread_burst = (functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(None, SP, TP), P(),
                                                                                          P()),
                                                       out_specs=out, check_vma=False)
@@ -266,12 +319,12 @@ class ModelRunner:
                      jax.jit(step, donate_argnums=(1,), static_argnames=("shape",)),
                      jax.jit(multi, donate_argnums=(1,), static_argnames=("shape", "kind")))
 
-    def _loop_of(self, shape: batch.Shape) -> _Loop:
+    def _loop_of(self, stage: _Stage, shape: batch.Shape) -> _Loop:
         unrolled = shape.tiles == 0 or not self.scan_mixed
         with self._lock:
-            if unrolled not in self._loops:
-                self._loops[unrolled] = self._stacked()
-            return self._loops[unrolled]
+            if unrolled not in stage.loops:
+                stage.loops[unrolled] = self._stacked()
+            return stage.loops[unrolled]
 
     def programs(self, mixed: bool = True) -> list[Program]:
         """Every program serving can run (without `mixed`: what decodes alone run): the forwards, then the
@@ -332,15 +385,18 @@ class ModelRunner:
         with self._lock:
             return program in self._programs
 
-    def _program(self, program: Program) -> jax.stages.Compiled:
-        """The compiled `program`, compiled now if it is not yet; one thread compiles each."""
+    def _program(self, program: Program) -> tuple[jax.stages.Compiled, ...]:
+        """The compiled `program` (a forward: one per pipeline stage), compiled now if it is not yet; one thread
+        compiles each."""
         with self._lock:
             if program in self._programs:
                 return self._programs[program]
             lock = self._compiling.setdefault(program, threading.Lock())
         with lock:
             if program not in self._programs:
-                compiled = self._compile(self._trace(program, self._abstract).lower(), program)
+                stages = self._stages if isinstance(program, batch.Shape) else self._stages[-1:]
+                compiled = tuple(self._compile(self._trace(program, self._abstract, stage=s).lower(), program)
+                                 for s in stages)
                 with self._lock:
                     self._programs[program] = compiled
         return self._programs[program]
@@ -360,27 +416,35 @@ class ModelRunner:
     def _abstract(self, tree: Any) -> Any:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
-    def _trace(self, program: Program, abstract, kv_dtype: jnp.dtype | None = None) -> jax.stages.Traced:
-        kv_dtype = kv_dtype or self.kv_dtype
-        caches = jax.tree.map(lambda x: abstract(x).update(dtype=kv_dtype), self.caches)
+    def _trace(self, program: Program, abstract, kv_dtype: jnp.dtype | None = None,
+               stage: _Stage | None = None) -> jax.stages.Traced:
+        """program traced on `stage` (a forward's; the first by default), for shapes `abstract` gives."""
+        kv_dtype, stage = kv_dtype or self.kv_dtype, stage or self._stages[0]
+        caches = jax.tree.map(lambda x: abstract(x).update(dtype=kv_dtype), stage.caches)
         if isinstance(program, Sampler):
             sampling = batch.sampling(batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size))
             shapes = [((program.rows, self.cfg.vocab_size), np.float32)] + [(x.shape, x.dtype) for x in sampling]
             inputs = [jax.ShapeDtypeStruct(s, d, sharding=self._replicated) for s, d in shapes]
             return self._sample.trace(*abstract(inputs), kind=program.kind, size=self.max_rows)
         if isinstance(program, Burst):
-            loop, shape = self._loops[True], self.buckets.decode(program.rows)
+            loop, shape = stage.loops[True], self.buckets.decode(program.rows)
             blob = batch.to_blob(batch.empty(self.buckets, shape, self.block_size))
             return loop.burst.trace(abstract(loop.params), caches, blob, abstract(self._previous),
                                     shape=shape, kind=program.kind)
-        loop = self._loop_of(program)
-        blob = batch.to_blob(batch.empty(self.buckets, program, self.block_size))
-        return loop.step.trace(abstract(loop.params), caches, blob, abstract(self._previous),
-                               shape=program)
+        loop, empty = self._loop_of(stage, program), batch.empty(self.buckets, program, self.block_size)
+        if stage.layers[0] == 0:  # the last step's tokens
+            inputs = abstract(jax.ShapeDtypeStruct(self._previous.shape, self._previous.dtype,
+                                                   sharding=stage.replicated))
+        else:  # the previous stage's hidden states
+            inputs = abstract(jax.ShapeDtypeStruct((len(empty.token_ids), self.cfg.hidden_size), self.dtype,
+                                                   sharding=stage.replicated))
+        return loop.step.trace(abstract(loop.params), caches, batch.to_blob(empty), inputs, shape=program)
 
     def lower(self, program: Program, platforms: Sequence[str] | None = None) -> jax.stages.Lowered:
         """`program` lowered for `platforms` (default: this backend), e.g. to read what a GPU would run from a
         machine without one. One device only (shapes without placement); the cache takes the target's dtype."""
+        if self.stages > 1:
+            raise ValueError("lower() reads one program: a runner without pipeline stages")
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
         kv_dtype = cache_dtype(self.dtype, platforms[0]) if platforms else None
         with lowering_for(platforms):
@@ -411,26 +475,29 @@ class ModelRunner:
         one blob (one transfer). The forward and the sampler are two programs dispatched back to back (the device
         runs them without waiting for the host): each forward serves both samplers, so half as many large
         programs compile. The forward hands the sampler its inputs, already on the device."""
-        shape = batch.shape_of(arrays)
-        forward = self._program(shape)
-        logits, self.caches, sampling = forward(self._loop_of(shape).params, self.caches, batch.to_blob(arrays),
-                                                self._previous)
-        self._previous = self._program(Sampler(shape.rows, batch.sampler_kind(arrays)))(logits, *sampling)
+        shape, blob, x = batch.shape_of(arrays), batch.to_blob(arrays), self._previous
+        for stage, forward in zip(self._stages, self._program(shape)):
+            if self.stages > 1:  # the tokens to the first stage, each stage's hidden states to the next
+                x = processes.move(x, stage.replicated)
+            x, stage.caches, sampling = forward(self._loop_of(stage, shape).params, stage.caches, blob, x)
+        (sampler,) = self._program(Sampler(shape.rows, batch.sampler_kind(arrays)))
+        self._previous = sampler(x, *sampling)
         return Pending(processes.read_later(self._previous))
 
     def dispatch_burst(self, arrays: batch.StepArrays) -> Pending:
         """Dispatch a packed multi-step decode (each row's Row.steps in `arrays.limit`). Its Pending reads
         [Buckets.burst_steps, max_rows] tokens: step j's in row j (rows of steps not run are zeros)."""
-        shape = batch.shape_of(arrays)
-        program = self._program(Burst(shape.rows, batch.sampler_kind(arrays)))
-        self.caches, out, self._previous = program(self._loops[True].params, self.caches, batch.to_blob(arrays),
-                                                   self._previous)
+        shape, (stage,) = batch.shape_of(arrays), self._stages  # no bursts with pipeline stages
+        (program,) = self._program(Burst(shape.rows, batch.sampler_kind(arrays)))
+        stage.caches, out, self._previous = program(stage.loops[True].params, stage.caches, batch.to_blob(arrays),
+                                                    self._previous)
         return Pending(processes.read_later(out))
 
     def warmup_land(self, max_rows: int) -> None:
         """Compile what `land` runs for pieces of up to max_rows rows (powers of two, as rows.pieces cuts them),
         writing only to scratch blocks. In a group: a whole piece to each KV-parallel rank (every device's
         writes) and each split of a piece between two ranks (every selection of rows)."""
+        self._one_stage("KV from a prefill pool")
         sizes = [1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows]
         kvp, bs = len(self.devices) // self.tp, self.block_size
         for n in sizes:
@@ -444,13 +511,14 @@ class ModelRunner:
         """Write KV computed elsewhere (a prefill pool's rows in the model's head layout, [layers, n, kvh, d], on
         the runner's first device) into the cache's `slots`. Each device gets only the rows of the blocks its
         KV-parallel rank owns, and of those only its tensor-parallel share of the heads."""
+        (stage,) = self._one_stage("KV from a prefill pool")
         if len(self.devices) == 1:
-            self.caches = rows.scatter(*self.caches, k_rows, v_rows, slots)
+            stage.caches = rows.scatter(*stage.caches, k_rows, v_rows, slots)
             return
         tp, kvp, bs = self.tp, len(self.devices) // self.tp, self.block_size
         block = np.asarray(slots) // bs
         owner, local = block % kvp, (block // kvp) * bs + np.asarray(slots) % bs
-        shards = [{s.device: s.data for s in c.addressable_shards} for c in self.caches]
+        shards = [{s.device: s.data for s in c.addressable_shards} for c in stage.caches]
         for d in range(kvp):
             idx = np.flatnonzero(owner == d)
             if not len(idx):
@@ -465,25 +533,33 @@ class ModelRunner:
                 if processes.is_local(device):
                     shards[0][device], shards[1][device] = rows.scatter(shards[0][device], shards[1][device], k_own,
                                                                         v_own, local[idx])
-        self.caches = tuple(jax.make_array_from_single_device_arrays(c.shape, self._cache_sharding,
-                                                                     [s[d] for d in self.devices if d in s],
-                                                                     dtype=c.dtype)
-                            for c, s in zip(self.caches, shards))
+        stage.caches = tuple(jax.make_array_from_single_device_arrays(c.shape, stage.cache_sharding,
+                                                                      [s[d] for d in self.devices if d in s],
+                                                                      dtype=c.dtype)
+                             for c, s in zip(stage.caches, shards))
+
+    def _one_stage(self, what: str) -> list[_Stage]:
+        if self.stages > 1:
+            raise ValueError(f"a runner with pipeline stages takes no {what}")
+        return self._stages
 
     @property
     def caches_lost(self) -> bool:
-        return any(x.is_deleted() for x in self.caches)
+        return any(x.is_deleted() for stage in self._stages for x in stage.caches)
 
     def recover(self) -> None:
-        """Fresh (zeroed) cache buffers after a failed step deleted the donated ones."""
+        """Fresh (zeroed) cache buffers after a failed step deleted the donated ones (every stage's: a failed
+        pipeline step leaves the stages' caches out of step)."""
         if self.caches_lost:
-            self.caches = self._allocate()
+            for stage in self._stages:
+                stage.caches = self._allocate(stage)
             self._previous = self._no_tokens()  # the failed step's may hold its error
 
     def _no_tokens(self) -> Int[Array, "m"]:
         """What the next forward reads as the previous step's tokens when none ran (no row feeds from it)."""
         return jax.device_put(np.zeros(self.max_rows, np.int32), self._replicated)
 
-    def _allocate(self):
-        return jax.jit(lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.kv_dtype, self.tp),
-                       out_shardings=self._cache_sharding)()
+    def _allocate(self, stage: _Stage):
+        layers = stage.layers[1] - stage.layers[0]
+        return jax.jit(lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.kv_dtype, self.tp,
+                                               layers), out_shardings=stage.cache_sharding)()

@@ -156,6 +156,10 @@ class Llama(nn.Module):
     metadata: the backend's arrays shared by all layers. logits_index [b, n]: which new tokens' logits to return
     per request (indices into the t axis), giving [b, n, vocab]; None returns all [b, t, vocab]. Logits are
     float32.
+
+    A pipeline stage runs `layers` = [first, last) alone, its caches holding those layers: a stage after the first
+    takes the previous stage's hidden states [b, t, e] in place of tokens, and a stage before the last returns
+    its hidden states (every token's; logits_index is ignored) in place of logits.
     """
 
     cfg: LlamaConfig
@@ -163,28 +167,32 @@ class Llama(nn.Module):
     dtype: jnp.dtype = jnp.float32
     tp_axis: str | None = None  # inside shard_map: the mesh axis over which layers are tensor-parallel
     unrolled: bool = False  # per-layer parameters (unstack_layers) in a Python loop, instead of the scan
+    layers: tuple[int, int] | None = None  # a pipeline stage's [first, last) (None: every layer)
 
     @nn.compact
     def __call__(
         self,
-        tokens: Int[Array, "b t"],
+        tokens: Int[Array, "b t"] | Float[Array, "b t e"],
         positions: Int[Array, "b t"],
         caches: Caches,
         metadata: AttentionMetadata,
         logits_index: Int[Array, "b n"] | None = None,
-    ) -> tuple[Float[Array, "b n vocab"], Caches]:
+    ) -> tuple[Float[Array, "b n vocab"] | Float[Array, "b t e"], Caches]:
         cfg = self.cfg
+        first, last = self.layers or (0, cfg.num_layers)
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
-        x = embed(tokens)
+        x = embed(tokens) if first == 0 else tokens
         cos, sin = rope_cos_sin(cfg, positions)
         if self.unrolled:
-            for i in range(cfg.num_layers):
+            for i in range(first, last):
                 layer = DecoderLayer(cfg, self.dtype, self.backend, self.tp_axis, name=f"layers_{i}")
-                (x, caches), _ = layer((x, caches), i, cos, sin, positions, metadata)
+                (x, caches), _ = layer((x, caches), i - first, cos, sin, positions, metadata)
         else:
             layers = ScannedLayers(cfg, self.dtype, self.backend, self.tp_axis, name="layers")
-            (x, caches), _ = layers((x, caches), jnp.arange(cfg.num_layers, dtype=jnp.int32), cos, sin, positions,
+            (x, caches), _ = layers((x, caches), jnp.arange(last - first, dtype=jnp.int32), cos, sin, positions,
                                     metadata)
+        if last < cfg.num_layers:
+            return x, caches
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
@@ -193,6 +201,27 @@ class Llama(nn.Module):
         else:
             logits = _dense(cfg.vocab_size, self.dtype, "lm_head")(x)
         return logits.astype(jnp.float32), caches
+
+
+def stage_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Each pipeline stage's [first, last) layers: as even as they split, the earlier stages the larger."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"{num_layers} layers do not split into {stages} pipeline stages")
+    bounds = [num_layers * s // stages for s in range(stages + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def stage_params(params: Any, cfg: LlamaConfig, layers: tuple[int, int]) -> Any:
+    """The parameters a stage running `layers` reads, per layer (unstack_layers' layout): the embedding on the
+    first stage (and the last, where tied), its layers, the final norm and head on the last."""
+    first, last = layers
+    inner = unstack_layers(params)["params"]
+    keep = {f"layers_{i}" for i in range(first, last)}
+    if first == 0 or (last == cfg.num_layers and cfg.tie_word_embeddings):
+        keep.add("embed_tokens")
+    if last == cfg.num_layers:
+        keep |= {"norm", "lm_head"}
+    return {"params": {k: v for k, v in inner.items() if k in keep}}
 
 
 def init_params(cfg: LlamaConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32, unrolled: bool = False) -> Any:

@@ -4,6 +4,12 @@ engine only executes the block ids granted here.
 Design after vLLM: each block has a reference count; a full block whose KV is computed is published under a hash
 of its tokens chained to its parent's, so a later request with the same prefix reuses it. A block whose count drops
 to 0 keeps its hash (free-but-cached) in an LRU free queue and is evicted only when allocation takes it.
+
+A KV-parallel group of `kvp` device sets holds block b on set b % kvp. By default a request's blocks come from one
+LRU queue, so its context spreads over every set. With `kvp_tokens` (Medha's progressive KV parallelism) each set
+has its own queue: a request fills `kvp_tokens` tokens on the set with the most free blocks, then the next set's
+(wrapping after the last), so a short request stays on one set and a long one's next set joins as it grows; a
+full set lends its neighbour's blocks.
 """
 
 from __future__ import annotations
@@ -36,22 +42,32 @@ class KVCacheManager:
     """Paged KV blocks owned by the scheduler: reference counts, prefix hashes over full blocks, LRU eviction of
     free-but-cached blocks (vLLM's design)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, scratch_blocks: int = 1):
-        """scratch_blocks: blocks 0..scratch_blocks-1 are never handed out (one per device of a KV-parallel
-        group, whose block b lives on device b % group)."""
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, scratch_blocks: int = 1,
+                 kvp_tokens: int | None = None):
+        """scratch_blocks: blocks 0..scratch_blocks-1 are never handed out (one per device set of a KV-parallel
+        group, whose block b lives on set b % group). kvp_tokens: a request's tokens on one set before the next
+        set's blocks (whole blocks; None: its blocks alternate sets)."""
         if scratch_blocks < 1 or num_blocks <= scratch_blocks or block_size < 1:
             raise ValueError(f"need num_blocks > scratch_blocks >= 1 and block_size >= 1, got {num_blocks}, "
                              f"{scratch_blocks} and {block_size}")
+        if kvp_tokens is not None and (kvp_tokens < block_size or num_blocks % scratch_blocks):
+            raise ValueError(f"kvp_tokens ({kvp_tokens}) must hold a block ({block_size} tokens) or more, and the "
+                             f"{num_blocks} blocks split evenly over the {scratch_blocks} KV-parallel sets")
         self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
         self.scratch_blocks = scratch_blocks
         self.stats = PrefixCacheStats()
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks  # set only while the block is published in _cached
         self._cached: dict[bytes, int] = {}  # hash -> its canonical block
-        # ref-0 blocks as an ordered set: allocate pops the front (least recently freed), free appends at the back.
-        # OrderedDict, not dict: a dict's front, once deleted from, is found again in O(deletions) (CPython)
-        self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
-            range(scratch_blocks, num_blocks))
+        # ref-0 blocks as ordered sets (one, or one per KV-parallel set with kvp_tokens): allocate pops the front
+        # (least recently freed), free appends at the back. OrderedDict, not dict: a dict's front, once deleted from,
+        # is found again in O(deletions) (CPython)
+        self._sets = scratch_blocks if kvp_tokens is not None else 1
+        self._per_set = kvp_tokens // block_size if kvp_tokens is not None else 0  # a request's blocks on one set
+        self._free: list[collections.OrderedDict[int, None]] = [
+            collections.OrderedDict.fromkeys(range(scratch_blocks + k, num_blocks, self._sets))
+            for k in range(self._sets)]
+        self._first_set: dict[str, int] = {}  # with kvp_tokens: the set holding each request's first blocks
         self._tables: dict[str, list[int]] = {}
         self._chains: dict[str, list[bytes]] = {}  # hashes of each table's committed full blocks, in order
 
@@ -66,7 +82,10 @@ class KVCacheManager:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(map(len, self._free))
+
+    def _queue(self, block: int) -> collections.OrderedDict[int, None]:
+        return self._free[block % self._sets]
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -97,7 +116,7 @@ class KVCacheManager:
             hits.append(block)
         for block in hits:
             if self._ref[block] == 0:
-                del self._free[block]
+                del self._queue(block)[block]
             self._ref[block] += 1
         self._tables[rid], self._chains[rid] = hits, chain
         self.stats.query_tokens += len(token_ids)
@@ -108,14 +127,15 @@ class KVCacheManager:
         """Grow rid's table to cover total_tokens positions; returns the new block ids (possibly []), or None
         (and changes nothing) when not enough blocks are free. Taking a free-but-cached block evicts it: its hash
         leaves the map."""
-        need = self.blocks_for(total_tokens) - self.num_blocks_held(rid)
+        held = self.num_blocks_held(rid)
+        need = self.blocks_for(total_tokens) - held
         if need <= 0:
             return []
-        if need > len(self._free):
+        if need > self.num_free:
             return None
         new = []
-        for _ in range(need):
-            block, _ = self._free.popitem(last=False)
+        for k in range(held, held + need):
+            block, _ = self._free[self._set_for(rid, k)].popitem(last=False)
             if (h := self._hash[block]) is not None:
                 del self._cached[h]
                 self._hash[block] = None
@@ -124,6 +144,19 @@ class KVCacheManager:
         self._tables.setdefault(rid, []).extend(new)
         self._chains.setdefault(rid, [])
         return new
+
+    def _set_for(self, rid: str, k: int) -> int:
+        """The queue rid's k-th block comes from: the only one, or with kvp_tokens the set its k-th block belongs
+        on (its first set: where it already holds blocks, else the one with the most free), or the next set with
+        a free block when that one is full."""
+        if self._sets == 1:
+            return 0
+        if rid not in self._first_set:
+            table = self._tables.get(rid)
+            self._first_set[rid] = (table[0] % self._sets if table else
+                                    max(range(self._sets), key=lambda j: (len(self._free[j]), -j)))
+        want = (self._first_set[rid] + k // self._per_set) % self._sets
+        return next(j % self._sets for j in range(want, want + self._sets) if self._free[j % self._sets])
 
     def commit(self, rid: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Record the hashes of rid's full blocks among its first num_computed tokens (token_ids holds at least
@@ -147,10 +180,11 @@ class KVCacheManager:
         count reaches 0 goes to the back of the free queue keeping its hash (free-but-cached) if it has one.
         Unknown rid: no-op."""
         self._chains.pop(rid, None)
+        self._first_set.pop(rid, None)
         for block in reversed(self._tables.pop(rid, [])):
             self._ref[block] -= 1
             if self._ref[block] == 0:
-                self._free[block] = None
+                self._queue(block)[block] = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (e.g. after the device caches were rebuilt). Live requests keep their blocks; their

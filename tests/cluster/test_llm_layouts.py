@@ -1,8 +1,11 @@
 """LLM's layout arguments against the single-device engine: they build, profile and serve a cluster of
-tensor-parallel instances, and serve one tensor-parallel instance alone. Apart from test_live_cluster.py so that
+tensor-parallel instances, and serve one instance alone, tensor-parallel or as pipeline stages of KV-parallel
+sets. Apart from test_live_cluster.py so that
 its module's cluster is freed first (the folder's memory peak)."""
 
 from __future__ import annotations
+
+import numpy as np
 
 import jaxserve
 from conftest import prompt, serve
@@ -47,3 +50,22 @@ def test_llm_on_one_tensor_parallel_instance_equals_one_device(llm):
     ids = [prompt(llm, 700, 5), prompt(llm, 90, 6), prompt(llm, 30, 7)]
     want = [c.token_ids for c in llm.generate(ids, GREEDY)]
     assert [c.token_ids for c in tp.generate(ids, GREEDY)] == want
+
+
+
+def test_llm_on_pipeline_stages_of_kv_parallel_sets_equals_one_device(llm):
+    """LLM(stages=2, kvp=2, tp=3, kvp_tokens=256), Medha's 3D layout on 12 devices: SmolLM2's layers split over
+    2 stages, each stage's KV over 2 sets of 3 tensor-parallel devices, a request filling 256 tokens on one set
+    before the next joins (the long prompt's second set joins mid-prefill). The single-device engine's greedy
+    tokens for a prompt many chunks long and short ones beside it."""
+    pipe = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=128, tp=3,
+                        stages=2, kvp=2, kvp_tokens=256, progress=False)
+    runner = pipe.engine.runner
+    assert (runner.stages, runner.kvp, runner.tp, len(runner.devices)) == (2, 2, 3, 12)
+    assert [c[0].shape[0] for c in runner.stage_caches] == [15, 15]  # SmolLM2's 30 layers
+    ids = [prompt(llm, 700, 8), prompt(llm, 90, 9), prompt(llm, 30, 10)]
+    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
+    assert [c.token_ids for c in pipe.generate(ids, GREEDY)] == want
+    # every device of the first stage holds K: each KV-parallel set holds part of the requests' context
+    held = [np.asarray(s.data).any(axis=(0, 2, 3)).sum() for s in runner.stage_caches[0][0].addressable_shards]
+    assert min(held) > 0

@@ -13,9 +13,12 @@ BS = 4
 def check_invariants(kv: KVCacheManager) -> None:
     tables = kv._tables
     holders = Counter(b for t in tables.values() for b in t)
-    assert SCRATCH_BLOCK not in holders and SCRATCH_BLOCK not in kv._free
-    for block in range(1, kv.num_blocks):
-        if block in kv._free:
+    free = set().union(*kv._free)
+    assert not set(range(kv.scratch_blocks)) & (set(holders) | free)
+    for queue in kv._free:  # a block waits in its own set's queue
+        assert len({b % len(kv._free) for b in queue}) <= 1
+    for block in range(kv.scratch_blocks, kv.num_blocks):
+        if block in free:
             assert kv._ref[block] == 0 and block not in holders
         else:
             assert kv._ref[block] == holders[block] > 0
@@ -95,10 +98,10 @@ def test_allocate_short_changes_nothing():
     start(kv, "a", p)
     kv.free("a")  # 2 free-but-cached + 2 plain free
     kv.allocate("b", 4)
-    before = (kv.num_free, dict(kv._free), dict(kv._cached), kv.block_table("b"))
+    before = (kv.num_free, [dict(q) for q in kv._free], dict(kv._cached), kv.block_table("b"))
     assert kv.allocate("b", 4 * BS + 1) is None
     assert kv.allocate("new", 4 * BS) is None
-    assert (kv.num_free, dict(kv._free), dict(kv._cached), kv.block_table("b")) == before
+    assert (kv.num_free, [dict(q) for q in kv._free], dict(kv._cached), kv.block_table("b")) == before
     assert kv.block_table("new") == []
     check_invariants(kv)
 
@@ -211,3 +214,31 @@ def test_kv_manager_never_imports_jax():
             "assert not [m for m in sys.modules if m == 'jax' or m.startswith('jax.')], 'jax imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_progressive_kvp_fills_one_set_then_the_next():
+    """Medha's progressive KV parallelism over 4 device sets, 3 blocks a set: a short request stays on one set; a
+    long one starts on the set with the most free blocks and moves on every 3 blocks, as it grows (a set joining
+    mid-prefill); a full set lends its neighbour's blocks; freed blocks go back to their own set's queue."""
+    kv = KVCacheManager(4 * 12, BS, enable_prefix_caching=False, scratch_blocks=4, kvp_tokens=3 * BS)
+    assert kv.allocate("short", 2 * BS) is not None
+    (short_set,) = {b % 4 for b in kv.block_table("short")}
+    kv.allocate("long", 4 * BS)  # a first chunk
+    kv.allocate("long", 10 * BS)  # the rest of the prompt: sets join as it grows
+    sets = [b % 4 for b in kv.block_table("long")]
+    first = sets[0]
+    assert first != short_set  # the emptiest set
+    assert sets == [(first + k // 3) % 4 for k in range(10)]
+    check_invariants(kv)
+    kv.allocate("wide", 3 * BS)  # starts on the set with the most free: the one "long" has used least
+    check_invariants(kv)
+    kv.free("long")
+    kv.free("short")
+    check_invariants(kv)
+    assert kv.num_free == kv.capacity - 3
+    # a set that runs out lends the next set's blocks
+    one = KVCacheManager(2 * 4, BS, enable_prefix_caching=False, scratch_blocks=2, kvp_tokens=8 * BS)
+    assert [b % 2 for b in one.allocate("a", 5 * BS)] == [0, 0, 0, 1, 1]
+    check_invariants(one)
+    with pytest.raises(ValueError, match="kvp_tokens"):
+        KVCacheManager(9, BS, scratch_blocks=2, kvp_tokens=BS)  # 9 blocks do not split over 2 sets

@@ -7,6 +7,8 @@ elsewhere goes only there."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -34,21 +36,22 @@ def params():
     return random_params(CFG)
 
 
-def runner(params, devices, num_blocks: int, tp: int = 1) -> ModelRunner:
-    return ModelRunner(CFG, params, np.float32, num_blocks=num_blocks, block_size=BS, buckets=BUCKETS, key_block=8,
-                       devices=devices, tp=tp)
+def runner(params, devices, num_blocks: int, tp: int = 1, stages: int = 1, cfg: LlamaConfig = CFG,
+           buckets: batch.Buckets = BUCKETS) -> ModelRunner:
+    return ModelRunner(cfg, params, np.float32, num_blocks=num_blocks, block_size=BS, buckets=buckets, key_block=8,
+                       devices=devices, tp=tp, stages=stages)
 
 
-def kv_of(r: ModelRunner, table: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """A request's K/V [layers, n, tp * kv heads per device, d] read back from wherever its blocks live: block b
-    is KV-parallel rank b % kvp's local block b // kvp, rank i's share is rows [i * per, (i + 1) * per) of the
-    global array, and its tensor-parallel devices' heads lie side by side."""
-    kvp = len(r.devices) // r.tp
+def kv_of(r: ModelRunner, table: list[int], n: int, stage: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A request's K/V [stage's layers, n, tp * kv heads per device, d] read back from wherever its blocks live:
+    block b is KV-parallel rank b % kvp's local block b // kvp, rank i's share is rows [i * per, (i + 1) * per)
+    of the global array, and its tensor-parallel devices' heads lie side by side."""
+    kvp = len(r.devices) // (r.tp * r.stages)
     per = r.num_blocks // kvp * BS
     pos = np.arange(n)
     block = np.asarray(table)[pos // BS]
     rows = (block % kvp) * per + (block // kvp) * BS + pos % BS
-    return tuple(np.asarray(c)[:, rows] for c in r.caches)
+    return tuple(np.asarray(c)[:, rows] for c in r.stage_caches[stage])
 
 
 def heads_held(r: ModelRunner) -> np.ndarray:
@@ -122,3 +125,62 @@ def test_landed_rows_reach_only_their_owners(devices, params, kvp, tp):
     np.testing.assert_array_equal(got_v, np.asarray(v)[:, :, heads_held(group)])
     # nothing else was written: the cache holds exactly these rows
     assert np.count_nonzero(np.asarray(group.caches[0]).any(axis=(0, 2, 3))) == n
+
+
+
+CFG4 = dataclasses.replace(CFG, num_layers=4)
+ONE_STEP = batch.Buckets.make(max_num_batched_tokens=128, max_num_seqs=4, max_model_len=128, block_size=BS,
+                              key_block=8, tile=8, min_tokens=8)
+
+
+@pytest.mark.parametrize("stages,kvp,tp", [(2, 1, 1), (4, 1, 1), (2, 2, 2), (4, 2, 1), (2, 1, 4)])
+def test_pipeline_stages_equal_one_device(devices, stages, kvp, tp):
+    """An instance split into pipeline stages (each a KV-parallel, tensor-parallel set of devices running an even
+    share of the layers, its hidden states moved on to the next stage): the same greedy tokens as one device
+    through a prompt three chunks long, a mixed step and decodes, and each stage's cache holding exactly its
+    layers' K/V."""
+    params = random_params(CFG4)
+    one = runner(params, devices[:1], PER_DEVICE * kvp, cfg=CFG4, buckets=ONE_STEP)
+    pipe = runner(params, devices[:stages * kvp * tp], PER_DEVICE * kvp, tp, stages, CFG4, ONE_STEP)
+    assert pipe.stages == len(pipe.stage_caches) == stages
+    kv = KVCacheManager(PER_DEVICE * kvp, BS, enable_prefix_caching=False, scratch_blocks=kvp)
+    rng = np.random.default_rng(stages + kvp)
+    tokens = {rid: list(rng.integers(0, CFG.vocab_size, n)) for rid, n in (("a", 61), ("b", 9))}
+    for rid, t in tokens.items():
+        kv.allocate(rid, len(t) + 8)
+    greedy = SamplingParams()
+
+    def row(rid, lo, hi):
+        return batch.Row(tokens[rid][lo:hi], lo, kv.block_table(rid), greedy, 0, 0)
+
+    def both(rows):
+        want, got = one.execute(rows), pipe.execute(rows)
+        np.testing.assert_array_equal(got, want)
+        return want
+
+    both([row("a", 0, 24)])
+    first_b = both([row("a", 24, 48), row("b", 0, 9)])[1]
+    first_a = both([row("a", 48, 61)])[0]
+    tokens["a"].append(int(first_a))
+    tokens["b"].append(int(first_b))
+    for _ in range(5):  # decodes: the sampled tokens back to the first stage, hidden states stage to stage
+        rows = [row(rid, len(tokens[rid]) - 1, len(tokens[rid])) for rid in "ab"]
+        for rid, t in zip("ab", both(rows)):
+            tokens[rid].append(int(t))
+    for rid in "ab":
+        table, n = kv.block_table(rid), len(tokens[rid]) - 1
+        whole = kv_of(one, table, n)
+        for s in range(stages):
+            layers = slice(CFG4.num_layers * s // stages, CFG4.num_layers * (s + 1) // stages)
+            for got, want in zip(kv_of(pipe, table, n, s), whole):
+                np.testing.assert_allclose(got, want[layers][:, :, heads_held(pipe)], **TOL)
+
+
+def test_pipeline_stages_refuse_what_they_do_not_run(devices, params):
+    with pytest.raises(ValueError, match="multi-step decode runs on one pipeline stage"):
+        runner(params, devices[:2], PER_DEVICE, stages=2)
+    pipe = runner(params, devices[:2], PER_DEVICE, stages=2, buckets=ONE_STEP)
+    with pytest.raises(ValueError, match="pipeline stages takes no KV"):
+        pipe.land(*pipe.stage_caches[0], np.arange(3))
+    with pytest.raises(ValueError, match="do not split into 3 pipeline stages"):
+        runner(params, devices[:3], PER_DEVICE, stages=3, buckets=ONE_STEP)
