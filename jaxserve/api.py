@@ -15,7 +15,7 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from jaxserve import config
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, InstanceShape, ModelConfig
 from jaxserve.engine import profile, scoring
 from jaxserve.cluster import pool_profile
 from jaxserve.cluster import lockstep
@@ -82,7 +82,7 @@ class LLM:
         # the device layer: in one process made here; with several, made here and in every follower (lockstep)
         self.lockstep = lockstep.Leader(params) if jax.process_count() > 1 else None
         self._new = self.lockstep.new if self.lockstep else lambda cls, *args, **kwargs: cls(*args, **kwargs)
-        self._params, self._kv_tokens = params, self._kv_pool_tokens()
+        self._params, self._kv_tokens = params, self._kv_pool_tokens(cfg.parallel.instance)
         self.max_model_len = min(cfg.model.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings, self._kv_tokens)
         self._buckets = self._make_buckets()
@@ -101,18 +101,20 @@ class LLM:
             self.lockstep.sync()
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
 
-    def _kv_pool_tokens(self) -> int:
+    def _kv_pool_tokens(self, shape: InstanceShape) -> int:
         """Tokens an instance's KV pool holds: kv_cache_tokens, or what kv_cache_gib holds (per device: with
         tp > 1 a device holds its share of each token's KV heads, with pipeline stages its stage's layers')."""
-        cache, layout = self.engine_config.cache, self.engine_config.parallel
-        tp, stages, kvp = layout.tp, layout.instance.stages, layout.instance.kvp
+        cache, tp = self.engine_config.cache, self.engine_config.parallel.tp
+        stages, kvp = shape.stages, shape.kvp
+        if kvp > 1 and shape.kvp_tokens is not None and shape.kvp_tokens % cache.block_size:
+            raise ValueError(f"kvp_tokens ({shape.kvp_tokens}) must be whole KV blocks of {cache.block_size} tokens")
         kv_heads = self.config.split(tp).kv_heads  # per device; a ValueError when tp does not divide the model
         if tp * stages * kvp > len(jax.devices()):
             sizes = (("tp", tp), ("stages", stages), ("kvp", kvp))
             named = " x ".join(f"{k}={v}" for k, v in sizes if k == "tp" or v > 1)
             raise ValueError(f"{named} needs {tp * stages * kvp} devices; there are {len(jax.devices())}")
         kv_dtype = cache_dtype(self._dtype, jax.devices()[0].platform)
-        layers = -(-self.config.num_layers // stages)  # the first stage's, the most
+        layers = -(-self.config.num_layers // stages)  # the largest stage's
         token_bytes = 2 * layers * kv_heads * self.config.head_dim * kv_dtype.itemsize
         return cache.kv_cache_tokens or int(cache.kv_cache_gib * 2**30 // token_bytes)
 
@@ -127,14 +129,14 @@ class LLM:
                             num_scheduler_steps=sched.num_scheduler_steps, min_decode_rows=1 if on_cpu else 2)
 
     def make_engine(self, devices: Sequence[jax.Device] | None = None, progress: bool = True,
-                    kv_cache_tokens: int | None = None) -> Engine:
+                    kv_cache_tokens: int | None = None, shape: InstanceShape | None = None) -> Engine:
         """An engine with this LLM's settings on `devices` (default: JAX's first tp x kvp x stages devices; runs
         of tp are tensor-parallel instances, several instances form a KV-parallel group whose KV pool is the sum of
         theirs, and with pipeline stages each stage is an equal share of them), its step programs compiled; the
         step cost model is measured once (on the first engine) and shared. kv_cache_tokens: each instance's pool
-        (default: this LLM's)."""
+        (default: this LLM's). shape: its stages and KV-parallel sets (default: this LLM's)."""
         cfg = self.engine_config
-        cache, tp, shape = cfg.cache, cfg.parallel.tp, cfg.parallel.instance
+        cache, tp, shape = cfg.cache, cfg.parallel.tp, shape or cfg.parallel.instance
         devices = list(devices or jax.devices()[:tp * shape.kvp * shape.stages])
         stages = shape.stages
         kvp = len(devices) // (tp * stages)
@@ -210,9 +212,10 @@ class LLM:
         published any more). What the old engine held is dropped. Returns the new engine."""
         self.lockstep = None  # the follower is gone: publish nothing (a stop would wait for no one)
         self._new = lambda cls, *args, **kwargs: cls(*args, **kwargs)
-        tp = self.engine_config.parallel.tp
+        tp, one = self.engine_config.parallel.tp, InstanceShape()  # one stage, one KV set
         logging.warning("building one engine on this process's %d first device(s) after a lost process", tp)
-        self.engine = self.make_engine(jax.local_devices()[:tp], progress=False)
+        self.engine = self.make_engine(jax.local_devices()[:tp], progress=False,
+                                       kv_cache_tokens=self._kv_pool_tokens(one), shape=one)
         return self.engine
 
     def lost(self, timeout: float) -> str | None:

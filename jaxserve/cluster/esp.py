@@ -3,8 +3,8 @@ prefills and decodes; there are no separate decode instances.
 
 - Arrival: a prompt waits, in arrival order (the cluster scheduler's `wait`).
 - Prefill (each step, on the instances no prefill holds): the cluster scheduler's `elastic_batches` (sched/esp.py's
-  ESPScheduler) admits waiting prompts, allocates elastic instances and batches them by its DP, over the instance sets this cluster has programs for
-  (aligned power-of-two groups). A batch's prompts run one after another on its group, each as one chunk with
+  ESPScheduler) admits waiting prompts, allocates elastic instances and batches them by its DP, over the instance
+  sets this cluster has programs for (aligned power-of-two groups). A batch's prompts run one after another on its group, each as one chunk with
   ring attention over the group's devices: a scale-up when the group has more than one instance.
 - Scale-down: each prompt decodes on one instance of its group, the one with the most free KV (sched/esp.py's
   first choice). Its KV share on that instance is copied on its own device; the other instances' shares move
@@ -145,8 +145,14 @@ class ESPCluster(ClusterEngine):
         self._batches.append(_Batch(group, runs, self.clock()))
 
     def _run_chunks(self) -> list[RequestOutput]:
-        for batch in self._plan():
-            self._start(batch)
+        batches = self._plan()
+        for i, batch in enumerate(batches):
+            try:
+                self._start(batch)
+            except BaseException:  # the prompts not started wait again, in order; the caller ends the requests
+                for r in reversed([r for b in batches[i:] for r in b.requests if r.id in self._waiting]):
+                    self.scheduler.wait(r, first=True)
+                raise
         idle = self._batches and not any(d.engine.has_work and not self._paused(k)
                                          for k, d in enumerate(self.decoders))
         outputs = []

@@ -3,8 +3,9 @@ that writes a step's new K/V into the blocks the scheduler granted and attends o
 holds is decided by sched/kv_manager.py; block 0 is scratch (padding writes there).
 
 A KV-parallel group (Medha's KVP) spreads one cache over `kvp` devices: block b lives on device b % kvp as its
-local block b // kvp, so the blocks 0..kvp-1 are the devices' scratch blocks and a request's consecutive blocks
-alternate devices (each holds about 1/kvp of every context and reads that much per decode). The step runs on
+local block b // kvp, so the blocks 0..kvp-1 are the devices' scratch blocks. Which blocks a request gets is the KV
+manager's choice: by default they alternate devices (each holds about 1/kvp of every context and reads that much
+per decode); with kvp_tokens a request fills one device's share before the next's. The step runs on
 every device of the group with the same batch; each writes the new K/V it owns, attends over its own blocks, and
 one all-gather of (output, log-sum-exp) per layer merges the partials: the query moves, the KV stays.
 """

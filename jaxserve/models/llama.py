@@ -21,6 +21,7 @@ static when unrolled) and touches only its own slice.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -180,6 +181,8 @@ class Llama(nn.Module):
     ) -> tuple[Float[Array, "b n vocab"] | Float[Array, "b t e"], Caches]:
         cfg = self.cfg
         first, last = self.layers or (0, cfg.num_layers)
+        if self.layers is not None and not self.unrolled:
+            raise ValueError("a pipeline stage runs its layers unrolled (stage_params gives them per layer)")
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
         x = embed(tokens) if first == 0 else tokens
         cos, sin = rope_cos_sin(cfg, positions)
@@ -204,18 +207,25 @@ class Llama(nn.Module):
 
 
 def stage_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Each pipeline stage's [first, last) layers: as even as they split, the earlier stages the larger."""
+    """Each pipeline stage's [first, last) layers: as even as they split (sizes differ by one at most)."""
     if not 1 <= stages <= num_layers:
         raise ValueError(f"{num_layers} layers do not split into {stages} pipeline stages")
     bounds = [num_layers * s // stages for s in range(stages + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def _layer(x: jax.Array, i: int) -> jax.Array:
+    return x[i]
+
+
 def stage_params(params: Any, cfg: LlamaConfig, layers: tuple[int, int]) -> Any:
     """The parameters a stage running `layers` reads, per layer (unstack_layers' layout): the embedding on the
     first stage (and the last, where tied), its layers, the final norm and head on the last."""
     first, last = layers
-    inner = unstack_layers(params)["params"]
+    inner = dict(params["params"])
+    if "layers" in inner:  # stacked: slice out this stage's layers only
+        stacked = inner.pop("layers")
+        inner.update({f"layers_{i}": jax.tree.map(functools.partial(_layer, i=i), stacked) for i in range(first, last)})
     keep = {f"layers_{i}" for i in range(first, last)}
     if first == 0 or (last == cfg.num_layers and cfg.tie_word_embeddings):
         keep.add("embed_tokens")

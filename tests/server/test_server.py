@@ -463,8 +463,9 @@ def failing_inside_the_call(runner):
 
     step = jax.jit(failing, donate_argnums=(3,), static_argnums=(0, 1))
     real = runner._program
+    (stage,) = runner._stages
     return lambda program: (real(program) if isinstance(program, Sampler) else
-                            functools.partial(step, runner._loop_of(program).model, program))
+                            (functools.partial(step, runner._loop_of(stage, program).model, program),))
 
 
 def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client, oai):
