@@ -81,7 +81,7 @@ def test_second_start_restores_converted_weights(llm, gguf_path, private_cache, 
     def no_conversion(*args, **kwargs):
         raise AssertionError("the second start must not read the GGUF file again")
 
-    monkeypatch.setattr("jaxserve.models.loader.load_gguf", no_conversion)
+    monkeypatch.setattr("jaxserve.models.gguf_loader.load_gguf", no_conversion)
     second = jaxserve.LLM(str(path), max_model_len=128, kv_cache_tokens=256)
     assert second.config == first.config
     np.testing.assert_array_equal(second.prompt_logits(PROMPT), first.prompt_logits(PROMPT))
