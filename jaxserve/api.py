@@ -106,8 +106,6 @@ class LLM:
         tp > 1 a device holds its share of each token's KV heads, with pipeline stages its stage's layers')."""
         cache, tp = self.engine_config.cache, self.engine_config.parallel.tp
         stages, kvp = shape.stages, shape.kvp
-        if kvp > 1 and shape.kvp_tokens is not None and shape.kvp_tokens % cache.block_size:
-            raise ValueError(f"kvp_tokens ({shape.kvp_tokens}) must be whole KV blocks of {cache.block_size} tokens")
         kv_heads = self.config.split(tp).kv_heads  # per device; a ValueError when tp does not divide the model
         if tp * stages * kvp > len(jax.devices()):
             sizes = (("tp", tp), ("stages", stages), ("kvp", kvp))
@@ -142,6 +140,9 @@ class LLM:
         kvp = len(devices) // (tp * stages)
         per_instance = -(-(kv_cache_tokens or self._kv_tokens) // cache.block_size) + 1  # + its scratch block
         num_blocks = per_instance * kvp
+        # before the runner: a bad kvp_tokens is refused before anything is placed or compiled
+        kv = KVCacheManager(num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
+                            scratch_blocks=kvp, kvp_tokens=shape.kvp_tokens if kvp > 1 else None)
         runner = self._new(ModelRunner, self.config, self._params, self._dtype, num_blocks=num_blocks,
                            block_size=cache.block_size, buckets=self._buckets, key_block=cache.key_block,
                            devices=devices, tp=tp, stages=stages)
@@ -156,8 +157,6 @@ class LLM:
                 self.cost = profile.load(path, runner)
             elif cfg.startup.warmup and not quick:
                 self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
-        kv = KVCacheManager(num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
-                            scratch_blocks=kvp, kvp_tokens=shape.kvp_tokens if kvp > 1 else None)
         cost = self.cost or profile.unmeasured(runner)
         scheduler = replica_scheduler(cfg.scheduler, cost, kv, self._packer(cost, measured=self.cost is not None),
                                       num_scheduler_steps=self._buckets.burst_steps)

@@ -282,7 +282,7 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.scheduler.iteration_budget is None:
             raise ValueError("a simulated replica needs an iteration_budget (seconds)")
-        if self.scheduler.num_scheduler_steps > 1 and self.stages > 1:
+        if self.scheduler.num_scheduler_steps > 1 and self.instance.stages > 1:
             raise ValueError("multi-step decode (num_scheduler_steps > 1) runs on one pipeline stage: each of a "
                              "burst's steps would cross every stage before the next could start")
         if self.dispatch not in ("least_work", "round_robin"):
@@ -291,20 +291,8 @@ class SimConfig:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
 
     @property
-    def stages(self) -> int:
-        return self.instance.stages
-
-    @property
-    def kvp(self) -> int:
-        return self.instance.kvp
-
-    @property
-    def kvp_tokens(self) -> int | None:
-        return self.instance.kvp_tokens
-
-    @property
     def gpus_per_replica(self) -> int:
-        return self.tp * self.stages * self.kvp
+        return self.tp * self.instance.stages * self.instance.kvp
 
 
 # the sections the command line sets, each once

@@ -4,8 +4,9 @@ prefills and decodes; there are no separate decode instances.
 - Arrival: a prompt waits, in arrival order (the cluster scheduler's `wait`).
 - Prefill (each step, on the instances no prefill holds): the cluster scheduler's `elastic_batches` (sched/esp.py's
   ESPScheduler) admits waiting prompts, allocates elastic instances and batches them by its DP, over the instance
-  sets this cluster has programs for (aligned power-of-two groups). A batch's prompts run one after another on its group, each as one chunk with
-  ring attention over the group's devices: a scale-up when the group has more than one instance.
+  sets this cluster has programs for (aligned power-of-two groups). A batch's prompts run one after another on
+  its group, each as one chunk with ring attention over the group's devices: a scale-up when the group has more
+  than one instance.
 - Scale-down: each prompt decodes on one instance of its group, the one with the most free KV (sched/esp.py's
   first choice). Its KV share on that instance is copied on its own device; the other instances' shares move
   to it (one transfer, through the decode instance's receive buffers). Its first token is drawn with that

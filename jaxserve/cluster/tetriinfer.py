@@ -4,9 +4,10 @@ decode instances run the Plan-executing engine as under CDSP (ClusterEngine: rec
 - Arrival: a prompt joins the prefill instance with the fewest prompt tokens left (the cluster scheduler's
   `queue`, the simulator's too).
 - Prefill: each instance's chunks come from the cluster scheduler (`next_chunk`: sched/prefill_batches.py's
-  PrefillBatchScheduler per instance), one chunk of `chunk` tokens at a time: the scheduling batch's prompts (ordered SJF / LJF / FCFS) sliced and merged in order. A chunk's pieces run
-  one after another on the instance (each its own program call); every piece but the chunk's last ends its
-  prompt, so the instance's history store holds one prompt at a time.
+  PrefillBatchScheduler per instance), one chunk of `chunk` tokens at a time: the scheduling batch's prompts
+  (ordered SJF / LJF / FCFS) sliced and merged in order. A chunk's pieces run one after another on the instance
+  (each its own program call); every piece but the chunk's last ends its prompt, so the instance's history store
+  holds one prompt at a time.
 - Dispatch: a prompt's decode instance is chosen when its last piece is planned (power of two over the instances
   with room for the prompt plus its predicted decode), so the first token is drawn with the decode side's seed.
 - Transfer: once the prompt is done, its whole KV goes to the decode instance in one transfer (TetriInfer's
@@ -65,15 +66,15 @@ class TetriInferCluster(ClusterEngine):
         super().__init__(prefill, scheduler, decoders, mover, **kwargs)
         if [i.group for i in scheduler.instances] != [(d,) for d in self.pool_ids]:
             raise ValueError("one prefill scheduler per pool instance, in pool order")
-        instances = scheduler.instances
+        n = len(scheduler.instances)
         self._prompts: dict[str, _Prompt] = {}
         self._chunks: dict[int, _Chunk] = {}  # instance index -> its chunk in flight
         self.flip = flip
         if flip is None:
-            self.prefilling, self.decoding = set(range(len(instances))), set(range(len(self.decoders)))
+            self.prefilling, self.decoding = set(range(n)), set(range(len(self.decoders)))
         else:
             self._check_decoders_on_pool("Flipping")
-            self.prefilling, self.decoding = set(range(prefilling)), set(range(prefilling, len(instances)))
+            self.prefilling, self.decoding = set(range(prefilling)), set(range(prefilling, n))
         self._joining: int | None = None  # a prefill instance draining to decode
         self._leaving: int | None = None  # a decode instance draining to prefill
         self._windows: dict[tuple[str, int], LoadWindow] = {}

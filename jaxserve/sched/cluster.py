@@ -17,6 +17,7 @@ sim/prefill_pool.py, sim/esp_cluster.py).
 Pool slots are the planner's instance indices; Plans name device ids (`pool_ids[slot]`). Slots marked
 `unavailable` (a decode instance's devices, with flips) look busy forever to the planner.
 """
+
 from __future__ import annotations
 
 import dataclasses

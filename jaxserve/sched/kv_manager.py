@@ -50,8 +50,9 @@ class KVCacheManager:
         if scratch_blocks < 1 or num_blocks <= scratch_blocks or block_size < 1:
             raise ValueError(f"need num_blocks > scratch_blocks >= 1 and block_size >= 1, got {num_blocks}, "
                              f"{scratch_blocks} and {block_size}")
-        if kvp_tokens is not None and (kvp_tokens < block_size or num_blocks % scratch_blocks):
-            raise ValueError(f"kvp_tokens ({kvp_tokens}) must hold a block ({block_size} tokens) or more, and the "
+        if kvp_tokens is not None and (kvp_tokens < block_size or kvp_tokens % block_size
+                                       or num_blocks % scratch_blocks):
+            raise ValueError(f"kvp_tokens ({kvp_tokens}) must be whole KV blocks of {block_size} tokens, and the "
                              f"{num_blocks} blocks split evenly over the {scratch_blocks} KV-parallel sets")
         self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
         self.scratch_blocks = scratch_blocks

@@ -36,14 +36,15 @@ def replica_kv_capacity(config: SimConfig) -> int:
     """KV tokens a replica holds: the config's, or what its GPUs' memory holds beside the weights."""
     if config.kv_capacity is not None:
         return config.kv_capacity
-    return config.kvp * kv_capacity(config.profile, config.tp * config.stages, config.memory_utilization)
+    shape = config.instance
+    return shape.kvp * kv_capacity(config.profile, config.tp * shape.stages, config.memory_utilization)
 
 
 def stage_packer(config: SimConfig, cost: BatchCost) -> PackerConfig:
     """A token passes every stage once per iteration: each stage gets 1/stages of the iteration budget, so time
     between tokens stays near the budget however deep the pipeline."""
     return packer_config(config.scheduler, cost, chunk_align=config.chunk_align, max_prefills=config.max_prefills,
-                         long_threshold=config.long_threshold, stages=config.stages)
+                         long_threshold=config.long_threshold, stages=config.instance.stages)
 
 
 class Replica:
@@ -53,7 +54,7 @@ class Replica:
         kv = KVCacheManager.for_tokens(replica_kv_capacity(config), config.block_size, enable_prefix_caching=False)
         self.scheduler = replica_scheduler(config.scheduler, cost, kv, packer, group=group,
                                            prefill_cache=cache, **({"batch": config.sjf_batch} if sjf else {}))
-        self.cost, self.stages, self.time_scale = cost, config.stages, config.time_scale
+        self.cost, self.stages, self.time_scale = cost, config.instance.stages, config.time_scale
         self.stage_free_at = 0.0
         # between stages (a node each) a batch's activations cross the inter-node link, each TP rank sending its
         # share; the link runs beside the next batch's compute, so it adds latency, not stage time
@@ -85,7 +86,8 @@ class Simulator:
     def __init__(self, config: SimConfig = SimConfig(), cost: BatchCost | None = None):
         """cost: the iteration cost model of one pipeline stage; defaults to the config's built-in profile."""
         self.config = config
-        self.cost = cost or ProfileBatchCost(config.profile, config.tp, config.stages, config.kvp, config.kvp_tokens)
+        shape = config.instance
+        self.cost = cost or ProfileBatchCost(config.profile, config.tp, shape.stages, shape.kvp, shape.kvp_tokens)
         # chunks of one prompt stream through the stages back to back: a prompt costs the sum of its chunks'
         # stage times (plus a pipeline fill, left out)
         self.packer = stage_packer(config, self.cost)
