@@ -12,12 +12,17 @@ none per chunk. The stores are donated (updated in place); only the sampled firs
 With tp > 1 the pool is made of instances of tp devices each, tensor-parallel inside (sharding/tp.py): a group
 is a set of instances (each named by its first device's id), its chunk runs on an (sp, tp) mesh, and each
 instance's store is split over its devices by KV head.
+
+The chunk's attention over the group is CDSP's ring by default. sp_attention="sp_ntp" makes the pool CSPS's:
+heads over the group by all-to-all (sharding/ulysses.py), and with sparse_attention=drop its CSA (sharding/csa.py:
+the chunk's contiguous shards as CSA's partitions, the history dense). The stores keep history by sequence in
+every mode, so rebalancing and transfers do not change.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +36,14 @@ from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
 from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.pallas_kernels.reference import NO_POSITION
-from jaxserve.sharding import layouts, processes, rebalance, rows, tp as tensor_parallel
+from jaxserve.sharding import csa, layouts, processes, rebalance, rows, tp as tensor_parallel
 from jaxserve.sharding.mesh import SP, TP, make_mesh
-from jaxserve.sharding.ring import StoreRingBackend, StoreRingMetadata
+from jaxserve.sharding.ring import StoreMetadata, StoreRingBackend
+from jaxserve.sharding.ulysses import StoreUlyssesBackend
 
 Group = tuple[int, ...]  # instance ids (each instance's first device's id) in ring order
+SPAttention = Literal["ring", "sp_ntp"]
+SP_ATTENTION: tuple[SPAttention, ...] = ("ring", "sp_ntp")
 
 
 @dataclasses.dataclass
@@ -74,12 +82,21 @@ def next_power_of_two(n: int) -> int:
 class SPPrefill:
     def __init__(self, cfg: LlamaConfig, params: Any, devices: Sequence[jax.Device], *, capacity: int,
                  dtype=jnp.float32, key_block: int = 256, min_local: int = 16, layout: layouts.Layout = "zigzag",
-                 implementation: Implementation | None = None, tp: int = 1):
+                 implementation: Implementation | None = None, tp: int = 1, sp_attention: SPAttention = "ring",
+                 sparse_attention: float | None = None):
         """devices: the pool, consecutive runs of tp devices forming one (tensor-parallel) instance; capacity:
         history rows each instance's store holds (rounded up to key blocks); min_local: the smallest
-        per-instance chunk bucket."""
+        per-instance chunk bucket; sp_attention, sparse_attention: the chunk's attention (module docstring;
+        CSA lays chunks out contiguously, whatever `layout` says)."""
         if len(devices) % tp:
             raise ValueError(f"{len(devices)} prefill devices do not form instances of {tp}")
+        if sp_attention not in SP_ATTENTION:
+            raise ValueError(f"sp_attention must be one of {SP_ATTENTION}, got {sp_attention!r}")
+        if sparse_attention is not None and (sp_attention != "sp_ntp" or not 0 <= sparse_attention <= 1):
+            raise ValueError("sparse_attention (CSA's drop ratio, in [0, 1]) needs sp_attention='sp_ntp', got "
+                             f"{sparse_attention!r} with {sp_attention!r}")
+        self.sp_attention, self.sparse_attention = sp_attention, sparse_attention
+        layout = "contiguous" if sparse_attention is not None else layout
         self.cfg, self.dtype, self.key_block, self.layout, self.tp = cfg, dtype, key_block, layout, tp
         self.kv_dtype = cache_dtype(dtype, devices[0].platform)  # the stores' (float32 on a CPU)
         self.min_local, self.implementation = max(min_local, 2), implementation
@@ -141,12 +158,20 @@ class SPPrefill:
     def _compile(self, group: Group, local: int) -> Any:
         mesh = self._mesh(group)
         step = chunk_step(self.cfg, mesh, self._specs, key_block=self.key_block, dtype=self.dtype,
-                          implementation=self.implementation)
+                          implementation=self.implementation, backend=self.backend(len(group)))
         if not processes.local_devices(mesh.devices.flat):
             return step  # another host's group: JAX skips its calls here (nothing to compile)
         layers, *rest = self.stores[group[0]].k.shape
         return step.lower(self._mesh_params(group), *chunk_args(mesh, local, self.cap, (layers, *rest),
                                                                  self.kv_dtype)).compile()
+
+    def backend(self, sp: int) -> StoreRingBackend | StoreUlyssesBackend | csa.StoreCSABackend:
+        """The chunk's attention over a group of sp instances."""
+        if self.sparse_attention is not None:
+            return csa.StoreCSABackend(csa.levels_for(sp, self.sparse_attention), self.key_block,
+                                       implementation=self.implementation)
+        kind = StoreUlyssesBackend if self.sp_attention == "sp_ntp" else StoreRingBackend
+        return kind(sp, self.key_block, implementation=self.implementation)
 
     def warmup_moves(self) -> None:
         """Compile the row take and put programs of every piece size on every instance (the stores must be free:
@@ -198,6 +223,9 @@ class SPPrefill:
         sharding = NamedSharding(self._mesh(group), P(SP))
         put = lambda x: jax.device_put(x, sharding)  # noqa: E731
         fill = np.array([s.fill for s in stores], np.int32)
+        blocks = -(-fill // self.key_block)
+        if self.sp_attention == "sp_ntp" and self.sparse_attention is None:
+            blocks[:] = blocks.max()  # every device joins each history block's all-to-all
         last = np.where(np.arange(p) == owner, row, 0).astype(np.int32)
         rep = lambda x, dtype: np.full(p, x, dtype)  # noqa: E731
         layers, *rest = stores[0].k.shape
@@ -209,7 +237,7 @@ class SPPrefill:
         processes.meet(self._mesh(group).devices.flat)
         out, k2, v2 = self.program(group, local)(
             self._mesh_params(group), put(ids), put(q_pos), put(k_pos), put(np.concatenate([s.pos for s in stores])),
-            put(fill), put(-(-fill // self.key_block)), put(last), put(rep(params.temperature, np.float32)),
+            put(fill), put(blocks), put(last), put(rep(params.temperature, np.float32)),
             put(rep(params.top_k, np.int32)), put(rep(params.top_p, np.float32)), put(rep(seed, np.uint32)),
             put(rep(0, np.int32)), *kv)
         new_k = {s.device: s.data for s in k2.addressable_shards}
@@ -281,15 +309,16 @@ class SPPrefill:
 
 
 def chunk_step(cfg: LlamaConfig, mesh: Mesh, specs: Any, *, key_block: int, dtype,
-               implementation: Implementation | None = None) -> Any:
-    """The jitted chunk step of the model over `mesh` (sp x tp): ring attention inside `shard_map`, the stores
-    donated. specs: the parameters' PartitionSpecs (tensor_parallel.shard_params)."""
+               implementation: Implementation | None = None, backend: Any = None) -> Any:
+    """The jitted chunk step of the model over `mesh` (sp x tp): `backend`'s attention (default the ring) inside
+    `shard_map`, the stores donated. specs: the parameters' PartitionSpecs (tensor_parallel.shard_params)."""
     p, tp = mesh.shape[SP], mesh.shape[TP]
-    model = Llama(cfg, StoreRingBackend(p, key_block, implementation=implementation), dtype, TP if tp > 1 else None)
+    backend = backend or StoreRingBackend(p, key_block, implementation=implementation)
+    model = Llama(cfg, backend, dtype, TP if tp > 1 else None)
 
     def body(params, ids, q_pos, k_pos, hist_pos, fill, blocks, last, temperature, top_k, top_p, seed, counter,
              k_store, v_store):
-        metadata = StoreRingMetadata(hist_pos, k_pos, fill[0], blocks[0])
+        metadata = StoreMetadata(hist_pos, k_pos, fill[0], blocks[0])
         logits, caches = model.apply(params, ids[None], q_pos[None], (k_store, v_store), metadata, last[None])
         # one draw a chunk, beside a whole chunk's forward: the top-k / top-p sort always runs (one program)
         return (sample(logits[0], temperature, top_k, top_p, seed, counter, cut=True),) + caches

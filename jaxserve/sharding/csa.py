@@ -42,12 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxserve.pallas_kernels import dispatch as kernels
 from jaxserve.pallas_kernels.reference import NO_POSITION, merge_attention
 from jaxserve.sched import csa_cost  # the level rules, jax-free, shared with the cost model
 from jaxserve.sharding.mesh import SP
+from jaxserve.sharding.ring import StoreMetadata, stored_history_attention, write_store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +134,39 @@ def _ring_perms(levels: Levels, v: int) -> list[list[tuple[int, int]]]:
     return [perm for perm in perms if perm]
 
 
+def csa_partials(
+    q: Float[Array, "t h d"],
+    k: Float[Array, "t kvh d"],
+    v: Float[Array, "t kvh d"],
+    q_pos: Int[Array, "t"],
+    k_pos: Int[Array, "t"],
+    importance: Float[Array, "t kvh"],
+    *,
+    levels: Levels,
+    axis_name: str = SP,
+    implementation: kernels.Implementation | None = None,
+) -> list[tuple[Float[Array, "t h d"], Float[Array, "t h"]]]:
+    """Inside `shard_map` over `axis_name` (size levels.sp): this partition's queries over each level's keys,
+    (o, lse) per level. Positions mask the own partition causally (padding: queries at -1, keys at NO_POSITION);
+    the kept keys of earlier partitions precede every query of this one."""
+    t = q.shape[0]
+    me = jax.lax.axis_index(axis_name)
+    partials = [kernels.chunk_attention(q, k, v, q_pos, k_pos, implementation=implementation)]  # level 0
+    for lv, keep in enumerate(levels.keep(t)[1:], start=1):
+        perms = _ring_perms(levels, lv)
+        if not keep or not perms:
+            continue
+        top = jax.lax.top_k(importance.T, keep)[1].T[..., None]  # [keep, kvh, 1]: this partition's kept tokens
+        kv = jnp.stack([jnp.take_along_axis(x, top, axis=0) for x in (k, v)])  # [2, keep, kvh, d]
+        got = jnp.concatenate([jax.lax.ppermute(kv, axis_name, perm) for perm in perms], axis=1)
+        # A block is real only where this device was a destination (ppermute leaves zeros elsewhere). Every real
+        # block comes from an earlier partition, so all its keys are visible: position 0, else never.
+        real = np.array([[j in dict(perm).values() for j in range(levels.sp)] for perm in perms])
+        seen = jnp.repeat(jnp.where(jnp.asarray(real)[:, me], 0, NO_POSITION), keep).astype(jnp.int32)
+        partials.append(kernels.chunk_attention(q, got[0], got[1], q_pos, seen, implementation=implementation))
+    return partials
+
+
 def csa_attention(
     q: Float[Array, "t h d"],
     k: Float[Array, "t kvh d"],
@@ -144,24 +178,60 @@ def csa_attention(
     implementation: kernels.Implementation | None = None,
 ) -> Float[Array, "t h d"]:
     """Inside `shard_map` over `axis_name` (size levels.sp): this partition's queries, CSA output."""
-    t = q.shape[0]
-    me = jax.lax.axis_index(axis_name)
-    pos = jnp.arange(t, dtype=jnp.int32)
-    partials = [kernels.chunk_attention(q, k, v, pos, pos, implementation=implementation)]  # level 0: own, causal
-    for lv, keep in enumerate(levels.keep(t)[1:], start=1):
-        perms = _ring_perms(levels, lv)
-        if not keep or not perms:
-            continue
-        top = jax.lax.top_k(importance.T, keep)[1].T[..., None]  # [keep, kvh, 1]: this partition's kept tokens
-        kv = jnp.stack([jnp.take_along_axis(x, top, axis=0) for x in (k, v)])  # [2, keep, kvh, d]
-        got = jnp.concatenate([jax.lax.ppermute(kv, axis_name, perm) for perm in perms], axis=1)
-        # A block is real only where this device was a destination (ppermute leaves zeros elsewhere). Every real
-        # block comes from an earlier partition, so all its keys are visible: position 0, else never.
-        real = np.array([[j in dict(perm).values() for j in range(levels.sp)] for perm in perms])
-        k_pos = jnp.repeat(jnp.where(jnp.asarray(real)[:, me], 0, NO_POSITION), keep).astype(jnp.int32)
-        partials.append(kernels.chunk_attention(q, got[0], got[1], pos, k_pos, implementation=implementation))
+    pos = jnp.arange(q.shape[0], dtype=jnp.int32)
+    partials = csa_partials(q, k, v, pos, pos, importance, levels=levels, axis_name=axis_name,
+                            implementation=implementation)
     out, _ = merge_attention(jnp.stack([o for o, _ in partials]), jnp.stack([lse for _, lse in partials]))
     return out.astype(q.dtype)  # Eq. (5)
+
+
+def own_importance(q: Float[Array, "t h d"], k: Float[Array, "t kvh d"], q_pos: Int[Array, "t"],
+                   k_pos: Int[Array, "t"]) -> Float[Array, "t kvh"]:
+    """Attention each key of this partition receives from the partition's own queries (`importance_from_probs`
+    of this layer's level-0 scores). The paper ranks by the previous layer's scores; this layer's own are at
+    hand without carrying anything between layers."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(t, kvh, h // kvh, d).astype(jnp.float32) * d**-0.5
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k.astype(jnp.float32)).reshape(h, t, t)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    peak = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1, keepdims=True)
+    weights = jnp.where(visible, jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
+    return importance_from_probs(weights / jnp.maximum(weights.sum(-1, keepdims=True), 1e-30), kvh)
+
+
+def levels_for(sp: int, drop: float) -> Levels:
+    """CSA's levels over a group of `sp` partitions (a power of two): spans 1, 2, 4, ..., sp, and the geometric
+    schedule from `drop`; drop 0 drops nothing at any level (CSA's data path, exactly dense attention), where the
+    geometric schedule would still halve each farther level."""
+    if sp & (sp - 1):
+        raise ValueError(f"CSA needs a group of a power of two devices, got {sp}")
+    spans = tuple(1 << i for i in range(sp.bit_length()))
+    return geometric(spans, drop) if drop else Levels(spans, (0.0,) * len(spans))
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreCSABackend:
+    """The model's attention backend inside `shard_map` for a CSPS chunk with CSA: the chunk's own tokens by CSA's
+    levels (its partitions are the group's contiguous shards, ranked by `own_importance`), the request's stored
+    history dense (as the ring backend reads it), all merged by Eq. (5). caches and metadata as the ring's."""
+
+    levels: Levels
+    key_block: int
+    axis_name: str = SP
+    implementation: kernels.Implementation | None = None
+
+    def __call__(self, q, k, v, positions, caches, layer, metadata: StoreMetadata):
+        k_store, v_store = caches
+        kw = dict(axis_name=self.axis_name, implementation=self.implementation)
+        history = stored_history_attention(q[0], positions[0], k_store, v_store, metadata.hist_pos, layer,
+                                           metadata.blocks, key_block=self.key_block, **kw)
+        importance = own_importance(q[0], k[0], positions[0], metadata.k_pos)
+        partials = [history, *csa_partials(q[0], k[0], v[0], positions[0], metadata.k_pos, importance,
+                                           levels=self.levels, **kw)]
+        out, _ = merge_attention(jnp.stack([o.astype(jnp.float32) for o, _ in partials]),
+                                 jnp.stack([lse for _, lse in partials]))
+        return out[None].astype(q.dtype), write_store(caches, k, v, layer, metadata.fill)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "levels", "implementation"))

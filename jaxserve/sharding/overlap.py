@@ -83,3 +83,22 @@ def transfers(hlo: str) -> list[Transfer]:
     return found
 
 
+
+
+def collective_bytes(hlo: str, devices: int) -> dict[str, int]:
+    """Bytes a group of `devices` sends in all, by collective kind, over every synchronous collective of a
+    compiled module (a CPU's), each counted once (a loop body's once, whatever its trip count): an all-to-all or
+    all-gather moves (devices - 1) / devices of its result from each device (a CPU's all-to-all returns a tuple
+    of pieces: all of them); a collective-permute its buffer once per source-target pair."""
+    sent: dict[str, int] = {}
+    for instructions in computations(hlo).values():
+        for _, shape, op, rest in instructions:
+            if op in ("all-to-all", "all-gather"):
+                n = sum(array_bytes(a.group(0)) for a in re.finditer(r"\w+\[[\d,]*\]", shape)) * (devices - 1)
+            elif op == "collective-permute":
+                pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
+                n = array_bytes(shape) * (pairs.group(1).count("},{") + 1 if pairs else 0)
+            else:
+                continue
+            sent[op] = sent.get(op, 0) + n
+    return sent

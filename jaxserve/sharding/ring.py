@@ -123,8 +123,8 @@ def ring_attention(
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class StoreRingMetadata(AttentionMetadata):
-    """What StoreRingBackend reads on one device of the group."""
+class StoreMetadata(AttentionMetadata):
+    """What a store backend (ring, SP-NTP or CSA) reads on one device of the group."""
 
     hist_pos: Int[Array, "cap"]
     """The store's row positions; NO_POSITION where empty."""
@@ -150,13 +150,17 @@ class StoreRingBackend:
     axis_name: str = SP
     implementation: kernels.Implementation | None = None
 
-    def __call__(self, q, k, v, positions, caches, layer, metadata: StoreRingMetadata):
+    def __call__(self, q, k, v, positions, caches, layer, metadata: StoreMetadata):
         k_store, v_store = caches
         kw = dict(axis_name=self.axis_name, implementation=self.implementation)
         o, lse = stored_history_attention(q[0], positions[0], k_store, v_store, metadata.hist_pos, layer,
                                           metadata.blocks, key_block=self.key_block, **kw)
         o, _ = chunk_ring(o, lse, q[0], k[0], v[0], positions[0], metadata.k_pos, axis_size=self.axis_size, **kw)
-        at = (layer, metadata.fill, 0, 0)
-        k_store = jax.lax.dynamic_update_slice(k_store, k.astype(k_store.dtype), at)  # k: [1, t, kvh, d]
-        v_store = jax.lax.dynamic_update_slice(v_store, v.astype(v_store.dtype), at)
-        return o[None].astype(q.dtype), (k_store, v_store)
+        return o[None].astype(q.dtype), write_store(caches, k, v, layer, metadata.fill)
+
+
+def write_store(caches, k: Float[Array, "1 t kvh d"], v: Float[Array, "1 t kvh d"], layer: Int[Array, ""],
+                fill: Int[Array, ""]):
+    """The store (k_store, v_store) with this shard's K/V of `layer` at rows [fill, fill + t)."""
+    at = (layer, fill, 0, 0)
+    return tuple(jax.lax.dynamic_update_slice(store, x.astype(store.dtype), at) for store, x in zip(caches, (k, v)))

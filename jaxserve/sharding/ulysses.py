@@ -2,9 +2,16 @@
 
 Queries and K/V arrive sharded by sequence; one all-to-all re-shards them by head, each device attends over the
 whole sequence for its heads, and a second all-to-all brings the output back to sequence shards.
+
+`StoreUlyssesBackend` is the CSPS prefill pool's attention (engine/sp_prefill.py, sp_attention="sp_ntp"): the
+chunk as above, and the request's history, kept by sequence in each device's store, re-sharded by head one key
+block at a time and merged by log-sum-exp. Heads that do not split over the group (9 over 2, say) are split as
+MHA: K/V repeated to one head per query head, query and K/V heads padded with zeros to a multiple of the group.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxserve.pallas_kernels import dispatch as kernels
 from jaxserve.sharding.mesh import SP
+from jaxserve.sharding.ring import StoreMetadata, merge_two, write_store
 
 
 def kv_heads_for(h: int, kvh: int, p: int) -> int:
@@ -54,3 +62,75 @@ def ulysses_attention(
                                    _seq_to_heads(values, axis_name), all_q_pos, key_pos,
                                    implementation=implementation)
     return jax.lax.all_to_all(o, axis_name, split_axis=0, concat_axis=1, tiled=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSplit:
+    """How h query heads and kvh KV heads split over p devices: each KV head repeated `repeat` times, then query
+    and KV heads padded with zero heads to `q_heads` and `kv_heads` (multiples of p)."""
+
+    h: int
+    repeat: int
+    q_heads: int
+    kv_heads: int
+
+    @classmethod
+    def of(cls, h: int, kvh: int, p: int) -> "HeadSplit":
+        if h % p == 0 and (kvh % p == 0 or p % kvh == 0):
+            return cls(h, kv_heads_for(h, kvh, p) // kvh, h, kv_heads_for(h, kvh, p))
+        padded = -(-h // p) * p
+        return cls(h, h // kvh, padded, padded)  # MHA: query head j pairs with repeated KV head j
+
+    def queries(self, q: Float[Array, "t h d"], axis_name: str) -> Float[Array, "pt hp d"]:
+        return _seq_to_heads(_pad_heads(q, self.q_heads), axis_name)
+
+    def keys(self, k: Float[Array, "t kvh d"], axis_name: str) -> Float[Array, "pt kp d"]:
+        return _seq_to_heads(_pad_heads(jnp.repeat(k, self.repeat, axis=1), self.kv_heads), axis_name)
+
+    def outputs(self, o: Float[Array, "pt hp d"], axis_name: str) -> Float[Array, "t h d"]:
+        return jax.lax.all_to_all(o, axis_name, split_axis=0, concat_axis=1, tiled=True)[:, :self.h]
+
+
+def as_f32(partial: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    return tuple(x.astype(jnp.float32) for x in partial)
+
+
+def _pad_heads(x: Float[Array, "t n d"], heads: int) -> Float[Array, "t heads d"]:
+    return jnp.pad(x, ((0, 0), (0, heads - x.shape[1]), (0, 0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreUlyssesBackend:
+    """The model's attention backend inside `shard_map` for a CSPS SP-NTP chunk: the chunk and the request's
+    stored history attended head-sharded, then the output back to sequence shards.
+
+    caches = this device's (k_store, v_store), each [layers, cap, kvh, d], kept by sequence as the ring keeps
+    them (rebalancing and transfers are the same). metadata.blocks must be equal on every device of the group
+    (the group's most): each history block is re-sharded by one all-to-all that all of them join.
+    """
+
+    axis_size: int
+    key_block: int
+    axis_name: str = SP
+    implementation: kernels.Implementation | None = None
+
+    def __call__(self, q, k, v, positions, caches, layer, metadata: StoreMetadata):
+        k_store, v_store = caches
+        ax, kb = self.axis_name, self.key_block
+        split = HeadSplit.of(q.shape[2], k.shape[2], self.axis_size)
+        attend = lambda keys, values, k_pos: kernels.chunk_attention(  # noqa: E731
+            q_heads, split.keys(keys, ax), split.keys(values, ax), q_pos, jax.lax.all_gather(k_pos, ax, tiled=True),
+            implementation=self.implementation)
+        q_heads = split.queries(q[0], ax)
+        q_pos = jax.lax.all_gather(positions[0], ax, tiled=True)
+        _, kvh, d = k_store.shape[1:]
+
+        def block(i, carry):
+            at = i * kb
+            ks, vs = (jax.lax.dynamic_slice(x, (layer, at, 0, 0), (1, kb, kvh, d))[0] for x in (k_store, v_store))
+            return as_f32(merge_two(*carry, *attend(ks, vs, jax.lax.dynamic_slice_in_dim(metadata.hist_pos, at, kb)),
+                                    self.implementation))
+
+        o, lse = jax.lax.fori_loop(0, metadata.blocks, block, as_f32(attend(k[0], v[0], metadata.k_pos)))
+        out = split.outputs(o.astype(q.dtype), ax)
+        return out[None], write_store(caches, k, v, layer, metadata.fill)

@@ -355,7 +355,7 @@ def test_prompt_logits_predict_what_greedy_generation_takes(llm):
 
 
 def test_no_compiles_while_serving_after_warm_up():
-    """200 varied requests (prompt lengths 1-900, greedy and sampled, top-k/top-p, chunked and batched) after the
+    """64 varied requests (prompt lengths 1-900, greedy and sampled, top-k/top-p, chunked and batched) after the
     start-up warm-up (serve's; small buckets, to compile few programs): XLA compiles nothing."""
     llm = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=4, max_num_batched_tokens=64,
                        warmup=True, progress=False)
@@ -368,7 +368,7 @@ def test_no_compiles_while_serving_after_warm_up():
     jax.monitoring.register_event_duration_secs_listener(listener)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, llm.config.vocab_size, int(n)).tolist()
-               for n in np.concatenate([rng.integers(1, 40, 150), rng.integers(40, 900, 50)])]
+               for n in np.concatenate([rng.integers(1, 40, 48), rng.integers(40, 900, 16)])]
     params = [SamplingParams(max_tokens=int(rng.integers(1, 4)), ignore_eos=True,
                              temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])),
                              top_p=float(rng.choice([1.0, 0.9])), seed=i) for i in range(len(prompts))]
