@@ -196,7 +196,8 @@ class LLM:
         layout, key_block = self.engine_config.parallel, self.engine_config.cache.key_block
         prefill_profile = self.engine_config.startup.prefill_profile
         path = (pathlib.Path(prefill_profile) if prefill_profile else
-                pool_profile.default_path(self.model_name, self._dtype_name, layout.cluster_policy,
+                pool_profile.default_path(self.model_name, self._dtype_name,
+                                          f"{layout.cluster_policy}-{layout.pool_attention}",
                                           layout.prefill_instances,
                                           layout.node_size, layout.tp, self.max_model_len, key_block))
         cluster = build(self.config, self._params, layout, lambda ds: self.make_engine(ds, progress), path,

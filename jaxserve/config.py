@@ -142,6 +142,15 @@ class ParallelConfig:
         "by power of two on its predicted decode length. esp (LoongServe): the --prefill_instances instances "
         "both prefill and decode (no separate decode instances); a batch of prompts prefills over an elastic "
         "group of them (ring attention), and each prompt then decodes on one instance of its group.")
+    sp_attention: Literal["ring", "sp_ntp"] = setting(
+        "ring", "cdsp: a chunk's attention over its SP group. ring (Tetris's CDSP): zigzag ring attention, K/V "
+        "passed around the group; sp_ntp (CSPS's SP-NTP): heads spread over the group by all-to-all (heads that do "
+        "not divide over it run as MHA, padded).")
+    sparse_attention: float | None = setting(
+        None, "cdsp with --sp_attention=sp_ntp: CSPS's communication-efficient sparse attention (CSA) on each "
+        "chunk, dropping this fraction of an earlier partition's K/V at level 2 and more at farther levels (the "
+        "paper's geometric schedule; 0 drops nothing: dense results). The history stays dense. Needs node sizes "
+        "and groups of powers of two. Default: dense attention.")
     prefill_chunk: int = setting(512, "tetriinfer: tokens in a prefill chunk (TetriInfer's ChunkSize).")
     prefill_batch: int = setting(16, "tetriinfer: prompts in a scheduling batch.")
     prefill_order: Literal["fcfs", "sjf", "ljf"] = setting("sjf", "tetriinfer: the order within a scheduling "
@@ -159,6 +168,18 @@ class ParallelConfig:
             raise ValueError(f"cluster_policy must be cdsp, tetriinfer or esp, got {self.cluster_policy!r}")
         if self.prefill_order not in ("fcfs", "sjf", "ljf"):
             raise ValueError(f"prefill_order must be fcfs, sjf or ljf, got {self.prefill_order!r}")
+        if self.sp_attention not in ("ring", "sp_ntp"):
+            raise ValueError(f"sp_attention must be ring or sp_ntp, got {self.sp_attention!r}")
+        if self.sparse_attention is not None and not (self.sp_attention == "sp_ntp" and self.cluster_policy == "cdsp"
+                                                      and 0 <= self.sparse_attention <= 1):
+            raise ValueError(f"--sparse_attention (CSA's drop ratio, 0 to 1) needs --sp_attention=sp_ntp and "
+                             f"--cluster_policy=cdsp; got {self.sparse_attention} with {self.sp_attention} and "
+                             f"{self.cluster_policy}")
+
+    @property
+    def pool_attention(self) -> str:
+        """The prefill pool's attention in a word: ring, sp_ntp or csa<drop>."""
+        return self.sp_attention if self.sparse_attention is None else f"csa{self.sparse_attention:g}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,6 +60,12 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
                          "and decode instances of one instance each (--decode_kvp=1)")
     if layout.cluster_policy == "cdsp" and layout.prefill_instances % layout.node_size:
         raise ValueError(f"{layout.prefill_instances} prefill instances do not form nodes of {layout.node_size}")
+    if layout.sp_attention != "ring" and layout.cluster_policy != "cdsp":
+        raise ValueError("--sp_attention=sp_ntp is the CDSP pool's (--cluster_policy=cdsp)")
+    powers = [n for n in (layout.node_size, layout.prefill_instances) if n & (n - 1)]
+    if layout.sparse_attention is not None and powers:
+        raise ValueError(f"CSA (--sparse_attention) needs groups of a power of two instances: --node_size and "
+                         f"--prefill_instances must be powers of two, got {powers}")
 
 
 def pool_of(layout: ParallelConfig) -> Pool:
@@ -109,7 +115,7 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     if flips:  # every instance may prefill and decode: a store and an engine on each
         first = (layout.prefill_instances + layout.decode_instances) * tp
     sp = new(SPPrefill, cfg, params, devices[:first], capacity=rows, dtype=dtype, key_block=key_block,
-             min_local=min_local, tp=tp)
+             min_local=min_local, tp=tp, sp_attention=layout.sp_attention, sparse_attention=layout.sparse_attention)
     if layout.cluster_policy == "esp" or flips:  # instances that decode on the pool's devices
         engines = [make_engine(devices[i * tp:(i + 1) * tp]) for i in range(first // tp)]
     else:

@@ -18,14 +18,16 @@ GREEDY = SamplingParams(max_tokens=24)
 
 def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(llm, tmp_path):
     """LLM(tp=..., prefill_instances=...) (what serve/generate's layout flags build), in instances of 3
-    tensor-parallel devices (SmolLM2's 9 heads over 3 KV heads: 3 and 1 per device): the pool's Eq. (1) is
-    measured and written where asked, and generation through the cluster (a prefill pool of 2 instances, one
-    decode instance KV-parallel over 2, 12 devices in all) gives the single-device engine's greedy tokens, and
-    serves them (the openai client over HTTP) with its events in /metrics."""
+    tensor-parallel devices (SmolLM2's 9 heads over 3 KV heads: 3 and 1 per device), the pool CSPS's (SP-NTP
+    with CSA, dropping nothing; test_live_cluster.py serves CDSP's ring): the pool's Eq. (1) is measured and
+    written where asked, and generation through the cluster (a prefill pool of 2 instances, one decode instance
+    KV-parallel over 2, 12 devices in all) gives the single-device engine's greedy tokens, and serves them (the
+    openai client over HTTP) with its events in /metrics."""
     path = tmp_path / "eq1.json"
     clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4, max_num_batched_tokens=256,
                              tp=3, prefill_instances=2, decode_instances=1, decode_kvp=2, min_chunk=256,
-                             prefill_profile=str(path), progress=False)
+                             sp_attention="sp_ntp", sparse_attention=0.0, prefill_profile=str(path), progress=False)
+    assert type(clustered.engine.prefill.backend(2)).__name__ == "StoreCSABackend"
     assert isinstance(clustered.engine, ClusterEngine)
     assert [len(i) for i in clustered.engine.prefill.instances.values()] == [3, 3]
     assert len(clustered.engine.decoders[0].engine.runner.devices) == 6
