@@ -61,7 +61,23 @@ def test_replace_reaches_nested_settings_and_refuses_unknown_ones():
     (dict(dtype="float16"), "dtype must be one of"),
     (dict(tp=0), "tp must be a positive integer"),
     (dict(num_scheduler_steps=4, prefill_instances=1), "multi-step decode"),
+    (dict(sp_attention="ulysses"), "sp_attention must be ring or sp_ntp"),
+    (dict(sparse_attention=0.5), "needs --sp_attention=sp_ntp"),
+    (dict(sp_attention="sp_ntp", sparse_attention=1.5), "drop ratio, 0 to 1"),
+    (dict(sp_attention="sp_ntp", sparse_attention=0.5, cluster_policy="esp"), "--cluster_policy=cdsp"),
 ])
 def test_bad_settings_are_refused_with_their_name(settings, message):
     with pytest.raises(ValueError, match=message):
         config.replace(config.EngineConfig(), **settings)
+
+
+@pytest.mark.parametrize("layout, message", [
+    (dict(prefill_instances=4, sp_attention="sp_ntp", cluster_policy="tetriinfer"), "the CDSP pool's"),
+    (dict(prefill_instances=6, node_size=3, sp_attention="sp_ntp", sparse_attention=0.5), "powers of two"),
+    (dict(prefill_instances=4, instance=config.InstanceShape(stages=2)), "pipeline stages"),
+])
+def test_cluster_layouts_are_refused_with_the_flags_to_change(layout, message):
+    from jaxserve.cluster.build import check_layout
+
+    with pytest.raises(ValueError, match=message):
+        check_layout(config.ParallelConfig(**layout), available=16)

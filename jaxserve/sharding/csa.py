@@ -1,4 +1,4 @@
-"""CSPS Communication-efficient Sparse Attention (CSA, §3.2.4), an opt-in SP prefill path for one prompt.
+"""CSPS Communication-efficient Sparse Attention (CSA, §3.2.4): the CSPS pool's opt-in SP prefill path.
 
 What it computes. The n = p * t tokens are split into p contiguous partitions (SPTs); partition i lives on SP
 rank i. The mesh's device order is the proximity order (sort devices by rack, server, GPU before `make_mesh`), so
