@@ -106,7 +106,7 @@ class InstanceShape:
     stages: int = setting(1, "Pipeline stages of an instance: its layers split evenly over this many consecutive "
                           "sets of --tp x --kvp devices, each holding its layers' weights and KV cache, hidden "
                           "states passed stage to stage (serve: not with --prefill_instances or "
-                          "--num_scheduler_steps > 1).")
+                          "--num_scheduler_steps > 1).", flag="pipeline_stages")
     kvp: int = setting(1, "KV-parallel sets of --tp devices in each pipeline stage (Medha's KVP): the KV cache's "
                        "blocks spread over them and the batch runs on all, the attention's partials merged "
                        "(serve: not with --prefill_instances, whose decode instances take --decode_kvp).")

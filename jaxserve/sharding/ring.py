@@ -56,13 +56,9 @@ def stored_history_attention(
     trip count is a traced value, so one compiled program serves every history length (each device its own)."""
     qa = jax.lax.all_gather(q, axis_name, tiled=True)
     qa_pos = jax.lax.all_gather(q_pos, axis_name, tiled=True)
-    _, kvh, d = k_store.shape[1:]
 
     def block(i, carry):
-        at = i * key_block
-        ks = jax.lax.dynamic_slice(k_store, (layer, at, 0, 0), (1, key_block, kvh, d))[0]
-        vs = jax.lax.dynamic_slice(v_store, (layer, at, 0, 0), (1, key_block, kvh, d))[0]
-        ps = jax.lax.dynamic_slice_in_dim(hist_pos, at, key_block)
+        ks, vs, ps = store_block(k_store, v_store, hist_pos, layer, i, key_block)
         o_b, lse_b = kernels.chunk_attention(qa, ks, vs, qa_pos, ps, implementation=implementation)
         return merge_two(*carry, o_b, lse_b, implementation)
 
@@ -70,6 +66,16 @@ def stored_history_attention(
     empty = (jnp.zeros((t, h, q.shape[-1]), jnp.float32), jnp.full((t, h), -jnp.inf, jnp.float32))
     o, lse = jax.lax.fori_loop(0, blocks, block, empty)
     return merge_scatter(o, lse, axis_name)
+
+
+def store_block(k_store: Float[Array, "layers cap kvh d"], v_store: Float[Array, "layers cap kvh d"],
+                hist_pos: Int[Array, "cap"], layer: Int[Array, ""], i: Int[Array, ""], key_block: int
+                ) -> tuple[Float[Array, "kb kvh d"], Float[Array, "kb kvh d"], Int[Array, "kb"]]:
+    """Key block i of `layer` in a store: its K, V and positions."""
+    at = i * key_block
+    kvh, d = k_store.shape[2:]
+    ks, vs = (jax.lax.dynamic_slice(x, (layer, at, 0, 0), (1, key_block, kvh, d))[0] for x in (k_store, v_store))
+    return ks, vs, jax.lax.dynamic_slice_in_dim(hist_pos, at, key_block)
 
 
 def chunk_ring(o, lse, q, k, v, q_pos, k_pos, *, axis_size: int, axis_name: str = SP,

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxserve.pallas_kernels import dispatch as kernels
 from jaxserve.sharding.mesh import SP
-from jaxserve.sharding.ring import StoreMetadata, merge_two, write_store
+from jaxserve.sharding.ring import StoreMetadata, merge_two, store_block, write_store
 
 
 def kv_heads_for(h: int, kvh: int, p: int) -> int:
@@ -123,13 +123,10 @@ class StoreUlyssesBackend:
             implementation=self.implementation)
         q_heads = split.queries(q[0], ax)
         q_pos = jax.lax.all_gather(positions[0], ax, tiled=True)
-        _, kvh, d = k_store.shape[1:]
 
         def block(i, carry):
-            at = i * kb
-            ks, vs = (jax.lax.dynamic_slice(x, (layer, at, 0, 0), (1, kb, kvh, d))[0] for x in (k_store, v_store))
-            return as_f32(merge_two(*carry, *attend(ks, vs, jax.lax.dynamic_slice_in_dim(metadata.hist_pos, at, kb)),
-                                    self.implementation))
+            held = attend(*store_block(k_store, v_store, metadata.hist_pos, layer, i, kb))
+            return as_f32(merge_two(*carry, *held, self.implementation))
 
         o, lse = jax.lax.fori_loop(0, metadata.blocks, block, as_f32(attend(k[0], v[0], metadata.k_pos)))
         out = split.outputs(o.astype(q.dtype), ax)
