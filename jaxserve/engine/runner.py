@@ -276,6 +276,7 @@ class ModelRunner:
         self._replicated = self._stages[-1].replicated  # where the sampler runs and its tokens are
         self._sample = jax.jit(sample_padded, static_argnames=("kind", "size"), out_shardings=self._replicated)
         self._previous = self._no_tokens()
+        self._unfed = jax.device_put(np.zeros(self.max_rows, np.int32), self._stages[0].replicated)
         self._programs: dict[Program, tuple[jax.stages.Compiled, ...]] = {}
         self._compiling: dict[Program, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -475,7 +476,11 @@ class ModelRunner:
         one blob (one transfer). The forward and the sampler are two programs dispatched back to back (the device
         runs them without waiting for the host): each forward serves both samplers, so half as many large
         programs compile. The forward hands the sampler its inputs, already on the device."""
-        shape, blob, x = batch.shape_of(arrays), batch.to_blob(arrays), self._previous
+        shape, blob = batch.shape_of(arrays), batch.to_blob(arrays)
+        # A step no row of which feeds from the previous one does not wait for it: with pipeline stages its first
+        # stage runs while the previous step is still in the later ones (Medha's SPP: chunk i + 1 enters stage 1
+        # while chunk i is in stage 2).
+        x = self._previous if (arrays.feed >= 0).any() else self._unfed
         for stage, forward in zip(self._stages, self._program(shape)):
             if self.stages > 1:  # the tokens to the first stage, each stage's hidden states to the next
                 x = processes.move(x, stage.replicated)

@@ -176,6 +176,26 @@ def test_pipeline_stages_equal_one_device(devices, stages, kvp, tp):
                 np.testing.assert_allclose(got, want[layers][:, :, heads_held(pipe)], **TOL)
 
 
+def test_a_step_that_feeds_on_nothing_does_not_wait_for_the_last(devices, params):
+    """SPP's precondition: a prefill step, no row of which takes a token sampled by the step before, does not
+    read that step's tokens, so its first stage need not wait for the last stage of the step before. Checked by
+    deleting those tokens: the prefill runs, a decode that feeds on them cannot."""
+    pipe = runner(params, devices[:2], PER_DEVICE, stages=2, buckets=ONE_STEP)
+    kv = KVCacheManager(PER_DEVICE, BS, enable_prefix_caching=False)
+    kv.allocate("a", 40)
+    tokens = list(np.random.default_rng(3).integers(0, CFG.vocab_size, 20))
+    greedy = SamplingParams()
+    pipe.dispatch(batch.pack([batch.Row(tokens[:12], 0, kv.block_table("a"), greedy, 0, 0)], pipe.buckets, BS))
+    pipe._previous.delete()  # the first chunk's sampled tokens
+    second = pipe.dispatch(batch.pack([batch.Row(tokens[12:], 12, kv.block_table("a"), greedy, 0, 0)],
+                                      pipe.buckets, BS))
+    assert second.value().shape == (pipe.max_rows,)
+    pipe._previous.delete()
+    decode = batch.Row([0], 20, kv.block_table("a"), greedy, 0, 1, feed=0)
+    with pytest.raises(RuntimeError, match="deleted"):
+        pipe.dispatch(batch.pack([decode], pipe.buckets, BS))
+
+
 def test_pipeline_stages_refuse_what_they_do_not_run(devices, params):
     with pytest.raises(ValueError, match="multi-step decode runs on one pipeline stage"):
         runner(params, devices[:2], PER_DEVICE, stages=2)
