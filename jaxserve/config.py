@@ -228,6 +228,9 @@ class ServerConfig:
                                      "parsing.")
     stall_timeout: float = setting(60.0, "Seconds without engine progress, with requests open, before health "
                                    "reports NOT_SERVING (HTTP /health 503).")
+    allowed_origins: tuple[str, ...] = setting((), "An origin whose browser pages may call the HTTP API (CORS), "
+                                               "e.g. https://app.example.com, or * for any; repeat the flag for "
+                                               "more. Default: none (browsers keep other origins' pages out).")
     request_read_timeout: float = setting(30.0, "Seconds an HTTP client may take to send its request headers (the "
                                           "connection is closed past it) and between two pieces of its body (408 "
                                           "past it).")

@@ -120,6 +120,14 @@ class Frontend:
             raise ValueError("prompt is empty")
         return await asyncio.to_thread(self.llm.tokenizer.encode, text)
 
+    async def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids (control tokens left out), each checked to be in the vocabulary."""
+        vocab = self.llm.config.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise ValueError(f"tokens[{i}] = {excerpt(t)} is not a token id (0 to {vocab - 1})")
+        return await asyncio.to_thread(self.llm.tokenizer.decode, ids)
+
     async def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a conversation; only the chat template adds control tokens. Roles are OpenAI's
         ("developer" is the newer name of "system")."""

@@ -15,10 +15,11 @@ import contextlib
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from absl import logging
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.server.async_engine import NOT_ACCEPTING, RequestStream, ShuttingDown
 from jaxserve.server.frontend import REFUSED, Frontend, ReadTimeout, TooLarge, Unauthenticated, excerpt, refusal
-from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 _END = object()
 OPEN_PATHS = ("/health", "/metrics")  # served without the API key
@@ -274,13 +275,18 @@ def _submit_all(frontend: Frontend, prompts: list[list[int]], default_max_tokens
     return streams
 
 
-def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_timeout: float = 30.0) -> FastAPI:
+def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_timeout: float = 30.0,
+                   allowed_origins: Sequence[str] = ()) -> FastAPI:
     """max_body_bytes: the largest request body read (413 past it); read_timeout: seconds a client may take
-    between two pieces of its body (408 past it)."""
+    between two pieces of its body (408 past it); allowed_origins: the origins whose browser pages may call the
+    API (CORS; "*": any)."""
     app = FastAPI(title="jaxserve", description="OpenAI-compatible API of a jaxserve server.")
     # added last, runs first: the key is checked before the body is read
     app.add_middleware(_ReadBody, frontend=frontend, max_bytes=max_body_bytes, timeout=read_timeout)
     app.add_middleware(_RequireApiKey, frontend=frontend)
+    if allowed_origins:  # outermost: a preflight (which carries no key) is answered, and refusals carry CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     started = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -322,6 +328,21 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
         reply = _Reply(frontend, _submit_all(frontend, [prompt], None, sampling), chat=True,
                        include_usage=body.include_usage)
         return reply.streaming() if body.stream else await reply.whole(request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            frontend.check_model(body.model)
+        body.check()
+        ids = (await frontend.encode(body.prompt) if body.prompt is not None else
+               await frontend.encode_chat([m.as_dict() for m in body.messages]))
+        return {"count": len(ids), "max_model_len": frontend.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            frontend.check_model(body.model)
+        return {"prompt": await frontend.decode(body.tokens)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

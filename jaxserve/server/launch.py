@@ -52,13 +52,15 @@ class Server:
         If that cannot be built, its requests end UNAVAILABLE and the server stops."""
         cfg = config.replace(server or ServerConfig(), **settings)
         self.host, self.drain_timeout = cfg.host, cfg.drain_timeout
-        self._http_limits = {"max_body_bytes": cfg.max_request_bytes, "read_timeout": cfg.request_read_timeout}
+        self._http_limits = {"max_body_bytes": cfg.max_request_bytes, "read_timeout": cfg.request_read_timeout,
+                             "allowed_origins": cfg.allowed_origins}
         self.engine = AsyncEngine(llm.engine, max_queue=cfg.max_queue, stall_timeout=cfg.stall_timeout,
                                   lost=lambda: llm.lost(heartbeat_timeout),
                                   fallback=llm.fail_over if llm.lockstep is not None else None,
                                   loss_grace=heartbeat_timeout + 5.0)
         self.frontend = Frontend(llm, self.engine, model_name=cfg.served_model_name or llm.model_name,
                                  api_key=cfg.api_key)
+        self.engine.metrics.name_model(self.frontend.model_name)
         self._grpc_port, self._http_port = cfg.grpc_port, cfg.http_port
         self.grpc_port = self.http_port = None  # the bound ports, once started
         self._stop = asyncio.Event()

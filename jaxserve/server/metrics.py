@@ -1,8 +1,15 @@
-"""Prometheus metrics of one server. Each server has its own registry, so several can live in one process."""
+"""Prometheus metrics of one server. Each server has its own registry, so several can live in one process.
+
+The main ones are also given under vLLM's names (`vllm:...`, with a `model_name` label), read from jaxserve's at
+each scrape, so dashboards and autoscalers built for vLLM read a jaxserve server as they read vLLM.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric
+from prometheus_client.core import GaugeMetricFamily
 
 # Seconds: a CPU token takes tens of milliseconds, a long GPU prefill many seconds.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0,
@@ -53,3 +60,49 @@ class ServerMetrics:
         self.errors = Counter("jaxserve_request_errors", "Requests answered with an error, by reason (invalid, "
                               "unauthenticated, too_large, read_timeout, queue_full, shutting_down, engine_failed, "
                               "internal).", ["reason"], registry=r)
+
+    def name_model(self, model_name: str) -> None:
+        """Serve the main metrics under vLLM's names too, labelled with the model clients ask for."""
+        self.registry.register(_VllmNames(self, model_name))
+
+
+class _VllmNames:
+    """vLLM's names for jaxserve's main metrics: each sample of ours renamed, with a model_name label; and the
+    two gauges vLLM derives (KV cache usage and the prefix cache's hit rate, fractions of 1)."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str):
+        m = metrics
+        self.metrics, self.model_name = m, model_name
+        self.renamed = [(m.ttft, "vllm:time_to_first_token_seconds"), (m.itl, "vllm:inter_token_latency_seconds"),
+                        (m.itl, "vllm:time_per_output_token_seconds"),  # vLLM's name before v1
+                        (m.e2e, "vllm:e2e_request_latency_seconds"), (m.waiting, "vllm:num_requests_waiting"),
+                        (m.running, "vllm:num_requests_running"), (m.prefix_queries, "vllm:prefix_cache_queries"),
+                        (m.prefix_hits, "vllm:prefix_cache_hits"), (m.preemptions, "vllm:num_preemptions"),
+                        (m.prompt_tokens, "vllm:prompt_tokens"), (m.generated_tokens, "vllm:generation_tokens"),
+                        (m.finished, "vllm:request_success")]
+
+    def collect(self) -> Iterator[Metric]:
+        label = {"model_name": self.model_name}
+        for metric, name in self.renamed:
+            for family in metric.collect():
+                out = Metric(name, family.documentation, family.type)
+                for sample in family.samples:
+                    labels = {("finished_reason" if k == "reason" else k): v for k, v in sample.labels.items()}
+                    out.add_sample(name + sample.name[len(family.name):], label | labels, sample.value)
+                yield out
+        used, free = (self._value(x) for x in (self.metrics.kv_used, self.metrics.kv_free))
+        queries, hits = (self._value(x) for x in (self.metrics.prefix_queries, self.metrics.prefix_hits))
+        for name, doc, value in (
+                ("vllm:kv_cache_usage_perc", "KV cache usage: 1 means every block held.", used / max(used + free, 1)),
+                ("vllm:gpu_cache_usage_perc", "KV cache usage (vLLM's name before v1).", used / max(used + free, 1)),
+                ("vllm:gpu_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache, of those looked up.",
+                 hits / max(queries, 1))):
+            family = GaugeMetricFamily(name, doc, labels=list(label))
+            family.add_metric(list(label.values()), value)
+            yield family
+
+    @staticmethod
+    def _value(metric) -> float:
+        """A gauge's value, or a counter's total."""
+        (family,) = metric.collect()
+        return next(s.value for s in family.samples if not s.name.endswith("_created"))

@@ -121,3 +121,27 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class _Exact(_Strict):
+    # jaxserve's own endpoints (vLLM's shapes): a field they do not know is refused, never ignored
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class TokenizeRequest(_Exact):
+    """POST /tokenize (vLLM's shape): a prompt, or a conversation rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+
+
+class DetokenizeRequest(_Exact):
+    """POST /detokenize (vLLM's shape): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]

@@ -8,6 +8,7 @@ import concurrent.futures
 import functools
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -32,6 +33,7 @@ KEY = "test-key"
 MODEL = "smollm2-135m-instruct"
 PROMPT = "The three primary colors are"
 BODY_LIMIT = 1 << 20
+ORIGIN = "https://app.example"  # the one origin whose pages may call the server (CORS)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def served():
     # Its own LLM (the session one answers the reference calls): a small pool and batch, so queueing happens.
     llm = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=8)
     with BackgroundServer(llm, grpc_port=0, http_port=0, api_key=KEY, max_queue=32,
-                          max_request_bytes=BODY_LIMIT, request_read_timeout=1.0) as s:
+                          max_request_bytes=BODY_LIMIT, request_read_timeout=1.0, allowed_origins=(ORIGIN,)) as s:
         yield s
 
 
@@ -443,6 +445,19 @@ def test_metrics_are_exported_for_prometheus(served, oai):
         initial_blocks(served)
     for gauge in ("jaxserve_num_requests_waiting{}", "jaxserve_num_requests_running{}"):
         assert gauge in samples
+    # vLLM's names for the same, labelled with the served model, for dashboards built for vLLM
+    model = json.dumps({"model_name": MODEL})
+    for ours, theirs in (("jaxserve_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+                         ("jaxserve_inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_count"),
+                         ("jaxserve_e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_sum"),
+                         ("jaxserve_generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("jaxserve_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+                         ("jaxserve_num_requests_waiting", "vllm:num_requests_waiting")):
+        assert samples[theirs + model] == samples[ours + "{}"], theirs
+    used = samples["jaxserve_kv_cache_blocks_used{}"] / initial_blocks(served)
+    assert samples["vllm:kv_cache_usage_perc" + model] == pytest.approx(used)
+    stops = json.dumps({"finished_reason": "length", "model_name": MODEL}, sort_keys=True)
+    assert samples["vllm:request_success_total" + stops] >= 1
 
 
 def http_health(served) -> int:
@@ -608,3 +623,49 @@ def test_prefix_cache_hits_are_reported_in_usage_and_metrics(served, grpc_client
     hits = next(float(line.split()[-1]) for line in text.splitlines()
                 if line.startswith("jaxserve_prefix_cache_hits_total"))
     assert hits >= 96
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(served, llm):
+    tok = served.server.frontend.llm.tokenizer
+    status, body = post(served, "/tokenize", json.dumps({"model": MODEL, "prompt": PROMPT}))
+    assert status == 200 and body == {"count": len(tok.encode(PROMPT)), "max_model_len": 1024,
+                                      "tokens": tok.encode(PROMPT)}
+    chat = [{"role": "user", "content": "Hi there"}]
+    status, body = post(served, "/tokenize", json.dumps({"messages": chat}))
+    assert status == 200 and body["tokens"] == llm.chat_prompt(chat)
+    status, body = post(served, "/detokenize", json.dumps({"model": MODEL, "tokens": tok.encode(PROMPT)}))
+    assert (status, body) == (200, {"prompt": PROMPT})
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one of prompt and"),
+    ("/tokenize", {}, "exactly one of prompt and"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+    ("/tokenize", {"model": "other", "prompt": "a"}, "unknown model"),
+    ("/detokenize", {"tokens": [1, -5]}, r"tokens\[1\] = -5 is not a token id"),
+    ("/detokenize", {"tokens": [10**9]}, "is not a token id"),
+    ("/detokenize", {"tokens": "12"}, "tokens"),
+])
+def test_bad_tokenize_requests_are_refused_by_name(served, path, body, message):
+    status, reply = post(served, path, json.dumps(body))
+    assert status == 400 and re.search(message, reply["error"]["message"]), reply
+
+
+def test_cors_lets_the_allowed_origin_in_and_no_other(served):
+    """A browser's preflight (no key) is answered for the allowed origin; its pages read replies, refusals
+    included; another origin's pages get no CORS headers (the browser keeps the reply from them)."""
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=30)
+
+    def ask(method, origin, headers=()):
+        conn.request(method, "/v1/models", headers={"Origin": origin, **dict(headers)})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, resp.getheader("Access-Control-Allow-Origin")
+
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    assert ask("OPTIONS", ORIGIN, preflight) == (200, ORIGIN)
+    assert ask("GET", ORIGIN, {"Authorization": f"Bearer {KEY}"}) == (200, ORIGIN)
+    assert ask("GET", ORIGIN) == (401, ORIGIN)  # the page reads why
+    assert ask("OPTIONS", "https://elsewhere.example", preflight)[1] is None
+    assert ask("GET", "https://elsewhere.example", {"Authorization": f"Bearer {KEY}"}) == (200, None)
+    conn.close()
