@@ -2,7 +2,7 @@
 
 Fields jaxserve does not implement (n > 1, logprobs, penalties, ...) are refused with a message rather than
 silently ignored; fields it does not know are ignored, as OpenAI-compatible servers do, so that clients and
-load tools that send extras still work.
+load tools that send extras still work. The tokenize and detokenize bodies, jaxserve's own, refuse unknown fields.
 """
 
 from __future__ import annotations
