@@ -224,7 +224,7 @@ class SPPrefill:
         put = lambda x: jax.device_put(x, sharding)  # noqa: E731
         fill = np.array([s.fill for s in stores], np.int32)
         blocks = -(-fill // self.key_block)
-        if self.sp_attention == "sp_ntp" and self.sparse_attention is None:
+        if isinstance(self.backend(p), StoreUlyssesBackend):
             blocks[:] = blocks.max()  # every device joins each history block's all-to-all
         last = np.where(np.arange(p) == owner, row, 0).astype(np.int32)
         rep = lambda x, dtype: np.full(p, x, dtype)  # noqa: E731

@@ -91,7 +91,8 @@ class HeadSplit:
         return jax.lax.all_to_all(o, axis_name, split_axis=0, concat_axis=1, tiled=True)[:, :self.h]
 
 
-def as_f32(partial: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def _f32(partial: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(o, lse) in float32: a loop's carry keeps one dtype."""
     return tuple(x.astype(jnp.float32) for x in partial)
 
 
@@ -118,16 +119,18 @@ class StoreUlyssesBackend:
         k_store, v_store = caches
         ax, kb = self.axis_name, self.key_block
         split = HeadSplit.of(q.shape[2], k.shape[2], self.axis_size)
-        attend = lambda keys, values, k_pos: kernels.chunk_attention(  # noqa: E731
-            q_heads, split.keys(keys, ax), split.keys(values, ax), q_pos, jax.lax.all_gather(k_pos, ax, tiled=True),
-            implementation=self.implementation)
         q_heads = split.queries(q[0], ax)
         q_pos = jax.lax.all_gather(positions[0], ax, tiled=True)
 
+        def attend(keys, values, k_pos):  # every query of the chunk, this device's heads
+            return _f32(kernels.chunk_attention(q_heads, split.keys(keys, ax), split.keys(values, ax), q_pos,
+                                                jax.lax.all_gather(k_pos, ax, tiled=True),
+                                                implementation=self.implementation))
+
         def block(i, carry):
             held = attend(*store_block(k_store, v_store, metadata.hist_pos, layer, i, kb))
-            return as_f32(merge_two(*carry, *held, self.implementation))
+            return _f32(merge_two(*carry, *held, self.implementation))
 
-        o, lse = jax.lax.fori_loop(0, metadata.blocks, block, as_f32(attend(k[0], v[0], metadata.k_pos)))
+        o, lse = jax.lax.fori_loop(0, metadata.blocks, block, attend(k[0], v[0], metadata.k_pos))
         out = split.outputs(o.astype(q.dtype), ax)
         return out[None], write_store(caches, k, v, layer, metadata.fill)
