@@ -1,8 +1,11 @@
 """OpenAI-compatible request bodies (pydantic) and the sampling options they map to.
 
-Fields jaxserve does not implement (n > 1, logprobs, penalties, ...) are refused with a message rather than
-silently ignored; fields it does not know are ignored, as OpenAI-compatible servers do, so that clients and
-load tools that send extras still work. The tokenize and detokenize bodies, jaxserve's own, refuse unknown fields.
+Every field of OpenAI's request schemas is declared here: honoured, informational (it changes no output: who
+asked, how to log it), or not implemented, and then refused with a message unless it holds the value that means
+"off" (tests/server/test_openai_schema.py walks the installed openai package's schemas). vLLM's sampling
+extensions that jaxserve lacks (repetition_penalty, min_p, min_tokens) are refused alike. Fields it does not know
+at all are ignored, as OpenAI-compatible servers do, so that clients and load tools that send extras still work.
+The tokenize and detokenize bodies, jaxserve's own, refuse unknown fields.
 """
 
 from __future__ import annotations
@@ -38,27 +41,30 @@ class _SamplingRequest(_Strict):
     ttft_slo: float | None = None  # jaxserve's extension: seconds to the first token (the policies' deadline)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    # Not implemented: accepted only at the value that means "off".
+    user: str | None = None  # informational (who asked): changes no output
+    # Not implemented: accepted only at a value that means "off" (None, {} and [] too), else refused by name.
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    min_tokens: int = 0
+    min_tokens: int = 0  # vLLM's extension
+    repetition_penalty: float = 1.0  # vLLM's extension
+    min_p: float = 0.0  # vLLM's extension
 
     def sampling(self) -> dict[str, Any]:
         """Keyword arguments for Frontend.submit; ValueError names an option jaxserve does not implement."""
         for name, off in self._off_values().items():
             value = getattr(self, name)
-            if value not in (None, off, {}, []):
+            if value not in (None, {}, []) and value not in off:
                 raise ValueError(f"{name}={excerpt(value)} is not supported by jaxserve")
         return dict(max_tokens=self._max_tokens(), temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                     ignore_eos=self.ignore_eos, ttft_slo=self.ttft_slo)
 
     def _off_values(self) -> dict[str, Any]:
-        """Options jaxserve does not implement, with the value that means "off"."""
-        return {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "min_tokens": 0}
+        """Options jaxserve does not implement, with the values that mean "off"."""
+        return {"n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": (),
+                "min_tokens": (0,), "repetition_penalty": (1.0,), "min_p": (0.0,)}
 
     @property
     def include_usage(self) -> bool:
@@ -78,7 +84,7 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
 
     def _off_values(self) -> dict[str, Any]:
-        return {**super()._off_values(), "echo": False, "logprobs": None, "best_of": 1, "suffix": None}
+        return {**super()._off_values(), "echo": (False,), "logprobs": (), "best_of": (1,), "suffix": ()}
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -110,14 +116,39 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens
+    # informational (who asked, how to log or group it): change no output. The prefix cache needs no key: every
+    # prompt's blocks are shared
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # not implemented (see _off_values)
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+    moderation: Any = None
+    store: bool | None = None  # OpenAI keeps the completion; jaxserve keeps nothing
+    service_tier: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Any = None
 
     def _off_values(self) -> dict[str, Any]:
-        return {**super()._off_values(), "logprobs": False, "top_logprobs": None, "tools": None,
-                "response_format": {"type": "text"}}
+        return {**super()._off_values(), "logprobs": (False,), "top_logprobs": (), "tools": (),
+                "tool_choice": ("none",), "parallel_tool_calls": (), "functions": (), "function_call": ("none",),
+                "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],), "prediction": (),
+                "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
+                "store": (False,), "service_tier": ("auto", "default"), "prompt_cache_retention": ("in_memory",),
+                "prompt_cache_options": ()}
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,58 @@
+"""Nothing of OpenAI's request schemas is silently ignored: every field the installed openai package sends to
+/v1/completions and /v1/chat/completions is honoured, informational (changes no output), or refused by name
+unless it holds its "off" value. A field a newer openai package adds fails here until it is placed."""
+
+from __future__ import annotations
+
+import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+
+from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+            "stop", "stream", "stream_options"}
+INFORMATIONAL = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
+# a value each refused field may hold that asks for what jaxserve does not do
+PROBES = {
+    "n": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"42": 5.0}, "best_of": 3,
+    "echo": True, "suffix": "}", "top_logprobs": 3, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "auto", "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+    "response_format": {"type": "json_object"}, "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high",
+    "verbosity": "low", "web_search_options": {"search_context_size": "low"}, "moderation": {"model": "m"},
+    "store": True, "service_tier": "flex", "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": 60},
+    # vLLM's sampling extensions jaxserve lacks
+    "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 4,
+}
+LOGPROBS = {CompletionRequest: 2, ChatCompletionRequest: True}
+REQUESTS = [(CompletionRequest, completion_create_params.CompletionCreateParamsBase, {"prompt": "hi"}),
+            (ChatCompletionRequest, chat_create_params.CompletionCreateParamsBase,
+             {"messages": [{"role": "user", "content": "hi"}]})]
+
+
+def schema_fields(params: type) -> set[str]:
+    return set(params.__annotations__) | {"stream"}  # stream: in the streaming / non-streaming subclasses
+
+
+@pytest.mark.parametrize("model, params, base", REQUESTS, ids=["completions", "chat"])
+def test_every_schema_field_is_placed(model, params, base):
+    fields = schema_fields(params)
+    assert fields <= set(model.model_fields), fields - set(model.model_fields)
+    refused = fields - HONOURED - INFORMATIONAL
+    assert refused <= set(PROBES) | {"logprobs"}, refused - set(PROBES)
+
+
+@pytest.mark.parametrize("model, params, base", REQUESTS, ids=["completions", "chat"])
+def test_each_unimplemented_field_is_refused_by_name_and_accepted_when_off(model, params, base):
+    body = {"model": "m", **base}
+    model(**body).sampling()
+    fields = schema_fields(params) | {"repetition_penalty", "min_p", "min_tokens"}
+    for name in sorted(fields - HONOURED - INFORMATIONAL):
+        probe = LOGPROBS[model] if name == "logprobs" else PROBES[name]
+        with pytest.raises(ValueError, match=f"^{name}=.* is not supported by jaxserve"):
+            model(**body, **{name: probe}).sampling()
+        off = model.model_fields[name].default
+        model(**body, **{name: off}).sampling()  # its default, sent explicitly
+    for name in fields & INFORMATIONAL:
+        model(**body, **{name: {"k": "v"} if name == "metadata" else "someone"}).sampling()
