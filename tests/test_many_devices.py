@@ -7,7 +7,7 @@ from __future__ import annotations
 from conftest import SHARDING, ChildSuite
 
 # the cluster folder's peak (18 GB) allows one process only
-CLUSTER = ChildSuite("cluster", devices=12, workers=1, timeout_s=2400)
+CLUSTER = ChildSuite("cluster", devices=12, workers=1, timeout_s=3000)
 
 
 def check(suite: ChildSuite) -> None:
