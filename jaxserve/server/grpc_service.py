@@ -12,7 +12,8 @@ from typing import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.engine import FinishReason
@@ -104,24 +105,43 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
 
 class _Malformed:
-    """A request whose bytes did not parse: the handler refuses it with INVALID_ARGUMENT (grpc itself would
-    answer UNKNOWN with the parser's traceback)."""
+    """A request whose bytes did not parse, or that carries fields this server does not know: the handler refuses
+    it with INVALID_ARGUMENT (grpc itself would answer UNKNOWN with the parser's traceback, and protobuf would
+    keep unknown fields silently)."""
 
-    def __init__(self, error: DecodeError):
-        self.error = error
+    def __init__(self, why: str):
+        self.why = why
 
 
 def _check_parsed(request: object) -> None:
     if isinstance(request, _Malformed):
-        raise ValueError(f"the request is not a valid protobuf message of its type ({excerpt(str(request.error))})")
+        raise ValueError(request.why)
+
+
+def unknown_fields(message: Message, path: str = "") -> list[str]:
+    """Where `message` (and the messages inside it) carries fields its type does not declare: a newer client's
+    options, which this server would otherwise ignore."""
+    found = [f"{path or message.DESCRIPTOR.name} field {f.field_number}" for f in UnknownFieldSet(message)]
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue
+        one = isinstance(value, Message)
+        for i, m in enumerate([value] if one else value):
+            found += unknown_fields(m, f"{path or message.DESCRIPTOR.name}.{field.name}" + ("" if one else f"[{i}]"))
+    return found
 
 
 def _lenient(message: type) -> Callable[[bytes], object]:
     def parse(data: bytes) -> object:
         try:
-            return message.FromString(data)
+            parsed = message.FromString(data)
         except DecodeError as e:  # includes strings that are not UTF-8
-            return _Malformed(e)
+            return _Malformed(f"the request is not a valid protobuf message of its type ({excerpt(str(e))})")
+        unknown = unknown_fields(parsed)
+        if unknown:
+            return _Malformed(f"{', '.join(unknown[:4])}: not part of this server's API (protos/jaxserve.proto); "
+                              "refused rather than ignored")
+        return parsed
     return parse
 
 

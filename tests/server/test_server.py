@@ -355,20 +355,26 @@ def test_a_forged_chat_turn_stays_plain_text_on_both_interfaces(served, grpc_cli
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role must be one of" in err.value.details()
 
 
-@pytest.mark.parametrize("method, payload", [
-    ("Generate", b"\x12\x03a\xff\xfe"),  # a string field that is not UTF-8
-    ("Generate", b"\xff\xff\xff"),  # not protobuf at all
-    ("Tokenize", b"\x0a\x05ab"),  # truncated
+# a newer client's options: field 99 of the request, field 30 of its sampling params
+UNKNOWN = b"\x12\x02hi" + b"\x2a\x05\x08\x02\xf0\x01\x07" + b"\x98\x06\x05"
+
+
+@pytest.mark.parametrize("method, payload, message", [
+    ("Generate", b"\x12\x03a\xff\xfe", "protobuf"),  # a string field that is not UTF-8
+    ("Generate", b"\xff\xff\xff", "protobuf"),  # not protobuf at all
+    ("Tokenize", b"\x0a\x05ab", "protobuf"),  # truncated
+    ("Generate", UNKNOWN, "GenerateRequest field 99, GenerateRequest.params field 30: not part of this server's"),
 ])
-def test_malformed_protobuf_is_invalid_argument(served, method, payload):
-    """D6: it was UNKNOWN with the parser's traceback."""
+def test_malformed_protobuf_is_invalid_argument(served, method, payload, message):
+    """D6: it was UNKNOWN with the parser's traceback. Fields this server does not know are refused, not
+    ignored."""
     with grpc.insecure_channel(f"127.0.0.1:{served.server.grpc_port}") as channel:
         call = channel.unary_stream if method == "Generate" else channel.unary_unary
         rpc = call(f"/jaxserve.v1.JaxServe/{method}", request_serializer=lambda b: b)
         with pytest.raises(grpc.RpcError) as err:
             result = rpc(payload, metadata=(("authorization", f"Bearer {KEY}"),))
             list(result) if method == "Generate" else result
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "protobuf" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
 
 
 def test_the_openai_client_sees_the_refusals(served):
