@@ -39,9 +39,9 @@ def devices_needed(layout: ParallelConfig) -> int:
 
 def check_layout(layout: ParallelConfig, available: int) -> None:
     if layout.instance.stages > 1 or layout.instance.kvp > 1:
-        raise ValueError("pipeline stages and KV-parallel sets (--pipeline_stages, --kvp) shape one engine's instance; a "
-                         "cluster's instances (--prefill_instances) run without them (its decode instances take "
-                         "--decode_kvp)")
+        raise ValueError("pipeline stages and KV-parallel sets (--pipeline_stages, --kvp) shape one engine's "
+                         "instance; a cluster's instances (--prefill_instances) run without them (its decode "
+                         "instances take --decode_kvp)")
     if min(layout.prefill_instances, layout.decode_instances, layout.decode_kvp, layout.node_size, layout.tp) < 1:
         raise ValueError(f"a cluster needs at least one prefill and one decode instance, of one device or more, "
                          f"in nodes of one or more; got {layout}")

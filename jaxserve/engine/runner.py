@@ -276,7 +276,7 @@ class ModelRunner:
         self._replicated = self._stages[-1].replicated  # where the sampler runs and its tokens are
         self._sample = jax.jit(sample_padded, static_argnames=("kind", "size"), out_shardings=self._replicated)
         self._previous = self._no_tokens()
-        self._unfed = jax.device_put(np.zeros(self.max_rows, np.int32), self._stages[0].replicated)
+        self._unfed = self._no_tokens(self._stages[0].replicated)
         self._programs: dict[Program, tuple[jax.stages.Compiled, ...]] = {}
         self._compiling: dict[Program, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -560,9 +560,10 @@ class ModelRunner:
                 stage.caches = self._allocate(stage)
             self._previous = self._no_tokens()  # the failed step's may hold its error
 
-    def _no_tokens(self) -> Int[Array, "m"]:
-        """What the next forward reads as the previous step's tokens when none ran (no row feeds from it)."""
-        return jax.device_put(np.zeros(self.max_rows, np.int32), self._replicated)
+    def _no_tokens(self, sharding: NamedSharding | None = None) -> Int[Array, "m"]:
+        """What a forward reads as the previous step's tokens when none ran or no row feeds from them: zeros where
+        the sampler's tokens are (or on `sharding`: the first stage's, for steps that feed on nothing)."""
+        return jax.device_put(np.zeros(self.max_rows, np.int32), sharding or self._replicated)
 
     def _allocate(self, stage: _Stage):
         layers = stage.layers[1] - stage.layers[0]

@@ -92,9 +92,10 @@ class _VllmNames:
                 yield out
         used, free = (self._value(x) for x in (self.metrics.kv_used, self.metrics.kv_free))
         queries, hits = (self._value(x) for x in (self.metrics.prefix_queries, self.metrics.prefix_hits))
+        usage = used / max(used + free, 1)
         for name, doc, value in (
-                ("vllm:kv_cache_usage_perc", "KV cache usage: 1 means every block held.", used / max(used + free, 1)),
-                ("vllm:gpu_cache_usage_perc", "KV cache usage (vLLM's name before v1).", used / max(used + free, 1)),
+                ("vllm:kv_cache_usage_perc", "KV cache usage: 1 means every block held.", usage),
+                ("vllm:gpu_cache_usage_perc", "KV cache usage (vLLM's name before v1).", usage),
                 ("vllm:gpu_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache, of those looked up.",
                  hits / max(queries, 1))):
             family = GaugeMetricFamily(name, doc, labels=list(label))
