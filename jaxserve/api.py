@@ -22,7 +22,7 @@ from jaxserve.cluster import lockstep
 from jaxserve.cluster.build import build, warmup
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.engine.batch import Buckets
-from jaxserve.engine.engine import Engine, RequestOutput
+from jaxserve.engine.engine import Engine, RequestOutput, TokenLogprob
 from jaxserve.engine.interface import ServingEngine
 from jaxserve.engine.kv_cache import cache_dtype
 from jaxserve.engine.runner import ModelRunner
@@ -44,6 +44,7 @@ class Completion:
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs asked for them
 
 
 def _enable_compilation_cache() -> None:
@@ -304,8 +305,9 @@ class LLM:
         finally:
             self._forget(rids)  # aborts whatever an exception left unfinished
         return [Completion(text_prompt, ids, "".join(o.new_text for o in outs),
-                           [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason.value)
-                for (text_prompt, ids), outs in zip(prepared, outputs)]
+                           [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason.value,
+                           None if sp.logprobs is None else [x for o in outs for x in o.logprobs or ()])
+                for (text_prompt, ids), outs, sp in zip(prepared, outputs, plist)]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield this request's new tokens and text as they are produced; aborts the request if abandoned.

@@ -20,6 +20,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted once from each token generated so far (OpenAI's, -2 to 2)
+    frequency_penalty: float = 0.0  # subtracted per time each token was generated so far (OpenAI's, -2 to 2)
+    repetition_penalty: float = 1.0  # divides positive logits of tokens seen in the prompt or output (> 0)
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
+    min_tokens: int = 0  # EOS, stop tokens and stop strings end nothing before this many tokens
+    logprobs: int | None = None  # None: none; k: each generated token's logprob and the k most likely (k <= 20)
 
     def __post_init__(self):
         # vLLM-style spellings are accepted and normalised: lists, None, top_k=-1, a single stop string.
@@ -27,6 +34,10 @@ class SamplingParams:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         set_("stop", tuple(stop))
         set_("stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias or ()
+        if isinstance(bias, (dict, list, tuple)):
+            set_("logit_bias", tuple(tuple(e) if isinstance(e, list) else e
+                                     for e in (bias.items() if isinstance(bias, dict) else bias)))
         if self.top_k == -1:
             set_("top_k", 0)
         if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) \
@@ -37,6 +48,8 @@ class SamplingParams:
     MAX_STOP = 64  # stop strings (and stop token ids: MAX_STOP_TOKEN_IDS) a request may give
     MAX_STOP_CHARS = 1024
     MAX_STOP_TOKEN_IDS = 1024
+    MAX_LOGIT_BIAS = 1024
+    MAX_LOGPROBS = 20  # engine.sampling.MAX_LOGPROBS
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -65,10 +78,34 @@ class SamplingParams:
              f"at most {self.MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         need(all(integer(t) and 0 <= t < 2**31 for t in self.stop_token_ids),
              "stop_token_ids must be token ids (integers >= 0)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(number(value) and -2 <= value <= 2, f"{name} must be a number in [-2, 2], got {excerpt(value, 40)}")
+        need(number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
+             f"repetition_penalty must be a number in (0, 100], got {excerpt(self.repetition_penalty, 40)}")
+        need(number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {excerpt(self.min_p, 40)}")
+        need(isinstance(self.logit_bias, tuple), f"logit_bias must map token ids to numbers, got "
+                                                 f"{excerpt(self.logit_bias, 40)}")
+        need(len(self.logit_bias) <= self.MAX_LOGIT_BIAS,
+             f"at most {self.MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}")
+        need(all(isinstance(e, tuple) and len(e) == 2 and integer(e[0]) and 0 <= e[0] < 2**31 and number(e[1])
+                 and -100 <= e[1] <= 100 for e in self.logit_bias),
+             "logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]")
+        need(len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token twice")
+        need(integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {excerpt(self.min_tokens, 40)}")
+        need(self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
+             f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {excerpt(self.logprobs, 40)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether sampling reads the request's own history or bias: it holds a slot on the device."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
 
 def excerpt(value: object, limit: int = 64) -> str:

@@ -16,6 +16,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 from jaxtyping import Float, Int, UInt
 
+from jaxserve.engine.sampling import Sampling
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.kv_manager import SCRATCH_BLOCK
 from jaxserve.sched.step_shapes import StepShapes, powers_of_two
@@ -41,6 +42,7 @@ class Row(NamedTuple):
     feed: int = -1  # a decode whose token is still in flight: its row in the previous step (tokens[0] unused)
     steps: int = 1  # in a burst: the most tokens this row may produce
     stop_ids: Sequence[int] = ()  # in a burst: tokens that end the row (the first STOP_SLOTS go to the device)
+    slot: int = -1  # the request's sampling slot (sampling.Slots), where a kept token is counted; -1: none
 
 
 class StepArrays(NamedTuple):
@@ -60,6 +62,13 @@ class StepArrays(NamedTuple):
     counters: Int[np.ndarray, "r"]
     limit: Int[np.ndarray, "r"]  # a burst's tokens per row (0: a padding row)
     stop_ids: Int[np.ndarray, "r s"]  # a burst's stop tokens per row, -1 where unused
+    min_p: Float[np.ndarray, "r"]
+    slot: Int[np.ndarray, "r"]
+    presence: Float[np.ndarray, "r"]
+    frequency: Float[np.ndarray, "r"]
+    repetition: Float[np.ndarray, "r"]
+    min_tokens: Int[np.ndarray, "r"]
+    logprobs: Int[np.ndarray, "r"]  # top logprobs asked for, -1: none (read by the host alone)
 
 
 STOP_SLOTS = 8  # stop tokens a burst's row checks on the device; the host checks them all (and stop strings)
@@ -126,7 +135,9 @@ def empty(buckets: Buckets, shape: Shape, block_size: int) -> StepArrays:
         tile_tokens=np.full((nt, buckets.tile), t, np.int32), tile_row=np.zeros(nt, np.int32),
         logits_index=np.zeros(r, np.int32), temperature=np.zeros(r, np.float32), top_k=np.zeros(r, np.int32),
         top_p=np.ones(r, np.float32), seeds=np.zeros(r, np.uint32), counters=np.zeros(r, np.int32),
-        limit=np.zeros(r, np.int32), stop_ids=np.full((r, STOP_SLOTS), -1, np.int32))
+        limit=np.zeros(r, np.int32), stop_ids=np.full((r, STOP_SLOTS), -1, np.int32), min_p=np.zeros(r, np.float32),
+        slot=np.full(r, -1, np.int32), presence=np.zeros(r, np.float32), frequency=np.zeros(r, np.float32),
+        repetition=np.ones(r, np.float32), min_tokens=np.zeros(r, np.int32), logprobs=np.full(r, -1, np.int32))
 
 
 class BadRow(ValueError):
@@ -177,8 +188,13 @@ def _write_row(a: StepArrays, i: int, r: Row, at: int, tile: int, buckets: Bucke
             a.tile_row[tile] = i
             tile += 1
     a.logits_index[i] = at + n - 1
-    a.temperature[i], a.top_k[i], a.top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
+    p = r.params
+    a.temperature[i], a.top_k[i], a.top_p[i], a.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
     a.seeds[i], a.counters[i] = r.seed, r.counter
+    a.slot[i] = r.slot
+    a.presence[i], a.frequency[i], a.repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+    a.min_tokens[i] = p.min_tokens
+    a.logprobs[i] = -1 if p.logprobs is None else p.logprobs
     a.limit[i] = r.steps
     stops = list(r.stop_ids)[:STOP_SLOTS]
     a.stop_ids[i, :len(stops)] = stops
@@ -203,9 +219,10 @@ def shape_of(a: StepArrays) -> Shape:
     return Shape(len(a.token_ids), len(a.tables), len(a.tile_tokens))
 
 
-def sampling(a: StepArrays) -> tuple[np.ndarray, ...]:
-    """The sampler's inputs: temperature, top_k, top_p, seeds, counters."""
-    return a.temperature, a.top_k, a.top_p, a.seeds, a.counters
+def sampling(a: StepArrays) -> Sampling:
+    """The sampler's inputs."""
+    return Sampling(a.temperature, a.top_k, a.top_p, a.seeds, a.counters, a.min_p, a.slot, a.presence, a.frequency,
+                    a.repetition, a.min_tokens)
 
 
 def sampler_kind(a: StepArrays) -> str:
@@ -215,6 +232,11 @@ def sampler_kind(a: StepArrays) -> str:
     if not drawn.any():
         return "greedy"
     return "cut" if bool(np.any(drawn & ((a.top_k > 0) | (a.top_p < 1.0)))) else "draw"
+
+
+def extra(a: StepArrays) -> bool:
+    """Whether a row needs the extra sampler: a slot (penalties, logit_bias, min_tokens) or logprobs."""
+    return bool((a.slot >= 0).any() or (a.logprobs >= 0).any())
 
 
 SAMPLER_KINDS = ("greedy", "draw", "cut")

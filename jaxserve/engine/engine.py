@@ -19,7 +19,7 @@ import itertools
 import math
 import random
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from absl import logging
@@ -27,6 +27,7 @@ from absl import logging
 from jaxserve.engine.batch import BadRow, Row
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.runner import ModelRunner, Pending
+from jaxserve.engine.sampling import Logprobs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.stop_strings import StopMatcher
 from jaxserve.models.tokenizer import TextTokenizer
@@ -42,6 +43,14 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # this request alone could not be run (its `error` says why); the others went on
 
 
+class TokenLogprob(NamedTuple):
+    """A generated token's logprob under the model, and the `SamplingParams.logprobs` most likely tokens'."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """What one step produced for one request: new tokens and the text they complete."""
@@ -53,6 +62,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why, when finish_reason is ERROR
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
 
 
 class StepFailed(RuntimeError):
@@ -75,6 +85,7 @@ class _Live:
     stops: StopMatcher
     text: str = ""  # decoded output so far
     emitted_chars: int = 0
+    slot: int | None = None  # its sampling slot on the device (runner.set_slot), while it holds one
 
 
 @dataclasses.dataclass
@@ -117,6 +128,7 @@ class Engine:
         self._failed_alone: list[RequestOutput] = []  # requests a step left out, told in this step's outputs
         self._last_end = -math.inf  # when the last step's tokens were read
         self._deferred: Callable[[Callable[[], bool]], bool] | None = None  # run_deferred's work
+        self._free_slots = list(range(runner.max_rows))  # sampling slots: at most one per running request
 
     # ---- requests -------------------------------------------------------------------------------------
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -131,6 +143,8 @@ class Engine:
         vocab = self.runner.cfg.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                              "(prompt plus at least one generated token)")
@@ -203,8 +217,10 @@ class Engine:
         self.scheduler.add_prefilled(self._live[request_id].sched)
 
     def abort(self, request_id: str) -> bool:
-        if self._live.pop(request_id, None) is None:
+        live = self._live.pop(request_id, None)
+        if live is None:
             return False
+        self._release(live)
         self.scheduler.abort(request_id)
         self._tables.pop(request_id, None)
         return True
@@ -241,6 +257,8 @@ class Engine:
             self._pending = None  # its requests recompute what it was computing
             self.scheduler.drop_all_kv()
             self._tables.clear()
+            for live in self._live.values():  # the slots went with the cache
+                self._release(live)
             self.runner.recover()
 
     def defer(self, work: Callable[[Callable[[], bool]], bool]) -> None:
@@ -312,9 +330,13 @@ class Engine:
         request that stopped in the step before gets no output (its surplus token is dropped)."""
         try:
             sampled = step.tokens.value() if step.tokens is not None else np.zeros(0, np.int32)
+            logprobs = step.tokens.logprobs_value() if step.tokens is not None else None
         except Exception as e:
             raise self._fail(e, step, self._pending) from e
+        burst = sampled.ndim == 2
         sampled = np.atleast_2d(sampled)  # [steps, rows]: one step's tokens, or a burst's
+        if logprobs is not None and not burst:
+            logprobs = Logprobs(*(x[None] for x in logprobs))
         end = self.clock()
         start, self._last_end = max(step.dispatched, self._last_end), end  # under overlap: end to end
         outputs, tokens, stopped = [], {}, set()
@@ -329,7 +351,8 @@ class Engine:
             live = self._live[item.request_id]
             count = item.tokens if item.phase is Phase.DECODE else 1
             try:
-                out = self._take(live, [int(t) for t in sampled[:count, n]])
+                out = self._take(live, [int(t) for t in sampled[:count, n]],
+                                 None if logprobs is None else Logprobs(*(x[:count, n] for x in logprobs)))
             except Exception as e:  # noqa: BLE001 - e.g. detokenizing: this request's own work
                 logging.exception("request %s failed after its step", item.request_id)
                 outputs.append(self._error(item.request_id, f"turning its token into text failed: {e}"))
@@ -344,7 +367,9 @@ class Engine:
         per_item = tuple((end - start) * i.tokens / total for i in plan.items)
         done = self.scheduler.apply(plan, Outcome(end, per_item, tokens, frozenset(stopped)))
         for r in done:
-            self._live.pop(r.id, None)
+            live = self._live.pop(r.id, None)
+            if live is not None:
+                self._release(live)
             self._tables.pop(r.id, None)
         return outputs
 
@@ -352,6 +377,7 @@ class Engine:
         self.num_preemptions += len(plan.preempted)
         for rid in plan.preempted:
             self._tables.pop(rid, None)
+            self._release(self._live[rid])  # set again from its history when it next samples
         for rid, ids in plan.blocks.items():
             self._tables.setdefault(rid, []).extend(ids)
 
@@ -367,12 +393,36 @@ class Engine:
             # the device checks the first batch.STOP_SLOTS: EOS first (the host checks them all)
             eos = () if p.ignore_eos else sorted(self.tokenizer.stop_ids)
             steps, stops = item.tokens, tuple(dict.fromkeys((*eos, *p.stop_token_ids)))
+        slot = self._slot(live) if self.scheduler.yields_token(item) else -1
         if item.start < len(r.token_ids):
             tokens = r.token_ids[item.start:item.start + (1 if burst else item.tokens)]
-            return Row(tokens, item.start, table, live.params, live.seed, r.generated, steps=steps, stop_ids=stops)
+            return Row(tokens, item.start, table, live.params, live.seed, r.generated, steps=steps, stop_ids=stops,
+                       slot=slot)
         flying = item.start - len(r.token_ids) + 1
         return Row((0,), item.start, table, live.params, live.seed, r.generated + flying, feeds[item.request_id],
-                   steps, stops)
+                   steps, stops, slot)
+
+    def _slot(self, live: _Live) -> int:
+        """The request's sampling slot (-1 if its params need none), set from its history when it takes one: at
+        its first kept token, or its first after a preemption or a rebuilt cache. Its history is whole then:
+        a request is only re-admitted once the Outcome of its last step in flight has landed."""
+        if not live.params.uses_history:
+            return -1
+        if live.slot is None:
+            r, p = live.sched, live.params
+            slot = self._free_slots.pop()
+            banned = (*self.tokenizer.stop_ids, *p.stop_token_ids)
+            self.runner.set_slot(slot, r.token_ids[:r.prompt_len], r.token_ids[r.prompt_len:], p.logit_bias,
+                                 banned)
+            live.slot = slot
+        return live.slot
+
+    def _release(self, live: _Live) -> None:
+        """Give back its sampling slot. A step still in flight may count into it; the next owner's set_slot runs
+        after that step on the device."""
+        if live.slot is not None:
+            self._free_slots.append(live.slot)
+            live.slot = None
 
     def _error(self, request_id: str, message: str) -> RequestOutput:
         """End one request with an error; the scheduler ignores the rest of its Plan."""
@@ -395,17 +445,22 @@ class Engine:
         return StepFailed(f"the engine step failed: {error}", ids)
 
     # ---- stopping and text ----------------------------------------------------------------------------
-    def _take(self, live: _Live, tokens: list[int]) -> RequestOutput:
+    def _take(self, live: _Live, tokens: list[int], logprobs: Logprobs | None = None) -> RequestOutput:
         """A step's tokens for one request (several from a burst), up to the first that finishes it: what
-        follows a stop was computed by the device and is dropped."""
+        follows a stop was computed by the device and is dropped. logprobs: the step's for these tokens."""
         outs = []
         for token in tokens:
             outs.append(self._append(live, token, ahead=len(outs)))
             if outs[-1].finished:
                 break
         last = outs[-1]
+        k = live.params.logprobs
+        kept = None if k is None or logprobs is None else [
+            TokenLogprob(t, float(logprobs.chosen[i]),
+                         tuple((int(j), float(x)) for j, x in zip(logprobs.top_ids[i, :k], logprobs.top[i, :k])))
+            for i, t in enumerate(tokens[:len(outs)])]
         return dataclasses.replace(last, new_token_ids=[o.new_token_ids[0] for o in outs],
-                                   new_text="".join(o.new_text for o in outs))
+                                   new_text="".join(o.new_text for o in outs), logprobs=kept)
 
     def _append(self, live: _Live, token: int, ahead: int = 0) -> RequestOutput:
         """One new token; `ahead`: tokens of the same step before it."""
@@ -415,11 +470,14 @@ class Engine:
         live.text += new
         text = live.text
         stop_at = live.stops.feed(new)
+        if generated < p.min_tokens:  # as vLLM: no stop counts before min_tokens (the device bans stop tokens)
+            stop_at = None
         reason = None
         if stop_at is not None:
             text = text[:stop_at]
             reason = FinishReason.STOP
-        elif token in p.stop_token_ids or (token in self.tokenizer.stop_ids and not p.ignore_eos):
+        elif generated >= p.min_tokens and (token in p.stop_token_ids or (token in self.tokenizer.stop_ids
+                                                                           and not p.ignore_eos)):
             reason = FinishReason.STOP
         elif generated >= r.output_len:
             reason = FinishReason.LENGTH

@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine import batch
 from jaxserve.engine.kv_cache import RaggedPagedBackend, RaggedPagedMetadata, allocate_caches, cache_dtype
-from jaxserve.engine.sampling import sample
+from jaxserve.engine.sampling import MAX_LOGPROBS, Logprobs, Sampling, Slots, sample_step
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama, stage_layers, stage_params, unstack_layers
 from jaxserve.pallas_kernels.common import lowering_for
@@ -92,75 +92,87 @@ def forward_packed(model: Llama, buckets: batch.Buckets, spread: Callable | None
     return step
 
 
-def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous: Int[Array, "m"], *, size: int,
-          kind: str, block_size: int) -> tuple[Any, Int[Array, "n r"], Int[Array, "r"]]:
+def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous: Int[Array, "m"],
+          slots: Slots | None, *, size: int, kind: str, block_size: int) -> tuple[Any, Int[Array, "n r"],
+                                                                                  Int[Array, "r"], Slots | None,
+                                                                                  Logprobs | None]:
     """Decode steps of a decode program's rows in one loop on the device, each step sampling the token the next
     feeds, until every row is done: a row stops after `a.limit` tokens (at most `size`) or at one of its
     `a.stop_ids` (sampled, or fed to it), and from then on writes to the scratch block at its first position
-    (its output is ignored).
-    Returns the caches, every step's tokens ([size, r]: rows of steps not run are zeros), and each row's last
-    token (what a following step feeds)."""
-    rows = jnp.arange(a.tables.shape[0])
+    (its output is ignored). With `slots`: the extra sampler, counting only live rows' tokens.
+    Returns the caches, every step's tokens ([size, r]: rows of steps not run are zeros), each row's last
+    token (what a following step feeds), the slots, and every step's logprobs ([size, r, ...]; with slots)."""
+    r = a.tables.shape[0]
+    rows = jnp.arange(r)
     first = jnp.where(a.feed >= 0, previous[jnp.maximum(a.feed, 0)], a.token_ids)  # row i's token is token i
     no_feed = jnp.full_like(a.feed, -1)
     stops = lambda token: jnp.any(token[:, None] == a.stop_ids, axis=-1)  # noqa: E731
+    logprobs = None if slots is None else Logprobs(jnp.zeros((size, r)), jnp.zeros((size, r, MAX_LOGPROBS)),
+                                                   jnp.zeros((size, r, MAX_LOGPROBS), jnp.int32))
 
     def one(carry):
-        j, caches, token, live, out = carry
+        j, caches, token, live, out, slots, logprobs = carry
         positions = jnp.where(live, a.positions + j, a.positions)
-        slots = jnp.where(live, a.tables[rows, positions // block_size] * block_size + positions % block_size,
-                          SCRATCH_BLOCK * block_size)
-        step = a._replace(token_ids=token, feed=no_feed, positions=positions, slots=slots, counters=a.counters + j)
+        slots_at = jnp.where(live, a.tables[rows, positions // block_size] * block_size + positions % block_size,
+                             SCRATCH_BLOCK * block_size)
+        step = a._replace(token_ids=token, feed=no_feed, positions=positions, slots=slots_at, counters=a.counters + j,
+                          slot=jnp.where(live, a.slot, -1))
         logits, caches = forward(model, params, caches, step, previous)
-        new = sample_kind(logits, *batch.sampling(step), kind=kind)
+        new, slots, lp = sample_step(logits, batch.sampling(step), slots, kind=kind)
+        if lp is not None:
+            logprobs = jax.tree.map(lambda all_, x: all_.at[j].set(x), logprobs, lp)
         token = jnp.where(live, new, token)
         live = live & (j + 1 < a.limit) & ~stops(new)
-        return j + 1, caches, token, live, out.at[j].set(new)
+        return j + 1, caches, token, live, out.at[j].set(new), slots, logprobs
 
     # a row fed a stop token (one in flight when this burst was planned) belongs to a finished request
-    start = (jnp.int32(0), caches, first, (a.limit > 0) & ~stops(first), jnp.zeros((size, rows.shape[0]), jnp.int32))
-    _, caches, last, _, out = jax.lax.while_loop(lambda c: jnp.any(c[3]), one, start)
-    return caches, out, last
+    start = (jnp.int32(0), caches, first, (a.limit > 0) & ~stops(first), jnp.zeros((size, r), jnp.int32), slots,
+             logprobs)
+    _, caches, last, _, out, slots, logprobs = jax.lax.while_loop(lambda c: jnp.any(c[3]), one, start)
+    return caches, out, last, slots, logprobs
 
 
 def burst_packed(model: Llama, buckets: batch.Buckets, block_size: int, size: int,
                  spread: Callable | None = None) -> Callable:
-    """What the runner compiles for a burst: (params, caches, blob, previous, shape, kind) -> (caches, tokens
-    [buckets.burst_steps, size], last tokens [size]), rows padded with zeros to `size` as the samplers' are."""
-    def one(params, caches, arrays, previous, kind):
-        return burst(model, params, caches, arrays, previous, size=buckets.burst_steps, kind=kind,
+    """What the runner compiles for a burst: (params, caches, blob, previous, slots, shape, kind) -> (caches,
+    tokens [buckets.burst_steps, size], last tokens [size], slots, logprobs), rows padded with zeros to `size` as
+    the samplers' are."""
+    def one(params, caches, arrays, previous, slots, kind):
+        return burst(model, params, caches, arrays, previous, slots, size=buckets.burst_steps, kind=kind,
                      block_size=block_size)
 
-    def step(params, caches, blob, previous, shape, kind):
+    def step(params, caches, blob, previous, slots, shape, kind):
         run = functools.partial(one, kind=kind)
         if spread is not None:
             run = spread(run)
-        caches, out, last = run(params, caches, batch.from_blob(blob, shape, buckets), previous)
+        caches, out, last, slots, logprobs = run(params, caches, batch.from_blob(blob, shape, buckets), previous,
+                                                 slots)
         pad = size - last.shape[0]
-        return caches, jnp.pad(out, ((0, 0), (0, pad))), jnp.pad(last, (0, pad))
+        return caches, jnp.pad(out, ((0, 0), (0, pad))), jnp.pad(last, (0, pad)), slots, logprobs
 
     return step
 
 
-def sample_kind(logits: Float[Array, "r v"], *sampling: Array, kind: str) -> Int[Array, "r"]:
-    """`sample` as the host's batch.sampler_kind chose: argmax alone when every row is greedy (the draw's
-    softmax and running sums over the vocabulary are most of a sampler's time), with or without the cut."""
-    if kind == "greedy":
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return sample(logits, *sampling, cut=kind == "cut")
+def sample_padded(logits: Float[Array, "r v"], sampling: Sampling, slots: Slots | None, *, kind: str,
+                  size: int) -> tuple[Int[Array, "m"], Slots | None, Logprobs | None]:
+    """`sample_step`, its tokens padded with zeros to `size` rows: every sampler's output can feed every
+    forward."""
+    tokens, slots, logprobs = sample_step(logits, sampling, slots, kind=kind)
+    return jnp.pad(tokens, (0, size - tokens.shape[0])), slots, logprobs
 
 
-def sample_padded(logits: Float[Array, "r v"], *sampling: Array, kind: str, size: int) -> Int[Array, "m"]:
-    """`sample_kind`, padded with zeros to `size` rows: every sampler's output can feed every forward."""
-    tokens = sample_kind(logits, *sampling, kind=kind)
-    return jnp.pad(tokens, (0, size - tokens.shape[0]))
+def set_slot(slots: Slots, slot: Int[Array, ""], row: Slots) -> Slots:
+    """Slot `slot` of every array set to `row`'s (one slot's arrays, [1, v] each)."""
+    return jax.tree.map(lambda all_, x: jax.lax.dynamic_update_slice_in_dim(all_, x, slot, axis=0), slots, row)
 
 
 class Sampler(NamedTuple):
-    """The sampler's program for `rows` rows, of a batch.SAMPLER_KINDS kind."""
+    """The sampler's program for `rows` rows, of a batch.SAMPLER_KINDS kind; `extra`: with penalties, logit_bias,
+    min_tokens and logprobs (batch.extra)."""
 
     rows: int
     kind: str
+    extra: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,19 +182,26 @@ class Burst:
 
     rows: int
     kind: str
+    extra: bool = False
 
 
 Program = batch.Shape | Sampler | Burst
 
 
 class Pending(NamedTuple):
-    """A dispatched step's sampled tokens, on their way to the host."""
+    """A dispatched step's sampled tokens (and logprobs, from the extra sampler), on their way to the host."""
 
     tokens: processes.Later | processes.Here
+    logprobs: Logprobs | None = None  # of Later | Here
 
     def value(self) -> Int[np.ndarray, "m"]:
         """Every row's token (padding included, up to the runner's `max_rows`), waiting for the step."""
         return self.tokens.value()
+
+    def logprobs_value(self) -> Logprobs | None:
+        """The rows' logprobs as numpy arrays ([rows] and [rows, MAX_LOGPROBS]; a burst's with a leading step
+        axis), or None when the step's sampler made none."""
+        return None if self.logprobs is None else Logprobs(*(x.value() for x in self.logprobs))
 
 
 # On a CPU, XLA runs a dot of more than one row through YNNPACK by default. The thin GEMMs of a decode step of 8
@@ -195,10 +214,10 @@ CPU_DECODE_OPTIONS_ROWS = 8
 FIRST_TOKENS = 128  # the chunks first_programs covers: a short prompt (a chat template's system prompt included)
 
 
-def _with_samplers(shapes: list[batch.Shape]) -> list[Program]:
-    """The forwards, then the sampler of each kind for each of their row counts."""
+def _with_samplers(shapes: list[batch.Shape], extra: tuple[bool, ...] = (False, True)) -> list[Program]:
+    """The forwards, then the sampler of each kind for each of their row counts (plain, then extra)."""
     rows = sorted({s.rows for s in shapes})
-    return [*shapes, *(Sampler(r, kind) for kind in batch.SAMPLER_KINDS for r in rows)]
+    return [*shapes, *(Sampler(r, kind, x) for x in extra for kind in batch.SAMPLER_KINDS for r in rows)]
 
 
 class _Loop(NamedTuple):
@@ -274,7 +293,10 @@ class ModelRunner:
                          if self.scan_mixed else None)
         self.params = self._stages[0].loops[True].params  # per layer (the first stage's)
         self._replicated = self._stages[-1].replicated  # where the sampler runs and its tokens are
-        self._sample = jax.jit(sample_padded, static_argnames=("kind", "size"), out_shardings=self._replicated)
+        self._sample = jax.jit(sample_padded, static_argnames=("kind", "size"), donate_argnames=("slots",),
+                               out_shardings=self._replicated)
+        self._set_slot = jax.jit(set_slot, donate_argnums=(0,), out_shardings=self._replicated)
+        self._slots: Slots | None = None  # allocated when a request first needs one (set_slot)
         self._previous = self._no_tokens()
         self._unfed = self._no_tokens(self._stages[0].replicated)
         self._programs: dict[Program, tuple[jax.stages.Compiled, ...]] = {}
@@ -310,15 +332,16 @@ class ModelRunner:
 
         spread = spread_burst = None
         if len(stage.devices) > 1:  # every device runs the same batch: inputs replicated, weights and cache split
-            spread, spread_burst = (functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(None, SP, TP), P(),
-                                                                                         P()),
-                                                      out_specs=out, check_vma=False)
-                                    for out in ((P(), P(None, SP, TP), P()), (P(None, SP, TP), P(), P())))
+            cache = P(None, SP, TP)
+            spread = functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, cache, P(), P()),
+                                       out_specs=(P(), cache, P()), check_vma=False)
+            spread_burst = functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, cache, P(), P(), P()),
+                                             out_specs=(cache, P(), P(), P(), P()), check_vma=False)
         step = forward_packed(model, self.buckets, spread)
         multi = burst_packed(model, self.buckets, self.block_size, self.max_rows, spread_burst)
         return _Loop(jax.device_put(params, tensor_parallel.shardings(mesh, specs)), model,
                      jax.jit(step, donate_argnums=(1,), static_argnames=("shape",)),
-                     jax.jit(multi, donate_argnums=(1,), static_argnames=("shape", "kind")))
+                     jax.jit(multi, donate_argnums=(1, 4), static_argnames=("shape", "kind")))
 
     def _loop_of(self, stage: _Stage, shape: batch.Shape) -> _Loop:
         unrolled = shape.tiles == 0 or not self.scan_mixed
@@ -335,7 +358,8 @@ class ModelRunner:
     def _bursts(self) -> list[Burst]:
         """The multi-step decode programs (none unless Buckets.burst_steps > 1), greedy first."""
         b = self.buckets
-        return [Burst(r, kind) for kind in batch.SAMPLER_KINDS for r in b.decode_rows] if b.burst_steps > 1 else []
+        return [Burst(r, kind, x) for x in (False, True) for kind in batch.SAMPLER_KINDS
+                for r in b.decode_rows] if b.burst_steps > 1 else []
 
     def warmup(self, programs: Sequence[Program] | None = None, *, progress: bool = True,
                threads: int | None = None) -> None:
@@ -351,10 +375,10 @@ class ModelRunner:
 
     def first_programs(self) -> list[Program]:
         """What the first few requests run: programs of at most the smallest mixed row bucket's rows, decodes
-        and chunks of up to FIRST_TOKENS tokens (a short prompt), and their samplers."""
+        and chunks of up to FIRST_TOKENS tokens (a short prompt), and their plain samplers."""
         b = self.buckets
         return _with_samplers([s for s in b.programs() if s.rows <= b.rows[0] and (
-            s.tiles == 0 or s.tokens <= max(FIRST_TOKENS, b.tokens[0]))])
+            s.tiles == 0 or s.tokens <= max(FIRST_TOKENS, b.tokens[0]))], extra=(False,))
 
     def later_programs(self) -> list[Program]:
         """The rest of programs(), fewest tokens and rows first, each forward followed by its samplers, then the
@@ -362,7 +386,8 @@ class ModelRunner:
         first = set(self.first_programs())
         shapes = sorted((s for s in self.buckets.programs() if s not in first), key=lambda s: (s.tokens, s.rows))
         later = [p for s in shapes for p in (s, *(Sampler(s.rows, kind) for kind in batch.SAMPLER_KINDS))]
-        return [p for p in dict.fromkeys(later) if p not in first] + self._bursts()
+        extra = [p for p in _with_samplers(list(self.buckets.programs())) if isinstance(p, Sampler) and p.extra]
+        return [p for p in dict.fromkeys(later + extra) if p not in first] + self._bursts()
 
     def compile_in_background(self, programs: Sequence[Program]) -> concurrent.futures.Future:
         """Compile `programs` in a daemon thread, in order, one at a time (the step thread keeps a core). A step
@@ -422,15 +447,17 @@ class ModelRunner:
         """program traced on `stage` (a forward's; the first by default), for shapes `abstract` gives."""
         kv_dtype, stage = kv_dtype or self.kv_dtype, stage or self._stages[0]
         caches = jax.tree.map(lambda x: abstract(x).update(dtype=kv_dtype), stage.caches)
+        slots = abstract(self._slot_shapes()) if getattr(program, "extra", False) else None
         if isinstance(program, Sampler):
             sampling = batch.sampling(batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size))
-            shapes = [((program.rows, self.cfg.vocab_size), np.float32)] + [(x.shape, x.dtype) for x in sampling]
-            inputs = [jax.ShapeDtypeStruct(s, d, sharding=self._replicated) for s, d in shapes]
-            return self._sample.trace(*abstract(inputs), kind=program.kind, size=self.max_rows)
+            replicated = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated)  # noqa: E731
+            logits = replicated(jax.ShapeDtypeStruct((program.rows, self.cfg.vocab_size), np.float32))
+            return self._sample.trace(abstract(logits), abstract(jax.tree.map(replicated, sampling)), slots,
+                                      kind=program.kind, size=self.max_rows)
         if isinstance(program, Burst):
             loop, shape = stage.loops[True], self.buckets.decode(program.rows)
             blob = batch.to_blob(batch.empty(self.buckets, shape, self.block_size))
-            return loop.burst.trace(abstract(loop.params), caches, blob, abstract(self._previous),
+            return loop.burst.trace(abstract(loop.params), caches, blob, abstract(self._previous), slots,
                                     shape=shape, kind=program.kind)
         loop, empty = self._loop_of(stage, program), batch.empty(self.buckets, program, self.block_size)
         if stage.layers[0] == 0:  # the last step's tokens
@@ -485,18 +512,60 @@ class ModelRunner:
             if self.stages > 1:  # the tokens to the first stage, each stage's hidden states to the next
                 x = processes.move(x, stage.replicated)
             x, stage.caches, sampling = forward(self._loop_of(stage, shape).params, stage.caches, blob, x)
-        (sampler,) = self._program(Sampler(shape.rows, batch.sampler_kind(arrays)))
-        self._previous = sampler(x, *sampling)
-        return Pending(processes.read_later(self._previous))
+        extra = batch.extra(arrays)
+        (sampler,) = self._program(Sampler(shape.rows, batch.sampler_kind(arrays), extra))
+        self._previous, slots, logprobs = sampler(x, sampling, self._slots_for(extra))
+        return self._pending(self._previous, slots, logprobs)
 
     def dispatch_burst(self, arrays: batch.StepArrays) -> Pending:
         """Dispatch a packed multi-step decode (each row's Row.steps in `arrays.limit`). Its Pending reads
         [Buckets.burst_steps, max_rows] tokens: step j's in row j (rows of steps not run are zeros)."""
         shape, (stage,) = batch.shape_of(arrays), self._stages  # no bursts with pipeline stages
-        (program,) = self._program(Burst(shape.rows, batch.sampler_kind(arrays)))
-        stage.caches, out, self._previous = program(stage.loops[True].params, stage.caches, batch.to_blob(arrays),
-                                                    self._previous)
-        return Pending(processes.read_later(out))
+        extra = batch.extra(arrays)
+        (program,) = self._program(Burst(shape.rows, batch.sampler_kind(arrays), extra))
+        stage.caches, out, self._previous, slots, logprobs = program(
+            stage.loops[True].params, stage.caches, batch.to_blob(arrays), self._previous, self._slots_for(extra))
+        return self._pending(out, slots, logprobs)
+
+    def _slots_for(self, extra: bool) -> Slots | None:
+        """The slots an extra sampler updates (allocated at first use), None for a plain one."""
+        if extra and self._slots is None:
+            self._slots = self._no_slots()
+        return self._slots if extra else None
+
+    def _pending(self, tokens: jax.Array, slots: Slots | None, logprobs: Logprobs | None) -> Pending:
+        if slots is not None:
+            self._slots = slots
+        return Pending(processes.read_later(tokens),
+                       None if logprobs is None else Logprobs(*map(processes.read_later, logprobs)))
+
+    def set_slot(self, slot: int, prompt: Sequence[int], generated: Sequence[int],
+                 bias: Sequence[tuple[int, float]], banned: Sequence[int]) -> None:
+        """Fill sampling slot `slot` for a request (before its first step that uses it): its prompt's tokens,
+        the counts of the tokens it generated so far, its logit_bias and the tokens min_tokens holds back. Runs
+        after the steps dispatched before it, so a step still in flight that counted into the slot is
+        overwritten."""
+        if not 0 <= slot < self.max_rows:
+            raise ValueError(f"sampling slot {slot} is not in [0, {self.max_rows})")
+        v = self.cfg.vocab_size
+        row = Slots(np.bincount(np.asarray(generated, np.int64), minlength=v)[None].astype(np.int32),
+                    np.zeros((1, v), bool), np.zeros((1, v), np.float32), np.zeros((1, v), bool))
+        row.prompt[0, np.asarray(prompt, np.int64)] = True
+        for token, value in bias:
+            row.bias[0, token] = value
+        row.banned[0, np.asarray(banned, np.int64)] = True
+        self._slots = self._set_slot(self._slots_for(True), np.int32(slot),
+                                     jax.device_put(row, self._replicated))
+
+    def _slot_shapes(self) -> Slots:
+        v, n = self.cfg.vocab_size, self.max_rows
+        return Slots(*(jax.ShapeDtypeStruct((n, v), d, sharding=self._replicated)
+                       for d in (jnp.int32, jnp.bool_, jnp.float32, jnp.bool_)))
+
+    def _no_slots(self) -> Slots:
+        """Every sampling slot empty: one per row the step programs hold."""
+        return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._slot_shapes()),
+                       out_shardings=self._replicated)()
 
     def warmup_land(self, max_rows: int) -> None:
         """Compile what `land` runs for pieces of up to max_rows rows (powers of two, as rows.pieces cuts them),
@@ -550,7 +619,9 @@ class ModelRunner:
 
     @property
     def caches_lost(self) -> bool:
-        return any(x.is_deleted() for stage in self._stages for x in stage.caches)
+        """A failed step deleted the donated cache buffers (or the sampling slots): `recover`."""
+        slots = () if self._slots is None else self._slots
+        return any(x.is_deleted() for x in (*slots, *(x for stage in self._stages for x in stage.caches)))
 
     def recover(self) -> None:
         """Fresh (zeroed) cache buffers after a failed step deleted the donated ones (every stage's: a failed
@@ -559,6 +630,7 @@ class ModelRunner:
             for stage in self._stages:
                 stage.caches = self._allocate(stage)
             self._previous = self._no_tokens()  # the failed step's may hold its error
+            self._slots = None  # every request's slot is set again before it next samples
 
     def _no_tokens(self, sharding: NamedSharding | None = None) -> Int[Array, "m"]:
         """What a forward reads as the previous step's tokens when none ran or no row feeds from them: zeros where

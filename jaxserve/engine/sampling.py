@@ -1,10 +1,93 @@
-"""The batched sampler that runs inside the compiled step."""
+"""The batched sampler that runs on the device after each step's forward.
+
+A step's rows carry their sampling parameters (`Sampling`). Penalties, logit_bias and min_tokens read a request's
+own history, kept on the device in a slot per request (`Slots`: its generated tokens' counts, its prompt's
+tokens, its bias, the tokens min_tokens holds back); the sampler counts each kept token into its row's slot, so
+the history is right however far the host lags. Logprobs are of the model's own distribution (before penalties
+and temperature, as vLLM's default), the chosen token's and the MAX_LOGPROBS most likely.
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
+
+MAX_LOGPROBS = 20  # top logprobs a row may ask for (OpenAI's limit)
+
+
+class Sampling(NamedTuple):
+    """Each row's sampling parameters, as the step's arrays hold them."""
+
+    temperature: Float[Array, "r"]
+    top_k: Int[Array, "r"]
+    top_p: Float[Array, "r"]
+    seeds: Int[Array, "r"]
+    counters: Int[Array, "r"]
+    min_p: Float[Array, "r"]
+    slot: Int[Array, "r"]  # the request's slot (-1: none, or a token the request does not keep)
+    presence: Float[Array, "r"]
+    frequency: Float[Array, "r"]
+    repetition: Float[Array, "r"]
+    min_tokens: Int[Array, "r"]  # the slot's banned tokens are held back while counters < min_tokens
+
+
+class Slots(NamedTuple):
+    """What sampling remembers of each request that needs it, one row per slot."""
+
+    counts: Int[Array, "s v"]  # generated tokens, counted
+    prompt: Bool[Array, "s v"]  # tokens of the prompt (the repetition penalty's too)
+    bias: Float[Array, "s v"]  # logit_bias
+    banned: Bool[Array, "s v"]  # EOS and stop_token_ids, held back until min_tokens
+
+
+class Logprobs(NamedTuple):
+    chosen: Float[Array, "r"]
+    top: Float[Array, "r k"]  # the MAX_LOGPROBS highest, best first
+    top_ids: Int[Array, "r k"]
+
+
+def sample_step(logits: Float[Array, "r v"], p: Sampling, slots: Slots | None, *,
+                kind: str) -> tuple[Int[Array, "r"], Slots | None, Logprobs | None]:
+    """One token per row by `kind` (batch.SAMPLER_KINDS: argmax alone when every row is greedy; a draw, cut by
+    top-k / top-p or not). With `slots` (the extra sampler): penalties, logit_bias and min_tokens first, the kept
+    tokens counted into their slots, and the logprobs."""
+    raw = logits
+    if slots is not None:
+        logits = adjust(logits, p, slots)
+    if kind == "greedy":
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        tokens = sample(logits, p.temperature, p.top_k, p.top_p, p.seeds, p.counters, cut=kind == "cut",
+                        min_p=p.min_p)
+    if slots is None:
+        return tokens, None, None
+    counts = slots.counts.at[jnp.maximum(p.slot, 0), tokens].add((p.slot >= 0).astype(slots.counts.dtype))
+    return tokens, slots._replace(counts=counts), logprobs_of(raw, tokens)
+
+
+def adjust(logits: Float[Array, "r v"], p: Sampling, slots: Slots) -> Float[Array, "r v"]:
+    """vLLM's order: logit_bias, min_tokens' ban, then the repetition penalty (over the prompt's and the
+    generated tokens: positive logits divided, negative multiplied), the frequency penalty (times each
+    generated token's count) and the presence penalty (once per generated token). Rows without a slot pass."""
+    has = (p.slot >= 0)[:, None]
+    s = jnp.maximum(p.slot, 0)
+    counts = slots.counts[s].astype(logits.dtype)
+    x = logits + jnp.where(has, slots.bias[s], 0.0)
+    x = jnp.where(has & (p.counters < p.min_tokens)[:, None] & slots.banned[s], -jnp.inf, x)
+    seen = has & (slots.prompt[s] | (counts > 0))
+    rep = p.repetition[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    penalty = p.frequency[:, None] * counts + p.presence[:, None] * (counts > 0)
+    return jnp.where(has, x - penalty, x)
+
+
+def logprobs_of(logits: Float[Array, "r v"], tokens: Int[Array, "r"]) -> Logprobs:
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+    return Logprobs(jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top, ids.astype(jnp.int32))
 
 
 def sample(
@@ -16,6 +99,7 @@ def sample(
     counters: Int[Array, "b"],
     *,
     cut: bool,
+    min_p: Float[Array, "b"] | None = None,
 ) -> Int[Array, "b"]:
     """One token per row. A row's randomness depends only on (seed, counter), never on its batch neighbours.
 
@@ -27,6 +111,9 @@ def sample(
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     if cut:
         scaled = _cut(scaled, top_k, top_p)
+    if min_p is not None:  # p >= min_p p_max, as logits: log(0) = -inf keeps every token
+        floor = jnp.max(scaled, axis=-1) + jnp.log(min_p)
+        scaled = jnp.where(scaled >= floor[:, None], scaled, -jnp.inf)
     probs = jax.nn.softmax(scaled, axis=-1)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds.astype(jnp.uint32), counters)
     # in (0, 1): a zero would pick a leading token of probability zero

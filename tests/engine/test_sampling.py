@@ -1,4 +1,5 @@
-"""The batched sampler on random logits: greedy, top-k, top-p, temperature and per-row seeds."""
+"""The batched sampler on random logits: greedy, top-k, top-p, min-p, temperature and per-row seeds; penalties,
+logit_bias, min_tokens and logprobs against numpy references."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampling import inverse_cdf, sample
+from jaxserve.engine.sampling import MAX_LOGPROBS, Sampling, Slots, adjust, inverse_cdf, logprobs_of, sample, \
+    sample_step
 from jaxserve.sampling_params import SamplingParams
 
 V = 64
@@ -105,7 +107,13 @@ def test_seed_and_counter_determine_the_draw(logits):
                                     dict(top_p=float("nan")), dict(max_tokens=True), dict(temperature=True),
                                     dict(top_k=True), dict(seed=False), dict(stop_token_ids=(True,)),
                                     dict(stop=("x" * 1025,)), dict(stop=tuple("x" * (i + 1) for i in range(65))),
-                                    dict(stop_token_ids=tuple(range(1025)))])
+                                    dict(stop_token_ids=tuple(range(1025))),
+                                    dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
+                                    dict(repetition_penalty=0), dict(repetition_penalty=float("inf")),
+                                    dict(min_p=-0.1), dict(min_p=1.5), dict(logit_bias={1: 101}),
+                                    dict(logit_bias={"1": 1.0}), dict(logit_bias={-1: 1.0}), dict(logit_bias=[(1, 1), (1, 2)]),
+                                    dict(logit_bias=5), dict(min_tokens=-1), dict(max_tokens=4, min_tokens=5),
+                                    dict(logprobs=-1), dict(logprobs=21), dict(logprobs=True)])
 def test_invalid_sampling_params_are_rejected(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
@@ -115,3 +123,115 @@ def test_vllm_spellings_are_normalised():
     sp = SamplingParams(top_k=-1, stop=None, stop_token_ids=None, temperature=1e-7)
     assert (sp.top_k, sp.stop, sp.stop_token_ids, sp.temperature, sp.greedy) == (0, (), (), 0.0, True)
     assert SamplingParams(stop="END", stop_token_ids=[5]).stop == ("END",)
+
+
+def test_logit_bias_accepts_a_dict_or_pairs():
+    assert SamplingParams(logit_bias={5: 1.0, 2: -3}).logit_bias == SamplingParams(logit_bias=[[5, 1.0], [2, -3]]).logit_bias
+    assert not SamplingParams().uses_history and SamplingParams(min_tokens=1).uses_history
+
+
+def _rows(rng, r, v, slot):
+    """Random per-row parameters: presence, frequency, repetition penalties, min_tokens and counters."""
+    return Sampling(temperature=jnp.zeros(r), top_k=jnp.zeros(r, jnp.int32), top_p=jnp.ones(r),
+                    seeds=jnp.zeros(r, jnp.uint32), counters=jnp.asarray(rng.integers(0, 6, r), jnp.int32),
+                    min_p=jnp.zeros(r), slot=jnp.asarray(slot, jnp.int32),
+                    presence=jnp.asarray(rng.uniform(-2, 2, r), jnp.float32),
+                    frequency=jnp.asarray(rng.uniform(-2, 2, r), jnp.float32),
+                    repetition=jnp.asarray(rng.uniform(0.5, 2.0, r), jnp.float32),
+                    min_tokens=jnp.asarray(rng.integers(0, 6, r), jnp.int32))
+
+
+def _slots(rng, s, v):
+    return Slots(counts=jnp.asarray(rng.integers(0, 3, (s, v)) * (rng.random((s, v)) < 0.3), jnp.int32),
+                 prompt=jnp.asarray(rng.random((s, v)) < 0.2), bias=jnp.asarray(
+                     np.where(rng.random((s, v)) < 0.1, rng.uniform(-100, 100, (s, v)), 0), jnp.float32),
+                 banned=jnp.asarray(rng.random((s, v)) < 0.05))
+
+
+def _adjust_reference(logits, p, slots):
+    """vLLM's penalties, row by row in float64 numpy."""
+    logits, out = np.asarray(logits, np.float64), []
+    for i, x in enumerate(logits):
+        s = int(p.slot[i])
+        if s < 0:
+            out.append(x)
+            continue
+        counts = np.asarray(slots.counts[s], np.float64)
+        x = x + np.asarray(slots.bias[s])
+        if p.counters[i] < p.min_tokens[i]:
+            x = np.where(np.asarray(slots.banned[s]), -np.inf, x)
+        rep = float(p.repetition[i])
+        seen = np.asarray(slots.prompt[s]) | (counts > 0)
+        x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+        x = x - float(p.frequency[i]) * counts - float(p.presence[i]) * (counts > 0)
+        out.append(x)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("r,v", [(1, 64), (5, 257), (16, 4096)])
+def test_penalties_bias_and_min_tokens_match_numpy(r, v):
+    rng = np.random.default_rng(v)
+    logits = jnp.asarray(rng.standard_normal((r, v)) * 4, jnp.float32)
+    slot = rng.permutation(8)[:r] if r <= 8 else np.where(np.arange(r) % 3 == 0, -1, np.arange(r) % 8)
+    if r > 1:
+        slot[0] = -1  # a row without a slot passes unchanged
+    slots = _slots(rng, 8, v)
+    p = _rows(rng, r, v, slot)
+    got = np.asarray(adjust(logits, p, slots), np.float64)
+    want = _adjust_reference(logits, p, slots)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    finite = np.isfinite(want)
+    # a few float32 roundings of the largest intermediate: (|logit| + |bias|) / 0.5 (the smallest repetition),
+    # then 2 x the largest count and 2 for the frequency and presence penalties
+    scale = (np.abs(logits).max() + np.abs(slots.bias).max()) / 0.5 + 2 * int(slots.counts.max()) + 2
+    np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=4 * np.finfo(np.float32).eps * scale)
+
+
+def test_min_tokens_holds_back_the_banned_tokens_until_counted():
+    v = 32
+    slots = Slots(jnp.zeros((1, v), jnp.int32), jnp.zeros((1, v), bool), jnp.zeros((1, v)),
+                  jnp.zeros((1, v), bool).at[0, 7].set(True))
+    logits = jnp.zeros((2, v)).at[:, 7].set(10.0)
+    p = _rows(np.random.default_rng(0), 2, v, [0, 0])._replace(
+        counters=jnp.asarray([2, 3]), min_tokens=jnp.asarray([3, 3]), presence=jnp.zeros(2), frequency=jnp.zeros(2),
+        repetition=jnp.ones(2))
+    tokens, _, _ = sample_step(logits, p, slots, kind="greedy")
+    assert int(tokens[0]) != 7 and int(tokens[1]) == 7  # the 3rd token may not be EOS; the 4th may
+
+
+def test_the_extra_sampler_counts_kept_tokens_into_their_slots():
+    rng = np.random.default_rng(1)
+    v, r = 50, 4
+    slots = _slots(rng, 6, v)
+    logits = jnp.asarray(rng.standard_normal((r, v)), jnp.float32)
+    slot = np.array([3, -1, 0, 5])
+    p = _rows(rng, r, v, slot)
+    tokens, new, _ = sample_step(logits, p, slots, kind="greedy")
+    want = np.asarray(slots.counts).copy()
+    for s, t in zip(slot, np.asarray(tokens)):
+        if s >= 0:
+            want[s, t] += 1
+    np.testing.assert_array_equal(np.asarray(new.counts), want)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(adjust(logits, p, slots)).argmax(-1))
+
+
+def test_logprobs_are_the_log_softmax_and_its_top():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((3, 300)) * 5
+    tokens = np.array([0, 17, 299])
+    got = logprobs_of(jnp.asarray(logits, jnp.float32), jnp.asarray(tokens))
+    x = logits - logits.max(-1, keepdims=True)
+    want = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(got.chosen), want[np.arange(3), tokens], atol=1e-5)
+    order = np.argsort(-want, axis=-1)[:, :MAX_LOGPROBS]
+    np.testing.assert_array_equal(np.asarray(got.top_ids), order)
+    np.testing.assert_allclose(np.asarray(got.top), np.take_along_axis(want, order, -1), atol=1e-5)
+
+
+def test_min_p_draws_only_tokens_within_its_ratio_of_the_best(logits):
+    b = 2000
+    rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (b, V))
+    got = np.asarray(sample(rows, jnp.full((b,), 1.0), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32),
+                            jnp.arange(b, dtype=jnp.int32), cut=False, min_p=jnp.full((b,), 0.2)))
+    p = np.exp(logits - logits.max())
+    assert set(got) == set(np.flatnonzero(p >= 0.2))
