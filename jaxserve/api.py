@@ -334,6 +334,17 @@ class LLM:
         ids = self.engine.check_request(ids, SamplingParams())
         return scoring.prompt_logits(self.config, self._params, self._dtype, ids)
 
+    def prompt_logprobs(self, prompt: str | Sequence[int], k: int = 0) -> list[TokenLogprob | None]:
+        """Each prompt token's logprob given the ones before it, with the k most likely there (k <= 20); None for
+        the first token, which has nothing before it. A scoring pass outside the serving path (what echo with
+        logprobs returns, and what evaluation harnesses score by)."""
+        _, ids = self._prompt_ids(prompt)
+        ids = self.engine.check_request(ids, SamplingParams(logprobs=k))
+        lp = scoring.prompt_logprobs(self.config, self._params, self._dtype, ids)
+        return [None] + [TokenLogprob(t, float(lp.chosen[i]), tuple(zip(lp.top_ids[i, :k].tolist(),
+                                                                          lp.top[i, :k].tolist())))
+                         for i, t in enumerate(ids[1:])]
+
 
 def follow(model: ModelConfig = ModelConfig()) -> None:
     """A follower's life (jax.distributed, every process but the leader): load the same weights as the leader's

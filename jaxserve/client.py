@@ -6,7 +6,8 @@
         print(c.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=16).text)
 
 Sampling options are the fields of jaxserve.v1.SamplingParams (max_tokens, temperature, top_k, top_p, seed,
-stop, stop_token_ids, ignore_eos). Errors arrive as grpc.RpcError with the server's status and message.
+stop, stop_token_ids, ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, min_p, logit_bias,
+min_tokens, logprobs). Errors arrive as grpc.RpcError with the server's status and message.
 Imports no jax: it runs anywhere grpcio does.
 """
 
@@ -36,6 +37,7 @@ class Generation:
     time_to_first_token_s: float
     total_s: float
     cached_tokens: int = 0  # prompt tokens the server found in its prefix cache
+    logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)  # with the logprobs option
 
 
 def _generate_request(prompt: str | Sequence[int] | None, messages: Messages | None, model: str,
@@ -75,7 +77,7 @@ class _Assembler:
                           [t for p in self.parts for t in p.token_ids],
                           pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower(),
                           last.usage.prompt_tokens, last.timings.time_to_first_token_s, last.timings.total_s,
-                          last.usage.cached_tokens)
+                          last.usage.cached_tokens, [x for p in self.parts for x in p.logprobs])
 
 
 class _Base:

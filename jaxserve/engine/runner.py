@@ -185,7 +185,12 @@ class Burst:
     extra: bool = False
 
 
-Program = batch.Shape | Sampler | Burst
+@dataclasses.dataclass(frozen=True)
+class SlotWrite:
+    """The program that sets one sampling slot (ModelRunner.set_slot)."""
+
+
+Program = batch.Shape | Sampler | Burst | SlotWrite
 
 
 class Pending(NamedTuple):
@@ -353,7 +358,8 @@ class ModelRunner:
     def programs(self, mixed: bool = True) -> list[Program]:
         """Every program serving can run (without `mixed`: what decodes alone run): the forwards, then the
         sampler of each kind for each of their row counts, then the bursts."""
-        return _with_samplers([s for s in self.buckets.programs() if mixed or s.tiles == 0]) + self._bursts()
+        return [*_with_samplers([s for s in self.buckets.programs() if mixed or s.tiles == 0]), *self._bursts(),
+                SlotWrite()]
 
     def _bursts(self) -> list[Burst]:
         """The multi-step decode programs (none unless Buckets.burst_steps > 1), greedy first."""
@@ -387,7 +393,7 @@ class ModelRunner:
         shapes = sorted((s for s in self.buckets.programs() if s not in first), key=lambda s: (s.tokens, s.rows))
         later = [p for s in shapes for p in (s, *(Sampler(s.rows, kind) for kind in batch.SAMPLER_KINDS))]
         extra = [p for p in _with_samplers(list(self.buckets.programs())) if isinstance(p, Sampler) and p.extra]
-        return [p for p in dict.fromkeys(later + extra) if p not in first] + self._bursts()
+        return [p for p in dict.fromkeys(later + extra) if p not in first] + self._bursts() + [SlotWrite()]
 
     def compile_in_background(self, programs: Sequence[Program]) -> concurrent.futures.Future:
         """Compile `programs` in a daemon thread, in order, one at a time (the step thread keeps a core). A step
@@ -448,6 +454,10 @@ class ModelRunner:
         kv_dtype, stage = kv_dtype or self.kv_dtype, stage or self._stages[0]
         caches = jax.tree.map(lambda x: abstract(x).update(dtype=kv_dtype), stage.caches)
         slots = abstract(self._slot_shapes()) if getattr(program, "extra", False) else None
+        if isinstance(program, SlotWrite):
+            one = jax.tree.map(lambda x: x.update(shape=(1, *x.shape[1:])), self._slot_shapes())
+            slot = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
+            return self._set_slot.trace(abstract(self._slot_shapes()), abstract(slot), abstract(one))
         if isinstance(program, Sampler):
             sampling = batch.sampling(batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size))
             replicated = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated)  # noqa: E731
@@ -554,8 +564,8 @@ class ModelRunner:
         for token, value in bias:
             row.bias[0, token] = value
         row.banned[0, np.asarray(banned, np.int64)] = True
-        self._slots = self._set_slot(self._slots_for(True), np.int32(slot),
-                                     jax.device_put(row, self._replicated))
+        (program,) = self._program(SlotWrite())
+        self._slots = program(self._slots_for(True), np.int32(slot), jax.device_put(row, self._replicated))
 
     def _slot_shapes(self) -> Slots:
         v, n = self.cfg.vocab_size, self.max_rows
@@ -563,9 +573,9 @@ class ModelRunner:
                        for d in (jnp.int32, jnp.bool_, jnp.float32, jnp.bool_)))
 
     def _no_slots(self) -> Slots:
-        """Every sampling slot empty: one per row the step programs hold."""
-        return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._slot_shapes()),
-                       out_shardings=self._replicated)()
+        """Every sampling slot empty: one per row the step programs hold (from the host: nothing to compile)."""
+        return jax.device_put(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), self._slot_shapes()),
+                              self._replicated)
 
     def warmup_land(self, max_rows: int) -> None:
         """Compile what `land` runs for pieces of up to max_rows rows (powers of two, as rows.pieces cuts them),

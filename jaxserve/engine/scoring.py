@@ -1,4 +1,4 @@
-"""Scoring: the logits of every prompt position in one pass, outside the serving path (it touches no KV block,
+"""Scoring: the logits (or logprobs) of every prompt position in one pass, outside the serving path (it touches no KV block,
 so it never competes with requests for the cache; it compiles per prompt-length bucket, which serving never
 does)."""
 
@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxserve.engine.batch import powers_of_two
+from jaxserve.engine.sampling import Logprobs, logprobs_of
 from jaxserve.models.attention import DenseCausalBackend, DenseCausalMetadata
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama, is_stacked
@@ -27,13 +28,34 @@ def _forward(cfg: LlamaConfig, dtype: Any, unrolled: bool):
     return jax.jit(run)
 
 
-def prompt_logits(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int]) -> np.ndarray:
-    """Logits [len(ids), vocab] (float32); params stacked or per layer (models/llama.py)."""
+@functools.lru_cache(maxsize=8)
+def _logprobs(cfg: LlamaConfig, dtype: Any, unrolled: bool):
+    forward = _forward(cfg, dtype, unrolled)
+
+    def run(params, tokens, q_pos, k_pos):
+        return logprobs_of(forward(params, tokens, q_pos, k_pos)[:-1], tokens[1:])
+
+    return jax.jit(run)
+
+
+def _padded(ids: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """The prompt padded to a power of two (one program per length bucket), its query and key positions."""
     n = len(ids)
     t = powers_of_two(16, n)[-1]
     tokens = np.zeros(t, np.int32)
     tokens[:n] = ids
     pos = np.arange(t, dtype=np.int32)
     # padded queries see nothing (position -1) and padded keys are never visible (a position past every query)
-    q_pos, k_pos = np.where(pos < n, pos, -1), np.where(pos < n, pos, 2**30)
-    return np.asarray(_forward(cfg, dtype, not is_stacked(params))(params, tokens, q_pos, k_pos))[:n]
+    return tokens, np.where(pos < n, pos, -1), np.where(pos < n, pos, 2**30)
+
+
+def prompt_logits(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int]) -> np.ndarray:
+    """Logits [len(ids), vocab] (float32); params stacked or per layer (models/llama.py)."""
+    return np.asarray(_forward(cfg, dtype, not is_stacked(params))(params, *_padded(ids)))[:len(ids)]
+
+
+def prompt_logprobs(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int]) -> Logprobs:
+    """Each prompt token's logprob given the tokens before it, and the sampling.MAX_LOGPROBS most likely there
+    ([len(ids) - 1, ...]: the first token has none); computed on the device, so only these come back."""
+    out = _logprobs(cfg, dtype, not is_stacked(params))(params, *_padded(ids))
+    return Logprobs(*(np.asarray(x)[:len(ids) - 1] for x in out))

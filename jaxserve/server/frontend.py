@@ -146,6 +146,17 @@ class Frontend:
                              f"context of {self.max_model_len} tokens")
         return await asyncio.to_thread(self.llm.chat_prompt, checked)
 
+    async def prompt_logprobs(self, ids: list[int], k: int) -> list[Any]:
+        """Each prompt token's TokenLogprob (None for the first), with the k most likely: a scoring pass beside
+        serving, in a worker thread."""
+        return await asyncio.to_thread(self.llm.prompt_logprobs, ids, k)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_text(self, token: int) -> str:
+        """One token's text as logprobs show it, control tokens included (a piece of a multi-byte character reads
+        as U+FFFD)."""
+        return self.llm.tokenizer.tokenizer.decode([token], skip_special_tokens=False)
+
     def check_batch(self, n: int) -> None:
         """A batch of n prompts is queued whole or not at all: one larger than the server's capacity never is."""
         if n > self.engine.capacity:

@@ -63,14 +63,21 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 default_max_tokens=_DEFAULT_MAX_TOKENS, temperature=p.temperature, top_k=p.top_k,
                 top_p=p.top_p if p.HasField("top_p") else None, seed=p.seed if p.HasField("seed") else None,
                 stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                ttft_slo=p.ttft_slo if p.HasField("ttft_slo") else None)
+                ttft_slo=p.ttft_slo if p.HasField("ttft_slo") else None, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
+                min_p=p.min_p, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
+                logprobs=p.logprobs if p.HasField("logprobs") else None)
         except REFUSED as e:
             await self._refuse(context, e)
         async with stream:
             try:
                 async for out in stream:
                     reply = pb.GenerateResponse(request_id=stream.request_id, token_ids=out.new_token_ids,
-                                                text=out.new_text)
+                                                text=out.new_text, logprobs=[
+                                                    pb.TokenLogprob(token_id=x.token, logprob=x.logprob, top=[
+                                                        pb.TopLogprob(token_id=t, logprob=v) for t, v in x.top])
+                                                    for x in out.logprobs or ()])
                     if out.finished:
                         reply.finish_reason = _FINISH[out.finish_reason]
                         reply.usage.prompt_tokens = len(stream.prompt_ids)

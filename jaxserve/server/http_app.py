@@ -15,7 +15,9 @@ import contextlib
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence
+
+import numpy as np
 
 from absl import logging
 from fastapi import FastAPI, Request
@@ -25,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.engine.engine import RequestOutput
+from jaxserve.engine.engine import RequestOutput, TokenLogprob
 from jaxserve.server.async_engine import NOT_ACCEPTING, RequestStream, ShuttingDown
 from jaxserve.server.frontend import REFUSED, Frontend, ReadTimeout, TooLarge, Unauthenticated, excerpt, refusal
 from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -167,16 +169,50 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-class _Reply:
-    """Builds one request's reply: the JSON object or the SSE chunks, in completion or chat form."""
+class _Echo(NamedTuple):
+    """A completion's prompt as echo returns it: its text, and with logprobs each token's (None for the first)."""
 
-    def __init__(self, frontend: Frontend, streams: list[RequestStream], chat: bool, include_usage: bool):
+    text: str
+    ids: list[int]
+    logprobs: list[TokenLogprob | None] | None
+
+
+class _Reply:
+    """Builds one request's reply: the JSON object or the SSE chunks, in completion or chat form, with logprobs
+    when asked (OpenAI's legacy shape for completions, its `content` list for chat)."""
+
+    def __init__(self, frontend: Frontend, streams: list[RequestStream], chat: bool, include_usage: bool,
+                 logprobs: int | None = None, echo: list[_Echo] | None = None):
         self.frontend = frontend
         self.streams = streams
         self.chat = chat
         self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.echo = echo
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+
+    def _logprobs(self, lps: list[TokenLogprob], offset: int = 0, echo: _Echo | None = None) -> dict | None:
+        """A choice's logprobs object for these tokens; `offset`: where their text starts in the choice's text.
+        With `echo`: the prompt's tokens first (the first with no logprob)."""
+        if self.logprobs is None:
+            return None
+        text = self.frontend.token_text
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict[str, Any]:
+                return {"token": text(token), "logprob": logprob, "bytes": list(text(token).encode())}
+            return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                                for x in lps], "refusal": None}
+        pairs = [*zip(echo.ids, echo.logprobs), *((x.token, x) for x in lps)] if echo else [(x.token, x)
+                                                                                             for x in lps]
+        tokens = [text(t) for t, _ in pairs]
+        starts = np.cumsum([0, *map(len, tokens)])[:-1]
+        if echo:  # the completion's tokens start where the prompt's text ends
+            starts[len(echo.ids):] += len(echo.text) - sum(map(len, tokens[:len(echo.ids)]))
+        return {"tokens": tokens, "token_logprobs": [None if x is None else x.logprob for _, x in pairs],
+                "top_logprobs": [None if x is None else {text(t): v for t, v in (*x.top, (x.token, x.logprob))}
+                                 for _, x in pairs],
+                "text_offset": (starts + offset).tolist()}
 
     def _envelope(self, obj: str, **fields: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.frontend.model_name, **fields}
@@ -192,11 +228,13 @@ class _Reply:
         """Wait for every request to finish; a client that leaves first has its requests aborted."""
         texts: list[list[str]] = [[] for _ in self.streams]
         reasons: list[str | None] = [None] * len(self.streams)
+        logprobs: list[list[TokenLogprob]] = [[] for _ in self.streams]
 
         async def collect() -> None:
             async with contextlib.aclosing(_merged(self.streams)) as outputs:
                 async for i, out in outputs:
                     texts[i].append(out.new_text)
+                    logprobs[i] += out.logprobs or ()
                     if out.finished:
                         reasons[i] = out.finish_reason.value
 
@@ -216,8 +254,11 @@ class _Reply:
         choices = []
         for i, (parts, reason) in enumerate(zip(texts, reasons)):
             text = "".join(parts)
-            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            choices.append({"index": i, **body, "logprobs": None, "finish_reason": reason})
+            echo = self.echo[i] if self.echo else None
+            body = {"message": {"role": "assistant", "content": text}} if self.chat else {
+                "text": echo.text + text if echo else text}
+            choices.append({"index": i, **body, "logprobs": self._logprobs(logprobs[i], echo=echo),
+                            "finish_reason": reason})
         obj = "chat.completion" if self.chat else "text_completion"
         return JSONResponse(self._envelope(obj, choices=choices, usage=self._usage()))
 
@@ -225,13 +266,14 @@ class _Reply:
         return StreamingResponse(self._events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    def _chunk(self, i: int, text: str | None, reason: str | None, role: bool = False) -> str:
+    def _chunk(self, i: int, text: str | None, reason: str | None, role: bool = False,
+               logprobs: dict | None = None) -> str:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
-            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             body = self._envelope("chat.completion.chunk", choices=[choice])
         else:
-            choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             body = self._envelope("text_completion", choices=[choice])
         return _sse(body)
 
@@ -239,11 +281,17 @@ class _Reply:
         if self.chat:  # OpenAI opens each chat choice with the role
             for i in range(len(self.streams)):
                 yield self._chunk(i, None, None, role=True)
+        offsets = [0] * len(self.streams)  # each completion's text so far (logprobs' text_offset)
+        for i, echo in enumerate(self.echo or ()):  # the prompts first
+            yield self._chunk(i, echo.text, None, logprobs=self._logprobs([], echo=echo))
+            offsets[i] = len(echo.text)
         try:
             async with contextlib.aclosing(_merged(self.streams)) as outputs:
                 async for i, out in outputs:
-                    if out.new_text:
-                        yield self._chunk(i, out.new_text, None)
+                    if out.new_text or out.logprobs:
+                        yield self._chunk(i, out.new_text, None, logprobs=self._logprobs(out.logprobs or [],
+                                                                                         offsets[i]))
+                        offsets[i] += len(out.new_text)
                     if out.finished:
                         yield self._chunk(i, None, out.finish_reason.value)
         except REFUSED as e:  # e.g. the server shut down mid-stream: say so in the stream, then end it
@@ -255,6 +303,17 @@ class _Reply:
                 obj = "chat.completion.chunk" if self.chat else "text_completion"
                 yield _sse(self._envelope(obj, choices=[], usage=self._usage()))
         yield "data: [DONE]\n\n"
+
+
+def _scores(frontend: Frontend, echo: list[_Echo], logprobs: int | None, include_usage: bool) -> JSONResponse:
+    """A completion of max_tokens 0 with echo: each prompt and its logprobs, nothing generated (nothing queued)."""
+    reply = _Reply(frontend, [], chat=False, include_usage=include_usage, logprobs=logprobs, echo=echo)
+    prompt = sum(len(e.ids) for e in echo)
+    choices = [{"index": i, "text": e.text, "logprobs": reply._logprobs([], echo=e), "finish_reason": "length"}
+               for i, e in enumerate(echo)]
+    return JSONResponse(reply._envelope("text_completion", choices=choices, usage={
+        "prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt,
+        "prompt_tokens_details": {"cached_tokens": 0}}))
 
 
 def _sse(body: dict[str, Any]) -> str:
@@ -313,11 +372,20 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         frontend.check_model(body.model)
+        scores_only = body.scores_only()
         sampling = body.sampling()
         frontend.check_batch(len(body.prompts()))
         prompts = [await frontend.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        echo = None
+        if body.echo:
+            echo = [_Echo(p if isinstance(p, str) else await frontend.decode(ids), ids,
+                          None if body.logprobs is None else await frontend.prompt_logprobs(ids, body.logprobs))
+                    for p, ids in zip(body.prompts(), prompts)]
+        if scores_only:
+            return _scores(frontend, echo, body.logprobs, body.include_usage)
         reply = _Reply(frontend, _submit_all(frontend, prompts, 16, sampling), chat=False,
-                       include_usage=body.include_usage)  # 16: OpenAI's default max_tokens for completions
+                       include_usage=body.include_usage, logprobs=body.logprobs, echo=echo)
+        # 16: OpenAI's default max_tokens for completions
         return reply.streaming() if body.stream else await reply.whole(request)
 
     @app.post("/v1/chat/completions")
@@ -326,7 +394,7 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
         sampling = body.sampling()
         prompt = await frontend.encode_chat([m.as_dict() for m in body.messages])
         reply = _Reply(frontend, _submit_all(frontend, [prompt], None, sampling), chat=True,
-                       include_usage=body.include_usage)
+                       include_usage=body.include_usage, logprobs=sampling["logprobs"])
         return reply.streaming() if body.stream else await reply.whole(request)
 
     @app.post("/tokenize")

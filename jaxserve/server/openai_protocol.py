@@ -3,8 +3,9 @@
 Every field of OpenAI's request schemas is declared here: honoured, informational (it changes no output: who
 asked, how to log it), or not implemented, and then refused with a message unless it holds the value that means
 "off" (tests/server/test_openai_schema.py walks the installed openai package's schemas). vLLM's sampling
-extensions that jaxserve lacks (repetition_penalty, min_p, min_tokens) are refused alike. Fields it does not know
-at all are ignored, as OpenAI-compatible servers do, so that clients and load tools that send extras still work.
+extensions (top_k, repetition_penalty, min_p, min_tokens, stop_token_ids, ignore_eos) are honoured too. Fields it
+does not know at all are ignored, as OpenAI-compatible servers do, so that clients and load tools that send extras
+still work.
 The tokenize and detokenize bodies, jaxserve's own, refuse unknown fields.
 """
 
@@ -42,14 +43,14 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # informational (who asked): changes no output
-    # Not implemented: accepted only at a value that means "off" (None, {} and [] too), else refused by name.
-    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
     min_tokens: int = 0  # vLLM's extension
     repetition_penalty: float = 1.0  # vLLM's extension
     min_p: float = 0.0  # vLLM's extension
+    # Not implemented: accepted only at a value that means "off" (None, {} and [] too), else refused by name.
+    n: int = 1
 
     def sampling(self) -> dict[str, Any]:
         """Keyword arguments for Frontend.submit; ValueError names an option jaxserve does not implement."""
@@ -59,12 +60,27 @@ class _SamplingRequest(_Strict):
                 raise ValueError(f"{name}={excerpt(value)} is not supported by jaxserve")
         return dict(max_tokens=self._max_tokens(), temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                    ignore_eos=self.ignore_eos, ttft_slo=self.ttft_slo)
+                    ignore_eos=self.ignore_eos, ttft_slo=self.ttft_slo, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                    min_p=self.min_p, min_tokens=self.min_tokens, logit_bias=self._logit_bias(),
+                    logprobs=self._logprobs())
 
     def _off_values(self) -> dict[str, Any]:
         """Options jaxserve does not implement, with the values that mean "off"."""
-        return {"n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": (),
-                "min_tokens": (0,), "repetition_penalty": (1.0,), "min_p": (0.0,)}
+        return {"n": (1,)}
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {excerpt(key)}")
+            bias[int(key)] = value
+        return bias
+
+    def _logprobs(self) -> int | None:
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -78,13 +94,26 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. prompt: text, token ids, or a list of either (one choice per prompt)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
+    echo: bool = False  # the prompt before the completion (and its logprobs, with logprobs)
+    logprobs: int | None = None  # each token's logprob and the `logprobs` most likely
+    # not implemented (see _off_values)
     best_of: int | None = None
     suffix: str | None = None
 
     def _off_values(self) -> dict[str, Any]:
-        return {**super()._off_values(), "echo": (False,), "logprobs": (), "best_of": (1,), "suffix": ()}
+        return {**super()._off_values(), "best_of": (1,), "suffix": ()}
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+    def scores_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt and its logprobs, nothing generated (how evaluation harnesses
+        score a text); max_tokens 0 without echo asks for nothing."""
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing: it is only meaningful with echo")
+        if self.max_tokens == 0 and self.stream:
+            raise ValueError("max_tokens=0 with echo answers at once: send it without stream")
+        return self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -121,9 +150,9 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    logprobs: bool = False  # each generated token's logprob
+    top_logprobs: int | None = None  # and the top_logprobs most likely (needs logprobs)
     # not implemented (see _off_values)
-    logprobs: bool = False
-    top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -143,7 +172,7 @@ class ChatCompletionRequest(_SamplingRequest):
     prompt_cache_options: Any = None
 
     def _off_values(self) -> dict[str, Any]:
-        return {**super()._off_values(), "logprobs": (False,), "top_logprobs": (), "tools": (),
+        return {**super()._off_values(), "tools": (),
                 "tool_choice": ("none",), "parallel_tool_calls": (), "functions": (), "function_call": ("none",),
                 "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],), "prediction": (),
                 "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
@@ -152,6 +181,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class _Exact(_Strict):

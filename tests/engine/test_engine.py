@@ -31,13 +31,25 @@ PROMPTS = [
 MIXED = [
     SamplingParams(max_tokens=12),
     SamplingParams(max_tokens=20, ignore_eos=True),
-    SamplingParams(max_tokens=7, temperature=0.8, seed=3),
-    SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=11),
-    SamplingParams(max_tokens=18, temperature=0.7, top_p=0.9, seed=5),
-    SamplingParams(max_tokens=5),
+    SamplingParams(max_tokens=7, temperature=0.8, seed=3, presence_penalty=1.5, logprobs=3),
+    SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=11, frequency_penalty=0.8, min_p=0.05),
+    SamplingParams(max_tokens=18, temperature=0.7, top_p=0.9, seed=5, logprobs=0),
+    SamplingParams(max_tokens=5, repetition_penalty=1.3, logit_bias={13: 5.0, 28: -100.0}, min_tokens=4),
     SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.2, top_k=50, top_p=0.95, seed=99),
-    SamplingParams(max_tokens=10, stop=("\n",)),
-]
+    SamplingParams(max_tokens=10, stop=("\n",), repetition_penalty=1.2, logprobs=5),
+]  # penalties, min_p, logit_bias, min_tokens and logprobs among them: their slots and outputs are checked alike
+
+
+def assert_same_logprobs(got, want) -> None:
+    """Equal tokens, logprobs equal to float32 rounding (batch shapes change the sums' order): log-softmax values
+    of magnitude up to ~30 (SmolLM2's logits), a few ulps of that."""
+    assert (got is None) == (want is None)
+    if want is None:
+        return
+    assert [x.token for x in got] == [x.token for x in want]
+    assert [[t for t, _ in x.top] for x in got] == [[t for t, _ in x.top] for x in want]
+    flat = lambda lps: np.array([[x.logprob, *(v for _, v in x.top)] for x in lps])  # noqa: E731
+    np.testing.assert_allclose(flat(got), flat(want), rtol=0, atol=64 * np.finfo(np.float32).eps * 30)
 
 
 @contextlib.contextmanager
@@ -84,6 +96,7 @@ def test_batched_chunked_equals_one_at_a_time(llm, one_at_a_time, chunk, enable_
     for ref, got in zip(one_at_a_time, batched):
         assert got.token_ids == ref.token_ids, got.prompt
         assert got.text == ref.text and got.finish_reason == ref.finish_reason
+        assert_same_logprobs(got.logprobs, ref.logprobs)
     assert llm.engine.kv.num_free == free_before
     assert (llm.engine.kv.stats.hit_tokens > hits) == enable_prefix_caching
 
@@ -118,6 +131,9 @@ def test_preemption_under_memory_pressure_keeps_outputs():
     small = jaxserve.LLM(max_model_len=96, kv_cache_tokens=160, block_size=16, max_num_seqs=4,
                          max_num_batched_tokens=32, num_scheduler_steps=4)
     params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=t, seed=7) for t in (0.0, 0.9, 0.0, 0.9)]
+    # two that read their history from a slot set again after each preemption
+    params[2] = dataclasses.replace(params[2], repetition_penalty=1.4, frequency_penalty=0.5)
+    params[3] = dataclasses.replace(params[3], presence_penalty=1.0, logit_bias={13: 2.0})
     with bursts(small, 1):
         alone = [small.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS[:4], params)]
     free = small.engine.kv.num_free
@@ -191,6 +207,8 @@ def test_overlapped_steps_and_bursts_match_one_step_at_a_time(llm, reference):
     for run in (lagged, burst):
         for i in sync:
             assert [t for o in run[i] for t in o.new_token_ids] == [t for o in sync[i] for t in o.new_token_ids]
+            assert_same_logprobs(*([x for o in r[i] for x in o.logprobs or ()] if requests[i][1].logprobs is not None
+                                   else None for r in (run, sync)))
             assert "".join(o.new_text for o in run[i]) == "".join(o.new_text for o in sync[i])
             assert run[i][-1].finish_reason == sync[i][-1].finish_reason and run[i][-1].finished
             assert all(not o.finished for o in run[i][:-1])
@@ -355,10 +373,11 @@ def test_prompt_logits_predict_what_greedy_generation_takes(llm):
 
 
 def test_no_compiles_while_serving_after_warm_up():
-    """64 varied requests (prompt lengths 1-900, greedy and sampled, top-k/top-p, chunked and batched) after the
-    start-up warm-up (serve's; small buckets, to compile few programs): XLA compiles nothing."""
+    """64 varied requests (prompt lengths 1-900, greedy and sampled, top-k/top-p, penalties, logprobs, chunked and
+    batched) after the start-up warm-up (serve's; small buckets, to compile few programs): XLA compiles nothing."""
     llm = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=4, max_num_batched_tokens=64,
                        warmup=True, progress=False)
+    llm.engine.runner.warmup(progress=False)  # returns once the quick start's background compiles are done too
     compiles = []
 
     def listener(event, duration, **kw):
@@ -371,7 +390,10 @@ def test_no_compiles_while_serving_after_warm_up():
                for n in np.concatenate([rng.integers(1, 40, 48), rng.integers(40, 900, 16)])]
     params = [SamplingParams(max_tokens=int(rng.integers(1, 4)), ignore_eos=True,
                              temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])),
-                             top_p=float(rng.choice([1.0, 0.9])), seed=i) for i in range(len(prompts))]
+                             top_p=float(rng.choice([1.0, 0.9])), seed=i,
+                             # a third with penalties, logprobs or both: the extra samplers
+                             repetition_penalty=1.2 if i % 6 == 1 else 1.0, logprobs=2 if i % 6 in (2, 3) else None,
+                             min_p=0.1 if i % 6 == 3 else 0.0) for i in range(len(prompts))]
     try:
         outs = llm.generate(prompts, params)
     finally:

@@ -11,21 +11,18 @@ from openai.types.chat import completion_create_params as chat_create_params
 from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-            "stop", "stream", "stream_options"}
+            "stop", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+            "top_logprobs", "echo"}
 INFORMATIONAL = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
 # a value each refused field may hold that asks for what jaxserve does not do
 PROBES = {
-    "n": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"42": 5.0}, "best_of": 3,
-    "echo": True, "suffix": "}", "top_logprobs": 3, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "n": 2, "best_of": 3, "suffix": "}", "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "auto", "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
     "response_format": {"type": "json_object"}, "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high",
     "verbosity": "low", "web_search_options": {"search_context_size": "low"}, "moderation": {"model": "m"},
     "store": True, "service_tier": "flex", "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": 60},
-    # vLLM's sampling extensions jaxserve lacks
-    "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 4,
 }
-LOGPROBS = {CompletionRequest: 2, ChatCompletionRequest: True}
 REQUESTS = [(CompletionRequest, completion_create_params.CompletionCreateParamsBase, {"prompt": "hi"}),
             (ChatCompletionRequest, chat_create_params.CompletionCreateParamsBase,
              {"messages": [{"role": "user", "content": "hi"}]})]
@@ -40,19 +37,41 @@ def test_every_schema_field_is_placed(model, params, base):
     fields = schema_fields(params)
     assert fields <= set(model.model_fields), fields - set(model.model_fields)
     refused = fields - HONOURED - INFORMATIONAL
-    assert refused <= set(PROBES) | {"logprobs"}, refused - set(PROBES)
+    assert refused <= set(PROBES), refused - set(PROBES)
 
 
 @pytest.mark.parametrize("model, params, base", REQUESTS, ids=["completions", "chat"])
 def test_each_unimplemented_field_is_refused_by_name_and_accepted_when_off(model, params, base):
     body = {"model": "m", **base}
     model(**body).sampling()
-    fields = schema_fields(params) | {"repetition_penalty", "min_p", "min_tokens"}
+    fields = schema_fields(params)
     for name in sorted(fields - HONOURED - INFORMATIONAL):
-        probe = LOGPROBS[model] if name == "logprobs" else PROBES[name]
+        probe = PROBES[name]
         with pytest.raises(ValueError, match=f"^{name}=.* is not supported by jaxserve"):
             model(**body, **{name: probe}).sampling()
         off = model.model_fields[name].default
         model(**body, **{name: off}).sampling()  # its default, sent explicitly
     for name in fields & INFORMATIONAL:
         model(**body, **{name: {"k": "v"} if name == "metadata" else "someone"}).sampling()
+
+
+@pytest.mark.parametrize("model, params, base", REQUESTS, ids=["completions", "chat"])
+def test_honoured_sampling_fields_reach_the_sampling_params(model, params, base):
+    body = {"model": "m", **base, "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"42": 5.0},
+            "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 4}
+    body |= {"logprobs": 3} if model is CompletionRequest else {"logprobs": True, "top_logprobs": 3}
+    got = model(**body).sampling()
+    assert {k: got[k] for k in ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
+                                "min_p", "min_tokens", "logprobs")} == {
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {42: 5.0}, "repetition_penalty": 1.2,
+        "min_p": 0.1, "min_tokens": 4, "logprobs": 3}
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids"):
+        model(**{**body, "logit_bias": {"x": 1.0}}).sampling()
+
+
+def test_chat_logprobs_need_logprobs_true_for_top_logprobs():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest(**chat, logprobs=True).sampling()["logprobs"] == 0
+    assert ChatCompletionRequest(**chat).sampling()["logprobs"] is None
+    with pytest.raises(ValueError, match="top_logprobs needs logprobs=true"):
+        ChatCompletionRequest(**chat, top_logprobs=2).sampling()

@@ -131,6 +131,75 @@ def test_completion_of_several_prompts_and_stop_strings(llm, oai):
     assert [c.text for c in sorted(done.choices, key=lambda c: c.index)] == [r.text for r in refs]
 
 
+def _close(got: list, want: list) -> None:
+    """Logprobs through two programs (batch shapes differ): float32 rounding of values up to ~30."""
+    assert len(got) == len(want) and all((g is None) == (w is None) for g, w in zip(got, want))
+    assert max((abs(g - w) for g, w in zip(got, want) if w is not None), default=0) < 1e-4
+
+
+def test_completion_logprobs_and_echo_are_the_python_apis(llm, oai):
+    """logprobs on /v1/completions (whole and streamed) are LLM.generate's; echo with max_tokens 0 gives the
+    prompt's, LLM.prompt_logprobs' (what lm-evaluation-harness scores by); with max_tokens > 0 the prompt's then
+    the completion's."""
+    (ref,) = llm.generate(PROMPT, SamplingParams(max_tokens=6, logprobs=3))
+    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = done.choices[0].logprobs
+    _close(lp.token_logprobs, [x.logprob for x in ref.logprobs])
+    assert "".join(lp.tokens) == ref.text and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert all(len(top) >= 3 and max(top.values()) >= chosen - 1e-6 for top, chosen in zip(lp.top_logprobs,
+                                                                                           lp.token_logprobs))
+    chunks = list(oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                         stream=True))
+    _close([v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs],
+           lp.token_logprobs)
+
+    prompt = llm.prompt_logprobs(PROMPT, 2)
+    scored = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    (choice,) = scored.choices
+    assert choice.text == PROMPT and scored.usage.completion_tokens == 0
+    _close(choice.logprobs.token_logprobs, [None if x is None else x.logprob for x in prompt])
+    assert choice.logprobs.top_logprobs[0] is None and len(choice.logprobs.tokens) == len(prompt)
+    both = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=3)
+    assert both.choices[0].text == PROMPT + ref.text
+    _close(both.choices[0].logprobs.token_logprobs,
+           [None if x is None else x.logprob for x in prompt] + [x.logprob for x in ref.logprobs])
+    assert both.choices[0].logprobs.text_offset[len(prompt)] == len(PROMPT)
+
+
+def test_chat_logprobs_whole_and_streamed(llm, oai):
+    messages = [{"role": "user", "content": "Name a color."}]
+    (ref,) = llm.chat(messages, SamplingParams(max_tokens=8, logprobs=2))
+    done = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = done.choices[0].logprobs.content
+    _close([x.logprob for x in content], [x.logprob for x in ref.logprobs])
+    assert all(len(x.top_logprobs) == 2 and x.bytes == list(x.token.encode()) for x in content)
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                              logprobs=True, stream=True))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [x.token for x in streamed] == [x.token for x in content]
+    assert all(x.top_logprobs == [] for x in streamed)
+
+
+def test_penalties_and_logit_bias_over_http_are_the_python_apis(llm, oai):
+    params = dict(max_tokens=12, presence_penalty=0.8, frequency_penalty=0.5, logit_bias={198: -100})
+    (ref,) = llm.generate(PROMPT, SamplingParams(**params, repetition_penalty=1.3, min_tokens=10))
+    done = oai.completions.create(model=MODEL, prompt=PROMPT, temperature=0, **{**params, "logit_bias": {"198": -100}},
+                                  extra_body={"repetition_penalty": 1.3, "min_tokens": 10})
+    assert done.choices[0].text == ref.text and "\n" not in ref.text  # 198 is the newline
+
+
+def test_grpc_penalties_and_logprobs_are_the_python_apis(llm, grpc_client):
+    params = dict(max_tokens=10, presence_penalty=0.8, repetition_penalty=1.3, logit_bias={198: -100.0},
+                  min_tokens=10, logprobs=2)
+    (ref,) = llm.generate(PROMPT, SamplingParams(**params))
+    got = grpc_client.generate(PROMPT, **params)
+    assert got.token_ids == ref.token_ids
+    assert [x.token_id for x in got.logprobs] == ref.token_ids
+    _close([x.logprob for x in got.logprobs], [x.logprob for x in ref.logprobs])
+    assert [[t.token_id for t in x.top] for x in got.logprobs] == [[t for t, _ in x.top] for x in ref.logprobs]
+
+
 def test_models_tokenize_and_async_client(served, grpc_client, oai):
     (model,) = oai.models.list().data
     assert model.id == MODEL
@@ -236,6 +305,15 @@ def _chat(**fields) -> str:
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": ""}), KEY, 400, "prompt is empty"),
     ("/v1/chat/completions", _chat(n=2), KEY, 400, "n=2 is not supported"),
     ("/v1/chat/completions", _chat(top_p=0), KEY, 400, "top_p must be in (0, 1]"),
+    ("/v1/chat/completions", _chat(presence_penalty=3), KEY, 400, "presence_penalty must be a number in [-2, 2]"),
+    ("/v1/chat/completions", _chat(logit_bias={"x": 1}), KEY, 400, "logit_bias keys must be token ids"),
+    ("/v1/chat/completions", _chat(logit_bias={"99999999": 1}), KEY, 400, "logit_bias token ids must be in"),
+    ("/v1/chat/completions", _chat(top_logprobs=2), KEY, 400, "top_logprobs needs logprobs=true"),
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), KEY, 400, "logprobs must be an integer in"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}), KEY, 400,
+     "only meaningful with echo"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0, "echo": True,
+                                    "logprobs": 30}), KEY, 400, "logprobs must be an integer in"),
     ("/v1/chat/completions", json.dumps({"messages": []}), KEY, 400, "model"),
     ("/v1/chat/completions", _chat(), None, 401, "API key"),
     ("/v1/chat/completions", "{not json", "wrong", 401, "API key"),

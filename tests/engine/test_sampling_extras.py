@@ -1,0 +1,95 @@
+"""Penalties, logit_bias, min_tokens and logprobs through the engine on the real model: logprobs against
+transformers' (the fixtures), penalties against a numpy replay over the scoring pass's logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import SamplingParams
+
+# float32 logits of magnitude up to ~30 through two different programs: 1e-4 is the issue's bar, and ~100 ulps
+TOL = 1e-4
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_logprobs_equal_transformers(llm, reference):
+    """The first generated token's logprob and top 20 after each fixture position equal the log-softmax of
+    transformers' logits there."""
+    cases = [(p["ids"][:pos + 1], logits) for p, all_logits in zip(reference["prefill"], reference["logits"])
+             for pos, logits in zip(p["positions"], all_logits)]
+    outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=1, logprobs=20, ignore_eos=True))
+    for (ids, logits), out in zip(cases, outs):
+        want = log_softmax(logits)
+        (got,) = out.logprobs
+        assert got.token == out.token_ids[0] == int(np.argmax(logits))
+        assert abs(got.logprob - want[got.token]) < TOL
+        top_ids, top = zip(*got.top)
+        np.testing.assert_allclose(top, want[list(top_ids)], rtol=0, atol=TOL)
+        # the 20 best, best first (ties at float32 resolution may swap places)
+        assert np.all(np.diff(top) <= 0)
+        assert min(top) >= np.sort(want)[-20] - TOL
+
+
+def _penalized(logits, prompt, out, p: SamplingParams) -> np.ndarray:
+    """vLLM's logit_bias, repetition, frequency and presence penalties in float64."""
+    x = np.asarray(logits, np.float64).copy()
+    for t, b in p.logit_bias:
+        x[t] += b
+    counts = np.bincount(np.asarray(out, np.int64), minlength=len(x)).astype(np.float64)
+    seen = counts > 0
+    seen[list(prompt)] = True
+    r = p.repetition_penalty
+    x = np.where(seen, np.where(x > 0, x / r, x * r), x)
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=1.6),
+    SamplingParams(max_tokens=10, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.7),
+    SamplingParams(max_tokens=10, ignore_eos=True, presence_penalty=-1.0, logit_bias={11: 3.0, 28: -5.0}),
+])
+def test_greedy_penalties_follow_a_numpy_replay(llm, params):
+    """Each greedy token is the argmax of the penalized logits of its position (the scoring pass's logits, the
+    penalties applied in numpy over the prompt and the tokens before it), and the penalties change the output."""
+    prompt = llm.tokenizer.encode("Repeat after me: the cat, the cat, the cat, the cat")
+    out = llm.generate(prompt, params)[0].token_ids
+    plain = llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
+    assert out != plain
+    logits = llm.prompt_logits(prompt + out[:-1])
+    for i, token in enumerate(out):
+        x = _penalized(logits[len(prompt) - 1 + i], prompt, out[:i], params)
+        best = np.sort(x)[-2:]
+        if best[1] - best[0] > 1e-3:  # not a near-tie, which float32 could break either way
+            assert token == int(np.argmax(x)), i
+
+
+def test_logit_bias_forces_and_forbids_tokens(llm):
+    prompt = "The capital of France is"
+    plain = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    forbidden = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True,
+                                                    logit_bias={plain[0]: -100}))[0].token_ids
+    assert forbidden[0] != plain[0] and plain[0] not in forbidden
+    forced = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=0,
+                                                 logit_bias={42: 100}))[0].token_ids
+    assert forced == [42] * 4
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens(llm, reference):
+    """A greedy reply that ends with EOS after n tokens runs past it with min_tokens = n + 3: no stop token among
+    the first n + 3, and the first n - 1 tokens unchanged (EOS was the n-th)."""
+    case = next(c for c in reference["greedy"] if c["chat"] and c["tokens"][-1] in llm.tokenizer.stop_ids)
+    n = len(case["tokens"])
+    out = llm.generate(case["ids"], SamplingParams(max_tokens=n + 8, min_tokens=n + 3))[0]
+    assert out.token_ids[:n - 1] == case["tokens"][:n - 1]
+    assert len(out.token_ids) > n + 3 or out.finish_reason == "length"
+    assert not set(out.token_ids[:n + 3]) & set(llm.tokenizer.stop_ids)
+    stop = case["tokens"][n // 2]  # a stop token id it generates early: held back alike
+    out = llm.generate(case["ids"], SamplingParams(max_tokens=n, min_tokens=n - 2, stop_token_ids=[stop],
+                                                   ignore_eos=True))[0]
+    assert stop not in out.token_ids[:n - 2]
