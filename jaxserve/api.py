@@ -246,11 +246,16 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     # ---- driving the engine -------------------------------------------------------------------------
-    def _submit(self, requests: Sequence[tuple[list[int], SamplingParams]]) -> list[str]:
-        """Queue all requests, or none: every one is checked before the first is added."""
+    def _submit(self, requests: Sequence[tuple[list[int], SamplingParams]]) -> list[list[str]]:
+        """Queue all requests, or none: every one is checked before the first is added. Each request's ids: one
+        per sample (SamplingParams.siblings), the later ones held back until the first has prefilled."""
         checked = [(self.engine.check_request(ids, sp), sp) for ids, sp in requests]
-        rids = [self.engine.enqueue(ids, sp) for ids, sp in checked]
-        self._queues.update({rid: collections.deque() for rid in rids})
+        rids = []
+        for ids, sp in checked:
+            first, *rest = sp.siblings()
+            rids.append([self.engine.enqueue(ids, first)])
+            rids[-1] += [self.engine.enqueue(ids, p, after=rids[-1][0]) for p in rest]
+        self._queues.update({rid: collections.deque() for group in rids for rid in group})
         return rids
 
     def _next_output(self, rid: str) -> RequestOutput:
@@ -274,7 +279,9 @@ class LLM:
             self.engine.abort(rid)
 
     def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
-        (rid,) = self._submit([(ids, params)])
+        if params.n > 1 or params.best_of is not None:
+            raise ValueError("stream() yields one sample: n and best_of are for generate()")
+        ((rid,),) = self._submit([(ids, params)])
         try:
             while True:
                 out = self._next_output(rid)
@@ -288,7 +295,8 @@ class LLM:
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[Completion]:
-        """Generate for every prompt (continuously batched); results in prompt order."""
+        """Generate for every prompt (continuously batched); results in prompt order, SamplingParams.n of them
+        per prompt (with best_of: the n of the highest total logprob, best first)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -296,18 +304,27 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
         prepared = [self._prompt_ids(p) for p in prompts]
-        rids = self._submit([(ids, sp) for (_, ids), sp in zip(prepared, plist)])
-        outputs: list[list[RequestOutput]] = [[] for _ in rids]
+        groups = self._submit([(ids, sp) for (_, ids), sp in zip(prepared, plist)])
+        rids = [rid for group in groups for rid in group]
+        outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in rids}
         try:
-            for rid, outs in zip(tqdm(rids, disable=not progress, desc="generate"), outputs):
+            for rid in tqdm(rids, disable=not progress, desc="generate"):
+                outs = outputs[rid]
                 while not outs or not outs[-1].finished:
                     outs.append(self._next_output(rid))
         finally:
             self._forget(rids)  # aborts whatever an exception left unfinished
-        return [Completion(text_prompt, ids, "".join(o.new_text for o in outs),
-                           [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason.value,
-                           None if sp.logprobs is None else [x for o in outs for x in o.logprobs or ()])
-                for (text_prompt, ids), outs, sp in zip(prepared, outputs, plist)]
+        completions = []
+        for (text_prompt, ids), group, sp in zip(prepared, groups, plist):
+            samples = [Completion(text_prompt, ids, "".join(o.new_text for o in outs),
+                                  [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason.value,
+                                  [x for o in outs for x in o.logprobs or ()])
+                       for outs in (outputs[rid] for rid in group)]
+            kept = sp.best([sum(x.logprob for x in c.logprobs) for c in samples]) if sp.best_of else range(sp.n)
+            for i in kept:
+                completions.append(dataclasses.replace(samples[i], logprobs=samples[i].logprobs
+                                                       if sp.logprobs is not None else None))
+        return completions
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield this request's new tokens and text as they are produced; aborts the request if abandoned.
@@ -324,7 +341,8 @@ class LLM:
             conversations = [conversations]
         texts = [self.render_chat(c) for c in conversations]
         completions = self.generate([self.chat_prompt(c) for c in conversations], params)
-        for c, text in zip(completions, texts):
+        plist = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(texts)
+        for c, text in zip(completions, (t for t, sp in zip(texts, plist) for _ in range(sp.n))):
             c.prompt = text
         return completions
 

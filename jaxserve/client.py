@@ -55,6 +55,12 @@ def _generate_request(prompt: str | Sequence[int] | None, messages: Messages | N
     return request
 
 
+def _one_sample(params: dict[str, Any]) -> dict[str, Any]:
+    if params.get("n", 1) not in (0, 1, None):
+        raise ValueError("generate() returns one sample: use samples() for n > 1")
+    return params
+
+
 def _tokenize_request(text: str | None, messages: Messages | None, model: str) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ValueError("give either text or chat messages")
@@ -65,19 +71,24 @@ def _tokenize_request(text: str | None, messages: Messages | None, model: str) -
 
 
 class _Assembler:
+    """Whole replies from the streamed messages, one per sample (GenerateResponse.index)."""
+
     def __init__(self) -> None:
-        self.parts: list[pb.GenerateResponse] = []
+        self.parts: dict[int, list[pb.GenerateResponse]] = {}
 
     def add(self, reply: pb.GenerateResponse) -> None:
-        self.parts.append(reply)
+        self.parts.setdefault(reply.index, []).append(reply)
 
-    def result(self) -> Generation:
-        last = self.parts[-1]
-        return Generation(last.request_id, "".join(p.text for p in self.parts),
-                          [t for p in self.parts for t in p.token_ids],
+    def results(self) -> list[Generation]:
+        return [self._one(self.parts[i]) for i in sorted(self.parts)]
+
+    @staticmethod
+    def _one(parts: list[pb.GenerateResponse]) -> Generation:
+        last = parts[-1]
+        return Generation(last.request_id, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
                           pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower(),
                           last.usage.prompt_tokens, last.timings.time_to_first_token_s, last.timings.total_s,
-                          last.usage.cached_tokens, [x for p in self.parts for x in p.logprobs])
+                          last.usage.cached_tokens, [x for p in parts for x in p.logprobs])
 
 
 class _Base:
@@ -108,10 +119,16 @@ class Client(_Base):
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
                  timeout: float | None = None, **params: Any) -> Generation:
+        (one,) = self.samples(prompt, messages=messages, timeout=timeout, **_one_sample(params))
+        return one
+
+    def samples(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
+                timeout: float | None = None, **params: Any) -> list[Generation]:
+        """The n (a params option) samples of one prompt, whole."""
         whole = _Assembler()
         for reply in self.stream(prompt, messages=messages, timeout=timeout, **params):
             whole.add(reply)
-        return whole.result()
+        return whole.results()
 
     def tokenize(self, text: str | None = None, *, messages: Messages | None = None) -> list[int]:
         return list(self._stub.Tokenize(_tokenize_request(text, messages, self.model),
@@ -153,10 +170,16 @@ class AsyncClient(_Base):
 
     async def generate(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
                        timeout: float | None = None, **params: Any) -> Generation:
+        (one,) = await self.samples(prompt, messages=messages, timeout=timeout, **_one_sample(params))
+        return one
+
+    async def samples(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
+                      timeout: float | None = None, **params: Any) -> list[Generation]:
+        """The n (a params option) samples of one prompt, whole."""
         whole = _Assembler()
         async for reply in self.stream(prompt, messages=messages, timeout=timeout, **params):
             whole.add(reply)
-        return whole.result()
+        return whole.results()
 
     async def tokenize(self, text: str | None = None, *, messages: Messages | None = None) -> list[int]:
         reply = await self._stub.Tokenize(_tokenize_request(text, messages, self.model), metadata=self._metadata)

@@ -27,6 +27,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
     min_tokens: int = 0  # EOS, stop tokens and stop strings end nothing before this many tokens
     logprobs: int | None = None  # None: none; k: each generated token's logprob and the k most likely (k <= 20)
+    n: int = 1  # samples of the prompt (siblings: its prefill is shared through the prefix cache)
+    best_of: int | None = None  # draw this many samples and keep the n of the highest total logprob
 
     def __post_init__(self):
         # vLLM-style spellings are accepted and normalised: lists, None, top_k=-1, a single stop string.
@@ -50,6 +52,7 @@ class SamplingParams:
     MAX_STOP_TOKEN_IDS = 1024
     MAX_LOGIT_BIAS = 1024
     MAX_LOGPROBS = 20  # engine.sampling.MAX_LOGPROBS
+    MAX_N = 64  # samples of one prompt (n, best_of)
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -96,10 +99,26 @@ class SamplingParams:
              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {excerpt(self.min_tokens, 40)}")
         need(self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
              f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {excerpt(self.logprobs, 40)}")
+        need(integer(self.n) and 1 <= self.n <= self.MAX_N, f"n must be an integer in [1, {self.MAX_N}], got "
+                                                             f"{excerpt(self.n, 40)}")
+        need(self.best_of is None or (integer(self.best_of) and self.n <= self.best_of <= self.MAX_N),
+             f"best_of must be an integer in [n={self.n}, {self.MAX_N}], got {excerpt(self.best_of, 40)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def siblings(self) -> list[SamplingParams]:
+        """One request's params per sample: best_of (or n) of them, each n=1, seeded seed, seed + 1, ... (or each
+        at random). With best_of > n each keeps at least its chosen tokens' logprobs, which rank them (`best`)."""
+        k = self.best_of or self.n
+        logprobs = 0 if k > self.n and self.logprobs is None else self.logprobs
+        return [dataclasses.replace(self, n=1, best_of=None, logprobs=logprobs,
+                                    seed=None if self.seed is None else (self.seed + i) % 2**32) for i in range(k)]
+
+    def best(self, total_logprobs: list[float]) -> list[int]:
+        """Which of the siblings' samples to keep: the n of the highest total logprob, best first."""
+        return sorted(range(len(total_logprobs)), key=lambda i: -total_logprobs[i])[:self.n]
 
     @property
     def uses_history(self) -> bool:

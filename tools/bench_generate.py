@@ -43,6 +43,11 @@ flags.DEFINE_string("out", None, "Optional JSON file for the results.")
 flags.DEFINE_bool("gpu", False, "jaxserve alone, in bfloat16, for each of --gpu_models (absolute figures).")
 flags.DEFINE_list("gpu_models", ["random:llama3-8b", "smollm2-135m-instruct"], "Models for --gpu.")
 flags.DEFINE_integer("num_scheduler_steps", 1, "jaxserve's multi-step decode: most decode steps in one burst.")
+flags.DEFINE_bool("extras", False, "--gpu: each model also with penalties and logprobs on every request (the extra "
+                  "sampler), measured beside the plain one.")
+
+# what the extra sampler does for every row: history penalties, logit_bias and the top-5 logprobs
+EXTRAS = dict(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.3, logit_bias={0: -1.0}, logprobs=5)
 
 
 def prompts(n: int, length: int, seed: int, vocab: int = 40000) -> list[list[int]]:
@@ -54,13 +59,16 @@ def prompts(n: int, length: int, seed: int, vocab: int = 40000) -> list[list[int
 class JaxServeSide:
     name = "jaxserve"
 
-    def __init__(self, model: str, batch: int, long_prompt: int, dtype: str = "float32", num_scheduler_steps: int = 1):
+    def __init__(self, model: str, batch: int, long_prompt: int, dtype: str = "float32", num_scheduler_steps: int = 1,
+                 llm: jaxserve.LLM | None = None, extras: bool = False):
         # no prefix caching: every repetition sends the same prompts, and transformers computes them each time
-        self.llm = jaxserve.LLM(model, dtype=dtype, max_model_len=max(2048, 2 * long_prompt), max_num_seqs=batch,
-                                enable_prefix_caching=False, num_scheduler_steps=num_scheduler_steps)
+        self.llm = llm or jaxserve.LLM(model, dtype=dtype, max_model_len=max(2048, 2 * long_prompt),
+                                       max_num_seqs=batch, enable_prefix_caching=False,
+                                       num_scheduler_steps=num_scheduler_steps)
+        self.extras = EXTRAS if extras else {}
 
     def generate(self, batch: list[list[int]], n: int) -> None:
-        outs = self.llm.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True))
+        outs = self.llm.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True, **self.extras))
         assert all(len(o.token_ids) == n for o in outs)
 
 
@@ -119,16 +127,20 @@ def gpu_table(f) -> dict[str, dict[str, float]]:
     for model in f.gpu_models:
         side = JaxServeSide(model, f.batch, f.long_prompt, dtype="bfloat16", num_scheduler_steps=f.num_scheduler_steps)
         side.name = model
-        results.update(measure([side], f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats,
+        sides = [side]
+        if f.extras:  # the same engine, every request with penalties and logprobs
+            sides.append(JaxServeSide(model, f.batch, f.long_prompt, llm=side.llm, extras=True))
+            sides[-1].name = f"{model} extras"
+        results.update(measure(sides, f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats,
                                vocab=min(40000, side.llm.config.vocab_size)))
-        del side
+        del side, sides
         if f.out:  # a crash in a later model keeps what was measured
             with open(f.out, "w") as fh:
                 json.dump(results, fh, indent=1)
     print(f"{results['device']}, jax {results['jax']}, bfloat16")
-    for model in f.gpu_models:
+    for model in (m for m in results if isinstance(results[m], dict)):
         for key, value in results[model].items():
-            print(f"{model:<28}{key:<28}{value:>12.1f} tok/s")
+            print(f"{model:<34}{key:<28}{value:>12.1f} tok/s")
     return results
 
 

@@ -138,9 +138,9 @@ class ClusterEngine:
         return self.enqueue(self.check_request(prompt_ids, params), params, request_id, ttft_slo)
 
     def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                ttft_slo: float | None = None) -> str:
-        """Plan the prompt's chunks and choose its decode instance now (ttft_slo: accepted for the interface;
-        the CDSP planner minimises every prompt's TTFT)."""
+                ttft_slo: float | None = None, after: str | None = None) -> str:
+        """Plan the prompt's chunks and choose its decode instance now (ttft_slo and after: accepted for the
+        interface; the CDSP planner minimises every prompt's TTFT, and siblings are prefilled each in turn)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")

@@ -74,8 +74,8 @@ class ESPCluster(ClusterEngine):
         return [(g, b) for g in groups for b in self.prefill.buckets(len(g), max_tokens)]
 
     def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                ttft_slo: float | None = None) -> str:
-        """Queue the prompt (ttft_slo: accepted for the interface; ESP admits in arrival order)."""
+                ttft_slo: float | None = None, after: str | None = None) -> str:
+        """Queue the prompt (ttft_slo and after: accepted for the interface; ESP admits in arrival order)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")

@@ -86,8 +86,9 @@ class TetriInferCluster(ClusterEngine):
         return [((d,), b) for d in self.pool_ids for b in self.prefill.buckets(1, most)]
 
     def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                ttft_slo: float | None = None) -> str:
-        """Queue the prompt on the least loaded prefill instance (ttft_slo: accepted for the interface)."""
+                ttft_slo: float | None = None, after: str | None = None) -> str:
+        """Queue the prompt on the least loaded prefill instance (ttft_slo and after: accepted for the
+        interface)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")

@@ -129,6 +129,7 @@ class Engine:
         self._last_end = -math.inf  # when the last step's tokens were read
         self._deferred: Callable[[Callable[[], bool]], bool] | None = None  # run_deferred's work
         self._free_slots = list(range(runner.max_rows))  # sampling slots: at most one per running request
+        self._held: dict[str, list[sched_request.Request]] = {}  # siblings waiting for a request's first token
 
     # ---- requests -------------------------------------------------------------------------------------
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -155,19 +156,31 @@ class Engine:
         return self.enqueue(self.check_request(prompt_ids, params), params, request_id, ttft_slo)
 
     def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                ttft_slo: float | None = None, generated: int = 0) -> str:
+                ttft_slo: float | None = None, generated: int = 0, after: str | None = None) -> str:
         """Queue a request whose prompt and params check_request already passed (checking is O(prompt), so a
         caller that checked first does not pay for a long prompt twice). ttft_slo: seconds to the first token,
         the deadline the deadline-aware policies (edf, lrs, lars) rank by; None takes the scheduler's SLO.
         generated: a resumed request (a fail-over) whose last `generated` ids it generated already: their text
-        was streamed (or is held back, as it was), so its text resumes where it stopped."""
+        was streamed (or is held back, as it was), so its text resumes where it stopped. after: a sibling of that
+        request (the same prompt: n > 1), held back until it has its first token, so that its prompt is
+        prefilled once and the sibling finds it in the prefix cache."""
         live = self._new_live(ids, params, request_id if request_id is not None else f"req-{next(self._ids)}",
                               generated)
         r = live.sched
         if ttft_slo is not None:
             r.ttft_deadline = r.arrival + ttft_slo
-        self.scheduler.add(r)
+        first = self._live.get(after) if after is not None else None
+        if first is not None and first.sched.generated == 0 and first is not live:
+            self._held.setdefault(after, []).append(r)
+        else:
+            self.scheduler.add(r)
         return r.id
+
+    def _let_go(self, request_id: str) -> None:
+        """The siblings held back for this request join the queue (it has its first token, or has ended)."""
+        for r in self._held.pop(request_id, ()):
+            if r.id in self._live:
+                self.scheduler.add(r)
 
     def _new_live(self, ids: list[int], params: SamplingParams, request_id: str, generated: int = 0) -> _Live:
         """The engine's side of a new request (its seed: the params' or a random one), kept in _live. With
@@ -222,6 +235,7 @@ class Engine:
             return False
         self._release(live)
         self.scheduler.abort(request_id)
+        self._let_go(request_id)
         self._tables.pop(request_id, None)
         return True
 
@@ -366,6 +380,8 @@ class Engine:
         total = max(sum(i.tokens for i in plan.items), 1)
         per_item = tuple((end - start) * i.tokens / total for i in plan.items)
         done = self.scheduler.apply(plan, Outcome(end, per_item, tokens, frozenset(stopped)))
+        for rid in tokens:
+            self._let_go(rid)
         for r in done:
             live = self._live.pop(r.id, None)
             if live is not None:

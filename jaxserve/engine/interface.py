@@ -34,8 +34,9 @@ class ServingEngine(Protocol):
         """check_request, then enqueue."""
 
     def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                ttft_slo: float | None = None) -> str:
-        """Take a checked request; its id."""
+                ttft_slo: float | None = None, after: str | None = None) -> str:
+        """Take a checked request; its id. after: a live request with the same prompt (a sibling, n > 1) whose
+        prefill it may wait for, to share its KV."""
 
     def abort(self, request_id: str) -> bool:
         """End a request now; False if it was not live."""

@@ -21,7 +21,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from absl import logging
 
@@ -77,8 +77,9 @@ class RequestStream:
     KV blocks; use it as `async with` so that a cancelled handler closes it."""
 
     def __init__(self, server: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 ttft_slo: float | None = None):
+                 ttft_slo: float | None = None, after: str | None = None):
         self.request_id = request_id
+        self.after = after  # a sibling's request id, whose prefill this one waits for (Engine.enqueue)
         self.prompt_ids = prompt_ids
         self.params = params
         self.ttft_slo = ttft_slo
@@ -123,6 +124,39 @@ class RequestStream:
 
     async def __aexit__(self, *exc: Any) -> None:
         self.close()
+
+
+_END = object()
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several requests as they come, with each one's index; closing this closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, _END))
+        except Exception as e:  # noqa: BLE001 - the stream's error (e.g. EngineFailed), raised to the reader
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        unfinished = len(streams)
+        while unfinished:
+            i, item = await queue.get()
+            if item is _END:
+                unfinished -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
 
 
 @dataclasses.dataclass
@@ -282,9 +316,11 @@ class AsyncEngine:
                         self.lost, len(self._live))
 
     # ---- requests (event-loop side) -------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, ttft_slo: float | None = None) -> RequestStream:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, ttft_slo: float | None = None,
+               after: RequestStream | None = None) -> RequestStream:
         """Queue a request; ValueError names what is wrong with it, QueueFull / ShuttingDown refuse it.
-        ttft_slo: seconds to its first token (the deadline edf / lrs / lars rank by); None: the server's SLO."""
+        ttft_slo: seconds to its first token (the deadline edf / lrs / lars rank by); None: the server's SLO.
+        after: a sibling of the same prompt whose prefill it waits for (Engine.enqueue)."""
         if not self.accepting:
             raise ShuttingDown(NOT_ACCEPTING)
         ids = self.engine.check_request(prompt_ids, params)  # reads only the model's fixed config
@@ -294,7 +330,8 @@ class AsyncEngine:
         if len(self._open) >= self.capacity:
             raise QueueFull(f"the server is at capacity ({len(self._open)} requests running or queued); "
                             "retry later")
-        stream = RequestStream(self, f"req-{next(self._ids)}", ids, params, ttft_slo)
+        stream = RequestStream(self, f"req-{next(self._ids)}", ids, params, ttft_slo,
+                               None if after is None else after.request_id)
         self._open[stream.request_id] = stream
         self._command("add", stream)
         return stream
@@ -391,7 +428,8 @@ class AsyncEngine:
             if kind == "stop":
                 return False
             if kind == "add":  # submit checked the request
-                self.engine.enqueue(arg.prompt_ids, arg.params, request_id=arg.request_id, ttft_slo=arg.ttft_slo)
+                self.engine.enqueue(arg.prompt_ids, arg.params, request_id=arg.request_id, ttft_slo=arg.ttft_slo,
+                                    after=arg.after)
                 self._live[arg.request_id] = _Live(arg)
                 self.metrics.prompt_tokens.inc(len(arg.prompt_ids))
             elif kind == "abort" and self._live.pop(arg, None) is not None:

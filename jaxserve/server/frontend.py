@@ -163,11 +163,29 @@ class Frontend:
             raise ValueError(f"a batch of {n} prompts can never be admitted: this server holds at most "
                              f"{self.engine.capacity} requests at once")
 
-    def submit(self, prompt_ids: list[int], *, max_tokens: int | None, default_max_tokens: int | None,
-               ttft_slo: float | None = None, **sampling: Any) -> RequestStream:
-        """Queue a request. default_max_tokens applies when max_tokens is unset (None: the rest of the context);
-        ttft_slo: seconds to the first token (None: the server's SLO). Raises one of REFUSED."""
-        params = SamplingParams(
+    def params(self, prompt_ids: list[int], *, max_tokens: int | None, default_max_tokens: int | None,
+               **sampling: Any) -> SamplingParams:
+        """A request's sampling params. default_max_tokens applies when max_tokens is unset (None: the rest of the
+        context). ValueError names a bad one."""
+        return SamplingParams(
             max_tokens=fit_max_tokens(max_tokens, len(prompt_ids), self.max_model_len, default_max_tokens),
             **{k: v for k, v in sampling.items() if v is not None})
-        return self.engine.submit(prompt_ids, params, ttft_slo)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               ttft_slo: float | None = None) -> list[RequestStream]:
+        """Queue a request: a stream per sample (SamplingParams.siblings; the later ones wait for the first's
+        prefill, to share it), all or none. ttft_slo: seconds to the first token (None: the server's SLO).
+        Raises one of REFUSED."""
+        first, *rest = params.siblings()
+        if len(rest) + 1 > self.engine.capacity:
+            raise ValueError(f"{len(rest) + 1} samples of one prompt can never be admitted: this server holds at "
+                             f"most {self.engine.capacity} requests at once")
+        streams = [self.engine.submit(prompt_ids, first, ttft_slo)]
+        try:
+            for p in rest:
+                streams.append(self.engine.submit(prompt_ids, p, ttft_slo, after=streams[0]))
+        except REFUSED:
+            for s in streams:
+                s.close()
+            raise
+        return streams

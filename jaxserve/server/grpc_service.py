@@ -8,6 +8,7 @@ metadata `authorization: Bearer <key>`; health and reflection stay open for prob
 
 from __future__ import annotations
 
+import contextlib
 from typing import AsyncIterator, Callable
 
 import grpc
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.engine import FinishReason
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.async_engine import merged
 from jaxserve.server.frontend import REFUSED, Frontend, excerpt, refusal
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
@@ -58,23 +60,26 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             f, p = self.frontend, request.params
             f.check_model(request.model)
             ids = await self._prompt_ids(request.WhichOneof("prompt"), request)
-            stream = f.submit(
+            params = f.params(
                 ids, max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
                 default_max_tokens=_DEFAULT_MAX_TOKENS, temperature=p.temperature, top_k=p.top_k,
                 top_p=p.top_p if p.HasField("top_p") else None, seed=p.seed if p.HasField("seed") else None,
                 stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                ttft_slo=p.ttft_slo if p.HasField("ttft_slo") else None, presence_penalty=p.presence_penalty,
+                presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty,
                 repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
                 min_p=p.min_p, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
-                logprobs=p.logprobs if p.HasField("logprobs") else None)
+                logprobs=p.logprobs if p.HasField("logprobs") else None, n=p.n or 1)
+            streams = f.submit(ids, params, p.ttft_slo if p.HasField("ttft_slo") else None)
         except REFUSED as e:
             await self._refuse(context, e)
-        async with stream:
+        # closing the merged outputs (a cancelled call) closes the streams, which aborts unfinished requests
+        async with contextlib.aclosing(merged(streams)) as outputs:
             try:
-                async for out in stream:
+                async for i, out in outputs:
+                    stream = streams[i]
                     reply = pb.GenerateResponse(request_id=stream.request_id, token_ids=out.new_token_ids,
-                                                text=out.new_text, logprobs=[
+                                                text=out.new_text, index=i, logprobs=[
                                                     pb.TokenLogprob(token_id=x.token, logprob=x.logprob, top=[
                                                         pb.TopLogprob(token_id=t, logprob=v) for t, v in x.top])
                                                     for x in out.logprobs or ()])
@@ -132,6 +137,10 @@ def unknown_fields(message: Message, path: str = "") -> list[str]:
     for field, value in message.ListFields():
         if field.message_type is None:
             continue
+        if field.message_type.GetOptions().map_entry:  # a map: its values may be messages, its keys are not
+            if field.message_type.fields_by_name["value"].message_type is None:
+                continue
+            value = list(value.values())
         one = isinstance(value, Message)
         for i, m in enumerate([value] if one else value):
             found += unknown_fields(m, f"{path or message.DESCRIPTOR.name}.{field.name}" + ("" if one else f"[{i}]"))

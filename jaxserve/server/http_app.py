@@ -27,12 +27,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.engine.engine import RequestOutput, TokenLogprob
-from jaxserve.server.async_engine import NOT_ACCEPTING, RequestStream, ShuttingDown
+from jaxserve.engine.engine import TokenLogprob
+from jaxserve.server.async_engine import NOT_ACCEPTING, RequestStream, ShuttingDown, merged
 from jaxserve.server.frontend import REFUSED, Frontend, ReadTimeout, TooLarge, Unauthenticated, excerpt, refusal
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
-_END = object()
 OPEN_PATHS = ("/health", "/metrics")  # served without the API key
 
 
@@ -134,36 +134,6 @@ def _validation_message(error: RequestValidationError, most: int = 5) -> str:
     return "invalid request: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The outputs of several requests as they come, with each one's index; closing this closes them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, _END))
-        except REFUSED as e:
-            queue.put_nowait((i, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        unfinished = len(streams)
-        while unfinished:
-            i, item = await queue.get()
-            if item is _END:
-                unfinished -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            stream.close()
-
-
 async def _until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -181,14 +151,16 @@ class _Reply:
     """Builds one request's reply: the JSON object or the SSE chunks, in completion or chat form, with logprobs
     when asked (OpenAI's legacy shape for completions, its `content` list for chat)."""
 
-    def __init__(self, frontend: Frontend, streams: list[RequestStream], chat: bool, include_usage: bool,
-                 logprobs: int | None = None, echo: list[_Echo] | None = None):
+    def __init__(self, frontend: Frontend, submitted: tuple[list[RequestStream], list], chat: bool,
+                 include_usage: bool, logprobs: int | None = None, echo: list[_Echo] | None = None):
+        """submitted: _submit_all's streams and groups; echo: each prompt's."""
         self.frontend = frontend
-        self.streams = streams
+        self.streams, self.groups = submitted
         self.chat = chat
         self.include_usage = include_usage
         self.logprobs = logprobs
-        self.echo = echo
+        # each stream's prompt echo
+        self.echo = None if echo is None else [e for e, (group, _) in zip(echo, self.groups) for _ in group]
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -218,7 +190,7 @@ class _Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.frontend.model_name, **fields}
 
     def _usage(self) -> dict[str, Any]:
-        prompt = sum(len(s.prompt_ids) for s in self.streams)
+        prompt = sum(len(self.streams[group[0]].prompt_ids) for group, _ in self.groups)  # once per prompt
         completion = sum(s.num_generated for s in self.streams)
         cached = sum(s.cached_tokens for s in self.streams)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
@@ -231,7 +203,7 @@ class _Reply:
         logprobs: list[list[TokenLogprob]] = [[] for _ in self.streams]
 
         async def collect() -> None:
-            async with contextlib.aclosing(_merged(self.streams)) as outputs:
+            async with contextlib.aclosing(merged(self.streams)) as outputs:
                 async for i, out in outputs:
                     texts[i].append(out.new_text)
                     logprobs[i] += out.logprobs or ()
@@ -252,13 +224,16 @@ class _Reply:
             return _refuse(self.frontend, work.exception())
         work.result()
         choices = []
-        for i, (parts, reason) in enumerate(zip(texts, reasons)):
-            text = "".join(parts)
-            echo = self.echo[i] if self.echo else None
-            body = {"message": {"role": "assistant", "content": text}} if self.chat else {
-                "text": echo.text + text if echo else text}
-            choices.append({"index": i, **body, "logprobs": self._logprobs(logprobs[i], echo=echo),
-                            "finish_reason": reason})
+        for group, params in self.groups:  # with best_of: the n samples of the highest total logprob
+            kept = params.best([sum(x.logprob for x in logprobs[i]) for i in group]) if params.best_of else \
+                range(len(group))
+            for i in (group[k] for k in kept):
+                text = "".join(texts[i])
+                echo = self.echo[i] if self.echo else None
+                body = {"message": {"role": "assistant", "content": text}} if self.chat else {
+                    "text": echo.text + text if echo else text}
+                choices.append({"index": len(choices), **body, "logprobs": self._logprobs(logprobs[i], echo=echo),
+                                "finish_reason": reasons[i]})
         obj = "chat.completion" if self.chat else "text_completion"
         return JSONResponse(self._envelope(obj, choices=choices, usage=self._usage()))
 
@@ -286,7 +261,7 @@ class _Reply:
             yield self._chunk(i, echo.text, None, logprobs=self._logprobs([], echo=echo))
             offsets[i] = len(echo.text)
         try:
-            async with contextlib.aclosing(_merged(self.streams)) as outputs:
+            async with contextlib.aclosing(merged(self.streams)) as outputs:
                 async for i, out in outputs:
                     if out.new_text or out.logprobs:
                         yield self._chunk(i, out.new_text, None, logprobs=self._logprobs(out.logprobs or [],
@@ -307,7 +282,7 @@ class _Reply:
 
 def _scores(frontend: Frontend, echo: list[_Echo], logprobs: int | None, include_usage: bool) -> JSONResponse:
     """A completion of max_tokens 0 with echo: each prompt and its logprobs, nothing generated (nothing queued)."""
-    reply = _Reply(frontend, [], chat=False, include_usage=include_usage, logprobs=logprobs, echo=echo)
+    reply = _Reply(frontend, ([], []), chat=False, include_usage=include_usage, logprobs=logprobs)
     prompt = sum(len(e.ids) for e in echo)
     choices = [{"index": i, "text": e.text, "logprobs": reply._logprobs([], echo=e), "finish_reason": "length"}
                for i, e in enumerate(echo)]
@@ -321,17 +296,24 @@ def _sse(body: dict[str, Any]) -> str:
 
 
 def _submit_all(frontend: Frontend, prompts: list[list[int]], default_max_tokens: int | None,
-                sampling: dict[str, Any]) -> list[RequestStream]:
-    """Queue every prompt, or none: if one is refused, the ones already queued are withdrawn."""
+                sampling: dict[str, Any]) -> tuple[list[RequestStream], list[tuple[list[int], SamplingParams]]]:
+    """Queue every prompt's samples, or none: if one is refused, the ones already queued are withdrawn. The
+    streams (each prompt's samples together), and each prompt's streams (indices) and params."""
+    ttft_slo = sampling.pop("ttft_slo", None)
+    params = [frontend.params(ids, default_max_tokens=default_max_tokens, **sampling) for ids in prompts]
+    frontend.check_batch(sum(len(p.siblings()) for p in params))
     streams: list[RequestStream] = []
+    groups = []
     try:
-        for ids in prompts:
-            streams.append(frontend.submit(ids, default_max_tokens=default_max_tokens, **sampling))
+        for ids, p in zip(prompts, params):
+            group = frontend.submit(ids, p, ttft_slo)
+            groups.append((list(range(len(streams), len(streams) + len(group))), p))
+            streams += group
     except REFUSED:
         for s in streams:
             s.close()
         raise
-    return streams
+    return streams, groups
 
 
 def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_timeout: float = 30.0,
@@ -374,7 +356,7 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
         frontend.check_model(body.model)
         scores_only = body.scores_only()
         sampling = body.sampling()
-        frontend.check_batch(len(body.prompts()))
+        frontend.check_batch(len(body.prompts()) * (body.best_of or body.n))
         prompts = [await frontend.encode(p) if isinstance(p, str) else p for p in body.prompts()]
         echo = None
         if body.echo:

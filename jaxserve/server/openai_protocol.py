@@ -49,8 +49,7 @@ class _SamplingRequest(_Strict):
     min_tokens: int = 0  # vLLM's extension
     repetition_penalty: float = 1.0  # vLLM's extension
     min_p: float = 0.0  # vLLM's extension
-    # Not implemented: accepted only at a value that means "off" (None, {} and [] too), else refused by name.
-    n: int = 1
+    n: int = 1  # samples per prompt: choices n x i .. n x i + n - 1 are prompt i's
 
     def sampling(self) -> dict[str, Any]:
         """Keyword arguments for Frontend.submit; ValueError names an option jaxserve does not implement."""
@@ -63,11 +62,14 @@ class _SamplingRequest(_Strict):
                     ignore_eos=self.ignore_eos, ttft_slo=self.ttft_slo, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     min_p=self.min_p, min_tokens=self.min_tokens, logit_bias=self._logit_bias(),
-                    logprobs=self._logprobs())
+                    logprobs=self._logprobs(), n=self.n, best_of=self._best_of())
 
     def _off_values(self) -> dict[str, Any]:
         """Options jaxserve does not implement, with the values that mean "off"."""
-        return {"n": (1,)}
+        return {}
+
+    def _best_of(self) -> int | None:
+        return None
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -96,12 +98,17 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False  # the prompt before the completion (and its logprobs, with logprobs)
     logprobs: int | None = None  # each token's logprob and the `logprobs` most likely
+    best_of: int | None = None  # samples drawn per prompt, of which the n of the highest total logprob return
     # not implemented (see _off_values)
-    best_of: int | None = None
     suffix: str | None = None
 
     def _off_values(self) -> dict[str, Any]:
-        return {**super()._off_values(), "best_of": (1,), "suffix": ()}
+        return {**super()._off_values(), "suffix": ()}
+
+    def _best_of(self) -> int | None:
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of > n cannot stream: the best are known only at the end")
+        return self.best_of
 
     def _logprobs(self) -> int | None:
         return self.logprobs

@@ -1,5 +1,6 @@
-"""Penalties, logit_bias, min_tokens and logprobs through the engine on the real model: logprobs against
-transformers' (the fixtures), penalties against a numpy replay over the scoring pass's logits."""
+"""Penalties, logit_bias, min_tokens, logprobs, n and best_of through the engine on the real model: logprobs
+against transformers' (the fixtures), penalties against a numpy replay over the scoring pass's logits, samples
+against the same requests one at a time."""
 
 from __future__ import annotations
 
@@ -93,3 +94,28 @@ def test_min_tokens_holds_back_eos_and_stop_tokens(llm, reference):
     out = llm.generate(case["ids"], SamplingParams(max_tokens=n, min_tokens=n - 2, stop_token_ids=[stop],
                                                    ignore_eos=True))[0]
     assert stop not in out.token_ids[:n - 2]
+
+
+def test_n_samples_prefill_the_prompt_once_and_equal_their_seeds_alone(llm):
+    """n=4 with seed s: the samples of seeds s .. s + 3 alone; the 3 later ones wait for the first's prefill and
+    find its full blocks in the prefix cache."""
+    prompt = llm.tokenizer.encode("Write one sentence about the sea, the wind and the gulls above the waves. " * 3)
+    alone = [llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=40 + i))[0].token_ids
+             for i in range(4)]
+    llm.engine.kv.reset_prefix_cache()
+    hits = llm.engine.kv.stats.hit_tokens
+    outs = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=40, n=4))
+    assert [o.token_ids for o in outs] == alone and len({tuple(a) for a in alone}) > 1
+    block = llm.engine.kv.block_size
+    assert llm.engine.kv.stats.hit_tokens - hits == 3 * (len(prompt) // block) * block
+
+
+def test_best_of_keeps_the_samples_of_the_highest_total_logprob(llm):
+    prompt = "Name a fruit:"
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=2, best_of=5)
+    alone = [llm.generate(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=7 + i, logprobs=0))[0]
+             for i in range(5)]
+    totals = [sum(x.logprob for x in c.logprobs) for c in alone]
+    want = [alone[i].token_ids for i in np.argsort(totals)[::-1][:2]]
+    outs = llm.generate(prompt, params)
+    assert [o.token_ids for o in outs] == want and all(o.logprobs is None for o in outs)

@@ -67,6 +67,9 @@ def test_a_fallback_that_cannot_be_built_ends_every_stream_with_process_gone(llm
                 async for _ in stream:
                     pass
         assert not engine.accepting and not engine.healthy and not engine.failed_over
-        engine.stop(5)
+        # its thread ends after its step, which may be compiling a program (seconds on a small CPU): wait for it,
+        # or the process would exit with XLA mid-compile in a daemon thread
+        engine.stop(300)
+        assert not engine._thread.is_alive()
 
     asyncio.run(asyncio.wait_for(main(), 600))

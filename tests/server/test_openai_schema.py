@@ -12,11 +12,11 @@ from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionReq
 
 HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
             "stop", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-            "top_logprobs", "echo"}
+            "top_logprobs", "echo", "n", "best_of"}
 INFORMATIONAL = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
 # a value each refused field may hold that asks for what jaxserve does not do
 PROBES = {
-    "n": 2, "best_of": 3, "suffix": "}", "tools": [{"type": "function", "function": {"name": "f"}}],
+    "suffix": "}", "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "auto", "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
     "response_format": {"type": "json_object"}, "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high",
@@ -58,13 +58,13 @@ def test_each_unimplemented_field_is_refused_by_name_and_accepted_when_off(model
 @pytest.mark.parametrize("model, params, base", REQUESTS, ids=["completions", "chat"])
 def test_honoured_sampling_fields_reach_the_sampling_params(model, params, base):
     body = {"model": "m", **base, "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"42": 5.0},
-            "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 4}
+            "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 4, "n": 2}
     body |= {"logprobs": 3} if model is CompletionRequest else {"logprobs": True, "top_logprobs": 3}
     got = model(**body).sampling()
     assert {k: got[k] for k in ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
-                                "min_p", "min_tokens", "logprobs")} == {
+                                "min_p", "min_tokens", "logprobs", "n")} == {
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {42: 5.0}, "repetition_penalty": 1.2,
-        "min_p": 0.1, "min_tokens": 4, "logprobs": 3}
+        "min_p": 0.1, "min_tokens": 4, "logprobs": 3, "n": 2}
     with pytest.raises(ValueError, match="logit_bias keys must be token ids"):
         model(**{**body, "logit_bias": {"x": 1.0}}).sampling()
 
@@ -75,3 +75,10 @@ def test_chat_logprobs_need_logprobs_true_for_top_logprobs():
     assert ChatCompletionRequest(**chat).sampling()["logprobs"] is None
     with pytest.raises(ValueError, match="top_logprobs needs logprobs=true"):
         ChatCompletionRequest(**chat, top_logprobs=2).sampling()
+
+
+def test_best_of_cannot_stream():
+    body = {"model": "m", "prompt": "hi", "n": 2, "best_of": 3}
+    assert CompletionRequest(**body).sampling()["best_of"] == 3
+    with pytest.raises(ValueError, match="best_of > n cannot stream"):
+        CompletionRequest(**body, stream=True).sampling()

@@ -189,6 +189,34 @@ def test_penalties_and_logit_bias_over_http_are_the_python_apis(llm, oai):
     assert done.choices[0].text == ref.text and "\n" not in ref.text  # 198 is the newline
 
 
+def test_n_samples_over_http_and_grpc_are_the_python_apis(llm, oai, grpc_client):
+    """n samples of each prompt: choices n x i + j are prompt i's sample j (seed s + j), over HTTP (whole and
+    streamed, completions and chat) and gRPC (messages by index); best_of keeps the best by total logprob."""
+    prompts = [PROMPT, "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3)
+    refs = llm.generate(prompts, params)
+    done = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=1.0, seed=3, n=3)
+    assert [c.index for c in done.choices] == list(range(6))
+    assert [c.text for c in done.choices] == [r.text for r in refs]
+    assert done.usage.prompt_tokens == sum(len(llm.tokenizer.encode(p)) for p in prompts)
+    chunks = list(oai.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=1.0, seed=3, n=3,
+                                         stream=True))
+    texts = [""] * 6
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [r.text for r in refs]
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chat_refs = llm.chat(messages, SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=2))
+    chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=3, n=2)
+    assert [c.message.content for c in chat.choices] == [r.text for r in chat_refs]
+    got = grpc_client.samples(PROMPT, max_tokens=6, temperature=1.0, seed=3, n=3)
+    assert [g.token_ids for g in got] == [r.token_ids for r in refs[:3]]
+    best = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=2, best_of=4))
+    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, n=2,
+                                  best_of=4)
+    assert [c.text for c in done.choices] == [b.text for b in best] and done.choices[0].logprobs is None
+
+
 def test_grpc_penalties_and_logprobs_are_the_python_apis(llm, grpc_client):
     params = dict(max_tokens=10, presence_penalty=0.8, repetition_penalty=1.3, logit_bias={198: -100.0},
                   min_tokens=10, logprobs=2)
@@ -303,7 +331,9 @@ def _chat(**fields) -> str:
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": [1] * 1024}), KEY, 400, "context holds 1024"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": [10**7]}), KEY, 400, "token ids must be in"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": ""}), KEY, 400, "prompt is empty"),
-    ("/v1/chat/completions", _chat(n=2), KEY, 400, "n=2 is not supported"),
+    ("/v1/chat/completions", _chat(n=65), KEY, 400, "n must be an integer in [1, 64]"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "n": 2, "best_of": 1}), KEY, 400,
+     "best_of must be an integer in [n=2, 64]"),
     ("/v1/chat/completions", _chat(top_p=0), KEY, 400, "top_p must be in (0, 1]"),
     ("/v1/chat/completions", _chat(presence_penalty=3), KEY, 400, "presence_penalty must be a number in [-2, 2]"),
     ("/v1/chat/completions", _chat(logit_bias={"x": 1}), KEY, 400, "logit_bias keys must be token ids"),
