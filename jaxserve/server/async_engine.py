@@ -210,7 +210,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # the engine thread, after those a fail-over retired
         self._update_gauges()
 
     # ---- lifecycle (event-loop side) ------------------------------------------------------------------
@@ -220,19 +220,24 @@ class AsyncEngine:
         self._start_thread()
 
     def _start_thread(self) -> None:
-        self._thread = threading.Thread(target=self._run, args=(self._generation,), name="jaxserve-engine",
-                                        daemon=True)
-        self._thread.start()
+        self._threads.append(threading.Thread(target=self._run, args=(self._generation,), name="jaxserve-engine",
+                                              daemon=True))
+        self._threads[-1].start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the engine thread after its current step, waiting at most `timeout` seconds (None: for as long
-        as it takes); a thread still in its step then is left to end with the process (it is a daemon).
-        Unfinished requests should be ended first."""
+        """Stop the engine thread after its current step (a thread a fail-over retired ends after its own),
+        waiting at most `timeout` seconds (None: for as long as it takes) for them all; a thread still in its step
+        then is left to end with the process (it is a daemon). Unfinished requests should be ended first."""
         self._command("stop", None)
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logging.warning("the engine thread is still in a step after %g s; not waiting for it", timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(None if end is None else max(end - time.monotonic(), 0.0))
+            if thread.is_alive():
+                logging.warning("an engine thread is still in a step after %g s; not waiting for it", timeout)
+
+    @property
+    def threads_alive(self) -> int:
+        return sum(t.is_alive() for t in self._threads)
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (draining); call from the event loop."""
@@ -352,25 +357,28 @@ class AsyncEngine:
             with self._lock:
                 if generation != self._generation or not self._apply_commands():
                     return
-            if not self._recovered():
+                # this pass steps the engine of its generation: a thread a fail-over retires meanwhile must not
+                # step the fallback (it would drop outputs the fallback's scheduler has applied)
+                engine = self.engine
+            if not self._recovered(engine):
                 self._wake.wait(self.RECOVER_RETRY_S)
                 self._wake.clear()
                 continue
-            if not self.engine.has_unfinished():
+            if not engine.has_unfinished():
                 self._waiting = True
                 try:
-                    self.engine.run_deferred(stop=lambda: bool(self._commands))
+                    engine.run_deferred(stop=lambda: bool(self._commands))
                 except Exception:  # noqa: BLE001 - e.g. the surplus step it reads first failed: serve on
                     logging.exception("the engine's deferred work failed")
                 # deferred work not done (it waits for something, or yielded): look again in a while
-                self._wake.wait(self.DEFERRED_RETRY_S if self.engine.has_deferred else None)
+                self._wake.wait(self.DEFERRED_RETRY_S if engine.has_deferred else None)
                 self._alive_at, self._waiting = time.monotonic(), False
                 self._wake.clear()  # commands queued meanwhile are applied at the top of the loop
                 continue
             self._alive_at = time.monotonic()
             start = time.monotonic()
             try:
-                outputs = self.engine.step()
+                outputs = engine.step()
             except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
                 if self._retired(generation):  # it failed for a lost process: the fail-over resumes its requests
                     return
@@ -393,9 +401,9 @@ class AsyncEngine:
                 for out in outputs:
                     self._deliver(out, now)
                 self._update_gauges()
-            if self.engine.last_predicted is not None:  # the step ran a Plan
+            if engine.last_predicted is not None:  # the step ran a Plan
                 self.metrics.step_seconds.observe(time.monotonic() - start)
-                self.metrics.step_predicted.inc(self.engine.last_predicted)
+                self.metrics.step_predicted.inc(engine.last_predicted)
 
     RECOVER_RETRY_S = 1.0  # between attempts to rebuild a lost cache
     DEFERRED_RETRY_S = 1.0  # between looks at deferred work while idle
@@ -412,13 +420,13 @@ class AsyncEngine:
                 return False
             time.sleep(0.1)
 
-    def _recovered(self) -> bool:
+    def _recovered(self, engine: ServingEngine) -> bool:
         """Try to make the engine able to step again. False: still cannot step."""
         try:
-            self.engine.recover()
+            engine.recover()
         except Exception:  # noqa: BLE001 - e.g. out of device memory: retried, health says NOT_SERVING
             logging.exception("could not rebuild the KV cache; retrying in %g s", self.RECOVER_RETRY_S)
-        self._can_step = self.engine.can_step
+        self._can_step = engine.can_step
         return self._can_step
 
     def _apply_commands(self) -> bool:
