@@ -2,8 +2,9 @@
 heads): KV-parallel groups of 2/4/8 (engine/kv_cache.py: the paged cache split block by block), tensor-parallel
 sets of 2/4/8 (sharding/tp.py: heads and MLP features split, KV heads repeated past 2 devices), and both at once.
 The same greedy tokens through prefill chunks, mixed steps, decodes and a multi-step decode (a burst), and the same
-K/V in every layer at every position, found on the devices that own its block and hold its head. KV landed from
-elsewhere goes only there."""
+K/V in every layer at every position, found on the devices that own its block and hold its head; the same tokens
+and logprobs through the extra sampler (penalties from per-request slots). KV landed from elsewhere goes only
+there."""
 
 from __future__ import annotations
 
@@ -108,6 +109,49 @@ def test_parallel_steps_equal_one_device(devices, params, kvp, tp):
             np.testing.assert_allclose(got, want[:, :, heads_held(group)], **TOL)
     # the request's blocks really are spread: every device of the group holds part of "b"'s context
     assert {b % kvp for b in kv.block_table("b")} == set(range(kvp))
+
+
+@pytest.mark.parametrize("kvp,tp", [(2, 1), (1, 2), (2, 2)])
+def test_the_extra_sampler_on_a_group_equals_one_device(devices, params, kvp, tp):
+    """Penalties, logit_bias and min_tokens read per-request slots set on the group's devices, and logprobs come
+    back: the same tokens and logprobs as on one device, step by step and in a burst that carries the slots."""
+    one = runner(params, devices[:1], PER_DEVICE * kvp)
+    group = runner(params, devices[:kvp * tp], PER_DEVICE * kvp, tp)
+    kv = KVCacheManager(PER_DEVICE * kvp, BS, enable_prefix_caching=False, scratch_blocks=kvp)
+    rng = np.random.default_rng(10 + kvp)
+    prompts = {rid: rng.integers(0, CFG.vocab_size, n).tolist() for rid, n in (("a", 21), ("b", 9))}
+    sp = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.7, logit_bias={3: 4.0}, min_tokens=3,
+                        logprobs=4, temperature=0.9, seed=5)
+    for slot, (rid, p) in enumerate(prompts.items()):
+        kv.allocate(rid, len(p) + 12)
+        for r in (one, group):
+            r.set_slot(slot, p, [], sp.logit_bias, [7])
+    tokens = {rid: list(p) for rid, p in prompts.items()}
+
+    def rows(steps: int = 1) -> list[batch.Row]:
+        return [batch.Row(tokens[rid][-1:], len(tokens[rid]) - 1, kv.block_table(rid), sp, 9,
+                          len(tokens[rid]) - len(prompts[rid]), steps=steps, slot=slot)
+                for slot, rid in enumerate(prompts)]
+
+    first = [batch.Row(p, 0, kv.block_table(rid), sp, 9, 0, slot=slot) for slot, (rid, p) in enumerate(prompts.items())]
+    for step in [first] + [None] * 4:
+        step = step or rows()
+        want, got = one.start(step), group.start(step)
+        np.testing.assert_array_equal(got.value(), want.value())
+        for w, g in zip(want.logprobs_value(), got.logprobs_value()):
+            np.testing.assert_allclose(g[:2], w[:2], **TOL)
+        for rid, t in zip(prompts, want.value()):
+            tokens[rid].append(int(t))
+    burst, steps = group.start(rows(3), steps=3), []
+    for _ in range(3):
+        want = one.start(rows())
+        steps.append((want.value()[:2], want.logprobs_value()))
+        for rid, t in zip(prompts, want.value()):
+            tokens[rid].append(int(t))
+    got_lp = burst.logprobs_value()
+    for j, (want_tokens, want_lp) in enumerate(steps):
+        np.testing.assert_array_equal(burst.value()[j, :2], want_tokens)
+        np.testing.assert_allclose(got_lp.top[j, :2], want_lp.top[:2], **TOL)
 
 
 @pytest.mark.parametrize("kvp,tp", [(4, 1), (2, 2)])
