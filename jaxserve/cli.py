@@ -26,7 +26,12 @@ FLAGS = flags.FLAGS
 # the sampling parameters `generate` and `client` take from the command line
 SAMPLING_FLAGS = {"max_tokens": "Most tokens to generate.", "temperature": "Sampling temperature; 0 is greedy.",
                   "top_k": "Keep the k most likely tokens (0: all).", "top_p": "Nucleus sampling mass in (0, 1].",
-                  "seed": "Sampling seed (default: random).", "stop": "Stop string (repeatable)."}
+                  "seed": "Sampling seed (default: random).", "stop": "Stop string (repeatable).",
+                  "min_p": "Keep tokens at least min_p times as likely as the most likely.",
+                  "presence_penalty": "Subtracted once from each token generated so far.",
+                  "frequency_penalty": "Subtracted per time each token was generated so far.",
+                  "repetition_penalty": "Divides positive logits of tokens already seen (1: off).",
+                  "min_tokens": "No EOS or stop before this many tokens."}
 
 
 def _define(name: str, kind: Any, default: Any, help: str) -> None:

@@ -7,7 +7,8 @@ dispatch the next step first: a decode whose token is still in flight names its 
 
 Forwards are keyed by their shape (batch.Shape: a decode program per row bucket, a mixed one per (tokens, rows)
 bucket), samplers by their rows and kind (batch.sampler_kind: argmax alone when every row is greedy, a draw, or a
-draw cut by top-k / top-p; the host picks). A multi-step decode (a burst: `steps` decode steps in one device loop,
+draw cut by top-k / top-p; the host picks), plain or extra (batch.extra: penalties, logit_bias and min_tokens from
+per-request slots on the device, which the extra sampler updates, and logprobs). A multi-step decode (a burst: `steps` decode steps in one device loop,
 each step's sampled tokens fed to the next) is one program with its sampler inside, keyed by rows and the sampler's
 kind (Burst); its steps are a loop bound on the device, so any count up to the configured most runs in the same
 program. `warmup` compiles every program a configuration uses before the first request (in parallel threads: XLA
