@@ -22,7 +22,7 @@ from jaxserve.cluster import lockstep
 from jaxserve.cluster.build import build, warmup
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.engine.batch import Buckets
-from jaxserve.engine.engine import Engine, RequestOutput, TokenLogprob
+from jaxserve.engine.engine import Engine, RequestOutput, TokenLogprob, token_logprobs
 from jaxserve.engine.interface import ServingEngine
 from jaxserve.engine.kv_cache import cache_dtype
 from jaxserve.engine.runner import ModelRunner
@@ -320,8 +320,7 @@ class LLM:
                                   [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason.value,
                                   [x for o in outs for x in o.logprobs or ()])
                        for outs in (outputs[rid] for rid in group)]
-            kept = sp.best([sum(x.logprob for x in c.logprobs) for c in samples]) if sp.best_of else range(sp.n)
-            for i in kept:
+            for i in sp.kept([c.logprobs for c in samples]):
                 completions.append(dataclasses.replace(samples[i], logprobs=samples[i].logprobs
                                                        if sp.logprobs is not None else None))
         return completions
@@ -358,10 +357,8 @@ class LLM:
         logprobs returns, and what evaluation harnesses score by)."""
         _, ids = self._prompt_ids(prompt)
         ids = self.engine.check_request(ids, SamplingParams(logprobs=k))
-        lp = scoring.prompt_logprobs(self.config, self._params, self._dtype, ids)
-        return [None] + [TokenLogprob(t, float(lp.chosen[i]), tuple(zip(lp.top_ids[i, :k].tolist(),
-                                                                          lp.top[i, :k].tolist())))
-                         for i, t in enumerate(ids[1:])]
+        return [None] + token_logprobs(ids[1:], scoring.prompt_logprobs(self.config, self._params, self._dtype, ids),
+                                       k)
 
 
 def follow(model: ModelConfig = ModelConfig()) -> None:

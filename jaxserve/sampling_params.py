@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +117,13 @@ class SamplingParams:
         return [dataclasses.replace(self, n=1, best_of=None, logprobs=logprobs,
                                     seed=None if self.seed is None else (self.seed + i) % 2**32) for i in range(k)]
 
-    def best(self, total_logprobs: list[float]) -> list[int]:
-        """Which of the siblings' samples to keep: the n of the highest total logprob, best first."""
-        return sorted(range(len(total_logprobs)), key=lambda i: -total_logprobs[i])[:self.n]
+    def kept(self, samples: Sequence[Sequence[Any]]) -> list[int]:
+        """Which of the siblings' samples to return, given each one's token logprobs (entries with a `logprob`):
+        all n in order, or with best_of the n of the highest total logprob, best first."""
+        if self.best_of is None:
+            return list(range(self.n))
+        totals = [sum(x.logprob for x in sample) for sample in samples]
+        return sorted(range(len(totals)), key=lambda i: -totals[i])[:self.n]
 
     @property
     def uses_history(self) -> bool:

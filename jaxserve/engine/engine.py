@@ -51,6 +51,12 @@ class TokenLogprob(NamedTuple):
     top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
 
 
+def token_logprobs(tokens: Sequence[int], lp: Logprobs, k: int) -> list[TokenLogprob]:
+    """Each token's entry from its row of lp (numpy, row i for tokens[i]), with the k most likely."""
+    return [TokenLogprob(t, float(lp.chosen[i]), tuple(zip(lp.top_ids[i, :k].tolist(), lp.top[i, :k].tolist())))
+            for i, t in enumerate(tokens)]
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """What one step produced for one request: new tokens and the text they complete."""
@@ -230,13 +236,19 @@ class Engine:
         self.scheduler.add_prefilled(self._live[request_id].sched)
 
     def abort(self, request_id: str) -> bool:
+        if not self._drop(request_id):
+            return False
+        self.scheduler.abort(request_id)
+        self._let_go(request_id)
+        return True
+
+    def _drop(self, request_id: str) -> bool:
+        """Forget an ended request: its state, its sampling slot, its block table. False if it was not live."""
+        self._tables.pop(request_id, None)
         live = self._live.pop(request_id, None)
         if live is None:
             return False
         self._release(live)
-        self.scheduler.abort(request_id)
-        self._let_go(request_id)
-        self._tables.pop(request_id, None)
         return True
 
     def has_unfinished(self) -> bool:
@@ -383,10 +395,7 @@ class Engine:
         for rid in tokens:
             self._let_go(rid)
         for r in done:
-            live = self._live.pop(r.id, None)
-            if live is not None:
-                self._release(live)
-            self._tables.pop(r.id, None)
+            self._drop(r.id)
         return outputs
 
     def _grant(self, plan: Plan) -> None:
@@ -471,10 +480,7 @@ class Engine:
                 break
         last = outs[-1]
         k = live.params.logprobs
-        kept = None if k is None or logprobs is None else [
-            TokenLogprob(t, float(logprobs.chosen[i]),
-                         tuple((int(j), float(x)) for j, x in zip(logprobs.top_ids[i, :k], logprobs.top[i, :k])))
-            for i, t in enumerate(tokens[:len(outs)])]
+        kept = None if k is None or logprobs is None else token_logprobs(tokens[:len(outs)], logprobs, k)
         return dataclasses.replace(last, new_token_ids=[o.new_token_ids[0] for o in outs],
                                    new_text="".join(o.new_text for o in outs), logprobs=kept)
 

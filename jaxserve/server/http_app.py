@@ -225,9 +225,7 @@ class _Reply:
         work.result()
         choices = []
         for group, params in self.groups:  # with best_of: the n samples of the highest total logprob
-            kept = params.best([sum(x.logprob for x in logprobs[i]) for i in group]) if params.best_of else \
-                range(len(group))
-            for i in (group[k] for k in kept):
+            for i in (group[k] for k in params.kept([logprobs[i] for i in group])):
                 text = "".join(texts[i])
                 echo = self.echo[i] if self.echo else None
                 body = {"message": {"role": "assistant", "content": text}} if self.chat else {
@@ -301,7 +299,6 @@ def _submit_all(frontend: Frontend, prompts: list[list[int]], default_max_tokens
     streams (each prompt's samples together), and each prompt's streams (indices) and params."""
     ttft_slo = sampling.pop("ttft_slo", None)
     params = [frontend.params(ids, default_max_tokens=default_max_tokens, **sampling) for ids in prompts]
-    frontend.check_batch(sum(len(p.siblings()) for p in params))
     streams: list[RequestStream] = []
     groups = []
     try:
