@@ -74,6 +74,9 @@ class _Delayed:
         time.sleep(max(self.ready_at - time.perf_counter(), 0.0))
         return self.pending.value()
 
+    def logprobs_value(self):
+        return self.pending.logprobs_value()
+
 
 class FakeDevice:
     """An in-order device taking `delay` seconds a decode step (a burst: one per step), in front of the runner's

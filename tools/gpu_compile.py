@@ -144,7 +144,7 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int, burst: bool = False) -> t
     blob = on_gpu(batch.to_blob(batch.empty(buckets, shape, bs)))
     previous = on_gpu(np.zeros(MAX_ROWS, np.int32))  # the last step's sampled tokens, fed on the device
     if burst:
-        step = jax.jit(functools.partial(burst_packed(model, buckets, bs, MAX_ROWS), shape=shape,
+        step = jax.jit(functools.partial(burst_packed(model, buckets, bs, MAX_ROWS), slots=None, shape=shape,
                                          kind="greedy"), donate_argnums=(1,))
     else:
         step = jax.jit(functools.partial(forward_packed(model, buckets), shape=shape),
@@ -159,8 +159,8 @@ def sampler_program(mesh: jax.sharding.Mesh, rows: int, kind: str) -> tuple[Any,
     rows = DECODE_BUCKETS.fit_decode(rows)
     logits = jax.ShapeDtypeStruct((rows, llama3_8b(1).vocab_size), jnp.float32, sharding=here)
     arrays = batch.empty(DECODE_BUCKETS, DECODE_BUCKETS.decode(rows), BLOCK)
-    sampling = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here) for x in batch.sampling(arrays)]
-    return jax.jit(functools.partial(sample_padded, kind=kind, size=MAX_ROWS)), (logits, *sampling)
+    sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), batch.sampling(arrays))
+    return jax.jit(functools.partial(sample_padded, slots=None, kind=kind, size=MAX_ROWS)), (logits, sampling)
 
 
 def compile_decode(out: pathlib.Path, options: dict) -> bool:

@@ -47,6 +47,7 @@ class CheckingRunner:
     def __init__(self, block_size: int):
         self.cfg = types.SimpleNamespace(vocab_size=VOCAB)
         self.block_size = block_size
+        self.max_rows = 64  # sampling slots; these workloads' params take none
         self.cache: dict[int, int] = {}
         self.expected: dict[int, list[int]] = {}
         self.caches_lost = False
@@ -74,7 +75,7 @@ class CheckingRunner:
                 fed[n] = [out[j, n]]
                 live[n] = live[n] and j + 1 < r.steps and out[j, n] not in r.stop_ids
         tokens, self.previous = (out if steps > 1 else out[0]), out[-1]
-        return types.SimpleNamespace(value=lambda: tokens)
+        return types.SimpleNamespace(value=lambda: tokens, logprobs_value=lambda: None)
 
 
 def make_engine(runner, *, num_blocks: int, max_model_len: int, max_num_seqs: int = 4, step_tokens: int = 64,

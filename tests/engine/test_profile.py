@@ -22,7 +22,7 @@ def warm():
     import jaxserve
 
     return jaxserve.LLM(max_model_len=512, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=64,
-                        warmup=True, progress=False)
+                        warmup=True, quick_start=False, progress=False)
 
 
 def test_the_measured_profile_prices_steps_and_round_trips(warm, tmp_path):
