@@ -5,8 +5,73 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 from typing import Any, Sequence
+
+import llguidance
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow (vLLM's StructuredOutputsParams): exactly one of a JSON schema (`json`:
+    a dict or its text), any JSON object (`json_object`), a regular expression, a choice of strings, or a Lark
+    grammar (llguidance's dialect: https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md). The
+    output ends when the grammar is complete. JSON may have any whitespace between its tokens, unless
+    `disable_any_whitespace` (then it is compact: `{"a":1}`)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    MAX_CHARS = 1 << 20  # a grammar's text
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)
+        if isinstance(self.json, dict):
+            set_("json", json.dumps(self.json))  # in the client's order: the output's keys follow it
+        if isinstance(self.choice, list):
+            set_("choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError(f"structured output takes exactly one of json, json_object, regex, choice and grammar; "
+                             f"got {given or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and 0 < len(value) <= self.MAX_CHARS):
+                raise ValueError(f"structured output's {name} must be a non-empty string of at most "
+                                 f"{self.MAX_CHARS} characters, got {excerpt(value, 40)}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"disable_any_whitespace must be true or false, got "
+                             f"{excerpt(self.disable_any_whitespace, 40)}")
+        if self.choice is not None and not (isinstance(self.choice, tuple) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured output's choice must be a non-empty list of non-empty strings, got "
+                             f"{excerpt(self.choice, 40)}")
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured output's json schema is not JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"a JSON schema is an object, got {excerpt(schema, 40)}")
+        error = llguidance.LLMatcher.validate_grammar(self.grammar_text())
+        if error:
+            raise ValueError(f"structured output: {error.strip()}")
+
+    def grammar_text(self) -> str:
+        """The grammar as llguidance takes it."""
+        if self.json is not None or self.json_object:
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                self.json or '{"type": "object"}', overrides={"whitespace_flexible": not self.disable_any_whitespace})
+        if self.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return llguidance.grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return llguidance.grammar_from("lark", self.grammar)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +95,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: each generated token's logprob and the k most likely (k <= 20)
     n: int = 1  # samples of the prompt (siblings: its prefill is shared through the prefix cache)
     best_of: int | None = None  # draw this many samples and keep the n of the highest total logprob
+    structured_output: StructuredOutput | None = None  # a grammar the output follows (a dict of its fields too)
 
     def __post_init__(self):
         # vLLM-style spellings are accepted and normalised: lists, None, top_k=-1, a single stop string.
@@ -41,6 +107,8 @@ class SamplingParams:
         if isinstance(bias, (dict, list, tuple)):
             set_("logit_bias", tuple(tuple(e) if isinstance(e, list) else e
                                      for e in (bias.items() if isinstance(bias, dict) else bias)))
+        if isinstance(self.structured_output, dict):
+            set_("structured_output", StructuredOutput(**self.structured_output))
         if self.top_k == -1:
             set_("top_k", 0)
         if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) \
@@ -104,6 +172,8 @@ class SamplingParams:
                                                              f"{excerpt(self.n, 40)}")
         need(self.best_of is None or (integer(self.best_of) and self.n <= self.best_of <= self.MAX_N),
              f"best_of must be an integer in [n={self.n}, {self.MAX_N}], got {excerpt(self.best_of, 40)}")
+        need(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+             f"structured_output must be a StructuredOutput, got {excerpt(self.structured_output, 40)}")
 
     @property
     def greedy(self) -> bool:

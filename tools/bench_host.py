@@ -89,8 +89,8 @@ class FakeDevice:
         self.idle: list[float] = []
         runner.start = self.start
 
-    def start(self, rows, steps=1):
-        pending = self.start_real(rows, steps)
+    def start(self, rows, steps=1, guided=False):
+        pending = self.start_real(rows, steps, guided)
         now = time.perf_counter()
         self.idle.append(max(now - self.free_at, 0.0))
         self.free_at = max(now, self.free_at) + self.delay * steps

@@ -160,7 +160,7 @@ def sampler_program(mesh: jax.sharding.Mesh, rows: int, kind: str) -> tuple[Any,
     logits = jax.ShapeDtypeStruct((rows, llama3_8b(1).vocab_size), jnp.float32, sharding=here)
     arrays = batch.empty(DECODE_BUCKETS, DECODE_BUCKETS.decode(rows), BLOCK)
     sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), batch.sampling(arrays))
-    return jax.jit(functools.partial(sample_padded, slots=None, kind=kind, size=MAX_ROWS)), (logits, sampling)
+    return jax.jit(functools.partial(sample_padded, slots=None, mask=None, kind=kind, size=MAX_ROWS)), (logits, sampling)
 
 
 def compile_decode(out: pathlib.Path, options: dict) -> bool:

@@ -128,9 +128,10 @@ class ClusterEngine:
     # ---- the Engine interface -----------------------------------------------------------------------------
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         # the prefill instances draw the first token with temperature, top-k and top-p alone
-        if params.uses_history or params.min_p > 0 or params.logprobs is not None:
-            raise ValueError("penalties, logit_bias, min_tokens, min_p and logprobs are not supported with prefill "
-                             "instances yet (one engine serves them)")
+        if (params.uses_history or params.min_p > 0 or params.logprobs is not None
+                or params.structured_output is not None):
+            raise ValueError("penalties, logit_bias, min_tokens, min_p, logprobs and structured output are not "
+                             "supported with prefill instances yet (one engine serves them)")
         return self.decoders[0].engine.check_request(prompt_ids, params)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,

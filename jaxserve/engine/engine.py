@@ -6,7 +6,9 @@ a flat ragged batch (runner.ModelRunner: a compiled forward, then the sampler), 
 and stop decisions, and hands the Outcome back; the scheduler's state moves only from Outcomes, exactly as in the
 simulator. With overlap (the default) the next step is dispatched before the last one's tokens are read, so the
 device does not wait for this Python. A multi-step decode Plan (Plan.steps > 1) runs its decode steps in one device
-loop; its tokens are read together, each request's up to its first stop. A preempted request recomputes its prompt
+loop; its tokens are read together, each request's up to its first stop. A step with structured output
+dispatches its forward, then reads the last step's tokens, advances the grammars and sends the masks its sampler
+needs (grammar.py), while the device runs the forward. A preempted request recomputes its prompt
 and generated tokens (mostly from prefix-cache hits); on CPU in float32 its output is unchanged (bf16 on GPU makes
 no such promise: batch shapes change the rounding).
 """
@@ -19,13 +21,14 @@ import itertools
 import math
 import random
 import time
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from absl import logging
 
 from jaxserve.engine.batch import BadRow, Row
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.grammar import Grammars
 from jaxserve.engine.runner import ModelRunner, Pending
 from jaxserve.engine.sampling import Logprobs
 from jaxserve.sampling_params import SamplingParams
@@ -92,6 +95,7 @@ class _Live:
     text: str = ""  # decoded output so far
     emitted_chars: int = 0
     slot: int | None = None  # its sampling slot on the device (runner.set_slot), while it holds one
+    matcher: Any = None  # its grammar's state (llguidance.LLMatcher), with structured output
 
 
 @dataclasses.dataclass
@@ -101,8 +105,9 @@ class _Step:
     plan: Plan
     items: list[WorkItem]  # the rows it runs, in order (a request that failed alone is left out)
     lives: list[_Live]  # whose rows they are (a request ended meanwhile and its id reused is not the same)
-    tokens: Pending | None  # None: every row failed alone
+    tokens: Pending | None  # None: every row failed alone, or a guided step's sampler waits for its masks
     dispatched: float
+    matchers: list[Any] = dataclasses.field(default_factory=list)  # a guided step's rows' grammars (or None)
 
     def rows(self) -> dict[str, int]:
         """Each decode's row: where the next step finds its token."""
@@ -135,6 +140,7 @@ class Engine:
         self._last_end = -math.inf  # when the last step's tokens were read
         self._deferred: Callable[[Callable[[], bool]], bool] | None = None  # run_deferred's work
         self._free_slots = list(range(runner.max_rows))  # sampling slots: at most one per running request
+        self.grammars = Grammars(tokenizer, runner.cfg.vocab_size)
         self._held: dict[str, list[sched_request.Request]] = {}  # siblings waiting for a request's first token
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -155,6 +161,8 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                              "(prompt plus at least one generated token)")
+        if params.structured_output is not None:
+            self.grammars.matcher(params.structured_output)  # compiled (and kept) now: a bad grammar is refused
         return ids
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
@@ -192,11 +200,16 @@ class Engine:
         """The engine's side of a new request (its seed: the params' or a random one), kept in _live. With
         `generated`, the text and stop state are replayed over those last ids as _append made them."""
         r = sched_request.Request(request_id, self.clock(), len(ids),
-                                  min(params.max_tokens, self.max_model_len - len(ids)), token_ids=list(ids))
+                                  min(params.max_tokens, self.max_model_len - len(ids)), token_ids=list(ids),
+                                  single_step=params.structured_output is not None)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         prompt = ids[:len(ids) - generated]
         live = self._live[request_id] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, prompt),
                                               StopMatcher(params.stop))
+        if params.structured_output is not None:
+            live.matcher = self.grammars.matcher(params.structured_output)
+            if not live.matcher.consume_tokens(ids[len(prompt):]):
+                raise ValueError(f"request {request_id}: its grammar refuses the tokens it generated")
         for token in ids[len(prompt):]:
             new = live.detokenizer.push(token)
             live.text += new
@@ -324,6 +337,8 @@ class Engine:
         if current is not None and self.overlap:
             self._pending = self._launch(current)
         outputs = self._finish(current) if current is not None else []
+        if self._pending is not None and self._pending.matchers:  # its grammars have taken current's tokens
+            self._sample_guided(self._pending)
         outputs += self._failed_alone
         self._failed_alone = []
         return outputs
@@ -341,7 +356,12 @@ class Engine:
         while True:
             try:
                 rows = [self._row(i, feeds, plan.steps > 1) for i in step.items]
-                step.tokens = self.runner.start(rows, steps=plan.steps) if rows else None
+                matchers = [live.matcher if self.scheduler.yields_token(i) else None
+                            for i, live in zip(step.items, step.lives)]
+                step.matchers = matchers if any(m is not None for m in matchers) else []
+                step.tokens = self.runner.start(rows, steps=plan.steps, guided=bool(step.matchers)) if rows else None
+                if step.matchers and previous is None:  # no step in flight: the grammars are up to date
+                    return self._sample_guided(step)
                 return step
             except BadRow as e:  # one request's inputs: it fails alone, the step runs without it
                 rid = step.items.pop(e.index).request_id
@@ -350,6 +370,22 @@ class Engine:
                 self._failed_alone.append(self._error(rid, str(e)))
             except Exception as e:
                 raise self._fail(e, step, previous) from e
+
+    def _sample_guided(self, step: _Step) -> _Step | None:
+        """Dispatch a guided step's sampler with its rows' masks. Each grammar has taken its request's tokens up
+        to this step's (the device ran the step's forward meanwhile); a request that ended since gets no mask
+        (its row's token is dropped). A failure ends the step's requests, told in this step's outputs."""
+        matchers = [m if self._live.get(i.request_id) is live else None
+                    for i, live, m in zip(step.items, step.lives, step.matchers)]
+        try:
+            step.tokens = self.runner.sample_guided(self.grammars.masks(matchers))
+            step.matchers = []
+            return step
+        except Exception as e:  # noqa: BLE001 - as a failed dispatch: the step's requests end
+            failed = self._fail(e, step)
+            self._failed_alone += [RequestOutput(rid, [], "", True, FinishReason.ERROR, error=str(failed))
+                                   for rid in failed.request_ids]
+            return None
 
     def _finish(self, step: _Step) -> list[RequestOutput]:
         """Read a dispatched step's tokens, turn them into text and stop decisions, and apply its Outcome. A
@@ -488,6 +524,8 @@ class Engine:
         """One new token; `ahead`: tokens of the same step before it."""
         p, r = live.params, live.sched
         generated = r.generated + ahead + 1  # this token included (the scheduler counts it when the Outcome lands)
+        if live.matcher is not None and not live.matcher.consume_token(token):
+            raise ValueError(f"its grammar refused token {token}: {live.matcher.get_error()}")
         new = live.detokenizer.push(token)
         live.text += new
         text = live.text
@@ -500,6 +538,8 @@ class Engine:
             reason = FinishReason.STOP
         elif generated >= p.min_tokens and (token in p.stop_token_ids or (token in self.tokenizer.stop_ids
                                                                            and not p.ignore_eos)):
+            reason = FinishReason.STOP
+        elif live.matcher is not None and live.matcher.is_stopped():  # the grammar is complete
             reason = FinishReason.STOP
         elif generated >= r.output_len:
             reason = FinishReason.LENGTH

@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxserve.engine import batch
+from jaxserve.engine import batch, grammar
 from jaxserve.engine.kv_cache import RaggedPagedBackend, RaggedPagedMetadata, allocate_caches, cache_dtype
 from jaxserve.engine.sampling import MAX_LOGPROBS, Logprobs, Sampling, Slots, sample_step
 from jaxserve.models.config import LlamaConfig
@@ -154,11 +154,11 @@ def burst_packed(model: Llama, buckets: batch.Buckets, block_size: int, size: in
     return step
 
 
-def sample_padded(logits: Float[Array, "r v"], sampling: Sampling, slots: Slots | None, *, kind: str,
-                  size: int) -> tuple[Int[Array, "m"], Slots | None, Logprobs | None]:
+def sample_padded(logits: Float[Array, "r v"], sampling: Sampling, slots: Slots | None, mask: Int[Array, "r w"] | None,
+                  *, kind: str, size: int) -> tuple[Int[Array, "m"], Slots | None, Logprobs | None]:
     """`sample_step`, its tokens padded with zeros to `size` rows: every sampler's output can feed every
     forward."""
-    tokens, slots, logprobs = sample_step(logits, sampling, slots, kind=kind)
+    tokens, slots, logprobs = sample_step(logits, sampling, slots, mask, kind=kind)
     return jnp.pad(tokens, (0, size - tokens.shape[0])), slots, logprobs
 
 
@@ -169,7 +169,7 @@ def set_slot(slots: Slots, slot: Int[Array, ""], row: Slots) -> Slots:
 
 class Sampler(NamedTuple):
     """The sampler's program for `rows` rows, of a batch.SAMPLER_KINDS kind; `extra`: with penalties, logit_bias,
-    min_tokens and logprobs (batch.extra)."""
+    min_tokens, logprobs (batch.extra) and the masks of structured output."""
 
     rows: int
     kind: str
@@ -192,6 +192,15 @@ class SlotWrite:
 
 
 Program = batch.Shape | Sampler | Burst | SlotWrite
+
+
+class _Forward(NamedTuple):
+    """A dispatched forward whose sampler waits for its masks (structured output)."""
+
+    logits: jax.Array
+    sampling: Sampling
+    rows: int
+    kind: str
 
 
 class Pending(NamedTuple):
@@ -303,6 +312,8 @@ class ModelRunner:
                                out_shardings=self._replicated)
         self._set_slot = jax.jit(set_slot, donate_argnums=(0,), out_shardings=self._replicated)
         self._slots: Slots | None = None  # allocated when a request first needs one (set_slot)
+        self._everything: dict[int, jax.Array] = {}  # masks allowing every token, by rows
+        self._waiting: _Forward | None = None  # a guided step's forward (start), until sample_guided
         self._previous = self._no_tokens()
         self._unfed = self._no_tokens(self._stages[0].replicated)
         self._programs: dict[Program, tuple[jax.stages.Compiled, ...]] = {}
@@ -463,7 +474,9 @@ class ModelRunner:
             sampling = batch.sampling(batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size))
             replicated = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated)  # noqa: E731
             logits = replicated(jax.ShapeDtypeStruct((program.rows, self.cfg.vocab_size), np.float32))
-            return self._sample.trace(abstract(logits), abstract(jax.tree.map(replicated, sampling)), slots,
+            mask = (abstract(replicated(jax.ShapeDtypeStruct((program.rows, grammar.words(self.cfg.vocab_size)),
+                                                             np.int32))) if program.extra else None)
+            return self._sample.trace(abstract(logits), abstract(jax.tree.map(replicated, sampling)), slots, mask,
                                       kind=program.kind, size=self.max_rows)
         if isinstance(program, Burst):
             loop, shape = stage.loops[True], self.buckets.decode(program.rows)
@@ -494,10 +507,16 @@ class ModelRunner:
         """Run the rows, update the cache, and return the sampled next token of each row."""
         return self.start(rows).value()[: len(rows)]
 
-    def start(self, rows: Sequence[batch.Row], steps: int = 1) -> Pending:
+    def start(self, rows: Sequence[batch.Row], steps: int = 1, guided: bool = False) -> Pending | None:
         """Pack the rows (BadRow names one that cannot be) and dispatch their step. steps > 1: a multi-step
-        decode (every row a decode, each producing up to its Row.steps tokens)."""
+        decode (every row a decode, each producing up to its Row.steps tokens). guided: dispatch the forward
+        alone; its sampler waits for the rows' masks (sample_guided), which the host computes meanwhile."""
         arrays = batch.pack(rows, self.buckets, self.block_size)
+        if guided:
+            if steps != 1:
+                raise ValueError("a guided step (structured output) samples one token a row: steps must be 1")
+            self._waiting = self._forward(arrays)
+            return None
         if steps == 1:
             return self.dispatch(arrays)
         if not 1 < steps <= self.buckets.burst_steps or any(len(r.tokens) != 1 or r.steps > steps for r in rows):
@@ -514,6 +533,25 @@ class ModelRunner:
         one blob (one transfer). The forward and the sampler are two programs dispatched back to back (the device
         runs them without waiting for the host): each forward serves both samplers, so half as many large
         programs compile. The forward hands the sampler its inputs, already on the device."""
+        forward = self._forward(arrays)
+        extra = batch.extra(arrays)
+        return self._sampled(forward, extra, self._all_allowed(forward.rows) if extra else None)
+
+    def sample_guided(self, masks: Int[np.ndarray, "n w"]) -> Pending:
+        """Dispatch the sampler of the guided step `start` dispatched, with its rows' masks (engine.grammar; the
+        padding rows' allow every token)."""
+        forward, self._waiting = self._waiting, None
+        if forward is None:
+            raise ValueError("no guided step waits for its masks")
+        w = grammar.words(self.cfg.vocab_size)
+        if masks.ndim != 2 or masks.shape[0] > forward.rows or masks.shape[1] != w or masks.dtype != np.int32:
+            raise ValueError(f"masks of shape {masks.shape} ({masks.dtype}) for a step of {forward.rows} rows")
+        padded = np.concatenate([masks, grammar.everything(forward.rows - len(masks), self.cfg.vocab_size)])
+        return self._sampled(forward, True, jax.device_put(padded, self._replicated))
+
+    def _forward(self, arrays: batch.StepArrays) -> _Forward:
+        """Dispatch a packed step's forward (a new one: a guided forward whose sampler never ran is dropped)."""
+        self._waiting = None
         shape, blob = batch.shape_of(arrays), batch.to_blob(arrays)
         # A step no row of which feeds from the previous one does not wait for it: with pipeline stages its first
         # stage runs while the previous step is still in the later ones (Medha's SPP: chunk i + 1 enters stage 1
@@ -523,15 +561,25 @@ class ModelRunner:
             if self.stages > 1:  # the tokens to the first stage, each stage's hidden states to the next
                 x = processes.move(x, stage.replicated)
             x, stage.caches, sampling = forward(self._loop_of(stage, shape).params, stage.caches, blob, x)
-        extra = batch.extra(arrays)
-        (sampler,) = self._program(Sampler(shape.rows, batch.sampler_kind(arrays), extra))
-        self._previous, slots, logprobs = sampler(x, sampling, self._slots_for(extra))
+        return _Forward(x, sampling, shape.rows, batch.sampler_kind(arrays))
+
+    def _sampled(self, forward: _Forward, extra: bool, mask: jax.Array | None) -> Pending:
+        """Dispatch a forward's sampler (the extra one with the masks)."""
+        (sampler,) = self._program(Sampler(forward.rows, forward.kind, extra))
+        self._previous, slots, logprobs = sampler(forward.logits, forward.sampling, self._slots_for(extra), mask)
         return self._pending(self._previous, slots, logprobs)
+
+    def _all_allowed(self, rows: int) -> jax.Array:
+        """Masks allowing every token, for the extra sampler's steps that have no grammar (placed once)."""
+        if rows not in self._everything:
+            self._everything[rows] = jax.device_put(grammar.everything(rows, self.cfg.vocab_size), self._replicated)
+        return self._everything[rows]
 
     def dispatch_burst(self, arrays: batch.StepArrays) -> Pending:
         """Dispatch a packed multi-step decode (each row's Row.steps in `arrays.limit`). Its Pending reads
         [Buckets.burst_steps, max_rows] tokens: step j's in row j (rows of steps not run are zeros)."""
         shape, (stage,) = batch.shape_of(arrays), self._stages  # no bursts with pipeline stages
+        self._waiting = None
         extra = batch.extra(arrays)
         (program,) = self._program(Burst(shape.rows, batch.sampler_kind(arrays), extra))
         stage.caches, out, self._previous, slots, logprobs = program(
@@ -641,6 +689,7 @@ class ModelRunner:
             for stage in self._stages:
                 stage.caches = self._allocate(stage)
             self._previous = self._no_tokens()  # the failed step's may hold its error
+            self._waiting = None
             self._slots = None  # every request's slot is set again before it next samples
 
     def _no_tokens(self, sharding: NamedSharding | None = None) -> Int[Array, "m"]:

@@ -4,7 +4,8 @@ A step's rows carry their sampling parameters (`Sampling`). Penalties, logit_bia
 own history, kept on the device in a slot per request (`Slots`: its generated tokens' counts, its prompt's
 tokens, its bias, the tokens min_tokens holds back); the sampler counts each kept token into its row's slot, so
 the history is right however far the host lags. Logprobs are of the model's own distribution (before penalties
-and temperature, as vLLM's default), the chosen token's and the MAX_LOGPROBS most likely.
+and temperature, as vLLM's default), the chosen token's and the MAX_LOGPROBS most likely. The extra sampler also
+takes each row's mask of allowed tokens (structured output: engine/grammar.py fills it on the host).
 """
 
 from __future__ import annotations
@@ -49,14 +50,16 @@ class Logprobs(NamedTuple):
     top_ids: Int[Array, "r k"]
 
 
-def sample_step(logits: Float[Array, "r v"], p: Sampling, slots: Slots | None, *,
-                kind: str) -> tuple[Int[Array, "r"], Slots | None, Logprobs | None]:
+def sample_step(logits: Float[Array, "r v"], p: Sampling, slots: Slots | None, mask: Int[Array, "r w"] | None = None,
+                *, kind: str) -> tuple[Int[Array, "r"], Slots | None, Logprobs | None]:
     """One token per row by `kind` (batch.SAMPLER_KINDS: argmax alone when every row is greedy; a draw, cut by
-    top-k / top-p or not). With `slots` (the extra sampler): penalties, logit_bias and min_tokens first, the kept
-    tokens counted into their slots, and the logprobs."""
+    top-k / top-p or not). With `slots` (the extra sampler): penalties, logit_bias and min_tokens first, then
+    the `mask`, the kept tokens counted into their slots, and the logprobs."""
     raw = logits
     if slots is not None:
         logits = adjust(logits, p, slots)
+    if mask is not None:
+        logits = allowed(logits, mask)
     if kind == "greedy":
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
@@ -82,6 +85,13 @@ def adjust(logits: Float[Array, "r v"], p: Sampling, slots: Slots) -> Float[Arra
     x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
     penalty = p.frequency[:, None] * counts + p.presence[:, None] * (counts > 0)
     return jnp.where(has, x - penalty, x)
+
+
+def allowed(logits: Float[Array, "r v"], mask: Int[Array, "r w"]) -> Float[Array, "r v"]:
+    """-inf where a row's bitmask clears the token's bit (token i: bit i % 32 of word i // 32)."""
+    ids = jnp.arange(logits.shape[-1])
+    bits = jnp.right_shift(mask[:, ids // 32], (ids % 32).astype(mask.dtype)) & 1
+    return jnp.where(bits != 0, logits, -jnp.inf)
 
 
 def logprobs_of(logits: Float[Array, "r v"], tokens: Int[Array, "r"]) -> Logprobs:

@@ -41,6 +41,7 @@ class Request:
     ttft_deadline: float = math.inf  # absolute time by which the first token is due
     tpot_slo: float = math.inf  # seconds per output token after the first
     token_ids: list[int] | None = None  # prompt then generated ids (the engine's; None in simulation): prefix hashes
+    single_step: bool = False  # each token waits for the host's word (a grammar's mask): never in a multi-step decode
     status: RequestStatus = RequestStatus.WAITING
     # progress
     prefill_target: int = 0  # tokens to prefill: the prompt, or after a preemption everything but the last token

@@ -21,7 +21,8 @@ run up to num_scheduler_steps decode steps in one device loop, each row up to it
 WorkItem.tokens). It runs as many steps as fit the iteration's time budget together (so a prompt arriving
 meanwhile waits for about one budget, two in a lagged schedule), as some row still has tokens for, and as every
 row has free KV blocks for without preempting anyone; one step fitting, the Plan is a plain one. A burst's tokens
-arrive together: the request's token gaps inside it are 0.
+arrive together: the request's token gaps inside it are 0. No burst runs while a decoding request is single_step
+(structured output: each token's mask comes from the host).
 """
 
 from __future__ import annotations
@@ -304,7 +305,7 @@ class ReplicaScheduler:
         burst of one step) or better (a decode that needs a block not free: the plain path may preempt)."""
         rows = [(r, self._next_position(r), left) for r in self.decoding
                 for left in (self._tokens_left(r, lagged),) if left > 0]
-        if not rows:
+        if not rows or any(r.single_step for r, _, _ in rows):
             return None
         free, most = self.kv.num_free, min(self.num_scheduler_steps, max(left for _, _, left in rows))
 

@@ -53,7 +53,7 @@ class CheckingRunner:
         self.caches_lost = False
         self.previous = np.zeros(0, np.int64)  # the last step's sampled tokens
 
-    def start(self, rows: list[Row], steps: int = 1) -> types.SimpleNamespace:
+    def start(self, rows: list[Row], steps: int = 1, guided: bool = False) -> types.SimpleNamespace:
         """Run the step at once; its tokens as the engine reads them later. A row whose token was in flight
         (feed) takes it from the previous step's sampled tokens, as the device does. A burst (steps > 1) runs
         its steps one after another, each row until its share or a stop token, as the device's loop does."""

@@ -1,0 +1,218 @@
+"""Structured output: the sampler's mask against numpy, then grammars through the engine. A tiny random-weight
+model with SmolLM2's tokenizer draws near-uniformly among the tokens a grammar allows, so it finds whatever a
+grammar lets through; the real model checks that masks leave its other requests and its steps alone."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import re
+
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import jaxserve
+from jaxserve import SamplingParams
+from jaxserve.engine import grammar
+from jaxserve.engine.sampling import Sampling, allowed, sample_step
+from jaxserve.models import registry
+from jaxserve.models.gguf_loader import GGUFFile
+from jaxserve.models.tokenizer import TextTokenizer
+from jaxserve.sampling_params import StructuredOutput
+
+
+def bits(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """The numpy reading of a bitmask: [rows, vocab] booleans."""
+    ids = np.arange(vocab)
+    return (mask[:, ids // 32].astype(np.int64) >> (ids % 32)) & 1 == 1
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 32), (3, 100), (16, 49152)])
+def test_the_mask_keeps_exactly_the_set_bits(rows, vocab):
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 5
+    mask = rng.integers(-2**31, 2**31, size=(rows, grammar.words(vocab)), dtype=np.int64).astype(np.int32)
+    got = np.asarray(allowed(jnp.asarray(logits), jnp.asarray(mask)))
+    np.testing.assert_array_equal(got, np.where(bits(mask, vocab), logits, -np.inf))
+    np.testing.assert_array_equal(np.asarray(allowed(jnp.asarray(logits), grammar.everything(rows, vocab))), logits)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "draw", "cut"])
+def test_every_sampler_draws_only_allowed_tokens(kind):
+    rows, vocab = 8, 300
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(rows, vocab)).astype(np.float32) * 3)
+    keep = rng.random((rows, vocab)) < 0.05
+    keep[np.arange(rows), rng.integers(0, vocab, rows)] = True  # at least one a row
+    mask = np.zeros((rows, grammar.words(vocab)), np.int64)
+    for r, t in zip(*np.nonzero(keep)):
+        mask[r, t // 32] |= 1 << (t % 32)
+    mask = mask.astype(np.uint32).view(np.int32)
+    z = lambda dtype, value=0: jnp.full(rows, value, dtype)  # noqa: E731
+    drawn = kind != "greedy"
+    p = Sampling(z(jnp.float32, 1.0 if drawn else 0.0), z(jnp.int32, 20 if kind == "cut" else 0),
+                 z(jnp.float32, 0.9 if kind == "cut" else 1.0), jnp.arange(rows), z(jnp.int32), z(jnp.float32),
+                 z(jnp.int32, -1), z(jnp.float32), z(jnp.float32), z(jnp.float32, 1.0), z(jnp.int32))
+    for counter in range(5):
+        tokens, _, _ = sample_step(logits, p._replace(counters=z(jnp.int32, counter)), None, jnp.asarray(mask),
+                                   kind=kind)
+        assert keep[np.arange(rows), np.asarray(tokens)].all()
+    greedy, _, _ = sample_step(logits, p._replace(temperature=z(jnp.float32)), None, jnp.asarray(mask),
+                               kind="greedy")
+    np.testing.assert_array_equal(np.asarray(greedy), np.where(keep, np.asarray(logits), -np.inf).argmax(-1))
+
+
+# ---- through the engine ---------------------------------------------------------------------------------------
+
+def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0) -> None:
+    """A 2-layer Llama of random weights with `tokenizer`, as a Hugging Face folder."""
+    v, h, f, heads, kv_heads, d = tokenizer.vocab_size, 64, 128, 4, 2, 16
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: (0.02 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+    tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": np.ones(h, np.float32)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        tensors |= {p + "input_layernorm.weight": np.ones(h, np.float32),
+                    p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+                    p + "self_attn.q_proj.weight": w(heads * d, h), p + "self_attn.k_proj.weight": w(kv_heads * d, h),
+                    p + "self_attn.v_proj.weight": w(kv_heads * d, h), p + "self_attn.o_proj.weight": w(h, heads * d),
+                    p + "mlp.gate_proj.weight": w(f, h), p + "mlp.up_proj.weight": w(f, h),
+                    p + "mlp.down_proj.weight": w(h, f)}
+    save_file(tensors, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": v, "hidden_size": h,
+        "intermediate_size": f, "num_hidden_layers": 2, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": d, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": True}))
+    tokenizer.tokenizer.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": tokenizer.special_tokens["eos_token"]}))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    write_tiny_model(root, TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL))))
+    return jaxserve.LLM(str(root), max_model_len=1024, kv_cache_tokens=32768, max_num_seqs=16,
+                        max_num_batched_tokens=256, progress=False)
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A random JSON schema whose every value is bounded (a uniform drawer among allowed tokens ends it)."""
+    kinds = ["string", "enum", "integer", "number", "boolean", "null", "const"]
+    kind = "object" if depth == 0 else rng.choice(kinds + (["object", "array", "anyOf"] if depth < 3 else []))
+    word = lambda: "".join(rng.choice("abcxyz _-\"\\é") for _ in range(rng.randint(1, 6)))  # noqa: E731
+    if kind == "string":
+        lo = rng.randint(0, 3)
+        return {"type": "string", "minLength": lo, "maxLength": lo + rng.randint(0, 6)}
+    if kind == "enum":
+        return {"enum": [rng.choice([word(), rng.randint(-50, 50), True, None]) for _ in range(rng.randint(1, 4))]}
+    if kind == "integer":
+        lo = rng.randint(-1000, 1000)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 5000)}
+    if kind == "number":
+        return {"type": "number", "minimum": -10, "maximum": 10}
+    if kind == "const":
+        return {"const": word()}
+    if kind == "array":
+        lo = rng.randint(0, 2)
+        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": lo,
+                "maxItems": lo + rng.randint(0, 2)}
+    if kind == "anyOf":
+        return {"anyOf": [random_schema(rng, depth + 1) for _ in range(2)]}
+    if kind == "object":
+        names = rng.sample(["id", "name", "a", "b_c", "value", "tags", "x y", "ok", "ünï"], rng.randint(1, 4))
+        return {"type": "object", "properties": {n: random_schema(rng, depth + 1) for n in names},
+                "required": rng.sample(names, rng.randint(0, len(names))), "additionalProperties": False}
+    return {"type": kind}
+
+
+def test_a_thousand_random_schemas_all_parse_and_validate(tiny):
+    """Drawn at temperature 1 from a random model, every output parses and validates against its schema, and
+    ends because the grammar did (finish_reason stop), never by running out of tokens."""
+    rng = random.Random(0)
+    schemas = [random_schema(rng) for _ in range(1000)]
+    params = [SamplingParams(max_tokens=400, temperature=1.0, seed=i, structured_output=StructuredOutput(
+        json=s, disable_any_whitespace=True)) for i, s in enumerate(schemas)]
+    outs = tiny.generate([f"item {i}:" for i in range(len(schemas))], params)
+    for schema, out in zip(schemas, outs):
+        assert out.finish_reason == "stop", (schema, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_json_with_any_whitespace_regex_choice_and_lark_hold(tiny):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    specs = [StructuredOutput(json=schema), StructuredOutput(regex=r"[a-f]{2,5}-\d{3}"),
+             StructuredOutput(choice=("red", "green", "blue")),
+             StructuredOutput(grammar='start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,2}/')]
+    outs = tiny.generate(["go"] * 40, [SamplingParams(max_tokens=600, temperature=1.0, seed=i,
+                                                      structured_output=specs[i % 4]) for i in range(40)])
+    for i, out in enumerate(outs):
+        assert out.finish_reason == "stop", out.text
+        spec = specs[i % 4]
+        if spec.json:
+            jsonschema.validate(json.loads(out.text), schema)
+        elif spec.regex:
+            assert re.fullmatch(spec.regex, out.text)
+        elif spec.choice:
+            assert out.text in spec.choice
+        else:
+            assert re.fullmatch(r"\(\d{1,2}(\+\d{1,2})*\)", out.text)
+
+
+def test_bad_grammars_are_refused_by_name(tiny):
+    for bad, words in [({"json": {"type": "objectx"}}, "objectx"), ({"regex": "[a-"}, "regex"),
+                       ({"grammar": "start: nothing"}, "nothing"), ({"json": "{"}, "not JSON"),
+                       ({"json": "{}", "regex": "a"}, "exactly one")]:
+        with pytest.raises(ValueError, match=words):
+            tiny.generate("x", SamplingParams(structured_output=bad))
+
+
+def test_a_word_tokenizer_cannot_drive_a_grammar():
+    llm = jaxserve.LLM("random:tiny", max_model_len=64, kv_cache_tokens=256, progress=False)
+    with pytest.raises(ValueError, match="cannot drive a grammar"):
+        llm.generate("<1>", SamplingParams(structured_output={"regex": "a+"}))
+
+
+# Different batches round float32 differently (~1e-6 in a logprob): a greedy choice between two tokens closer than
+# this is a tie either may win, after which the outputs part ways.
+TIE = 1e-3
+
+
+def assert_same_until_a_tie(a, b) -> None:
+    """a and b (outputs with logprobs) are the same tokens, or the same up to a token where both chose one of a
+    tie (its logprob in each run within TIE of the other's choice)."""
+    for i, (x, y) in enumerate(zip(a.logprobs, b.logprobs)):
+        if x.token != y.token:
+            assert abs(x.logprob - y.logprob) < TIE, (i, a.text, b.text, x, y)
+            return
+    assert a.token_ids == b.token_ids
+
+
+def test_guided_rows_leave_their_neighbours_and_the_overlap_alone(llm):
+    """Greedy on the real model: guided and plain requests in one batch give what each gives alone, with the
+    next step dispatched before the last one's tokens are read (overlap) or not."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "people": {"type": "integer", "minimum": 0}},
+              "required": ["city", "people"], "additionalProperties": False}
+    prompts = ["Describe a city as JSON:", "Write a haiku about rain.", "Name a colour:", "Count to five:"]
+    guides = [{"json": schema}, None, {"choice": ["red", "green"]}, {"regex": r"(\d, ){4}\d"}]
+    params = [SamplingParams(max_tokens=40, logprobs=1, structured_output=g) for g in guides]
+    alone = [llm.generate(p, sp)[0] for p, sp in zip(prompts, params)]
+    together = llm.generate(prompts, params)
+    llm.engine.overlap = False
+    try:
+        in_step = llm.generate(prompts, params)
+    finally:
+        llm.engine.overlap = True
+    for a, t, s in zip(alone, together, in_step):
+        assert_same_until_a_tie(a, t)
+        assert_same_until_a_tie(a, s)
+    for out, g in zip(together, guides):
+        assert out.finish_reason == "stop" or g is None
+    json.loads(together[0].text)
+    assert together[2].text in ("red", "green") and re.fullmatch(r"(\d, ){4}\d", together[3].text)
