@@ -7,13 +7,16 @@
 
 Sampling options are the fields of jaxserve.v1.SamplingParams (max_tokens, temperature, top_k, top_p, seed,
 stop, stop_token_ids, ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, min_p, logit_bias,
-min_tokens, logprobs). Errors arrive as grpc.RpcError with the server's status and message.
+min_tokens, logprobs, n, structured_output). structured_output is a dict of jaxserve.v1.StructuredOutput's fields,
+e.g. {"json_schema": {...}} (a schema as a dict or its JSON text), {"regex": "[0-9]+"} or
+{"choice": {"options": ["yes", "no"]}}. Errors arrive as grpc.RpcError with the server's status and message.
 Imports no jax: it runs anywhere grpcio does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 import grpc
@@ -44,8 +47,11 @@ def _generate_request(prompt: str | Sequence[int] | None, messages: Messages | N
                       params: dict[str, Any]) -> pb.GenerateRequest:
     if (prompt is None) == (messages is None):
         raise ValueError("give either a prompt (text or token ids) or chat messages")
-    request = pb.GenerateRequest(model=model, params=pb.SamplingParams(
-        **{k: v for k, v in params.items() if v is not None}))
+    params = {k: v for k, v in params.items() if v is not None}
+    if isinstance(params.get("structured_output", {}).get("json_schema"), dict):
+        params["structured_output"] = {**params["structured_output"],
+                                       "json_schema": json.dumps(params["structured_output"]["json_schema"])}
+    request = pb.GenerateRequest(model=model, params=pb.SamplingParams(**params))
     if messages is not None:
         request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     elif isinstance(prompt, str):

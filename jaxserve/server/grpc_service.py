@@ -9,7 +9,7 @@ metadata `authorization: Bearer <key>`; health and reflection stay open for prob
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -69,7 +69,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 frequency_penalty=p.frequency_penalty,
                 repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
                 min_p=p.min_p, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
-                logprobs=p.logprobs if p.HasField("logprobs") else None, n=p.n or 1)
+                logprobs=p.logprobs if p.HasField("logprobs") else None, n=p.n or 1,
+                structured_output=_structured_output(p.structured_output) if p.HasField("structured_output") else None)
             streams = f.submit(ids, params, p.ttft_slo if p.HasField("ttft_slo") else None)
         except REFUSED as e:
             await self._refuse(context, e)
@@ -190,3 +191,14 @@ async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool)
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for service in ("", SERVICE_NAME):  # "": the server as a whole
         await health_servicer.set(service, status)
+
+
+def _structured_output(s: pb.StructuredOutput) -> dict[str, Any]:
+    """The message as sampling_params.StructuredOutput's fields (it checks them)."""
+    kind = s.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_output needs one of json_schema, json_object, regex, choice and grammar")
+    value = {"json_schema": lambda: {"json": s.json_schema}, "json_object": lambda: {"json_object": s.json_object},
+             "regex": lambda: {"regex": s.regex}, "choice": lambda: {"choice": list(s.choice.options)},
+             "grammar": lambda: {"grammar": s.grammar}}[kind]()
+    return value | {"disable_any_whitespace": s.disable_any_whitespace}

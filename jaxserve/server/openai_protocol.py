@@ -3,7 +3,9 @@
 Every field of OpenAI's request schemas is declared here: honoured, informational (it changes no output: who
 asked, how to log it), or not implemented, and then refused with a message unless it holds the value that means
 "off" (tests/server/test_openai_schema.py walks the installed openai package's schemas). vLLM's sampling
-extensions (top_k, repetition_penalty, min_p, min_tokens, stop_token_ids, ignore_eos) are honoured too. Fields it
+extensions (top_k, repetition_penalty, min_p, min_tokens, stop_token_ids, ignore_eos) are honoured too, and its
+structured output fields (structured_outputs, and the older guided_json, guided_regex, guided_choice,
+guided_grammar) beside OpenAI's response_format. Fields it
 does not know at all are ignored, as OpenAI-compatible servers do, so that clients and load tools that send extras
 still work.
 The tokenize and detokenize bodies, jaxserve's own, refuse unknown fields.
@@ -50,6 +52,13 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float = 1.0  # vLLM's extension
     min_p: float = 0.0  # vLLM's extension
     n: int = 1  # samples per prompt: choices n x i .. n x i + n - 1 are prompt i's
+    # structured output: OpenAI's, or vLLM's (at most one of them)
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict[str, Any] | None = None  # sampling_params.StructuredOutput's fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling(self) -> dict[str, Any]:
         """Keyword arguments for Frontend.submit; ValueError names an option jaxserve does not implement."""
@@ -62,11 +71,39 @@ class _SamplingRequest(_Strict):
                     ignore_eos=self.ignore_eos, ttft_slo=self.ttft_slo, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     min_p=self.min_p, min_tokens=self.min_tokens, logit_bias=self._logit_bias(),
-                    logprobs=self._logprobs(), n=self.n, best_of=self._best_of())
+                    logprobs=self._logprobs(), n=self.n, best_of=self._best_of(),
+                    structured_output=self._structured_output())
 
     def _off_values(self) -> dict[str, Any]:
         """Options jaxserve does not implement, with the values that mean "off"."""
         return {}
+
+    def _structured_output(self) -> dict[str, Any] | None:
+        """The grammar asked for, as StructuredOutput's fields (None: free text)."""
+        given = {name: value for name, value in (
+            ("response_format", self._response_format()), ("structured_outputs", self.structured_outputs),
+            ("guided_json", None if self.guided_json is None else {"json": self.guided_json}),
+            ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
+            ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
+            ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}))
+            if value is not None}
+        if len(given) > 1:
+            raise ValueError(f"give at most one of {sorted(given)}: each sets the output's grammar")
+        return next(iter(given.values()), None)
+
+    def _response_format(self) -> dict[str, Any] | None:
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        if rf.get("type") == "json_object":
+            return {"json_object": True}
+        if rf.get("type") == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+            return {"json": spec["schema"]}
+        raise ValueError(f"response_format type must be text, json_object or json_schema, got "
+                         f"{excerpt(rf.get('type'))}")
 
     def _best_of(self) -> int | None:
         return None
@@ -165,7 +202,6 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
@@ -181,7 +217,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def _off_values(self) -> dict[str, Any]:
         return {**super()._off_values(), "tools": (),
                 "tool_choice": ("none",), "parallel_tool_calls": (), "functions": (), "function_call": ("none",),
-                "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],), "prediction": (),
+                "audio": (), "modalities": (["text"],), "prediction": (),
                 "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
                 "store": (False,), "service_tier": ("auto", "default"), "prompt_cache_retention": ("in_memory",),
                 "prompt_cache_options": ()}

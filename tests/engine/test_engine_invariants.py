@@ -132,9 +132,9 @@ def run_random_workload(trial: int, overlap: bool, steps: int = 1) -> Engine:
     engine.bursts = engine.stopped_mid_burst = 0
     start = runner.start
 
-    def counted(rows, steps=1):  # bursts run, and rows that sample EOS in one
+    def counted(rows, steps=1, guided=False):  # bursts run, and rows that sample EOS in one
         engine.bursts += steps > 1
-        pending = start(rows, steps)
+        pending = start(rows, steps, guided)
         engine.stopped_mid_burst += steps > 1 and sum(
             EOS in pending.value()[:r.steps, n] for n, r in enumerate(rows))
         return pending
@@ -212,11 +212,11 @@ def test_a_row_that_fails_in_a_step_planned_ahead_is_told_at_once():
     runner = CheckingRunner(4)
     real = runner.start
 
-    def start(rows, steps=1):
+    def start(rows, steps=1, guided=False):
         for i, r in enumerate(rows):
             if r.seed == 9:
                 raise BadRow(i, ValueError("injected"))
-        return real(rows, steps)
+        return real(rows, steps, guided)
 
     runner.start = start
     engine = make_engine(runner, num_blocks=20, max_model_len=64)

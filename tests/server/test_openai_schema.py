@@ -12,13 +12,13 @@ from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionReq
 
 HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
             "stop", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-            "top_logprobs", "echo", "n", "best_of"}
+            "top_logprobs", "echo", "n", "best_of", "response_format"}
 INFORMATIONAL = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
 # a value each refused field may hold that asks for what jaxserve does not do
 PROBES = {
     "suffix": "}", "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "auto", "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
-    "response_format": {"type": "json_object"}, "audio": {"voice": "alloy", "format": "wav"},
+    "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high",
     "verbosity": "low", "web_search_options": {"search_context_size": "low"}, "moderation": {"model": "m"},
     "store": True, "service_tier": "flex", "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": 60},
@@ -82,3 +82,25 @@ def test_best_of_cannot_stream():
     assert CompletionRequest(**body).sampling()["best_of"] == 3
     with pytest.raises(ValueError, match="best_of > n cannot stream"):
         CompletionRequest(**body, stream=True).sampling()
+
+
+@pytest.mark.parametrize("model, params, base", REQUESTS, ids=["completions", "chat"])
+def test_response_format_and_vllms_guided_fields_set_the_grammar(model, params, base):
+    body = {"model": "m", **base}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [({"response_format": {"type": "text"}}, None),
+             ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+              {"json": schema}),
+             ({"guided_json": schema}, {"json": schema}), ({"guided_regex": "a+"}, {"regex": "a+"}),
+             ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}), ({"guided_grammar": "start: \"a\""},
+                                                                     {"grammar": "start: \"a\""}),
+             ({"structured_outputs": {"regex": "b", "disable_any_whitespace": True}},
+              {"regex": "b", "disable_any_whitespace": True})]
+    for extra, want in cases:
+        assert model(**body, **extra).sampling()["structured_output"] == want
+    for extra, words in [({"response_format": {"type": "xml"}}, "type must be text, json_object or json_schema"),
+                         ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema"),
+                         ({"guided_regex": "a", "guided_choice": ["b"]}, "at most one of")]:
+        with pytest.raises(ValueError, match=words):
+            model(**body, **extra).sampling()

@@ -14,6 +14,7 @@ import threading
 import time
 
 import grpc
+import jsonschema
 import jax
 import jax.numpy as jnp
 import openai
@@ -226,6 +227,38 @@ def test_grpc_penalties_and_logprobs_are_the_python_apis(llm, grpc_client):
     assert [x.token_id for x in got.logprobs] == ref.token_ids
     _close([x.logprob for x in got.logprobs], [x.logprob for x in ref.logprobs])
     assert [[t.token_id for t in x.top] for x in got.logprobs] == [[t for t, _ in x.top] for x in ref.logprobs]
+
+
+def test_structured_output_over_http_and_grpc_parses_and_validates(llm, oai, grpc_client):
+    """response_format json_schema and json_object (chat, whole and streamed), vLLM's guided_regex on completions,
+    and a JSON schema over gRPC: what the Python API gives, valid against its schema; a bad one is refused."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Give a city and its population as JSON."}]
+    (ref,) = llm.chat(messages, SamplingParams(max_tokens=60, structured_output={"json": schema}))
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    whole = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                        response_format=rf)
+    assert whole.choices[0].message.content == ref.text and whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(ref.text), schema)
+    streamed = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                           response_format=rf, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == ref.text
+    obj = oai.chat.completions.create(model=MODEL, max_tokens=100, temperature=0, response_format={
+        "type": "json_object"}, messages=[{"role": "user", "content": "Return a JSON object with a name and an age."}])
+    assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].message.content), dict)
+    done = oai.completions.create(model=MODEL, prompt="The year it happened:", max_tokens=8, temperature=0,
+                                  extra_body={"guided_regex": "(19|20)[0-9]{2}"})
+    assert re.fullmatch("(19|20)[0-9]{2}", done.choices[0].text)
+    got = grpc_client.generate(messages=messages, max_tokens=60, structured_output={"json_schema": schema})
+    assert got.text == ref.text and got.finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="objectx"):
+        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_client.generate(PROMPT, max_tokens=4, structured_output={"regex": "[a-"})
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in e.value.details()
 
 
 def test_models_tokenize_and_async_client(served, grpc_client, oai):
