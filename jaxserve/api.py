@@ -237,10 +237,11 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def chat_prompt(self, messages: Messages) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template (which carries its own BOS); text in a
-        message that spells a control token stays plain text."""
-        return self.tokenizer.encode_chat(messages)
+    def chat_prompt(self, messages: Messages, tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template (which carries its own BOS), with
+        the tools it offers (OpenAI's shape) if any; text in a message that spells a control token stays plain
+        text."""
+        return self.tokenizer.encode_chat(messages, tools=tools)
 
     def render_chat(self, messages: Messages) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

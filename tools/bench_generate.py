@@ -7,7 +7,11 @@
         [--num_scheduler_steps=8]
 
 --gpu needs no download and no transformers: `random:llama3-8b` is Llama-3.1-8B's shapes with random bf16 weights
-drawn on the device (models/random_weights.py); absolute tokens/s are reported, as only a GPU gives them.
+drawn on the device (models/random_weights.py); absolute tokens/s are reported, as only a GPU gives them. With
+--extras or --structured the same engine is measured again with penalties and logprobs, or a JSON schema, on every
+request; the ratio to the plain figures is what a CPU can report too:
+
+    .venv/bin/python tools/bench_generate.py --gpu --dtype=float32 --gpu_models=smollm2-135m-instruct --structured
 
 Both sides are timed the same way, through their generate APIs, after a warm-up (jaxserve compiles its step
 functions then): decode tokens/s = batch * (N - 1) / (t(N tokens) - t(1 token)), so prefill time cancels out;
@@ -40,14 +44,20 @@ flags.DEFINE_integer("long_prompt", 1024, "Prompt tokens for the prefill measure
 flags.DEFINE_integer("batch", 16, "Batch size of the aggregate decode measurement.")
 flags.DEFINE_integer("repeats", 3, "Timed repetitions; the median is reported.")
 flags.DEFINE_string("out", None, "Optional JSON file for the results.")
-flags.DEFINE_bool("gpu", False, "jaxserve alone, in bfloat16, for each of --gpu_models (absolute figures).")
+flags.DEFINE_bool("gpu", False, "jaxserve alone, in --dtype, for each of --gpu_models (absolute figures).")
+flags.DEFINE_string("dtype", "bfloat16", "--gpu: the serving dtype (float32 for a CPU's figures).")
 flags.DEFINE_list("gpu_models", ["random:llama3-8b", "smollm2-135m-instruct"], "Models for --gpu.")
 flags.DEFINE_integer("num_scheduler_steps", 1, "jaxserve's multi-step decode: most decode steps in one burst.")
 flags.DEFINE_bool("extras", False, "--gpu: each model also with penalties and logprobs on every request (the extra "
                   "sampler), measured beside the plain one.")
+flags.DEFINE_bool("structured", False, "--gpu: each model also with a JSON schema on every request (structured "
+                  "output: a mask from the host each step), measured beside the plain one.")
 
 # what the extra sampler does for every row: history penalties, logit_bias and the top-5 logprobs
 EXTRAS = dict(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.3, logit_bias={0: -1.0}, logprobs=5)
+# a JSON schema no request completes in the tokens it is given: every row decodes all of them under a mask
+STRUCTURED = dict(structured_output={"json": {"type": "array", "items": {"type": "integer"}, "minItems": 10000},
+                                     "disable_any_whitespace": True})
 
 
 def prompts(n: int, length: int, seed: int, vocab: int = 40000) -> list[list[int]]:
@@ -60,15 +70,15 @@ class JaxServeSide:
     name = "jaxserve"
 
     def __init__(self, model: str, batch: int, long_prompt: int, dtype: str = "float32", num_scheduler_steps: int = 1,
-                 llm: jaxserve.LLM | None = None, extras: bool = False):
+                 llm: jaxserve.LLM | None = None, options: dict | None = None):
         # no prefix caching: every repetition sends the same prompts, and transformers computes them each time
         self.llm = llm or jaxserve.LLM(model, dtype=dtype, max_model_len=max(2048, 2 * long_prompt),
                                        max_num_seqs=batch, enable_prefix_caching=False,
                                        num_scheduler_steps=num_scheduler_steps)
-        self.extras = EXTRAS if extras else {}
+        self.options = options or {}
 
     def generate(self, batch: list[list[int]], n: int) -> None:
-        outs = self.llm.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True, **self.extras))
+        outs = self.llm.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True, **self.options))
         assert all(len(o.token_ids) == n for o in outs)
 
 
@@ -121,23 +131,25 @@ def measure(sides: list, batch: int, short: int, long: int, n: int, repeats: int
 
 
 def gpu_table(f) -> dict[str, dict[str, float]]:
-    """jaxserve's figures for each model, bfloat16, on this machine's first device."""
+    """jaxserve's figures for each model, in --dtype, on this machine's first device."""
     results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-               "num_scheduler_steps": f.num_scheduler_steps}
+               "num_scheduler_steps": f.num_scheduler_steps, "dtype": f.dtype}
     for model in f.gpu_models:
-        side = JaxServeSide(model, f.batch, f.long_prompt, dtype="bfloat16", num_scheduler_steps=f.num_scheduler_steps)
+        side = JaxServeSide(model, f.batch, f.long_prompt, dtype=f.dtype, num_scheduler_steps=f.num_scheduler_steps)
         side.name = model
         sides = [side]
-        if f.extras:  # the same engine, every request with penalties and logprobs
-            sides.append(JaxServeSide(model, f.batch, f.long_prompt, llm=side.llm, extras=True))
-            sides[-1].name = f"{model} extras"
+        # the same engine, every request with penalties and logprobs, or with a grammar
+        for on, name, options in ((f.extras, "extras", EXTRAS), (f.structured, "json_schema", STRUCTURED)):
+            if on:
+                sides.append(JaxServeSide(model, f.batch, f.long_prompt, llm=side.llm, options=options))
+                sides[-1].name = f"{model} {name}"
         results.update(measure(sides, f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats,
                                vocab=min(40000, side.llm.config.vocab_size)))
         del side, sides
         if f.out:  # a crash in a later model keeps what was measured
             with open(f.out, "w") as fh:
                 json.dump(results, fh, indent=1)
-    print(f"{results['device']}, jax {results['jax']}, bfloat16")
+    print(f"{results['device']}, jax {results['jax']}, {f.dtype}")
     for model in (m for m in results if isinstance(results[m], dict)):
         for key, value in results[model].items():
             print(f"{model:<34}{key:<28}{value:>12.1f} tok/s")

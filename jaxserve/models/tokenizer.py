@@ -135,12 +135,13 @@ class TextTokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation rendered by the chat template (which carries its own BOS). Control tokens
         come from the template only: text in a message that spells one is encoded as the plain text it is, so no
         content can forge a turn (e.g. end the user's turn and open a system one)."""
         messages, originals = self._hide_special_text(messages)
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         if not originals:
             return self.encode(text, add_special_tokens=False)
         marker = re.compile(re.escape(originals.nonce) + r"(\d+)\ue001")
@@ -191,15 +192,19 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The conversation as the template renders it (transformers' arguments: messages, tools,
+        add_generation_prompt and the special tokens); a message may carry tool_calls and tool_call_id too."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i} must be a dict with string 'role' and 'content'")
+        extra = {} if tools is None else {"tools": list(tools)}
         try:
             return _compile(self.chat_template).render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **extra, **self.special_tokens)
         except jinja2.TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate")
             raise ValueError(f"chat template rejected the messages: {e}") from e
 

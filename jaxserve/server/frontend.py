@@ -15,7 +15,7 @@ from jaxserve.server.async_engine import AsyncEngine, EngineFailed, ProcessGone,
     fit_max_tokens
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class Unauthenticated(Exception):
@@ -128,9 +128,10 @@ class Frontend:
                 raise ValueError(f"tokens[{i}] = {excerpt(t)} is not a token id (0 to {vocab - 1})")
         return await asyncio.to_thread(self.llm.tokenizer.decode, ids)
 
-    async def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation; only the chat template adds control tokens. Roles are OpenAI's
-        ("developer" is the newer name of "system")."""
+    async def encode_chat(self, messages: Sequence[dict[str, Any]],
+                          tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation, with the tools the template offers (tool_calls.plan); only the chat
+        template adds control tokens. Roles are OpenAI's ("developer" is the newer name of "system")."""
         if not messages:
             raise ValueError("messages is empty")
         checked, chars = [], 0
@@ -140,11 +141,11 @@ class Frontend:
                 raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {excerpt(role)}")
             content = self._check_text(m.get("content"), f"messages[{i}].content")
             chars += len(content)
-            checked.append({"role": ROLES[role], "content": content})
+            checked.append({**m, "role": ROLES[role], "content": content})
         if chars > self.max_text_chars:
             raise ValueError(f"messages have {chars} characters; no text over {self.max_text_chars} fits the "
                              f"context of {self.max_model_len} tokens")
-        return await asyncio.to_thread(self.llm.chat_prompt, checked)
+        return await asyncio.to_thread(self.llm.chat_prompt, checked, tools)
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[Any]:
         """Each prompt token's TokenLogprob (None for the first), with the k most likely: a scoring pass beside

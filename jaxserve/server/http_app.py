@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxserve import tool_calls
 from jaxserve.engine.engine import TokenLogprob
 from jaxserve.server.async_engine import NOT_ACCEPTING, RequestStream, ShuttingDown, merged
 from jaxserve.server.frontend import REFUSED, Frontend, ReadTimeout, TooLarge, Unauthenticated, excerpt, refusal
@@ -152,8 +153,10 @@ class _Reply:
     when asked (OpenAI's legacy shape for completions, its `content` list for chat)."""
 
     def __init__(self, frontend: Frontend, submitted: tuple[list[RequestStream], list], chat: bool,
-                 include_usage: bool, logprobs: int | None = None, echo: list[_Echo] | None = None):
-        """submitted: _submit_all's streams and groups; echo: each prompt's."""
+                 include_usage: bool, logprobs: int | None = None, echo: list[_Echo] | None = None,
+                 tool_format: str | None = None):
+        """submitted: _submit_all's streams and groups; echo: each prompt's; tool_format: how the model writes
+        tool calls (tool_calls.template_format), None where no calls are read."""
         self.frontend = frontend
         self.streams, self.groups = submitted
         self.chat = chat
@@ -161,6 +164,7 @@ class _Reply:
         self.logprobs = logprobs
         # each stream's prompt echo
         self.echo = None if echo is None else [e for e, (group, _) in zip(echo, self.groups) for _ in group]
+        self.readers = [tool_calls.Reader(tool_format) for _ in self.streams]  # each choice's text and calls
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -228,10 +232,20 @@ class _Reply:
             for i in (group[k] for k in params.kept([logprobs[i] for i in group])):
                 text = "".join(texts[i])
                 echo = self.echo[i] if self.echo else None
-                body = {"message": {"role": "assistant", "content": text}} if self.chat else {
-                    "text": echo.text + text if echo else text}
+                reason = reasons[i]
+                if self.chat:
+                    reader = self.readers[i]
+                    content = reader.feed(text)
+                    rest, calls = reader.finish()
+                    body = {"message": {"role": "assistant", "content": content + rest}}
+                    if calls:
+                        body["message"] = {"role": "assistant", "content": (content + rest) or None,
+                                           "tool_calls": [c.openai() for c in calls]}
+                        reason = "tool_calls"
+                else:
+                    body = {"text": echo.text + text if echo else text}
                 choices.append({"index": len(choices), **body, "logprobs": self._logprobs(logprobs[i], echo=echo),
-                                "finish_reason": reasons[i]})
+                                "finish_reason": reason})
         obj = "chat.completion" if self.chat else "text_completion"
         return JSONResponse(self._envelope(obj, choices=choices, usage=self._usage()))
 
@@ -240,9 +254,11 @@ class _Reply:
                                  headers={"Cache-Control": "no-cache"})
 
     def _chunk(self, i: int, text: str | None, reason: str | None, role: bool = False,
-               logprobs: dict | None = None) -> str:
+               logprobs: dict | None = None, calls: list[tool_calls.ToolCall] | None = None) -> str:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            if calls:
+                delta["tool_calls"] = [c.openai(index=k) for k, c in enumerate(calls)]
             choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             body = self._envelope("chat.completion.chunk", choices=[choice])
         else:
@@ -261,12 +277,18 @@ class _Reply:
         try:
             async with contextlib.aclosing(merged(self.streams)) as outputs:
                 async for i, out in outputs:
-                    if out.new_text or out.logprobs:
-                        yield self._chunk(i, out.new_text, None, logprobs=self._logprobs(out.logprobs or [],
-                                                                                         offsets[i]))
-                        offsets[i] += len(out.new_text)
+                    text = self.readers[i].feed(out.new_text) if self.chat else out.new_text
+                    if text or out.logprobs:
+                        yield self._chunk(i, text, None, logprobs=self._logprobs(out.logprobs or [], offsets[i]))
+                        offsets[i] += len(text)
                     if out.finished:
-                        yield self._chunk(i, None, out.finish_reason.value)
+                        reason = out.finish_reason.value
+                        if self.chat:  # what the reader held back: the rest of the text, and the calls
+                            rest, calls = self.readers[i].finish()
+                            if rest or calls:
+                                yield self._chunk(i, rest or None, None, calls=calls)
+                            reason = "tool_calls" if calls else reason
+                        yield self._chunk(i, None, reason)
         except REFUSED as e:  # e.g. the server shut down mid-stream: say so in the stream, then end it
             r = refusal(e)
             self.frontend.engine.metrics.errors.labels(r.reason).inc()
@@ -371,9 +393,15 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         frontend.check_model(body.model)
         sampling = body.sampling()
-        prompt = await frontend.encode_chat([m.as_dict() for m in body.messages])
+        tools = body.tool_plan(frontend.llm.tokenizer.chat_template)
+        if tools is None:
+            prompt = await frontend.encode_chat([m.as_dict() for m in body.messages])
+        else:
+            prompt = await frontend.encode_chat(tools.messages, tools.tools)
+            sampling["structured_output"] = tools.structured_output or sampling["structured_output"]
         reply = _Reply(frontend, _submit_all(frontend, [prompt], None, sampling), chat=True,
-                       include_usage=body.include_usage, logprobs=sampling["logprobs"])
+                       include_usage=body.include_usage, logprobs=sampling["logprobs"],
+                       tool_format=None if tools is None else tools.format)
         return reply.streaming() if body.stream else await reply.whole(request)
 
     @app.post("/tokenize")

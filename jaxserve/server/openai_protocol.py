@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from jaxserve import tool_calls
 from jaxserve.sampling_params import excerpt
 
 
@@ -173,15 +174,34 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallMessage(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: str  # checked by the frontend, for gRPC alike
     content: str | list[TextPart] | None = None
+    name: str | None = None  # informational: who speaks
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        m: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            m["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -196,10 +216,10 @@ class ChatCompletionRequest(_SamplingRequest):
     prompt_cache_key: str | None = None
     logprobs: bool = False  # each generated token's logprob
     top_logprobs: int | None = None  # and the top_logprobs most likely (needs logprobs)
+    tools: list[Any] | None = None  # functions the model may call (tool_calls.py)
+    tool_choice: Any = None  # none, auto (the default with tools), required, or a named function
+    parallel_tool_calls: bool = True  # false: at most one call a reply
     # not implemented (see _off_values)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -215,8 +235,7 @@ class ChatCompletionRequest(_SamplingRequest):
     prompt_cache_options: Any = None
 
     def _off_values(self) -> dict[str, Any]:
-        return {**super()._off_values(), "tools": (),
-                "tool_choice": ("none",), "parallel_tool_calls": (), "functions": (), "function_call": ("none",),
+        return {**super()._off_values(), "functions": (), "function_call": ("none",),
                 "audio": (), "modalities": (["text"],), "prediction": (),
                 "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
                 "store": (False,), "service_tier": ("auto", "default"), "prompt_cache_retention": ("in_memory",),
@@ -224,6 +243,20 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def tool_plan(self, template: str | None) -> tool_calls.Plan | None:
+        """The tools' prompt, grammar and reader (None without tools or a tool_choice); ValueError names a bad
+        one, or a grammar asked for twice (response_format and a required call)."""
+        if self.tools is None and self.tool_choice is None:
+            return None
+        tools = tool_calls.parse_tools(self.tools or [])
+        choice = tool_calls.parse_choice(self.tool_choice, tools)
+        plan = tool_calls.plan([m.as_dict() for m in self.messages], tools, choice, template,
+                               self.parallel_tool_calls)
+        if plan.structured_output is not None and self._structured_output() is not None:
+            raise ValueError("tools hold the output to their calls: give no response_format or guided fields "
+                             "with them (or tool_choice none)")
+        return plan
 
     def _logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import jaxserve
-from jaxserve import SamplingParams
+from jaxserve import SamplingParams, tool_calls
 from jaxserve.engine import grammar
 from jaxserve.engine.sampling import Sampling, allowed, sample_step
 from jaxserve.models import registry
@@ -216,3 +216,37 @@ def test_guided_rows_leave_their_neighbours_and_the_overlap_alone(llm):
         assert out.finish_reason == "stop" or g is None
     json.loads(together[0].text)
     assert together[2].text in ("red", "green") and re.fullmatch(r"(\d, ){4}\d", together[3].text)
+
+
+def test_required_tool_calls_parse_and_validate_in_both_formats(tiny):
+    """tool_choice required and a named function, drawn at temperature 1: the call reads back, naming an offered
+    tool, its arguments valid against that tool's schema."""
+    from test_tool_calls import HERMES, TIME, WEATHER
+
+    weather = json.loads(json.dumps(WEATHER))
+    params = weather["function"]["parameters"]
+    params["properties"]["city"]["maxLength"], params["additionalProperties"] = 12, False  # a drawer's JSON ends
+    time_ = {"type": "function", "function": {**TIME["function"], "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    tools = tool_calls.parse_tools([weather, time_])
+    schemas = {t.name: t.parameters for t in tools}
+    for template, fmt in [(HERMES, "hermes"), (None, "generic")]:
+        for choice in ("required", tools[0]):
+            # one call a reply: a drawer would go on calling (several calls read back: tests/test_tool_calls.py)
+            plan = tool_calls.plan([{"role": "user", "content": "hi"}], tools, choice, template, parallel=False)
+            assert plan.format == fmt
+            # compact JSON: a drawer among every whitespace token the JSON allows would write little else
+            compact = ({**plan.structured_output, "disable_any_whitespace": True} if fmt == "generic" else
+                       {"grammar": plan.structured_output["grammar"].replace(
+                           "%json {", '%json {"x-guidance": {"whitespace_flexible": false}, ')})
+            outs = tiny.generate(["call:"] * 20, [SamplingParams(
+                max_tokens=400, temperature=1.0, seed=i, structured_output=compact) for i in range(20)])
+            for out in outs:
+                assert out.finish_reason == "stop", out.text
+                reader = tool_calls.Reader(fmt)
+                reader.feed(out.text)
+                _, calls = reader.finish()
+                assert len(calls) == 1 and calls[0].name in schemas, out.text
+                assert choice == "required" or [c.name for c in calls] == ["get_weather"]
+                for c in calls:
+                    jsonschema.validate(json.loads(c.arguments), schemas[c.name])

@@ -12,12 +12,11 @@ from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionReq
 
 HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
             "stop", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-            "top_logprobs", "echo", "n", "best_of", "response_format"}
+            "top_logprobs", "echo", "n", "best_of", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 INFORMATIONAL = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
 # a value each refused field may hold that asks for what jaxserve does not do
 PROBES = {
-    "suffix": "}", "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "auto", "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+    "suffix": "}", "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high",
     "verbosity": "low", "web_search_options": {"search_context_size": "low"}, "moderation": {"model": "m"},

@@ -261,6 +261,44 @@ def test_structured_output_over_http_and_grpc_parses_and_validates(llm, oai, grp
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in e.value.details()
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_tool_call_round_trip_with_the_openai_client(oai):
+    """The model calls the tool (required: whole and streamed, the same call), gets its result back as a tool
+    message, and answers (auto: content or another call, in OpenAI's shape)."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    whole = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="required",
+                                        max_tokens=80, temperature=0)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                              tool_choice="required", max_tokens=80, temperature=0, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    named = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=80,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_weather"]
+    follow = messages + [choice.message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}]
+    answer = oai.chat.completions.create(model=MODEL, messages=follow, tools=[WEATHER_TOOL], max_tokens=120,
+                                         temperature=0)
+    reply = answer.choices[0]
+    assert reply.finish_reason in ("stop", "tool_calls")
+    assert reply.message.content if reply.finish_reason == "stop" else reply.message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=8,
+                                    tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
 def test_models_tokenize_and_async_client(served, grpc_client, oai):
     (model,) = oai.models.list().data
     assert model.id == MODEL

@@ -1,0 +1,261 @@
+"""Tool calls (OpenAI's `tools` and `tool_choice`): the prompt that offers the tools, the grammar that holds the
+output to a call where one is required, and the parser that reads the calls back.
+
+How a model writes a call depends on its chat template:
+- "hermes": templates that take `tools` and write calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+  (Qwen2.5, Hermes, and others). The template offers the tools; with tool_choice auto the output is free and the
+  calls are read out of it; required or a named function hold it to calls by a grammar.
+- "generic": any other template (e.g. SmolLM2's), as llama.cpp's generic format: a system message offers the
+  tools and asks for JSON, `{"tool_calls": [{"name": ..., "arguments": {...}}]}` or `{"response": "..."}`, which a
+  JSON schema enforces; earlier calls and results go back to the model in the same JSON.
+tool_choice none offers no tools and reads no calls. Plain Python: the servers use it without JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from typing import Any, Sequence
+
+from jaxserve.sampling_params import excerpt
+
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's function names
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+GENERIC_PROMPT = ("You can call these tools. Respond in JSON: either {\"tool_calls\": [{\"name\": ..., \"arguments\": "
+                  "{...}}]} to call tools, or {\"response\": \"...\"} to answer the user.\nTools:\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # a JSON schema of the arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def parse_tools(tools: Sequence[Any]) -> list[Tool]:
+    """OpenAI's tools list, checked: ValueError names what is wrong."""
+    out = []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        if not NAME.match(f["name"]):
+            raise ValueError(f"tools[{i}].function.name must be 1 to 64 letters, digits, _ or -, got "
+                             f"{excerpt(f['name'])}")
+        params = f.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        description = f.get("description") or ""
+        if not isinstance(description, str):
+            raise ValueError(f"tools[{i}].function.description must be a string")
+        out.append(Tool(f["name"], description, params))
+    if len({t.name for t in out}) != len(out):
+        raise ValueError("tools name a function twice")
+    return out
+
+
+def parse_choice(tool_choice: Any, tools: list[Tool]) -> str | Tool:
+    """"none", "auto", "required" or the named Tool (OpenAI's default: auto with tools, none without)."""
+    if tool_choice is None:
+        return "auto" if tools else "none"
+    if tool_choice in ("none", "auto", "required"):
+        if tool_choice != "none" and not tools:
+            raise ValueError(f"tool_choice {tool_choice!r} needs tools")
+        return tool_choice
+    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(name, str) or tool_choice.get("type") != "function":
+        raise ValueError("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
+                         "{\"name\": ...}}")
+    for t in tools:
+        if t.name == name:
+            return t
+    raise ValueError(f"tool_choice names {excerpt(name)}, which is not among the tools")
+
+
+def template_format(template: str | None) -> str:
+    """How the model's chat template writes tool calls: "hermes" or "generic"."""
+    return "hermes" if template and "tools" in template and HERMES_OPEN in template else "generic"
+
+
+def _call_schema(t: Tool) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _calls_schema(tools: list[Tool], exactly_one: bool) -> dict[str, Any]:
+    item = _call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [_call_schema(t) for t in tools]}
+    return {"type": "array", "items": item, "minItems": 1, **({"maxItems": 1} if exactly_one else {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A chat request's tools as the engine sees them: the messages and tools the template renders, the
+    output's grammar (StructuredOutput's fields, or None), and how to read calls out of the output (None: no
+    calls are read)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    structured_output: dict[str, Any] | None
+    format: str | None
+
+
+def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, template: str | None,
+         parallel: bool = True) -> Plan:
+    """The prompt and grammar of a chat request with tools (messages: role, content, and OpenAI's tool_calls and
+    tool_call_id where they have them). parallel: several calls in one reply may be made (else at most one)."""
+    fmt = template_format(template)
+    one = isinstance(choice, Tool) or not parallel
+    if choice == "none":
+        return Plan(_plain_history(messages), None, None, None)
+    offered = tools if isinstance(choice, str) else [choice]
+    if fmt == "hermes":
+        grammar = None
+        if choice != "auto":  # the template's own format, each call's JSON held to its tool's schema
+            call = json.dumps(_calls_schema(offered, False)["items"])
+            repeat = "" if one else "+"
+            grammar = {"grammar": f'start: ("{_lark(HERMES_OPEN)}\\n" call "\\n{_lark(HERMES_CLOSE)}"){repeat}\n'
+                                  f"call: %json {call}"}
+        return Plan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt)
+    calls = {"type": "object", "properties": {"tool_calls": _calls_schema(offered, one)},
+             "required": ["tool_calls"], "additionalProperties": False}
+    answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+              "additionalProperties": False}
+    schema = {"anyOf": [calls, answer]} if choice == "auto" else calls
+    listing = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters})
+                        for t in tools)
+    history = _generic_history(messages)
+    system = GENERIC_PROMPT + listing
+    if history and history[0]["role"] == "system":
+        history[0] = {"role": "system", "content": history[0]["content"] + "\n\n" + system}
+    else:
+        history.insert(0, {"role": "system", "content": system})
+    return Plan(history, None, {"json": schema}, fmt)
+
+
+def _lark(text: str) -> str:
+    return json.dumps(text)[1:-1]
+
+
+def _openai_tool(t: Tool) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": t.name, "description": t.description,
+                                             "parameters": t.parameters}}
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    """A call's arguments as a template reads them: a JSON object (OpenAI sends them as JSON text)."""
+    args = call.get("function", {}).get("arguments", "{}")
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        return args
+
+
+def _template_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as templates that know tools take them (as transformers passes them)."""
+    out = []
+    for m in messages:
+        m = {**m, "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
+                                                                 "arguments": _arguments(c)}}
+                               for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def _generic_history(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages for a template that knows no tools: calls and results as the JSON the model answers in."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls})})
+        elif m["role"] == "assistant":
+            out.append({"role": "assistant", "content": json.dumps({"response": m.get("content") or ""})})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": json.dumps({"tool_response": {
+                "tool_call_id": m.get("tool_call_id"), "content": m.get("content") or ""}})})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    return out
+
+
+def _plain_history(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages without tools: a call as the text of its JSON, a result as a user's message."""
+    return [{"role": "user", "content": m.get("content") or ""} if m["role"] == "tool" else
+            {"role": m["role"], "content": m.get("content") or json.dumps(
+                [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in m.get("tool_calls") or ()])}
+            for m in messages]
+
+
+def _new_call(name: str, arguments: Any) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, text)
+
+
+class Reader:
+    """Reads one choice's output as it streams: `feed` returns the content that is surely not part of a call
+    (held back while it may be), `finish` the rest of the content and the calls."""
+
+    def __init__(self, fmt: str | None):
+        self.format = fmt
+        self._text = ""
+        self._sent = 0  # content characters given out
+
+    def feed(self, text: str) -> str:
+        self._text += text
+        if self.format is None:  # no calls: all of it is content
+            self._sent = len(self._text)
+            return text
+        if self.format == "generic":  # the whole output is one JSON document, read at the end
+            return ""
+        at = self._text.find(HERMES_OPEN)
+        end = len(self._text) if at < 0 else at
+        if at < 0:  # hold back a tail that may open a call
+            for k in range(min(len(HERMES_OPEN) - 1, len(self._text)), 0, -1):
+                if HERMES_OPEN.startswith(self._text[-k:]):
+                    end -= k
+                    break
+        out, self._sent = self._text[self._sent:max(end, self._sent)], max(end, self._sent)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The content not given out yet, and the calls (a call that does not parse stays content)."""
+        if self.format is None:
+            return self._text[self._sent:], []
+        if self.format == "generic":
+            try:
+                doc = json.loads(self._text)
+            except ValueError:
+                return self._text, []
+            if isinstance(doc, dict) and isinstance(doc.get("tool_calls"), list):
+                return "", [_new_call(c["name"], c.get("arguments", {})) for c in doc["tool_calls"]
+                            if isinstance(c, dict) and isinstance(c.get("name"), str)]
+            return (doc["response"] if isinstance(doc, dict) and isinstance(doc.get("response"), str)
+                    else self._text), []
+        rest, calls, content = self._text[self._sent:], [], []
+        pattern = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE), re.S)
+        last = 0
+        for m in pattern.finditer(rest):
+            content.append(rest[last:m.start()])
+            last = m.end()
+            try:
+                call = json.loads(m.group(1))
+                calls.append(_new_call(call["name"], call.get("arguments", call.get("parameters", {}))))
+            except (ValueError, KeyError, TypeError):
+                content.append(m.group(0))
+        content.append(rest[last:])
+        return "".join(content).strip() if calls else "".join(content), calls

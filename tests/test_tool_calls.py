@@ -1,0 +1,126 @@
+"""tool_calls.py: tools checked, the prompt and grammar each template format gets, and the calls read back (whole
+and in streamed pieces). Generation under the grammars: tests/engine/test_structured_output.py and the server's
+round trip in tests/server/test_server.py."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from jaxserve import tool_calls
+from jaxserve.models.tokenizer import TextTokenizer
+from jaxserve.models.random_weights import id_tokenizer
+from jaxserve.sampling_params import StructuredOutput
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                                                "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+# the shape of Qwen2.5's template: tools in the system turn, calls in <tool_call> tags, results as tool turns
+HERMES = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}<|im_end|>\n"
+          "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+          "{% for c in m.tool_calls or [] %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}"
+          "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_bad_tools_and_choices_are_refused_by_name():
+    for tools, words in [([{"type": "function"}], "tools\\[0\\] must be"),
+                         ([{"type": "function", "function": {"name": "a b"}}], "letters, digits"),
+                         ([WEATHER, WEATHER], "twice"),
+                         ([{"type": "function", "function": {"name": "f", "parameters": 3}}], "JSON schema object")]:
+        with pytest.raises(ValueError, match=words):
+            tool_calls.parse_tools(tools)
+    tools = tool_calls.parse_tools([WEATHER])
+    assert tool_calls.parse_choice(None, tools) == "auto" and tool_calls.parse_choice(None, []) == "none"
+    assert tool_calls.parse_choice({"type": "function", "function": {"name": "get_weather"}}, tools) == tools[0]
+    for choice, words in [({"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+                          ("sometimes", "must be none, auto, required")]:
+        with pytest.raises(ValueError, match=words):
+            tool_calls.parse_choice(choice, tools)
+    with pytest.raises(ValueError, match="needs tools"):
+        tool_calls.parse_choice("required", [])
+
+
+def test_generic_format_offers_the_tools_and_holds_the_output_to_its_json():
+    tools = tool_calls.parse_tools([WEATHER, TIME])
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+               {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}]
+    plan = tool_calls.plan(history, tools, "auto", template="{{ messages }}")
+    assert plan.format == "generic" and plan.tools is None
+    assert plan.messages[0]["role"] == "system" and "get_weather" in plan.messages[0]["content"]
+    assert json.loads(plan.messages[2]["content"]) == {"tool_calls": [{"name": "get_weather",
+                                                                        "arguments": {"city": "Paris"}}]}
+    assert plan.messages[3]["role"] == "user" and "21 C" in plan.messages[3]["content"]
+    schema = plan.structured_output["json"]
+    jsonschema.validate({"response": "hi"}, schema)
+    jsonschema.validate({"tool_calls": [{"name": "get_time", "arguments": {}},
+                                        {"name": "get_weather", "arguments": {"city": "Oslo"}}]}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"tool_calls": [{"name": "get_weather", "arguments": {}}]}, schema)  # city required
+    named = tool_calls.plan(history, tools, tools[1], template=None).structured_output["json"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"response": "hi"}, named)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}, named)
+    StructuredOutput(**plan.structured_output)  # llguidance takes it
+    none = tool_calls.plan(history, tools, "none", template=None)
+    assert none.structured_output is None and none.format is None and "get_weather" in none.messages[1]["content"]
+
+
+def test_generic_output_reads_as_calls_or_content():
+    calls = json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]})
+    reader = tool_calls.Reader("generic")
+    assert reader.feed(calls[:10]) == "" and reader.feed(calls[10:]) == ""
+    content, (call,) = reader.finish()
+    assert content == "" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
+    assert call.id.startswith("call_") and call.openai(0)["index"] == 0
+    reader = tool_calls.Reader("generic")
+    reader.feed(json.dumps({"response": "It is sunny."}))
+    assert reader.finish() == ("It is sunny.", [])
+    reader = tool_calls.Reader("generic")
+    reader.feed("{\"respo")  # cut short (max_tokens): the text as it is
+    assert reader.finish() == ("{\"respo", [])
+
+
+def test_hermes_template_renders_tools_and_calls_and_its_output_reads_in_any_pieces():
+    tok = id_tokenizer(64)
+    tok = TextTokenizer(tok.tokenizer, bos_id=None, stop_ids=[0], add_bos=False, chat_template=HERMES,
+                        special_tokens={})
+    tools = tool_calls.parse_tools([WEATHER])
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c", "type": "function", "function": {"name": "get_weather",
+                                                                "arguments": "{\"city\": \"Rome\"}"}}]},
+               {"role": "tool", "content": "30 C", "tool_call_id": "c"}]
+    plan = tool_calls.plan(history, tools, "auto", tok.chat_template)
+    assert plan.format == "hermes" and plan.structured_output is None
+    text = tok.apply_chat_template(plan.messages, tools=plan.tools)
+    assert "\"get_weather\"" in text.split("<|im_end|>")[0]  # the template's own tool listing
+    assert "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>" in text
+    assert "<|im_start|>tool\n30 C" in text
+    out = ("Let me check. <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"
+           "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>")
+    for size in (1, 3, 7, len(out)):
+        reader = tool_calls.Reader("hermes")
+        streamed = "".join(reader.feed(out[i:i + size]) for i in range(0, len(out), size))
+        rest, calls = reader.finish()
+        assert (streamed + rest).strip() == "Let me check."
+        assert "<" not in streamed  # nothing of a call reaches the content
+        assert [json.loads(c.arguments)["city"] for c in calls] == ["Oslo", "Rome"]
+    reader = tool_calls.Reader("hermes")
+    assert reader.feed("a < b <tool") == "a < b " and reader.finish() == ("<tool", [])
+
+
+def test_hermes_required_and_named_hold_the_output_to_calls():
+    tools = tool_calls.parse_tools([WEATHER, TIME])
+    required = tool_calls.plan([{"role": "user", "content": "x"}], tools, "required", HERMES)
+    grammar = StructuredOutput(**required.structured_output).grammar_text()
+    assert "tool_call" in grammar and "get_time" in grammar
+    one = tool_calls.plan([{"role": "user", "content": "x"}], tools, tools[0], HERMES, parallel=False)
+    assert ")+" not in one.structured_output["grammar"] and "get_time" not in one.structured_output["grammar"]
