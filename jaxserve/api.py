@@ -29,6 +29,7 @@ from jaxserve.engine.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.models import registry
 from jaxserve.models.loader import DTYPES, load_weights
+from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.build import packer_config, replica_scheduler
@@ -76,6 +77,11 @@ class LLM:
         _enable_compilation_cache()
         self.model_name, self._dtype_name, self._dtype = cfg.model.model, cfg.model.dtype, DTYPES[cfg.model.dtype]
         self.config, params, self.tokenizer = load_weights(cfg.model.model, cfg.model.dtype)
+        if cfg.model.tokenizer:
+            self.tokenizer = TextTokenizer.from_hf_dir(cfg.model.tokenizer)
+            if self.tokenizer.vocab_size > self.config.vocab_size:
+                raise ValueError(f"tokenizer {cfg.model.tokenizer} has {self.tokenizer.vocab_size} tokens; the model "
+                                 f"reads {self.config.vocab_size}")
         if jax.process_index() != lockstep.LEADER:
             raise RuntimeError("LLM runs on the leader (process 0); other processes call jaxserve.api.follow")
         if jax.process_count() > 1:  # on the host: each process puts its copy on whichever of its devices need it

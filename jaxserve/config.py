@@ -43,6 +43,8 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = setting("float32", "Weights' dtype (the KV cache's too, but float32 on "
                                                     "a CPU).")
     max_model_len: int | None = setting(None, "Context length (default: the model's, capped by the KV pool).")
+    tokenizer: str | None = setting(None, "A Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json) "
+                                    "used instead of the model's, e.g. real text for a random: model.")
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

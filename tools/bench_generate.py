@@ -46,6 +46,8 @@ flags.DEFINE_integer("repeats", 3, "Timed repetitions; the median is reported.")
 flags.DEFINE_string("out", None, "Optional JSON file for the results.")
 flags.DEFINE_bool("gpu", False, "jaxserve alone, in --dtype, for each of --gpu_models (absolute figures).")
 flags.DEFINE_string("dtype", "bfloat16", "--gpu: the serving dtype (float32 for a CPU's figures).")
+flags.DEFINE_string("tokenizer", None, "--gpu: a tokenizer folder used instead of the models' (a random: model's "
+                    "word tokenizer cannot drive --structured's grammar).")
 flags.DEFINE_list("gpu_models", ["random:llama3-8b", "smollm2-135m-instruct"], "Models for --gpu.")
 flags.DEFINE_integer("num_scheduler_steps", 1, "jaxserve's multi-step decode: most decode steps in one burst.")
 flags.DEFINE_bool("extras", False, "--gpu: each model also with penalties and logprobs on every request (the extra "
@@ -70,11 +72,11 @@ class JaxServeSide:
     name = "jaxserve"
 
     def __init__(self, model: str, batch: int, long_prompt: int, dtype: str = "float32", num_scheduler_steps: int = 1,
-                 llm: jaxserve.LLM | None = None, options: dict | None = None):
+                 llm: jaxserve.LLM | None = None, options: dict | None = None, tokenizer: str | None = None):
         # no prefix caching: every repetition sends the same prompts, and transformers computes them each time
         self.llm = llm or jaxserve.LLM(model, dtype=dtype, max_model_len=max(2048, 2 * long_prompt),
                                        max_num_seqs=batch, enable_prefix_caching=False,
-                                       num_scheduler_steps=num_scheduler_steps)
+                                       num_scheduler_steps=num_scheduler_steps, tokenizer=tokenizer)
         self.options = options or {}
 
     def generate(self, batch: list[list[int]], n: int) -> None:
@@ -135,7 +137,8 @@ def gpu_table(f) -> dict[str, dict[str, float]]:
     results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                "num_scheduler_steps": f.num_scheduler_steps, "dtype": f.dtype}
     for model in f.gpu_models:
-        side = JaxServeSide(model, f.batch, f.long_prompt, dtype=f.dtype, num_scheduler_steps=f.num_scheduler_steps)
+        side = JaxServeSide(model, f.batch, f.long_prompt, dtype=f.dtype, num_scheduler_steps=f.num_scheduler_steps,
+                            tokenizer=f.tokenizer)
         side.name = model
         sides = [side]
         # the same engine, every request with penalties and logprobs, or with a grammar

@@ -4,7 +4,8 @@
 # kernels: the kernel tests, compiled through Triton (tests/pallas_kernels/kernel_check.py); ragged: the engine's kernel's alone;
 # attention: tools/bench_attention.py;
 # generate: tools/bench_generate.py --gpu on random Llama-3.1-8B weights (burst: the same with multi-step decodes of
-# up to 8 steps; extras: the same beside every request with penalties and logprobs); step: tools/profile_step.py (one decode
+# up to 8 steps; extras: the same beside every request with penalties and logprobs; structured: beside every request
+# under a JSON schema, with the tokenizer folder $TOKENIZER); step: tools/profile_step.py (one decode
 # step of it under jax.profiler, at batch 1 and 16: its top kernels, with each trace kept); profile:
 # tools/profile_attention.py (the simulator's measured attention). One log ($OUT/checks.log), JSON and CSV go to
 # $OUT, few files, as a lent GPU machine returns at most 8. Timeouts fit the three serving parts in one 10-minute call.
@@ -26,6 +27,8 @@ for part in $parts; do
     generate) timeout 210 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --out="$OUT/generate_gpu.json" ;;
     extras) timeout 420 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --extras \
       --out="$OUT/generate_gpu_extras.json" ;;
+    structured) timeout 420 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --structured \
+      --tokenizer="${TOKENIZER:?structured needs TOKENIZER, a tokenizer folder}" --out="$OUT/generate_gpu_structured.json" ;;
     burst) timeout 150 $PY tools/bench_generate.py --gpu --gpu_models=random:llama3-8b --num_scheduler_steps=8 \
       --out="$OUT/generate_gpu_burst.json" ;;
     step) rm -rf /tmp/step_profile; timeout 170 $PY tools/profile_step.py --model=random:llama3-8b --out=/tmp/step_profile &&
