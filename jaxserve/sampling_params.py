@@ -31,7 +31,10 @@ class StructuredOutput:
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
         if isinstance(self.json, dict):
-            set_("json", json.dumps(self.json))  # in the client's order: the output's keys follow it
+            try:
+                set_("json", json.dumps(self.json))  # in the client's order: the output's keys follow it
+            except RecursionError:
+                raise ValueError("structured output's json schema is nested too deeply") from None
         if isinstance(self.choice, list):
             set_("choice", tuple(self.choice))
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -60,7 +63,17 @@ class StructuredOutput:
                 raise ValueError(f"a JSON schema is an object, got {excerpt(schema, 40)}")
         error = llguidance.LLMatcher.validate_grammar(self.grammar_text())
         if error:
-            raise ValueError(f"structured output: {error.strip()}")
+            raise ValueError(grammar_error(error))
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> StructuredOutput:
+        """From its fields by name (vLLM's structured_outputs); ValueError names one it does not know."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in fields if k not in known]
+        if unknown:
+            raise ValueError(f"structured output has no field {excerpt(unknown[0], 40)}; its fields are "
+                             f"{', '.join(sorted(known))}")
+        return cls(**fields)
 
     def grammar_text(self) -> str:
         """The grammar as llguidance takes it."""
@@ -108,7 +121,7 @@ class SamplingParams:
             set_("logit_bias", tuple(tuple(e) if isinstance(e, list) else e
                                      for e in (bias.items() if isinstance(bias, dict) else bias)))
         if isinstance(self.structured_output, dict):
-            set_("structured_output", StructuredOutput(**self.structured_output))
+            set_("structured_output", StructuredOutput.from_dict(self.structured_output))
         if self.top_k == -1:
             set_("top_k", 0)
         if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) \
@@ -200,6 +213,12 @@ class SamplingParams:
         """Whether sampling reads the request's own history or bias: it holds a slot on the device."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
                 or bool(self.logit_bias) or self.min_tokens > 0)
+
+
+def grammar_error(message: str, limit: int = 300) -> str:
+    """llguidance's message about a bad grammar, cut short: it quotes the grammar's lines, which may be long."""
+    first = message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    return "structured output: " + (first if len(first) <= limit else f"{first[:limit]}...")
 
 
 def excerpt(value: object, limit: int = 64) -> str:

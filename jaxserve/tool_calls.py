@@ -58,6 +58,10 @@ def parse_tools(tools: Sequence[Any]) -> list[Tool]:
         params = f.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        try:
+            json.dumps(params)
+        except RecursionError:
+            raise ValueError(f"tools[{i}].function.parameters is nested too deeply") from None
         description = f.get("description") or ""
         if not isinstance(description, str):
             raise ValueError(f"tools[{i}].function.description must be a string")

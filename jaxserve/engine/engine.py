@@ -31,7 +31,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.grammar import Grammars
 from jaxserve.engine.runner import ModelRunner, Pending
 from jaxserve.engine.sampling import Logprobs
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, grammar_error
 from jaxserve.engine.stop_strings import StopMatcher
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched import request as sched_request
@@ -525,7 +525,7 @@ class Engine:
         p, r = live.params, live.sched
         generated = r.generated + ahead + 1  # this token included (the scheduler counts it when the Outcome lands)
         if live.matcher is not None and not live.matcher.consume_token(token):
-            raise ValueError(f"its grammar refused token {token}: {live.matcher.get_error()}")
+            raise ValueError(f"token {token}: {grammar_error(live.matcher.get_error())}")
         new = live.detokenizer.push(token)
         live.text += new
         text = live.text

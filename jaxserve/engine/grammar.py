@@ -19,7 +19,7 @@ import numpy as np
 from jaxtyping import Int
 
 from jaxserve.models.tokenizer import TextTokenizer
-from jaxserve.sampling_params import StructuredOutput
+from jaxserve.sampling_params import StructuredOutput, grammar_error
 
 COMPILED = 256  # grammars kept compiled (a request copies its grammar's compiled matcher)
 
@@ -64,7 +64,7 @@ class Grammars:
             if compiled is None:
                 compiled = llguidance.LLMatcher(self._llguidance_tokenizer(), spec.grammar_text(), log_level=0)
                 if compiled.is_error():
-                    raise ValueError(f"structured output: {compiled.get_error()}")
+                    raise ValueError(grammar_error(compiled.get_error()))
                 self._compiled[spec] = compiled
                 if len(self._compiled) > COMPILED:
                     self._compiled.popitem(last=False)

@@ -51,8 +51,17 @@ def _params(rng: random.Random) -> pb.SamplingParams:
     p = pb.SamplingParams(max_tokens=rng.choice(INT32 + (3, 4)) if rng.random() < 0.4 else rng.randint(1, 6))
     for _ in range(rng.randint(0, 3)):
         field = rng.choice(("temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                            "ttft_slo"))
-        if field in ("temperature", "top_p", "ttft_slo"):
+                            "ttft_slo", "structured_output"))
+        if field == "structured_output":
+            grammar = rng.choice(("json_schema", "regex", "grammar", "choice", "json_object", None))
+            if grammar == "choice":
+                p.structured_output.choice.options.extend(_text(rng) for _ in range(rng.choice((0, 1, 3))))
+            elif grammar == "json_object":
+                p.structured_output.json_object = rng.random() < 0.5
+            elif grammar is not None:
+                setattr(p.structured_output, grammar, _text(rng))
+            p.structured_output.disable_any_whitespace = rng.random() < 0.5
+        elif field in ("temperature", "top_p", "ttft_slo"):
             setattr(p, field, rng.choice(DOUBLES))
         elif field == "top_k":
             p.top_k = rng.choice(INT32)

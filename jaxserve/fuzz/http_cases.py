@@ -14,9 +14,10 @@ from jaxserve.fuzz.values import CONTROL_TEXT, NUMBERS, hostile_string, hostile_
 COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                      "stop_token_ids", "ignore_eos", "ttft_slo", "stream", "stream_options", "user", "n",
                      "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "echo", "logprobs",
-                     "suffix", "best_of")
+                     "suffix", "best_of", "response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")
 CHAT_FIELDS = tuple(f for f in COMPLETION_FIELDS if f not in ("prompt", "echo", "suffix", "best_of")) + (
-    "messages", "tools", "response_format", "top_logprobs")
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs")
 PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time", "List three colors:", "2 + 2 =")
 
 
