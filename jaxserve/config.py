@@ -266,7 +266,8 @@ class ClientConfig:
 class WorkloadConfig:
     """simulate: the arrivals."""
 
-    trace: str = setting("azure_conv", "azure_conv, azure_code, arxiv, or mix (short + long requests).")
+    trace: str = setting("azure_conv", "azure_conv, azure_code, arxiv, mix (short + long requests), or a trace "
+                         "file: CSV or JSON Lines of (arrival, prompt tokens, output tokens).")
     rate: float | None = setting(None, "Arrival rate, requests/s (traces: rescaled to it; default: as recorded).")
     requests: int | None = setting(None, "Number of requests (default: the whole trace).")
     long_fraction: float = setting(0.05, "Share of long requests in --trace=mix.")

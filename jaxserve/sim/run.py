@@ -3,13 +3,14 @@ under a cluster config, search for the highest load that still meets the SLOs.""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 from jaxserve.config import SimConfig, replace
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.simulator import Simulator
-from jaxserve.sim.workload import TRACES, Workload, load_trace, synthetic_mix
+from jaxserve.sim.workload import TRACES, Workload, load_trace, read_trace_file, synthetic_mix
 
 WORKLOADS = TRACES + ("mix",)
 
@@ -17,14 +18,17 @@ WORKLOADS = TRACES + ("mix",)
 def make_workload(trace: str, rate: float | None, requests: int | None = None, seed: int = 0,
                   long_fraction: float = 0.05, max_len: int | None = None, arrival: str = "poisson",
                   cv: float = 1.0) -> Workload:
-    """A trace (rescaled to `rate` when given) or 'mix': short requests from Azure conv plus `long_fraction`
-    long ones of 128K-1M tokens, arriving as a Poisson or gamma (coefficient of variation `cv`) process."""
+    """A packaged trace or a trace file (CSV or JSON Lines: workload.read_trace_file), rescaled to `rate` when
+    given, or 'mix': short requests from Azure conv plus `long_fraction` long ones of 128K-1M tokens, arriving
+    as a Poisson or gamma (coefficient of variation `cv`) process."""
     if trace == "mix":
         if rate is None or requests is None:
             raise ValueError("the 'mix' workload needs --rate and --requests")
         return synthetic_mix(requests, rate, long_fraction=long_fraction, seed=seed, arrival=arrival, cv=cv)
     if trace not in TRACES:
-        raise ValueError(f"unknown trace {trace!r}; choose from {list(WORKLOADS)}")
+        if trace.endswith((".csv", ".jsonl", ".json")) or os.sep in trace:
+            return read_trace_file(trace, rate=rate, seed=seed, limit=requests, max_len=max_len)
+        raise ValueError(f"unknown trace {trace!r}; choose from {list(WORKLOADS)}, or give a .csv or .jsonl file")
     return load_trace(trace, rate=rate, seed=seed, limit=requests, max_len=max_len)
 
 

@@ -1,7 +1,8 @@
 """Workloads for the simulator: when requests arrive and how long their prompts and outputs are.
 
 Real traces keep their own burstiness (Azure LLM inference traces, 2023) or, where a trace has lengths only
-(arXiv summarization), get Poisson arrivals. `synthetic_mix` adds the rare very long requests (128K-1M tokens)
+(arXiv summarization), get Poisson arrivals. A user's own trace (CSV or JSON Lines) reads the same way
+(`read_trace_file`). `synthetic_mix` adds the rare very long requests (128K-1M tokens)
 that long-context serving is about to a short-request trace. Everything is seeded and pure numpy (no jax).
 """
 
@@ -13,7 +14,9 @@ import datetime
 import functools
 import importlib.resources
 import io
+import json
 import math
+import pathlib
 
 import numpy as np
 
@@ -27,6 +30,12 @@ _TRACE_FILES = {
 }
 
 ARRIVALS = ("poisson", "gamma")
+
+# a trace file's columns, under the names common trace formats give them (Azure's, Vidur's, Splitwise's, ...)
+ARRIVAL_COLUMNS = ("arrival", "arrival_time", "arrived_at", "timestamp")
+PROMPT_COLUMNS = ("prompt_tokens", "prompt_len", "input_tokens", "input_length", "num_prefill_tokens",
+                  "contexttokens")
+OUTPUT_COLUMNS = ("output_tokens", "output_len", "output_length", "num_decode_tokens", "generatedtokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +136,16 @@ def load_trace(
     request has no rate to rescale).
     """
     _check_trace(name)
+    return _select(name, *_read_trace(name), rate=rate, seed=seed, limit=limit, max_len=max_len)
+
+
+def _select(name: str, arrivals: np.ndarray | None, prompt_lens: np.ndarray, output_lens: np.ndarray,
+            rate: float | None, seed: int, limit: int | None, max_len: int | None) -> Workload:
+    """load_trace's choice of requests, arrivals and rate, over a trace's columns."""
     if rate is not None:
         _check_rate(rate)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    arrivals, prompt_lens, output_lens = _read_trace(name)
     idx = np.arange(len(prompt_lens))
     if max_len is not None:
         idx = np.flatnonzero(prompt_lens + output_lens <= max_len)
@@ -147,6 +161,104 @@ def load_trace(
     if rate is not None and math.isfinite(workload.rate):
         workload = workload.scaled(workload.rate / rate)
     return workload
+
+
+def read_trace_file(path: str | pathlib.Path, rate: float | None = None, seed: int = 0, limit: int | None = None,
+                    max_len: int | None = None) -> Workload:
+    """A user's trace: CSV with a header row, or JSON Lines (one object a request; `.jsonl` or `.json`), each
+    request's prompt and output tokens and, optionally, its arrival (seconds, or an ISO 8601 time). Columns go by
+    the names in ARRIVAL_COLUMNS, PROMPT_COLUMNS and OUTPUT_COLUMNS (any case). Arrivals count from the first;
+    rows out of order are sorted. Without arrivals, `rate` gives Poisson ones. rate, limit and max_len as in
+    load_trace. A bad file is refused with one line naming the file, the line and what is wrong."""
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"trace file {path}: cannot be read ({e})") from None
+    jsonl = path.suffix in (".jsonl", ".json")
+    rows = list(_json_rows(path, text) if jsonl else _csv_rows(path, text))
+    if not rows:
+        raise ValueError(f"trace file {path}: no requests")
+    first_line, first = rows[0]
+    first_line = first_line if jsonl else 1  # a CSV's columns are its header's
+    columns = {k.lower(): k for k in first}
+
+    def column(names: tuple[str, ...], required: bool) -> str | None:
+        found = next((columns[n] for n in names if n in columns), None)
+        if found is None and required:
+            raise ValueError(f"{path}:{first_line}: no column of {' / '.join(names)}; it has "
+                             f"{', '.join(first) or 'none'}")
+        return found
+
+    arrival, prompt, output = (column(ARRIVAL_COLUMNS, False), column(PROMPT_COLUMNS, True),
+                               column(OUTPUT_COLUMNS, True))
+    times, prompts, outputs = [], [], []
+    for line, row in rows:
+        prompts.append(_tokens(path, line, row, prompt))
+        outputs.append(_tokens(path, line, row, output))
+        if arrival is not None:
+            times.append(_seconds(path, line, row.get(arrival)))
+    arrivals = None
+    if arrival is not None:
+        if len({type(t) for t in times}) > 1:
+            raise ValueError(f"{path}: arrivals mix numbers and times")
+        start = min(times)
+        arrivals = np.array([(t - start).total_seconds() if isinstance(t, datetime.datetime) else t - start
+                             for t in times], np.float64)
+    prompt_lens, output_lens = np.array(prompts, np.int64), np.array(outputs, np.int64)
+    if arrivals is not None:
+        order = np.argsort(arrivals, kind="stable")
+        arrivals, prompt_lens, output_lens = arrivals[order], prompt_lens[order], output_lens[order]
+    return _select(path.stem, arrivals, prompt_lens, output_lens, rate=rate, seed=seed, limit=limit,
+                   max_len=max_len)
+
+
+def _csv_rows(path: pathlib.Path, text: str):
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    for row in reader:
+        if None in row:
+            raise ValueError(f"{path}:{reader.line_num}: more fields than the header names")
+        yield reader.line_num, row
+
+
+def _json_rows(path: pathlib.Path, text: str):
+    for line, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"{path}:{line}: not JSON ({e})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{line}: a request must be a JSON object")
+        yield line, row
+
+
+def _tokens(path: pathlib.Path, line: int, row: dict, column: str) -> int:
+    value = row.get(column)
+    try:
+        n = int(value) if not isinstance(value, bool) and float(value) == int(float(value)) else None
+    except (TypeError, ValueError, OverflowError):
+        n = None
+    if n is None or n < 1:
+        raise ValueError(f"{path}:{line}: {column} must be a whole number of tokens >= 1, got {value!r}")
+    return n
+
+
+def _seconds(path: pathlib.Path, line: int, value: object) -> float | datetime.datetime:
+    """An arrival: seconds (a number) or a time (ISO 8601)."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            try:
+                return datetime.datetime.fromisoformat(value)
+            except ValueError:
+                pass
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if math.isfinite(value):
+            return float(value)
+    raise ValueError(f"{path}:{line}: an arrival must be seconds or an ISO 8601 time, got {value!r}")
 
 
 def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:

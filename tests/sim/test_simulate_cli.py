@@ -27,6 +27,21 @@ def test_simulate_writes_summary_requests_and_plot(tmp_path):
     assert json.loads(proc.stdout[: proc.stdout.rindex("}") + 1])["all"]["requests"] == 300
 
 
+def test_simulate_replays_a_users_trace_file(tmp_path):
+    trace = tmp_path / "mine.csv"
+    trace.write_text("arrival,prompt_tokens,output_tokens\n" + "".join(
+        f"{i * 0.25},{100 + 37 * i % 900},{1 + 13 * i % 200}\n" for i in range(120)))
+    proc = run_cli(f"--trace={trace}", f"--out={tmp_path / 'out'}")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["summary"]["all"]["finished"] == 120 and summary["config"]["workload"] == "mine"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival": 0, "prompt_tokens": 5}\n')
+    proc = run_cli(f"--trace={bad}")
+    assert proc.returncode == 2 and f"{bad}:1: no column of output_tokens" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--policy=srtf"], "unknown policy 'srtf'"),
     (["--trace=sharegpt"], "unknown trace 'sharegpt'"),

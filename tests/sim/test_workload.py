@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from jaxserve.sim.workload import (
     gamma_arrivals,
     load_trace,
     poisson_arrivals,
+    read_trace_file,
     synthetic_mix,
 )
 
@@ -216,3 +218,51 @@ def test_long_context_traces_match_tetris_ranges_and_means(kind, lo, hi, mean_k)
     assert np.array_equal(w.prompt_lens, long_context(kind, 20000, 2.0, seed=0).prompt_lens)
     with pytest.raises(ValueError, match="unknown long-context trace"):
         long_context("huge", 10, 1.0)
+
+
+# ---- a user's trace file ----------------------------------------------------------------------------------------
+
+def test_a_csv_trace_with_times_reads_in_arrival_order(tmp_path):
+    f = tmp_path / "mine.csv"
+    f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2024-05-01 10:00:02.5,100,20\n2024-05-01 10:00:00,50,10\n2024-05-01 10:00:01,70,1\n")
+    w = read_trace_file(f)
+    assert w.name == "mine"
+    np.testing.assert_allclose(w.arrivals, [0.0, 1.0, 2.5])  # sorted, from the first
+    assert w.prompt_lens.tolist() == [50, 70, 100] and w.output_lens.tolist() == [10, 1, 20]
+    assert read_trace_file(f, rate=2.0).rate == pytest.approx(2.0)
+    assert len(read_trace_file(f, limit=2)) == 2 and len(read_trace_file(f, max_len=100)) == 2
+
+
+def test_a_jsonl_trace_with_seconds_or_no_arrivals(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"arrival": 0.5, "prompt_tokens": 12, "output_tokens": 3}\n\n'
+                 '{"arrival": 1.75, "prompt_tokens": 40, "output_tokens": 8, "user": "x"}\n')
+    w = read_trace_file(f)
+    np.testing.assert_allclose(w.arrivals, [0.0, 1.25])
+    assert w.prompt_lens.tolist() == [12, 40]
+    g = tmp_path / "lengths.csv"
+    g.write_text("input_tokens,output_tokens\n5,6\n7,8\n")
+    with pytest.raises(ValueError, match="no timestamps: pass rate"):
+        read_trace_file(g)
+    assert len(read_trace_file(g, rate=3.0, seed=1)) == 2
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("a.csv", "arrival,prompt_tokens\n0,5\n", "a.csv:1: no column of output_tokens"),
+    ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6\n1,five,6\n", "a.csv:3: prompt_tokens must be a whole"),
+    ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,0\n", "a.csv:2: output_tokens must be a whole"),
+    ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6\nsoon,5,6\n", "a.csv:3: an arrival must be"),
+    ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6,7\n", "a.csv:2: more fields than the header"),
+    ("a.csv", "arrival,prompt_tokens,output_tokens\n", "no requests"),
+    ("a.jsonl", '{"arrival": 0, "prompt_tokens": 5, "output_tokens": 6}\n{"arrival": 1,\n', "a.jsonl:2: not JSON"),
+    ("a.jsonl", "[1, 2, 3]\n", "a.jsonl:1: a request must be a JSON object"),
+    ("a.jsonl", '{"arrival": 0, "prompt_tokens": 2.5, "output_tokens": 6}\n', "a.jsonl:1: prompt_tokens"),
+    ("a.jsonl", '{"arrival": 0, "prompt_tokens": 5, "output_tokens": 6}\n'
+                '{"arrival": "2024-05-01T10:00:00", "prompt_tokens": 5, "output_tokens": 6}\n', "mix numbers"),
+])
+def test_a_bad_trace_file_is_refused_with_its_line(tmp_path, name, text, message):
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        read_trace_file(f)
