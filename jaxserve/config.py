@@ -39,7 +39,8 @@ def _positive(config: Any, *names: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    model: str = setting("smollm2-135m-instruct", "Registered model name, .gguf file, or Hugging Face directory.")
+    model: str = setting("smollm2-135m-instruct", "Registered model name, .gguf file, Hugging Face directory, or "
+                         "Hugging Face Hub id (org/name[@revision]; HF_TOKEN, HF_HUB_OFFLINE as huggingface_hub).")
     dtype: Literal["float32", "bfloat16"] = setting("float32", "Weights' dtype (the KV cache's too, but float32 on "
                                                     "a CPU).")
     max_model_len: int | None = setting(None, "Context length (default: the model's, capped by the KV pool).")

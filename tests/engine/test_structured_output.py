@@ -5,7 +5,6 @@ grammar lets through; the real model checks that masks leave its other requests 
 from __future__ import annotations
 
 import json
-import pathlib
 import random
 import re
 
@@ -13,7 +12,6 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 import jaxserve
 from jaxserve import SamplingParams, tool_calls
@@ -23,6 +21,7 @@ from jaxserve.models import registry
 from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sampling_params import StructuredOutput
+from tiny_models import write_tiny_model
 
 
 def bits(mask: np.ndarray, vocab: int) -> np.ndarray:
@@ -67,30 +66,6 @@ def test_every_sampler_draws_only_allowed_tokens(kind):
 
 
 # ---- through the engine ---------------------------------------------------------------------------------------
-
-def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0) -> None:
-    """A 2-layer Llama of random weights with `tokenizer`, as a Hugging Face folder."""
-    v, h, f, heads, kv_heads, d = tokenizer.vocab_size, 64, 128, 4, 2, 16
-    rng = np.random.default_rng(seed)
-    w = lambda *shape: (0.02 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
-    tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": np.ones(h, np.float32)}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": np.ones(h, np.float32),
-                    p + "post_attention_layernorm.weight": np.ones(h, np.float32),
-                    p + "self_attn.q_proj.weight": w(heads * d, h), p + "self_attn.k_proj.weight": w(kv_heads * d, h),
-                    p + "self_attn.v_proj.weight": w(kv_heads * d, h), p + "self_attn.o_proj.weight": w(h, heads * d),
-                    p + "mlp.gate_proj.weight": w(f, h), p + "mlp.up_proj.weight": w(f, h),
-                    p + "mlp.down_proj.weight": w(h, f)}
-    save_file(tensors, str(root / "model.safetensors"))
-    (root / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": v, "hidden_size": h,
-        "intermediate_size": f, "num_hidden_layers": 2, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": d, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": True}))
-    tokenizer.tokenizer.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": tokenizer.special_tokens["eos_token"]}))
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
