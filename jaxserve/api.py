@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from jaxserve import config
 from jaxserve.config import EngineConfig, InstanceShape, ModelConfig
-from jaxserve.engine import profile, scoring
+from jaxserve.engine import kv_budget, profile, scoring
 from jaxserve.cluster import pool_profile
 from jaxserve.cluster import lockstep
 from jaxserve.cluster.build import build, warmup
@@ -55,6 +55,9 @@ def _enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+CPU_KV_GIB = 2.0  # a CPU's KV pool when no size is given: a share of a machine's memory that tests and laptops afford
+
+
 class LLM:
     """A model with its engine: the scheduler in sched/ drives one compiled step per iteration.
 
@@ -89,7 +92,8 @@ class LLM:
         # the device layer: in one process made here; with several, made here and in every follower (lockstep)
         self.lockstep = lockstep.Leader(params) if jax.process_count() > 1 else None
         self._new = self.lockstep.new if self.lockstep else lambda cls, *args, **kwargs: cls(*args, **kwargs)
-        self._params, self._kv_tokens = params, self._kv_pool_tokens(cfg.parallel.instance)
+        self._params = params
+        self._kv_tokens = self._kv_pool_tokens(cfg.parallel.instance)
         self.max_model_len = min(cfg.model.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings, self._kv_tokens)
         self._buckets = self._make_buckets()
@@ -109,8 +113,10 @@ class LLM:
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
 
     def _kv_pool_tokens(self, shape: InstanceShape) -> int:
-        """Tokens an instance's KV pool holds: kv_cache_tokens, or what kv_cache_gib holds (per device: with
-        tp > 1 a device holds its share of each token's KV heads, with pipeline stages its stage's layers')."""
+        """Tokens an instance's KV pool holds: kv_cache_tokens, or what kv_cache_gib holds, or what
+        gpu_memory_utilization leaves a device (engine/kv_budget.py; the default on an accelerator), or 2 GiB's worth
+        on a CPU (per device: with tp > 1 a device holds its share of each token's KV heads, with pipeline stages
+        its stage's layers')."""
         cache, tp = self.engine_config.cache, self.engine_config.parallel.tp
         stages, kvp = shape.stages, shape.kvp
         kv_heads = self.config.split(tp).kv_heads  # per device; a ValueError when tp does not divide the model
@@ -121,7 +127,22 @@ class LLM:
         kv_dtype = cache_dtype(self._dtype, jax.devices()[0].platform)
         layers = -(-self.config.num_layers // stages)  # the largest stage's
         token_bytes = 2 * layers * kv_heads * self.config.head_dim * kv_dtype.itemsize
-        return cache.kv_cache_tokens or int(cache.kv_cache_gib * 2**30 // token_bytes)
+        if cache.kv_cache_tokens or cache.kv_cache_gib:
+            return cache.kv_cache_tokens or int(cache.kv_cache_gib * 2**30 // token_bytes)
+        device = jax.devices()[0]
+        utilization = cache.gpu_memory_utilization or (0.9 if device.platform != "cpu" else None)
+        if utilization is None:
+            return int(CPU_KV_GIB * 2**30 // token_bytes)
+        sched = self.engine_config.scheduler
+        all_weights = sum(x.nbytes for x in jax.tree.leaves(self._params))
+        b = kv_budget.budget(device, utilization, all_weights // (tp * stages), all_weights, kv_budget.activation_bytes(
+            self.config, sched.max_num_batched_tokens, sched.max_num_seqs, cache.key_block, self._dtype.itemsize, tp))
+        tokens = b.kv // token_bytes
+        if tokens < 2 * cache.block_size:
+            raise ValueError(f"gpu_memory_utilization {utilization} leaves no room for the KV cache: "
+                             f"{b.describe(max(tokens, 0), utilization)}")
+        logging.info(b.describe(tokens, utilization))
+        return int(tokens)
 
     def _make_buckets(self) -> Buckets:
         """The step shapes to compile. On a CPU the jnp attention runs every tile of a mixed program: row buckets

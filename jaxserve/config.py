@@ -58,12 +58,22 @@ class CacheConfig:
     block_size: int = setting(16, "KV cache block, tokens.")
     kv_cache_tokens: int | None = setting(None, "KV pool size, tokens per instance (default: what --kv_cache_gib "
                                           "holds).")
-    kv_cache_gib: float = setting(2.0, "KV pool size, GiB per device (unless --kv_cache_tokens).")
+    kv_cache_gib: float | None = setting(None, "KV pool size, GiB per device (unless --kv_cache_tokens; default: "
+                                         "what --gpu_memory_utilization leaves, or 2 GiB on a CPU).")
+    gpu_memory_utilization: float | None = setting(
+        None, "Share of each device's memory the engine may use (vLLM's meaning): the KV pool takes what the weights "
+        "and the largest step leave (default: 0.9 on an accelerator; on a CPU only when given, of the process's "
+        "memory budget).")
     enable_prefix_caching: bool = setting(True, "Reuse cached KV of shared prompt prefixes.")
     key_block: int = setting(256, "Keys an attention tile reads at once, tokens (a multiple of --block_size).")
 
     def __post_init__(self):
         _positive(self, "block_size", "kv_cache_tokens", "key_block")
+        if self.kv_cache_gib is not None and not (isinstance(self.kv_cache_gib, (int, float)) and self.kv_cache_gib > 0):
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib!r}")
+        u = self.gpu_memory_utilization
+        if u is not None and not (isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,46 @@
+"""--gpu_memory_utilization: the KV pool takes what the weights and the largest step leave of a device's share."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import jaxserve
+from jaxserve.config import CacheConfig
+from jaxserve.engine import kv_budget
+from jaxserve.models.config import llama3_8b
+
+GIB = 2**30
+
+
+def test_an_accelerators_pool_is_its_share_less_weights_and_activations():
+    device = types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 80 * GIB,
+                                                                         "bytes_in_use": 17 * GIB})
+    act = kv_budget.activation_bytes(llama3_8b(), 512, 16, 256, 2)
+    b = kv_budget.budget(device, 0.9, weights=8 * GIB, all_weights=16 * GIB, activations=act)
+    assert (b.limit, b.held, b.weights) == (int(0.9 * 80 * GIB), 1 * GIB, 8 * GIB)  # tp=2: half the weights here
+    assert b.kv == b.limit - GIB - 8 * GIB - act
+    assert 0.1 * GIB < act < 2 * GIB  # a 512-token step of an 8B model: hundreds of MB, not GBs
+    assert kv_budget.activation_bytes(llama3_8b(), 1024, 16, 256, 2) > act
+    assert "gpu_memory_utilization 0.9" in b.describe(1000, 0.9)
+
+
+def test_a_cpu_pool_is_sized_from_the_process_budget(caplog):
+    caplog.set_level("INFO")
+    before, memory = kv_budget._resident(), kv_budget._cpu_memory()
+    share = (before + 256 * 2**20) / memory  # about 256 MB past what this test process holds already
+    llm = jaxserve.LLM("random:tiny", gpu_memory_utilization=share, max_model_len=256, progress=False)
+    cfg = llm.config
+    token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    pool = llm.engine.kv.num_blocks * llm.engine.kv.block_size * token_bytes
+    assert 64 * 2**20 < pool <= 256 * 2**20
+    assert any("KV pool:" in r.getMessage() and "tokens" in r.getMessage() for r in caplog.records)
+
+
+def test_too_small_a_share_is_refused_and_bad_values_too():
+    with pytest.raises(ValueError, match="leaves no room for the KV cache"):
+        jaxserve.LLM("random:tiny", gpu_memory_utilization=1e-6, progress=False)
+    for bad in (0, 1.5, -0.1, True):
+        with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+            CacheConfig(gpu_memory_utilization=bad)
