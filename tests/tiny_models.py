@@ -33,3 +33,40 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
         "rope_theta": 10000.0, "tie_word_embeddings": True}))
     tokenizer.tokenizer.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": tokenizer.special_tokens["eos_token"]}))
+
+
+def write_gguf(path: pathlib.Path, arch: str, config: dict, tensors: dict[str, np.ndarray], tokenizer: TextTokenizer,
+               pre: str) -> None:
+    """A float32 GGUF file as llama.cpp's converter writes one: `config` its `{arch}.*` metadata, `tensors` by their
+    GGUF names ([out, in] arrays), the tokenizer's byte-level BPE vocabulary and merges, `pre` its pre-tokenizer."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in config.items():
+        if isinstance(value, float):
+            w.add_float32(f"{arch}.{key}", value)
+        else:
+            w.add_uint32(f"{arch}.{key}", value)
+    spec = json.loads(tokenizer.tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    tokens = [""] * tokenizer.vocab_size
+    for token, i in vocab.items():
+        tokens[i] = token
+    special = {t["id"] for t in spec["added_tokens"] if t["special"]}
+    for t in spec["added_tokens"]:
+        tokens[t["id"]] = t["content"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    eos = tokenizer.tokenizer.token_to_id(tokenizer.special_tokens["eos_token"])
+    w.add_eos_token_id(eos)
+    if tokenizer.chat_template:
+        w.add_chat_template(tokenizer.chat_template)
+    for name, array in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(array, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -1,4 +1,5 @@
-"""Llama-family model configuration, shared by every loader."""
+"""Llama-family model configuration, shared by every loader. Qwen2 / Qwen2.5 are Llama with biases on the q, k
+and v projections (qkv_bias)."""
 
 from __future__ import annotations
 
@@ -47,11 +48,14 @@ class LlamaConfig:
     # The same scaling as llama.cpp stores it: inv_freq is divided by these, one per frequency.
     rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = True
+    qkv_bias: bool = False  # Qwen2: the q, k and v projections add a bias
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
-        """Build from a Hugging Face config.json dict."""
-        scaling = cfg.get("rope_scaling") or None
+        """Build from a Hugging Face config.json dict (transformers 5 writes RoPE's theta and scaling together as
+        rope_parameters; earlier versions as rope_theta and rope_scaling)."""
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         rope_scaling = None
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -65,6 +69,9 @@ class LlamaConfig:
             )
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        qwen2 = cfg.get("model_type") == "qwen2"
+        if qwen2 and cfg.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window is not supported (sliding-window attention)")
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -75,9 +82,10 @@ class LlamaConfig:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qwen2,
         )
 
     def to_json(self) -> str:

@@ -1,4 +1,5 @@
-"""Load a Llama-family GGUF file: config, dequantized weights (via the `gguf` package) and tokenizer metadata."""
+"""Load a Llama-family GGUF file (architectures llama and qwen2): config, dequantized weights (via the `gguf`
+package) and tokenizer metadata."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.weights import params_from_hf
 
+ARCHITECTURES = ("llama", "qwen2")
 # Hugging Face tensor name (with {i} for the layer) -> GGUF tensor name.
 _HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -22,6 +24,9 @@ _HF_TO_GGUF = {
     "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
     "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
     "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "model.layers.{i}.self_attn.q_proj.bias": "blk.{i}.attn_q.bias",
+    "model.layers.{i}.self_attn.k_proj.bias": "blk.{i}.attn_k.bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "blk.{i}.attn_v.bias",
     "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
     "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
     "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
@@ -51,9 +56,10 @@ class GGUFFile:
 
     def config(self) -> LlamaConfig:
         arch = self.field("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"{self.path}: unsupported GGUF architecture {arch!r} (only 'llama')")
-        p = "llama."
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"{self.path}: unsupported GGUF architecture {arch!r} (served: "
+                             f"{', '.join(ARCHITECTURES)})")
+        p = f"{arch}."
         if (self.field(p + "expert_count") or 0) > 0:
             raise ValueError(f"{self.path}: mixture-of-experts GGUF models are not supported")
         scaling = self.field(p + "rope.scaling.type")
@@ -79,6 +85,7 @@ class GGUFFile:
             rope_theta=float(self.field(p + "rope.freq_base", 10000.0)),
             rope_freq_factors=freq_factors,
             tie_word_embeddings=not self.has_tensor("output.weight"),
+            qkv_bias=arch == "qwen2",
         )
 
 
@@ -90,14 +97,15 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any], GGUFFile]:
     f = GGUFFile(path)
     cfg = f.config()
+    permuted = f.field("general.architecture") == "llama"  # llama.cpp's converter permutes llama's q and k only
 
     def tensor(hf_name: str) -> np.ndarray:
         m = re.match(r"model\.layers\.(\d+)\.(.*)", hf_name)
         key = f"model.layers.{{i}}.{m.group(2)}" if m else hf_name
         w = f.tensor(_HF_TO_GGUF[key].format(i=m.group(1) if m else ""))
-        if key.endswith("q_proj.weight"):
+        if permuted and key.endswith("q_proj.weight"):
             w = _unpermute(w, cfg.num_heads)
-        elif key.endswith("k_proj.weight"):
+        elif permuted and key.endswith("k_proj.weight"):
             w = _unpermute(w, cfg.num_kv_heads)
         return w
 

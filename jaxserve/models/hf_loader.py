@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama directory: config.json and one or more *.safetensors files."""
+"""Load a Hugging Face Llama-family directory (Llama, Qwen2 / Qwen2.5): config.json and *.safetensors files."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ def load_hf_dir(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
     root = pathlib.Path(path)
     raw = json.loads((root / "config.json").read_text())
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
-    if raw.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
-        raise ValueError(f"{root}: unsupported model_type {raw.get('model_type')!r} (only Llama-family)")
+    if raw.get("model_type", "llama") not in ("llama", "qwen2") and "LlamaForCausalLM" not in archs:
+        raise ValueError(f"{root}: unsupported model_type {raw.get('model_type')!r} (llama and qwen2 are served)")
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise ValueError(f"{root}: Llama variants with attention/MLP biases are not supported")
     cfg = LlamaConfig.from_hf(raw)

@@ -60,8 +60,8 @@ def apply_rope(x: Float[Array, "b t h d"], cos: Float[Array, "b t d"], sin: Floa
     return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
 
 
-def _dense(features: int, dtype: jnp.dtype, name: str) -> nn.Dense:
-    return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
+def _dense(features: int, dtype: jnp.dtype, name: str, bias: bool = False) -> nn.Dense:
+    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
 def _split(cfg: LlamaConfig, tp_axis: str | None):
@@ -84,9 +84,10 @@ class Attention(nn.Module):
     def __call__(self, x, cos, sin, positions, caches: Caches, layer, metadata: AttentionMetadata):
         cfg, share = self.cfg, _split(self.cfg, self.tp_axis)
         b, t, _ = x.shape
-        q = _dense(share.heads * cfg.head_dim, self.dtype, "q_proj")(x).reshape(b, t, share.heads, cfg.head_dim)
-        k = _dense(share.kv_heads * cfg.head_dim, self.dtype, "k_proj")(x).reshape(b, t, share.kv_heads, cfg.head_dim)
-        v = _dense(share.kv_heads * cfg.head_dim, self.dtype, "v_proj")(x).reshape(b, t, share.kv_heads, cfg.head_dim)
+        qh, kvh, bias = share.heads * cfg.head_dim, share.kv_heads * cfg.head_dim, cfg.qkv_bias
+        q = _dense(qh, self.dtype, "q_proj", bias)(x).reshape(b, t, share.heads, cfg.head_dim)
+        k = _dense(kvh, self.dtype, "k_proj", bias)(x).reshape(b, t, share.kv_heads, cfg.head_dim)
+        v = _dense(kvh, self.dtype, "v_proj", bias)(x).reshape(b, t, share.kv_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, caches = self.backend(q, k, v, positions, caches, layer, metadata)
         out = _dense(cfg.hidden_size, self.dtype, "o_proj")(out.reshape(b, t, -1).astype(self.dtype))

@@ -29,12 +29,17 @@ _LLAMA3_REGEX = (
 
 
 _GPT2_PRE = {None, "default", "gpt2", "gpt-2"}
+# llama.cpp's qwen2 pre-tokenizer: Llama-3's, but every digit on its own
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 
 
 def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    if pre in _LLAMA3_PRE:
+    if pre in _LLAMA3_PRE or pre == "qwen2":
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_QWEN2_REGEX if pre == "qwen2" else _LLAMA3_REGEX), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -42,7 +47,7 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2_PRE:
         return byte_level
-    known = sorted(p for p in _LLAMA3_PRE | _GPT2_PRE | {"smollm"} if p)
+    known = sorted(p for p in _LLAMA3_PRE | _GPT2_PRE | {"smollm", "qwen2"} if p)
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(known)})")
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxserve.models.config import LlamaConfig
 
+QKV = ("q_proj", "k_proj", "v_proj")
 _LAYER_LINEARS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
@@ -21,8 +22,11 @@ _LAYER_LINEARS = {
 def params_from_hf(cfg: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> dict[str, Any]:
     """Build `{'params': ...}` from `tensor(hf_name) -> [out, in]` arrays (Linear weights transpose to kernels)."""
 
-    def linear(name: str) -> dict[str, np.ndarray]:
-        return {"kernel": np.ascontiguousarray(tensor(name).T)}
+    def linear(name: str, bias: bool = False) -> dict[str, np.ndarray]:
+        out = {"kernel": np.ascontiguousarray(tensor(name).T)}
+        if bias:
+            out["bias"] = tensor(name.removesuffix("weight") + "bias")
+        return out
 
     def norm(name: str) -> dict[str, np.ndarray]:
         return {"weight": tensor(name)}
@@ -34,7 +38,7 @@ def params_from_hf(cfg: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> dic
             "post_attention_layernorm": norm(f"{prefix}.post_attention_layernorm.weight"),
         }
         for block, names in _LAYER_LINEARS.items():
-            tree[block] = {n: linear(f"{prefix}.{block}.{n}.weight") for n in names}
+            tree[block] = {n: linear(f"{prefix}.{block}.{n}.weight", cfg.qkv_bias and n in QKV) for n in names}
         return tree
 
     params: dict[str, Any] = {"embed_tokens": {"embedding": tensor("model.embed_tokens.weight")}}

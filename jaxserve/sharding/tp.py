@@ -35,11 +35,14 @@ def shard_params(params: Any, cfg: LlamaConfig, tp: int) -> tuple[Any, Any]:
         names = [getattr(k, "key", "") for k in path]
         if tp == 1 or not set(names) & set(_COLUMNS + _ROWS):
             return x, P()
+        bias = names[-1] == "bias"  # a column-split projection's bias ([.., cols]): split like its columns
         if shape.kv_repeat > 1 and set(names) & {"k_proj", "v_proj"}:
-            *lead, e, cols = x.shape  # [.., e, kvh * d] -> each head's columns repeated kv_repeat times
-            heads = x.reshape(*lead, e, cfg.num_kv_heads, 1, cfg.head_dim)
-            x = jnp.broadcast_to(heads, (*lead, e, cfg.num_kv_heads, shape.kv_repeat, cfg.head_dim)).reshape(
-                *lead, e, cols * shape.kv_repeat)
+            *lead, cols = x.shape  # [.., kvh * d] -> each head's columns repeated kv_repeat times
+            heads = x.reshape(*lead, cfg.num_kv_heads, 1, cfg.head_dim)
+            x = jnp.broadcast_to(heads, (*lead, cfg.num_kv_heads, shape.kv_repeat, cfg.head_dim)).reshape(
+                *lead, cols * shape.kv_repeat)
+        if bias:
+            return x, P(*(None,) * (x.ndim - 1), TP)
         lead = (None,) * (x.ndim - 2)
         return x, P(*lead, None, TP) if set(names) & set(_COLUMNS) else P(*lead, TP, None)
 

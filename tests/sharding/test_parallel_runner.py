@@ -248,3 +248,26 @@ def test_pipeline_stages_refuse_what_they_do_not_run(devices, params):
         pipe.land(*pipe.stage_caches[0], np.arange(3))
     with pytest.raises(ValueError, match="do not split into 3 pipeline stages"):
         runner(params, devices[:3], PER_DEVICE, stages=3, buckets=ONE_STEP)
+
+
+QWEN2 = dataclasses.replace(CFG, qkv_bias=True)  # Qwen2's q/k/v biases: split with their projections' columns
+
+
+@pytest.mark.parametrize("tp", [2, 4])  # 4 > the 2 KV heads: k/v biases repeat with their heads
+def test_qkv_biases_split_over_tensor_parallel_devices(devices, tp):
+    params = random_params(QWEN2)
+    one, group = runner(params, devices[:1], PER_DEVICE, cfg=QWEN2), runner(params, devices[:tp], PER_DEVICE, tp,
+                                                                             cfg=QWEN2)
+    kv = KVCacheManager(PER_DEVICE, BS, enable_prefix_caching=False, scratch_blocks=1)
+    tokens = list(np.random.default_rng(tp).integers(0, CFG.vocab_size, 21))
+    kv.allocate("a", len(tokens) + 6)
+    greedy = SamplingParams()
+    rows = [batch.Row(tokens, 0, kv.block_table("a"), greedy, 0, 0)]
+    for _ in range(6):  # the prompt, then decodes
+        want, got = one.execute(rows), group.execute(rows)
+        np.testing.assert_array_equal(got, want)
+        tokens.append(int(want[0]))
+        rows = [batch.Row(tokens[-1:], len(tokens) - 1, kv.block_table("a"), greedy, 0, 0)]
+    table = kv.block_table("a")
+    for got, want in zip(kv_of(group, table, len(tokens) - 1), kv_of(one, table, len(tokens) - 1)):
+        np.testing.assert_allclose(got, want[:, :, heads_held(group)], **TOL)
