@@ -11,28 +11,81 @@ from safetensors.numpy import save_file
 from jaxserve.models.tokenizer import TextTokenizer
 
 
-def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0) -> None:
-    """A 2-layer Llama of random weights with `tokenizer`, as a Hugging Face folder."""
+# Qwen2.5's chat template (its system default, turns in ChatML)
+QWEN_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}{%- if message.role != 'system' or not loop.first %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}, {"role": "user", "content": "x3?"}],
+    [{"role": "user", "content": "Ünïcode ✓ and emoji 🙂"}],
+    [{"role": "user", "content": "Line one\nLine two\n\n  indented"}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "empty system"}],
+    [{"role": "user", "content": "{{ not a template }} {% raw %}"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+     {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"}],
+    [{"role": "user", "content": "quotes ' \" and \\ backslash"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "<|im_end|> typed by a user"}],
+]
+PROMPT = "The quick brown fox jumps over the lazy dog. 12345"
+FAMILIES = {"qwen2": QWEN_TEMPLATE}  # family -> its chat template (tools/make_family_fixtures.py, its fixture)
+
+
+def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0, family: str = "llama",
+                     tied: bool = True, chat_template: str | None = None) -> dict[str, np.ndarray]:
+    """A 2-layer model of random weights with `tokenizer`, as a Hugging Face folder; its tensors by name. family
+    "qwen2": Qwen2's config, q/k/v biases and RoPE theta, its norms drawn too (so every weight matters)."""
     v, h, f, heads, kv_heads, d = tokenizer.vocab_size, 64, 128, 4, 2, 16
+    qwen2 = family == "qwen2"
     rng = np.random.default_rng(seed)
     w = lambda *shape: (0.02 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
-    tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": np.ones(h, np.float32)}
+    norm = lambda: (1 + 0.3 * rng.standard_normal(h) if qwen2 else np.ones(h)).astype(np.float32)  # noqa: E731
+    tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": norm()}
     for i in range(2):
         p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": np.ones(h, np.float32),
-                    p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+        tensors |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
                     p + "self_attn.q_proj.weight": w(heads * d, h), p + "self_attn.k_proj.weight": w(kv_heads * d, h),
                     p + "self_attn.v_proj.weight": w(kv_heads * d, h), p + "self_attn.o_proj.weight": w(h, heads * d),
                     p + "mlp.gate_proj.weight": w(f, h), p + "mlp.up_proj.weight": w(f, h),
                     p + "mlp.down_proj.weight": w(h, f)}
+        if qwen2:
+            tensors |= {p + f"self_attn.{x}_proj.bias": (0.3 * rng.standard_normal(n)).astype(np.float32)
+                        for x, n in (("q", heads * d), ("k", kv_heads * d), ("v", kv_heads * d))}
+    if not tied:
+        tensors["lm_head.weight"] = w(v, h)
     save_file(tensors, str(root / "model.safetensors"))
-    (root / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": v, "hidden_size": h,
-        "intermediate_size": f, "num_hidden_layers": 2, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": d, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": True}))
+    config = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"], "model_type": family,
+              "vocab_size": v, "hidden_size": h, "intermediate_size": f, "num_hidden_layers": 2,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6 if qwen2 else 1e-5,
+              "rope_theta": 1e6 if qwen2 else 10000.0, "tie_word_embeddings": tied, "torch_dtype": "float32"}
+    (root / "config.json").write_text(json.dumps(config))
     tokenizer.tokenizer.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": tokenizer.special_tokens["eos_token"]}))
+    special = {"eos_token": "<|im_end|>", "bos_token": None} if qwen2 else {
+        "eos_token": tokenizer.special_tokens["eos_token"]}
+    (root / "tokenizer_config.json").write_text(json.dumps({
+        **special, **({"chat_template": chat_template} if chat_template else {}),
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return tensors
+
+
+def gguf_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Hugging Face-named tensors by llama.cpp's names (q and k as they are: llama.cpp permutes only llama's)."""
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+             **{f"self_attn.{x}_proj.{kind}": f"attn_{x}.{kind}" for x in "qkv" for kind in ("weight", "bias")}}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    out = {}
+    for key, value in tensors.items():
+        parts = key.split(".")
+        out[top[key] if key in top else f"blk.{parts[2]}.{names['.'.join(parts[3:])]}"] = value
+    return out
 
 
 def write_gguf(path: pathlib.Path, arch: str, config: dict, tensors: dict[str, np.ndarray], tokenizer: TextTokenizer,

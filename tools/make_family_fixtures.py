@@ -1,0 +1,65 @@
+"""Write transformers' outputs for the tiny random models of each family jaxserve serves beside Llama
+(tests/tiny_models.py builds them, the same from its seed on any machine), for tests/models/test_families.py:
+
+    .venv/bin/pip install -e '.[reference]'
+    .venv/bin/python tools/make_family_fixtures.py      # writes tests/fixtures/families_reference.json
+
+Recorded in float32, per family and tied / untied embeddings: the prompt's token ids, each position's logprob of
+the next prompt token and the 5 most likely, 12 greedy tokens with each step's two best logprobs (a tie may go
+either way), and the family's chat template as transformers renders 10 conversations.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import tempfile
+
+import torch
+import transformers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from jaxserve.models import registry  # noqa: E402
+from jaxserve.models.gguf_loader import GGUFFile  # noqa: E402
+from jaxserve.models.tokenizer import TextTokenizer  # noqa: E402
+from tiny_models import CONVERSATIONS, FAMILIES, PROMPT, write_tiny_model  # noqa: E402
+
+OUT = ROOT / "tests" / "fixtures" / "families_reference.json"
+GREEDY = 12
+
+
+def record(root: pathlib.Path, ids: list[int]) -> dict:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        top = lp.topk(5, -1)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY, min_new_tokens=GREEDY, do_sample=False,
+                             pad_token_id=0)[0].tolist()
+        steps = torch.log_softmax(model(torch.tensor([out])).logits[0].double(), -1)[len(ids) - 1:-1].topk(2, -1)
+    return {"chosen": [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)],
+            "top_ids": top.indices[:-1].tolist(), "top": top.values[:-1].tolist(),
+            "greedy": out[len(ids):], "greedy_top2": steps.values.tolist()}
+
+
+def main() -> None:
+    tokenizer = TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL)))
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    fixture = {}
+    for family, template in FAMILIES.items():
+        entry: dict = {"ids": ids}
+        for tied in (True, False):
+            with tempfile.TemporaryDirectory() as d:
+                write_tiny_model(pathlib.Path(d), tokenizer, family=family, tied=tied, chat_template=template)
+                entry["tied" if tied else "untied"] = record(pathlib.Path(d), ids)
+                theirs = transformers.AutoTokenizer.from_pretrained(d)
+                entry["chat"] = [theirs.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                                 for c in CONVERSATIONS]
+        fixture[family] = entry
+    OUT.write_text(json.dumps(fixture, indent=1, ensure_ascii=False))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
