@@ -31,19 +31,39 @@ CONVERSATIONS = [
     [{"role": "user", "content": "quotes ' \" and \\ backslash"}],
     [{"role": "system", "content": "S"}, {"role": "user", "content": "<|im_end|> typed by a user"}],
 ]
+# Mistral-7B-Instruct-v0.3's (a system message goes before the first user turn)
+MISTRAL_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- set loop_messages = messages %}"
+    "{%- endif %}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.first and system %}{{- '[INST] ' + system + '\n\n' + message['content'] + ' [/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
+    "{%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}")
+# Phi-3-mini's
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
+    "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}"
+    "{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
 PROMPT = "The quick brown fox jumps over the lazy dog. 12345"
-FAMILIES = {"qwen2": QWEN_TEMPLATE}  # family -> its chat template (tools/make_family_fixtures.py, its fixture)
+# family -> its chat template (tools/make_family_fixtures.py records transformers' side in a fixture)
+FAMILIES = {"qwen2": QWEN_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "phi3": PHI3_TEMPLATE}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
+WINDOW = 64  # Mistral's and Phi-3's sliding window here: shorter than the context, longer than a test's text
 
 
 def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0, family: str = "llama",
                      tied: bool = True, chat_template: str | None = None) -> dict[str, np.ndarray]:
-    """A 2-layer model of random weights with `tokenizer`, as a Hugging Face folder; its tensors by name. family
-    "qwen2": Qwen2's config, q/k/v biases and RoPE theta, its norms drawn too (so every weight matters)."""
+    """A 2-layer model of random weights with `tokenizer`, as a Hugging Face folder; its tensors by name. Beside
+    "llama": "qwen2" (q/k/v biases), "mistral" (a sliding window) and "phi3" (fused q/k/v and gate/up projections,
+    a sliding window), each with its family's RoPE theta and its norms drawn (so every weight matters)."""
     v, h, f, heads, kv_heads, d = tokenizer.vocab_size, 64, 128, 4, 2, 16
-    qwen2 = family == "qwen2"
+    qwen2, llama = family == "qwen2", family == "llama"
     rng = np.random.default_rng(seed)
     w = lambda *shape: (0.02 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
-    norm = lambda: (1 + 0.3 * rng.standard_normal(h) if qwen2 else np.ones(h)).astype(np.float32)  # noqa: E731
+    norm = lambda: (np.ones(h) if llama else 1 + 0.3 * rng.standard_normal(h)).astype(np.float32)  # noqa: E731
     tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": norm()}
     for i in range(2):
         p = f"model.layers.{i}."
@@ -57,33 +77,45 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
                         for x, n in (("q", heads * d), ("k", kv_heads * d), ("v", kv_heads * d))}
     if not tied:
         tensors["lm_head.weight"] = w(v, h)
+    if family == "phi3":  # q, k, v as one projection, gate and up as another
+        for i in range(2):
+            p = f"model.layers.{i}."
+            tensors[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+                [tensors.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            tensors[p + "mlp.gate_up_proj.weight"] = np.concatenate(
+                [tensors.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
     save_file(tensors, str(root / "model.safetensors"))
-    config = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"], "model_type": family,
+    config = {"architectures": [ARCHITECTURES[family]], "model_type": family,
               "vocab_size": v, "hidden_size": h, "intermediate_size": f, "num_hidden_layers": 2,
               "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d,
               "max_position_embeddings": 4096, "rms_norm_eps": 1e-6 if qwen2 else 1e-5,
-              "rope_theta": 1e6 if qwen2 else 10000.0, "tie_word_embeddings": tied, "torch_dtype": "float32"}
+              "rope_theta": 1e6 if family in ("qwen2", "mistral") else 10000.0, "tie_word_embeddings": tied,
+              "torch_dtype": "float32", **({"sliding_window": WINDOW} if family in ("mistral", "phi3") else {})}
     (root / "config.json").write_text(json.dumps(config))
     tokenizer.tokenizer.save(str(root / "tokenizer.json"))
-    special = {"eos_token": "<|im_end|>", "bos_token": None} if qwen2 else {
-        "eos_token": tokenizer.special_tokens["eos_token"]}
+    special = {"eos_token": tokenizer.special_tokens["eos_token"], "bos_token": None}
     (root / "tokenizer_config.json").write_text(json.dumps({
         **special, **({"chat_template": chat_template} if chat_template else {}),
         "tokenizer_class": "PreTrainedTokenizerFast"}))
     return tensors
 
 
-def gguf_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Hugging Face-named tensors by llama.cpp's names (q and k as they are: llama.cpp permutes only llama's)."""
+def gguf_tensors(tensors: dict[str, np.ndarray], arch: str, heads: int = 4, kv_heads: int = 2) -> dict[str, np.ndarray]:
+    """Hugging Face-named tensors by llama.cpp's names, as its converter writes them for `arch`: llama's q and k
+    rows permuted (interleaved RoPE pairs), phi3's fused projections as they are."""
     names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
              "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+             "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
              **{f"self_attn.{x}_proj.{kind}": f"attn_{x}.{kind}" for x in "qkv" for kind in ("weight", "bias")}}
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     out = {}
     for key, value in tensors.items():
         parts = key.split(".")
+        if arch == "llama" and parts[-2] in ("q_proj", "k_proj"):
+            n = heads if parts[-2] == "q_proj" else kv_heads
+            value = value.reshape(n, 2, value.shape[0] // n // 2, *value.shape[1:]).swapaxes(1, 2).reshape(value.shape)
         out[top[key] if key in top else f"blk.{parts[2]}.{names['.'.join(parts[3:])]}"] = value
     return out
 

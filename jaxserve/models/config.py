@@ -1,5 +1,9 @@
 """Llama-family model configuration, shared by every loader. Qwen2 / Qwen2.5 are Llama with biases on the q, k
-and v projections (qkv_bias)."""
+and v projections (qkv_bias); Mistral and Phi-3 are Llama (Phi-3's fused projections are split on load).
+
+Sliding-window attention (Mistral v0.1, Phi-3-mini, Qwen2 with use_sliding_window) is not implemented: a model
+with a window shorter than its context is served with its context cut to the window, where sliding-window
+attention and full attention are the same (SLIDING_WINDOW_NOTE)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,10 @@ import math
 from typing import Any
 
 import numpy as np
+from absl import logging
+
+SLIDING_WINDOW_NOTE = ("the model attends through a sliding window of %d tokens over a context of %d; jaxserve serves "
+                       "it with a context of %d, where that equals full attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +78,11 @@ class LlamaConfig:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         qwen2 = cfg.get("model_type") == "qwen2"
-        if qwen2 and cfg.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window is not supported (sliding-window attention)")
+        context = int(cfg.get("max_position_embeddings", 2048))
+        window = cfg.get("sliding_window") if (not qwen2 or cfg.get("use_sliding_window")) else None
+        if window and window < context:
+            logging.warning(SLIDING_WINDOW_NOTE, window, context, window)
+            context = int(window)
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -80,7 +91,7 @@ class LlamaConfig:
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=context,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=rope_scaling,

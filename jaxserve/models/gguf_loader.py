@@ -1,5 +1,5 @@
-"""Load a Llama-family GGUF file (architectures llama and qwen2): config, dequantized weights (via the `gguf`
-package) and tokenizer metadata."""
+"""Load a Llama-family GGUF file (architectures llama, which Mistral's files use too, qwen2 and phi3): config,
+dequantized weights (via the `gguf` package) and tokenizer metadata."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from typing import Any
 
 import gguf
 import numpy as np
+from absl import logging
 
-from jaxserve.models.config import LlamaConfig
+from jaxserve.models.config import SLIDING_WINDOW_NOTE, LlamaConfig
+from jaxserve.models.hf_loader import phi3_split
 from jaxserve.models.weights import params_from_hf
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "phi3")
 # Hugging Face tensor name (with {i} for the layer) -> GGUF tensor name.
 _HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -24,6 +26,8 @@ _HF_TO_GGUF = {
     "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
     "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
     "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "model.layers.{i}.self_attn.qkv_proj.weight": "blk.{i}.attn_qkv.weight",  # phi3: q, k and v fused
+    "model.layers.{i}.mlp.gate_up_proj.weight": "blk.{i}.ffn_up.weight",  # phi3: gate and up fused
     "model.layers.{i}.self_attn.q_proj.bias": "blk.{i}.attn_q.bias",
     "model.layers.{i}.self_attn.k_proj.bias": "blk.{i}.attn_k.bias",
     "model.layers.{i}.self_attn.v_proj.bias": "blk.{i}.attn_v.bias",
@@ -71,7 +75,14 @@ class GGUFFile:
         freq_factors = None
         if self.has_tensor("rope_freqs.weight"):
             freq_factors = tuple(float(x) for x in self.tensor("rope_freqs.weight").reshape(-1))
+        if self.has_tensor("rope_factors_long.weight"):
+            raise ValueError(f"{self.path}: LongRoPE (Phi-3's 128K variants) is not supported")
         vocab = self.field(p + "vocab_size") or len(self.field("tokenizer.ggml.tokens"))
+        context = int(self.field(p + "context_length"))
+        window = self.field(p + "attention.sliding_window")
+        if window and window < context:  # served with its context cut to the window (config.SLIDING_WINDOW_NOTE)
+            logging.warning(SLIDING_WINDOW_NOTE, window, context, window)
+            context = int(window)
         return LlamaConfig(
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -80,7 +91,7 @@ class GGUFFile:
             num_heads=heads,
             num_kv_heads=int(self.field(p + "attention.head_count_kv", heads)),
             head_dim=int(self.field(p + "rope.dimension_count", hidden // heads)),
-            max_position_embeddings=int(self.field(p + "context_length")),
+            max_position_embeddings=context,
             rms_norm_eps=float(self.field(p + "attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self.field(p + "rope.freq_base", 10000.0)),
             rope_freq_factors=freq_factors,
@@ -97,7 +108,8 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any], GGUFFile]:
     f = GGUFFile(path)
     cfg = f.config()
-    permuted = f.field("general.architecture") == "llama"  # llama.cpp's converter permutes llama's q and k only
+    arch = f.field("general.architecture")
+    permuted = arch == "llama"  # llama.cpp's converter permutes llama's q and k only
 
     def tensor(hf_name: str) -> np.ndarray:
         m = re.match(r"model\.layers\.(\d+)\.(.*)", hf_name)
@@ -109,4 +121,4 @@ def load_gguf(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any], GG
             w = _unpermute(w, cfg.num_kv_heads)
         return w
 
-    return cfg, params_from_hf(cfg, tensor), f
+    return cfg, params_from_hf(cfg, phi3_split(cfg, tensor) if arch == "phi3" else tensor), f

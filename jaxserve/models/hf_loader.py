@@ -1,10 +1,11 @@
-"""Load a Hugging Face Llama-family directory (Llama, Qwen2 / Qwen2.5): config.json and *.safetensors files."""
+"""Load a Hugging Face Llama-family directory (Llama, Qwen2 / Qwen2.5, Mistral, Phi-3): config.json and
+*.safetensors files."""
 
 from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from safetensors import safe_open
@@ -12,13 +13,16 @@ from safetensors import safe_open
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.weights import params_from_hf
 
+MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3")
+
 
 def load_hf_dir(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
     root = pathlib.Path(path)
     raw = json.loads((root / "config.json").read_text())
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
-    if raw.get("model_type", "llama") not in ("llama", "qwen2") and "LlamaForCausalLM" not in archs:
-        raise ValueError(f"{root}: unsupported model_type {raw.get('model_type')!r} (llama and qwen2 are served)")
+    if raw.get("model_type", "llama") not in MODEL_TYPES and "LlamaForCausalLM" not in archs:
+        raise ValueError(f"{root}: unsupported model_type {raw.get('model_type')!r} (served: "
+                         f"{', '.join(MODEL_TYPES)})")
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise ValueError(f"{root}: Llama variants with attention/MLP biases are not supported")
     cfg = LlamaConfig.from_hf(raw)
@@ -37,4 +41,22 @@ def load_hf_dir(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
         with safe_open(str(where[name]), framework="flax") as f:
             return np.asarray(f.get_tensor(name), dtype=np.float32)
 
+    if raw.get("model_type") == "phi3":
+        tensor = phi3_split(cfg, tensor)
     return cfg, params_from_hf(cfg, tensor)
+
+
+def phi3_split(cfg: LlamaConfig, fused: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
+    """Phi-3's tensors by Llama's names: its qkv_proj holds q, k and v's rows, its gate_up_proj gate's then up's."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    rows = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, q + kv), "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, 2 * cfg.intermediate_size)}
+
+    def tensor(name: str) -> np.ndarray:
+        parts = name.split(".")
+        if len(parts) > 2 and parts[-2] in rows:
+            source, lo, hi = rows[parts[-2]]
+            return fused(".".join([*parts[:-2], source, parts[-1]]))[lo:hi]
+        return fused(name)
+    return tensor

@@ -18,14 +18,20 @@ from jaxserve.models import registry
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
-from tiny_models import CONVERSATIONS, FAMILIES, PROMPT, gguf_tensors, write_gguf, write_tiny_model
+from tiny_models import CONVERSATIONS, FAMILIES, PROMPT, WINDOW, gguf_tensors, write_gguf, write_tiny_model
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "families_reference.json"
 TOL = 1e-4  # float32 logprobs of magnitude ~10 through two implementations
 TIE = 1e-3  # two greedy candidates closer than this may swap between implementations
-GGUF_CONFIG = {"qwen2": {"context_length": 4096, "embedding_length": 64, "feed_forward_length": 128, "block_count": 2,
-                         "attention.head_count": 4, "attention.head_count_kv": 2, "rope.freq_base": 1e6,
-                         "attention.layer_norm_rms_epsilon": 1e-6}}
+SHAPE = {"embedding_length": 64, "feed_forward_length": 128, "block_count": 2, "attention.head_count": 4,
+         "attention.head_count_kv": 2}
+# family -> (its GGUF architecture, the metadata llama.cpp's converter writes for it)
+GGUF = {"qwen2": ("qwen2", {**SHAPE, "context_length": 4096, "rope.freq_base": 1e6,
+                            "attention.layer_norm_rms_epsilon": 1e-6}),
+        "mistral": ("llama", {**SHAPE, "context_length": 4096, "rope.freq_base": 1e6,
+                              "attention.layer_norm_rms_epsilon": 1e-5}),
+        "phi3": ("phi3", {**SHAPE, "context_length": 4096, "rope.freq_base": 10000.0, "rope.dimension_count": 16,
+                          "attention.layer_norm_rms_epsilon": 1e-5, "attention.sliding_window": WINDOW})}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,8 @@ def model_dir(request, tmp_path_factory, tokenizer):
     tensors = write_tiny_model(root, tokenizer, family=family, tied=tied, chat_template=FAMILIES[family])
     tok = TextTokenizer(tokenizer.tokenizer, bos_id=None, stop_ids=tokenizer.stop_ids, add_bos=False,
                         chat_template=FAMILIES[family], special_tokens=tokenizer.special_tokens)
-    write_gguf(root / "model.gguf", family, GGUF_CONFIG[family], gguf_tensors(tensors), tok, pre="smollm")
+    arch, metadata = GGUF[family]
+    write_gguf(root / "model.gguf", arch, metadata, gguf_tensors(tensors, arch), tok, pre="smollm")
     return family, tied, root
 
 
@@ -59,6 +66,9 @@ def test_logprobs_and_greedy_tokens_equal_transformers(model_dir, source, refere
                        kv_cache_tokens=1024, progress=False)
     ids = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
     assert ids == reference[family]["ids"]
+    assert llm.config.qkv_bias == (family == "qwen2")
+    assert llm.max_model_len == (WINDOW if family == "phi3" or (family == "mistral" and source == "safetensors")
+                                 else 256)  # a sliding window shorter than the context cuts it
     got = llm.prompt_logprobs(ids, k=5)[1:]
     np.testing.assert_allclose([g.logprob for g in got], want["chosen"], atol=TOL)
     for g, top_ids, top in zip(got, want["top_ids"], want["top"]):
