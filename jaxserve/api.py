@@ -135,7 +135,7 @@ class LLM:
             return int(CPU_KV_GIB * 2**30 // token_bytes)
         sched = self.engine_config.scheduler
         all_weights = sum(x.nbytes for x in jax.tree.leaves(self._params))
-        b = kv_budget.budget(device, utilization, all_weights // (tp * stages), all_weights, kv_budget.activation_bytes(
+        b = kv_budget.budget(device, utilization, all_weights // (tp * stages), kv_budget.activation_bytes(
             self.config, sched.max_num_batched_tokens, sched.max_num_seqs, cache.key_block, self._dtype.itemsize, tp))
         tokens = b.kv // token_bytes
         if tokens < 2 * cache.block_size:

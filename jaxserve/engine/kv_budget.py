@@ -24,8 +24,8 @@ class Budget:
     """A device's memory as the KV pool sees it, in bytes."""
 
     limit: int  # what the engine may use: utilization x the device's memory
-    held: int  # in use besides this instance's weights (a CPU: the process's resident set, weights included)
-    weights: int  # this instance's weights on the device
+    held: int  # in use now (the loaded weights included; a CPU: the process's resident set)
+    weights: int  # the runner's copy of this instance's weights on the device
     activations: int  # an upper bound of the largest step's working memory
 
     @property
@@ -70,11 +70,11 @@ def _resident() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def budget(device: jax.Device, utilization: float, weights: int, all_weights: int, activations: int) -> Budget:
-    """The KV budget of `device` for an instance whose weights take `weights` bytes on it; `all_weights`: the
-    model's weights, all of which may sit on this device now (loaded, not yet split over tp or stages)."""
+def budget(device: jax.Device, utilization: float, weights: int, activations: int) -> Budget:
+    """The KV budget of `device` for an instance whose weights take `weights` bytes on it. What is in use now
+    counts too, the loaded weights included: the runner places its own copy of them (per layer, split over tp)
+    and allocates the KV pool before the loaded copy is released, so both must fit beside the pool."""
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
-        held = max(stats.get("bytes_in_use", 0) - all_weights, 0)
-        return Budget(int(utilization * stats["bytes_limit"]), held, weights, activations)
-    return Budget(int(utilization * _cpu_memory()), _resident(), 0, activations)  # the weights are resident
+        return Budget(int(utilization * stats["bytes_limit"]), stats.get("bytes_in_use", 0), weights, activations)
+    return Budget(int(utilization * _cpu_memory()), _resident(), weights, activations)

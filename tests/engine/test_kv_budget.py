@@ -18,9 +18,10 @@ def test_an_accelerators_pool_is_its_share_less_weights_and_activations():
     device = types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 80 * GIB,
                                                                          "bytes_in_use": 17 * GIB})
     act = kv_budget.activation_bytes(llama3_8b(), 512, 16, 256, 2)
-    b = kv_budget.budget(device, 0.9, weights=8 * GIB, all_weights=16 * GIB, activations=act)
-    assert (b.limit, b.held, b.weights) == (int(0.9 * 80 * GIB), 1 * GIB, 8 * GIB)  # tp=2: half the weights here
-    assert b.kv == b.limit - GIB - 8 * GIB - act
+    b = kv_budget.budget(device, 0.9, weights=8 * GIB, activations=act)  # tp=2: the runner holds half here
+    # the loaded weights (in use now) stay while the runner places its copy and the pool: both count
+    assert (b.limit, b.held, b.weights) == (int(0.9 * 80 * GIB), 17 * GIB, 8 * GIB)
+    assert b.kv == b.limit - 17 * GIB - 8 * GIB - act
     assert 0.1 * GIB < act < 2 * GIB  # a 512-token step of an 8B model: hundreds of MB, not GBs
     assert kv_budget.activation_bytes(llama3_8b(), 1024, 16, 256, 2) > act
     assert "gpu_memory_utilization 0.9" in b.describe(1000, 0.9)
