@@ -28,7 +28,7 @@ from jaxserve.engine.kv_cache import cache_dtype
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.models import registry
-from jaxserve.models.loader import DTYPES, load_weights
+from jaxserve.models.loader import DTYPES, load_weights, resolve_dtype
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.batch_cost import EngineStepCost
@@ -78,8 +78,9 @@ class LLM:
         base = model if isinstance(model, EngineConfig) else EngineConfig(model=ModelConfig(model=model))
         self.engine_config = cfg = config.replace(base, **settings)
         _enable_compilation_cache()
-        self.model_name, self._dtype_name, self._dtype = cfg.model.model, cfg.model.dtype, DTYPES[cfg.model.dtype]
-        self.config, params, self.tokenizer = load_weights(cfg.model.model, cfg.model.dtype)
+        self.model_name, self._dtype_name = cfg.model.model, resolve_dtype(cfg.model.dtype)
+        self._dtype = DTYPES[self._dtype_name]
+        self.config, params, self.tokenizer = load_weights(cfg.model.model, self._dtype_name)
         if cfg.model.tokenizer:
             self.tokenizer = TextTokenizer.from_hf_dir(cfg.model.tokenizer)
             if self.tokenizer.vocab_size > self.config.vocab_size:
@@ -393,5 +394,5 @@ def follow(model: ModelConfig = ModelConfig()) -> None:
     """A follower's life (jax.distributed, every process but the leader): load the same weights as the leader's
     LLM, then make the device-layer calls the leader publishes until it stops (cluster/lockstep.py)."""
     _enable_compilation_cache()
-    _, params, _ = load_weights(model.model, model.dtype)
+    _, params, _ = load_weights(model.model, resolve_dtype(model.dtype))
     lockstep.follow(jax.tree.map(np.asarray, params))

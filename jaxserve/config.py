@@ -41,15 +41,16 @@ def _positive(config: Any, *names: str) -> None:
 class ModelConfig:
     model: str = setting("smollm2-135m-instruct", "Registered model name, .gguf file, Hugging Face directory, or "
                          "Hugging Face Hub id (org/name[@revision]; HF_TOKEN, HF_HUB_OFFLINE as huggingface_hub).")
-    dtype: Literal["float32", "bfloat16"] = setting("float32", "Weights' dtype (the KV cache's too, but float32 on "
-                                                    "a CPU).")
+    dtype: Literal["auto", "float32", "bfloat16"] = setting(
+        "auto", "Weights' dtype (the KV cache's too, but float32 on a CPU); auto: bfloat16 on an accelerator, "
+        "float32 on a CPU.")
     max_model_len: int | None = setting(None, "Context length (default: the model's, capped by the KV pool).")
     tokenizer: str | None = setting(None, "A Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json) "
                                     "used instead of the model's, e.g. real text for a random: model.")
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         _positive(self, "max_model_len")
 
 

@@ -58,7 +58,7 @@ def test_replace_reaches_nested_settings_and_refuses_unknown_ones():
     (dict(block_size=0), "block_size must be a positive integer"),
     (dict(max_num_seqs=True), "max_num_seqs must be a positive integer"),
     (dict(max_model_len=-3), "max_model_len must be a positive integer"),
-    (dict(dtype="float16"), "dtype must be one of"),
+    (dict(dtype="float16"), "dtype must be auto or one of"),
     (dict(tp=0), "tp must be a positive integer"),
     (dict(num_scheduler_steps=4, prefill_instances=1), "multi-step decode"),
     (dict(sp_attention="ulysses"), "sp_attention must be ring or sp_ntp"),

@@ -21,6 +21,14 @@ from jaxserve.models.tokenizer import TextTokenizer
 
 DTYPES = {name: jnp.dtype(name) for name in config.DTYPES}  # the names config.ModelConfig accepts
 
+
+def resolve_dtype(name: str) -> str:
+    """ModelConfig.dtype as a dtype's name: auto is bfloat16 on an accelerator (vLLM's default there), float32 on
+    a CPU (where bfloat16 matmuls are slower)."""
+    if name != "auto":
+        return name
+    return "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
+
 _CONVERTED_FORMAT = 3  # bump when what _load saves changes, so old caches are not misread
 
 

@@ -35,3 +35,16 @@ def test_llm_serves_a_random_model_from_token_ids():
     assert first.text == " " + " ".join(f"<{i}>" for i in first.token_ids) or first.text.split() == [
         f"<{i}>" for i in first.token_ids]
     assert llm.generate([[5, 6, 7]], params)[0].token_ids == first.token_ids  # greedy: the same again
+
+
+def test_auto_dtype_is_float32_on_a_cpu_and_bfloat16_elsewhere(monkeypatch):
+    import types
+
+    import jax
+
+    from jaxserve.models import loader
+
+    assert loader.resolve_dtype("bfloat16") == "bfloat16" and loader.resolve_dtype("float32") == "float32"
+    assert loader.resolve_dtype("auto") == "float32"  # this machine: CPU devices
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(platform="gpu")])
+    assert loader.resolve_dtype("auto") == "bfloat16"
