@@ -5,6 +5,8 @@ How a model writes a call depends on its chat template:
 - "hermes": templates that take `tools` and write calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
   (Qwen2.5, Hermes, and others). The template offers the tools; with tool_choice auto the output is free and the
   calls are read out of it; required or a named function hold it to calls by a grammar.
+- "llama3_json": Llama 3.1-3.3's templates, which take `tools` and ask for one call as a JSON object,
+  `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` or not); results come back as `ipython` turns.
 - "generic": any other template (e.g. SmolLM2's), as llama.cpp's generic format: a system message offers the
   tools and asks for JSON, `{"tool_calls": [{"name": ..., "arguments": {...}}]}` or `{"response": "..."}`, which a
   JSON schema enforces; earlier calls and results go back to the model in the same JSON.
@@ -23,6 +25,8 @@ from jaxserve.sampling_params import excerpt
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's function names
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's marker before a call
+LLAMA3_MARK = '"parameters": dictionary of argument name'  # Llama 3.1's own words asking for its call format
 GENERIC_PROMPT = ("You can call these tools. Respond in JSON: either {\"tool_calls\": [{\"name\": ..., \"arguments\": "
                   "{...}}]} to call tools, or {\"response\": \"...\"} to answer the user.\nTools:\n")
 
@@ -90,8 +94,13 @@ def parse_choice(tool_choice: Any, tools: list[Tool]) -> str | Tool:
 
 
 def template_format(template: str | None) -> str:
-    """How the model's chat template writes tool calls: "hermes" or "generic"."""
-    return "hermes" if template and "tools" in template and HERMES_OPEN in template else "generic"
+    """How the model's chat template writes tool calls: "hermes", "llama3_json" or "generic"."""
+    if template and "tools" in template:
+        if HERMES_OPEN in template:
+            return "hermes"
+        if PYTHON_TAG in template or LLAMA3_MARK in template:
+            return "llama3_json"
+    return "generic"
 
 
 def _call_schema(t: Tool) -> dict[str, Any]:
@@ -132,6 +141,13 @@ def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, 
             repeat = "" if one else "+"
             grammar = {"grammar": f'start: ("{_lark(HERMES_OPEN)}\\n" call "\\n{_lark(HERMES_CLOSE)}"){repeat}\n'
                                   f"call: %json {call}"}
+        return Plan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt)
+    if fmt == "llama3_json":  # one call a reply (its templates refuse more)
+        grammar = None
+        if choice != "auto":
+            items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False} for t in offered]
+            grammar = {"json": items[0] if len(items) == 1 else {"anyOf": items}}
         return Plan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt)
     calls = {"type": "object", "properties": {"tool_calls": _calls_schema(offered, one)},
              "required": ["tool_calls"], "additionalProperties": False}
@@ -226,6 +242,12 @@ class Reader:
             return text
         if self.format == "generic":  # the whole output is one JSON document, read at the end
             return ""
+        if self.format == "llama3_json":  # a reply that may open a call is held back whole; any other streams
+            head = self._text.lstrip()
+            if self._sent == 0 and (head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)):
+                return ""
+            out, self._sent = self._text[self._sent:], len(self._text)
+            return out
         at = self._text.find(HERMES_OPEN)
         end = len(self._text) if at < 0 else at
         if at < 0:  # hold back a tail that may open a call
@@ -240,6 +262,17 @@ class Reader:
         """The content not given out yet, and the calls (a call that does not parse stays content)."""
         if self.format is None:
             return self._text[self._sent:], []
+        if self.format == "llama3_json":
+            rest = self._text[self._sent:]
+            if self._sent:
+                return rest, []
+            try:
+                call = json.loads(rest.strip().removeprefix(PYTHON_TAG))
+            except ValueError:
+                return rest, []
+            if isinstance(call, dict) and isinstance(call.get("name"), str):
+                return "", [_new_call(call["name"], call.get("parameters", call.get("arguments", {})))]
+            return rest, []
         if self.format == "generic":
             try:
                 doc = json.loads(self._text)

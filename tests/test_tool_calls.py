@@ -26,6 +26,19 @@ HERMES = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | t
           "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# the shape of Llama 3.1's template: tools and the call format in the system turn, calls after <|python_tag|>,
+# results as ipython turns
+LLAMA3 = ("{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\nRespond in the format {\"name\": function "
+          "name, \"parameters\": dictionary of argument name and its value}.\n\n{% for t in tools %}"
+          "{{ t | tojson }}\n{% endfor %}<|eot_id|>{%- endif %}{%- for m in messages %}"
+          "{%- if m.role == 'assistant' and m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+          "<|python_tag|>{{ {'name': m.tool_calls[0].function.name, 'parameters': m.tool_calls[0].function.arguments}"
+          " | tojson }}<|eom_id|>{%- elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+          "{{ m.content }}<|eot_id|>{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}"
+          "<|eot_id|>{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant"
+          "<|end_header_id|>\n\n{%- endif %}")
+
+
 def test_bad_tools_and_choices_are_refused_by_name():
     for tools, words in [([{"type": "function"}], "tools\\[0\\] must be"),
                          ([{"type": "function", "function": {"name": "a b"}}], "letters, digits"),
@@ -124,3 +137,37 @@ def test_hermes_required_and_named_hold_the_output_to_calls():
     assert "tool_call" in grammar and "get_time" in grammar
     one = tool_calls.plan([{"role": "user", "content": "x"}], tools, tools[0], HERMES, parallel=False)
     assert ")+" not in one.structured_output["grammar"] and "get_time" not in one.structured_output["grammar"]
+
+
+def test_llama3_template_renders_its_calls_and_its_output_reads_back():
+    tok = id_tokenizer(64)
+    tok = TextTokenizer(tok.tokenizer, bos_id=None, stop_ids=[0], add_bos=False, chat_template=LLAMA3,
+                        special_tokens={})
+    tools = tool_calls.parse_tools([WEATHER, TIME])
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c", "type": "function", "function": {"name": "get_weather",
+                                                                "arguments": "{\"city\": \"Rome\"}"}}]},
+               {"role": "tool", "content": "30 C", "tool_call_id": "c"}]
+    plan = tool_calls.plan(history, tools, "auto", LLAMA3)
+    assert plan.format == "llama3_json" and plan.structured_output is None
+    text = tok.apply_chat_template(plan.messages, tools=plan.tools)
+    assert '"get_weather"' in text and '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}' in text
+    assert "ipython<|end_header_id|>\n\n30 C" in text
+    for out, content, cities in [('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}', "",
+                                  ["Oslo"]),
+                                 ('{"name": "get_weather", "parameters": {"city": "Bergen"}}', "", ["Bergen"]),
+                                 ("It is sunny in Oslo.", "It is sunny in Oslo.", []),
+                                 ('{"not": "a call"}', '{"not": "a call"}', [])]:
+        reader = tool_calls.Reader("llama3_json")
+        streamed = "".join(reader.feed(out[i:i + 3]) for i in range(0, len(out), 3))
+        rest, calls = reader.finish()
+        assert streamed + rest == content and [json.loads(c.arguments)["city"] for c in calls] == cities
+        assert not calls or streamed == ""  # nothing of a call reaches the content
+    reader = tool_calls.Reader("llama3_json")
+    assert reader.feed("Sure") == "Sure" and reader.feed(" thing") == " thing"  # plain text streams at once
+    named = tool_calls.plan(history, tools, tools[0], LLAMA3).structured_output["json"]
+    jsonschema.validate({"name": "get_weather", "parameters": {"city": "Oslo"}}, named)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "get_time", "parameters": {}}, named)
+    StructuredOutput(**tool_calls.plan(history, tools, "required", LLAMA3).structured_output)

@@ -193,10 +193,10 @@ def test_guided_rows_leave_their_neighbours_and_the_overlap_alone(llm):
     assert together[2].text in ("red", "green") and re.fullmatch(r"(\d, ){4}\d", together[3].text)
 
 
-def test_required_tool_calls_parse_and_validate_in_both_formats(tiny):
+def test_required_tool_calls_parse_and_validate_in_every_format(tiny):
     """tool_choice required and a named function, drawn at temperature 1: the call reads back, naming an offered
     tool, its arguments valid against that tool's schema."""
-    from test_tool_calls import HERMES, TIME, WEATHER
+    from test_tool_calls import HERMES, LLAMA3, TIME, WEATHER
 
     weather = json.loads(json.dumps(WEATHER))
     params = weather["function"]["parameters"]
@@ -205,13 +205,13 @@ def test_required_tool_calls_parse_and_validate_in_both_formats(tiny):
         "type": "object", "properties": {}, "additionalProperties": False}}}
     tools = tool_calls.parse_tools([weather, time_])
     schemas = {t.name: t.parameters for t in tools}
-    for template, fmt in [(HERMES, "hermes"), (None, "generic")]:
+    for template, fmt in [(HERMES, "hermes"), (LLAMA3, "llama3_json"), (None, "generic")]:
         for choice in ("required", tools[0]):
             # one call a reply: a drawer would go on calling (several calls read back: tests/test_tool_calls.py)
             plan = tool_calls.plan([{"role": "user", "content": "hi"}], tools, choice, template, parallel=False)
             assert plan.format == fmt
             # compact JSON: a drawer among every whitespace token the JSON allows would write little else
-            compact = ({**plan.structured_output, "disable_any_whitespace": True} if fmt == "generic" else
+            compact = ({**plan.structured_output, "disable_any_whitespace": True} if fmt != "hermes" else
                        {"grammar": plan.structured_output["grammar"].replace(
                            "%json {", '%json {"x-guidance": {"whitespace_flexible": false}, ')})
             outs = tiny.generate(["call:"] * 20, [SamplingParams(
