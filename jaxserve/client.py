@@ -7,7 +7,7 @@
 
 Sampling options are the fields of jaxserve.v1.SamplingParams (max_tokens, temperature, top_k, top_p, seed,
 stop, stop_token_ids, ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, min_p, logit_bias,
-min_tokens, logprobs, n, structured_output). structured_output is a dict of jaxserve.v1.StructuredOutput's fields,
+min_tokens, logprobs, n, structured_output, prompt_logprobs). structured_output is a dict of jaxserve.v1.StructuredOutput's fields,
 e.g. {"json_schema": {...}} (a schema as a dict or its JSON text), {"regex": "[0-9]+"} or
 {"choice": {"options": ["yes", "no"]}}. Errors arrive as grpc.RpcError with the server's status and message.
 Imports no jax: it runs anywhere grpcio does.
@@ -41,6 +41,7 @@ class Generation:
     total_s: float
     cached_tokens: int = 0  # prompt tokens the server found in its prefix cache
     logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)  # with the logprobs option
+    prompt_logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)  # with prompt_logprobs
 
 
 def _generate_request(prompt: str | Sequence[int] | None, messages: Messages | None, model: str,
@@ -94,7 +95,8 @@ class _Assembler:
         return Generation(last.request_id, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
                           pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower(),
                           last.usage.prompt_tokens, last.timings.time_to_first_token_s, last.timings.total_s,
-                          last.usage.cached_tokens, [x for p in parts for x in p.logprobs])
+                          last.usage.cached_tokens, [x for p in parts for x in p.logprobs],
+                          [x for p in parts for x in p.prompt_logprobs])
 
 
 class _Base:

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.engine.engine import FinishReason
+from jaxserve.engine.engine import FinishReason, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.async_engine import merged
 from jaxserve.server.frontend import REFUSED, Frontend, excerpt, refusal
@@ -71,6 +71,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 min_p=p.min_p, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
                 logprobs=p.logprobs if p.HasField("logprobs") else None, n=p.n or 1,
                 structured_output=_structured_output(p.structured_output) if p.HasField("structured_output") else None)
+            scored = await f.prompt_logprobs(ids, p.prompt_logprobs) if p.HasField("prompt_logprobs") else None
             streams = f.submit(ids, params, p.ttft_slo if p.HasField("ttft_slo") else None)
         except REFUSED as e:
             await self._refuse(context, e)
@@ -80,10 +81,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 async for i, out in outputs:
                     stream = streams[i]
                     reply = pb.GenerateResponse(request_id=stream.request_id, token_ids=out.new_token_ids,
-                                                text=out.new_text, index=i, logprobs=[
-                                                    pb.TokenLogprob(token_id=x.token, logprob=x.logprob, top=[
-                                                        pb.TopLogprob(token_id=t, logprob=v) for t, v in x.top])
-                                                    for x in out.logprobs or ()])
+                                                text=out.new_text, index=i,
+                                                logprobs=[_token_logprob(x) for x in out.logprobs or ()])
+                    if scored is not None:  # the prompt's, once
+                        reply.prompt_logprobs.extend(_token_logprob(x) for x in scored[1:])
+                        scored = None
                     if out.finished:
                         reply.finish_reason = _FINISH[out.finish_reason]
                         reply.usage.prompt_tokens = len(stream.prompt_ids)
@@ -202,3 +204,8 @@ def _structured_output(s: pb.StructuredOutput) -> dict[str, Any]:
              "regex": lambda: {"regex": s.regex}, "choice": lambda: {"choice": list(s.choice.options)},
              "grammar": lambda: {"grammar": s.grammar}}[kind]()
     return value | {"disable_any_whitespace": s.disable_any_whitespace}
+
+
+def _token_logprob(x: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=x.token, logprob=x.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in x.top])

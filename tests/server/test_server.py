@@ -299,6 +299,19 @@ def test_a_tool_call_round_trip_with_the_openai_client(oai):
                                     tool_choice={"type": "function", "function": {"name": "nope"}})
 
 
+def test_grpc_prompt_logprobs_are_the_python_apis(llm, grpc_client):
+    """prompt_logprobs scores the prompt (how evaluation harnesses read a text), in the first message."""
+    ids = llm.tokenizer.encode(PROMPT)
+    ref = llm.prompt_logprobs(ids, k=3)
+    got = grpc_client.generate(ids, max_tokens=1, prompt_logprobs=3)
+    assert [x.token_id for x in got.prompt_logprobs] == ids[1:]
+    _close([x.logprob for x in got.prompt_logprobs], [x.logprob for x in ref[1:]])
+    assert [[t.token_id for t in x.top] for x in got.prompt_logprobs] == [[t for t, _ in x.top] for x in ref[1:]]
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_client.generate(ids, max_tokens=1, prompt_logprobs=21)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in e.value.details()
+
+
 def test_models_tokenize_and_async_client(served, grpc_client, oai):
     (model,) = oai.models.list().data
     assert model.id == MODEL
