@@ -93,7 +93,7 @@ class LLM:
         # the device layer: in one process made here; with several, made here and in every follower (lockstep)
         self.lockstep = lockstep.Leader(params) if jax.process_count() > 1 else None
         self._new = self.lockstep.new if self.lockstep else lambda cls, *args, **kwargs: cls(*args, **kwargs)
-        self._params = params
+        self._params, self._kv_bytes = params, None  # _kv_bytes: a device's KV pool, once measured
         self._kv_tokens = self._kv_pool_tokens(cfg.parallel.instance)
         self.max_model_len = min(cfg.model.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings, self._kv_tokens)
@@ -134,16 +134,18 @@ class LLM:
         utilization = cache.gpu_memory_utilization or (0.9 if device.platform != "cpu" else None)
         if utilization is None:
             return int(CPU_KV_GIB * 2**30 // token_bytes)
-        sched = self.engine_config.scheduler
-        all_weights = sum(x.nbytes for x in jax.tree.leaves(self._params))
-        b = kv_budget.budget(device, utilization, all_weights // (tp * stages), kv_budget.activation_bytes(
-            self.config, sched.max_num_batched_tokens, sched.max_num_seqs, cache.key_block, self._dtype.itemsize, tp))
-        tokens = b.kv // token_bytes
-        if tokens < 2 * cache.block_size:
-            raise ValueError(f"gpu_memory_utilization {utilization} leaves no room for the KV cache: "
-                             f"{b.describe(max(tokens, 0), utilization)}")
-        logging.info(b.describe(tokens, utilization))
-        return int(tokens)
+        if self._kv_bytes is None:  # measured once, before any runner: later instances (a fail-over) get as much
+            sched = self.engine_config.scheduler
+            all_weights = sum(x.nbytes for x in jax.tree.leaves(self._params))
+            b = kv_budget.budget(device, utilization, all_weights // (tp * stages), kv_budget.activation_bytes(
+                self.config, sched.max_num_batched_tokens, sched.max_num_seqs, cache.key_block,
+                self._dtype.itemsize, tp))
+            if b.kv // token_bytes < 2 * cache.block_size:
+                raise ValueError(f"gpu_memory_utilization {utilization} leaves no room for the KV cache: "
+                                 f"{b.describe(max(b.kv // token_bytes, 0), utilization)}")
+            logging.info(b.describe(b.kv // token_bytes, utilization))
+            self._kv_bytes = b.kv
+        return int(self._kv_bytes // token_bytes)
 
     def _make_buckets(self) -> Buckets:
         """The step shapes to compile. On a CPU the jnp attention runs every tile of a mixed program: row buckets

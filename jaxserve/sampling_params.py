@@ -59,6 +59,8 @@ class StructuredOutput:
                 schema = json.loads(self.json)
             except ValueError as e:
                 raise ValueError(f"structured output's json schema is not JSON: {e}") from None
+            except RecursionError:
+                raise ValueError("structured output's json schema is nested too deeply") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"a JSON schema is an object, got {excerpt(schema, 40)}")
         error = llguidance.LLMatcher.validate_grammar(self.grammar_text())

@@ -103,8 +103,34 @@ def template_format(template: str | None) -> str:
     return "generic"
 
 
+def _embedded(t: Tool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tool's parameters to embed in a larger schema, and its definitions for that schema's root: a
+    `$ref` to `#/$defs/X` (or `#/definitions/X`, as Pydantic writes them) becomes `#/$defs/<tool>.X`."""
+    params = dict(t.parameters)
+    defs = {**(params.pop("definitions", None) or {}), **(params.pop("$defs", None) or {})}
+
+    def moved(x: Any) -> Any:
+        if isinstance(x, list):
+            return [moved(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        out = {k: moved(v) for k, v in x.items()}
+        ref = out.get("$ref")
+        for prefix in ("#/$defs/", "#/definitions/"):
+            if isinstance(ref, str) and ref.startswith(prefix):
+                out["$ref"] = f"#/$defs/{t.name}.{ref[len(prefix):]}"
+        return out
+    return moved(params), {f"{t.name}.{k}": moved(v) for k, v in defs.items()}
+
+
+def _rooted(schema: dict[str, Any], tools: list[Tool]) -> dict[str, Any]:
+    """A schema embedding the tools' parameters, with their definitions at its root."""
+    defs = {k: v for t in tools for k, v in _embedded(t)[1].items()}
+    return {**schema, "$defs": defs} if defs else schema
+
+
 def _call_schema(t: Tool) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": _embedded(t)[0]},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
@@ -137,7 +163,7 @@ def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, 
     if fmt == "hermes":
         grammar = None
         if choice != "auto":  # the template's own format, each call's JSON held to its tool's schema
-            call = json.dumps(_calls_schema(offered, False)["items"])
+            call = json.dumps(_rooted(_calls_schema(offered, False)["items"], offered))
             repeat = "" if one else "+"
             grammar = {"grammar": f'start: ("{_lark(HERMES_OPEN)}\\n" call "\\n{_lark(HERMES_CLOSE)}"){repeat}\n'
                                   f"call: %json {call}"}
@@ -145,15 +171,16 @@ def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, 
     if fmt == "llama3_json":  # one call a reply (its templates refuse more)
         grammar = None
         if choice != "auto":
-            items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+            items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": _embedded(t)[0]},
                       "required": ["name", "parameters"], "additionalProperties": False} for t in offered]
-            grammar = {"json": items[0] if len(items) == 1 else {"anyOf": items}}
+            grammar = {"json": _rooted(items[0] if len(items) == 1 else {"anyOf": items}, offered)}
         return Plan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt)
     calls = {"type": "object", "properties": {"tool_calls": _calls_schema(offered, one)},
              "required": ["tool_calls"], "additionalProperties": False}
     answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
               "additionalProperties": False}
     schema = {"anyOf": [calls, answer]} if choice == "auto" else calls
+    schema = _rooted(schema, offered)
     listing = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters})
                         for t in tools)
     history = _generic_history(messages)
@@ -215,10 +242,10 @@ def _generic_history(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 def _plain_history(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Messages without tools: a call as the text of its JSON, a result as a user's message."""
-    return [{"role": "user", "content": m.get("content") or ""} if m["role"] == "tool" else
-            {"role": m["role"], "content": m.get("content") or json.dumps(
-                [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in m.get("tool_calls") or ()])}
-            for m in messages]
+    def text(m: dict[str, Any]) -> str:
+        calls = [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in m.get("tool_calls") or ()]
+        return m.get("content") or (json.dumps(calls) if calls else "")
+    return [{"role": "user" if m["role"] == "tool" else m["role"], "content": text(m)} for m in messages]
 
 
 def _new_call(name: str, arguments: Any) -> ToolCall:
@@ -236,10 +263,9 @@ class Reader:
         self._sent = 0  # content characters given out
 
     def feed(self, text: str) -> str:
-        self._text += text
-        if self.format is None:  # no calls: all of it is content
-            self._sent = len(self._text)
+        if self.format is None:  # no calls: all of it is content, nothing kept
             return text
+        self._text += text
         if self.format == "generic":  # the whole output is one JSON document, read at the end
             return ""
         if self.format == "llama3_json":  # a reply that may open a call is held back whole; any other streams
@@ -261,14 +287,14 @@ class Reader:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content not given out yet, and the calls (a call that does not parse stays content)."""
         if self.format is None:
-            return self._text[self._sent:], []
+            return "", []
         if self.format == "llama3_json":
             rest = self._text[self._sent:]
             if self._sent:
                 return rest, []
             try:
                 call = json.loads(rest.strip().removeprefix(PYTHON_TAG))
-            except ValueError:
+            except (ValueError, RecursionError):
                 return rest, []
             if isinstance(call, dict) and isinstance(call.get("name"), str):
                 return "", [_new_call(call["name"], call.get("parameters", call.get("arguments", {})))]
@@ -276,7 +302,7 @@ class Reader:
         if self.format == "generic":
             try:
                 doc = json.loads(self._text)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return self._text, []
             if isinstance(doc, dict) and isinstance(doc.get("tool_calls"), list):
                 return "", [_new_call(c["name"], c.get("arguments", {})) for c in doc["tool_calls"]
@@ -292,7 +318,7 @@ class Reader:
             try:
                 call = json.loads(m.group(1))
                 calls.append(_new_call(call["name"], call.get("arguments", call.get("parameters", {}))))
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 content.append(m.group(0))
         content.append(rest[last:])
         return "".join(content).strip() if calls else "".join(content), calls

@@ -204,12 +204,13 @@ class Engine:
                                   single_step=params.structured_output is not None)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         prompt = ids[:len(ids) - generated]
-        live = self._live[request_id] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, prompt),
-                                              StopMatcher(params.stop))
-        if params.structured_output is not None:
-            live.matcher = self.grammars.matcher(params.structured_output)
-            if not live.matcher.consume_tokens(ids[len(prompt):]):
+        matcher = None
+        if params.structured_output is not None:  # before the request is held: a grammar that fails leaves nothing
+            matcher = self.grammars.matcher(params.structured_output)
+            if not matcher.consume_tokens(ids[len(prompt):]):
                 raise ValueError(f"request {request_id}: its grammar refuses the tokens it generated")
+        live = self._live[request_id] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, prompt),
+                                              StopMatcher(params.stop), matcher=matcher)
         for token in ids[len(prompt):]:
             new = live.detokenizer.push(token)
             live.text += new

@@ -47,10 +47,10 @@ class Grammars:
     def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
         """The tokenizer as llguidance reads it (built at first use: a tenth of a second for 49K tokens)."""
         if self._lltok is None and self._lltok_error is None:
-            eos = sorted(self._tokenizer.stop_ids)
+            eos = sorted(self._tokenizer.stop_ids)  # all of them: a grammar may end with the turn's end (<|im_end|>)
             try:
                 self._lltok = llguidance.LLTokenizer(self._tokenizer.tokenizer.to_str(), n_vocab=self.vocab_size,
-                                                     eos_token=eos[0] if eos else None)
+                                                     eos_token=eos or None)
             except Exception as e:  # noqa: BLE001 - e.g. the random models' word tokenizer
                 self._lltok_error = f"this model's tokenizer cannot drive a grammar ({e})"
         if self._lltok is None:
@@ -58,18 +58,21 @@ class Grammars:
         return self._lltok
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        """A fresh matcher for one request, or ValueError naming what is wrong with the grammar."""
+        """A fresh matcher for one request, or ValueError naming what is wrong with the grammar. A new grammar
+        compiles outside the lock: a long one does not hold up the engine's matchers meanwhile."""
         with self._lock:
             compiled = self._compiled.get(spec)
-            if compiled is None:
-                compiled = llguidance.LLMatcher(self._llguidance_tokenizer(), spec.grammar_text(), log_level=0)
-                if compiled.is_error():
-                    raise ValueError(grammar_error(compiled.get_error()))
-                self._compiled[spec] = compiled
-                if len(self._compiled) > COMPILED:
-                    self._compiled.popitem(last=False)
+            tokenizer = self._llguidance_tokenizer()
+        if compiled is None:
+            compiled = llguidance.LLMatcher(tokenizer, spec.grammar_text(), log_level=0)
+            if compiled.is_error():
+                raise ValueError(grammar_error(compiled.get_error()))
+        with self._lock:
+            self._compiled[spec] = compiled
             self._compiled.move_to_end(spec)
-            return compiled.deep_copy()
+            if len(self._compiled) > COMPILED:
+                self._compiled.popitem(last=False)
+        return compiled.deep_copy()
 
     def masks(self, matchers: Sequence[llguidance.LLMatcher | None]) -> Int[np.ndarray, "r w"]:
         """A step's masks: row i's from matchers[i], every token where it has none or its matcher is done (a

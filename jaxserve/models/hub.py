@@ -19,6 +19,7 @@ from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, Repo
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "special_tokens_map.json", "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
+SKIP = ["consolidated*", "original/*"]  # the same weights in Mistral's and Meta's own layouts
 
 
 def is_hub_id(model: str) -> bool:
@@ -37,6 +38,7 @@ def snapshot(model: str) -> pathlib.Path:
                                                if os.environ.get("HF_HOME") else None)
     try:
         path = huggingface_hub.snapshot_download(repo, revision=revision or None, allow_patterns=FILES,
+                                                 ignore_patterns=SKIP,
                                                  cache_dir=cache, local_files_only=offline(),
                                                  token=os.environ.get("HF_TOKEN") or None)
     except LocalEntryNotFoundError:

@@ -144,8 +144,9 @@ class TextTokenizer:
                     tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation rendered by the chat template (which carries its own BOS). Control tokens
         come from the template only: text in a message that spells one is encoded as the plain text it is, so no
-        content can forge a turn (e.g. end the user's turn and open a system one)."""
-        messages, originals = self._hide_special_text(messages)
+        content can forge a turn (e.g. end the user's turn and open a system one), nor can a tool's description or
+        a call's arguments."""
+        (messages, tools), originals = self._hide_special_text((list(messages), tools))
         text = self.apply_chat_template(messages, add_generation_prompt, tools)
         if not originals:
             return self.encode(text, add_special_tokens=False)
@@ -159,9 +160,10 @@ class TextTokenizer:
                 ids += _encode(self._as_text, marker.sub(lambda m: originals[int(m.group(1))], piece), False)
         return ids
 
-    def _hide_special_text(self, messages: Sequence[dict[str, str]]) -> tuple[list[dict[str, str]], _Originals]:
-        """The messages with each control token's text in their content replaced by a marker the template
-        passes through, and what each marker stands for (empty if no content spells a control token)."""
+    def _hide_special_text(self, tree: Any) -> tuple[Any, _Originals]:
+        """`tree` (messages, tools: dicts, lists and strings) with each control token's text in any string
+        replaced by a marker the template passes through, and what each marker stands for (empty if no string
+        spells a control token)."""
         originals = _Originals(f"\ue000{secrets.token_hex(8)}:")
         pattern = self._special_pattern
 
@@ -169,11 +171,15 @@ class TextTokenizer:
             originals.append(m.group(0))
             return f"{originals.nonce}{len(originals) - 1}\ue001"
 
-        if pattern is None or not any(isinstance(m.get("content"), str) and pattern.search(m["content"])
-                                      for m in messages):
-            return list(messages), originals
-        return [{**m, "content": pattern.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m
-                for m in messages], originals
+        def walk(x: Any) -> Any:
+            if isinstance(x, str):
+                return pattern.sub(hide, x)
+            if isinstance(x, dict):
+                return {walk(k): walk(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(walk(v) for v in x)
+            return x
+        return (tree if pattern is None else walk(tree)), originals
 
     @functools.cached_property
     def _special_pattern(self) -> re.Pattern | None:

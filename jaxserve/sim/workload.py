@@ -181,7 +181,7 @@ def read_trace_file(path: str | pathlib.Path, rate: float | None = None, seed: i
         raise ValueError(f"trace file {path}: no requests")
     first_line, first = rows[0]
     first_line = first_line if jsonl else 1  # a CSV's columns are its header's
-    columns = {k.lower(): k for k in first}
+    columns = {k.lower(): k for _, row in rows for k in row}  # JSON Lines: any request's keys
 
     def column(names: tuple[str, ...], required: bool) -> str | None:
         found = next((columns[n] for n in names if n in columns), None)
@@ -200,8 +200,9 @@ def read_trace_file(path: str | pathlib.Path, rate: float | None = None, seed: i
             times.append(_seconds(path, line, row.get(arrival)))
     arrivals = None
     if arrival is not None:
-        if len({type(t) for t in times}) > 1:
-            raise ValueError(f"{path}: arrivals mix numbers and times")
+        kinds = {"seconds" if isinstance(t, float) else "zoned" if t.tzinfo else "local" for t in times}
+        if len(kinds) > 1:  # no common origin
+            raise ValueError(f"{path}: arrivals mix {' and '.join(sorted(kinds))} times")
         start = min(times)
         arrivals = np.array([(t - start).total_seconds() if isinstance(t, datetime.datetime) else t - start
                              for t in times], np.float64)
@@ -237,7 +238,7 @@ def _json_rows(path: pathlib.Path, text: str):
 def _tokens(path: pathlib.Path, line: int, row: dict, column: str) -> int:
     value = row.get(column)
     try:
-        n = int(value) if not isinstance(value, bool) and float(value) == int(float(value)) else None
+        n = int(float(value)) if not isinstance(value, bool) and float(value) == int(float(value)) else None
     except (TypeError, ValueError, OverflowError):
         n = None
     if n is None or n < 1:
@@ -249,7 +250,9 @@ def _seconds(path: pathlib.Path, line: int, value: object) -> float | datetime.d
     """An arrival: seconds (a number) or a time (ISO 8601)."""
     if isinstance(value, str):
         try:
-            return float(value)
+            seconds = float(value)
+            if math.isfinite(seconds):
+                return seconds
         except ValueError:
             try:
                 return datetime.datetime.fromisoformat(value)

@@ -36,6 +36,8 @@ def test_a_cpu_pool_is_sized_from_the_process_budget(caplog):
     token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     pool = llm.engine.kv.num_blocks * llm.engine.kv.block_size * token_bytes
     assert 64 * 2**20 < pool <= 256 * 2**20
+    # measured once: an engine built later (a fail-over, beside the live one's pool) gets as many tokens
+    assert llm._kv_pool_tokens(llm.engine_config.parallel.instance) == llm._kv_tokens
     assert any("KV pool:" in r.getMessage() and "tokens" in r.getMessage() for r in caplog.records)
 
 

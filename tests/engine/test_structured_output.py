@@ -244,3 +244,16 @@ def test_guided_requests_survive_preemption_unchanged(tiny, tmp_path_factory):
     assert [o.text for o in tight] == roomy
     for schema, out in zip(schemas, tight):
         jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_every_stop_token_may_end_a_grammar():
+    """A grammar that is complete allows each of the model's stop tokens (a chat model ends its turn with
+    <|im_end|> or <|eot_id|>, not the tokenizer's first EOS)."""
+    base = TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL)))
+    tok = TextTokenizer(base.tokenizer, bos_id=None, stop_ids=[0, 2], add_bos=False, chat_template=None,
+                        special_tokens=base.special_tokens)
+    grammars = grammar.Grammars(tok, tok.vocab_size)
+    m = grammars.matcher(StructuredOutput(regex="[0-9]+"))
+    assert m.consume_tokens(tok.encode("42", add_special_tokens=False))
+    allowed = bits(grammars.masks([m]), tok.vocab_size)[0]
+    assert allowed[0] and allowed[2]

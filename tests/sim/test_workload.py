@@ -234,6 +234,15 @@ def test_a_csv_trace_with_times_reads_in_arrival_order(tmp_path):
     assert len(read_trace_file(f, limit=2)) == 2 and len(read_trace_file(f, max_len=100)) == 2
 
 
+def test_lengths_written_as_floats_and_arrivals_first_named_late_are_read(tmp_path):
+    f = tmp_path / "late.jsonl"
+    f.write_text('{"prompt_tokens": 12.0, "output_tokens": "3"}\n{"arrival": 2, "prompt_tokens": 4, "output_tokens": 5}\n')
+    with pytest.raises(ValueError, match="late.jsonl:1: an arrival must be"):  # the column exists: every row needs it
+        read_trace_file(f)
+    f.write_text('{"arrival": 1, "prompt_tokens": 12.0, "output_tokens": "3"}\n')
+    assert read_trace_file(f).prompt_lens.tolist() == [12]
+
+
 def test_a_jsonl_trace_with_seconds_or_no_arrivals(tmp_path):
     f = tmp_path / "mine.jsonl"
     f.write_text('{"arrival": 0.5, "prompt_tokens": 12, "output_tokens": 3}\n\n'
@@ -259,7 +268,10 @@ def test_a_jsonl_trace_with_seconds_or_no_arrivals(tmp_path):
     ("a.jsonl", "[1, 2, 3]\n", "a.jsonl:1: a request must be a JSON object"),
     ("a.jsonl", '{"arrival": 0, "prompt_tokens": 2.5, "output_tokens": 6}\n', "a.jsonl:1: prompt_tokens"),
     ("a.jsonl", '{"arrival": 0, "prompt_tokens": 5, "output_tokens": 6}\n'
-                '{"arrival": "2024-05-01T10:00:00", "prompt_tokens": 5, "output_tokens": 6}\n', "mix numbers"),
+                '{"arrival": "2024-05-01T10:00:00", "prompt_tokens": 5, "output_tokens": 6}\n', "arrivals mix"),
+    ("a.csv", "arrival,prompt_tokens,output_tokens\n2024-05-01T10:00:00Z,5,6\n2024-05-01T10:00:01,5,6\n",
+     "arrivals mix local and zoned"),
+    ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6\nnan,5,6\n", "a.csv:3: an arrival must be"),
 ])
 def test_a_bad_trace_file_is_refused_with_its_line(tmp_path, name, text, message):
     f = tmp_path / name
