@@ -162,7 +162,7 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                              "(prompt plus at least one generated token)")
         if params.structured_output is not None:
-            self.grammars.matcher(params.structured_output)  # compiled (and kept) now: a bad grammar is refused
+            self.grammars.compiled(params.structured_output)  # compiled (and kept) now: a bad grammar is refused
         return ids
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,

@@ -58,8 +58,12 @@ class Grammars:
         return self._lltok
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        """A fresh matcher for one request, or ValueError naming what is wrong with the grammar. A new grammar
-        compiles outside the lock: a long one does not hold up the engine's matchers meanwhile."""
+        """A fresh matcher for one request, or ValueError naming what is wrong with the grammar."""
+        return self.compiled(spec).deep_copy()
+
+    def compiled(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """The grammar compiled (kept for the next request with it), or ValueError naming what is wrong with it.
+        A new grammar compiles outside the lock: a long one does not hold up the engine's matchers meanwhile."""
         with self._lock:
             compiled = self._compiled.get(spec)
             tokenizer = self._llguidance_tokenizer()
@@ -72,7 +76,7 @@ class Grammars:
             self._compiled.move_to_end(spec)
             if len(self._compiled) > COMPILED:
                 self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+        return compiled
 
     def masks(self, matchers: Sequence[llguidance.LLMatcher | None]) -> Int[np.ndarray, "r w"]:
         """A step's masks: row i's from matchers[i], every token where it has none or its matcher is done (a

@@ -3,7 +3,7 @@ and v projections (qkv_bias); Mistral and Phi-3 are Llama (Phi-3's fused project
 
 Sliding-window attention (Mistral v0.1, Phi-3-mini, Qwen2 with use_sliding_window) is not implemented: a model
 with a window shorter than its context is served with its context cut to the window, where sliding-window
-attention and full attention are the same (SLIDING_WINDOW_NOTE)."""
+attention and full attention are the same (windowed_context)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,16 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-SLIDING_WINDOW_NOTE = ("the model attends through a sliding window of %d tokens over a context of %d; jaxserve serves "
-                       "it with a context of %d, where that equals full attention")
+
+
+def windowed_context(context: int, window: int | None) -> int:
+    """The context a model is served with: its own, or its sliding window where that is shorter (sliding-window
+    attention is not implemented; within the window it equals full attention), with a warning."""
+    if not window or window >= context:
+        return context
+    logging.warning("the model attends through a sliding window of %d tokens over a context of %d; jaxserve "
+                    "serves it with a context of %d, where that equals full attention", window, context, window)
+    return int(window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +86,8 @@ class LlamaConfig:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         qwen2 = cfg.get("model_type") == "qwen2"
-        context = int(cfg.get("max_position_embeddings", 2048))
         window = cfg.get("sliding_window") if (not qwen2 or cfg.get("use_sliding_window")) else None
-        if window and window < context:
-            logging.warning(SLIDING_WINDOW_NOTE, window, context, window)
-            context = int(window)
+        context = windowed_context(int(cfg.get("max_position_embeddings", 2048)), window)
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,

@@ -9,9 +9,8 @@ from typing import Any
 
 import gguf
 import numpy as np
-from absl import logging
 
-from jaxserve.models.config import SLIDING_WINDOW_NOTE, LlamaConfig
+from jaxserve.models.config import LlamaConfig, windowed_context
 from jaxserve.models.hf_loader import phi3_split
 from jaxserve.models.weights import params_from_hf
 
@@ -78,11 +77,7 @@ class GGUFFile:
         if self.has_tensor("rope_factors_long.weight"):
             raise ValueError(f"{self.path}: LongRoPE (Phi-3's 128K variants) is not supported")
         vocab = self.field(p + "vocab_size") or len(self.field("tokenizer.ggml.tokens"))
-        context = int(self.field(p + "context_length"))
-        window = self.field(p + "attention.sliding_window")
-        if window and window < context:  # served with its context cut to the window (config.SLIDING_WINDOW_NOTE)
-            logging.warning(SLIDING_WINDOW_NOTE, window, context, window)
-            context = int(window)
+        context = windowed_context(int(self.field(p + "context_length")), self.field(p + "attention.sliding_window"))
         return LlamaConfig(
             vocab_size=int(vocab),
             hidden_size=hidden,

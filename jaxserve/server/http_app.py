@@ -234,14 +234,13 @@ class _Reply:
                 echo = self.echo[i] if self.echo else None
                 reason = reasons[i]
                 if self.chat:
-                    reader = self.readers[i]
-                    content = reader.feed(text)
-                    rest, calls = reader.finish()
-                    body = {"message": {"role": "assistant", "content": content + rest}}
-                    if calls:
-                        body["message"] = {"role": "assistant", "content": (content + rest) or None,
-                                           "tool_calls": [c.openai() for c in calls]}
+                    content = self.readers[i].feed(text)
+                    rest, calls = self.readers[i].finish()
+                    message = {"role": "assistant", "content": content + rest}
+                    if calls:  # OpenAI's: no content is null beside calls
+                        message |= {"content": message["content"] or None, "tool_calls": [c.openai() for c in calls]}
                         reason = "tool_calls"
+                    body = {"message": message}
                 else:
                     body = {"text": echo.text + text if echo else text}
                 choices.append({"index": len(choices), **body, "logprobs": self._logprobs(logprobs[i], echo=echo),
