@@ -80,7 +80,7 @@ class LLM:
         _enable_compilation_cache()
         self.model_name, self._dtype_name = cfg.model.model, resolve_dtype(cfg.model.dtype)
         self._dtype = DTYPES[self._dtype_name]
-        self.config, params, self.tokenizer = load_weights(cfg.model.model, self._dtype_name)
+        self.config, params, self.tokenizer = load_weights(cfg.model.model, self._dtype_name, cfg.model.quantization)
         if cfg.model.tokenizer:
             self.tokenizer = TextTokenizer.from_hf_dir(cfg.model.tokenizer)
             if self.tokenizer.vocab_size > self.config.vocab_size:
@@ -139,7 +139,7 @@ class LLM:
             all_weights = sum(x.nbytes for x in jax.tree.leaves(self._params))
             b = kv_budget.budget(device, utilization, all_weights // (tp * stages), kv_budget.activation_bytes(
                 self.config, sched.max_num_batched_tokens, sched.max_num_seqs, cache.key_block,
-                self._dtype.itemsize, tp))
+                self._dtype.itemsize, tp, quantized=self.engine_config.model.quantization is not None))
             if b.kv // token_bytes < 2 * cache.block_size:
                 raise ValueError(f"gpu_memory_utilization {utilization} leaves no room for the KV cache: "
                                  f"{b.describe(max(b.kv // token_bytes, 0), utilization)}")
@@ -396,5 +396,5 @@ def follow(model: ModelConfig = ModelConfig()) -> None:
     """A follower's life (jax.distributed, every process but the leader): load the same weights as the leader's
     LLM, then make the device-layer calls the leader publishes until it stops (cluster/lockstep.py)."""
     _enable_compilation_cache()
-    _, params, _ = load_weights(model.model, resolve_dtype(model.dtype))
+    _, params, _ = load_weights(model.model, resolve_dtype(model.dtype), model.quantization)
     lockstep.follow(jax.tree.map(np.asarray, params))

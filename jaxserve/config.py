@@ -14,6 +14,7 @@ import typing
 from typing import Any, Literal, NamedTuple
 
 DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("int8", "int4", "fp8", "gguf")  # models/quantize.py
 POLICIES = ("fcfs", "sjf", "ljf", "edf", "lrs", "lars")
 
 
@@ -44,6 +45,10 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = setting(
         "auto", "Weights' dtype (the KV cache's too, but float32 on a CPU); auto: bfloat16 on an accelerator, "
         "float32 on a CPU.")
+    quantization: str | None = setting(
+        None, "Weights kept quantized, weight-only: int8 (a scale per channel), int4 (blocks of 32 with a scale and "
+        "offset, GGUF's Q4_1), fp8 (e4m3), or gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks as stored). Default: "
+        "the weights in --dtype.")
     max_model_len: int | None = setting(None, "Context length (default: the model's, capped by the KV pool).")
     tokenizer: str | None = setting(None, "A Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json) "
                                     "used instead of the model's, e.g. real text for a random: model.")
@@ -51,6 +56,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _positive(self, "max_model_len")
 
 

@@ -1,5 +1,10 @@
 """Load a Llama-family GGUF file (architectures llama, which Mistral's files use too, qwen2 and phi3): config,
-dequantized weights (via the `gguf` package) and tokenizer metadata."""
+weights and tokenizer metadata.
+
+Weights are dequantized to float32 (via the `gguf` package), or with `keep_quantized` kept in their blocks as
+`quantize.Quantized` values: Q8_0 (int8), Q4_0 (int4), Q4_1 and Q4_K (uint4 with a
+float offset per block of 32) load as stored, never through float. A tensor whose type is another, or whose type differs between layers
+(a stacked weight has one layout), is dequantized."""
 
 from __future__ import annotations
 
@@ -8,10 +13,14 @@ import re
 from typing import Any
 
 import gguf
+import jax
+import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from jaxserve.models.config import LlamaConfig, windowed_context
 from jaxserve.models.hf_loader import phi3_split
+from jaxserve.models.quantize import Quantized
 from jaxserve.models.weights import params_from_hf
 
 ARCHITECTURES = ("llama", "qwen2", "phi3")
@@ -57,6 +66,20 @@ class GGUFFile:
         t = self._tensors[name]
         return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
 
+    def tensor_type(self, name: str) -> gguf.GGMLQuantizationType:
+        return self._tensors[name].tensor_type
+
+    def blocks(self, name: str) -> Quantized:
+        """A tensor of a type in KEPT as stored: [out, in] values, a scale (and offset) per block along `in`."""
+        t = self._tensors[name]
+        block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        raw = np.asarray(t.data).reshape(-1, size)
+        values, scale, offset, qtype = KEPT[t.tensor_type](raw)
+        rows = t.data.shape[:-1]
+        lead = (*rows, scale.size // int(np.prod(rows)))  # the blocks of each row
+        return Quantized(values.reshape(*rows, -1), scale.reshape(lead),
+                         None if offset is None else offset.reshape(lead), qtype)
+
     def config(self) -> LlamaConfig:
         arch = self.field("general.architecture")
         if arch not in ARCHITECTURES:
@@ -95,25 +118,78 @@ class GGUFFile:
         )
 
 
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.view(np.float16)[:, 0]
+
+
+def _nibbles(qs: np.ndarray, groups: int) -> np.ndarray:
+    """4-bit values, low nibbles of each group's bytes first, then its high nibbles (llama.cpp's order)."""
+    qs = qs.reshape(qs.shape[0], groups, 1, -1) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (qs & np.uint8(0x0F)).reshape(qs.shape[0], -1)
+
+
+# Each kept type's blocks -> (values, scale, offset or None, the values' type), exactly as the file means them:
+# w = scale * values + offset. 4-bit values come one to an int8 (quantize.on_device packs them).
+def _q8_0(raw):
+    return raw[:, 2:].view(np.int8), _f16(raw[:, :2]), None, jnp.int8
+
+
+def _q4_0(raw):  # d * (q - 8)
+    return _nibbles(raw[:, 2:], 1).astype(np.int8) - 8, _f16(raw[:, :2]), None, jnp.int4
+
+
+def _q4_1(raw):  # d * q + m
+    return _nibbles(raw[:, 4:], 1), _f16(raw[:, :2]), _f16(raw[:, 2:4]), jnp.uint4
+
+
+def _q4_k(raw):  # 8 blocks of 32 per 256: (d * sc_j) * q - dmin * m_j, sc_j and m_j 6-bit (float32 holds them)
+    d, dmin = _f16(raw[:, :2]).astype(np.float32)[:, None], _f16(raw[:, 2:4]).astype(np.float32)[:, None]
+    sc, mn = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16])
+    return _nibbles(raw[:, 16:], 4), d * sc, -dmin * mn, jnp.uint4
+
+
+_T = gguf.GGMLQuantizationType
+KEPT = {_T.Q8_0: _q8_0, _T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q4_K: _q4_k}
+
+
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> rotate-half halves)."""
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any], GGUFFile]:
+def load_gguf(path: str | pathlib.Path, keep_quantized: bool = False) -> tuple[LlamaConfig, dict[str, Any], GGUFFile]:
     f = GGUFFile(path)
     cfg = f.config()
     arch = f.field("general.architecture")
     permuted = arch == "llama"  # llama.cpp's converter permutes llama's q and k only
+    kept = _kept_names(f, cfg) if keep_quantized else set()
 
-    def tensor(hf_name: str) -> np.ndarray:
+    def tensor(hf_name: str) -> np.ndarray | Quantized:
         m = re.match(r"model\.layers\.(\d+)\.(.*)", hf_name)
         key = f"model.layers.{{i}}.{m.group(2)}" if m else hf_name
-        w = f.tensor(_HF_TO_GGUF[key].format(i=m.group(1) if m else ""))
+        name = _HF_TO_GGUF[key].format(i=m.group(1) if m else "")
+        w = f.blocks(name) if _HF_TO_GGUF[key] in kept else f.tensor(name)
         if permuted and key.endswith("q_proj.weight"):
-            w = _unpermute(w, cfg.num_heads)
+            w = jax.tree.map(lambda a: _unpermute(a, cfg.num_heads), w)
         elif permuted and key.endswith("k_proj.weight"):
-            w = _unpermute(w, cfg.num_kv_heads)
+            w = jax.tree.map(lambda a: _unpermute(a, cfg.num_kv_heads), w)
         return w
 
     return cfg, params_from_hf(cfg, phi3_split(cfg, tensor) if arch == "phi3" else tensor), f
+
+
+def _kept_names(f: GGUFFile, cfg: LlamaConfig) -> set[str]:
+    """The GGUF names (with {i} for the layer) of the weights kept quantized: every layer's tensor of one type
+    in KEPT. The others are dequantized, with a line in the log."""
+    kept, dequantized = set(), set()
+    for pattern in _HF_TO_GGUF.values():
+        names = [pattern.format(i=i) for i in range(cfg.num_layers)] if "{i}" in pattern else [pattern]
+        types = {f.tensor_type(n) for n in names if f.has_tensor(n)}
+        if len(types) == 1 and next(iter(types)) in KEPT:
+            kept.add(pattern)
+        elif types - {_T.F32, _T.F16, _T.BF16}:
+            dequantized.add(f"{pattern} ({', '.join(sorted(t.name for t in types))})")
+    if dequantized:
+        logging.warning("%s: dequantized (types not kept or mixed across layers): %s", f.path,
+                        "; ".join(sorted(dequantized)))
+    return kept

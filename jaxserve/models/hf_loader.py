@@ -7,6 +7,7 @@ import json
 import pathlib
 from typing import Any, Callable
 
+import jax
 import numpy as np
 from safetensors import safe_open
 
@@ -47,7 +48,8 @@ def load_hf_dir(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
 
 
 def phi3_split(cfg: LlamaConfig, fused: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
-    """Phi-3's tensors by Llama's names: its qkv_proj holds q, k and v's rows, its gate_up_proj gate's then up's."""
+    """Phi-3's tensors by Llama's names: its qkv_proj holds q, k and v's rows, its gate_up_proj gate's then up's
+    (each array of a GGUF file's quantized blocks split alike)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     rows = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, q + kv), "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
             "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
@@ -57,6 +59,6 @@ def phi3_split(cfg: LlamaConfig, fused: Callable[[str], np.ndarray]) -> Callable
         parts = name.split(".")
         if len(parts) > 2 and parts[-2] in rows:
             source, lo, hi = rows[parts[-2]]
-            return fused(".".join([*parts[:-2], source, parts[-1]]))[lo:hi]
+            return jax.tree.map(lambda w: w[lo:hi], fused(".".join([*parts[:-2], source, parts[-1]])))
         return fused(name)
     return tensor

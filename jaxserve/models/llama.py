@@ -6,7 +6,8 @@ rotated q/k/v to an attention backend (models/attention.py),
 serves prefill chunks and decode on one device; the sharding layer's ring backend runs the same layers over an
 SP group inside `shard_map`. With `tp_axis` (inside shard_map) each device holds its tensor-parallel share of
 the heads and MLP features (sharding/tp.py) and the two row-split projections are summed over that axis.
-Parameter names follow Hugging Face's so that loaders map tensors one to one.
+Parameter names follow Hugging Face's so that loaders map tensors one to one. A linear kernel and the embedding
+table may be kept quantized (models/quantize.py); the layers read either.
 
 The layers run one of two ways (`unrolled`):
 - scanned: `nn.scan` over one `DecoderLayer`, so a compile does not grow with depth. `params['layers']` is the
@@ -31,7 +32,9 @@ from jaxtyping import Array, Float, Int
 
 from jaxserve.models.attention import (AttentionBackend, AttentionMetadata, Caches, DenseCausalBackend,
                                        DenseCausalMetadata)
+from jaxserve.models import quantize
 from jaxserve.models.config import LlamaConfig
+from jaxserve.models.quantize import Quantized
 
 
 class RMSNorm(nn.Module):
@@ -60,8 +63,48 @@ def apply_rope(x: Float[Array, "b t h d"], cos: Float[Array, "b t d"], sin: Floa
     return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
 
 
-def _dense(features: int, dtype: jnp.dtype, name: str, bias: bool = False) -> nn.Dense:
-    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+def _weight(module: nn.Module, name: str, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array | Quantized:
+    """A weight as given (float, or kept quantized: models/quantize.py), or a fresh one when initialising."""
+    if module.has_variable("params", name):
+        return module.get_variable("params", name)
+    return module.param(name, nn.initializers.lecun_normal(), shape, dtype)
+
+
+class Linear(nn.Module):
+    """nn.Dense's parameters ('kernel' [in, out], 'bias'), whose kernel may be kept quantized."""
+
+    features: int
+    dtype: jnp.dtype
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "... k"]) -> Float[Array, "... n"]:
+        x = x.astype(self.dtype)
+        y = quantize.dense(x, _weight(self, "kernel", (x.shape[-1], self.features), self.dtype))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+class Embed(nn.Module):
+    """nn.Embed's table ('embedding' [vocab, e]), which may be kept quantized: rows looked up, or the tied LM head."""
+
+    num_embeddings: int
+    features: int
+    dtype: jnp.dtype
+
+    def setup(self):
+        self.embedding = _weight(self, "embedding", (self.num_embeddings, self.features), self.dtype)
+
+    def __call__(self, ids: Int[Array, "..."]) -> Float[Array, "... e"]:
+        return quantize.take(self.embedding, ids, self.dtype)
+
+    def attend(self, x: Float[Array, "... e"]) -> Float[Array, "... vocab"]:
+        return quantize.attend(x.astype(self.dtype), self.embedding)
+
+
+def _dense(features: int, dtype: jnp.dtype, name: str, bias: bool = False) -> Linear:
+    return Linear(features, dtype, bias, name=name)
 
 
 def _split(cfg: LlamaConfig, tp_axis: str | None):
@@ -184,7 +227,7 @@ class Llama(nn.Module):
         first, last = self.layers or (0, cfg.num_layers)
         if self.layers is not None and not self.unrolled:
             raise ValueError("a pipeline stage runs its layers unrolled (stage_params gives them per layer)")
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
+        embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
         x = embed(tokens) if first == 0 else tokens
         cos, sin = rope_cos_sin(cfg, positions)
         if self.unrolled:

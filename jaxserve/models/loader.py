@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxserve import config
-from jaxserve.models import random_weights, registry
+from jaxserve.models import quantize, random_weights, registry
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.hf_loader import load_hf_dir
 from jaxserve.models.llama import param_shapes
@@ -32,12 +32,32 @@ def resolve_dtype(name: str) -> str:
 _CONVERTED_FORMAT = 3  # bump when what _load saves changes, so old caches are not misread
 
 
-def load_weights(model: str, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
+def load_weights(model: str, dtype: str, quantization: str | None = None) -> tuple[LlamaConfig, Any, TextTokenizer]:
     """Config, device params and tokenizer of `model`: drawn for `random:<shape>` (the same in every process),
-    else converted from the file or folder the name resolves to (registry.resolve), or restored from the cache."""
+    else converted from the file or folder the name resolves to (registry.resolve), or restored from the cache.
+    With `quantization` the weights are kept quantized (models/quantize.py): a GGUF file's blocks as stored
+    (gguf), or the float weights quantized on the device (int8, int4, fp8)."""
+    if quantization == "gguf":
+        source = None if random_weights.is_random(model) else registry.resolve(model)
+        if source is None or not source.is_file():
+            raise ValueError(f"quantization gguf keeps a .gguf file's blocks; {model} is not a .gguf file")
+        return _load_gguf_blocks(source, dtype)
     if random_weights.is_random(model):
-        return random_weights.load(model, DTYPES[dtype])
-    return _load(registry.resolve(model), dtype)
+        cfg, params, tokenizer = random_weights.load(model, DTYPES[dtype])
+    else:
+        cfg, params, tokenizer = _load(registry.resolve(model), dtype)
+    return cfg, quantize.quantize_params(params, quantization) if quantization else params, tokenizer
+
+
+def _load_gguf_blocks(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:
+    """A GGUF file's weights with its quantized blocks kept (read from the file's memory map each start: no float
+    copy is made, so there is nothing to cache)."""
+    from jaxserve.models.gguf_loader import load_gguf
+
+    cfg, host_params, gguf_file = load_gguf(source, keep_quantized=True)
+    params = jax.tree.map(lambda x: quantize.on_device(x, DTYPES[dtype]), host_params,
+                          is_leaf=lambda x: isinstance(x, quantize.Quantized))
+    return cfg, params, TextTokenizer.from_gguf(gguf_file)
 
 
 def _converted_dir(source: pathlib.Path, dtype: str) -> pathlib.Path:

@@ -20,10 +20,11 @@ _LAYER_LINEARS = {
 
 
 def params_from_hf(cfg: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> dict[str, Any]:
-    """Build `{'params': ...}` from `tensor(hf_name) -> [out, in]` arrays (Linear weights transpose to kernels)."""
+    """Build `{'params': ...}` from `tensor(hf_name) -> [out, in]` arrays, or a GGUF file's blocks kept quantized
+    (quantize.Quantized, each of its arrays [out, ..]). Linear weights transpose to kernels."""
 
-    def linear(name: str, bias: bool = False) -> dict[str, np.ndarray]:
-        out = {"kernel": np.ascontiguousarray(tensor(name).T)}
+    def linear(name: str, bias: bool = False) -> dict[str, Any]:
+        out = {"kernel": jax.tree.map(lambda w: np.ascontiguousarray(w.T), tensor(name))}
         if bias:
             out["bias"] = tensor(name.removesuffix("weight") + "bias")
         return out

@@ -2,7 +2,8 @@
 of the MLP's intermediate features, and one all-reduce after the output projection and one after the down
 projection sum the partial results. Embeddings, norms and the LM head stay whole on every device.
 
-q/k/v/gate/up are split by output columns, o/down by input rows, so device j computes heads
+q/k/v/gate/up are split by output columns, o/down by input rows (a quantized kernel's arrays alike: values,
+scales and offsets per block), so device j computes heads
 [j*h, (j+1)*h) with h = num_heads / tp and, grouped as GQA groups them, their KV heads. When tp exceeds the
 KV heads, each KV head is repeated on the tp / num_kv_heads devices whose query heads read it (as vLLM does):
 the weights are expanded before sharding and the cache holds one KV head per device.
@@ -44,7 +45,10 @@ def shard_params(params: Any, cfg: LlamaConfig, tp: int) -> tuple[Any, Any]:
         if bias:
             return x, P(*(None,) * (x.ndim - 1), TP)
         lead = (None,) * (x.ndim - 2)
-        return x, P(*lead, None, TP) if set(names) & set(_COLUMNS) else P(*lead, TP, None)
+        if set(names) & set(_COLUMNS):
+            return x, P(*lead, None, TP)
+        # a quantized kernel's scale per column ([.., 1, out]) is whole on every device; blocks split with rows
+        return x, P(*lead, TP if x.shape[-2] > 1 else None, None)
 
     pairs = jax.tree_util.tree_map_with_path(arrange, params)
     is_pair = lambda p: isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], P)  # noqa: E731

@@ -55,6 +55,21 @@ def test_llm_on_one_tensor_parallel_instance_equals_one_device(llm):
 
 
 
+def test_quantized_weights_split_over_tensor_parallel_devices(llm):
+    """LLM(tp=3) with weights kept quantized, each device holding its share of the values, scales and offsets:
+    SmolLM2's Q4_1 blocks (4-bit values packed in bytes, split by columns; offsets per block, split with rows) and
+    int8 (one scale per column, whole on every device for the row-split projections). The GGUF blocks give the
+    float32 engine's greedy tokens; int8 gives its own single-device greedy tokens."""
+    settings = dict(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
+                    progress=False)
+    ids = [prompt(llm, 300, 11), prompt(llm, 40, 12)]
+    kept = jaxserve.LLM(quantization="gguf", tp=3, **settings)
+    assert [c.token_ids for c in kept.generate(ids, GREEDY)] == [c.token_ids for c in llm.generate(ids, GREEDY)]
+    del kept
+    one, three = (jaxserve.LLM(quantization="int8", tp=tp, **settings) for tp in (1, 3))
+    assert [c.token_ids for c in three.generate(ids, GREEDY)] == [c.token_ids for c in one.generate(ids, GREEDY)]
+
+
 def test_llm_on_pipeline_stages_of_kv_parallel_sets_equals_one_device(llm):
     """LLM(stages=2, kvp=2, tp=3, kvp_tokens=256), Medha's 3D layout on 12 devices: SmolLM2's layers split over
     2 stages, each stage's KV over 2 sets of 3 tensor-parallel devices, a request filling 256 tokens on one set

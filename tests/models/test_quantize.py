@@ -1,0 +1,129 @@
+"""Weights kept quantized (jaxserve/models/quantize.py): the matmuls against numpy on the dequantized weights, the
+quantization error within each method's step, a GGUF file's blocks against the gguf package's own dequantization,
+and the real model served from its GGUF blocks against the float32 path."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve.models import loader, quantize
+from jaxserve.models.gguf_loader import KEPT, GGUFFile
+from jaxserve.sampling_params import SamplingParams
+
+METHODS = ("int8", "int4", "fp8")
+
+
+def _weights(seed: int, layers: int, k: int, n: int, vocab: int) -> dict:
+    """Random float weights with an outlier column and a constant block, as real checkpoints have."""
+    rng = np.random.default_rng(seed)
+    kernel = rng.normal(0, 0.05, (layers, k, n)).astype(np.float32)
+    kernel[..., 1] *= 20
+    kernel[0, :32, 2] = 0.25
+    table = rng.normal(0, 1.0, (vocab, k)).astype(np.float32)
+    return {"params": {"proj": {"kernel": jnp.asarray(kernel)}, "embed_tokens": {"embedding": jnp.asarray(table)},
+                       "norm": {"weight": jnp.asarray(rng.normal(1, 0.1, k).astype(np.float32))}}}
+
+
+def _step(w: np.ndarray, q: quantize.Quantized) -> np.ndarray:
+    """Each element's quantization step: its scale (the values are integers), or its size for fp8's 3 bits."""
+    scale = np.asarray(q.scale, np.float32)
+    for axis, (b, n) in enumerate(zip(scale.shape, w.shape)):
+        scale = np.repeat(scale, n // b, axis=axis) if b != n else scale
+    return scale if jnp.dtype(q.qtype) != jnp.dtype(jnp.float8_e4m3fn) else np.abs(w) / 8 + scale / 2**9
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("layers,k,n", [(1, 64, 96), (3, 128, 32)])
+def test_quantized_weights_are_within_a_step_and_multiply_as_their_dequantized_values(method, layers, k, n):
+    params = _weights(layers * k + n, layers, k, n, vocab=40)
+    q = quantize.quantize_params(params, method)["params"]
+    kernel, table = q["proj"]["kernel"], q["embed_tokens"]["embedding"]
+    assert q["norm"]["weight"] is params["params"]["norm"]["weight"]  # norms stay float
+    for w, qw in ((params["params"]["proj"]["kernel"], kernel), (params["params"]["embed_tokens"]["embedding"], table)):
+        w = np.asarray(w)
+        error = np.abs(np.asarray(qw.dequantize(jnp.float32)) - w)
+        # half a step, and the float16 scale's rounding (qwix rounds with the float32 scale, then stores float16)
+        assert np.all(error <= 0.5 * _step(w, qw) + np.abs(w) * 2**-10 + 1e-7), (method, error.max())
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(0, 1, (5, k)).astype(np.float32)
+    wd = np.asarray(kernel.dequantize(jnp.float32), np.float64)
+    for layer in range(layers):
+        one = jax.tree.map(lambda a: a[layer], kernel)  # a layer's slice, as the scan reads it
+        got = np.asarray(jax.jit(quantize.dense)(jnp.asarray(x), one))
+        want = x @ wd[layer]
+        bound = 1e-5 * (np.abs(x) @ np.abs(wd[layer])) + 1e-6  # float32 accumulation over k terms
+        np.testing.assert_array_less(np.abs(got - want), bound)
+    td = np.asarray(table.dequantize(jnp.float32), np.float64)
+    got = np.asarray(jax.jit(quantize.attend)(jnp.asarray(x), table))
+    np.testing.assert_array_less(np.abs(got - x @ td.T), 1e-5 * (np.abs(x) @ np.abs(td.T)) + 1e-6)
+    ids = jnp.asarray([[3, 39, 0], [3, 3, 17]])
+    np.testing.assert_array_equal(np.asarray(quantize.take(table, ids, jnp.float32)), td[np.asarray(ids)])
+
+
+def test_resident_bytes_are_a_quarter_and_under_a_sixth_of_float32():
+    params = _weights(0, 2, 256, 512, vocab=64)
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+    full = nbytes(params)
+    int8, int4 = (nbytes(quantize.quantize_params(params, m)) for m in ("int8", "int4"))
+    assert 0.25 <= int8 / full < 0.26  # 8 bits and a float16 scale per column
+    assert 0.125 <= int4 / full < 0.16  # 4 bits and a float16 scale and offset per 32: 5 bits
+
+
+def test_int4_needs_blocks_of_32():
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantize.quantize_params({"params": {"p": {"kernel": jnp.ones((40, 8))}}}, "int4")
+
+
+def _raw_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng) -> np.ndarray:
+    """Random bytes in a GGUF type's block layout, its float16 scale fields set to modest values."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    halves = 2 if qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K) else 1
+    scales = rng.uniform(-0.05, 0.05, (raw.shape[0], halves)).astype(np.float16)
+    raw[:, :2 * halves] = scales.view(np.uint8).reshape(raw.shape[0], -1)
+    return raw.reshape(rows, cols // block * size)
+
+
+@pytest.mark.parametrize("qtype", list(KEPT))
+def test_gguf_blocks_kept_equal_the_gguf_packages_dequantization(qtype, tmp_path):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 6, 512
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tensor("w", _raw_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f = GGUFFile(tmp_path / "t.gguf")
+    want = f.tensor("w")
+    assert want.shape == (rows, cols) and np.all(np.isfinite(want)) and np.std(want) > 0
+    kept = quantize.on_device(f.blocks("w"), jnp.float32)
+    np.testing.assert_allclose(np.asarray(kept.dequantize(jnp.float32)), want, rtol=1e-6, atol=1e-7)
+    # transposed to a kernel [in, out] (as loaders do) it multiplies as the dequantized weight
+    kernel = quantize.on_device(jax.tree.map(lambda a: np.ascontiguousarray(a.T), f.blocks("w")), jnp.float32)
+    x = rng.normal(0, 1, (3, cols)).astype(np.float32)
+    got = np.asarray(quantize.dense(jnp.asarray(x), kernel))
+    np.testing.assert_array_less(np.abs(got - x @ want.T.astype(np.float64)),
+                                 1e-5 * (np.abs(x) @ np.abs(want.T)) + 1e-6)
+
+
+def test_gguf_blocks_need_a_gguf_file():
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        loader.load_weights("random:tiny", "float32", "gguf")
+
+
+def test_smollm2_served_from_its_q4_1_blocks_equals_the_float32_path(llm):
+    """The default model is a Q4_1 GGUF file: kept in its blocks (quantization=gguf), resident at a fifth of the
+    float32 weights, it gives the float32 engine's greedy tokens."""
+    kept = jaxserve.LLM(quantization="gguf", max_model_len=2048, kv_cache_tokens=4096, progress=False)
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+    assert nbytes(kept._params) < 0.2 * nbytes(llm._params)
+    prompts = ["The capital of France is", "Write a short poem about rain.", "def fibonacci(n):"]
+    greedy = SamplingParams(max_tokens=24)
+    assert [c.token_ids for c in kept.generate(prompts, greedy)] == [c.token_ids for c in llm.generate(prompts, greedy)]
