@@ -125,7 +125,7 @@ class LLM:
             sizes = (("tp", tp), ("stages", stages), ("kvp", kvp))
             named = " x ".join(f"{k}={v}" for k, v in sizes if k == "tp" or v > 1)
             raise ValueError(f"{named} needs {tp * stages * kvp} devices; there are {len(jax.devices())}")
-        kv_dtype = cache_dtype(self._dtype, jax.devices()[0].platform)
+        kv_dtype = cache_dtype(self._dtype, jax.devices()[0].platform, cache.kv_cache_dtype)
         layers = -(-self.config.num_layers // stages)  # the largest stage's
         token_bytes = 2 * layers * kv_heads * self.config.head_dim * kv_dtype.itemsize
         if cache.kv_cache_tokens or cache.kv_cache_gib:
@@ -176,7 +176,7 @@ class LLM:
                             scratch_blocks=kvp, kvp_tokens=shape.kvp_tokens if kvp > 1 else None)
         runner = self._new(ModelRunner, self.config, self._params, self._dtype, num_blocks=num_blocks,
                            block_size=cache.block_size, buckets=self._buckets, key_block=cache.key_block,
-                           devices=devices, tp=tp, stages=stages)
+                           devices=devices, tp=tp, stages=stages, kv_cache_dtype=cache.kv_cache_dtype)
         quick = self._quick_start and self.cost is None  # no cost model known yet: measure it later
         if cfg.startup.warmup:
             runner.warmup(runner.first_programs() if quick else None, progress=progress)
@@ -233,7 +233,7 @@ class LLM:
                                           layout.node_size, layout.tp, self.max_model_len, key_block))
         cluster = build(self.config, self._params, layout, lambda ds: self.make_engine(ds, progress), path,
                         capacity=self.max_model_len, dtype=self._dtype, key_block=key_block, progress=progress,
-                        new=self._new)
+                        new=self._new, kv_cache_dtype=self.engine_config.cache.kv_cache_dtype)
         warmup(cluster, self.max_model_len, progress)
         return cluster
 

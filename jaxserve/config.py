@@ -15,6 +15,7 @@ from typing import Any, Literal, NamedTuple
 
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("int8", "int4", "fp8", "gguf")  # models/quantize.py
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")  # engine/kv_cache.py
 POLICIES = ("fcfs", "sjf", "ljf", "edf", "lrs", "lars")
 
 
@@ -72,6 +73,9 @@ class CacheConfig:
         None, "Share of each device's memory the engine may use (vLLM's meaning): the KV pool takes what the weights "
         "and the largest step leave (default: 0.9 on an accelerator; on a CPU only when given, of the process's "
         "memory budget).")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8"] = setting(
+        "auto", "The KV cache's dtype: auto is the model's (float32 on a CPU, where XLA writes into 16-bit caches "
+        "slowly); fp8 is e4m3 without scales (values beyond +-448 saturate), for GPUs.")
     enable_prefix_caching: bool = setting(True, "Reuse cached KV of shared prompt prefixes.")
     key_block: int = setting(256, "Keys an attention tile reads at once, tokens (a multiple of --block_size).")
 
@@ -82,6 +86,8 @@ class CacheConfig:
         u = self.gpu_memory_utilization
         if u is not None and not (isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)

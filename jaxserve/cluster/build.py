@@ -92,6 +92,7 @@ def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> in
 
 def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.Device]], Engine],
           prefill_cost: TetrisPrefill | LoongServePrefill | pathlib.Path, *, capacity: int, dtype=jnp.float32,
+          kv_cache_dtype: str = "auto",
           sizes: Sequence[int] | None = None, improvement_rate: float = 0.1,
           dispatch: str = "freeness", key_block: int = 256, min_local: int = 64,
           devices: Sequence[jax.Device] | None = None, progress: bool = True,
@@ -115,7 +116,8 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     if flips:  # every instance may prefill and decode: a store and an engine on each
         first = (layout.prefill_instances + layout.decode_instances) * tp
     sp = new(SPPrefill, cfg, params, devices[:first], capacity=rows, dtype=dtype, key_block=key_block,
-             min_local=min_local, tp=tp, sp_attention=layout.sp_attention, sparse_attention=layout.sparse_attention)
+             min_local=min_local, tp=tp, sp_attention=layout.sp_attention, sparse_attention=layout.sparse_attention,
+             kv_cache_dtype=kv_cache_dtype)
     if layout.cluster_policy == "esp" or flips:  # instances that decode on the pool's devices
         engines = [make_engine(devices[i * tp:(i + 1) * tp]) for i in range(first // tp)]
     else:

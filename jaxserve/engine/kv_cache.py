@@ -24,6 +24,7 @@ from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from jaxserve.sharding.lse import merge_gathered
 from jaxserve.sharding.mesh import SP
+from jaxserve.sharding.rows import as_cache
 
 # (k_all, v_all): every layer's cache stacked on a leading layer axis.
 Caches = tuple[Float[Array, "layers slots kvh d"], Float[Array, "layers slots kvh d"]]
@@ -71,8 +72,8 @@ class RaggedPagedBackend:
             # the scratch slot 0, keeps it a scatter, in place
             slots = jnp.concatenate([slots, jnp.zeros_like(slots)])
             k_new, v_new = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k_new, v_new))
-        k_all = k_all.at[layer, slots].set(k_new.astype(k_all.dtype))
-        v_all = v_all.at[layer, slots].set(v_new.astype(v_all.dtype))
+        k_all = k_all.at[layer, slots].set(as_cache(k_new, k_all.dtype))
+        v_all = v_all.at[layer, slots].set(as_cache(v_new, v_all.dtype))
         # k_all[layer] with a traced layer would copy the layer's whole cache every step; the attention reads
         # the flattened cache instead (a free reshape), the layer's blocks numbered from layer * blocks_per_layer
         layers, slots_per_layer = k_all.shape[:2]
@@ -95,9 +96,12 @@ class RaggedPagedBackend:
         return slots, jnp.where(tables % self.kvp == me, tables // self.kvp, -1)
 
 
-def cache_dtype(dtype: jnp.dtype, platform: str) -> jnp.dtype:
-    """The cache's dtype: the model's, but float32 on a CPU. XLA's CPU backend writes into a 16-bit float cache by
-    converting the whole cache to float32 and back (seconds a step even for a tiny model)."""
+def cache_dtype(dtype: jnp.dtype, platform: str, requested: str = "auto") -> jnp.dtype:
+    """The cache's dtype: `requested` (CacheConfig.kv_cache_dtype), or for auto the model's, but float32 on a CPU.
+    XLA's CPU backend writes into a 16-bit float cache by converting the whole cache to float32 and back (seconds
+    a step even for a tiny model)."""
+    if requested != "auto":
+        return jnp.dtype(jnp.float8_e4m3fn if requested == "fp8" else requested)
     return jnp.dtype(jnp.float32) if platform == "cpu" else jnp.dtype(dtype)
 
 

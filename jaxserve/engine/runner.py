@@ -57,6 +57,7 @@ from jaxserve.engine.kv_cache import RaggedPagedBackend, RaggedPagedMetadata, al
 from jaxserve.engine.sampling import MAX_LOGPROBS, Logprobs, Sampling, Slots, sample_step
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama, stage_layers, stage_params, unstack_layers
+from jaxserve.models.quantize import Quantized
 from jaxserve.pallas_kernels.common import lowering_for
 from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.sharding import processes, rows, tp as tensor_parallel
@@ -267,13 +268,13 @@ class _Stage:
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Any, dtype: jnp.dtype, *, num_blocks: int, block_size: int,
                  buckets: batch.Buckets, key_block: int, devices: Sequence[jax.Device] | None = None, tp: int = 1,
-                 stages: int = 1, attention: Implementation | None = None):
+                 stages: int = 1, attention: Implementation | None = None, kv_cache_dtype: str = "auto"):
         """devices: where the weights, the cache and the step run (default: JAX's first tp x stages devices),
         consecutive runs of tp devices tensor-parallel; several such runs form a KV-parallel group holding the
         num_blocks blocks between them. stages: pipeline stages, each an equal consecutive share of the devices
         running an even share of the layers (its hidden states moved on to the next stage's devices).
         attention: the attention's implementation (default: the Pallas kernel on GPU, the jnp reference
-        elsewhere)."""
+        elsewhere). kv_cache_dtype: CacheConfig's (kv_cache.cache_dtype)."""
         self.devices = list(devices or jax.devices()[:tp * stages])
         if len(self.devices) % (tp * stages):
             raise ValueError(f"{len(self.devices)} devices do not form {stages} pipeline stages of tensor-parallel "
@@ -290,23 +291,29 @@ class ModelRunner:
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
         backend = RaggedPagedBackend(block_size, key_block, kvp, attention)
         self.cpu = self.device.platform == "cpu"
-        self.kv_dtype = cache_dtype(dtype, self.device.platform)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_dtype = cache_dtype(dtype, self.device.platform, kv_cache_dtype)
+        # quantized weights scan on a CPU: unrolled, XLA dequantizes every layer's weights at once (a float copy of
+        # all of them as working memory; a SmolLM2 int8 decode step 9x slower than scanned)
+        quantized = any(isinstance(x, Quantized) for x in jax.tree.leaves(
+            params, is_leaf=lambda x: isinstance(x, Quantized)))
+        self.unrolled = not (self.cpu and stages == 1 and quantized)
         self.max_rows = max(s.rows for s in buckets.programs())
         self._stages = []
         for k, layers in enumerate(stage_layers(cfg.num_layers, stages)):
             devices = self.devices[k * per_stage:(k + 1) * per_stage]
             stage = _Stage(devices, layers, make_mesh(devices, tp), {})
             own = params if stages == 1 else stage_params(params, cfg, layers)
-            stage.loops[True] = self._loop(own, backend, stage, True)
+            stage.loops[self.unrolled] = self._loop(own, backend, stage, self.unrolled)
             stage.caches = self._allocate(stage)
             self._stages.append(stage)
         # on a CPU a mixed program is bound by its chunk's compute, beside which the scan's weight copies are small,
         # and it compiles in a fraction of the time: those scan over a second, stacked copy of the weights, placed
         # when a mixed program is first needed (a decode instance never needs one); a pipeline's stages unroll all
-        self.scan_mixed = self.cpu and stages == 1
+        self.scan_mixed = self.cpu and stages == 1 and self.unrolled
         self._stacked = (functools.partial(self._loop, params, backend, self._stages[0], False)
                          if self.scan_mixed else None)
-        self.params = self._stages[0].loops[True].params  # per layer (the first stage's)
+        self.params = self._stages[0].loops[self.unrolled].params  # the first stage's
         self._replicated = self._stages[-1].replicated  # where the sampler runs and its tokens are
         self._sample = jax.jit(sample_padded, static_argnames=("kind", "size"), donate_argnames=("slots",),
                                out_shardings=self._replicated)
@@ -361,7 +368,7 @@ class ModelRunner:
                      jax.jit(multi, donate_argnums=(1, 4), static_argnames=("shape", "kind")))
 
     def _loop_of(self, stage: _Stage, shape: batch.Shape) -> _Loop:
-        unrolled = shape.tiles == 0 or not self.scan_mixed
+        unrolled = self.unrolled and (shape.tiles == 0 or not self.scan_mixed)
         with self._lock:
             if unrolled not in stage.loops:
                 stage.loops[unrolled] = self._stacked()
@@ -479,7 +486,7 @@ class ModelRunner:
             return self._sample.trace(abstract(logits), abstract(jax.tree.map(replicated, sampling)), slots, mask,
                                       kind=program.kind, size=self.max_rows)
         if isinstance(program, Burst):
-            loop, shape = stage.loops[True], self.buckets.decode(program.rows)
+            loop, shape = stage.loops[self.unrolled], self.buckets.decode(program.rows)
             blob = batch.to_blob(batch.empty(self.buckets, shape, self.block_size))
             return loop.burst.trace(abstract(loop.params), caches, blob, abstract(self._previous), slots,
                                     shape=shape, kind=program.kind)
@@ -498,7 +505,7 @@ class ModelRunner:
         if self.stages > 1:
             raise ValueError("lower() reads one program: a runner without pipeline stages")
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-        kv_dtype = cache_dtype(self.dtype, platforms[0]) if platforms else None
+        kv_dtype = cache_dtype(self.dtype, platforms[0], self.kv_cache_dtype) if platforms else None
         with lowering_for(platforms):
             traced = self._trace(program, abstract, kv_dtype)
             return traced.lower(lowering_platforms=tuple(platforms) if platforms else None)
@@ -583,7 +590,7 @@ class ModelRunner:
         extra = batch.extra(arrays)
         (program,) = self._program(Burst(shape.rows, batch.sampler_kind(arrays), extra))
         stage.caches, out, self._previous, slots, logprobs = program(
-            stage.loops[True].params, stage.caches, batch.to_blob(arrays), self._previous, self._slots_for(extra))
+            stage.loops[self.unrolled].params, stage.caches, batch.to_blob(arrays), self._previous, self._slots_for(extra))
         return self._pending(out, slots, logprobs)
 
     def _slots_for(self, extra: bool) -> Slots | None:

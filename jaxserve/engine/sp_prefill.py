@@ -83,11 +83,12 @@ class SPPrefill:
     def __init__(self, cfg: LlamaConfig, params: Any, devices: Sequence[jax.Device], *, capacity: int,
                  dtype=jnp.float32, key_block: int = 256, min_local: int = 16, layout: layouts.Layout = "zigzag",
                  implementation: Implementation | None = None, tp: int = 1, sp_attention: SPAttention = "ring",
-                 sparse_attention: float | None = None):
+                 sparse_attention: float | None = None, kv_cache_dtype: str = "auto"):
         """devices: the pool, consecutive runs of tp devices forming one (tensor-parallel) instance; capacity:
         history rows each instance's store holds (rounded up to key blocks); min_local: the smallest
         per-instance chunk bucket; sp_attention, sparse_attention: the chunk's attention (module docstring;
-        CSA lays chunks out contiguously, whatever `layout` says)."""
+        CSA lays chunks out contiguously, whatever `layout` says). kv_cache_dtype: CacheConfig's, as the decode
+        instances' caches have it."""
         if len(devices) % tp:
             raise ValueError(f"{len(devices)} prefill devices do not form instances of {tp}")
         if sp_attention not in SP_ATTENTION:
@@ -98,7 +99,7 @@ class SPPrefill:
         self.sp_attention, self.sparse_attention = sp_attention, sparse_attention
         layout = "contiguous" if sparse_attention is not None else layout
         self.cfg, self.dtype, self.key_block, self.layout, self.tp = cfg, dtype, key_block, layout, tp
-        self.kv_dtype = cache_dtype(dtype, devices[0].platform)  # the stores' (float32 on a CPU)
+        self.kv_dtype = cache_dtype(dtype, devices[0].platform, kv_cache_dtype)  # the stores'
         self.min_local, self.implementation = max(min_local, 2), implementation
         self.cap = -(-capacity // key_block) * key_block
         self.instances = {devices[i].id: tuple(devices[i:i + tp]) for i in range(0, len(devices), tp)}

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int
 
 SCALE_DTYPE = jnp.float16
 BLOCK = 32  # int4's block along the contracted axis: llama.cpp's Q4 block, so GGUF files load into the same layout
+CPU_ROWS = 4096  # rows of the embedding table a CPU's LM head dequantizes at once
 _QTYPES = {"int8": jnp.int8, "int4": jnp.uint4, "fp8": jnp.float8_e4m3fn}
 
 
@@ -81,10 +82,21 @@ def attend(x: Float[Array, "... e"], table: Array | Quantized) -> Float[Array, "
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     if not isinstance(table, Quantized):
         return jax.lax.dot_general(x, table, dims)
-    y = qwix.dot_general(x, table.qarray(x.dtype), dims)
-    if table.offset is not None:
-        y = y + _block_sums(x, table.offset.shape[1]) @ table.offset.astype(x.dtype).T
-    return y
+
+    def whole(x, table):
+        y = qwix.dot_general(x, table.qarray(x.dtype), dims)
+        if table.offset is not None:
+            y = y + _block_sums(x, table.offset.shape[1]) @ table.offset.astype(x.dtype).T
+        return y
+
+    def by_rows(x, table):  # a CPU dequantizes a piece of the table at a time (the whole: 113 MB for SmolLM2)
+        vocab = table.values.shape[0]
+        pieces = next(p for p in range(-(-vocab // CPU_ROWS), vocab + 1) if vocab % p == 0)
+        split = jax.tree.map(lambda a: a.reshape(pieces, vocab // pieces, *a.shape[1:]), table)
+        y = jax.lax.map(lambda piece: whole(x, piece), split)  # [pieces, ..., vocab / pieces]
+        return jnp.moveaxis(y, 0, -2).reshape(*x.shape[:-1], vocab)
+
+    return jax.lax.platform_dependent(x, table, cpu=by_rows, default=whole)
 
 
 def take(table: Array | Quantized, ids: Int[Array, "..."], dtype: jnp.dtype) -> Float[Array, "... e"]:

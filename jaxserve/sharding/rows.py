@@ -10,6 +10,7 @@ import functools
 from typing import Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
@@ -38,6 +39,13 @@ def take(k: Float[Array, "layers cap kvh d"], v: Float[Array, "layers cap kvh d"
     return cut(k), cut(v)
 
 
+def as_cache(x: Array, dtype: jnp.dtype) -> Array:
+    """x in a cache's dtype; saturated into an 8-bit float's range, where a plain cast would give NaN."""
+    if jnp.dtype(dtype).itemsize == 1:
+        x = jnp.clip(x, -float(jnp.finfo(dtype).max), float(jnp.finfo(dtype).max))
+    return x.astype(dtype)
+
+
 @jax.jit
 def select(k: Float[Array, "layers n kvh d"], v: Float[Array, "layers n kvh d"], idx: Int[Array, "m"]):
     """Rows `idx` of every layer (on the rows' device)."""
@@ -48,7 +56,7 @@ def select(k: Float[Array, "layers n kvh d"], v: Float[Array, "layers n kvh d"],
 def put(k: Float[Array, "layers cap kvh d"], v: Float[Array, "layers cap kvh d"],
         k_rows: Float[Array, "layers n kvh d"], v_rows: Float[Array, "layers n kvh d"], at: Int[Array, ""]):
     """The rows written at [at, at + n) of every layer, in place."""
-    paste = lambda x, rows: jax.lax.dynamic_update_slice_in_dim(x, rows.astype(x.dtype), at, axis=1)  # noqa: E731
+    paste = lambda x, rows: jax.lax.dynamic_update_slice_in_dim(x, as_cache(rows, x.dtype), at, axis=1)  # noqa: E731
     return paste(k, k_rows), paste(v, v_rows)
 
 
@@ -56,4 +64,4 @@ def put(k: Float[Array, "layers cap kvh d"], v: Float[Array, "layers cap kvh d"]
 def scatter(k: Float[Array, "layers slots kvh d"], v: Float[Array, "layers slots kvh d"],
             k_rows: Float[Array, "layers n kvh d"], v_rows: Float[Array, "layers n kvh d"], slots: Int[Array, "n"]):
     """The rows written at `slots` (a paged cache's token slots) of every layer, in place."""
-    return k.at[:, slots].set(k_rows.astype(k.dtype)), v.at[:, slots].set(v_rows.astype(v.dtype))
+    return k.at[:, slots].set(as_cache(k_rows, k.dtype)), v.at[:, slots].set(as_cache(v_rows, v.dtype))
