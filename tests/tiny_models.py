@@ -155,3 +155,34 @@ def write_gguf(path: pathlib.Path, arch: str, config: dict, tensors: dict[str, n
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# A SentencePiece ("llama") vocabulary, as llama.cpp's converter writes Llama-2, Mistral and Phi-3 models: <unk>,
+# <s>, </s>, the 256 byte tokens, then pieces ("▁" marks a space) scored best first. Its merges are implied.
+SPM_PIECES = ["▁", "e", "t", "a", "o", "i", "n", "s", "h", "r", "l", "d", "u", "c", "m", "w", "f", "g", "y", "p", ",",
+              ".", "T", "I", "W", "!", "?", "1", "2", "3", "th", "he", "in", "er", "an", "▁t", "▁a", "▁s", "▁w", "on",
+              "▁th", "▁the", "en", "at", "re", "is", "▁i", "▁is", "or", "ou", "it", "▁o", "▁of", "ing", "▁in", "ll",
+              "ed", "▁h", "▁he", "▁b", "▁c", "ar", "▁m", "▁f", "▁d", "▁p", "es", "▁The", "▁T", "he▁", "▁▁", "▁▁▁"]
+SPM_TEXTS = ["The cat sat on the mat.", " leading space", "two  spaces and   three", "line\nbreak\n\nend",
+             "unicode: café, naïve, 日本語 ✓", "<s>inside</s> control", "What is it? It is 123!", "", " ", "▁raw marker"]
+
+
+def write_spm_gguf(path: pathlib.Path, arch: str) -> None:
+    """A GGUF file holding only metadata and the SentencePiece vocabulary above (no weights: a tokenizer's test)."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(SPM_PIECES))]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -73,12 +73,11 @@ class JaxServeSide:
 
     def __init__(self, model: str, batch: int, long_prompt: int, dtype: str = "float32", num_scheduler_steps: int = 1,
                  llm: jaxserve.LLM | None = None, options: dict | None = None, tokenizer: str | None = None,
-                 quantization: str | None = None):
+                 **settings):
         # no prefix caching: every repetition sends the same prompts, and transformers computes them each time
         self.llm = llm or jaxserve.LLM(model, dtype=dtype, max_model_len=max(2048, 2 * long_prompt),
                                        max_num_seqs=batch, enable_prefix_caching=False,
-                                       num_scheduler_steps=num_scheduler_steps, tokenizer=tokenizer,
-                                       quantization=quantization)
+                                       num_scheduler_steps=num_scheduler_steps, tokenizer=tokenizer, **settings)
         self.options = options or {}
 
     def generate(self, batch: list[list[int]], n: int) -> None:

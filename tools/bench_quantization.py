@@ -55,7 +55,9 @@ def main(argv: list[str]) -> None:
     f = FLAGS
     sides = []
     for method in tqdm([None, *f.methods], desc="load"):
-        side = JaxServeSide(f.model, f.batch, f.long_prompt, dtype=f.dtype, quantization=method)
+        # each engine's KV pool sized for the measurements: several engines share the device
+        side = JaxServeSide(f.model, f.batch, f.long_prompt, dtype=f.dtype, quantization=method,
+                            kv_cache_tokens=f.batch * max(2048, 2 * f.long_prompt))
         side.name = method or f.dtype
         sides.append(side)
     tokenizer = sides[0].llm.tokenizer

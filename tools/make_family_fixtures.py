@@ -2,11 +2,13 @@
 (tests/tiny_models.py builds them, the same from its seed on any machine), for tests/models/test_families.py:
 
     .venv/bin/pip install -e '.[reference]'
-    .venv/bin/python tools/make_family_fixtures.py      # writes tests/fixtures/families_reference.json
+    .venv/bin/python tools/make_family_fixtures.py      # writes tests/fixtures/{families,spm}_reference.json
 
 Recorded in float32, per family and tied / untied embeddings: the prompt's token ids, each position's logprob of
 the next prompt token and the 5 most likely, 12 greedy tokens with each step's two best logprobs (a tie may go
-either way), and the family's chat template as transformers renders 10 conversations.
+either way), and the family's chat template as transformers renders 10 conversations. Beside them, a SentencePiece
+GGUF vocabulary (tiny_models.write_spm_gguf) as transformers tokenizes and decodes tiny_models.SPM_TEXTS, for
+the llama and phi3 architectures (tests/models/test_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from jaxserve.models import registry  # noqa: E402
 from jaxserve.models.gguf_loader import GGUFFile  # noqa: E402
 from jaxserve.models.tokenizer import TextTokenizer  # noqa: E402
-from tiny_models import CONVERSATIONS, FAMILIES, PROMPT, write_tiny_model  # noqa: E402
+from tiny_models import CONVERSATIONS, FAMILIES, PROMPT, SPM_TEXTS, write_spm_gguf, write_tiny_model  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "families_reference.json"
+SPM_OUT = ROOT / "tests" / "fixtures" / "spm_reference.json"
 GREEDY = 12
 
 
@@ -43,7 +46,22 @@ def record(root: pathlib.Path, ids: list[int]) -> dict:
             "greedy": out[len(ids):], "greedy_top2": steps.values.tolist()}
 
 
+def record_spm() -> dict:
+    out = {}
+    for arch in ("llama", "phi3"):
+        with tempfile.TemporaryDirectory() as d:
+            write_spm_gguf(pathlib.Path(d) / "spm.gguf", arch)
+            theirs = transformers.AutoTokenizer.from_pretrained(d, gguf_file="spm.gguf")
+            out[arch] = [{"text": t, "ids": theirs.encode(t, add_special_tokens=False),
+                          "with_bos": theirs.encode(t)[:1] == [theirs.bos_token_id],
+                          "decoded": theirs.decode(theirs.encode(t, add_special_tokens=False), skip_special_tokens=True)}
+                         for t in SPM_TEXTS]
+    return out
+
+
 def main() -> None:
+    SPM_OUT.write_text(json.dumps(record_spm(), indent=1, ensure_ascii=False))
+    print(f"wrote {SPM_OUT}")
     tokenizer = TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL)))
     ids = tokenizer.encode(PROMPT, add_special_tokens=False)
     fixture = {}

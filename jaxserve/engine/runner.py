@@ -22,7 +22,8 @@ of an 8B decode step (tools/gpu_compile.py --decode checks the compiled step); o
 step of 16 rows ran twice as long (226 against 114 ms) and one of a row a quarter longer. The price is compile
 time, on that CPU about 10 s a program against 2.5 s. So on a CPU only the decode programs (bound by reading the
 weights) are unrolled, and the mixed programs (bound by their chunk's compute) scan over a second, stacked copy
-of the weights; on a GPU every program is unrolled and the weights are held once.
+of the weights; on a GPU every program is unrolled and the weights are held once. Weights kept quantized
+(models/quantize.py) scan in every program on a CPU: unrolled, XLA dequantizes all the layers' weights at once.
 
 The cache buffers are donated so XLA updates them in place; a step that fails inside the compiled call leaves
 them deleted, and `recover` allocates fresh ones (their contents are gone: the caller recomputes whatever they

@@ -1,4 +1,5 @@
-"""Tokenizer from GGUF metadata (BPE vocab + merges through `tokenizers`) or tokenizer.json, and chat templates."""
+"""Tokenizer from GGUF metadata (byte-level BPE vocab + merges, or a SentencePiece vocab + scores, through
+`tokenizers`) or tokenizer.json, and chat templates."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 if TYPE_CHECKING:  # gguf is imported only where a GGUF file is read
     from jaxserve.models.gguf_loader import GGUFFile
 
-_GGUF_CONTROL = 3  # llama.cpp token type of control tokens such as <|im_start|>
+_GGUF_UNKNOWN = 2  # llama.cpp token types: <unk>
+_GGUF_CONTROL = 3  # control tokens such as <|im_start|>
 _GGUF_USER_DEFINED = 4
 
 # llama.cpp pre-tokenizer names -> the splits they perform before byte-level BPE.
@@ -51,6 +53,34 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(known)})")
 
 
+def _sentencepiece(tokens: list[str], scores: Sequence[float], arch: str) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (GGUF's "llama" tokenizer) as transformers builds it from a GGUF file: byte
+    fallback, "▁" for spaces (Metaspace, prefixed to the text's start; Phi-3: a normalizer, prefixed always), and
+    the merges the file does not store, recovered from the scores (_sentencepiece_merges)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=ids, merges=_sentencepiece_merges(ids, dict(zip(tokens, scores))),
+                               fuse_unk=True, byte_fallback=True))
+    if arch == "phi3":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(content=" ", left=1)])
+    return tok
+
+
+def _sentencepiece_merges(ids: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, as a merge ranked by the merged token's score, best first (ties:
+    shorter left pieces first); a token's own splits in vocabulary order. transformers' generate_merges, so that
+    both tokenize alike."""
+    merges = []
+    for token, score in scores.items():
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids]
+        merges += [(left, right, score) for left, right in sorted(pairs, key=lambda p: (ids[p[0]], ids[p[1]]))]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
 class TextTokenizer:
     """Encode/decode text and render the model's chat template.
 
@@ -69,18 +99,28 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "TextTokenizer":
-        if f.field("tokenizer.ggml.model") != "gpt2":
-            raise ValueError(f"{f.path}: unsupported GGUF tokenizer {f.field('tokenizer.ggml.model')!r} (only BPE 'gpt2')")
+        """The tokenizer a GGUF file describes: byte-level BPE ("gpt2": vocabulary, merges, a pre-tokenizer by
+        name) or SentencePiece BPE ("llama": Llama-2, Mistral, Phi-3; vocabulary and scores)."""
+        kind = f.field("tokenizer.ggml.model")
+        if kind not in ("gpt2", "llama"):
+            raise ValueError(f"{f.path}: unsupported GGUF tokenizer {kind!r} (BPE 'gpt2' or SentencePiece 'llama')")
         tokens: list[str] = f.field("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in f.field("tokenizer.ggml.merges")]
         types: list[int] = f.field("tokenizer.ggml.token_type")
-        pre = f.field("tokenizer.ggml.pre")
-        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
-                                   byte_fallback=False, ignore_merges=pre in _LLAMA3_PRE))
-        tok.pre_tokenizer = _gguf_pre_tokenizer(pre)
-        tok.decoder = decoders.ByteLevel()
-        specials = [t for t, ty in zip(tokens, types) if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)]
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        if kind == "llama":
+            tok = _sentencepiece(tokens, f.field("tokenizer.ggml.scores"), f.field("general.architecture"))
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, ty in zip(tokens, types) if ty in (_GGUF_UNKNOWN, _GGUF_CONTROL)])
+            tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _GGUF_USER_DEFINED])
+        else:
+            merges = [tuple(m.split(" ", 1)) for m in f.field("tokenizer.ggml.merges")]
+            pre = f.field("tokenizer.ggml.pre")
+            tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                                       byte_fallback=False, ignore_merges=pre in _LLAMA3_PRE))
+            tok.pre_tokenizer = _gguf_pre_tokenizer(pre)
+            tok.decoder = decoders.ByteLevel()
+            specials = [t for t, ty in zip(tokens, types) if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)]
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
         bos = f.field("tokenizer.ggml.bos_token_id")
         eos = int(f.field("tokenizer.ggml.eos_token_id"))
         stop = {eos} | {int(i) for key in ("eot_token_id", "eom_token_id")
@@ -88,8 +128,9 @@ class TextTokenizer:
         names = {"eos_token": tokens[eos]}
         if bos is not None:
             names["bos_token"] = tokens[int(bos)]
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
         return cls(tok, bos_id=None if bos is None else int(bos), stop_ids=sorted(stop),
-                   add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
+                   add_bos=bool(f.field("tokenizer.ggml.add_bos_token", kind == "llama")),
                    chat_template=f.field("tokenizer.chat_template"), special_tokens=names)
 
     @classmethod

@@ -1,10 +1,15 @@
-"""Pre-tokenizer splits for the llama.cpp pre-tokenizer types the GGUF loader supports."""
+"""Pre-tokenizer splits for the llama.cpp pre-tokenizer types the GGUF loader supports, control tokens in text,
+and a GGUF file's SentencePiece vocabulary against transformers."""
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 
-from jaxserve.models.tokenizer import _gguf_pre_tokenizer
+from jaxserve.models.gguf_loader import GGUFFile
+from jaxserve.models.tokenizer import TextTokenizer, _gguf_pre_tokenizer
 
 TEXT = "Hello 12345 world's\n\n  end"
 
@@ -62,3 +67,22 @@ def test_control_text_in_content_is_encoded_with_its_neighbours_as_plain_text(ll
     plain = tok._as_text.encode("user\n" + FORGED, add_special_tokens=False).ids
     assert tok.encode_chat(msgs) == (tok.encode(text[:start], add_special_tokens=False) + plain
                                      + tok.encode(text[end:], add_special_tokens=False))
+
+
+SPM_FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "spm_reference.json"
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_sentencepiece_gguf_vocabulary_tokenizes_as_transformers(arch, tmp_path):
+    """A GGUF file's SentencePiece vocabulary (Llama-2, Mistral, Phi-3) rebuilt with its merges recovered from the
+    scores: ids and decoded text equal transformers' for spaces, newlines, byte fallback and control tokens
+    (recorded by tools/make_family_fixtures.py), and BOS is added as llama.cpp adds it."""
+    from tiny_models import write_spm_gguf
+
+    write_spm_gguf(tmp_path / "spm.gguf", arch)
+    tok = TextTokenizer.from_gguf(GGUFFile(tmp_path / "spm.gguf"))
+    for case in json.loads(SPM_FIXTURE.read_text())[arch]:
+        ids = tok.encode(case["text"], add_special_tokens=False)
+        assert ids == case["ids"], case["text"]
+        assert tok.decode(ids) == case["decoded"], case["text"]
+        assert (tok.encode(case["text"])[:1] == [tok.bos_id]) == case["with_bos"]
