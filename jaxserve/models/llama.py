@@ -82,7 +82,7 @@ class Linear(nn.Module):
         x = x.astype(self.dtype)
         y = quantize.dense(x, _weight(self, "kernel", (x.shape[-1], self.features), self.dtype))
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(self.dtype)
         return y
 
 

@@ -67,10 +67,10 @@ def _block_sums(x: Float[Array, "... k"], blocks: int) -> Float[Array, "... bloc
 
 
 def dense(x: Float[Array, "... k"], kernel: Array | Quantized) -> Float[Array, "... n"]:
-    """x @ kernel [k, n], the kernel float or quantized (then in x's dtype)."""
+    """x @ kernel [k, n] in x's dtype, the kernel float (cast, as nn.Dense casts it) or quantized."""
     dims = (((x.ndim - 1,), (0,)), ((), ()))
     if not isinstance(kernel, Quantized):
-        return jax.lax.dot_general(x, kernel, dims)
+        return jax.lax.dot_general(x, kernel.astype(x.dtype), dims)
     y = qwix.dot_general(x, kernel.qarray(x.dtype), dims)
     if kernel.offset is not None:  # sum_k x_k * offset[block(k), n]: each block's x summed, times its offset
         y = y + _block_sums(x, kernel.offset.shape[0]) @ kernel.offset.astype(x.dtype)
@@ -78,10 +78,10 @@ def dense(x: Float[Array, "... k"], kernel: Array | Quantized) -> Float[Array, "
 
 
 def attend(x: Float[Array, "... e"], table: Array | Quantized) -> Float[Array, "... vocab"]:
-    """x @ table.T for the embedding table [vocab, e] (a tied LM head)."""
+    """x @ table.T in x's dtype for the embedding table [vocab, e] (a tied LM head)."""
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     if not isinstance(table, Quantized):
-        return jax.lax.dot_general(x, table, dims)
+        return jax.lax.dot_general(x, table.astype(x.dtype), dims)
 
     def whole(x, table):
         y = qwix.dot_general(x, table.qarray(x.dtype), dims)
