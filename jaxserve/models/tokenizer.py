@@ -22,8 +22,9 @@ _GGUF_UNKNOWN = 2  # llama.cpp token types: <unk>
 _GGUF_CONTROL = 3  # control tokens such as <|im_start|>
 _GGUF_USER_DEFINED = 4
 
-# llama.cpp pre-tokenizer names -> the splits they perform before byte-level BPE.
-_LLAMA3_PRE = {"llama3", "llama-bpe", "dbrx", "smaug-bpe"}
+# llama.cpp pre-tokenizer names -> the splits they perform before byte-level BPE (the names transformers maps).
+_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+               "jina-v5-nano", "dbrx", "smaug-bpe"}
 _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
@@ -38,10 +39,33 @@ _QWEN2_REGEX = (
 )
 
 
+_QWEN2_PRE = {"qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"}
+# Qwen3.5's: Qwen2's, with combining marks inside words
+_QWEN35_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+# Mistral's tekken (Nemo, Pixtral 12B): cased words, every digit alone
+_TEKKEN_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# GPT-4o's (Llama 4 and others): cased words with their contractions, digits in threes
+_GPT4O_PRE = {"gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"}
+_GPT4O_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {**{p: _LLAMA3_REGEX for p in _LLAMA3_PRE}, **{p: _QWEN2_REGEX for p in _QWEN2_PRE},
+           **{p: _GPT4O_REGEX for p in _GPT4O_PRE}, "qwen35": _QWEN35_REGEX, "tekken": _TEKKEN_REGEX}
+
+
 def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    if pre in _LLAMA3_PRE or pre == "qwen2":
+    if pre in _SPLITS:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_QWEN2_REGEX if pre == "qwen2" else _LLAMA3_REGEX), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -49,7 +73,7 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2_PRE:
         return byte_level
-    known = sorted(p for p in _LLAMA3_PRE | _GPT2_PRE | {"smollm", "qwen2"} if p)
+    known = sorted(p for p in {*_SPLITS, *_GPT2_PRE, "smollm"} if p)
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(known)})")
 
 
