@@ -59,6 +59,7 @@ class RaggedPagedBackend:
     key_block: int
     kvp: int = 1
     implementation: Implementation | None = None  # of the attention kernel (default: the kernel on GPU only)
+    window: int | None = None  # a sliding window's keys only (LlamaConfig.sliding_window)
 
     def __call__(self, q, k, v, positions, caches, layer, metadata: RaggedPagedMetadata):
         slots, tables = metadata.slots, metadata.tables
@@ -82,7 +83,8 @@ class RaggedPagedBackend:
         out, lse = ragged_paged_attention(q[0], positions[0], k_all.reshape(flat), v_all.reshape(flat), tables,
                                           metadata.decode_token, metadata.tile_tokens, metadata.tile_row,
                                           block_size=self.block_size,
-                                          key_block=self.key_block, implementation=self.implementation)
+                                          key_block=self.key_block, window=self.window,
+                                          implementation=self.implementation)
         if self.kvp > 1:
             out, _ = merge_gathered(out, lse, SP)
         return out[None], (k_all, v_all)

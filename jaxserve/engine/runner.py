@@ -290,7 +290,7 @@ class ModelRunner:
                              "pipeline stages")
         self.cfg, self.dtype = cfg, dtype
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
-        backend = RaggedPagedBackend(block_size, key_block, kvp, attention)
+        backend = RaggedPagedBackend(block_size, key_block, kvp, attention, cfg.sliding_window)
         self.cpu = self.device.platform == "cpu"
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_dtype = cache_dtype(dtype, self.device.platform, kv_cache_dtype)

@@ -19,7 +19,7 @@ from jaxserve.models.llama import Llama, is_stacked
 
 @functools.lru_cache(maxsize=8)
 def _forward(cfg: LlamaConfig, dtype: Any, unrolled: bool):
-    model = Llama(cfg, DenseCausalBackend(), dtype, unrolled=unrolled)
+    model = Llama(cfg, DenseCausalBackend(cfg.sliding_window), dtype, unrolled=unrolled)
 
     def run(params, tokens, q_pos, k_pos):
         logits, _ = model.apply(params, tokens[None], q_pos[None], (), DenseCausalMetadata(k_pos))

@@ -48,8 +48,11 @@ class DenseCausalMetadata(AttentionMetadata):
 
 @dataclasses.dataclass(frozen=True)
 class DenseCausalBackend:
-    """Causal attention of one sequence over itself; keeps no cache (caches pass through untouched)."""
+    """Causal attention of one sequence over itself (within a sliding window, if any); keeps no cache (caches
+    pass through untouched)."""
+
+    window: int | None = None
 
     def __call__(self, q, k, v, positions, caches, layer, metadata: DenseCausalMetadata):
-        out, _ = chunk_attention(q[0], k[0], v[0], positions[0], metadata.key_positions)
+        out, _ = chunk_attention(q[0], k[0], v[0], positions[0], metadata.key_positions, self.window)
         return out[None].astype(q.dtype), caches

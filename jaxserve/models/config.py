@@ -1,9 +1,8 @@
 """Llama-family model configuration, shared by every loader. Qwen2 / Qwen2.5 are Llama with biases on the q, k
 and v projections (qkv_bias); Mistral and Phi-3 are Llama (Phi-3's fused projections are split on load).
 
-Sliding-window attention (Mistral v0.1, Phi-3-mini, Qwen2 with use_sliding_window) is not implemented: a model
-with a window shorter than its context is served with its context cut to the window, where sliding-window
-attention and full attention are the same (windowed_context)."""
+A sliding window (Mistral v0.1, Phi-3-mini) is one width for every layer: each query attends to the keys of the
+last `sliding_window` positions. Windows that differ between layers (Qwen2's max_window_layers) are refused."""
 
 from __future__ import annotations
 
@@ -13,18 +12,6 @@ import math
 from typing import Any
 
 import numpy as np
-from absl import logging
-
-
-
-def windowed_context(context: int, window: int | None) -> int:
-    """The context a model is served with: its own, or its sliding window where that is shorter (sliding-window
-    attention is not implemented; within the window it equals full attention), with a warning."""
-    if not window or window >= context:
-        return context
-    logging.warning("the model attends through a sliding window of %d tokens over a context of %d; jaxserve "
-                    "serves it with a context of %d, where that equals full attention", window, context, window)
-    return int(window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +52,7 @@ class LlamaConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = True
     qkv_bias: bool = False  # Qwen2: the q, k and v projections add a bias
+    sliding_window: int | None = None  # Mistral v0.1, Phi-3: each query sees the last this many positions
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
@@ -87,7 +75,11 @@ class LlamaConfig:
         hidden = int(cfg["hidden_size"])
         qwen2 = cfg.get("model_type") == "qwen2"
         window = cfg.get("sliding_window") if (not qwen2 or cfg.get("use_sliding_window")) else None
-        context = windowed_context(int(cfg.get("max_position_embeddings", 2048)), window)
+        if qwen2 and window and int(cfg.get("max_window_layers", 0)) > 0:
+            if int(cfg["max_window_layers"]) < int(cfg["num_hidden_layers"]):
+                raise ValueError("sliding windows on some layers only (Qwen2's max_window_layers) are not supported")
+            window = None  # the window starts past the last layer
+        context = int(cfg.get("max_position_embeddings", 2048))
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -102,6 +94,7 @@ class LlamaConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qwen2,
+            sliding_window=int(window) if window and window < context else None,
         )
 
     def to_json(self) -> str:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from jaxserve.models.config import LlamaConfig, windowed_context
+from jaxserve.models.config import LlamaConfig
 from jaxserve.models.hf_loader import phi3_split
 from jaxserve.models.quantize import Quantized
 from jaxserve.models.weights import params_from_hf
@@ -100,7 +100,8 @@ class GGUFFile:
         if self.has_tensor("rope_factors_long.weight"):
             raise ValueError(f"{self.path}: LongRoPE (Phi-3's 128K variants) is not supported")
         vocab = self.field(p + "vocab_size") or len(self.field("tokenizer.ggml.tokens"))
-        context = windowed_context(int(self.field(p + "context_length")), self.field(p + "attention.sliding_window"))
+        context = int(self.field(p + "context_length"))
+        window = self.field(p + "attention.sliding_window")
         return LlamaConfig(
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -115,6 +116,7 @@ class GGUFFile:
             rope_freq_factors=freq_factors,
             tie_word_embeddings=not self.has_tensor("output.weight"),
             qkv_bias=arch == "qwen2",
+            sliding_window=int(window) if window and window < context else None,
         )
 
 

@@ -29,7 +29,7 @@ def resolve_dtype(name: str) -> str:
         return name
     return "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
 
-_CONVERTED_FORMAT = 3  # bump when what _load saves changes, so old caches are not misread
+_CONVERTED_FORMAT = 4  # bump when what _load saves changes, so old caches are not misread
 
 
 def load_weights(model: str, dtype: str, quantization: str | None = None) -> tuple[LlamaConfig, Any, TextTokenizer]:

@@ -20,11 +20,12 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
 from jaxserve.pallas_kernels import common
+from jaxserve.pallas_kernels import reference
 from jaxserve.pallas_kernels.reference import NO_POSITION
 
 
 def _kernel(visible_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int,
-            scale: float):
+            scale: float, window: int | None):
     q = q_ref[...]  # [block_q, d]
     q_pos = q_pos_ref[...]
     count = jnp.sum((visible_ref[...] >= 0).astype(jnp.int32))  # visible blocks, listed first (-1 after)
@@ -33,7 +34,7 @@ def _kernel(visible_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_r
         start = pl.multiple_of(visible_ref[j] * block_k, block_k)
         k_pos = k_pos_ref[pl.ds(start, block_k)]
         s = common.scores(q, k_ref[pl.ds(start, block_k), :], scale)
-        s = jnp.where(k_pos[None, :] <= q_pos[:, None], s, -jnp.inf)
+        s = jnp.where(reference.visible(k_pos[None, :], q_pos[:, None], window), s, -jnp.inf)
         return common.online_softmax(carry, s, v_ref[pl.ds(start, block_k), :])
 
     o, lse = common.finish(lax.fori_loop(0, count, body, common.init_carry(*q.shape)))
@@ -54,19 +55,20 @@ def visible_blocks(q_pos: Int[Array, "t"], k_pos: Int[Array, "s"], block_q: int,
 
 
 # block_q / block_k: 128 / 64 suit head_dim 128 on H100 in Triton flash kernels; tune with tools/bench_attention.py.
-@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("window", "block_q", "block_k", "interpret"))
 def chunk_attention(
     q: Float[Array, "t h d"],
     k: Float[Array, "s kvh d"],
     v: Float[Array, "s kvh d"],
     q_pos: Int[Array, "t"],
     k_pos: Int[Array, "s"],
+    window: int | None = None,
     *,
     block_q: int = 128,
     block_k: int = 64,
     interpret: bool = False,
 ) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
-    """Softmax attention of each query over the keys with k_pos <= q_pos: float32 output and log-sum-exp."""
+    """Softmax attention of each query over the keys `visible` to it: float32 output and log-sum-exp."""
     t, h, d = q.shape
     s, kvh = k.shape[:2]
     group = h // kvh
@@ -84,7 +86,7 @@ def chunk_attention(
 
     kv_spec = pl.BlockSpec((s_pad, None, d_pad), lambda i, j: (0, i // group, 0))
     o, lse = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, scale=d**-0.5),
+        functools.partial(_kernel, block_k=block_k, scale=d**-0.5, window=window),
         grid=(h, t_pad // block_q),
         in_specs=[
             pl.BlockSpec((None, width), lambda i, j: (j, 0)),

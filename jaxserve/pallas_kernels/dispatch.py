@@ -37,14 +37,15 @@ def chunk_attention(
     v: Float[Array, "s kvh d"],
     q_pos: Int[Array, "t"],
     k_pos: Int[Array, "s"],
+    window: int | None = None,
     *,
     implementation: Implementation | None = None,
     **tiles: int,
 ) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
     impl = resolve(implementation)
     if impl == "reference":
-        return reference.chunk_attention(q, k, v, q_pos, k_pos)
-    return chunk_kernel.chunk_attention(q, k, v, q_pos, k_pos, interpret=impl == "interpret", **tiles)
+        return reference.chunk_attention(q, k, v, q_pos, k_pos, window)
+    return chunk_kernel.chunk_attention(q, k, v, q_pos, k_pos, window, interpret=impl == "interpret", **tiles)
 
 
 def paged_decode_attention(
@@ -76,14 +77,15 @@ def tiled_paged_attention(
     *,
     block_size: int,
     key_block: int,
+    window: int | None = None,
     implementation: Implementation | None = None,
 ) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
     impl = resolve(implementation)
     if impl == "reference":
         return reference.tiled_paged_attention(q, q_pos, k_cache, v_cache, tables, block_size=block_size,
-                                               key_block=key_block)
+                                               key_block=key_block, window=window)
     return tiled_kernel.tiled_paged_attention(q, q_pos, k_cache, v_cache, tables, block_size=block_size,
-                                              key_block=key_block, interpret=impl == "interpret")
+                                              key_block=key_block, window=window, interpret=impl == "interpret")
 
 
 def merge_attention(

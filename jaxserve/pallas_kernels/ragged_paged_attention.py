@@ -16,7 +16,6 @@ attended, and the returned log-sum-exp lets the group merge its partials exactly
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -35,6 +34,7 @@ def ragged_paged_attention(
     *,
     block_size: int,
     key_block: int,
+    window: int | None = None,
     implementation: dispatch.Implementation | None = None,
 ) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
     """Causal attention of every token of a flat batch over its request's pages, and its log-sum-exp.
@@ -42,7 +42,8 @@ def ragged_paged_attention(
     Row i of the batch owns block table tables[i]. decode_token[i] is the flat index of row i's token when row i
     is a decode, else t (no token); prefill tokens are grouped in tiles: tile_tokens[k] holds flat indices of
     tokens of row tile_row[k], t where padded. A token's K/V must already be in the cache. Tokens in no tile and
-    no decode (batch padding), or that see no key here, get 0 and a log-sum-exp of -inf.
+    no decode (batch padding), or that see no key here, get 0 and a log-sum-exp of -inf. window: a sliding
+    window's keys (reference.visible).
     """
     t, h = q.shape[:2]
 
@@ -52,7 +53,7 @@ def ragged_paged_attention(
         pos = jnp.where(idx < t, jnp.take(positions, idx, mode="clip"), -1)
         return dispatch.tiled_paged_attention(jnp.take(q, idx, axis=0, mode="clip"), pos, k_cache, v_cache,
                                               tables[rows], block_size=block_size, key_block=key_block,
-                                              implementation=implementation)
+                                              window=window, implementation=implementation)
 
     out, lse = jnp.zeros_like(q), jnp.full((t, h), -jnp.inf, jnp.float32)
     if tile_tokens.shape[0]:

@@ -3,7 +3,8 @@
 Masks come from positions, so one function serves history + causal-within-chunk, any sequence layout
 (contiguous / striped / zigzag shards carry their own positions) and padding: a padded key has position
 NO_POSITION (never visible), a padded query has position -1 (sees nothing). A query that sees no key gets
-output 0 and log-sum-exp -inf, which is what `merge_attention` expects of an empty shard.
+output 0 and log-sum-exp -inf, which is what `merge_attention` expects of an empty shard. With a sliding `window`
+(Mistral, Phi-3) a query at p sees the keys at p - window < j <= p only (`visible`).
 """
 
 from __future__ import annotations
@@ -20,14 +21,21 @@ NO_POSITION = 2**30  # position of a padded key: larger than any query position
 _NEG = -1e30  # finite: a row that sees no key stays NaN-free
 
 
+def visible(k_pos: Int[Array, "..."], q_pos: Int[Array, "..."], window: int | None) -> Array:
+    """Is a key at k_pos visible to a query at q_pos (broadcast): causal, and within a sliding window if any."""
+    seen = k_pos <= q_pos
+    return seen if window is None else seen & (k_pos > q_pos - window)
+
+
 def chunk_attention(
     q: Float[Array, "t h d"],
     k: Float[Array, "s kvh d"],
     v: Float[Array, "s kvh d"],
     q_pos: Int[Array, "t"],
     k_pos: Int[Array, "s"],
+    window: int | None = None,
 ) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
-    """Softmax attention of each query over the keys with k_pos <= q_pos (GQA: h a multiple of kvh).
+    """Softmax attention of each query over the keys `visible` to it (GQA: h a multiple of kvh).
 
     Returns the float32 output and the float32 log-sum-exp of the scaled scores, per query and head.
     """
@@ -35,10 +43,10 @@ def chunk_attention(
     kvh = k.shape[1]
     qg = q.reshape(t, kvh, h // kvh, d).astype(jnp.float32) * d**-0.5
     scores = jnp.einsum("tkgd,skd->kgts", qg, k.astype(jnp.float32))
-    visible = k_pos[None, :] <= q_pos[:, None]
-    scores = jnp.where(visible, scores, -jnp.inf)
+    visible_ = visible(k_pos[None, :], q_pos[:, None], window)
+    scores = jnp.where(visible_, scores, -jnp.inf)
     lse = jax.nn.logsumexp(scores, axis=-1)  # [kvh, g, t]; -inf where nothing is visible
-    probs = jnp.where(visible, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    probs = jnp.where(visible_, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     out = jnp.einsum("kgts,skd->tkgd", probs, v.astype(jnp.float32))
     return out.reshape(t, h, d), lse.reshape(h, t).T
 
@@ -102,9 +110,10 @@ def tiled_paged_attention(
     *,
     block_size: int,
     key_block: int,
+    window: int | None = None,
 ) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
     """Each tile's queries over its own request's pages: key position j is visible to a query at position p
-    when j <= p and its block entry is not -1 (p = -1 marks padding: it sees nothing). `tables` rows are block
+    when `visible` (j <= p, within the window) and its block entry is not -1 (p = -1 marks padding: it sees nothing). `tables` rows are block
     tables whose width is a multiple of key_block / block_size; blocks past a request's length may hold anything
     (never visible). Softmax in float32 whatever the cache dtype. Returns the output (0 where no key is visible)
     and its float32 log-sum-exp (-inf there).
@@ -125,7 +134,7 @@ def tiled_paged_attention(
     qg = (q.astype(jnp.float32) * d**-0.5).reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
     rows_pos = jnp.tile(q_pos, (1, g))[:, None, :, None]  # [n, 1, g*tq, 1]
     k_pages, v_pages = (c.reshape(-1, block_size, kvh, d) for c in (k_cache, v_cache))
-    attend = functools.partial(_online_softmax, k_pages=k_pages, v_pages=v_pages, pages=pages)
+    attend = functools.partial(_online_softmax, k_pages=k_pages, v_pages=v_pages, pages=pages, window=window)
     if tq == 1:
         m, l, acc = attend(qg, rows_pos, tables, jnp.max(q_pos))
     else:
@@ -153,9 +162,11 @@ def _online_softmax(
     k_pages: Float[Array, "pages bs kvh d"],
     v_pages: Float[Array, "pages bs kvh d"],
     pages: int,
+    window: int | None,
 ) -> tuple[Float[Array, "n kvh r"], Float[Array, "n kvh r"], Float[Array, "n kvh r d"]]:
     """The running max, sum and unnormalised output of the tiles' scaled queries over their pages, `pages`
-    pages a loop step, as far as position `last` (none when it is -1)."""
+    pages a loop step, from the first block a query sees (first_block) as far as position `last` (none when it
+    is -1)."""
     n, kvh, r, d = qg.shape
     block_size = k_pages.shape[1]
     key_block = pages * block_size
@@ -166,7 +177,7 @@ def _online_softmax(
         here = jnp.repeat(blk >= 0, block_size, axis=1)[:, None, None, :]  # [n, 1, 1, kb]
         k, v = (c[jnp.maximum(blk, 0)].reshape(n, key_block, kvh, d).astype(jnp.float32) for c in (k_pages, v_pages))
         s = jnp.einsum("nhrd,nkhd->nhrk", qg, k)  # [n, kvh, r, kb]
-        seen = (j * key_block + jnp.arange(key_block) <= rows_pos) & here
+        seen = visible(j * key_block + jnp.arange(key_block), rows_pos, window) & here
         s = jnp.where(seen, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)  # a row with no key yet must not count masked ones
@@ -175,4 +186,13 @@ def _online_softmax(
 
     init = (jnp.full((n, kvh, r), _NEG, jnp.float32), jnp.zeros((n, kvh, r), jnp.float32),
             jnp.zeros((n, kvh, r, d), jnp.float32))
-    return jax.lax.fori_loop(0, (last + key_block) // key_block, body, init)
+    return jax.lax.fori_loop(first_block(rows_pos, window, key_block), (last + key_block) // key_block, body, init)
+
+
+def first_block(pos: Int[Array, "..."], window: int | None, key_block: int) -> Int[Array, ""]:
+    """The first key block any of the queries at `pos` (-1: padding) sees: 0, or with a sliding window the block
+    of the earliest query's first key."""
+    if window is None:
+        return jnp.int32(0)
+    earliest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
+    return jnp.maximum(earliest - window + 1, 0) // key_block

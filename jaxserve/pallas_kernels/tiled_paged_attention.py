@@ -39,13 +39,14 @@ def context_splits(programs: int, key_blocks: int, cores: int, most: int = MAX_S
 
 
 def _kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_size: int, key_block: int,
-            scale: float, splits: int):
+            scale: float, splits: int, window: int | None):
     pages = key_block // block_size
     q = q_ref[...]  # [rows, d]: the group's heads x the tile's tokens
     pos = pos_ref[...]  # [rows]; -1: padding
     steps = jnp.minimum(lax.div(jnp.max(pos) + key_block, key_block), table_ref.shape[0] // pages)
-    per = lax.div(steps + splits - 1, splits)  # this program's key blocks: [first, last)
-    first = pl.program_id(2) * per
+    start = jnp.minimum(reference.first_block(pos, window, key_block), steps)  # a sliding window's first block
+    per = lax.div(steps - start + splits - 1, splits)  # this program's key blocks: [first, last)
+    first = start + pl.program_id(2) * per
     last = jnp.minimum(first + per, steps)
     offsets = jnp.arange(block_size, dtype=jnp.int32)
 
@@ -55,7 +56,7 @@ def _kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_si
         here = jnp.broadcast_to((blocks >= 0)[:, None], (pages, block_size)).reshape(key_block)
         key_pos = j * key_block + jnp.arange(key_block, dtype=jnp.int32)
         s = common.scores(q, k_ref[slots, :], scale)
-        s = jnp.where((key_pos[None, :] <= pos[:, None]) & here[None, :], s, -jnp.inf)
+        s = jnp.where(reference.visible(key_pos[None, :], pos[:, None], window) & here[None, :], s, -jnp.inf)
         return common.online_softmax(carry, s, v_ref[slots, :])
 
     o, lse = common.finish(lax.fori_loop(first, last, body, common.init_carry(*q.shape)))
@@ -63,7 +64,7 @@ def _kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_si
     lse_ref[...] = lse
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "key_block", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_size", "key_block", "window", "splits", "interpret"))
 def tiled_paged_attention(
     q: Float[Array, "n tq h d"],
     q_pos: Int[Array, "n tq"],
@@ -73,6 +74,7 @@ def tiled_paged_attention(
     *,
     block_size: int,
     key_block: int,
+    window: int | None = None,
     splits: int | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
@@ -98,7 +100,8 @@ def tiled_paged_attention(
     stages = common.pipeline_stages(stage_bytes=2 * key_block * d_pad * size, fixed_bytes=rows * d_pad * size)
     cache_spec = pl.BlockSpec((k_cache.shape[0], None, d_pad), lambda i, kh, j: (0, kh, 0))
     o, lse = pl.pallas_call(
-        functools.partial(_kernel, block_size=block_size, key_block=key_block, scale=d**-0.5, splits=splits),
+        functools.partial(_kernel, block_size=block_size, key_block=key_block, scale=d**-0.5, splits=splits,
+                          window=window),
         grid=(n, kvh, splits),
         in_specs=[
             pl.BlockSpec((None, rows), lambda i, kh, j: (i, 0)),

@@ -10,6 +10,10 @@ LRU queue, so its context spreads over every set. With `kvp_tokens` (Medha's pro
 has its own queue: a request fills `kvp_tokens` tokens on the set with the most free blocks, then the next set's
 (wrapping after the last), so a short request stays on one set and a long one's next set joins as it grows; a
 full set lends its neighbour's blocks.
+
+With a sliding window (Mistral v0.1, Phi-3) a block whose every position has left the window of every query to
+come is released as its request's tokens are committed: its table entry becomes RELEASED (-1, which the attention
+treats as a block held elsewhere) and its reference dropped (a published block stays cached for prefix hits).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 SCRATCH_BLOCK = 0  # never handed out: the executor points padding writes at it (blocks below scratch_blocks too)
+RELEASED = -1  # a table entry whose block left a sliding window and went back
 _SEED = bytes(32)  # parent of a request's first block
 
 
@@ -43,10 +48,11 @@ class KVCacheManager:
     free-but-cached blocks (vLLM's design)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, scratch_blocks: int = 1,
-                 kvp_tokens: int | None = None):
+                 kvp_tokens: int | None = None, sliding_window: int | None = None):
         """scratch_blocks: blocks 0..scratch_blocks-1 are never handed out (one per device set of a KV-parallel
         group, whose block b lives on set b % group). kvp_tokens: a request's tokens on one set before the next
-        set's blocks (whole blocks; None: its blocks alternate sets)."""
+        set's blocks (whole blocks; None: its blocks alternate sets). sliding_window: the model's (blocks that
+        leave it are released on commit)."""
         if scratch_blocks < 1 or num_blocks <= scratch_blocks or block_size < 1:
             raise ValueError(f"need num_blocks > scratch_blocks >= 1 and block_size >= 1, got {num_blocks}, "
                              f"{scratch_blocks} and {block_size}")
@@ -55,7 +61,7 @@ class KVCacheManager:
             raise ValueError(f"kvp_tokens ({kvp_tokens}) must be whole KV blocks of {block_size} tokens, and the "
                              f"{num_blocks} blocks split evenly over the {scratch_blocks} KV-parallel sets")
         self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
-        self.scratch_blocks = scratch_blocks
+        self.scratch_blocks, self.sliding_window = scratch_blocks, sliding_window
         self.stats = PrefixCacheStats()
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks  # set only while the block is published in _cached
@@ -163,18 +169,31 @@ class KVCacheManager:
         """Record the hashes of rid's full blocks among its first num_computed tokens (token_ids holds at least
         that many: prompt + generated so far). Incremental: each block is hashed once per table. A block whose
         hash is already mapped to another block is left unmapped (two requests computed the same prefix at once;
-        the first stays canonical). No-op with prefix caching off."""
-        if not self.enable_prefix_caching:
-            return
+        the first stays canonical). Then, with a sliding window, the blocks no query from num_computed on sees
+        are released."""
         table, chain, bs = self._tables[rid], self._chains[rid], self.block_size
         full = min(num_computed, len(token_ids)) // bs
         if full > len(table):
             raise ValueError(f"request {rid}: {num_computed} computed tokens but only {len(table)} blocks")
-        for i in range(len(chain), full):
+        for i in range(len(chain), full if self.enable_prefix_caching else 0):
             h = _block_hash(chain[-1] if chain else _SEED, token_ids[i * bs:(i + 1) * bs])
             chain.append(h)
-            if h not in self._cached:
+            if h not in self._cached and table[i] != RELEASED:
                 self._cached[h], self._hash[table[i]] = table[i], h
+        if self.sliding_window:
+            self._release(table, (num_computed - self.sliding_window + 1) // bs)
+
+    def _release(self, table: list[int], blocks: int) -> None:
+        """Drop the table's first `blocks` blocks (those before the window's first key)."""
+        for i in range(min(blocks, len(table))):
+            if table[i] != RELEASED:
+                self._unref(table[i])
+                table[i] = RELEASED
+
+    def _unref(self, block: int) -> None:
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            self._queue(block)[block] = None
 
     def free(self, rid: str) -> None:
         """Drop rid's references in reverse order (tail blocks first, so they are evicted first). A block whose
@@ -183,9 +202,8 @@ class KVCacheManager:
         self._chains.pop(rid, None)
         self._first_set.pop(rid, None)
         for block in reversed(self._tables.pop(rid, [])):
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                self._queue(block)[block] = None
+            if block != RELEASED:
+                self._unref(block)
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (e.g. after the device caches were rebuilt). Live requests keep their blocks; their

@@ -29,7 +29,7 @@ SHAPE = {"embedding_length": 64, "feed_forward_length": 128, "block_count": 2, "
 GGUF = {"qwen2": ("qwen2", {**SHAPE, "context_length": 4096, "rope.freq_base": 1e6,
                             "attention.layer_norm_rms_epsilon": 1e-6}),
         "mistral": ("llama", {**SHAPE, "context_length": 4096, "rope.freq_base": 1e6,
-                              "attention.layer_norm_rms_epsilon": 1e-5}),
+                              "attention.layer_norm_rms_epsilon": 1e-5, "attention.sliding_window": WINDOW}),
         "phi3": ("phi3", {**SHAPE, "context_length": 4096, "rope.freq_base": 10000.0, "rope.dimension_count": 16,
                           "attention.layer_norm_rms_epsilon": 1e-5, "attention.sliding_window": WINDOW})}
 
@@ -67,8 +67,8 @@ def test_logprobs_and_greedy_tokens_equal_transformers(model_dir, source, refere
     ids = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
     assert ids == reference[family]["ids"]
     assert llm.config.qkv_bias == (family == "qwen2")
-    assert llm.max_model_len == (WINDOW if family == "phi3" or (family == "mistral" and source == "safetensors")
-                                 else 256)  # a sliding window shorter than the context cuts it
+    assert llm.config.sliding_window == (WINDOW if family in ("mistral", "phi3") else None)
+    assert llm.max_model_len == 256  # a sliding window does not cut the context
     got = llm.prompt_logprobs(ids, k=5)[1:]
     np.testing.assert_allclose([g.logprob for g in got], want["chosen"], atol=TOL)
     for g, top_ids, top in zip(got, want["top_ids"], want["top"]):
@@ -82,6 +82,16 @@ def test_logprobs_and_greedy_tokens_equal_transformers(model_dir, source, refere
             best, second = want["greedy_top2"][i]
             assert best - second < TIE
             break
+
+
+def test_qwen2_windows_on_some_layers_only_are_refused():
+    base = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 4096, "sliding_window": 512}
+    assert LlamaConfig.from_hf(base).sliding_window is None  # use_sliding_window is off by default
+    assert LlamaConfig.from_hf({**base, "use_sliding_window": True, "max_window_layers": 0}).sliding_window == 512
+    assert LlamaConfig.from_hf({**base, "use_sliding_window": True, "max_window_layers": 4}).sliding_window is None
+    with pytest.raises(ValueError, match="max_window_layers"):
+        LlamaConfig.from_hf({**base, "use_sliding_window": True, "max_window_layers": 2})
 
 
 def test_the_chat_template_renders_as_transformers_renders_it(model_dir, reference):

@@ -38,10 +38,10 @@ def random_qkv(rng, t, s, h, kvh, d):
     return q, k, v
 
 
-def check_chunk(q, k, v, q_pos, k_pos, **tiles):
+def check_chunk(q, k, v, q_pos, k_pos, window=None, **tiles):
     q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
-    o, lse = dispatch.chunk_attention(q, k, v, q_pos, k_pos, implementation=IMPL, **tiles)
-    ro, rlse = reference.chunk_attention(q, k, v, q_pos, k_pos)
+    o, lse = dispatch.chunk_attention(q, k, v, q_pos, k_pos, window, implementation=IMPL, **tiles)
+    ro, rlse = reference.chunk_attention(q, k, v, q_pos, k_pos, window)
     assert o.dtype == lse.dtype == jnp.float32
     np.testing.assert_allclose(o, ro, **TOL)
     np.testing.assert_allclose(lse, rlse, **TOL)
@@ -58,6 +58,24 @@ def test_chunk_history_plus_causal(h, kvh, d, hist, t, block_q, block_k):
     q, k, v = random_qkv(rng, t, hist + t, h, kvh, d)
     _, lse = check_chunk(q, k, v, hist + np.arange(t), np.arange(hist + t), block_q=block_q, block_k=block_k)
     assert np.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("window", [1, 9, 50])
+def test_chunk_sliding_window(window):
+    """A sliding window: the kernel equals the reference, and the reference equals attention over exactly the
+    window's keys (each query alone, with numpy's softmax)."""
+    rng = np.random.default_rng(window)
+    h, kvh, d, hist, t = 6, 2, 16, 32, 40
+    q, k, v = random_qkv(rng, t, hist + t, h, kvh, d)
+    o, _ = check_chunk(q, k, v, hist + np.arange(t), np.arange(hist + t), window, block_q=16, block_k=16)
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    for i in range(t):
+        p = hist + i
+        keys = slice(max(0, p - window + 1), p + 1)
+        for j in range(h):
+            s = kn[keys, j // 3] @ qn[i, j] / np.sqrt(d)
+            w = np.exp(s - s.max())
+            np.testing.assert_allclose(o[i, j], (w / w.sum()) @ vn[keys, j // 3], **TOL)
 
 
 def test_chunk_zigzag_positions():
@@ -162,6 +180,11 @@ def test_kernels_lower_to_triton_for_cuda():
          (bf16((3, 32, 80)), bf16((4096, 8, 80)), bf16((4096, 8, 80)), i32((3, 16)), i32((3,)))),
         (merge.merge_attention, (f32((3, 5, 32, 128)), f32((3, 5, 32)))),
         (functools.partial(tiled_paged_attention.tiled_paged_attention, block_size=16, key_block=128),
+         (bf16((8, 16, 32, 128)), i32((8, 16)), bf16((4096, 8, 128)), bf16((4096, 8, 128)), i32((8, 32)))),
+        # with a sliding window (its mask and its first key block)
+        (functools.partial(chunk_attention.chunk_attention, window=50),
+         (bf16((100, 9, 64)), bf16((300, 3, 64)), bf16((300, 3, 64)), i32((100,)), i32((300,)))),
+        (functools.partial(tiled_paged_attention.tiled_paged_attention, block_size=16, key_block=128, window=300),
          (bf16((8, 16, 32, 128)), i32((8, 16)), bf16((4096, 8, 128)), bf16((4096, 8, 128)), i32((8, 32)))),
     ]
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")

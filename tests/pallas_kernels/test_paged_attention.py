@@ -9,17 +9,19 @@ import pytest
 from jaxserve.pallas_kernels.paged_attention import paged_attention
 
 
-def dense_reference(q, k, v, q_pos, kv_len):
-    """Plain numpy softmax attention for one request: q [t, h, d], k/v [s, kvh, d] (float64)."""
+def dense_reference(q, k, v, q_pos, kv_len, window=None):
+    """Plain numpy softmax attention for one request: q [t, h, d], k/v [s, kvh, d] (float64); with a sliding
+    window, query i sees keys q_pos[i] - window < j <= q_pos[i] only."""
     t, h, d = q.shape
     group = h // k.shape[1]
     out = np.zeros((t, h, d))
     for i in range(t):
         keys = min(q_pos[i] + 1, kv_len)
+        first = 0 if window is None else max(0, q_pos[i] - window + 1)
         for j in range(h):
-            s = k[:keys, j // group] @ q[i, j] / np.sqrt(d)
+            s = k[first:keys, j // group] @ q[i, j] / np.sqrt(d)
             p = np.exp(s - s.max())
-            out[i, j] = (p / p.sum()) @ v[:keys, j // group]
+            out[i, j] = (p / p.sum()) @ v[first:keys, j // group]
     return out
 
 

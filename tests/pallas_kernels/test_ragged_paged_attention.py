@@ -32,7 +32,8 @@ from test_paged_attention import dense_reference
     [(5, 1), (37, 1), (0, 9)],  # two decodes and a prompt
     [(3, 20), (0, 1), (48, 13), (100, 1), (0, 33)],  # chunks with histories, decodes, uneven lengths
 ])
-def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_block, tile, rows, implementation):
+def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_block, tile, rows, implementation,
+                                              window=None):
     rng = np.random.default_rng(heads * 1000 + block_size * 10 + len(rows))
     d = 16
     kv_lens = [h + n for h, n in rows]
@@ -55,7 +56,7 @@ def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_b
     attend = lambda tables: ragged_paged_attention(  # noqa: E731
         jnp.asarray(q), jnp.asarray(a.positions), jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(tables),
         jnp.asarray(a.decode_token), jnp.asarray(a.tile_tokens), jnp.asarray(a.tile_row),
-        block_size=block_size, key_block=key_block, implementation=implementation)
+        block_size=block_size, key_block=key_block, window=window, implementation=implementation)
     got, lse = (np.asarray(x) for x in attend(a.tables))
     # a KV-parallel group's view: each of 3 devices sees the blocks b % 3 == i (the others are -1); the partials
     # merged by their log-sum-exp are the whole attention again
@@ -67,10 +68,18 @@ def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_b
     for (h, n), table, kv_len in zip(rows, tables, kv_lens):
         slots = (np.asarray(table)[:, None] * block_size + np.arange(block_size)).reshape(-1)
         ref = dense_reference(q[start:start + n].astype(np.float64), k_cache[slots].astype(np.float64),
-                              v_cache[slots].astype(np.float64), np.arange(h, h + n), kv_len)
+                              v_cache[slots].astype(np.float64), np.arange(h, h + n), kv_len, window)
         np.testing.assert_allclose(got[start:start + n], ref, **TOL)
         start += n
     assert not got[start:].any() and np.isneginf(lse[start:]).all()  # batch padding attends nothing
+
+
+# windows shorter than a page, than a key block, and spanning several; GQA; histories that start past them
+@pytest.mark.parametrize("window", [3, 11, 40])
+@pytest.mark.parametrize("implementation", ["reference", IMPL])
+def test_a_sliding_window_matches_dense(window, implementation):
+    test_ragged_paged_attention_matches_dense(6, 2, 16, 32, 8, [(3, 20), (0, 1), (48, 13), (100, 1), (0, 33)],
+                                              implementation, window=window)
 
 
 def test_kernel_in_bfloat16_matches_the_reference():
@@ -118,10 +127,11 @@ def test_kernel_at_the_engines_gpu_shape():
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-4)
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_kernel_split_along_the_context_matches_the_reference(splits):
+@pytest.mark.parametrize("window", [None, 20])
+def test_kernel_split_along_the_context_matches_the_reference(splits, window):
     """Split-K: each tile's key blocks cut into `splits` ranges, one program each, partials merged. Decode tiles
     at contexts of one key block (most splits run nothing), several, and the table's whole width; a padding tile;
-    blocks held elsewhere (-1)."""
+    blocks held elsewhere (-1); with a sliding window, the ranges start at its first block."""
     rng = np.random.default_rng(splits)
     n, heads, kv_heads, d, block_size, key_block = 5, 8, 2, 32, 8, 16
     width = 16  # pages per table: 8 key blocks
@@ -131,9 +141,10 @@ def test_kernel_split_along_the_context_matches_the_reference(splits):
     tables = jnp.asarray(rng.permutation(pool)[:n * width].reshape(n, width), jnp.int32).at[3, 2].set(-1)
     q_pos = jnp.asarray([[5], [40], [127], [70], [-1]], jnp.int32)
     args = (q, q_pos, k, v, tables)
-    want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block)
+    want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
+                                                     window=window)
     got, got_lse = tiled_kernel.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
-                                                      splits=splits, interpret=IMPL == "interpret")
+                                                      window=window, splits=splits, interpret=IMPL == "interpret")
     np.testing.assert_allclose(got, want, **TOL)
     np.testing.assert_allclose(got_lse, want_lse, **TOL)
     assert not np.asarray(got)[4].any() and np.isneginf(np.asarray(got_lse)[4]).all()

@@ -5,14 +5,14 @@ from collections import Counter
 
 import pytest
 
-from jaxserve.sched.kv_manager import SCRATCH_BLOCK, KVCacheManager
+from jaxserve.sched.kv_manager import RELEASED, SCRATCH_BLOCK, KVCacheManager
 
 BS = 4
 
 
 def check_invariants(kv: KVCacheManager) -> None:
     tables = kv._tables
-    holders = Counter(b for t in tables.values() for b in t)
+    holders = Counter(b for t in tables.values() for b in t if b != RELEASED)
     free = set().union(*kv._free)
     assert not set(range(kv.scratch_blocks)) & (set(holders) | free)
     for queue in kv._free:  # a block waits in its own set's queue
@@ -43,6 +43,33 @@ def start(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
     assert kv.allocate(rid, len(tokens)) is not None
     kv.commit(rid, tokens, len(tokens))
     return hit
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_blocks_that_leave_a_sliding_window_go_back(caching):
+    """Window 6, blocks of 4: with 8 tokens computed the next query (position 8) sees 3..8, block 0 stays; at 10
+    it sees 5..10, so block 0 (0..3) goes back; at 14, block 1 (4..7) too. A released block stays published for a prefix hit."""
+    kv = KVCacheManager(8, BS, enable_prefix_caching=caching, sliding_window=6)
+    tokens = prompt(8)
+    kv.match_prefix("a", tokens, 7)
+    kv.allocate("a", 8)
+    kv.commit("a", tokens, 8)  # the next query (8) sees 3..8: block 0 still needed
+    assert RELEASED not in kv.block_table("a") and kv.num_free == 5
+    tokens += prompt(2, 8)
+    kv.allocate("a", 10)
+    kv.commit("a", tokens, 10)
+    assert kv.block_table("a")[0] == RELEASED and kv.num_free == 5
+    check_invariants(kv)
+    tokens += prompt(4, 10)
+    kv.allocate("a", 14)
+    kv.commit("a", tokens, 14)
+    assert kv.block_table("a")[:2] == [RELEASED, RELEASED] and kv.num_free == 5
+    check_invariants(kv)
+    assert start(kv, "b", prompt(9)) == (8 if caching else 0)  # the released blocks still serve a prefix
+    kv.free("a")
+    kv.free("b")
+    check_invariants(kv)
+    assert kv.num_free == kv.capacity
 
 
 def test_constructor_and_sizes():
