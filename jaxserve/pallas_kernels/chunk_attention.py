@@ -33,9 +33,9 @@ def _kernel(visible_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_r
     def body(j, carry):
         start = pl.multiple_of(visible_ref[j] * block_k, block_k)
         k_pos = k_pos_ref[pl.ds(start, block_k)]
-        s = common.scores(q, k_ref[pl.ds(start, block_k), :], scale)
+        s = common.scores(q, k_ref[pl.ds(start, block_k), :].astype(q.dtype), scale)  # the cache may be narrower
         s = jnp.where(reference.visible(k_pos[None, :], q_pos[:, None], window), s, -jnp.inf)
-        return common.online_softmax(carry, s, v_ref[pl.ds(start, block_k), :])
+        return common.online_softmax(carry, s, v_ref[pl.ds(start, block_k), :].astype(q.dtype))
 
     o, lse = common.finish(lax.fori_loop(0, count, body, common.init_carry(*q.shape)))
     o_ref[...] = o

@@ -42,9 +42,9 @@ def _kernel(kv_len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block
         blocks = table_ref[pl.ds(pl.multiple_of(j * pages, pages), pages)]  # [pages]
         slots = (jnp.maximum(blocks, 0)[:, None] * block_size + offsets[None, :]).reshape(key_block)
         pos = (first + j * pages) * block_size + jnp.arange(key_block, dtype=jnp.int32)
-        s = common.scores(q, k_ref[slots, :], scale)
+        s = common.scores(q, k_ref[slots, :].astype(q.dtype), scale)  # the cache may be narrower
         s = jnp.where(pos[None, :] < kv_len, s, -jnp.inf)
-        return common.online_softmax(carry, s, v_ref[slots, :])
+        return common.online_softmax(carry, s, v_ref[slots, :].astype(q.dtype))
 
     o, lse = common.finish(lax.fori_loop(0, steps, body, common.init_carry(*q.shape)))
     o_ref[...] = o

@@ -55,9 +55,9 @@ def _kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_si
         slots = (jnp.maximum(blocks, 0)[:, None] * block_size + offsets[None, :]).reshape(key_block)
         here = jnp.broadcast_to((blocks >= 0)[:, None], (pages, block_size)).reshape(key_block)
         key_pos = j * key_block + jnp.arange(key_block, dtype=jnp.int32)
-        s = common.scores(q, k_ref[slots, :], scale)
+        s = common.scores(q, k_ref[slots, :].astype(q.dtype), scale)  # the cache may be narrower
         s = jnp.where(reference.visible(key_pos[None, :], pos[:, None], window) & here[None, :], s, -jnp.inf)
-        return common.online_softmax(carry, s, v_ref[slots, :])
+        return common.online_softmax(carry, s, v_ref[slots, :].astype(q.dtype))
 
     o, lse = common.finish(lax.fori_loop(first, last, body, common.init_carry(*q.shape)))
     o_ref[...] = o.astype(o_ref.dtype)

@@ -159,8 +159,9 @@ class KVCacheManager:
         if self._sets == 1:
             return 0
         if rid not in self._first_set:
-            table = self._tables.get(rid)
-            self._first_set[rid] = (table[0] % self._sets if table else
+            table = self._tables.get(rid, [])
+            live = next((i for i, b in enumerate(table) if b != RELEASED), None)  # from its first live block
+            self._first_set[rid] = ((table[live] - live // self._per_set) % self._sets if live is not None else
                                     max(range(self._sets), key=lambda j: (len(self._free[j]), -j)))
         want = (self._first_set[rid] + k // self._per_set) % self._sets
         return next(j % self._sets for j in range(want, want + self._sets) if self._free[j % self._sets])

@@ -39,8 +39,9 @@ def shard_params(params: Any, cfg: LlamaConfig, tp: int) -> tuple[Any, Any]:
         bias = names[-1] == "bias"  # a column-split projection's bias ([.., cols]): split like its columns
         if shape.kv_repeat > 1 and set(names) & {"k_proj", "v_proj"}:
             *lead, cols = x.shape  # [.., kvh * d] -> each head's columns repeated kv_repeat times
-            heads = x.reshape(*lead, cfg.num_kv_heads, 1, cfg.head_dim)
-            x = jnp.broadcast_to(heads, (*lead, cfg.num_kv_heads, shape.kv_repeat, cfg.head_dim)).reshape(
+            width = cols // cfg.num_kv_heads  # head_dim; half that for 4-bit values packed in bytes
+            heads = x.reshape(*lead, cfg.num_kv_heads, 1, width)
+            x = jnp.broadcast_to(heads, (*lead, cfg.num_kv_heads, shape.kv_repeat, width)).reshape(
                 *lead, cols * shape.kv_repeat)
         if bias:
             return x, P(*(None,) * (x.ndim - 1), TP)

@@ -172,7 +172,8 @@ def test_merge_with_empty_partials(shape):
 
 def test_kernels_lower_to_triton_for_cuda():
     """Without a GPU, lowering for CUDA still runs the Pallas -> Triton lowering: tile sizes, supported ops."""
-    f32, bf16, i32 = (functools.partial(jax.ShapeDtypeStruct, dtype=t) for t in (jnp.float32, jnp.bfloat16, jnp.int32))
+    f32, bf16, i32, fp8 = (functools.partial(jax.ShapeDtypeStruct, dtype=t)
+                           for t in (jnp.float32, jnp.bfloat16, jnp.int32, jnp.float8_e4m3fn))
     cases = [
         (chunk_attention.chunk_attention, (bf16((100, 9, 64)), bf16((300, 3, 64)), bf16((300, 3, 64)), i32((100,)),
                                            i32((300,)))),
@@ -186,6 +187,9 @@ def test_kernels_lower_to_triton_for_cuda():
          (bf16((100, 9, 64)), bf16((300, 3, 64)), bf16((300, 3, 64)), i32((100,)), i32((300,)))),
         (functools.partial(tiled_paged_attention.tiled_paged_attention, block_size=16, key_block=128, window=300),
          (bf16((8, 16, 32, 128)), i32((8, 16)), bf16((4096, 8, 128)), bf16((4096, 8, 128)), i32((8, 32)))),
+        # an fp8 cache (--kv_cache_dtype=fp8) under bfloat16 queries
+        (functools.partial(tiled_paged_attention.tiled_paged_attention, block_size=16, key_block=128),
+         (bf16((8, 16, 32, 128)), i32((8, 16)), fp8((4096, 8, 128)), fp8((4096, 8, 128)), i32((8, 32)))),
     ]
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for fn, args in cases:

@@ -82,6 +82,23 @@ def test_a_sliding_window_matches_dense(window, implementation):
                                               implementation, window=window)
 
 
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_kernel_reads_a_narrower_cache_as_the_reference(cache_dtype):
+    """--kv_cache_dtype: float32 queries over a bfloat16 or fp8 cache; both sides read the cache's exact values."""
+    rng = np.random.default_rng(5)
+    n, heads, kv_heads, d, block_size, key_block = 3, 6, 2, 16, 8, 16
+    q = jnp.asarray(rng.standard_normal((n, 4, heads, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((40 * block_size, kv_heads, d)), cache_dtype) for _ in range(2))
+    tables = jnp.asarray(rng.permutation(40)[:n * 8].reshape(n, 8), jnp.int32)
+    q_pos = jnp.asarray([[0, 1, 2, 3], [30, 31, 32, 33], [60, 61, -1, -1]], jnp.int32)
+    args = (q, q_pos, k, v, tables)
+    want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block)
+    got, got_lse = dispatch.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
+                                                  implementation=IMPL)
+    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_allclose(got_lse, want_lse, **TOL)
+
+
 def test_kernel_in_bfloat16_matches_the_reference():
     """bfloat16 cache and queries (the GPU's dtype): the kernel's float32 softmax against the reference's, both
     rounding the output to bfloat16 (a relative step of 2^-8 on outputs of magnitude ~1: atol 2e-2 covers two

@@ -72,6 +72,22 @@ def test_blocks_that_leave_a_sliding_window_go_back(caching):
     assert kv.num_free == kv.capacity
 
 
+def test_a_released_first_block_keeps_the_kv_parallel_set():
+    """kvp_tokens: a recompute served wholly from the prefix cache whose first block then leaves the window still
+    takes its next blocks on the set its blocks belong on (from its first live block), not set -1 % sets."""
+    kv = KVCacheManager(18, BS, scratch_blocks=2, kvp_tokens=2 * BS, sliding_window=5)
+    tokens = prompt(8)
+    start(kv, "a", tokens)
+    kv.free("a")
+    assert kv.match_prefix("b", tokens, 8) == 8 and kv.allocate("b", 8) == []
+    kv.commit("b", tokens + [8, 9], 10)  # positions up to 9 computed: block 0 (0..3) left the window
+    assert kv.block_table("b")[0] == RELEASED
+    table = kv.block_table("b")
+    new = kv.allocate("b", 12)
+    assert new and new[0] % 2 == (table[1] + 1) % 2  # block 2 opens the next set after blocks 0-1's
+    check_invariants(kv)
+
+
 def test_constructor_and_sizes():
     with pytest.raises(ValueError):
         KVCacheManager(1, BS)
