@@ -66,39 +66,40 @@ def _block_sums(x: Float[Array, "... k"], blocks: int) -> Float[Array, "... bloc
     return x.reshape(*x.shape[:-1], blocks, x.shape[-1] // blocks).sum(-1)
 
 
-def dense(x: Float[Array, "... k"], kernel: Array | Quantized) -> Float[Array, "... n"]:
-    """x @ kernel [k, n] in x's dtype, the kernel float (cast, as nn.Dense casts it) or quantized."""
-    dims = (((x.ndim - 1,), (0,)), ((), ()))
-    if not isinstance(kernel, Quantized):
-        return jax.lax.dot_general(x, kernel.astype(x.dtype), dims)
+def _matmul(x: Float[Array, "... k"], w: Array | Quantized, contracted: int) -> Array:
+    """x times w contracted over w's axis `contracted` (0: a kernel [k, n]; 1: a table [n, k]), in x's dtype; a
+    float w is cast (as nn.Dense casts it)."""
+    dims = (((x.ndim - 1,), (contracted,)), ((), ()))
+    if not isinstance(w, Quantized):
+        return jax.lax.dot_general(x, w.astype(x.dtype), dims)
     # float32 sums, rounded once: in bfloat16 the offsets' share and the product nearly cancel for inputs with a
     # mean (14% error against 1.4% for one bfloat16 matmul of the dequantized weight)
-    y = qwix.dot_general(x, kernel.qarray(x.dtype), dims, preferred_element_type=jnp.float32)
-    if kernel.offset is not None:  # sum_k x_k * offset[block(k), n]: each block's x summed, times its offset
-        y = y + _block_sums(x.astype(jnp.float32), kernel.offset.shape[0]) @ kernel.offset.astype(jnp.float32)
+    y = qwix.dot_general(x, w.qarray(x.dtype), dims, preferred_element_type=jnp.float32)
+    if w.offset is not None:  # sum_k x_k * offset[block(k), n]: each block's x summed, times its offset
+        offset = w.offset.astype(jnp.float32)
+        offset = offset if contracted == 0 else offset.T
+        y = y + _block_sums(x.astype(jnp.float32), offset.shape[0]) @ offset
     return y.astype(x.dtype)
+
+
+def dense(x: Float[Array, "... k"], kernel: Array | Quantized) -> Float[Array, "... n"]:
+    """x @ kernel [k, n] in x's dtype, the kernel float or quantized."""
+    return _matmul(x, kernel, 0)
 
 
 def attend(x: Float[Array, "... e"], table: Array | Quantized) -> Float[Array, "... vocab"]:
     """x @ table.T in x's dtype for the embedding table [vocab, e] (a tied LM head)."""
-    dims = (((x.ndim - 1,), (1,)), ((), ()))
     if not isinstance(table, Quantized):
-        return jax.lax.dot_general(x, table.astype(x.dtype), dims)
-
-    def whole(x, table):
-        y = qwix.dot_general(x, table.qarray(x.dtype), dims, preferred_element_type=jnp.float32)
-        if table.offset is not None:  # as in dense: float32, rounded once
-            y = y + _block_sums(x.astype(jnp.float32), table.offset.shape[1]) @ table.offset.astype(jnp.float32).T
-        return y.astype(x.dtype)
+        return _matmul(x, table, 1)
 
     def by_rows(x, table):  # a CPU dequantizes a piece of the table at a time (the whole: 113 MB for SmolLM2)
         vocab = table.values.shape[0]
         pieces = next(p for p in range(-(-vocab // CPU_ROWS), vocab + 1) if vocab % p == 0)
         split = jax.tree.map(lambda a: a.reshape(pieces, vocab // pieces, *a.shape[1:]), table)
-        y = jax.lax.map(lambda piece: whole(x, piece), split)  # [pieces, ..., vocab / pieces]
+        y = jax.lax.map(lambda piece: _matmul(x, piece, 1), split)  # [pieces, ..., vocab / pieces]
         return jnp.moveaxis(y, 0, -2).reshape(*x.shape[:-1], vocab)
 
-    return jax.lax.platform_dependent(x, table, cpu=by_rows, default=whole)
+    return jax.lax.platform_dependent(x, table, cpu=by_rows, default=lambda x, table: _matmul(x, table, 1))
 
 
 def take(table: Array | Quantized, ids: Int[Array, "..."], dtype: jnp.dtype) -> Float[Array, "... e"]:
