@@ -61,7 +61,7 @@ def sample_step(logits: Float[Array, "r v"], p: Sampling, slots: Slots | None, m
     if mask is not None:
         logits = allowed(logits, mask)
     if kind == "greedy":
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = argmax(logits)
     else:
         tokens = sample(logits, p.temperature, p.top_k, p.top_p, p.seeds, p.counters, cut=kind == "cut",
                         min_p=p.min_p)
@@ -117,7 +117,7 @@ def sample(
     are both computed, and the draw is one uniform number per row against the softmax's running sum (inverse
     CDF), a few passes over the vocabulary. `cut` (static: the host picks the program) adds the top-k / top-p
     cut, which sorts the whole vocabulary."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     if cut:
         scaled = _cut(scaled, top_k, top_p)
@@ -133,6 +133,19 @@ def sample(
 
 
 CDF_BLOCK = 256
+
+
+def argmax(logits: Float[Array, "b v"]) -> Int[Array, "b"]:
+    """jnp.argmax over the last axis (the first of equal maxima; the first NaN, unless a +inf comes before it), in
+    two levels: the best block of CDF_BLOCK tokens, then the best token in it. XLA's CPU backend runs a one-level
+    argmax over SmolLM2's 49,152 tokens at 16 rows in 1.8 ms, these two levels in 0.16 ms."""
+    b, v = logits.shape
+    blocks = -(-v // CDF_BLOCK)
+    padded = jnp.pad(logits, ((0, 0), (0, blocks * CDF_BLOCK - v)), constant_values=-jnp.inf)
+    padded = padded.reshape(b, blocks, CDF_BLOCK)
+    best = jnp.argmax(jnp.where(jnp.isnan(padded), jnp.inf, padded).max(-1), axis=-1)  # XLA's CPU max drops NaN
+    inside = jnp.take_along_axis(padded, best[:, None, None], axis=1)[:, 0]
+    return (best * CDF_BLOCK + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
 
 
 def inverse_cdf(probs: Float[Array, "b v"], u: Float[Array, "b"]) -> Int[Array, "b"]:

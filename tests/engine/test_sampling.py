@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampling import MAX_LOGPROBS, Sampling, Slots, adjust, inverse_cdf, logprobs_of, sample, \
+from jaxserve.engine.sampling import MAX_LOGPROBS, Sampling, Slots, adjust, argmax, inverse_cdf, logprobs_of, sample, \
     sample_step
 from jaxserve.sampling_params import SamplingParams
 
@@ -72,6 +72,20 @@ def test_the_program_the_host_picks_does_not_change_a_draw():
     both = np.asarray(sample(rows, temperature, top_k, top_p, seeds, counters, cut=True))
     np.testing.assert_array_equal(both[~cutting], plain[~cutting])
     assert (both[cutting] != plain[cutting]).any()
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
+def test_the_two_level_argmax_is_numpys(vocab):
+    """The first of equal maxima, the first NaN, and rows all -inf, as numpy's argmax, at vocabularies that do and
+    do not fill the last block."""
+    rng = np.random.default_rng(vocab)
+    rows = rng.standard_normal((6, vocab)).astype(np.float32)
+    rows[1] = np.round(rows[1])  # many ties at the top
+    rows[2, vocab // 2:] = rows[2].max() + 1  # a tie across blocks
+    rows[3, vocab // 3] = np.nan
+    rows[4] = -np.inf
+    rows[5, -1] = 100.0  # the best in the padded block
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(rows))), rows.argmax(-1))
 
 
 @pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
