@@ -174,7 +174,7 @@ class LLM:
         # before the runner: a bad kvp_tokens is refused before anything is placed or compiled
         kv = KVCacheManager(num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
                             scratch_blocks=kvp, kvp_tokens=shape.kvp_tokens if kvp > 1 else None,
-                            sliding_window=self.config.sliding_window)
+                            sliding_window=self.config.uniform_window)
         runner = self._new(ModelRunner, self.config, self._params, self._dtype, num_blocks=num_blocks,
                            block_size=cache.block_size, buckets=self._buckets, key_block=cache.key_block,
                            devices=devices, tp=tp, stages=stages, kv_cache_dtype=cache.kv_cache_dtype)

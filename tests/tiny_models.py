@@ -46,24 +46,74 @@ PHI3_TEMPLATE = (
     "{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
     "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+# Gemma 3's (google/gemma-3-1b-it: the system message opens the first user turn; the assistant is "model")
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
 PROMPT = "The quick brown fox jumps over the lazy dog. 12345"
 # family -> its chat template (tools/make_family_fixtures.py records transformers' side in a fixture)
-FAMILIES = {"qwen2": QWEN_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "phi3": PHI3_TEMPLATE}
+FAMILIES = {"qwen2": QWEN_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "phi3": PHI3_TEMPLATE, "gemma3": GEMMA3_TEMPLATE}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
-WINDOW = 6  # Mistral's and Phi-3's sliding window here: shorter than the test's text, so it shapes every output
+                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+WINDOW = 6  # the sliding window here (Mistral, Phi-3, Gemma 3's first layer): shorter than the test's text
+# Gemma 3's settings beside the shared shape: every one differs from its default, so each matters
+GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
+          "final_logit_softcapping": 0.5, "hidden_activation": "gelu_pytorch_tanh",
+          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}
 
 
 def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0, family: str = "llama",
                      tied: bool = True, chat_template: str | None = None) -> dict[str, np.ndarray]:
     """A 2-layer model of random weights with `tokenizer`, as a Hugging Face folder; its tensors by name. Beside
-    "llama": "qwen2" (q/k/v biases), "mistral" (a sliding window) and "phi3" (fused q/k/v and gate/up projections,
-    a sliding window), each with its family's RoPE theta and its norms drawn (so every weight matters)."""
+    "llama": "qwen2" (q/k/v biases), "mistral" (a sliding window), "phi3" (fused q/k/v and gate/up projections,
+    a sliding window) and "gemma3" (GEMMA3: a sliding layer and a full one, q/k norms, four norms a layer), each
+    with its family's RoPE theta and its norms drawn (so every weight matters)."""
     v, h, f, heads, kv_heads, d = tokenizer.vocab_size, 64, 128, 4, 2, 16
-    qwen2, llama = family == "qwen2", family == "llama"
+    qwen2, llama, gemma3 = family == "qwen2", family == "llama", family == "gemma3"
     rng = np.random.default_rng(seed)
     w = lambda *shape: (0.02 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
-    norm = lambda: (np.ones(h) if llama else 1 + 0.3 * rng.standard_normal(h)).astype(np.float32)  # noqa: E731
+
+    def norm(n: int = h) -> np.ndarray:  # Gemma's scale by 1 + weight
+        return (np.ones(n) if llama else (0 if gemma3 else 1) + 0.3 * rng.standard_normal(n)).astype(np.float32)
     tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": norm()}
     for i in range(2):
         p = f"model.layers.{i}."
@@ -75,6 +125,9 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
         if qwen2:
             tensors |= {p + f"self_attn.{x}_proj.bias": (0.3 * rng.standard_normal(n)).astype(np.float32)
                         for x, n in (("q", heads * d), ("k", kv_heads * d), ("v", kv_heads * d))}
+        if gemma3:
+            tensors |= {p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d),
+                        p + "pre_feedforward_layernorm.weight": norm(), p + "post_feedforward_layernorm.weight": norm()}
     if not tied:
         tensors["lm_head.weight"] = w(v, h)
     if family == "phi3":  # q, k, v as one projection, gate and up as another
@@ -85,12 +138,13 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
             tensors[p + "mlp.gate_up_proj.weight"] = np.concatenate(
                 [tensors.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
     save_file(tensors, str(root / "model.safetensors"))
-    config = {"architectures": [ARCHITECTURES[family]], "model_type": family,
+    config = {"architectures": [ARCHITECTURES[family]], "model_type": "gemma3_text" if gemma3 else family,
               "vocab_size": v, "hidden_size": h, "intermediate_size": f, "num_hidden_layers": 2,
               "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d,
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6 if qwen2 else 1e-5,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6 if qwen2 or gemma3 else 1e-5,
               "rope_theta": 1e6 if family in ("qwen2", "mistral") else 10000.0, "tie_word_embeddings": tied,
-              "torch_dtype": "float32", **({"sliding_window": WINDOW} if family in ("mistral", "phi3") else {})}
+              "torch_dtype": "float32", **({"sliding_window": WINDOW} if family in ("mistral", "phi3", "gemma3") else {}),
+              **(GEMMA3 if gemma3 else {})}
     (root / "config.json").write_text(json.dumps(config))
     tokenizer.tokenizer.save(str(root / "tokenizer.json"))
     special = {"eos_token": tokenizer.special_tokens["eos_token"], "bos_token": None}
@@ -102,8 +156,13 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
 
 def gguf_tensors(tensors: dict[str, np.ndarray], arch: str, heads: int = 4, kv_heads: int = 2) -> dict[str, np.ndarray]:
     """Hugging Face-named tensors by llama.cpp's names, as its converter writes them for `arch`: llama's q and k
-    rows permuted (interleaved RoPE pairs), phi3's fused projections as they are."""
-    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    rows permuted (interleaved RoPE pairs), phi3's fused projections as they are, gemma3's norms as 1 + weight."""
+    gemma3 = arch == "gemma3"
+    names = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight" if gemma3 else "ffn_norm.weight",
+             "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+             "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
              "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
              "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
@@ -116,6 +175,8 @@ def gguf_tensors(tensors: dict[str, np.ndarray], arch: str, heads: int = 4, kv_h
         if arch == "llama" and parts[-2] in ("q_proj", "k_proj"):
             n = heads if parts[-2] == "q_proj" else kv_heads
             value = value.reshape(n, 2, value.shape[0] // n // 2, *value.shape[1:]).swapaxes(1, 2).reshape(value.shape)
+        if gemma3 and key.endswith("norm.weight"):
+            value = value + np.float32(1.0)
         out[top[key] if key in top else f"blk.{parts[2]}.{names['.'.join(parts[3:])]}"] = value
     return out
 
@@ -130,6 +191,10 @@ def write_gguf(path: pathlib.Path, arch: str, config: dict, tensors: dict[str, n
     for key, value in config.items():
         if isinstance(value, float):
             w.add_float32(f"{arch}.{key}", value)
+        elif isinstance(value, str):
+            w.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, list):
+            w.add_array(f"{arch}.{key}", value)
         else:
             w.add_uint32(f"{arch}.{key}", value)
     spec = json.loads(tokenizer.tokenizer.to_str())

@@ -290,15 +290,16 @@ class ModelRunner:
                              "pipeline stages")
         self.cfg, self.dtype = cfg, dtype
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
-        backend = RaggedPagedBackend(block_size, key_block, kvp, attention, cfg.sliding_window)
+        backend = RaggedPagedBackend(block_size, key_block, kvp, attention, cfg.uniform_window)
         self.cpu = self.device.platform == "cpu"
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_dtype = cache_dtype(dtype, self.device.platform, kv_cache_dtype)
         # quantized weights scan on a CPU: unrolled, XLA dequantizes every layer's weights at once (a float copy of
-        # all of them as working memory; a SmolLM2 int8 decode step 9x slower than scanned)
+        # all of them as working memory; a SmolLM2 int8 decode step 9x slower than scanned); layers that differ
+        # (Gemma 3) unroll everywhere
         quantized = any(isinstance(x, Quantized) for x in jax.tree.leaves(
             params, is_leaf=lambda x: isinstance(x, Quantized)))
-        self.unrolled = not (self.cpu and stages == 1 and quantized)
+        self.unrolled = cfg.per_layer or not (self.cpu and stages == 1 and quantized)
         self.max_rows = max(s.rows for s in buckets.programs())
         self._stages = []
         for k, layers in enumerate(stage_layers(cfg.num_layers, stages)):
@@ -311,7 +312,7 @@ class ModelRunner:
         # on a CPU a mixed program is bound by its chunk's compute, beside which the scan's weight copies are small,
         # and it compiles in a fraction of the time: those scan over a second, stacked copy of the weights, placed
         # when a mixed program is first needed (a decode instance never needs one); a pipeline's stages unroll all
-        self.scan_mixed = self.cpu and stages == 1 and self.unrolled
+        self.scan_mixed = self.cpu and stages == 1 and self.unrolled and not cfg.per_layer
         self._stacked = (functools.partial(self._loop, params, backend, self._stages[0], False)
                          if self.scan_mixed else None)
         self.params = self._stages[0].loops[self.unrolled].params  # the first stage's

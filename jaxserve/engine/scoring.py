@@ -14,12 +14,12 @@ from jaxserve.engine.batch import powers_of_two
 from jaxserve.engine.sampling import Logprobs, logprobs_of
 from jaxserve.models.attention import DenseCausalBackend, DenseCausalMetadata
 from jaxserve.models.config import LlamaConfig
-from jaxserve.models.llama import Llama, is_stacked
+from jaxserve.models.llama import Llama, is_stacked, unstack_layers
 
 
 @functools.lru_cache(maxsize=8)
 def _forward(cfg: LlamaConfig, dtype: Any, unrolled: bool):
-    model = Llama(cfg, DenseCausalBackend(cfg.sliding_window), dtype, unrolled=unrolled)
+    model = Llama(cfg, DenseCausalBackend(cfg.uniform_window), dtype, unrolled=unrolled)
 
     def run(params, tokens, q_pos, k_pos):
         logits, _ = model.apply(params, tokens[None], q_pos[None], (), DenseCausalMetadata(k_pos))
@@ -49,13 +49,22 @@ def _padded(ids: Sequence[int]) -> tuple[np.ndarray, ...]:
     return tokens, np.where(pos < n, pos, -1), np.where(pos < n, pos, 2**30)
 
 
+def _layout(cfg: LlamaConfig, params: Any) -> tuple[Any, bool]:
+    """The params as the model reads them, and whether unrolled: as given, but per layer where layers differ
+    (Gemma 3; a copy of the weights for this call when they came stacked)."""
+    params = unstack_layers(params) if cfg.per_layer else params
+    return params, not is_stacked(params)
+
+
 def prompt_logits(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int]) -> np.ndarray:
     """Logits [len(ids), vocab] (float32); params stacked or per layer (models/llama.py)."""
-    return np.asarray(_forward(cfg, dtype, not is_stacked(params))(params, *_padded(ids)))[:len(ids)]
+    params, unrolled = _layout(cfg, params)
+    return np.asarray(_forward(cfg, dtype, unrolled)(params, *_padded(ids)))[:len(ids)]
 
 
 def prompt_logprobs(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int]) -> Logprobs:
     """Each prompt token's logprob given the tokens before it, and the sampling.MAX_LOGPROBS most likely there
     ([len(ids) - 1, ...]: the first token has none); computed on the device, so only these come back."""
-    out = _logprobs(cfg, dtype, not is_stacked(params))(params, *_padded(ids))
+    params, unrolled = _layout(cfg, params)
+    out = _logprobs(cfg, dtype, unrolled)(params, *_padded(ids))
     return Logprobs(*(np.asarray(x)[:len(ids) - 1] for x in out))

@@ -96,9 +96,10 @@ class SPPrefill:
         if sparse_attention is not None and (sp_attention != "sp_ntp" or not 0 <= sparse_attention <= 1):
             raise ValueError("sparse_attention (CSA's drop ratio, in [0, 1]) needs sp_attention='sp_ntp', got "
                              f"{sparse_attention!r} with {sp_attention!r}")
-        if cfg.sliding_window:
+        if cfg.sliding_window or cfg.per_layer:
             raise ValueError(f"the prefill pool's sequence-parallel attention has no sliding window (the model's is "
-                             f"{cfg.sliding_window} tokens): serve this model without prefill instances")
+                             f"{cfg.sliding_window} tokens, or differs by layer): serve this model without prefill "
+                             "instances")
         self.sp_attention, self.sparse_attention = sp_attention, sparse_attention
         layout = "contiguous" if sparse_attention is not None else layout
         self.cfg, self.dtype, self.key_block, self.layout, self.tp = cfg, dtype, key_block, layout, tp

@@ -1,8 +1,10 @@
 """Llama-family model configuration, shared by every loader. Qwen2 / Qwen2.5 are Llama with biases on the q, k
-and v projections (qkv_bias); Mistral and Phi-3 are Llama (Phi-3's fused projections are split on load).
+and v projections (qkv_bias); Mistral and Phi-3 are Llama (Phi-3's fused projections are split on load). Gemma 3
+is Llama with Gemma's norms, a scaled embedding, GeGLU, q/k norms and sliding windows on some layers.
 
-A sliding window (Mistral v0.1, Phi-3-mini) is one width for every layer: each query attends to the keys of the
-last `sliding_window` positions. Windows that differ between layers (Qwen2's max_window_layers) are refused."""
+A sliding window (Mistral v0.1, Phi-3-mini, Gemma 3) makes each query attend to the keys of the last
+`sliding_window` positions. It covers every layer, or only `window_layers` (Gemma 3: five of every six, whose
+RoPE base is rope_local_theta). Qwen2's max_window_layers (windows on the upper layers) is refused."""
 
 from __future__ import annotations
 
@@ -52,12 +54,23 @@ class LlamaConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = True
     qkv_bias: bool = False  # Qwen2: the q, k and v projections add a bias
-    sliding_window: int | None = None  # Mistral v0.1, Phi-3: each query sees the last this many positions
+    sliding_window: int | None = None  # Mistral v0.1, Phi-3, Gemma 3: a query sees the last this many positions
+    window_layers: tuple[int, ...] | None = None  # the layers that slide, when only some do (None: all)
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base, unscaled (None: rope_theta's)
+    # Gemma 3:
+    gemma_norms: bool = False  # RMSNorm scales by (1 + weight) in float32; attention and MLP outputs normed too
+    qk_norm: bool = False  # each head's q and k RMS-normed before RoPE
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    query_scale: float | None = None  # scores scaled by query_scale ** -0.5 (None: by head_dim ** -0.5)
+    final_logit_softcap: float | None = None  # logits become cap * tanh(logits / cap)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
         """Build from a Hugging Face config.json dict (transformers 5 writes RoPE's theta and scaling together as
         rope_parameters; earlier versions as rope_theta and rope_scaling)."""
+        if cfg.get("model_type") == "gemma3_text":
+            return cls._gemma3(cfg)
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         rope_scaling = None
@@ -97,14 +110,78 @@ class LlamaConfig:
             sliding_window=int(window) if window and window < context else None,
         )
 
+    @classmethod
+    def _gemma3(cls, cfg: dict[str, Any]) -> "LlamaConfig":
+        """Gemma 3's text model (model_type gemma3_text), with transformers' Gemma3TextConfig defaults."""
+        if cfg.get("attn_logit_softcapping") or cfg.get("use_bidirectional_attention"):
+            raise ValueError("Gemma 3 with attention soft-capping or bidirectional attention is not supported")
+        if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"unsupported Gemma 3 activation {cfg['hidden_activation']!r}")
+        layers = int(cfg.get("num_hidden_layers", 26))
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                           for i in range(layers)]
+        rope = cfg.get("rope_parameters") or {}
+        full = dict(rope.get("full_attention") or {})
+        scaling = cfg.get("rope_scaling") or full
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "linear"):
+            raise ValueError(f"unsupported Gemma 3 rope scaling {kind!r} (default or linear)")
+        d = int(cfg.get("head_dim", 256))
+        factor = float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0
+        context = int(cfg.get("max_position_embeddings", 131072))
+        window = cfg.get("sliding_window", 4096)
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        heads = int(cfg.get("num_attention_heads", 8))
+        softcap = cfg.get("final_logit_softcapping")
+        return cls(
+            vocab_size=int(cfg.get("vocab_size", 262208)),
+            hidden_size=int(cfg.get("hidden_size", 2304)),
+            intermediate_size=int(cfg.get("intermediate_size", 9216)),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads", 4)),
+            head_dim=d,
+            max_position_embeddings=context,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1e6))),
+            rope_freq_factors=(factor,) * (d // 2) if factor != 1.0 else None,  # linear: every frequency / factor
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            sliding_window=int(window) if window and sliding and window < context else None,
+            window_layers=sliding if 0 < len(sliding) < layers else None,
+            rope_local_theta=float((rope.get("sliding_attention") or {}).get(
+                "rope_theta", cfg.get("rope_local_base_freq", 10000.0))) if sliding else None,
+            gemma_norms=True, qk_norm=True, embed_scale=True, activation="gelu_tanh",
+            query_scale=float(cfg.get("query_pre_attn_scalar", 256)),
+            final_logit_softcap=float(softcap) if softcap else None,
+        )
+
+    def local(self, layer: int) -> bool:
+        """Is `layer` a sliding one (its window, and RoPE from rope_local_theta when set)?"""
+        return self.window_layers is None or layer in self.window_layers
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it sees every earlier position)."""
+        return self.sliding_window if self.local(layer) else None
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer slides alike (blocks behind it can be released), else None."""
+        return self.sliding_window if self.window_layers is None else None
+
+    @property
+    def per_layer(self) -> bool:
+        """Do the layers differ (window, RoPE base)? Then the model runs unrolled, each layer its own code."""
+        return self.window_layers is not None
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "LlamaConfig":
-        raw = json.loads(text)
-        for key in ("rope_scaling", "rope_freq_factors"):
-            if raw[key] is not None:
+        raw = json.loads(text)  # a field added since the text was written keeps its default
+        for key in ("rope_scaling", "rope_freq_factors", "window_layers"):
+            if raw.get(key) is not None:
                 raw[key] = tuple(raw[key])
         return cls(**raw)
 
@@ -124,9 +201,13 @@ class LlamaConfig:
         repeat = max(tp // kvh, 1)
         return TPShape(tp, self.num_heads // tp, kvh * repeat // tp, repeat, self.intermediate_size // tp)
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies (head_dim // 2,), with Llama-3 scaling applied when configured."""
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+    def inv_freq(self, local: bool = False) -> np.ndarray:
+        """RoPE inverse frequencies (head_dim // 2,), with Llama-3 scaling applied when configured; `local`: a
+        sliding layer's, from rope_local_theta, unscaled."""
+        theta = self.rope_local_theta if local and self.rope_local_theta is not None else self.rope_theta
+        inv = 1.0 / (theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        if local and self.rope_local_theta is not None:
+            return inv.astype(np.float32)
         if self.rope_freq_factors is not None:
             return (inv / np.asarray(self.rope_freq_factors)).astype(np.float32)
         if self.rope_scaling is None:

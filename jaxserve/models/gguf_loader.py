@@ -1,5 +1,5 @@
-"""Load a Llama-family GGUF file (architectures llama, which Mistral's files use too, qwen2 and phi3): config,
-weights and tokenizer metadata.
+"""Load a Llama-family GGUF file (architectures llama, which Mistral's files use too, qwen2, phi3 and gemma3):
+config, weights and tokenizer metadata.
 
 Weights are dequantized to float32 (via the `gguf` package), or with `keep_quantized` kept in their blocks as
 `quantize.Quantized` values: Q8_0 (int8), Q4_0 (int4), Q4_1 and Q4_K (uint4 with a
@@ -8,6 +8,7 @@ float offset per block of 32) load as stored, never through float. A tensor whos
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 from typing import Any
@@ -23,7 +24,7 @@ from jaxserve.models.hf_loader import phi3_split
 from jaxserve.models.quantize import Quantized
 from jaxserve.models.weights import params_from_hf
 
-ARCHITECTURES = ("llama", "qwen2", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "phi3", "gemma3")
 # Hugging Face tensor name (with {i} for the layer) -> GGUF tensor name.
 _HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -43,6 +44,15 @@ _HF_TO_GGUF = {
     "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
     "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
     "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+}
+# Gemma 3's names where they differ: its post_attention_layernorm norms the attention's output, and llama.cpp's
+# ffn_norm is its pre_feedforward_layernorm
+_GEMMA3 = {
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.post_attention_norm.weight",
+    "model.layers.{i}.pre_feedforward_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.post_feedforward_layernorm.weight": "blk.{i}.post_ffw_norm.weight",
+    "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
 }
 
 
@@ -89,27 +99,33 @@ class GGUFFile:
         if (self.field(p + "expert_count") or 0) > 0:
             raise ValueError(f"{self.path}: mixture-of-experts GGUF models are not supported")
         scaling = self.field(p + "rope.scaling.type")
-        if scaling not in (None, "none") and not self.has_tensor("rope_freqs.weight"):
-            raise ValueError(f"{self.path}: unsupported rope scaling {scaling!r} (only Llama-3 rope_freqs)")
+        factor = float(self.field(p + "rope.scaling.factor", 1.0))
+        linear = scaling == "linear" or (scaling is None and factor != 1.0)  # llama.cpp's default type is linear
+        if scaling not in (None, "none", "linear") and not self.has_tensor("rope_freqs.weight"):
+            raise ValueError(f"{self.path}: unsupported rope scaling {scaling!r} (only linear and Llama-3 rope_freqs)")
         heads = int(self.field(p + "attention.head_count"))
         hidden = int(self.field(p + "embedding_length"))
+        head_dim = int(self.field(p + "attention.key_length", self.field(p + "rope.dimension_count", hidden // heads)))
         # llama.cpp stores Llama-3 rope scaling as per-frequency divisors in a `rope_freqs` tensor.
         freq_factors = None
         if self.has_tensor("rope_freqs.weight"):
             freq_factors = tuple(float(x) for x in self.tensor("rope_freqs.weight").reshape(-1))
+        elif linear and factor != 1.0:  # every frequency divided alike
+            freq_factors = (factor,) * (head_dim // 2)
         if self.has_tensor("rope_factors_long.weight"):
             raise ValueError(f"{self.path}: LongRoPE (Phi-3's 128K variants) is not supported")
         vocab = self.field(p + "vocab_size") or len(self.field("tokenizer.ggml.tokens"))
         context = int(self.field(p + "context_length"))
+        layers = int(self.field(p + "block_count"))
         window = self.field(p + "attention.sliding_window")
-        return LlamaConfig(
+        cfg = LlamaConfig(
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self.field(p + "feed_forward_length")),
-            num_layers=int(self.field(p + "block_count")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(self.field(p + "attention.head_count_kv", heads)),
-            head_dim=int(self.field(p + "rope.dimension_count", hidden // heads)),
+            head_dim=head_dim,
             max_position_embeddings=context,
             rms_norm_eps=float(self.field(p + "attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self.field(p + "rope.freq_base", 10000.0)),
@@ -118,6 +134,27 @@ class GGUFFile:
             qkv_bias=arch == "qwen2",
             sliding_window=int(window) if window and window < context else None,
         )
+        return self._gemma3(cfg, layers, window) if arch == "gemma3" else cfg
+
+    def _gemma3(self, cfg: LlamaConfig, layers: int, window: int | None) -> LlamaConfig:
+        """Gemma 3's settings as llama.cpp reads them: with a window, five of every six layers slide (or the
+        file's own attention.sliding_window_pattern, one flag a layer) with RoPE base 10,000 (or
+        rope.freq_base_swa); scores scaled by head_dim ** -0.5, but by (hidden / heads) ** -0.5 for the
+        62-layer 27B, unless the file gives attention.scale."""
+        p = "gemma3."
+        pattern = self.field(p + "attention.sliding_window_pattern")
+        sliding = (tuple(i for i, s in enumerate(pattern) if s) if isinstance(pattern, list)
+                   else tuple(i for i in range(layers) if (i + 1) % 6)) if window else ()
+        scale = self.field(p + "attention.scale")
+        query_scale = (float(scale) ** -2 if scale else
+                       cfg.hidden_size / cfg.num_heads if layers == 62 else float(cfg.head_dim))
+        softcap = self.field(p + "final_logit_softcapping")
+        return dataclasses.replace(
+            cfg, window_layers=sliding if 0 < len(sliding) < layers else None,
+            sliding_window=cfg.sliding_window if sliding else None,
+            rope_local_theta=float(self.field(p + "rope.freq_base_swa", 10000.0)) if sliding else None,
+            gemma_norms=True, qk_norm=True, embed_scale=True, activation="gelu_tanh", query_scale=query_scale,
+            final_logit_softcap=float(softcap) if softcap else None)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -164,13 +201,16 @@ def load_gguf(path: str | pathlib.Path, keep_quantized: bool = False) -> tuple[L
     cfg = f.config()
     arch = f.field("general.architecture")
     permuted = arch == "llama"  # llama.cpp's converter permutes llama's q and k only
-    kept = _kept_names(f, cfg) if keep_quantized else set()
+    names = _names(arch)
+    kept = _kept_names(f, cfg, names) if keep_quantized else set()
 
     def tensor(hf_name: str) -> np.ndarray | Quantized:
         m = re.match(r"model\.layers\.(\d+)\.(.*)", hf_name)
         key = f"model.layers.{{i}}.{m.group(2)}" if m else hf_name
-        name = _HF_TO_GGUF[key].format(i=m.group(1) if m else "")
-        w = f.blocks(name) if _HF_TO_GGUF[key] in kept else f.tensor(name)
+        name = names[key].format(i=m.group(1) if m else "")
+        w = f.blocks(name) if names[key] in kept else f.tensor(name)
+        if arch == "gemma3" and key.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + weight
+            w = w - np.float32(1.0)
         if permuted and key.endswith("q_proj.weight"):
             w = jax.tree.map(lambda a: _unpermute(a, cfg.num_heads), w)
         elif permuted and key.endswith("k_proj.weight"):
@@ -180,11 +220,16 @@ def load_gguf(path: str | pathlib.Path, keep_quantized: bool = False) -> tuple[L
     return cfg, params_from_hf(cfg, phi3_split(cfg, tensor) if arch == "phi3" else tensor), f
 
 
-def _kept_names(f: GGUFFile, cfg: LlamaConfig) -> set[str]:
+def _names(arch: str) -> dict[str, str]:
+    """Hugging Face tensor name (with {i} for the layer) -> GGUF tensor name, for `arch`."""
+    return {**_HF_TO_GGUF, **_GEMMA3} if arch == "gemma3" else _HF_TO_GGUF
+
+
+def _kept_names(f: GGUFFile, cfg: LlamaConfig, names: dict[str, str]) -> set[str]:
     """The GGUF names (with {i} for the layer) of the weights kept quantized: every layer's tensor of one type
     in KEPT. The others are dequantized, with a line in the log."""
     kept, dequantized = set(), set()
-    for pattern in _HF_TO_GGUF.values():
+    for pattern in names.values():
         names = [pattern.format(i=i) for i in range(cfg.num_layers)] if "{i}" in pattern else [pattern]
         types = {f.tensor_type(n) for n in names if f.has_tensor(n)}
         if len(types) == 1 and next(iter(types)) in KEPT:

@@ -1,5 +1,5 @@
-"""Load a Hugging Face Llama-family directory (Llama, Qwen2 / Qwen2.5, Mistral, Phi-3): config.json and
-*.safetensors files."""
+"""Load a Hugging Face Llama-family directory (Llama, Qwen2 / Qwen2.5, Mistral, Phi-3, Gemma 3's text models):
+config.json and *.safetensors files."""
 
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ from safetensors import safe_open
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.weights import params_from_hf
 
-MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3")
+MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "gemma3_text")
 
 
 def load_hf_dir(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
     root = pathlib.Path(path)
     raw = json.loads((root / "config.json").read_text())
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
+    if raw.get("model_type") == "gemma3":
+        raise ValueError(f"{root}: Gemma 3's image-text models (model_type gemma3) are not supported; its text "
+                         "models (gemma3_text: gemma-3-270m, gemma-3-1b) are")
     if raw.get("model_type", "llama") not in MODEL_TYPES and "LlamaForCausalLM" not in archs:
         raise ValueError(f"{root}: unsupported model_type {raw.get('model_type')!r} (served: "
                          f"{', '.join(MODEL_TYPES)})")

@@ -1,4 +1,6 @@
-"""Llama-family decoder in Flax: RMSNorm, RoPE (Llama-3 scaling), GQA, SwiGLU, tied or untied embeddings.
+"""Llama-family decoder in Flax: RMSNorm, RoPE (Llama-3 scaling), GQA, SwiGLU, tied or untied embeddings; with
+Gemma 3's differences where its config asks (config.py: Gemma's norms, q/k norms, GeGLU, a scaled embedding,
+per-layer windows and RoPE bases, logit soft-capping).
 
 The model does not know where its KV lives or how many devices hold the sequence: each layer hands its
 rotated q/k/v to an attention backend (models/attention.py),
@@ -14,7 +16,8 @@ The layers run one of two ways (`unrolled`):
   layer's parameter tree with every leaf stacked along a leading layer axis (how loaders and checkpoints keep
   it). Each iteration reads its layer by a dynamic slice, which a GPU materialises as a copy of the weights.
 - unrolled: a Python loop over per-layer parameter trees `params['layers_{i}']` (`unstack_layers`), so each
-  GEMM reads its weights in place. Compiles grow with depth.
+  GEMM reads its weights in place. Compiles grow with depth. Layers that differ (Gemma 3's windows and RoPE
+  bases: LlamaConfig.per_layer) run this way only, each with its own window in its backend.
 Either way the backend's caches (every array with a leading layer axis) ride in the carry, not as scanned inputs
 and outputs, so XLA updates the (donated) buffers in place; each layer gets its index (traced when scanned,
 static when unrolled) and touches only its own slice.
@@ -22,6 +25,7 @@ static when unrolled) and touches only its own slice.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -40,17 +44,23 @@ from jaxserve.models.quantize import Quantized
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
+    gemma: bool = False  # Gemma's: scaled by (1 + weight), in float32 before the cast
 
     @nn.compact
     def __call__(self, x: Float[Array, "... e"]) -> Float[Array, "... e"]:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.gemma else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.gemma:
+            return (normed * (1.0 + weight.astype(jnp.float32))).astype(self.dtype)
         return weight * normed.astype(self.dtype)
 
 
-def rope_cos_sin(cfg: LlamaConfig, positions: Int[Array, "b t"]) -> tuple[Float[Array, "b t d"], Float[Array, "b t d"]]:
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq())
+def rope_cos_sin(cfg: LlamaConfig, positions: Int[Array, "b t"], local: bool = False
+                 ) -> tuple[Float[Array, "b t d"], Float[Array, "b t d"]]:
+    """RoPE's cos and sin at each position: a sliding layer's with `local` (LlamaConfig.inv_freq)."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(local))
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -131,7 +141,12 @@ class Attention(nn.Module):
         q = _dense(qh, self.dtype, "q_proj", bias)(x).reshape(b, t, share.heads, cfg.head_dim)
         k = _dense(kvh, self.dtype, "k_proj", bias)(x).reshape(b, t, share.kv_heads, cfg.head_dim)
         v = _dense(kvh, self.dtype, "v_proj", bias)(x).reshape(b, t, share.kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.gemma_norms, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.gemma_norms, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cfg.query_scale is not None and cfg.query_scale != cfg.head_dim:  # the kernels scale by head_dim ** -0.5
+            q = (q.astype(jnp.float32) * (cfg.head_dim / cfg.query_scale) ** 0.5).astype(q.dtype)
         out, caches = self.backend(q, k, v, positions, caches, layer, metadata)
         out = _dense(cfg.hidden_size, self.dtype, "o_proj")(out.reshape(b, t, -1).astype(self.dtype))
         return _reduce(out, self.tp_axis), caches
@@ -147,7 +162,8 @@ class MLP(nn.Module):
         features = _split(self.cfg, self.tp_axis).intermediate
         gate = _dense(features, self.dtype, "gate_proj")(x)
         up = _dense(features, self.dtype, "up_proj")(x)
-        return _reduce(_dense(self.cfg.hidden_size, self.dtype, "down_proj")(nn.silu(gate) * up), self.tp_axis)
+        act = nn.silu if self.cfg.activation == "silu" else functools.partial(nn.gelu, approximate=True)
+        return _reduce(_dense(self.cfg.hidden_size, self.dtype, "down_proj")(act(gate) * up), self.tp_axis)
 
 
 class DecoderLayer(nn.Module):
@@ -161,14 +177,18 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, layer, cos, sin, positions, metadata: AttentionMetadata):
         x, caches = carry
-        eps = self.cfg.rms_norm_eps
-        h = RMSNorm(eps, self.dtype, name="input_layernorm")(x)
+        eps, gemma = self.cfg.rms_norm_eps, self.cfg.gemma_norms
+        norm = functools.partial(RMSNorm, eps, self.dtype, gemma)
         attn, caches = Attention(self.cfg, self.dtype, self.backend, self.tp_axis, name="self_attn")(
-            h, cos, sin, positions, caches, layer, metadata)
+            norm(name="input_layernorm")(x), cos, sin, positions, caches, layer, metadata)
+        if gemma:  # Gemma norms each block's output too, and names the MLP's input norm pre_feedforward
+            attn = norm(name="post_attention_layernorm")(attn)
         x = x + attn
-        h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
-        x = x + MLP(self.cfg, self.dtype, self.tp_axis, name="mlp")(h)
-        return (x, caches), None
+        mlp = MLP(self.cfg, self.dtype, self.tp_axis, name="mlp")(
+            norm(name="pre_feedforward_layernorm" if gemma else "post_attention_layernorm")(x))
+        if gemma:
+            mlp = norm(name="post_feedforward_layernorm")(mlp)
+        return (x + mlp, caches), None
 
 
 # Parameters stacked on axis 0 (one slice per layer, each initialised with its own rng); the layer index is
@@ -228,13 +248,21 @@ class Llama(nn.Module):
         if self.layers is not None and not self.unrolled:
             raise ValueError("a pipeline stage runs its layers unrolled (stage_params gives them per layer)")
         embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
-        x = embed(tokens) if first == 0 else tokens
+        x = tokens
+        if first == 0:
+            x = embed(tokens)
+            if cfg.embed_scale:  # Gemma: sqrt(hidden_size), rounded to the model's dtype as transformers does
+                x = x * jnp.asarray(cfg.hidden_size**0.5, self.dtype)
         cos, sin = rope_cos_sin(cfg, positions)
         if self.unrolled:
+            local = rope_cos_sin(cfg, positions, local=True) if cfg.rope_local_theta is not None else (cos, sin)
             for i in range(first, last):
-                layer = DecoderLayer(cfg, self.dtype, self.backend, self.tp_axis, name=f"layers_{i}")
-                (x, caches), _ = layer((x, caches), i - first, cos, sin, positions, metadata)
+                layer = DecoderLayer(cfg, self.dtype, self._backend(i), self.tp_axis, name=f"layers_{i}")
+                (x, caches), _ = layer((x, caches), i - first, *(local if cfg.local(i) else (cos, sin)), positions,
+                                       metadata)
         else:
+            if (cfg.per_layer or cfg.rope_local_theta is not None) and not self.is_initializing():
+                raise ValueError("layers that differ in window or RoPE base (Gemma 3) run unrolled")
             layers = ScannedLayers(cfg, self.dtype, self.backend, self.tp_axis, name="layers")
             (x, caches), _ = layers((x, caches), jnp.arange(last - first, dtype=jnp.int32), cos, sin, positions,
                                     metadata)
@@ -242,12 +270,24 @@ class Llama(nn.Module):
             return x, caches
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.gemma_norms, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
         else:
             logits = _dense(cfg.vocab_size, self.dtype, "lm_head")(x)
-        return logits.astype(jnp.float32), caches
+        logits = logits.astype(jnp.float32)
+        if cfg.final_logit_softcap:
+            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+        return logits, caches
+
+    def _backend(self, layer: int) -> AttentionBackend:
+        """Layer `layer`'s backend: the model's, or with the layer's own sliding window where layers differ."""
+        if not self.cfg.per_layer:
+            return self.backend
+        if not hasattr(self.backend, "window"):
+            raise ValueError(f"{type(self.backend).__name__} has no sliding window: it cannot serve layers whose "
+                             "windows differ (Gemma 3)")
+        return dataclasses.replace(self.backend, window=self.cfg.layer_window(layer))
 
 
 def stage_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -279,7 +319,8 @@ def stage_params(params: Any, cfg: LlamaConfig, layers: tuple[int, int]) -> Any:
 
 
 def init_params(cfg: LlamaConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32, unrolled: bool = False) -> Any:
-    """Flax's initial parameters: random matrices, norms at 1; stacked layers unless unrolled."""
+    """Flax's initial parameters: random matrices, norms at 1 (Gemma's weights at 0); stacked layers unless
+    unrolled."""
     one = jnp.zeros((1, 1), jnp.int32)
     model = Llama(cfg, DenseCausalBackend(), dtype, unrolled=unrolled)
     return model.init(key, one, one, (), DenseCausalMetadata(one[0]))

@@ -40,6 +40,10 @@ def params_from_hf(cfg: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> dic
         }
         for block, names in _LAYER_LINEARS.items():
             tree[block] = {n: linear(f"{prefix}.{block}.{n}.weight", cfg.qkv_bias and n in QKV) for n in names}
+        if cfg.qk_norm:
+            tree["self_attn"] |= {n: norm(f"{prefix}.self_attn.{n}.weight") for n in ("q_norm", "k_norm")}
+        if cfg.gemma_norms:
+            tree |= {n: norm(f"{prefix}.{n}.weight") for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
         return tree
 
     params: dict[str, Any] = {"embed_tokens": {"embedding": tensor("model.embed_tokens.weight")}}

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxserve
+import jaxserve.models.hf_loader
 from jaxserve import SamplingParams
 from jaxserve.models import registry
 from jaxserve.models.config import LlamaConfig
@@ -31,7 +32,12 @@ GGUF = {"qwen2": ("qwen2", {**SHAPE, "context_length": 4096, "rope.freq_base": 1
         "mistral": ("llama", {**SHAPE, "context_length": 4096, "rope.freq_base": 1e6,
                               "attention.layer_norm_rms_epsilon": 1e-5, "attention.sliding_window": WINDOW}),
         "phi3": ("phi3", {**SHAPE, "context_length": 4096, "rope.freq_base": 10000.0, "rope.dimension_count": 16,
-                          "attention.layer_norm_rms_epsilon": 1e-5, "attention.sliding_window": WINDOW})}
+                          "attention.layer_norm_rms_epsilon": 1e-5, "attention.sliding_window": WINDOW}),
+        "gemma3": ("gemma3", {**SHAPE, "context_length": 4096, "rope.freq_base": 1e6, "attention.key_length": 16,
+                              "attention.value_length": 16, "attention.layer_norm_rms_epsilon": 1e-6,
+                              "attention.sliding_window": WINDOW, "attention.sliding_window_pattern": [True, False],
+                              "rope.freq_base_swa": 100.0, "rope.scaling.type": "linear", "rope.scaling.factor": 2.0,
+                              "attention.scale": 24**-0.5, "final_logit_softcapping": 0.5})}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +73,8 @@ def test_logprobs_and_greedy_tokens_equal_transformers(model_dir, source, refere
     ids = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
     assert ids == reference[family]["ids"]
     assert llm.config.qkv_bias == (family == "qwen2")
-    assert llm.config.sliding_window == (WINDOW if family in ("mistral", "phi3") else None)
+    assert llm.config.sliding_window == (WINDOW if family in ("mistral", "phi3", "gemma3") else None)
+    assert llm.config.per_layer == (family == "gemma3")
     assert llm.max_model_len == 256  # a sliding window does not cut the context
     got = llm.prompt_logprobs(ids, k=5)[1:]
     np.testing.assert_allclose([g.logprob for g in got], want["chosen"], atol=TOL)
@@ -112,3 +119,57 @@ def test_rope_parameters_as_transformers_5_writes_them():
     assert old == new and new.rope_theta == 5e5 and new.rope_scaling == (8.0, 1.0, 4.0, 8192)
     plain = LlamaConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
     assert plain.rope_theta == 1e6 and plain.rope_scaling is None
+
+
+def test_gemma3_config_as_transformers_reads_it():
+    """gemma-3-1b-it's config.json (26 layers, transformers' defaults for what it leaves out): five sliding layers
+    of every six with RoPE base 10,000, the global ones at 1e6; older files spell the same as rope_theta,
+    rope_local_base_freq and sliding_window_pattern."""
+    base = {"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+            "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+            "max_position_embeddings": 32768, "sliding_window": 512, "query_pre_attn_scalar": 256}
+    old = LlamaConfig.from_hf({**base, "rope_theta": 1e6, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6})
+    new = LlamaConfig.from_hf({**base, "layer_types": [("full" if (i + 1) % 6 == 0 else "sliding") + "_attention"
+                                                       for i in range(26)],
+                               "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert old == new
+    assert [i for i in range(26) if new.layer_window(i) is None] == [5, 11, 17, 23]
+    assert new.per_layer and new.uniform_window is None and new.sliding_window == 512
+    assert new.rope_theta == 1e6 and new.rope_local_theta == 1e4 and new.tie_word_embeddings
+    assert new.gemma_norms and new.qk_norm and new.embed_scale and new.activation == "gelu_tanh"
+    assert new.final_logit_softcap is None and new.query_scale == 256
+    scaled = LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    np.testing.assert_allclose(scaled.inv_freq(), new.inv_freq() / 8)
+    np.testing.assert_array_equal(scaled.inv_freq(local=True), new.inv_freq(local=True))  # local layers unscaled
+    assert LlamaConfig.from_json(new.to_json()) == new
+
+
+@pytest.mark.parametrize("change, match", [({"attn_logit_softcapping": 50.0}, "soft-capping"),
+                                           ({"hidden_activation": "relu"}, "activation"),
+                                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling")])
+def test_gemma3_settings_not_served_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf({"model_type": "gemma3_text", **change})
+
+
+def test_gemma3_gguf_reads_as_llama_cpp_does(tmp_path, tokenizer):
+    """Without a pattern in the file five of every six layers slide, at RoPE base 10,000; without
+    attention.scale scores scale by head_dim ** -0.5 (by (hidden / heads) ** -0.5 for the 62-layer 27B)."""
+    meta = {**GGUF["gemma3"][1], "block_count": 12}
+    for key in ("attention.sliding_window_pattern", "rope.freq_base_swa", "attention.scale"):
+        del meta[key]
+    write_gguf(tmp_path / "g.gguf", "gemma3", meta, {}, tokenizer, pre="smollm")
+    cfg = GGUFFile(tmp_path / "g.gguf").config()
+    assert cfg.window_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) and cfg.rope_local_theta == 10000.0
+    assert cfg.query_scale == 16 and cfg.head_dim == 16 and cfg.final_logit_softcap == 0.5
+    np.testing.assert_allclose(cfg.inv_freq(), LlamaConfig(**{**cfg.__dict__, "rope_freq_factors": None}).inv_freq() / 2)
+    write_gguf(tmp_path / "b.gguf", "gemma3", {**meta, "block_count": 62}, {}, tokenizer, pre="smollm")
+    assert GGUFFile(tmp_path / "b.gguf").config().query_scale == 64 / 4
+
+
+def test_gemma3_image_text_models_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "architectures": [
+        "Gemma3ForConditionalGeneration"], "text_config": {}}))
+    with pytest.raises(ValueError, match="image-text"):
+        jaxserve.models.hf_loader.load_hf_dir(tmp_path)
