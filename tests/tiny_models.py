@@ -46,6 +46,96 @@ PHI3_TEMPLATE = (
     "{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
     "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+# Qwen3's (its thinking turns, tool calls and responses in ChatML)
+QWEN3_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
 # Gemma 3's (google/gemma-3-1b-it: the system message opens the first user turn; the assistant is "model")
 GEMMA3_TEMPLATE = """{{ bos_token }}
 {%- if messages[0]['role'] == 'system' -%}
@@ -90,9 +180,10 @@ GEMMA3_TEMPLATE = """{{ bos_token }}
 """
 PROMPT = "The quick brown fox jumps over the lazy dog. 12345"
 # family -> its chat template (tools/make_family_fixtures.py records transformers' side in a fixture)
-FAMILIES = {"qwen2": QWEN_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "phi3": PHI3_TEMPLATE, "gemma3": GEMMA3_TEMPLATE}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+FAMILIES = {"qwen2": QWEN_TEMPLATE, "qwen3": QWEN3_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "phi3": PHI3_TEMPLATE,
+            "gemma3": GEMMA3_TEMPLATE}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 WINDOW = 6  # the sliding window here (Mistral, Phi-3, Gemma 3's first layer): shorter than the test's text
 # Gemma 3's settings beside the shared shape: every one differs from its default, so each matters
 GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
@@ -104,7 +195,7 @@ GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"], "query_pre_att
 def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0, family: str = "llama",
                      tied: bool = True, chat_template: str | None = None) -> dict[str, np.ndarray]:
     """A 2-layer model of random weights with `tokenizer`, as a Hugging Face folder; its tensors by name. Beside
-    "llama": "qwen2" (q/k/v biases), "mistral" (a sliding window), "phi3" (fused q/k/v and gate/up projections,
+    "llama": "qwen2" (q/k/v biases), "qwen3" (q/k norms), "mistral" (a sliding window), "phi3" (fused q/k/v and gate/up projections,
     a sliding window) and "gemma3" (GEMMA3: a sliding layer and a full one, q/k norms, four norms a layer), each
     with its family's RoPE theta and its norms drawn (so every weight matters)."""
     v, h, f, heads, kv_heads, d = tokenizer.vocab_size, 64, 128, 4, 2, 16
@@ -125,9 +216,10 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
         if qwen2:
             tensors |= {p + f"self_attn.{x}_proj.bias": (0.3 * rng.standard_normal(n)).astype(np.float32)
                         for x, n in (("q", heads * d), ("k", kv_heads * d), ("v", kv_heads * d))}
+        if gemma3 or family == "qwen3":
+            tensors |= {p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d)}
         if gemma3:
-            tensors |= {p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d),
-                        p + "pre_feedforward_layernorm.weight": norm(), p + "post_feedforward_layernorm.weight": norm()}
+            tensors |= {p + "pre_feedforward_layernorm.weight": norm(), p + "post_feedforward_layernorm.weight": norm()}
     if not tied:
         tensors["lm_head.weight"] = w(v, h)
     if family == "phi3":  # q, k, v as one projection, gate and up as another
@@ -141,8 +233,8 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
     config = {"architectures": [ARCHITECTURES[family]], "model_type": "gemma3_text" if gemma3 else family,
               "vocab_size": v, "hidden_size": h, "intermediate_size": f, "num_hidden_layers": 2,
               "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d,
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6 if qwen2 or gemma3 else 1e-5,
-              "rope_theta": 1e6 if family in ("qwen2", "mistral") else 10000.0, "tie_word_embeddings": tied,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6 if family in ("qwen2", "qwen3", "gemma3") else 1e-5,
+              "rope_theta": 1e6 if family in ("qwen2", "qwen3", "mistral") else 10000.0, "tie_word_embeddings": tied,
               "torch_dtype": "float32", **({"sliding_window": WINDOW} if family in ("mistral", "phi3", "gemma3") else {}),
               **(GEMMA3 if gemma3 else {})}
     (root / "config.json").write_text(json.dumps(config))

@@ -1,10 +1,11 @@
 """Llama-family model configuration, shared by every loader. Qwen2 / Qwen2.5 are Llama with biases on the q, k
-and v projections (qkv_bias); Mistral and Phi-3 are Llama (Phi-3's fused projections are split on load). Gemma 3
-is Llama with Gemma's norms, a scaled embedding, GeGLU, q/k norms and sliding windows on some layers.
+and v projections (qkv_bias), Qwen3 with q/k norms instead; Mistral and Phi-3 are Llama (Phi-3's fused
+projections are split on load). Gemma 3 is Llama with Gemma's norms, a scaled embedding, GeGLU, q/k norms and
+sliding windows on some layers.
 
-A sliding window (Mistral v0.1, Phi-3-mini, Gemma 3) makes each query attend to the keys of the last
-`sliding_window` positions. It covers every layer, or only `window_layers` (Gemma 3: five of every six, whose
-RoPE base is rope_local_theta). Qwen2's max_window_layers (windows on the upper layers) is refused."""
+A sliding window (Mistral v0.1, Phi-3-mini, Gemma 3, Qwen with use_sliding_window) makes each query attend to the
+keys of the last `sliding_window` positions. It covers every layer, or only `window_layers` (Gemma 3: five of
+every six, whose RoPE base is rope_local_theta; Qwen: those from max_window_layers on)."""
 
 from __future__ import annotations
 
@@ -54,12 +55,12 @@ class LlamaConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = True
     qkv_bias: bool = False  # Qwen2: the q, k and v projections add a bias
+    qk_norm: bool = False  # Qwen3, Gemma 3: each head's q and k RMS-normed before RoPE
     sliding_window: int | None = None  # Mistral v0.1, Phi-3, Gemma 3: a query sees the last this many positions
     window_layers: tuple[int, ...] | None = None  # the layers that slide, when only some do (None: all)
     rope_local_theta: float | None = None  # the sliding layers' RoPE base, unscaled (None: rope_theta's)
     # Gemma 3:
     gemma_norms: bool = False  # RMSNorm scales by (1 + weight) in float32; attention and MLP outputs normed too
-    qk_norm: bool = False  # each head's q and k RMS-normed before RoPE
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
     activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     query_scale: float | None = None  # scores scaled by query_scale ** -0.5 (None: by head_dim ** -0.5)
@@ -86,18 +87,20 @@ class LlamaConfig:
             )
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        qwen2 = cfg.get("model_type") == "qwen2"
-        window = cfg.get("sliding_window") if (not qwen2 or cfg.get("use_sliding_window")) else None
-        if qwen2 and window and int(cfg.get("max_window_layers", 0)) > 0:
-            if int(cfg["max_window_layers"]) < int(cfg["num_hidden_layers"]):
-                raise ValueError("sliding windows on some layers only (Qwen2's max_window_layers) are not supported")
-            window = None  # the window starts past the last layer
+        qwen = cfg.get("model_type") in ("qwen2", "qwen3")
+        layers = int(cfg["num_hidden_layers"])
         context = int(cfg.get("max_position_embeddings", 2048))
+        window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
+        # Qwen's windows cover the layers from max_window_layers on; transformers 5 writes layer_types
+        sliding = tuple(range(int(cfg.get("max_window_layers", 0)) if qwen else 0, layers))
+        if cfg.get("layer_types"):
+            sliding = tuple(i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention")
+        window = int(window) if window and sliding and window < context else None
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -106,8 +109,10 @@ class LlamaConfig:
             rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qwen2,
-            sliding_window=int(window) if window and window < context else None,
+            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias")),
+            sliding_window=window,
+            window_layers=sliding if window and len(sliding) < layers else None,
+            qk_norm=cfg.get("model_type") == "qwen3",
         )
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Load a Llama-family GGUF file (architectures llama, which Mistral's files use too, qwen2, phi3 and gemma3):
+"""Load a Llama-family GGUF file (architectures llama, which Mistral's files use too, qwen2, qwen3, phi3 and gemma3):
 config, weights and tokenizer metadata.
 
 Weights are dequantized to float32 (via the `gguf` package), or with `keep_quantized` kept in their blocks as
@@ -24,7 +24,7 @@ from jaxserve.models.hf_loader import phi3_split
 from jaxserve.models.quantize import Quantized
 from jaxserve.models.weights import params_from_hf
 
-ARCHITECTURES = ("llama", "qwen2", "phi3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 # Hugging Face tensor name (with {i} for the layer) -> GGUF tensor name.
 _HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -44,6 +44,8 @@ _HF_TO_GGUF = {
     "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
     "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
     "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+    "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",  # qwen3, gemma3
+    "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
 }
 # Gemma 3's names where they differ: its post_attention_layernorm norms the attention's output, and llama.cpp's
 # ffn_norm is its pre_feedforward_layernorm
@@ -51,8 +53,6 @@ _GEMMA3 = {
     "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.post_attention_norm.weight",
     "model.layers.{i}.pre_feedforward_layernorm.weight": "blk.{i}.ffn_norm.weight",
     "model.layers.{i}.post_feedforward_layernorm.weight": "blk.{i}.post_ffw_norm.weight",
-    "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
-    "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
 }
 
 
@@ -132,6 +132,7 @@ class GGUFFile:
             rope_freq_factors=freq_factors,
             tie_word_embeddings=not self.has_tensor("output.weight"),
             qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
             sliding_window=int(window) if window and window < context else None,
         )
         return self._gemma3(cfg, layers, window) if arch == "gemma3" else cfg

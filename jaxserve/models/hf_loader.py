@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama-family directory (Llama, Qwen2 / Qwen2.5, Mistral, Phi-3, Gemma 3's text models):
+"""Load a Hugging Face Llama-family directory (Llama, Qwen2 / Qwen2.5, Qwen3 (dense), Mistral, Phi-3, Gemma 3's text models):
 config.json and *.safetensors files."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from safetensors import safe_open
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.weights import params_from_hf
 
-MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "gemma3_text")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
 
 
 def load_hf_dir(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:

@@ -29,6 +29,8 @@ SHAPE = {"embedding_length": 64, "feed_forward_length": 128, "block_count": 2, "
 # family -> (its GGUF architecture, the metadata llama.cpp's converter writes for it)
 GGUF = {"qwen2": ("qwen2", {**SHAPE, "context_length": 4096, "rope.freq_base": 1e6,
                             "attention.layer_norm_rms_epsilon": 1e-6}),
+        "qwen3": ("qwen3", {**SHAPE, "context_length": 4096, "rope.freq_base": 1e6, "attention.key_length": 16,
+                            "attention.value_length": 16, "attention.layer_norm_rms_epsilon": 1e-6}),
         "mistral": ("llama", {**SHAPE, "context_length": 4096, "rope.freq_base": 1e6,
                               "attention.layer_norm_rms_epsilon": 1e-5, "attention.sliding_window": WINDOW}),
         "phi3": ("phi3", {**SHAPE, "context_length": 4096, "rope.freq_base": 10000.0, "rope.dimension_count": 16,
@@ -91,14 +93,19 @@ def test_logprobs_and_greedy_tokens_equal_transformers(model_dir, source, refere
             break
 
 
-def test_qwen2_windows_on_some_layers_only_are_refused():
-    base = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_windows_cover_the_layers_from_max_window_layers_on(model_type):
+    """As transformers' Qwen2Config and Qwen3Config lay them out (and as transformers 5 writes layer_types)."""
+    base = {"model_type": model_type, "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 4096, "sliding_window": 512}
     assert LlamaConfig.from_hf(base).sliding_window is None  # use_sliding_window is off by default
-    assert LlamaConfig.from_hf({**base, "use_sliding_window": True, "max_window_layers": 0}).sliding_window == 512
+    every = LlamaConfig.from_hf({**base, "use_sliding_window": True, "max_window_layers": 0})
+    assert every.sliding_window == 512 and every.uniform_window == 512 and not every.per_layer
     assert LlamaConfig.from_hf({**base, "use_sliding_window": True, "max_window_layers": 4}).sliding_window is None
-    with pytest.raises(ValueError, match="max_window_layers"):
-        LlamaConfig.from_hf({**base, "use_sliding_window": True, "max_window_layers": 2})
+    upper = LlamaConfig.from_hf({**base, "use_sliding_window": True, "max_window_layers": 2})
+    assert upper.window_layers == (2, 3) and upper.uniform_window is None and upper.per_layer
+    written = {**base, "layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2}
+    assert LlamaConfig.from_hf({**written, "use_sliding_window": True}) == upper
 
 
 def test_the_chat_template_renders_as_transformers_renders_it(model_dir, reference):
