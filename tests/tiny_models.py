@@ -246,6 +246,23 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
     return tensors
 
 
+def as_image_text(root: pathlib.Path, prefix: str = "language_model.model.") -> None:
+    """The Hugging Face folder of a tiny "gemma3" model rewritten as Gemma 3's image-text checkpoints are laid out
+    (gemma-3-4b and larger): its config as text_config beside a (tiny) vision tower's, its tensors under `prefix`
+    (the hub's files: language_model.model.; transformers 5 saves model.language_model.). The vision tower's
+    weights are left out: transformers draws them, and text alone never reads them."""
+    from safetensors.numpy import load_file
+
+    text = json.loads((root / "config.json").read_text())
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    (root / "config.json").write_text(json.dumps({
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
+        "vision_config": vision, "mm_tokens_per_image": 4, "torch_dtype": "float32"}))
+    tensors = load_file(str(root / "model.safetensors"))
+    save_file({prefix + k.removeprefix("model."): v for k, v in tensors.items()}, str(root / "model.safetensors"))
+
+
 def gguf_tensors(tensors: dict[str, np.ndarray], arch: str, heads: int = 4, kv_heads: int = 2) -> dict[str, np.ndarray]:
     """Hugging Face-named tensors by llama.cpp's names, as its converter writes them for `arch`: llama's q and k
     rows permuted (interleaved RoPE pairs), phi3's fused projections as they are, gemma3's norms as 1 + weight."""

@@ -8,7 +8,8 @@ Recorded in float32, per family and tied / untied embeddings: the prompt's token
 the next prompt token and the 5 most likely, 12 greedy tokens with each step's two best logprobs (a tie may go
 either way), and the family's chat template as transformers renders 10 conversations. Beside them, a SentencePiece
 GGUF vocabulary (tiny_models.write_spm_gguf) as transformers tokenizes and decodes tiny_models.SPM_TEXTS, for
-the llama and phi3 architectures (tests/models/test_tokenizer.py).
+the llama and phi3 architectures (tests/models/test_tokenizer.py). For Gemma 3, also its image-text model's logprobs
+on the prompt (tiny_models.as_image_text: the same text weights as gemma-3-4b and larger keep them).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from jaxserve.models import registry  # noqa: E402
 from jaxserve.models.gguf_loader import GGUFFile  # noqa: E402
 from jaxserve.models.tokenizer import TextTokenizer  # noqa: E402
-from tiny_models import CONVERSATIONS, FAMILIES, PROMPT, SPM_TEXTS, write_spm_gguf, write_tiny_model  # noqa: E402
+from tiny_models import (CONVERSATIONS, FAMILIES, PROMPT, SPM_TEXTS, as_image_text, write_spm_gguf,  # noqa: E402
+                         write_tiny_model)
 
 OUT = ROOT / "tests" / "fixtures" / "families_reference.json"
 SPM_OUT = ROOT / "tests" / "fixtures" / "spm_reference.json"
@@ -44,6 +46,14 @@ def record(root: pathlib.Path, ids: list[int]) -> dict:
     return {"chosen": [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)],
             "top_ids": top.indices[:-1].tolist(), "top": top.values[:-1].tolist(),
             "greedy": out[len(ids):], "greedy_top2": steps.values.tolist()}
+
+
+def image_text(root: pathlib.Path, ids: list[int]) -> list[float]:
+    """Each position's logprob of the next prompt token from an image-text Gemma 3 folder, on text alone."""
+    model = transformers.AutoModelForImageTextToText.from_pretrained(str(root), dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    return [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
 
 
 def record_spm() -> dict:
@@ -74,6 +84,11 @@ def main() -> None:
                 theirs = transformers.AutoTokenizer.from_pretrained(d)
                 entry["chat"] = [theirs.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
                                  for c in CONVERSATIONS]
+        if family == "gemma3":  # Gemma3ForConditionalGeneration on text (tiny_models.as_image_text)
+            with tempfile.TemporaryDirectory() as d:
+                write_tiny_model(pathlib.Path(d), tokenizer, family=family, tied=True)
+                as_image_text(pathlib.Path(d))
+                entry["image_text"] = image_text(pathlib.Path(d), ids)
         fixture[family] = entry
     OUT.write_text(json.dumps(fixture, indent=1, ensure_ascii=False))
     print(f"wrote {OUT}")

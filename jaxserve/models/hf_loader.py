@@ -21,9 +21,9 @@ def load_hf_dir(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
     root = pathlib.Path(path)
     raw = json.loads((root / "config.json").read_text())
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
-    if raw.get("model_type") == "gemma3":
-        raise ValueError(f"{root}: Gemma 3's image-text models (model_type gemma3) are not supported; its text "
-                         "models (gemma3_text: gemma-3-270m, gemma-3-1b) are")
+    image_text = raw.get("model_type") == "gemma3"  # gemma-3-4b and larger: the text model, images refused
+    if image_text:  # whose logits transformers does not soft-cap (Gemma3ForConditionalGeneration)
+        raw = {**raw.get("text_config", {}), "model_type": "gemma3_text", "final_logit_softcapping": None}
     if raw.get("model_type", "llama") not in MODEL_TYPES and "LlamaForCausalLM" not in archs:
         raise ValueError(f"{root}: unsupported model_type {raw.get('model_type')!r} (served: "
                          f"{', '.join(MODEL_TYPES)})")
@@ -39,6 +39,8 @@ def load_hf_dir(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
             where.update({k: file for k in f.keys()})
 
     def tensor(name: str) -> np.ndarray:
+        if image_text:
+            name = _text_tower(name, where)
         if name not in where:
             raise ValueError(f"{root}: tensor {name!r} missing from the safetensors files")
         # framework='flax' reads bfloat16 too, which plain numpy cannot.
@@ -48,6 +50,15 @@ def load_hf_dir(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
     if raw.get("model_type") == "phi3":
         tensor = phi3_split(cfg, tensor)
     return cfg, params_from_hf(cfg, tensor)
+
+
+def _text_tower(name: str, where: dict[str, pathlib.Path]) -> str:
+    """Where an image-text checkpoint keeps the text model's tensor `name`: under language_model.model (the hub's
+    files) or model.language_model (as transformers 5 saves them); lm_head under language_model too."""
+    inner = name.removeprefix("model.")
+    candidates = [f"model.language_model.{inner}", f"language_model.model.{inner}"] if inner != name else [
+        name, f"language_model.{name}"]
+    return next((c for c in candidates if c in where), name)
 
 
 def phi3_split(cfg: LlamaConfig, fused: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:

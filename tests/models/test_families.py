@@ -19,7 +19,8 @@ from jaxserve.models import registry
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
-from tiny_models import CONVERSATIONS, FAMILIES, PROMPT, WINDOW, gguf_tensors, write_gguf, write_tiny_model
+from tiny_models import (CONVERSATIONS, FAMILIES, PROMPT, WINDOW, as_image_text, gguf_tensors, write_gguf,
+                         write_tiny_model)
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "families_reference.json"
 TOL = 1e-4  # float32 logprobs of magnitude ~10 through two implementations
@@ -175,8 +176,16 @@ def test_gemma3_gguf_reads_as_llama_cpp_does(tmp_path, tokenizer):
     assert GGUFFile(tmp_path / "b.gguf").config().query_scale == 64 / 4
 
 
-def test_gemma3_image_text_models_are_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "architectures": [
-        "Gemma3ForConditionalGeneration"], "text_config": {}}))
-    with pytest.raises(ValueError, match="image-text"):
-        jaxserve.models.hf_loader.load_hf_dir(tmp_path)
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_gemma3_image_text_checkpoints_serve_their_text_model(prefix, tmp_path, tokenizer, reference, monkeypatch):
+    """gemma-3-4b and larger are image-text checkpoints (model_type gemma3): the text model's config inside
+    text_config, its tensors under language_model.model (the hub's files) or model.language_model (as
+    transformers 5 saves them), beside a vision tower. Their text model gives transformers'
+    Gemma3ForConditionalGeneration's logprobs on text (which leaves the text config's logit soft-cap out)."""
+    write_tiny_model(tmp_path, tokenizer, family="gemma3", tied=True)
+    as_image_text(tmp_path, prefix)
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+    llm = jaxserve.LLM(str(tmp_path), max_model_len=256, kv_cache_tokens=1024, progress=False)
+    assert llm.config.per_layer and llm.config.gemma_norms and llm.config.final_logit_softcap is None
+    got = llm.prompt_logprobs(reference["gemma3"]["ids"], k=5)[1:]
+    np.testing.assert_allclose([g.logprob for g in got], reference["gemma3"]["image_text"], atol=TOL)
