@@ -2,9 +2,10 @@
 config, weights and tokenizer metadata.
 
 Weights are dequantized to float32 (via the `gguf` package), or with `keep_quantized` kept in their blocks as
-`quantize.Quantized` values: Q8_0 (int8), Q4_0 (int4), Q4_1 and Q4_K (uint4 with a
-float offset per block of 32) load as stored, never through float. A tensor whose type is another, or whose type differs between layers
-(a stacked weight has one layout), is dequantized."""
+`quantize.Quantized` values: Q8_0 (int8), Q4_0 (int4), Q4_1 and Q4_K (uint4 with a float offset per block of 32)
+and Q6_K (int8, a scale per 16) load as stored, never through float. A weight whose layers differ in type (a
+stacked weight has one layout: Q4_K_M's Q4_K and Q6_K) is kept in one layout they all fit (mixed_layout); a
+tensor of another type is dequantized."""
 
 from __future__ import annotations
 
@@ -188,8 +189,29 @@ def _q4_k(raw):  # 8 blocks of 32 per 256: (d * sc_j) * q - dmin * m_j, sc_j and
     return _nibbles(raw[:, 16:], 4), d * sc, -dmin * mn, jnp.uint4
 
 
+def _q6_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * (q - 32), q 6-bit (low 4 bits in ql, high 2 in qh)
+    d = _f16(raw[:, 208:210]).astype(np.float32)[:, None]
+    sc = raw[:, 192:208].view(np.int8).astype(np.float32)
+    low = _nibbles(raw[:, :128], 2)
+    high = (raw[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    return (low | (high.reshape(-1, 256) << 4)).astype(np.int8) - 32, d * sc, None, jnp.int8
+
+
 _T = gguf.GGMLQuantizationType
-KEPT = {_T.Q8_0: _q8_0, _T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q4_K: _q4_k}
+KEPT = {_T.Q8_0: _q8_0, _T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q4_K: _q4_k, _T.Q6_K: _q6_k}
+MIXED_BLOCK = 16  # the block of a weight whose layers differ in type: the smallest of KEPT's
+
+
+def mixed_layout(q: Quantized) -> Quantized:
+    """A kept tensor in the one layout any of KEPT's types fits: int8 values (still unpacked, as blocks() gives
+    them), a float32 scale and offset per MIXED_BLOCK along `in`. Layers stored in different types (Q4_K_M's
+    Q4_K and Q6_K) stack in it: 12 bits a weight against float16's 16."""
+    values = np.asarray(q.values)
+    repeat = values.shape[-1] // MIXED_BLOCK // q.scale.shape[-1]
+    scale = np.repeat(np.asarray(q.scale, np.float32), repeat, axis=-1)
+    offset = (np.zeros_like(scale) if q.offset is None else
+              np.repeat(np.asarray(q.offset, np.float32), repeat, axis=-1))
+    return Quantized(values.astype(np.int8), scale, offset, jnp.int8)
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -203,13 +225,15 @@ def load_gguf(path: str | pathlib.Path, keep_quantized: bool = False) -> tuple[L
     arch = f.field("general.architecture")
     permuted = arch == "llama"  # llama.cpp's converter permutes llama's q and k only
     names = _names(arch)
-    kept = _kept_names(f, cfg, names) if keep_quantized else set()
+    kept, mixed = _kept_names(f, cfg, names) if keep_quantized else (set(), set())
 
     def tensor(hf_name: str) -> np.ndarray | Quantized:
         m = re.match(r"model\.layers\.(\d+)\.(.*)", hf_name)
         key = f"model.layers.{{i}}.{m.group(2)}" if m else hf_name
         name = names[key].format(i=m.group(1) if m else "")
-        w = f.blocks(name) if names[key] in kept else f.tensor(name)
+        w = f.blocks(name) if names[key] in kept | mixed else f.tensor(name)
+        if names[key] in mixed:
+            w = mixed_layout(w)
         if arch == "gemma3" and key.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + weight
             w = w - np.float32(1.0)
         if permuted and key.endswith("q_proj.weight"):
@@ -226,18 +250,18 @@ def _names(arch: str) -> dict[str, str]:
     return {**_HF_TO_GGUF, **_GEMMA3} if arch == "gemma3" else _HF_TO_GGUF
 
 
-def _kept_names(f: GGUFFile, cfg: LlamaConfig, names: dict[str, str]) -> set[str]:
-    """The GGUF names (with {i} for the layer) of the weights kept quantized: every layer's tensor of one type
-    in KEPT. The others are dequantized, with a line in the log."""
-    kept, dequantized = set(), set()
+def _kept_names(f: GGUFFile, cfg: LlamaConfig, names: dict[str, str]) -> tuple[set[str], set[str]]:
+    """The GGUF names (with {i} for the layer) of the weights kept quantized: those whose every layer has one
+    type in KEPT (kept as stored), and those whose layers' types differ, each in KEPT (mixed_layout). The others
+    are dequantized, with a line in the log."""
+    kept, mixed, dequantized = set(), set(), set()
     for pattern in names.values():
-        names = [pattern.format(i=i) for i in range(cfg.num_layers)] if "{i}" in pattern else [pattern]
-        types = {f.tensor_type(n) for n in names if f.has_tensor(n)}
-        if len(types) == 1 and next(iter(types)) in KEPT:
-            kept.add(pattern)
+        tensors = [pattern.format(i=i) for i in range(cfg.num_layers)] if "{i}" in pattern else [pattern]
+        types = {f.tensor_type(n) for n in tensors if f.has_tensor(n)}
+        if types and types <= set(KEPT):
+            (kept if len(types) == 1 else mixed).add(pattern)
         elif types - {_T.F32, _T.F16, _T.BF16}:
             dequantized.add(f"{pattern} ({', '.join(sorted(t.name for t in types))})")
     if dequantized:
-        logging.warning("%s: dequantized (types not kept or mixed across layers): %s", f.path,
-                        "; ".join(sorted(dequantized)))
-    return kept
+        logging.warning("%s: dequantized (types not kept): %s", f.path, "; ".join(sorted(dequantized)))
+    return kept, mixed

@@ -1,7 +1,7 @@
 """Weights kept quantized: int8, int4 and fp8 weight-only through qwix, or a GGUF file's blocks as stored.
 
-A quantized weight is a `Quantized`: values, a scale per column or per block of 32 and, for affine blocks (int4,
-GGUF's Q4_1 and Q4_K), an offset per block; w = values * scale + offset. The matmuls hand qwix the values and
+A quantized weight is a `Quantized`: values, a scale per column or per block (of 32; of 16 for GGUF's Q6_K) and,
+for affine blocks (int4, GGUF's Q4_1 and Q4_K), an offset per block; w = values * scale + offset. The matmuls hand qwix the values and
 scales as a QArray (its weight-only dot_general dequantizes into the model's dtype and multiplies there; on a GPU
 XLA fuses that into the GEMM's operand read) and add the offsets' share, so a quantized model computes what its
 dequantized weights would.

@@ -12,7 +12,7 @@ import pytest
 
 import jaxserve
 from jaxserve.models import loader, quantize
-from jaxserve.models.gguf_loader import KEPT, GGUFFile
+from jaxserve.models.gguf_loader import KEPT, GGUFFile, load_gguf
 from jaxserve.sampling_params import SamplingParams
 
 METHODS = ("int8", "int4", "fp8")
@@ -113,12 +113,16 @@ def test_int4_needs_blocks_of_32():
 
 
 def _raw_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng) -> np.ndarray:
-    """Random bytes in a GGUF type's block layout, its float16 scale fields set to modest values."""
+    """Random bytes in a GGUF type's block layout, its float16 scale fields set to modest values (first in the
+    block, but last in Q6_K's)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     halves = 2 if qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K) else 1
-    scales = rng.uniform(-0.05, 0.05, (raw.shape[0], halves)).astype(np.float16)
-    raw[:, :2 * halves] = scales.view(np.uint8).reshape(raw.shape[0], -1)
+    scales = rng.uniform(-0.05, 0.05, (raw.shape[0], halves)).astype(np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:
+        raw[:, -2:] = scales
+    else:
+        raw[:, :2 * halves] = scales.reshape(raw.shape[0], -1)
     return raw.reshape(rows, cols // block * size)
 
 
@@ -143,6 +147,49 @@ def test_gguf_blocks_kept_equal_the_gguf_packages_dequantization(qtype, tmp_path
     got = np.asarray(quantize.dense(jnp.asarray(x), kernel))
     np.testing.assert_array_less(np.abs(got - x @ want.T.astype(np.float64)),
                                  1e-5 * (np.abs(x) @ np.abs(want.T)) + 1e-6)
+
+
+def test_layers_stored_in_different_types_stack_in_one_layout(tmp_path):
+    """Q4_K_M's files store some weights' layers in Q4_K and others in Q6_K. Kept (mixed_layout: int8 values, a
+    scale and offset per 16), each layer dequantizes to the file's own values and multiplies as them."""
+    rng = np.random.default_rng(7)
+    hidden, ffn, heads, kv_heads, head_dim = 256, 512, 4, 2, 64
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    for key, value in {"embedding_length": hidden, "feed_forward_length": ffn, "block_count": 2,
+                       "attention.head_count": heads, "attention.head_count_kv": kv_heads, "context_length": 512,
+                       "vocab_size": 64}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden)}
+    mixed = {"attn_v": (kv_heads * head_dim, hidden), "ffn_down": (hidden, ffn)}
+    writer.add_tensor("token_embd.weight", rng.normal(0, 0.02, (64, hidden)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i, qtype in enumerate((gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)):
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(hidden, np.float32))
+        for name, shape in shapes.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", rng.normal(0, 0.02, shape).astype(np.float32))
+        for name, (rows, cols) in mixed.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", _raw_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _, floats, _ = load_gguf(tmp_path / "m.gguf")
+    _, kept, _ = load_gguf(tmp_path / "m.gguf", keep_quantized=True)
+    layers = kept["params"]["layers"]
+    for block, name in (("self_attn", "v_proj"), ("mlp", "down_proj")):
+        w = quantize.on_device(layers[block][name]["kernel"], jnp.float32)
+        want = floats["params"]["layers"][block][name]["kernel"]
+        assert isinstance(w, quantize.Quantized) and w.values.dtype == jnp.int8 and w.offset is not None
+        assert w.values.shape == want.shape and w.scale.shape == (2, want.shape[1] // 16, want.shape[2])
+        np.testing.assert_allclose(np.asarray(w.dequantize(jnp.float32)), want, rtol=1e-6, atol=1e-7)
+        x = rng.normal(0, 1, (3, want.shape[1])).astype(np.float32)
+        for i in range(2):
+            got = np.asarray(quantize.dense(jnp.asarray(x), jax.tree.map(lambda a: a[i], w)))  # noqa: B023
+            np.testing.assert_array_less(np.abs(got - x @ want[i].astype(np.float64)),
+                                         1e-5 * (np.abs(x) @ np.abs(want[i])) + 1e-6)
+    assert not isinstance(layers["self_attn"]["q_proj"]["kernel"], quantize.Quantized)  # float32 stays float
 
 
 def test_gguf_blocks_need_a_gguf_file():
