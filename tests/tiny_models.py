@@ -341,13 +341,16 @@ SPM_TEXTS = ["The cat sat on the mat.", " leading space", "two  spaces and   thr
              "unicode: café, naïve, 日本語 ✓", "<s>inside</s> control", "What is it? It is 123!", "", " ", "▁raw marker"]
 
 
-def write_spm_gguf(path: pathlib.Path, arch: str) -> None:
-    """A GGUF file holding only metadata and the SentencePiece vocabulary above (no weights: a tokenizer's test)."""
+def write_spm_gguf(path: pathlib.Path, arch: str, extra: tuple[str, ...] = ()) -> None:
+    """A GGUF file holding only metadata and the SentencePiece vocabulary above (no weights: a tokenizer's test),
+    with `extra` user-defined tokens last. For gemma3, tokens of two or more spaces spelled with spaces, as
+    Gemma's files have them."""
     import gguf
 
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
-    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES)
-    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(SPM_PIECES))]
+    pieces = [p.replace("▁", " ") if arch == "gemma3" and not p.strip("▁") and len(p) > 1 else p for p in SPM_PIECES]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + list(extra)
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES) + [4] * len(extra)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(SPM_PIECES))] + [0.0] * len(extra)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)

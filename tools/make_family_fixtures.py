@@ -8,7 +8,7 @@ Recorded in float32, per family and tied / untied embeddings: the prompt's token
 the next prompt token and the 5 most likely, 12 greedy tokens with each step's two best logprobs (a tie may go
 either way), and the family's chat template as transformers renders 10 conversations. Beside them, a SentencePiece
 GGUF vocabulary (tiny_models.write_spm_gguf) as transformers tokenizes and decodes tiny_models.SPM_TEXTS, for
-the llama and phi3 architectures (tests/models/test_tokenizer.py). For Gemma 3, also its image-text model's logprobs
+the llama, phi3 and gemma3 architectures (tests/models/test_tokenizer.py). For Gemma 3, also its image-text model's logprobs
 on the prompt (tiny_models.as_image_text: the same text weights as gemma-3-4b and larger keep them).
 """
 
@@ -58,7 +58,7 @@ def image_text(root: pathlib.Path, ids: list[int]) -> list[float]:
 
 def record_spm() -> dict:
     out = {}
-    for arch in ("llama", "phi3"):
+    for arch in ("llama", "phi3", "gemma3"):
         with tempfile.TemporaryDirectory() as d:
             write_spm_gguf(pathlib.Path(d) / "spm.gguf", arch)
             theirs = transformers.AutoTokenizer.from_pretrained(d, gguf_file="spm.gguf")

@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # gguf is imported only where a GGUF file is read
 
 _GGUF_UNKNOWN = 2  # llama.cpp token types: <unk>
 _GGUF_CONTROL = 3  # control tokens such as <|im_start|>
+# tokens llama.cpp ends generation at by their text (Gemma's files name no end-of-turn id); not <|endoftext|>,
+# which llama.cpp adds too but which transformers' generation configs leave out (SmolLM2's)
+END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
 _GGUF_USER_DEFINED = 4
 
 # llama.cpp pre-tokenizer names -> the splits they perform before byte-level BPE (the names transformers maps).
@@ -79,17 +82,24 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 
 def _sentencepiece(tokens: list[str], scores: Sequence[float], arch: str) -> Tokenizer:
     """A SentencePiece BPE vocabulary (GGUF's "llama" tokenizer) as transformers builds it from a GGUF file: byte
-    fallback, "▁" for spaces (Metaspace, prefixed to the text's start; Phi-3: a normalizer, prefixed always), and
-    the merges the file does not store, recovered from the scores (_sentencepiece_merges)."""
+    fallback, "▁" for spaces (Metaspace, prefixed to the text's start; Phi-3: a normalizer, prefixed always; Gemma:
+    a normalizer, never prefixed), and the merges the file does not store, recovered from the scores
+    (_sentencepiece_merges; Gemma's from the tokens' order, its scores do not follow its merges)."""
+    gemma = arch in ("gemma", "gemma2", "gemma3")
+    if gemma:  # Gemma's files spell a token of spaces alone with spaces, its tokenizer with "▁"
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
     ids = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=ids, merges=_sentencepiece_merges(ids, dict(zip(tokens, scores))),
                                fuse_unk=True, byte_fallback=True))
+    strip = [decoders.Strip(content=" ", left=1)]
     if arch == "phi3":
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    elif gemma:
+        tok.normalizer, strip = normalizers.Replace(" ", "▁"), []
     else:
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(content=" ", left=1)])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
     return tok
 
 
@@ -124,7 +134,7 @@ class TextTokenizer:
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "TextTokenizer":
         """The tokenizer a GGUF file describes: byte-level BPE ("gpt2": vocabulary, merges, a pre-tokenizer by
-        name) or SentencePiece BPE ("llama": Llama-2, Mistral, Phi-3; vocabulary and scores)."""
+        name) or SentencePiece BPE ("llama": Llama-2, Mistral, Phi-3, Gemma; vocabulary and scores)."""
         kind = f.field("tokenizer.ggml.model")
         if kind not in ("gpt2", "llama"):
             raise ValueError(f"{f.path}: unsupported GGUF tokenizer {kind!r} (BPE 'gpt2' or SentencePiece 'llama')")
@@ -149,6 +159,7 @@ class TextTokenizer:
         eos = int(f.field("tokenizer.ggml.eos_token_id"))
         stop = {eos} | {int(i) for key in ("eot_token_id", "eom_token_id")
                         if (i := f.field(f"tokenizer.ggml.{key}")) is not None}
+        stop |= {i for i, t in enumerate(tokens) if t in END_OF_TURN}  # as llama.cpp, where the file names none
         names = {"eos_token": tokens[eos]}
         if bos is not None:
             names["bos_token"] = tokens[int(bos)]

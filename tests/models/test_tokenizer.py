@@ -93,9 +93,9 @@ def test_control_text_in_content_is_encoded_with_its_neighbours_as_plain_text(ll
 SPM_FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "spm_reference.json"
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3"])
 def test_sentencepiece_gguf_vocabulary_tokenizes_as_transformers(arch, tmp_path):
-    """A GGUF file's SentencePiece vocabulary (Llama-2, Mistral, Phi-3) rebuilt with its merges recovered from the
+    """A GGUF file's SentencePiece vocabulary (Llama-2, Mistral, Phi-3, Gemma) rebuilt with its merges recovered from the
     scores: ids and decoded text equal transformers' for spaces, newlines, byte fallback and control tokens
     (recorded by tools/make_family_fixtures.py), and BOS is added as llama.cpp adds it."""
     from tiny_models import write_spm_gguf
@@ -107,3 +107,15 @@ def test_sentencepiece_gguf_vocabulary_tokenizes_as_transformers(arch, tmp_path)
         assert ids == case["ids"], case["text"]
         assert tok.decode(ids) == case["decoded"], case["text"]
         assert (tok.encode(case["text"])[:1] == [tok.bos_id]) == case["with_bos"]
+
+
+def test_end_of_turn_tokens_stop_generation_as_in_llama_cpp(tmp_path):
+    """Gemma's GGUF files name only <eos> (id 1 there); llama.cpp also stops at <end_of_turn> by its text, and so
+    does this tokenizer (and at the other end-of-turn spellings it knows, wherever a vocabulary has them)."""
+    from tiny_models import write_spm_gguf
+
+    write_spm_gguf(tmp_path / "spm.gguf", "gemma3", extra=("<start_of_turn>", "<end_of_turn>"))
+    tok = TextTokenizer.from_gguf(GGUFFile(tmp_path / "spm.gguf"))
+    end = tok.tokenizer.token_to_id("<end_of_turn>")
+    assert tok.stop_ids == {2, end} and tok.tokenizer.token_to_id("<start_of_turn>") not in tok.stop_ids
+    assert tok.encode("<start_of_turn>user", add_special_tokens=False)[0] == end - 1  # one token, not pieces
