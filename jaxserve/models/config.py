@@ -109,7 +109,7 @@ class LlamaConfig:
             rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias")),
+            qkv_bias=cfg.get("model_type") == "qwen2",
             sliding_window=window,
             window_layers=sliding if window and len(sliding) < layers else None,
             qk_norm=cfg.get("model_type") == "qwen3",
