@@ -123,9 +123,9 @@ class LlamaConfig:
         if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"unsupported Gemma 3 activation {cfg['hidden_activation']!r}")
         layers = int(cfg.get("num_hidden_layers", 26))
-        pattern = int(cfg.get("sliding_window_pattern", 6))
-        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                           for i in range(layers)]
+        types = cfg.get("layer_types")
+        sliding = (tuple(i for i, t in enumerate(types) if t == "sliding_attention") if types else
+                   gemma3_sliding(layers, int(cfg.get("sliding_window_pattern", GEMMA3_PATTERN))))
         rope = cfg.get("rope_parameters") or {}
         full = dict(rope.get("full_attention") or {})
         scaling = cfg.get("rope_scaling") or full
@@ -136,15 +136,12 @@ class LlamaConfig:
         factor = float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0
         context = int(cfg.get("max_position_embeddings", 131072))
         window = cfg.get("sliding_window", 4096)
-        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-        heads = int(cfg.get("num_attention_heads", 8))
-        softcap = cfg.get("final_logit_softcapping")
-        return cls(
+        base = cls(
             vocab_size=int(cfg.get("vocab_size", 262208)),
             hidden_size=int(cfg.get("hidden_size", 2304)),
             intermediate_size=int(cfg.get("intermediate_size", 9216)),
             num_layers=layers,
-            num_heads=heads,
+            num_heads=int(cfg.get("num_attention_heads", 8)),
             num_kv_heads=int(cfg.get("num_key_value_heads", 4)),
             head_dim=d,
             max_position_embeddings=context,
@@ -152,14 +149,22 @@ class LlamaConfig:
             rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1e6))),
             rope_freq_factors=(factor,) * (d // 2) if factor != 1.0 else None,  # linear: every frequency / factor
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-            sliding_window=int(window) if window and sliding and window < context else None,
-            window_layers=sliding if 0 < len(sliding) < layers else None,
-            rope_local_theta=float((rope.get("sliding_attention") or {}).get(
-                "rope_theta", cfg.get("rope_local_base_freq", 10000.0))) if sliding else None,
-            gemma_norms=True, qk_norm=True, embed_scale=True, activation="gelu_tanh",
-            query_scale=float(cfg.get("query_pre_attn_scalar", 256)),
-            final_logit_softcap=float(softcap) if softcap else None,
+            sliding_window=int(window) if window and window < context else None,
         )
+        local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+        return base.gemma3(sliding, float(local_theta), float(cfg.get("query_pre_attn_scalar", 256)),
+                           cfg.get("final_logit_softcapping"))
+
+    def gemma3(self, sliding: tuple[int, ...], local_theta: float, query_scale: float,
+               softcap: float | None) -> "LlamaConfig":
+        """This config as Gemma 3's (both loaders' last step): its norms, q/k norms, embedding scale and GeGLU;
+        the `sliding` layers with sliding_window and RoPE base local_theta (none: every layer global)."""
+        return dataclasses.replace(
+            self, window_layers=sliding if 0 < len(sliding) < self.num_layers else None,
+            sliding_window=self.sliding_window if sliding else None,
+            rope_local_theta=local_theta if sliding else None, query_scale=query_scale,
+            final_logit_softcap=float(softcap) if softcap else None,
+            gemma_norms=True, qk_norm=True, embed_scale=True, activation="gelu_tanh")
 
     def local(self, layer: int) -> bool:
         """Is `layer` a sliding one (its window, and RoPE from rope_local_theta when set)?"""
@@ -226,6 +231,14 @@ class LlamaConfig:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(is_mid, mid, scaled).astype(np.float32)
+
+
+GEMMA3_PATTERN = 6  # Gemma 3's layers by default: five sliding, then a global one
+
+
+def gemma3_sliding(layers: int, pattern: int = GEMMA3_PATTERN) -> tuple[int, ...]:
+    """The sliding layers of Gemma 3's default layout: all but every `pattern`-th."""
+    return tuple(i for i in range(layers) if (i + 1) % pattern)
 
 
 def llama3_8b(num_layers: int = 32) -> LlamaConfig:

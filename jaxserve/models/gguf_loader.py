@@ -9,7 +9,6 @@ tensor of another type is dequantized."""
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 import re
 from typing import Any
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from jaxserve.models.config import LlamaConfig
+from jaxserve.models.config import LlamaConfig, gemma3_sliding
 from jaxserve.models.hf_loader import phi3_split
 from jaxserve.models.quantize import Quantized
 from jaxserve.models.weights import params_from_hf
@@ -146,17 +145,12 @@ class GGUFFile:
         p = "gemma3."
         pattern = self.field(p + "attention.sliding_window_pattern")
         sliding = (tuple(i for i, s in enumerate(pattern) if s) if isinstance(pattern, list)
-                   else tuple(i for i in range(layers) if (i + 1) % 6)) if window else ()
+                   else gemma3_sliding(layers)) if window else ()
         scale = self.field(p + "attention.scale")
         query_scale = (float(scale) ** -2 if scale else
                        cfg.hidden_size / cfg.num_heads if layers == 62 else float(cfg.head_dim))
-        softcap = self.field(p + "final_logit_softcapping")
-        return dataclasses.replace(
-            cfg, window_layers=sliding if 0 < len(sliding) < layers else None,
-            sliding_window=cfg.sliding_window if sliding else None,
-            rope_local_theta=float(self.field(p + "rope.freq_base_swa", 10000.0)) if sliding else None,
-            gemma_norms=True, qk_norm=True, embed_scale=True, activation="gelu_tanh", query_scale=query_scale,
-            final_logit_softcap=float(softcap) if softcap else None)
+        return cfg.gemma3(sliding, float(self.field(p + "rope.freq_base_swa", 10000.0)), query_scale,
+                          self.field(p + "final_logit_softcapping"))
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -226,12 +220,13 @@ def load_gguf(path: str | pathlib.Path, keep_quantized: bool = False) -> tuple[L
     permuted = arch == "llama"  # llama.cpp's converter permutes llama's q and k only
     names = _names(arch)
     kept, mixed = _kept_names(f, cfg, names) if keep_quantized else (set(), set())
+    blocks = kept | mixed
 
     def tensor(hf_name: str) -> np.ndarray | Quantized:
         m = re.match(r"model\.layers\.(\d+)\.(.*)", hf_name)
         key = f"model.layers.{{i}}.{m.group(2)}" if m else hf_name
         name = names[key].format(i=m.group(1) if m else "")
-        w = f.blocks(name) if names[key] in kept | mixed else f.tensor(name)
+        w = f.blocks(name) if names[key] in blocks else f.tensor(name)
         if names[key] in mixed:
             w = mixed_layout(w)
         if arch == "gemma3" and key.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + weight

@@ -20,10 +20,10 @@ if TYPE_CHECKING:  # gguf is imported only where a GGUF file is read
 
 _GGUF_UNKNOWN = 2  # llama.cpp token types: <unk>
 _GGUF_CONTROL = 3  # control tokens such as <|im_start|>
+_GGUF_USER_DEFINED = 4
 # tokens llama.cpp ends generation at by their text (Gemma's files name no end-of-turn id); not <|endoftext|>,
 # which llama.cpp adds too but which transformers' generation configs leave out (SmolLM2's)
 END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
-_GGUF_USER_DEFINED = 4
 
 # llama.cpp pre-tokenizer names -> the splits they perform before byte-level BPE (the names transformers maps).
 _LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
