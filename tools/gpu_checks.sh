@@ -8,7 +8,8 @@
 # under a JSON schema, with the tokenizer folder $TOKENIZER); step: tools/profile_step.py (one decode
 # step of it under jax.profiler, at batch 1 and 16: its top kernels, with each trace kept); profile:
 # tools/profile_attention.py (the simulator's measured attention); quant: tools/bench_quantization.py on random
-# Llama-3.1-8B in bfloat16, kept int8, int4 and fp8 beside it (bytes, decode / prefill tokens/s). One log ($OUT/checks.log), JSON and CSV go to
+# Llama-3.1-8B in bfloat16, kept int8, int4 and fp8 beside it (bytes, decode / prefill tokens/s); quantmm:
+# tools/bench_quant_matmul.py (one quantized weight's matmul, computed each way). One log ($OUT/checks.log), JSON and CSV go to
 # $OUT, few files, as a lent GPU machine returns at most 8. Timeouts fit the three serving parts in one 10-minute call.
 set -u
 OUT=${OUT:-bench_out/gpu}
@@ -35,8 +36,9 @@ for part in $parts; do
     step) rm -rf /tmp/step_profile; timeout 170 $PY tools/profile_step.py --model=random:llama3-8b --out=/tmp/step_profile &&
       cp /tmp/step_profile/summary.json "$OUT/step_summary.json" &&
       for b in b1 b16; do cp "$(find /tmp/step_profile/$b -name perfetto_trace.json.gz)" "$OUT/step_$b.json.gz"; done ;;
-    quant) timeout 540 $PY tools/bench_quantization.py --model=random:llama3-8b --dtype=bfloat16 \
+    quant) timeout 400 $PY tools/bench_quantization.py --model=random:llama3-8b --dtype=bfloat16 \
       --methods=int8,int4,fp8 --repeats=2 --out="$OUT/quantization.json" ;;
+    quantmm) timeout 120 $PY tools/bench_quant_matmul.py ;;
     profile) timeout 270 $PY tools/profile_attention.py --out="$OUT/h100_attention.csv" ;;
     *) echo "unknown part $part"; false ;;
   esac

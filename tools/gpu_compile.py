@@ -27,8 +27,8 @@ draw cut by top-k / top-p), and its multi-step decode (engine.runner.burst_packe
 sampler in one device loop) as `burst_b1.hlo` and `burst_b16.hlo`. The summary counts, per program, the compile
 seconds, the `conditional`s (each makes the host wait for the device), the `while` loops, and the weight copies:
 instructions outside fusions whose result has a weight's shape (a layer scan's dynamic slice of the stacked weights
-is one), and the scatters that read a weight (a projection fused into the KV write). Exit status 1 if any is
-found.
+is one; with --quantization, a dequantized weight written out is one too), and the scatters that read a weight (a
+projection fused into the KV write). Exit status 1 if any is found.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from jaxserve.engine.kv_cache import RaggedPagedBackend  # noqa: E402
 from jaxserve.engine.runner import burst_packed, forward_packed, sample_padded  # noqa: E402
 from jaxserve.models.config import llama3_8b  # noqa: E402
 from jaxserve.models.llama import Llama, param_shapes  # noqa: E402
+from jaxserve.models.quantize import quantize_params  # noqa: E402
 from jaxserve.sharding import overlap, ring  # noqa: E402
 from jaxserve.sharding.mesh import SP, make_mesh  # noqa: E402
 
@@ -75,6 +76,7 @@ flags.DEFINE_integer("layers", 2, "Layers of the chunk program's model.")
 flags.DEFINE_string("out", "bench_out/gpu_compile", "Folder for the compiled HLO and summary.json.")
 flags.DEFINE_bool("decode", False, "Compile the pure-decode serving step on one GPU instead (batch 1 and 16).")
 flags.DEFINE_integer("decode_layers", 32, "Layers of the decode step's model (Llama-3.1-8B has 32).")
+flags.DEFINE_string("quantization", None, "The decode step's weights kept quantized (int8, int4, fp8).")
 
 TARGETS = pathlib.Path(__file__).parent / "gpu_targets"
 KV_MIN_BYTES = 1 << 16  # smaller transfers (positions, scalars) are not the ring's K/V
@@ -137,7 +139,11 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int, burst: bool = False) -> t
     here = NamedSharding(mesh, P())
     on_gpu = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), tree)
-    params = on_gpu(param_shapes(cfg, jnp.bfloat16, unrolled=True))
+    shapes = param_shapes(cfg, jnp.bfloat16, unrolled=True)
+    weights = [x.shape for x in jax.tree.leaves(shapes) if len(x.shape) > 1]  # a dequantized copy has these too
+    if FLAGS.quantization:
+        shapes = jax.eval_shape(functools.partial(quantize_params, method=FLAGS.quantization), shapes)
+    params = on_gpu(shapes)
     cache = jax.ShapeDtypeStruct((cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
                                  sharding=here)
     shape = buckets.decode(buckets.fit_decode(rows))  # batch 1 runs in the engine's smallest decode program
@@ -149,7 +155,6 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int, burst: bool = False) -> t
     else:
         step = jax.jit(functools.partial(forward_packed(model, buckets), shape=shape),
                        donate_argnums=(1,))
-    weights = [x.shape for x in jax.tree.leaves(params) if len(x.shape) > 1]
     return step, (params, (cache, cache), blob, previous), weights
 
 
@@ -166,7 +171,7 @@ def sampler_program(mesh: jax.sharding.Mesh, rows: int, kind: str) -> tuple[Any,
 def compile_decode(out: pathlib.Path, options: dict) -> bool:
     mesh = gpu_mesh(1, FLAGS.gpu)
     summary: dict[str, Any] = {"gpu": FLAGS.gpu, "layers": FLAGS.decode_layers, "jax": jax.__version__,
-                               "compiler_options": options}
+                               "quantization": FLAGS.quantization, "compiler_options": options}
     ok = True
     for rows in DECODE_ROWS:
         for name in ("decode", "burst"):

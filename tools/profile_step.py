@@ -33,6 +33,7 @@ from jaxserve.engine.profile import synthetic_row
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "random:llama3-8b", "Model name or path.")
 flags.DEFINE_string("dtype", "bfloat16", "float32 or bfloat16.")
+flags.DEFINE_string("quantization", None, "Weights kept quantized (int8, int4, fp8), as LLM's quantization.")
 flags.DEFINE_list("rows", ["1", "16"], "Decode rows of the profiled steps.")
 flags.DEFINE_integer("context", 512, "Tokens of context each row attends to.")
 flags.DEFINE_integer("steps", 5, "Profiled steps per row count.")
@@ -94,7 +95,7 @@ def main(argv: list[str]) -> None:
     rows = [int(r) for r in FLAGS.rows]
     out = pathlib.Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(rows), max_model_len=4 * FLAGS.context,
+    llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization, max_num_seqs=max(rows), max_model_len=4 * FLAGS.context,
                        enable_prefix_caching=False, progress=False)
     summary = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": FLAGS.model,
                "dtype": FLAGS.dtype, "context": FLAGS.context, "steps": []}

@@ -1,10 +1,13 @@
 """Weights kept quantized: int8, int4 and fp8 weight-only through qwix, or a GGUF file's blocks as stored.
 
 A quantized weight is a `Quantized`: values, a scale per column or per block (of 32; of 16 for GGUF's Q6_K) and,
-for affine blocks (int4, GGUF's Q4_1 and Q4_K), an offset per block; w = values * scale + offset. The matmuls hand qwix the values and
-scales as a QArray (its weight-only dot_general dequantizes into the model's dtype and multiplies there; on a GPU
-XLA fuses that into the GEMM's operand read) and add the offsets' share, so a quantized model computes what its
-dequantized weights would.
+for affine blocks (int4, GGUF's Q4_1 and Q4_K), an offset per block; w = values * scale + offset.
+
+A weight with a scale per output column (int8, fp8) is multiplied as stored values, converted in the GEMM's
+operand read, and the scale is applied to the output. Block-scaled weights (int4, GGUF's) go through qwix's
+dot_general, which dequantizes the weight into the model's dtype first (on a GPU XLA writes that copy out: a
+Pallas kernel that dequantizes in registers is what would avoid it), plus the offsets' share. Either way a
+quantized model computes what its dequantized weights would.
 
 Two weights are quantized: the linear kernels `[.., in, out]` (blocks run along `in`, the contracted axis) and the
 embedding table `[vocab, hidden]` (blocks along `hidden`, which the tied LM head contracts). Norms and biases stay
@@ -72,6 +75,12 @@ def _matmul(x: Float[Array, "... k"], w: Array | Quantized, contracted: int) -> 
     dims = (((x.ndim - 1,), (contracted,)), ((), ()))
     if not isinstance(w, Quantized):
         return jax.lax.dot_general(x, w.astype(x.dtype), dims)
+    if w.offset is None and w.scale.shape[contracted] == 1:
+        # a scale per output column scales the output: the GEMM reads the values, converted in its operand read
+        # (qwix dequantizes the whole weight first, which XLA's GPU compiler writes out: 3x slower on an H200)
+        y = jax.lax.dot_general(x, w.qarray(x.dtype).qvalue.astype(x.dtype), dims,
+                                preferred_element_type=jnp.float32)
+        return (y * jnp.squeeze(w.scale, contracted).astype(jnp.float32)).astype(x.dtype)
     # float32 sums, rounded once: in bfloat16 the offsets' share and the product nearly cancel for inputs with a
     # mean (14% error against 1.4% for one bfloat16 matmul of the dequantized weight)
     y = qwix.dot_general(x, w.qarray(x.dtype), dims, preferred_element_type=jnp.float32)

@@ -107,6 +107,35 @@ def test_step_reader_finds_weight_copies_and_branches():
     assert found["weight_copies"] == ["copy: fusion bf16[1,64,128]{2,1,0}"]
 
 
+def test_step_reader_finds_a_weight_dequantized_in_blocks():
+    hlo = """\
+ENTRY %main (v: u8[64,64], s: f16[2,128]) -> bf16[16,128] {
+  %v = u8[64,64]{1,0} parameter(0)
+  %u = u4[64,64,2]{2,1,0} bitcast(%v)
+  %w = bf16[2,32,128]{2,1,0} fusion(%u, %s), kind=kLoop, calls=%dequantize
+  %i = s8[2,32,128]{2,1,0} fusion(%u), kind=kLoop, calls=%widen
+  ROOT %dot = bf16[16,128]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm
+}
+"""
+    found = compiled.read_step(hlo, [(64, 128)])
+    # the float [blocks, 32, n] buffer holds the weight's elements; the packed and integer views are not copies
+    assert found["weight_copies"] == ["w: fusion bf16[2,32,128]{2,1,0}"]
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_the_quantized_decode_step_for_an_h100_never_writes_a_dequantized_weight(tmp_path, method):
+    """Weights kept quantized with a scale per output column: the GEMMs read the stored values (converted in the
+    operand read) and scale their output; no weight is dequantized into a buffer of its own first. On an H200
+    that buffer made a quantized decode step 3x slower than bf16's (docs/BENCHMARKS.md). Two layers and the LM
+    head; a layer's program is the same at 32."""
+    summary = _run(tmp_path, "--decode", "--decode_layers=2", f"--quantization={method}")
+    assert summary["quantization"] == method
+    for rows in (1, 16):
+        for program in ("decode", "burst"):
+            found = summary[f"{program}_b{rows}"]
+            assert found["conditionals"] == 0 and found["weight_copies"] == [], found
+
+
 def test_the_decode_step_for_an_h100_reads_weights_in_place_and_never_branches(tmp_path):
     """The pure-decode serving step of Llama-3.1-8B (32 layers, bf16), compiled for one H100: no weight copied out
     of a stacked array, no conditional (so no host sync inside the step), at batch 1 and 16; its samplers (of
