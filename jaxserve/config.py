@@ -47,8 +47,8 @@ class ModelConfig:
         "auto", "Weights' dtype (the KV cache's too, but float32 on a CPU); auto: bfloat16 on an accelerator, "
         "float32 on a CPU.")
     quantization: str | None = setting(
-        None, "Weights kept quantized, weight-only: int8 (a scale per channel), int4 (blocks of 32 with a scale and "
-        "offset, GGUF's Q4_1), fp8 (e4m3), or gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks as stored). Default: "
+        None, "Weights kept quantized, weight-only: int8 (a scale per channel), int4 (blocks of 128 with a scale and "
+        "offset: 4.25 bits a weight), fp8 (e4m3), or gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks as stored). Default: "
         "the weights in --dtype.")
     max_model_len: int | None = setting(None, "Context length (default: the model's, capped by the KV pool).")
     tokenizer: str | None = setting(None, "A Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json) "

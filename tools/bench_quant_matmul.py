@@ -2,12 +2,12 @@
 
     .venv/bin/python tools/bench_quant_matmul.py [--k=4096 --n=14336 --rows=1,16 --dtype=bfloat16]
 
-For int8 and fp8 (a scale per output column) and int4 (Q4_1 blocks of 32 along k: a scale and an offset each), x [rows, k]
-times the weight [k, n]:
+For int8 and fp8 (a scale per output column) and int4 (blocks of 128 along k: a scale and an offset each), x
+[rows, k] times the weight [k, n], kept as the backend keeps it:
 - dequant: the weight dequantized in the model's dtype, then one GEMM (what qwix's weight-only dot_general does);
 - served: models/quantize.dense, as the model computes it (int8, fp8: the values converted in the GEMM's operand
-  read, the scale applied to the output columns; int4: qwix, as dequant, and the offsets' share);
-- blocks (int4): one GEMM per block of 32 (a batched dot), each block's output times its scale, summed;
+  read, the scale applied to the output columns; int4 on a GPU at few rows: a GEMM per block, each block's sums
+  scaled, then the offsets' share; else as dequant).
 Each variant's result is checked against float32 math on the dequantized weight (relative error printed), then
 timed: each call multiplies x by --copies distinct weights in one program (so neither the cache nor the dispatch
 counts); printed are the median ms a matmul over --repeats calls and the weight's bytes over that time (GB/s).
@@ -39,17 +39,6 @@ def dequant(x, w: quantize.Quantized):
     return jnp.dot(x, w.dequantize(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def blocks(x, w: quantize.Quantized):
-    values = w.qarray(x.dtype).qvalue  # [k, n] 4-bit
-    nb = w.scale.shape[0]
-    xb = x.reshape(x.shape[0], nb, -1)
-    vb = values.reshape(nb, -1, values.shape[-1]).astype(x.dtype)
-    y = jnp.einsum("rgk,gkn->rgn", xb, vb, preferred_element_type=jnp.float32)
-    y = (y * w.scale.astype(jnp.float32)).sum(1)
-    y = y + xb.astype(jnp.float32).sum(-1) @ w.offset.astype(jnp.float32)
-    return y.astype(x.dtype)
-
-
 def timed(fn, x, weights) -> float:
     """Median ms of one matmul: each call runs it over all `weights` in one program (distinct weights, so the
     cache holds none of them; one dispatch for many matmuls, so dispatch does not count)."""
@@ -73,12 +62,12 @@ def main(argv: list[str]) -> None:
     weight = jax.random.normal(key, (FLAGS.k, FLAGS.n), jnp.float32) * 0.02
     variants = {"int8": {"dequant": dequant, "served": quantize.dense},
                 "fp8": {"dequant": dequant, "served": quantize.dense},
-                "int4": {"dequant": dequant, "served": quantize.dense, "blocks": blocks}}
+                "int4": {"dequant": dequant, "served": quantize.dense}}
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, weight {FLAGS.k} x {FLAGS.n}, {dtype.name}")
     print(f"{'method':<6}{'rows':>6}{'variant':>12}{'ms':>10}{'GB/s':>10}{'rel err':>10}")
     for method, fns in variants.items():
         quantized = jax.jit(quantize._quantize_leaf, static_argnums=(1, 2))
-        weights = [quantized(weight * (1 + i / 8), method, 0) for i in range(FLAGS.copies)]
+        weights = [quantize._store(quantized(weight * (1 + i / 8), method, 0)) for i in range(FLAGS.copies)]
         w = weights[0]
         nbytes = sum(a.nbytes for a in jax.tree.leaves(w))
         dense = np.asarray(w.dequantize(jnp.float32))

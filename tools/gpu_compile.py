@@ -41,6 +41,7 @@ import pathlib
 import sys
 import time
 from typing import Any
+from unittest import mock
 
 PLUGIN = pathlib.Path(sys.prefix) / "cuda-compiler"
 if PLUGIN.is_dir():  # before JAX looks for plugins; the plugin's check of CUDA libraries would fail without them
@@ -61,6 +62,7 @@ from jaxserve.engine.kv_cache import RaggedPagedBackend  # noqa: E402
 from jaxserve.engine.runner import burst_packed, forward_packed, sample_padded  # noqa: E402
 from jaxserve.models.config import llama3_8b  # noqa: E402
 from jaxserve.models.llama import Llama, param_shapes  # noqa: E402
+from jaxserve.models import quantize  # noqa: E402
 from jaxserve.models.quantize import quantize_params  # noqa: E402
 from jaxserve.sharding import overlap, ring  # noqa: E402
 from jaxserve.sharding.mesh import SP, make_mesh  # noqa: E402
@@ -141,8 +143,9 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int, burst: bool = False) -> t
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), tree)
     shapes = param_shapes(cfg, jnp.bfloat16, unrolled=True)
     weights = [x.shape for x in jax.tree.leaves(shapes) if len(x.shape) > 1]  # a dequantized copy has these too
-    if FLAGS.quantization:
-        shapes = jax.eval_shape(functools.partial(quantize_params, method=FLAGS.quantization), shapes)
+    if FLAGS.quantization:  # as a GPU keeps them (4-bit values as XLA's int4: the default backend here is a CPU)
+        with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+            shapes = jax.eval_shape(functools.partial(quantize_params, method=FLAGS.quantization), shapes)
     params = on_gpu(shapes)
     cache = jax.ShapeDtypeStruct((cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
                                  sharding=here)
@@ -176,8 +179,11 @@ def compile_decode(out: pathlib.Path, options: dict) -> bool:
     for rows in DECODE_ROWS:
         for name in ("decode", "burst"):
             step, args, weights = decode_program(mesh, rows, burst=name == "burst")
+            # as the runner compiles a block-quantized model's programs
+            own = options | (quantize.UNMERGED_DOTS if quantize.has_blocks(args[0]) else {})
+            summary["compiler_options"] = own
             start = time.perf_counter()
-            hlo = step.lower(*args).compile(compiler_options=options).as_text()
+            hlo = step.lower(*args).compile(compiler_options=own).as_text()
             seconds = time.perf_counter() - start
             (out / f"{name}_b{rows}.hlo").write_text(hlo)
             found = compiled.read_step(hlo, weights) | {"compile_seconds": round(seconds, 1)}

@@ -58,6 +58,7 @@ from jaxserve.engine.kv_cache import RaggedPagedBackend, RaggedPagedMetadata, al
 from jaxserve.engine.sampling import MAX_LOGPROBS, Logprobs, Sampling, Slots, sample_step
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama, stage_layers, stage_params, unstack_layers
+from jaxserve.models import quantize
 from jaxserve.models.quantize import Quantized
 from jaxserve.pallas_kernels.common import lowering_for
 from jaxserve.pallas_kernels.dispatch import Implementation
@@ -300,6 +301,7 @@ class ModelRunner:
         quantized = any(isinstance(x, Quantized) for x in jax.tree.leaves(
             params, is_leaf=lambda x: isinstance(x, Quantized)))
         self.unrolled = cfg.per_layer or not (self.cpu and stages == 1 and quantized)
+        self.blocks = quantize.has_blocks(params)  # their programs compile with quantize.UNMERGED_DOTS off a CPU
         self.max_rows = max(s.rows for s in buckets.programs())
         self._stages = []
         for k, layers in enumerate(stage_layers(cfg.num_layers, stages)):
@@ -456,14 +458,18 @@ class ModelRunner:
 
     def _compile(self, lowered: jax.stages.Lowered, program: Program) -> jax.stages.Compiled:
         decode = isinstance(program, Burst) or (isinstance(program, batch.Shape) and program.tiles == 0)
-        if not (self.cpu and decode and program.rows >= CPU_DECODE_OPTIONS_ROWS):
+        if self.cpu and decode and program.rows >= CPU_DECODE_OPTIONS_ROWS:
+            options = CPU_DECODE_OPTIONS
+        elif not self.cpu and self.blocks:
+            options = quantize.UNMERGED_DOTS
+        else:
             return lowered.compile()
         try:
-            return lowered.compile(compiler_options=CPU_DECODE_OPTIONS)
+            return lowered.compile(compiler_options=options)
         except jax.errors.JaxRuntimeError as e:  # an XLA without the option: its default dots
             if "No such compile option" not in str(e):
                 raise
-            logging.warning("XLA does not know %s; decode programs keep its default dots", CPU_DECODE_OPTIONS)
+            logging.warning("XLA does not know %s; programs keep its default dots", options)
             return lowered.compile()
 
     def _abstract(self, tree: Any) -> Any:

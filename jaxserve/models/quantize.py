@@ -1,23 +1,27 @@
 """Weights kept quantized: int8, int4 and fp8 weight-only through qwix, or a GGUF file's blocks as stored.
 
-A quantized weight is a `Quantized`: values, a scale per column or per block (of 32; of 16 for GGUF's Q6_K) and,
-for affine blocks (int4, GGUF's Q4_1 and Q4_K), an offset per block; w = values * scale + offset.
+A quantized weight is a `Quantized`: values, a scale per column or per block (int4's 128, or fewer where they do
+not divide; GGUF's 32, 16 for Q6_K) and, for affine blocks (int4, GGUF's Q4_1 and Q4_K), an offset per block;
+w = values * scale + offset.
 
-A weight with a scale per output column (int8, fp8) is multiplied as stored values, converted in the GEMM's
-operand read, and the scale is applied to the output. Block-scaled weights (int4, GGUF's) go through qwix's
-dot_general, which dequantizes the weight into the model's dtype first (on a GPU XLA writes that copy out: a
-Pallas kernel that dequantizes in registers is what would avoid it), plus the offsets' share. Either way a
-quantized model computes what its dequantized weights would.
+No matmul writes a dequantized weight out where it can be helped (on a GPU that copy made decode 3x slower than
+bfloat16). A scale per output column (int8, fp8) scales the GEMM's output; the GEMM reads the values, converted in
+its operand read. Blocks, on a GPU at few rows, run a GEMM per block, each block's float32 sums scaled, then
+summed; elsewhere qwix's dot_general dequantizes the weight into the model's dtype first. The offsets' share is
+each block's inputs summed, times its offsets. Either way a quantized model computes what its dequantized weights
+would.
 
 Two weights are quantized: the linear kernels `[.., in, out]` (blocks run along `in`, the contracted axis) and the
 embedding table `[vocab, hidden]` (blocks along `hidden`, which the tied LM head contracts). Norms and biases stay
 in the model's dtype. Scales and offsets are float16, as GGUF keeps them (a GGUF file's Q4_K products float32).
-4-bit values are kept packed two to a byte along the last axis, as uint8: XLA's own 4-bit arrays carry a layout
-that compiled programs refuse (JAX 0.10 on CPU).
+4-bit values are kept as the backend wants them (_store): on a CPU packed two to a byte along the last axis, as
+uint8; on a GPU as XLA's own signed int4, whose convert its GEMMs fuse.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import flax.struct
@@ -28,7 +32,7 @@ import qwix
 from jaxtyping import Array, Float, Int
 
 SCALE_DTYPE = jnp.float16
-BLOCK = 32  # int4's block along the contracted axis: llama.cpp's Q4 block, so GGUF files load into the same layout
+MAX_BLOCK = 128  # int4's largest block along the contracted axis: 4.25 bits a weight with its scale and offset
 CPU_ROWS = 4096  # rows of the embedding table a CPU's LM head dequantizes at once
 _QTYPES = {"int8": jnp.int8, "int4": jnp.uint4, "fp8": jnp.float8_e4m3fn}
 
@@ -48,12 +52,15 @@ class Quantized:
     qtype: Any = flax.struct.field(pytree_node=False, default=jnp.int8)
     packed: bool = flax.struct.field(pytree_node=False, default=False)
 
+    def unpacked(self) -> Array:
+        """The values, one an element (4-bit ones unpacked from their bytes)."""
+        if not self.packed:
+            return self.values
+        return jax.lax.bitcast_convert_type(self.values, self.qtype).reshape(*self.values.shape[:-1], -1)
+
     def qarray(self, dtype: jnp.dtype) -> qwix.QArray:
         """The values and scales as qwix's QArray, which dequantizes into `dtype`."""
-        values = self.values
-        if self.packed:
-            values = jax.lax.bitcast_convert_type(values, self.qtype).reshape(*values.shape[:-1], -1)
-        return qwix.QArray(values, self.scale.astype(dtype), qtype=self.qtype)
+        return qwix.QArray(self.unpacked(), self.scale.astype(dtype), qtype=self.qtype)
 
     def dequantize(self, dtype: jnp.dtype) -> Array:
         w = qwix.dequantize(self.qarray(dtype))
@@ -63,6 +70,17 @@ class Quantized:
         for axis, (b, n) in enumerate(zip(offset.shape, w.shape)):  # one value per block over its elements
             offset = jnp.repeat(offset, n // b, axis=axis) if b != n else offset
         return w + offset
+
+
+# XLA's GPU compiler merges dots that share an input (q, k and v) into one GEMM over their weights concatenated;
+# over block-quantized weights it writes their converted values out to do so. Their programs compile without it.
+UNMERGED_DOTS = {"xla_gpu_dot_merger_threshold_mb": 0}
+
+
+def has_blocks(params: Any) -> bool:
+    """Whether a linear kernel is quantized in blocks along its input (int4, GGUF's types), not per column."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Quantized))
+    return any(isinstance(x, Quantized) and x.scale.shape[-2] > 1 and x.scale.shape[-1] > 1 for x in leaves)
 
 
 def _block_sums(x: Float[Array, "... k"], blocks: int) -> Float[Array, "... blocks"]:
@@ -78,17 +96,44 @@ def _matmul(x: Float[Array, "... k"], w: Array | Quantized, contracted: int) -> 
     if w.offset is None and w.scale.shape[contracted] == 1:
         # a scale per output column scales the output: the GEMM reads the values, converted in its operand read
         # (qwix dequantizes the whole weight first, which XLA's GPU compiler writes out: 3x slower on an H200)
-        y = jax.lax.dot_general(x, w.qarray(x.dtype).qvalue.astype(x.dtype), dims,
-                                preferred_element_type=jnp.float32)
+        y = jax.lax.dot_general(x, w.unpacked().astype(x.dtype), dims, preferred_element_type=jnp.float32)
         return (y * jnp.squeeze(w.scale, contracted).astype(jnp.float32)).astype(x.dtype)
-    # float32 sums, rounded once: in bfloat16 the offsets' share and the product nearly cancel for inputs with a
-    # mean (14% error against 1.4% for one bfloat16 matmul of the dequantized weight)
-    y = qwix.dot_general(x, w.qarray(x.dtype), dims, preferred_element_type=jnp.float32)
+    rows, block = math.prod(x.shape[:-1]), x.shape[-1] // w.scale.shape[contracted]
+    if not w.packed and rows * 4 < block * x.dtype.itemsize:  # float32 sums per block: fewer bytes than a copy
+        y = jax.lax.platform_dependent(x, w, cpu=functools.partial(_dequantized, contracted=contracted),
+                                       default=functools.partial(_by_block, contracted=contracted))
+    else:
+        y = _dequantized(x, w, contracted)
     if w.offset is not None:  # sum_k x_k * offset[block(k), n]: each block's x summed, times its offset
         offset = w.offset.astype(jnp.float32)
         offset = offset if contracted == 0 else offset.T
         y = y + _block_sums(x.astype(jnp.float32), offset.shape[0]) @ offset
     return y.astype(x.dtype)
+
+
+def _dequantized(x: Float[Array, "... k"], w: Quantized, contracted: int) -> Float[Array, "... n"]:
+    """x times the values times their scales, by qwix: the weight dequantized into x's dtype, then one GEMM. The
+    sums are float32, rounded once: in bfloat16 the offsets' share and the product nearly cancel for inputs with a
+    mean (14% error against 1.4% for one bfloat16 matmul of the dequantized weight)."""
+    dims = (((x.ndim - 1,), (contracted,)), ((), ()))
+    return qwix.dot_general(x, w.qarray(x.dtype), dims, preferred_element_type=jnp.float32)
+
+
+def _by_block(x: Float[Array, "... k"], w: Quantized, contracted: int) -> Float[Array, "... n"]:
+    """The same as one GEMM per block (a batched dot whose operand read converts the values), each block's float32
+    sums times its scales, then summed: the weight is never dequantized into a buffer of its own. XLA's CPU
+    runtime has no batched bfloat16 dot into float32; a CPU takes _dequantized."""
+    values, blocks = w.unpacked().astype(x.dtype), w.scale.shape[contracted]
+    xb = x.reshape(*x.shape[:-1], blocks, x.shape[-1] // blocks)
+    if contracted == 0:  # a kernel [k, n]
+        y = jnp.einsum("...bk,bkn->...bn", xb, values.reshape(blocks, -1, values.shape[-1]),
+                       preferred_element_type=jnp.float32)
+        scale = w.scale
+    else:  # a table [n, k]
+        y = jnp.einsum("...bk,nbk->...bn", xb, values.reshape(values.shape[0], blocks, -1),
+                       preferred_element_type=jnp.float32)
+        scale = w.scale.T
+    return (y * scale.astype(jnp.float32)).sum(-2)  # [..., blocks, n] -> [..., n]
 
 
 def dense(x: Float[Array, "... k"], kernel: Array | Quantized) -> Float[Array, "... n"]:
@@ -118,30 +163,55 @@ def take(table: Array | Quantized, ids: Int[Array, "..."], dtype: jnp.dtype) -> 
     return jax.tree.map(lambda a: jnp.take(a, ids, axis=0), table).dequantize(dtype)
 
 
-def _pack(values: Array) -> Array:
-    """4-bit values [.., n] as bytes [.., n / 2]: the first of each pair in the low nibble."""
-    return jax.lax.bitcast_convert_type(values.reshape(*values.shape[:-1], -1, 2), jnp.uint8)
+def _store(q: Quantized) -> Quantized:
+    """4-bit values as this backend keeps them: on a CPU packed two to a byte; elsewhere as XLA's own int4 array,
+    whose convert a GPU's GEMM does in its operand read (XLA's GPU compiler fuses int4's, not uint4's: uint4
+    values v become v - 8 and their offset offset + 8 x scale, in float32)."""
+    if not _is_4bit(q.qtype):
+        return q
+    values = jnp.asarray(q.unpacked())
+    if jax.default_backend() == "cpu":  # XLA's CPU programs refuse int4 arrays (JAX 0.10)
+        pairs = values.reshape(*values.shape[:-1], -1, 2)
+        return q.replace(values=jax.lax.bitcast_convert_type(pairs, jnp.uint8), packed=True)
+    if jnp.dtype(q.qtype) == jnp.dtype(jnp.uint4):
+        shift = 8 * jnp.asarray(q.scale, jnp.float32)
+        offset = shift if q.offset is None else jnp.asarray(q.offset, jnp.float32) + shift
+        values, q = (values.astype(jnp.int8) - 8).astype(jnp.int4), q.replace(offset=offset, qtype=jnp.int4)
+    return q.replace(values=values.astype(jnp.int4), packed=False)
+
+
+def int4_block(n: int) -> int:
+    """int4's block along a contracted axis of n features: the largest multiple of 32 up to 128 that divides n
+    (128 as GPTQ and AWQ; 96 for SmolLM2's 576)."""
+    block = next((b for b in range(MAX_BLOCK, 0, -32) if n % b == 0), None)
+    if block is None:
+        raise ValueError(f"int4 quantizes blocks of a multiple of 32 along a weight's input axis; {n} features "
+                         "have none")
+    return block
 
 
 def _quantize_leaf(x: Array, method: str, contracted: int) -> Quantized:
     """One weight quantized: int8 and fp8 by qwix, a scale per output channel (and per layer: the leading axes);
-    int4 as llama.cpp's Q4_1: blocks of 32 along the contracted axis, values 0-15 times a scale plus the block's
-    minimum as offset (qwix's zero point is an integer, which would move a Q4_1 file's values off their grid)."""
+    int4 affine in blocks along the contracted axis (int4_block), values -8..7 times a scale plus an offset per
+    block, as llama.cpp's Q4_1 but signed (qwix's zero point is an integer, which would move a Q4_1 file's values
+    off their grid). 4-bit values come unpacked: _store keeps them as the backend wants."""
     if method != "int4":
         channels = [a for a in range(x.ndim) if a != contracted]
         q = qwix.quantize(x, _QTYPES[method], channelwise_axes=channels, scale_dtype=SCALE_DTYPE)
         return Quantized(q.qvalue, q.scale, qtype=_QTYPES[method])
     n = x.shape[contracted]
-    if n % BLOCK or x.shape[-1] % 2:
-        raise ValueError(f"int4 quantizes blocks of {BLOCK} along a weight's input axis and packs pairs along its "
-                         f"last; a weight of shape {x.shape} has neither")
-    blocks = x.reshape(*x.shape[:contracted], n // BLOCK, BLOCK, *x.shape[contracted + 1:]).astype(jnp.float32)
-    lo = blocks.min(contracted + 1, keepdims=True).astype(SCALE_DTYPE)
-    scale = (blocks.max(contracted + 1, keepdims=True) - lo) / 15
+    block = int4_block(n)
+    if x.shape[-1] % 2:
+        raise ValueError(f"int4 packs pairs of values along a weight's last axis; a weight of shape {x.shape} has "
+                         "an odd one")
+    blocks = x.reshape(*x.shape[:contracted], n // block, block, *x.shape[contracted + 1:]).astype(jnp.float32)
+    low = blocks.min(contracted + 1, keepdims=True)
+    scale = (blocks.max(contracted + 1, keepdims=True) - low) / 15
     scale = jnp.where(scale > 0, scale, 1.0).astype(SCALE_DTYPE)  # a constant block: any scale holds it
-    q = jnp.clip(jnp.round((blocks - lo) / scale), 0, 15)  # from the stored (rounded) offset and scale
+    offset = (low + 8 * scale.astype(jnp.float32)).astype(SCALE_DTYPE)  # values -8..7 about it span the block
+    q = jnp.clip(jnp.round((blocks - offset) / scale), -8, 7)  # from the stored (rounded) offset and scale
     squeeze = lambda a: a.squeeze(contracted + 1)  # noqa: E731
-    return Quantized(_pack(q.reshape(x.shape).astype(jnp.uint4)), squeeze(scale), squeeze(lo), jnp.uint4, True)
+    return Quantized(q.reshape(x.shape).astype(jnp.int4), squeeze(scale), squeeze(offset), jnp.int4)
 
 
 def quantize_params(params: Any, method: str) -> Any:
@@ -154,9 +224,9 @@ def quantize_params(params: Any, method: str) -> Any:
     def leaf(path, x):
         name = getattr(path[-1], "key", "")
         if name == "kernel":
-            return quantize(x, method, x.ndim - 2)
+            return _store(quantize(x, method, x.ndim - 2))
         if name == "embedding":
-            return quantize(x, method, x.ndim - 1)
+            return _store(quantize(x, method, x.ndim - 1))
         return x
 
     return jax.tree_util.tree_map_with_path(leaf, params)
@@ -164,11 +234,9 @@ def quantize_params(params: Any, method: str) -> Any:
 
 def on_device(x: np.ndarray | Quantized, dtype: jnp.dtype) -> Array | Quantized:
     """A loader's host array on the device: a float one in `dtype`, a GGUF file's `Quantized` blocks as stored
-    (4-bit values, one to an int8 on the host, packed here)."""
+    (4-bit values, one to an int8 on the host, as _store keeps them)."""
     if not isinstance(x, Quantized):
         return jnp.asarray(x, dtype)
-    values = np.asarray(x.values)
-    if _is_4bit(x.qtype) and not x.packed:
-        nibbles = values.astype(np.uint8) & 0x0F
-        values = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-    return jax.tree.map(jnp.asarray, x.replace(values=values, packed=_is_4bit(x.qtype)))
+    if _is_4bit(x.qtype):
+        x = x.replace(values=np.asarray(x.values).astype(x.qtype))
+    return _store(jax.tree.map(jnp.asarray, x))

@@ -122,14 +122,16 @@ ENTRY %main (v: u8[64,64], s: f16[2,128]) -> bf16[16,128] {
     assert found["weight_copies"] == ["w: fusion bf16[2,32,128]{2,1,0}"]
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
 def test_the_quantized_decode_step_for_an_h100_never_writes_a_dequantized_weight(tmp_path, method):
-    """Weights kept quantized with a scale per output column: the GEMMs read the stored values (converted in the
-    operand read) and scale their output; no weight is dequantized into a buffer of its own first. On an H200
-    that buffer made a quantized decode step 3x slower than bf16's (docs/BENCHMARKS.md). Two layers and the LM
-    head; a layer's program is the same at 32."""
+    """Weights kept quantized: the GEMMs read the stored values (converted in the operand read) and scale their
+    output, a scale per column (int8, fp8) or per block of 128 inputs (int4: a GEMM per block, XLA's int4 values,
+    q/k/v not merged into one GEMM); no weight is dequantized into a buffer of its own first. On an H200 that
+    buffer made a quantized decode step 3x slower than bf16's (docs/BENCHMARKS.md). Two layers and the LM head;
+    a layer's program is the same at 32."""
     summary = _run(tmp_path, "--decode", "--decode_layers=2", f"--quantization={method}")
     assert summary["quantization"] == method
+    assert ("xla_gpu_dot_merger_threshold_mb" in summary["compiler_options"]) == (method == "int4")
     for rows in (1, 16):
         for program in ("decode", "burst"):
             found = summary[f"{program}_b{rows}"]
