@@ -2,8 +2,9 @@
 config, weights and tokenizer metadata.
 
 Weights are dequantized to float32 (via the `gguf` package), or with `keep_quantized` kept in their blocks as
-`quantize.Quantized` values: Q8_0 (int8), Q4_0 (int4), Q4_1 and Q4_K (uint4 with a float offset per block of 32)
-and Q6_K (int8, a scale per 16) load as stored, never through float. A weight whose layers differ in type (a
+`quantize.Quantized` values: Q8_0 (int8), Q4_0 (int4), Q4_1 and Q4_K (uint4 with a float offset per block of 32),
+Q5_0, Q5_1 and Q5_K (5-bit values in int8, a scale and for Q5_1 / Q5_K an offset per 32) and Q6_K (int8, a scale
+per 16) load without going through float. A weight whose layers differ in type (a
 stacked weight has one layout: Q4_K_M's Q4_K and Q6_K) is kept in one layout they all fit (mixed_layout); a
 tensor of another type is dequantized."""
 
@@ -183,6 +184,28 @@ def _q4_k(raw):  # 8 blocks of 32 per 256: (d * sc_j) * q - dmin * m_j, sc_j and
     return _nibbles(raw[:, 16:], 4), d * sc, -dmin * mn, jnp.uint4
 
 
+def _q5_0(raw):  # d * (q - 16), q 5-bit (low 4 bits in qs, the fifth in qh: bit i for value i)
+    return (_nibbles(raw[:, 6:], 1) | _fifth_bits(raw[:, 2:6])).astype(np.int8) - 16, _f16(raw[:, :2]), None, jnp.int8
+
+
+def _q5_1(raw):  # d * q + m
+    return ((_nibbles(raw[:, 8:], 1) | _fifth_bits(raw[:, 4:8])).astype(np.int8), _f16(raw[:, :2]), _f16(raw[:, 2:4]),
+            jnp.int8)
+
+
+def _q5_k(raw):  # as Q4_K, the fifth bit of value j of block b (of 8) bit b of qh[j]
+    d, dmin = _f16(raw[:, :2]).astype(np.float32)[:, None], _f16(raw[:, 2:4]).astype(np.float32)[:, None]
+    sc, mn = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16])
+    fifth = (raw[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, block, 32]
+    values = _nibbles(raw[:, 48:], 4) | (fifth.reshape(raw.shape[0], -1) << 4)
+    return values.astype(np.int8), d * sc, -dmin * mn, jnp.int8
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1's fifth bits (4 bytes, little-endian bit order: value i's is bit i) as 16s."""
+    return np.unpackbits(qh, axis=-1, bitorder="little") << 4
+
+
 def _q6_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * (q - 32), q 6-bit (low 4 bits in ql, high 2 in qh)
     d = _f16(raw[:, 208:210]).astype(np.float32)[:, None]
     sc = raw[:, 192:208].view(np.int8).astype(np.float32)
@@ -192,7 +215,8 @@ def _q6_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * (q - 32), q 6-bit (low 
 
 
 _T = gguf.GGMLQuantizationType
-KEPT = {_T.Q8_0: _q8_0, _T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q4_K: _q4_k, _T.Q6_K: _q6_k}
+KEPT = {_T.Q8_0: _q8_0, _T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q4_K: _q4_k, _T.Q5_0: _q5_0, _T.Q5_1: _q5_1,
+        _T.Q5_K: _q5_k, _T.Q6_K: _q6_k}
 MIXED_BLOCK = 16  # the block of a weight whose layers differ in type: the smallest of KEPT's
 
 

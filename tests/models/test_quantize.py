@@ -159,7 +159,7 @@ def _raw_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng) -> 
     block, but last in Q6_K's)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    halves = 2 if qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K) else 1
+    halves = 2 if qtype.name in ("Q4_1", "Q4_K", "Q5_1", "Q5_K") else 1
     scales = rng.uniform(-0.05, 0.05, (raw.shape[0], halves)).astype(np.float16).view(np.uint8)
     if qtype == gguf.GGMLQuantizationType.Q6_K:
         raw[:, -2:] = scales
@@ -191,9 +191,11 @@ def test_gguf_blocks_kept_equal_the_gguf_packages_dequantization(qtype, tmp_path
                                  1e-5 * (np.abs(x) @ np.abs(want.T)) + 1e-6)
 
 
-def test_layers_stored_in_different_types_stack_in_one_layout(tmp_path):
-    """Q4_K_M's files store some weights' layers in Q4_K and others in Q6_K. Kept (mixed_layout: int8 values, a
-    scale and offset per 16), each layer dequantizes to the file's own values and multiplies as them."""
+@pytest.mark.parametrize("first", ["Q4_K", "Q5_K"])
+def test_layers_stored_in_different_types_stack_in_one_layout(tmp_path, first):
+    """Q4_K_M's files store some weights' layers in Q4_K and others in Q6_K (Q5_K_M's: Q5_K and Q6_K). Kept
+    (mixed_layout: int8 values, a scale and offset per 16), each layer dequantizes to the file's own values and
+    multiplies as them."""
     rng = np.random.default_rng(7)
     hidden, ffn, heads, kv_heads, head_dim = 256, 512, 4, 2, 64
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
@@ -206,7 +208,7 @@ def test_layers_stored_in_different_types_stack_in_one_layout(tmp_path):
     mixed = {"attn_v": (kv_heads * head_dim, hidden), "ffn_down": (hidden, ffn)}
     writer.add_tensor("token_embd.weight", rng.normal(0, 0.02, (64, hidden)).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    for i, qtype in enumerate((gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)):
+    for i, qtype in enumerate((gguf.GGMLQuantizationType[first], gguf.GGMLQuantizationType.Q6_K)):
         for name in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(hidden, np.float32))
         for name, shape in shapes.items():
