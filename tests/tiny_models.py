@@ -185,6 +185,11 @@ FAMILIES = {"qwen2": QWEN_TEMPLATE, "qwen3": QWEN3_TEMPLATE, "mistral": MISTRAL_
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 WINDOW = 6  # the sliding window here (Mistral, Phi-3, Gemma 3's first layer): shorter than the test's text
+# Phi-3's LongRoPE as its 128K variants configure it (here 4,096 tokens stretched to 16,384): a factor per frequency
+PHI3_ROPE = {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+             "long_factor": [1.2, 1.5, 2.1, 3.0, 4.4, 6.5, 9.6, 14.0]}
+PHI3_CONTEXT, PHI3_ORIGINAL = 16384, 4096
+PHI3_LONG_POSITIONS = [4096, 4097, 4500, 5000]  # past the original context: the long factors
 # Gemma 3's settings beside the shared shape: every one differs from its default, so each matters
 GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
           "final_logit_softcapping": 0.5, "hidden_activation": "gelu_pytorch_tanh",
@@ -196,7 +201,7 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
                      tied: bool = True, chat_template: str | None = None) -> dict[str, np.ndarray]:
     """A 2-layer model of random weights with `tokenizer`, as a Hugging Face folder; its tensors by name. Beside
     "llama": "qwen2" (q/k/v biases), "qwen3" (q/k norms), "mistral" (a sliding window), "phi3" (fused q/k/v and gate/up projections,
-    a sliding window) and "gemma3" (GEMMA3: a sliding layer and a full one, q/k norms, four norms a layer), each
+    a sliding window, LongRoPE) and "gemma3" (GEMMA3: a sliding layer and a full one, q/k norms, four norms a layer), each
     with its family's RoPE theta and its norms drawn (so every weight matters)."""
     v, h, f, heads, kv_heads, d = tokenizer.vocab_size, 64, 128, 4, 2, 16
     qwen2, llama, gemma3 = family == "qwen2", family == "llama", family == "gemma3"
@@ -237,6 +242,9 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
               "rope_theta": 1e6 if family in ("qwen2", "qwen3", "mistral") else 10000.0, "tie_word_embeddings": tied,
               "torch_dtype": "float32", **({"sliding_window": WINDOW} if family in ("mistral", "phi3", "gemma3") else {}),
               **(GEMMA3 if gemma3 else {})}
+    if family == "phi3":
+        config |= {"rope_scaling": PHI3_ROPE, "max_position_embeddings": PHI3_CONTEXT,
+                   "original_max_position_embeddings": PHI3_ORIGINAL}
     (root / "config.json").write_text(json.dumps(config))
     tokenizer.tokenizer.save(str(root / "tokenizer.json"))
     special = {"eos_token": tokenizer.special_tokens["eos_token"], "bos_token": None}

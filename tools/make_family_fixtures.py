@@ -8,8 +8,9 @@ Recorded in float32, per family and tied / untied embeddings: the prompt's token
 the next prompt token and the 5 most likely, 12 greedy tokens with each step's two best logprobs (a tie may go
 either way), and the family's chat template as transformers renders 10 conversations. Beside them, a SentencePiece
 GGUF vocabulary (tiny_models.write_spm_gguf) as transformers tokenizes and decodes tiny_models.SPM_TEXTS, for
-the llama, phi3 and gemma3 architectures (tests/models/test_tokenizer.py). For Gemma 3, also its image-text model's logprobs
-on the prompt (tiny_models.as_image_text: the same text weights as gemma-3-4b and larger keep them).
+the llama, phi3 and gemma3 architectures (tests/models/test_tokenizer.py). For Gemma 3, also its image-text model's
+logprobs on the prompt (tiny_models.as_image_text: the same text weights as gemma-3-4b and larger keep them); for
+Phi-3, RoPE's cos and sin past the original context (LongRoPE's long factors).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from jaxserve.models import registry  # noqa: E402
 from jaxserve.models.gguf_loader import GGUFFile  # noqa: E402
 from jaxserve.models.tokenizer import TextTokenizer  # noqa: E402
-from tiny_models import (CONVERSATIONS, FAMILIES, PROMPT, SPM_TEXTS, as_image_text, write_spm_gguf,  # noqa: E402
-                         write_tiny_model)
+from tiny_models import (CONVERSATIONS, FAMILIES, PHI3_LONG_POSITIONS, PROMPT, SPM_TEXTS, as_image_text,  # noqa: E402
+                         write_spm_gguf, write_tiny_model)
 
 OUT = ROOT / "tests" / "fixtures" / "families_reference.json"
 SPM_OUT = ROOT / "tests" / "fixtures" / "spm_reference.json"
@@ -54,6 +55,15 @@ def image_text(root: pathlib.Path, ids: list[int]) -> list[float]:
     with torch.no_grad():
         lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
     return [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+
+
+def long_rope(root: pathlib.Path) -> dict:
+    """transformers' Phi-3 RoPE cos and sin at PHI3_LONG_POSITIONS (one forward's positions, all past the original
+    context, so it takes the long factors)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32).eval()
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(torch.zeros(1, 1, 16), torch.tensor([PHI3_LONG_POSITIONS]))
+    return {"cos": cos[0].tolist(), "sin": sin[0].tolist()}
 
 
 def record_spm() -> dict:
@@ -84,6 +94,10 @@ def main() -> None:
                 theirs = transformers.AutoTokenizer.from_pretrained(d)
                 entry["chat"] = [theirs.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
                                  for c in CONVERSATIONS]
+        if family == "phi3":  # RoPE's cos and sin past the original context (LongRoPE's long factors)
+            with tempfile.TemporaryDirectory() as d:
+                write_tiny_model(pathlib.Path(d), tokenizer, family=family)
+                entry["long_rope"] = long_rope(pathlib.Path(d))
         if family == "gemma3":  # Gemma3ForConditionalGeneration on text (tiny_models.as_image_text)
             with tempfile.TemporaryDirectory() as d:
                 write_tiny_model(pathlib.Path(d), tokenizer, family=family, tied=True)

@@ -38,6 +38,28 @@ class TPShape:
 
 
 @dataclasses.dataclass(frozen=True)
+class LongRoPE:
+    """LongRoPE (Phi-3's 128K variants): inv_freq divided by one factor per frequency, the short ones at positions
+    inside the original context, the long ones past it, and RoPE's cos and sin times `attention_factor`.
+    transformers picks one set for a whole forward, by its last position; per position the two agree while a
+    sequence stays inside the original context, and the choice does not depend on how requests are batched."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_context: int
+    attention_factor: float
+
+    @classmethod
+    def make(cls, short: list[float], long: list[float], original: int, context: int,
+             attention_factor: float | None = None) -> "LongRoPE":
+        """With the attention factor the paper suggests (transformers' and llama.cpp's) unless given."""
+        scale = context / original
+        if attention_factor is None:
+            attention_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        return cls(tuple(map(float, short)), tuple(map(float, long)), int(original), float(attention_factor))
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
     hidden_size: int
@@ -53,6 +75,7 @@ class LlamaConfig:
     rope_scaling: tuple[float, float, float, int] | None = None
     # The same scaling as llama.cpp stores it: inv_freq is divided by these, one per frequency.
     rope_freq_factors: tuple[float, ...] | None = None
+    long_rope: LongRoPE | None = None  # Phi-3's 128K variants
     tie_word_embeddings: bool = True
     qkv_bias: bool = False  # Qwen2: the q, k and v projections add a bias
     qk_norm: bool = False  # Qwen3, Gemma 3: each head's q and k RMS-normed before RoPE
@@ -74,11 +97,16 @@ class LlamaConfig:
             return cls._gemma3(cfg)
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        rope_scaling = None
-        if scaling:
-            kind = scaling.get("rope_type", scaling.get("type"))
+        rope_scaling = long_rope = None
+        kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+        if kind in ("longrope", "su"):
+            long_rope = LongRoPE.make(
+                scaling["short_factor"], scaling["long_factor"],
+                scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"],
+                int(cfg.get("max_position_embeddings", 2048)), scaling.get("attention_factor"))
+        elif scaling:
             if kind != "llama3":
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (only 'llama3')")
+                raise ValueError(f"unsupported rope_scaling type {kind!r} (llama3 or longrope)")
             rope_scaling = (
                 float(scaling["factor"]),
                 float(scaling["low_freq_factor"]),
@@ -108,6 +136,7 @@ class LlamaConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=rope_scaling,
+            long_rope=long_rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=cfg.get("model_type") == "qwen2",
             sliding_window=window,
@@ -193,6 +222,10 @@ class LlamaConfig:
         for key in ("rope_scaling", "rope_freq_factors", "window_layers"):
             if raw.get(key) is not None:
                 raw[key] = tuple(raw[key])
+        if raw.get("long_rope") is not None:
+            long = raw["long_rope"]
+            raw["long_rope"] = LongRoPE(tuple(long["short_factor"]), tuple(long["long_factor"]),
+                                        long["original_context"], long["attention_factor"])
         return cls(**raw)
 
     def split(self, tp: int) -> TPShape:
@@ -211,13 +244,17 @@ class LlamaConfig:
         repeat = max(tp // kvh, 1)
         return TPShape(tp, self.num_heads // tp, kvh * repeat // tp, repeat, self.intermediate_size // tp)
 
-    def inv_freq(self, local: bool = False) -> np.ndarray:
+    def inv_freq(self, local: bool = False, long: bool = False) -> np.ndarray:
         """RoPE inverse frequencies (head_dim // 2,), with Llama-3 scaling applied when configured; `local`: a
-        sliding layer's, from rope_local_theta, unscaled."""
+        sliding layer's, from rope_local_theta, unscaled; with LongRoPE its short factors, or with `long` its long
+        ones."""
         theta = self.rope_local_theta if local and self.rope_local_theta is not None else self.rope_theta
         inv = 1.0 / (theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
         if local and self.rope_local_theta is not None:
             return inv.astype(np.float32)
+        if self.long_rope is not None:
+            factors = self.long_rope.long_factor if long else self.long_rope.short_factor
+            return (inv / np.asarray(factors)).astype(np.float32)
         if self.rope_freq_factors is not None:
             return (inv / np.asarray(self.rope_freq_factors)).astype(np.float32)
         if self.rope_scaling is None:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from jaxserve.models.config import LlamaConfig, gemma3_sliding
+from jaxserve.models.config import LlamaConfig, LongRoPE, gemma3_sliding
 from jaxserve.models.hf_loader import phi3_split
 from jaxserve.models.quantize import Quantized
 from jaxserve.models.weights import params_from_hf
@@ -113,10 +113,14 @@ class GGUFFile:
             freq_factors = tuple(float(x) for x in self.tensor("rope_freqs.weight").reshape(-1))
         elif linear and factor != 1.0:  # every frequency divided alike
             freq_factors = (factor,) * (head_dim // 2)
-        if self.has_tensor("rope_factors_long.weight"):
-            raise ValueError(f"{self.path}: LongRoPE (Phi-3's 128K variants) is not supported")
         vocab = self.field(p + "vocab_size") or len(self.field("tokenizer.ggml.tokens"))
         context = int(self.field(p + "context_length"))
+        long_rope = None
+        if self.has_tensor("rope_factors_long.weight"):  # Phi-3's 128K variants, as llama.cpp's converter writes them
+            long_rope = LongRoPE.make(self.tensor("rope_factors_short.weight").reshape(-1).tolist(),
+                                      self.tensor("rope_factors_long.weight").reshape(-1).tolist(),
+                                      int(self.field(p + "rope.scaling.original_context_length")), context,
+                                      self.field(p + "rope.scaling.attn_factor"))
         layers = int(self.field(p + "block_count"))
         window = self.field(p + "attention.sliding_window")
         cfg = LlamaConfig(
@@ -131,6 +135,7 @@ class GGUFFile:
             rms_norm_eps=float(self.field(p + "attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self.field(p + "rope.freq_base", 10000.0)),
             rope_freq_factors=freq_factors,
+            long_rope=long_rope,
             tie_word_embeddings=not self.has_tensor("output.weight"),
             qkv_bias=arch == "qwen2",
             qk_norm=arch == "qwen3",

@@ -7,8 +7,10 @@ tools/make_family_fixtures.py."""
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,8 +21,8 @@ from jaxserve.models import registry
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
-from tiny_models import (CONVERSATIONS, FAMILIES, PROMPT, WINDOW, as_image_text, gguf_tensors, write_gguf,
-                         write_tiny_model)
+from tiny_models import (CONVERSATIONS, FAMILIES, PHI3_CONTEXT, PHI3_LONG_POSITIONS, PHI3_ORIGINAL, PHI3_ROPE,
+                         PROMPT, WINDOW, as_image_text, gguf_tensors, write_gguf, write_tiny_model)
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "families_reference.json"
 TOL = 1e-4  # float32 logprobs of magnitude ~10 through two implementations
@@ -34,8 +36,10 @@ GGUF = {"qwen2": ("qwen2", {**SHAPE, "context_length": 4096, "rope.freq_base": 1
                             "attention.value_length": 16, "attention.layer_norm_rms_epsilon": 1e-6}),
         "mistral": ("llama", {**SHAPE, "context_length": 4096, "rope.freq_base": 1e6,
                               "attention.layer_norm_rms_epsilon": 1e-5, "attention.sliding_window": WINDOW}),
-        "phi3": ("phi3", {**SHAPE, "context_length": 4096, "rope.freq_base": 10000.0, "rope.dimension_count": 16,
-                          "attention.layer_norm_rms_epsilon": 1e-5, "attention.sliding_window": WINDOW}),
+        "phi3": ("phi3", {**SHAPE, "context_length": PHI3_CONTEXT, "rope.freq_base": 10000.0,
+                          "rope.dimension_count": 16, "attention.layer_norm_rms_epsilon": 1e-5,
+                          "attention.sliding_window": WINDOW, "rope.scaling.original_context_length": PHI3_ORIGINAL,
+                          "rope.scaling.attn_factor": math.sqrt(1 + math.log(4) / math.log(PHI3_ORIGINAL))}),
         "gemma3": ("gemma3", {**SHAPE, "context_length": 4096, "rope.freq_base": 1e6, "attention.key_length": 16,
                               "attention.value_length": 16, "attention.layer_norm_rms_epsilon": 1e-6,
                               "attention.sliding_window": WINDOW, "attention.sliding_window_pattern": [True, False],
@@ -62,7 +66,9 @@ def model_dir(request, tmp_path_factory, tokenizer):
     tok = TextTokenizer(tokenizer.tokenizer, bos_id=None, stop_ids=tokenizer.stop_ids, add_bos=False,
                         chat_template=FAMILIES[family], special_tokens=tokenizer.special_tokens)
     arch, metadata = GGUF[family]
-    write_gguf(root / "model.gguf", arch, metadata, gguf_tensors(tensors, arch), tok, pre="smollm")
+    extra = ({f"rope_factors_{k}.weight": np.asarray(PHI3_ROPE[f"{k}_factor"], np.float32) for k in ("long", "short")}
+             if family == "phi3" else {})  # LongRoPE's factors, as llama.cpp's converter writes them
+    write_gguf(root / "model.gguf", arch, metadata, gguf_tensors(tensors, arch) | extra, tok, pre="smollm")
     return family, tied, root
 
 
@@ -92,6 +98,28 @@ def test_logprobs_and_greedy_tokens_equal_transformers(model_dir, source, refere
             best, second = want["greedy_top2"][i]
             assert best - second < TIE
             break
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_phi3_longrope_past_the_original_context_as_transformers(tmp_path, tokenizer, reference, source):
+    """Phi-3's 128K variants: RoPE's cos and sin at positions past the original context take LongRoPE's long factors
+    and its attention factor, as transformers computes them there (the prompt test above covers the short ones)."""
+    from jaxserve.models.llama import rope_cos_sin
+
+    tensors = write_tiny_model(tmp_path, tokenizer, family="phi3")
+    arch, metadata = GGUF["phi3"]
+    factors = {f"rope_factors_{k}.weight": np.asarray(PHI3_ROPE[f"{k}_factor"], np.float32) for k in ("long", "short")}
+    write_gguf(tmp_path / "model.gguf", arch, metadata, gguf_tensors(tensors, arch) | factors, tokenizer, pre="smollm")
+    cfg = (LlamaConfig.from_hf(json.loads((tmp_path / "config.json").read_text())) if source == "safetensors"
+           else GGUFFile(tmp_path / "model.gguf").config())
+    assert cfg.long_rope.original_context == PHI3_ORIGINAL and cfg.max_position_embeddings == PHI3_CONTEXT
+    assert LlamaConfig.from_json(cfg.to_json()) == cfg  # the converted cache keeps it
+    cos, sin = rope_cos_sin(cfg, jnp.asarray([PHI3_LONG_POSITIONS]))
+    want = reference["phi3"]["long_rope"]
+    # float32 angles of up to 5,000 radians: an ulp of the angle or of an inverse frequency is about 5e-4
+    tol = 4 * 2**-24 * max(PHI3_LONG_POSITIONS) * 1.09
+    np.testing.assert_allclose(np.asarray(cos[0]), want["cos"], atol=tol)
+    np.testing.assert_allclose(np.asarray(sin[0]), want["sin"], atol=tol)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
