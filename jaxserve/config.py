@@ -48,8 +48,8 @@ class ModelConfig:
         "float32 on a CPU.")
     quantization: str | None = setting(
         None, "Weights kept quantized, weight-only: int8 (a scale per channel), int4 (blocks of 128 with a scale and "
-        "offset: 4.25 bits a weight), fp8 (e4m3), or gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K "
-        "blocks as stored). Default: the weights in --dtype.")
+        "offset: 4.25 bits a weight), fp8 (e4m3), or gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/"
+        "Q2_K/Q3_K blocks as stored). Default: the weights in --dtype.")
     max_model_len: int | None = setting(None, "Context length (default: the model's, capped by the KV pool).")
     tokenizer: str | None = setting(None, "A Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json) "
                                     "used instead of the model's, e.g. real text for a random: model.")

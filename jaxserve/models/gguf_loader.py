@@ -3,8 +3,8 @@ config, weights and tokenizer metadata.
 
 Weights are dequantized to float32 (via the `gguf` package), or with `keep_quantized` kept in their blocks as
 `quantize.Quantized` values: Q8_0 (int8), Q4_0 (int4), Q4_1 and Q4_K (uint4 with a float offset per block of 32),
-Q5_0, Q5_1 and Q5_K (5-bit values in int8, a scale and for Q5_1 / Q5_K an offset per 32) and Q6_K (int8, a scale
-per 16) load without going through float. A weight whose layers differ in type (a
+Q5_0, Q5_1 and Q5_K (5-bit values in int8, a scale and for Q5_1 / Q5_K an offset per 32), Q6_K, Q3_K and Q2_K
+(int8, a scale and for Q2_K an offset per 16) load without going through float. A weight whose layers differ in type (a
 stacked weight has one layout: Q4_K_M's Q4_K and Q6_K) is kept in one layout they all fit (mixed_layout); a
 tensor of another type is dequantized."""
 
@@ -211,6 +211,24 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     return np.unpackbits(qh, axis=-1, bitorder="little") << 4
 
 
+def _q2_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * q - dmin * m_j, q 2-bit, sc_j and m_j 4-bit
+    d, dmin = _f16(raw[:, 80:82]).astype(np.float32)[:, None], _f16(raw[:, 82:84]).astype(np.float32)[:, None]
+    values = (raw[:, 16:80].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    return (values.reshape(raw.shape[0], -1).astype(np.int8), d * (raw[:, :16] & 0x0F), -dmin * (raw[:, :16] >> 4),
+            jnp.int8)
+
+
+def _q3_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * q, q 3-bit (-4..3; its high bit set means no -4), sc_j 6-bit
+    d = _f16(raw[:, 108:110]).astype(np.float32)[:, None]
+    low = raw[:, 96:104].reshape(-1, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)
+    high = raw[:, 104:108].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)
+    sc = ((low.reshape(-1, 16) & 0x0F) | ((high.reshape(-1, 16) & 3) << 4)).astype(np.int8) - 32
+    ql = (raw[:, 32:96].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    qh = (raw[:, None, :32] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 8, 32]
+    values = ql.reshape(raw.shape[0], -1).astype(np.int8) - ((qh.reshape(raw.shape[0], -1) ^ 1) << 2).astype(np.int8)
+    return values, d * sc, None, jnp.int8
+
+
 def _q6_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * (q - 32), q 6-bit (low 4 bits in ql, high 2 in qh)
     d = _f16(raw[:, 208:210]).astype(np.float32)[:, None]
     sc = raw[:, 192:208].view(np.int8).astype(np.float32)
@@ -221,7 +239,7 @@ def _q6_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * (q - 32), q 6-bit (low 
 
 _T = gguf.GGMLQuantizationType
 KEPT = {_T.Q8_0: _q8_0, _T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q4_K: _q4_k, _T.Q5_0: _q5_0, _T.Q5_1: _q5_1,
-        _T.Q5_K: _q5_k, _T.Q6_K: _q6_k}
+        _T.Q5_K: _q5_k, _T.Q6_K: _q6_k, _T.Q2_K: _q2_k, _T.Q3_K: _q3_k}
 MIXED_BLOCK = 16  # the block of a weight whose layers differ in type: the smallest of KEPT's
 
 

@@ -156,13 +156,13 @@ def test_an_accelerator_keeps_4bit_values_as_signed_int4_that_dequantize_the_sam
 
 def _raw_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng) -> np.ndarray:
     """Random bytes in a GGUF type's block layout, its float16 scale fields set to modest values (first in the
-    block, but last in Q6_K's)."""
+    block, but last in Q2_K's, Q3_K's and Q6_K's)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    halves = 2 if qtype.name in ("Q4_1", "Q4_K", "Q5_1", "Q5_K") else 1
+    halves = 2 if qtype.name in ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K") else 1
     scales = rng.uniform(-0.05, 0.05, (raw.shape[0], halves)).astype(np.float16).view(np.uint8)
-    if qtype == gguf.GGMLQuantizationType.Q6_K:
-        raw[:, -2:] = scales
+    if qtype.name in ("Q2_K", "Q3_K", "Q6_K"):
+        raw[:, -2 * halves:] = scales.reshape(raw.shape[0], -1)
     else:
         raw[:, :2 * halves] = scales.reshape(raw.shape[0], -1)
     return raw.reshape(rows, cols // block * size)
