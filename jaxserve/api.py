@@ -27,7 +27,7 @@ from jaxserve.engine.interface import ServingEngine
 from jaxserve.engine.kv_cache import cache_dtype
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.models import registry
+from jaxserve.models import quantize, registry
 from jaxserve.models.loader import DTYPES, load_weights, resolve_dtype
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched.kv_manager import KVCacheManager
@@ -136,7 +136,7 @@ class LLM:
             return int(CPU_KV_GIB * 2**30 // token_bytes)
         if self._kv_bytes is None:  # measured once, before any runner: later instances (a fail-over) get as much
             sched = self.engine_config.scheduler
-            all_weights = sum(x.nbytes for x in jax.tree.leaves(self._params))
+            all_weights = quantize.nbytes(self._params)
             b = kv_budget.budget(device, utilization, all_weights // (tp * stages), kv_budget.activation_bytes(
                 self.config, sched.max_num_batched_tokens, sched.max_num_seqs, cache.key_block,
                 self._dtype.itemsize, tp, quantized=self.engine_config.model.quantization is not None))

@@ -20,6 +20,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 from jaxserve import SamplingParams, xla_flags
+from jaxserve.models import quantize
 from bench_generate import JaxServeSide, measure, prompts  # and its flags: --model, --dtype, --batch, ...
 
 FLAGS = flags.FLAGS
@@ -67,9 +68,9 @@ def main(argv: list[str]) -> None:
     outputs = {s.name: [c.token_ids for c in s.llm.generate(texts, greedy)] for s in tqdm(sides, desc="greedy")}
     speed = measure(sides, f.batch, 32, f.long_prompt, f.decode_tokens, f.repeats, vocab=vocab)
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": f.model}
-    full = sum(x.nbytes for x in jax.tree.leaves(sides[0].llm._params))
+    full = quantize.nbytes(sides[0].llm._params)
     for side in sides:
-        weights = sum(x.nbytes for x in jax.tree.leaves(side.llm._params))
+        weights = quantize.nbytes(side.llm._params)
         results[side.name] = {"weights_mib": weights / 2**20, "of_unquantized": weights / full,
                               **agreement(outputs[sides[0].name], outputs[side.name]), **speed[side.name]}
     print(f"{results['device']}, jax {results['jax']}, {f.model}")

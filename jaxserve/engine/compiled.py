@@ -4,9 +4,10 @@ without one, tools/gpu_compile.py).
 A `conditional` makes the host wait for the device (XLA copies its predicate back) and keeps the program out of
 command buffers (CUDA graphs). A weight copy is an instruction outside any fusion whose result has a weight's
 shape: its own buffer, written and read again, as a layer scan's dynamic slice of the stacked weights is on a
-GPU, or a quantized weight dequantized before its GEMM. A slice fused into a GEMM reads the weights in place and is not counted. A scatter reading a weight is a
-projection fused into the KV write: at one row XLA may turn a small matmul into multiply + reduce and fuse the
-reduce into the scatter, which then runs it one thread per output, far slower than the GEMM.
+GPU, or a quantized weight dequantized before its GEMM. A slice fused into a GEMM reads the weights in place and
+is not counted. A scatter reading a weight is a projection fused into the KV write: at one row XLA may turn a
+small matmul into multiply + reduce and fuse the reduce into the scatter, which then runs it one thread per
+output, far slower than the GEMM.
 """
 
 from __future__ import annotations

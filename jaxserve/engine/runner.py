@@ -56,9 +56,9 @@ from tqdm.auto import tqdm
 from jaxserve.engine import batch, grammar
 from jaxserve.engine.kv_cache import RaggedPagedBackend, RaggedPagedMetadata, allocate_caches, cache_dtype
 from jaxserve.engine.sampling import MAX_LOGPROBS, Logprobs, Sampling, Slots, sample_step
+from jaxserve.models import quantize
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama, stage_layers, stage_params, unstack_layers
-from jaxserve.models import quantize
 from jaxserve.models.quantize import Quantized
 from jaxserve.pallas_kernels.common import lowering_for
 from jaxserve.pallas_kernels.dispatch import Implementation

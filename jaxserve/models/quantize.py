@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 SCALE_DTYPE = jnp.float16
 MAX_BLOCK = 128  # int4's largest block along the contracted axis: 4.25 bits a weight with its scale and offset
 CPU_ROWS = 4096  # rows of the embedding table a CPU's LM head dequantizes at once
-_QTYPES = {"int8": jnp.int8, "int4": jnp.uint4, "fp8": jnp.float8_e4m3fn}
+_QTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
 
 
 def _is_4bit(qtype: Any) -> bool:
@@ -81,6 +81,12 @@ def has_blocks(params: Any) -> bool:
     """Whether a linear kernel is quantized in blocks along its input (int4, GGUF's types), not per column."""
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Quantized))
     return any(isinstance(x, Quantized) and x.scale.shape[-2] > 1 and x.scale.shape[-1] > 1 for x in leaves)
+
+
+def nbytes(params: Any) -> int:
+    """The bytes a tree of arrays holds on its device: a 4-bit array's nbytes counts a byte an element, but XLA
+    packs two to a byte on a GPU."""
+    return sum(-(-x.size // 2) if _is_4bit(x.dtype) else x.nbytes for x in jax.tree.leaves(params))
 
 
 def _block_sums(x: Float[Array, "... k"], blocks: int) -> Float[Array, "... blocks"]:

@@ -149,6 +149,7 @@ def test_an_accelerator_keeps_4bit_values_as_signed_int4_that_dequantize_the_sam
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     native = quantize.on_device(q, jnp.float32)
     assert not native.packed and native.values.dtype == jnp.int4 and native.values.shape == (64, 32)
+    assert quantize.nbytes(native.values) == quantize.nbytes(on_cpu.values) == 64 * 16  # XLA packs int4 on a GPU
     want = np.asarray(on_cpu.dequantize(jnp.float32))
     # the same sums in another order: float32 rounding of weights of at most about 1.6
     np.testing.assert_allclose(np.asarray(native.dequantize(jnp.float32)), want, rtol=0, atol=4 * 2**-23 * np.abs(want).max())
