@@ -96,6 +96,8 @@ class LlamaConfig:
         if cfg.get("model_type") == "gemma3_text":
             return cls._gemma3(cfg)
         rope = cfg.get("rope_parameters") or {}
+        if float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ValueError("RoPE over part of each head (partial_rotary_factor, Phi-4-mini) is not supported")
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         rope_scaling = long_rope = None
         kind = scaling.get("rope_type", scaling.get("type")) if scaling else None

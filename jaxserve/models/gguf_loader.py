@@ -107,6 +107,8 @@ class GGUFFile:
         heads = int(self.field(p + "attention.head_count"))
         hidden = int(self.field(p + "embedding_length"))
         head_dim = int(self.field(p + "attention.key_length", self.field(p + "rope.dimension_count", hidden // heads)))
+        if arch == "phi3" and int(self.field(p + "rope.dimension_count", head_dim)) < hidden // heads:
+            raise ValueError(f"{self.path}: RoPE over part of each head (Phi-4-mini) is not supported")
         # llama.cpp stores Llama-3 rope scaling as per-frequency divisors in a `rope_freqs` tensor.
         freq_factors = None
         if self.has_tensor("rope_freqs.weight"):

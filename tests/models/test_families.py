@@ -122,6 +122,19 @@ def test_phi3_longrope_past_the_original_context_as_transformers(tmp_path, token
     np.testing.assert_allclose(np.asarray(sin[0]), want["sin"], atol=tol)
 
 
+def test_phi4_mini_partial_rotary_is_refused_by_name(tmp_path, tokenizer):
+    """Phi-4-mini is model_type phi3 with RoPE over three quarters of each head: refused, from config.json and from
+    a GGUF (whose rope.dimension_count is then under the head's size), rather than served wrong."""
+    write_tiny_model(tmp_path, tokenizer, family="phi3")
+    config = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        LlamaConfig.from_hf({**config, "partial_rotary_factor": 0.75})
+    arch, metadata = GGUF["phi3"]
+    write_gguf(tmp_path / "p.gguf", arch, {**metadata, "rope.dimension_count": 12}, {}, tokenizer, pre="smollm")
+    with pytest.raises(ValueError, match="part of each head"):
+        GGUFFile(tmp_path / "p.gguf").config()
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_qwen_windows_cover_the_layers_from_max_window_layers_on(model_type):
     """As transformers' Qwen2Config and Qwen3Config lay them out (and as transformers 5 writes layer_types)."""
