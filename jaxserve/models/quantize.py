@@ -84,8 +84,8 @@ def has_blocks(params: Any) -> bool:
 
 
 def nbytes(params: Any) -> int:
-    """The bytes a tree of arrays holds on its device: a 4-bit array's nbytes counts a byte an element, but XLA
-    packs two to a byte on a GPU."""
+    """The bytes a tree of arrays holds on its device: a 4-bit array's nbytes counts a byte an element, but XLA's
+    GPU transfer manager lays them out two to a byte."""
     return sum(-(-x.size // 2) if _is_4bit(x.dtype) else x.nbytes for x in jax.tree.leaves(params))
 
 
