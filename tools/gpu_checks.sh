@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one run, on a machine whose python3 has JAX with CUDA (no download needed):
+# (a lent GPU's image lacks qwix and gguf: carry their wheels, py3-none-any, and put them on PYTHONPATH first)
 #   OUT=bench_out/gpu bash tools/gpu_checks.sh [kernels] [attention] [generate]
 # kernels: the kernel tests, compiled through Triton (tests/pallas_kernels/kernel_check.py); ragged: the engine's kernel's alone;
 # attention: tools/bench_attention.py;
