@@ -165,10 +165,12 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.view(np.float16)[:, 0]
 
 
-def _nibbles(qs: np.ndarray, groups: int) -> np.ndarray:
-    """4-bit values, low nibbles of each group's bytes first, then its high nibbles (llama.cpp's order)."""
-    qs = qs.reshape(qs.shape[0], groups, 1, -1) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    return (qs & np.uint8(0x0F)).reshape(qs.shape[0], -1)
+def _fields(qs: np.ndarray, groups: int, bits: int) -> np.ndarray:
+    """Values of `bits` bits packed in bytes, llama.cpp's order: in each of `groups` runs of bytes, every byte's
+    lowest field first, then every byte's next one, and so on."""
+    shifts = np.arange(0, 8, bits, dtype=np.uint8).reshape(1, 1, -1, 1)
+    qs = qs.reshape(qs.shape[0], groups, 1, -1) >> shifts
+    return (qs & np.uint8((1 << bits) - 1)).reshape(qs.shape[0], -1)
 
 
 # Each kept type's blocks -> (values, scale, offset or None, the values' type), exactly as the file means them:
@@ -178,33 +180,33 @@ def _q8_0(raw):
 
 
 def _q4_0(raw):  # d * (q - 8)
-    return _nibbles(raw[:, 2:], 1).astype(np.int8) - 8, _f16(raw[:, :2]), None, jnp.int4
+    return _fields(raw[:, 2:], 1, 4).astype(np.int8) - 8, _f16(raw[:, :2]), None, jnp.int4
 
 
 def _q4_1(raw):  # d * q + m
-    return _nibbles(raw[:, 4:], 1), _f16(raw[:, :2]), _f16(raw[:, 2:4]), jnp.uint4
+    return _fields(raw[:, 4:], 1, 4), _f16(raw[:, :2]), _f16(raw[:, 2:4]), jnp.uint4
 
 
 def _q4_k(raw):  # 8 blocks of 32 per 256: (d * sc_j) * q - dmin * m_j, sc_j and m_j 6-bit (float32 holds them)
     d, dmin = _f16(raw[:, :2]).astype(np.float32)[:, None], _f16(raw[:, 2:4]).astype(np.float32)[:, None]
     sc, mn = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16])
-    return _nibbles(raw[:, 16:], 4), d * sc, -dmin * mn, jnp.uint4
+    return _fields(raw[:, 16:], 4, 4), d * sc, -dmin * mn, jnp.uint4
 
 
 def _q5_0(raw):  # d * (q - 16), q 5-bit (low 4 bits in qs, the fifth in qh: bit i for value i)
-    return (_nibbles(raw[:, 6:], 1) | _fifth_bits(raw[:, 2:6])).astype(np.int8) - 16, _f16(raw[:, :2]), None, jnp.int8
+    values = (_fields(raw[:, 6:], 1, 4) | _fifth_bits(raw[:, 2:6])).astype(np.int8) - 16
+    return values, _f16(raw[:, :2]), None, jnp.int8
 
 
 def _q5_1(raw):  # d * q + m
-    return ((_nibbles(raw[:, 8:], 1) | _fifth_bits(raw[:, 4:8])).astype(np.int8), _f16(raw[:, :2]), _f16(raw[:, 2:4]),
-            jnp.int8)
+    values = (_fields(raw[:, 8:], 1, 4) | _fifth_bits(raw[:, 4:8])).astype(np.int8)
+    return values, _f16(raw[:, :2]), _f16(raw[:, 2:4]), jnp.int8
 
 
 def _q5_k(raw):  # as Q4_K, the fifth bit of value j of block b (of 8) bit b of qh[j]
     d, dmin = _f16(raw[:, :2]).astype(np.float32)[:, None], _f16(raw[:, 2:4]).astype(np.float32)[:, None]
     sc, mn = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16])
-    fifth = (raw[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, block, 32]
-    values = _nibbles(raw[:, 48:], 4) | (fifth.reshape(raw.shape[0], -1) << 4)
+    values = _fields(raw[:, 48:], 4, 4) | (_fields(raw[:, 16:48], 1, 1) << 4)
     return values.astype(np.int8), d * sc, -dmin * mn, jnp.int8
 
 
@@ -215,28 +217,22 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
 
 def _q2_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * q - dmin * m_j, q 2-bit, sc_j and m_j 4-bit
     d, dmin = _f16(raw[:, 80:82]).astype(np.float32)[:, None], _f16(raw[:, 82:84]).astype(np.float32)[:, None]
-    values = (raw[:, 16:80].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    return (values.reshape(raw.shape[0], -1).astype(np.int8), d * (raw[:, :16] & 0x0F), -dmin * (raw[:, :16] >> 4),
+    return (_fields(raw[:, 16:80], 2, 2).astype(np.int8), d * (raw[:, :16] & 0x0F), -dmin * (raw[:, :16] >> 4),
             jnp.int8)
 
 
 def _q3_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * q, q 3-bit (-4..3; its high bit set means no -4), sc_j 6-bit
     d = _f16(raw[:, 108:110]).astype(np.float32)[:, None]
-    low = raw[:, 96:104].reshape(-1, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)
-    high = raw[:, 104:108].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)
-    sc = ((low.reshape(-1, 16) & 0x0F) | ((high.reshape(-1, 16) & 3) << 4)).astype(np.int8) - 32
-    ql = (raw[:, 32:96].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    qh = (raw[:, None, :32] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 8, 32]
-    values = ql.reshape(raw.shape[0], -1).astype(np.int8) - ((qh.reshape(raw.shape[0], -1) ^ 1) << 2).astype(np.int8)
+    sc = (_fields(raw[:, 96:104], 1, 4) | (_fields(raw[:, 104:108], 1, 2) << 4)).astype(np.int8) - 32
+    values = _fields(raw[:, 32:96], 2, 2).astype(np.int8) - ((_fields(raw[:, :32], 1, 1) ^ 1) << 2).astype(np.int8)
     return values, d * sc, None, jnp.int8
 
 
 def _q6_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * (q - 32), q 6-bit (low 4 bits in ql, high 2 in qh)
     d = _f16(raw[:, 208:210]).astype(np.float32)[:, None]
     sc = raw[:, 192:208].view(np.int8).astype(np.float32)
-    low = _nibbles(raw[:, :128], 2)
-    high = (raw[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    return (low | (high.reshape(-1, 256) << 4)).astype(np.int8) - 32, d * sc, None, jnp.int8
+    low = _fields(raw[:, :128], 2, 4)
+    return (low | (_fields(raw[:, 128:192], 2, 2) << 4)).astype(np.int8) - 32, d * sc, None, jnp.int8
 
 
 _T = gguf.GGMLQuantizationType
