@@ -190,6 +190,11 @@ PHI3_ROPE = {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 
              "long_factor": [1.2, 1.5, 2.1, 3.0, 4.4, 6.5, 9.6, 14.0]}
 PHI3_CONTEXT, PHI3_ORIGINAL = 16384, 4096
 PHI3_LONG_POSITIONS = [4096, 4097, 4500, 5000]  # past the original context: the long factors
+
+
+def phi3_rope_tensors() -> dict[str, np.ndarray]:
+    """PHI3_ROPE's factors as llama.cpp's converter writes them into a GGUF file."""
+    return {f"rope_factors_{k}.weight": np.asarray(PHI3_ROPE[f"{k}_factor"], np.float32) for k in ("long", "short")}
 # Gemma 3's settings beside the shared shape: every one differs from its default, so each matters
 GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
           "final_logit_softcapping": 0.5, "hidden_activation": "gelu_pytorch_tanh",

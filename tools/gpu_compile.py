@@ -131,21 +131,26 @@ DECODE_BUCKETS = batch.Buckets.make(512, 16, 2048, BLOCK, KEY_BLOCK, num_schedul
 MAX_ROWS = max(s.rows for s in DECODE_BUCKETS.programs())  # the runner's max_rows: every sampler's output
 
 
-def decode_program(mesh: jax.sharding.Mesh, rows: int, burst: bool = False) -> tuple[Any, tuple,
-                                                                                     list[tuple[int, ...]]]:
-    """The engine's pure-decode step of `rows` rows (block size 16, key block 256, a 2,048-token context), or
-    its multi-step decode (`burst`: greedy), and the shapes of the model's weights."""
+def decode_weights() -> tuple[Any, list[tuple[int, ...]]]:
+    """The decode step's weights (--quantization: as a GPU keeps them, 4-bit values as XLA's int4, though the
+    default backend here is a CPU), and the float weights' shapes, which a dequantized copy has too."""
+    shapes = param_shapes(llama3_8b(FLAGS.decode_layers), jnp.bfloat16, unrolled=True)
+    weights = [x.shape for x in jax.tree.leaves(shapes) if len(x.shape) > 1]
+    if FLAGS.quantization:
+        with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+            shapes = jax.eval_shape(functools.partial(quantize_params, method=FLAGS.quantization), shapes)
+    return shapes, weights
+
+
+def decode_program(mesh: jax.sharding.Mesh, rows: int, shapes: Any, burst: bool = False) -> tuple[Any, tuple]:
+    """The engine's pure-decode step of `rows` rows (block size 16, key block 256, a 2,048-token context) over
+    weights of `shapes`, or its multi-step decode (`burst`: greedy)."""
     cfg = llama3_8b(FLAGS.decode_layers)
     bs, buckets = BLOCK, DECODE_BUCKETS
     model = Llama(cfg, RaggedPagedBackend(bs, KEY_BLOCK, 1, "kernel"), jnp.bfloat16, unrolled=True)
     here = NamedSharding(mesh, P())
     on_gpu = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), tree)
-    shapes = param_shapes(cfg, jnp.bfloat16, unrolled=True)
-    weights = [x.shape for x in jax.tree.leaves(shapes) if len(x.shape) > 1]  # a dequantized copy has these too
-    if FLAGS.quantization:  # as a GPU keeps them (4-bit values as XLA's int4: the default backend here is a CPU)
-        with mock.patch.object(jax, "default_backend", lambda: "gpu"):
-            shapes = jax.eval_shape(functools.partial(quantize_params, method=FLAGS.quantization), shapes)
     params = on_gpu(shapes)
     cache = jax.ShapeDtypeStruct((cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
                                  sharding=here)
@@ -158,7 +163,7 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int, burst: bool = False) -> t
     else:
         step = jax.jit(functools.partial(forward_packed(model, buckets), shape=shape),
                        donate_argnums=(1,))
-    return step, (params, (cache, cache), blob, previous), weights
+    return step, (params, (cache, cache), blob, previous)
 
 
 def sampler_program(mesh: jax.sharding.Mesh, rows: int, kind: str) -> tuple[Any, tuple]:
@@ -173,17 +178,17 @@ def sampler_program(mesh: jax.sharding.Mesh, rows: int, kind: str) -> tuple[Any,
 
 def compile_decode(out: pathlib.Path, options: dict) -> bool:
     mesh = gpu_mesh(1, FLAGS.gpu)
+    shapes, weights = decode_weights()
+    # as the runner compiles every program of a block-quantized model
+    options = options | (quantize.UNMERGED_DOTS if quantize.has_blocks(shapes) else {})
     summary: dict[str, Any] = {"gpu": FLAGS.gpu, "layers": FLAGS.decode_layers, "jax": jax.__version__,
                                "quantization": FLAGS.quantization, "compiler_options": options}
     ok = True
     for rows in DECODE_ROWS:
         for name in ("decode", "burst"):
-            step, args, weights = decode_program(mesh, rows, burst=name == "burst")
-            # as the runner compiles a block-quantized model's programs
-            own = options | (quantize.UNMERGED_DOTS if quantize.has_blocks(args[0]) else {})
-            summary["compiler_options"] = own
+            step, args = decode_program(mesh, rows, shapes, burst=name == "burst")
             start = time.perf_counter()
-            hlo = step.lower(*args).compile(compiler_options=own).as_text()
+            hlo = step.lower(*args).compile(compiler_options=options).as_text()
             seconds = time.perf_counter() - start
             (out / f"{name}_b{rows}.hlo").write_text(hlo)
             found = compiled.read_step(hlo, weights) | {"compile_seconds": round(seconds, 1)}

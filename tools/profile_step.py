@@ -95,8 +95,8 @@ def main(argv: list[str]) -> None:
     rows = [int(r) for r in FLAGS.rows]
     out = pathlib.Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization, max_num_seqs=max(rows), max_model_len=4 * FLAGS.context,
-                       enable_prefix_caching=False, progress=False)
+    llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization, max_num_seqs=max(rows),
+                       max_model_len=4 * FLAGS.context, enable_prefix_caching=False, progress=False)
     summary = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": FLAGS.model,
                "dtype": FLAGS.dtype, "context": FLAGS.context, "steps": []}
     for r in rows:

@@ -21,8 +21,8 @@ from jaxserve.models import registry
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
-from tiny_models import (CONVERSATIONS, FAMILIES, PHI3_CONTEXT, PHI3_LONG_POSITIONS, PHI3_ORIGINAL, PHI3_ROPE,
-                         PROMPT, WINDOW, as_image_text, gguf_tensors, write_gguf, write_tiny_model)
+from tiny_models import (CONVERSATIONS, FAMILIES, PHI3_CONTEXT, PHI3_LONG_POSITIONS, PHI3_ORIGINAL, PROMPT, WINDOW,
+                         as_image_text, gguf_tensors, phi3_rope_tensors, write_gguf, write_tiny_model)
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "families_reference.json"
 TOL = 1e-4  # float32 logprobs of magnitude ~10 through two implementations
@@ -66,8 +66,7 @@ def model_dir(request, tmp_path_factory, tokenizer):
     tok = TextTokenizer(tokenizer.tokenizer, bos_id=None, stop_ids=tokenizer.stop_ids, add_bos=False,
                         chat_template=FAMILIES[family], special_tokens=tokenizer.special_tokens)
     arch, metadata = GGUF[family]
-    extra = ({f"rope_factors_{k}.weight": np.asarray(PHI3_ROPE[f"{k}_factor"], np.float32) for k in ("long", "short")}
-             if family == "phi3" else {})  # LongRoPE's factors, as llama.cpp's converter writes them
+    extra = phi3_rope_tensors() if family == "phi3" else {}
     write_gguf(root / "model.gguf", arch, metadata, gguf_tensors(tensors, arch) | extra, tok, pre="smollm")
     return family, tied, root
 
@@ -108,8 +107,8 @@ def test_phi3_longrope_past_the_original_context_as_transformers(tmp_path, token
 
     tensors = write_tiny_model(tmp_path, tokenizer, family="phi3")
     arch, metadata = GGUF["phi3"]
-    factors = {f"rope_factors_{k}.weight": np.asarray(PHI3_ROPE[f"{k}_factor"], np.float32) for k in ("long", "short")}
-    write_gguf(tmp_path / "model.gguf", arch, metadata, gguf_tensors(tensors, arch) | factors, tokenizer, pre="smollm")
+    write_gguf(tmp_path / "model.gguf", arch, metadata, gguf_tensors(tensors, arch) | phi3_rope_tensors(), tokenizer,
+               pre="smollm")
     cfg = (LlamaConfig.from_hf(json.loads((tmp_path / "config.json").read_text())) if source == "safetensors"
            else GGUFFile(tmp_path / "model.gguf").config())
     assert cfg.long_rope.original_context == PHI3_ORIGINAL and cfg.max_position_embeddings == PHI3_CONTEXT
