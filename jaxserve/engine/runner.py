@@ -222,13 +222,6 @@ class Pending(NamedTuple):
         return None if self.logprobs is None else Logprobs(*(x.value() for x in self.logprobs))
 
 
-# On a CPU, XLA runs a dot of more than one row through YNNPACK by default. The thin GEMMs of a decode step of 8
-# or more rows ran faster in XLA's own dot emitter, those of 2 and 4 rows far slower, a prefill chunk's as fast
-# or slower (SmolLM2, float32, 2 cores, ms a step, YNNPACK -> own: 1 row 38 -> 40, 2 rows 60 -> 192, 4 rows
-# 66 -> 153, 8 rows 106 -> 76, 16 rows 110 -> 100): those decode programs compile with YNNPACK's dot fusion off.
-CPU_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-CPU_DECODE_OPTIONS_ROWS = 8
-
 FIRST_TOKENS = 128  # the chunks first_programs covers: a short prompt (a chat template's system prompt included)
 
 
@@ -450,26 +443,21 @@ class ModelRunner:
         with lock:
             if program not in self._programs:
                 stages = self._stages if isinstance(program, batch.Shape) else self._stages[-1:]
-                compiled = tuple(self._compile(self._trace(program, self._abstract, stage=s).lower(), program)
+                compiled = tuple(self._compile(self._trace(program, self._abstract, stage=s).lower())
                                  for s in stages)
                 with self._lock:
                     self._programs[program] = compiled
         return self._programs[program]
 
-    def _compile(self, lowered: jax.stages.Lowered, program: Program) -> jax.stages.Compiled:
-        decode = isinstance(program, Burst) or (isinstance(program, batch.Shape) and program.tiles == 0)
-        if self.cpu and decode and program.rows >= CPU_DECODE_OPTIONS_ROWS:
-            options = CPU_DECODE_OPTIONS
-        elif not self.cpu and self.blocks:
-            options = quantize.UNMERGED_DOTS
-        else:
+    def _compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        if self.cpu or not self.blocks:
             return lowered.compile()
         try:
-            return lowered.compile(compiler_options=options)
+            return lowered.compile(compiler_options=quantize.UNMERGED_DOTS)
         except jax.errors.JaxRuntimeError as e:  # an XLA without the option: its default dots
             if "No such compile option" not in str(e):
                 raise
-            logging.warning("XLA does not know %s; programs keep its default dots", options)
+            logging.warning("XLA does not know %s; programs keep its default dots", quantize.UNMERGED_DOTS)
             return lowered.compile()
 
     def _abstract(self, tree: Any) -> Any:
