@@ -9,11 +9,18 @@ are scheduled by it.
 XLA runs a program's kernels as one command buffer (a CUDA graph) by default, but not a `while` loop: each
 iteration then reads its predicate back to the host and launches its kernels one by one. Multi-step decode is such
 a loop, so WHILE is added to the command types.
+
+On a CPU with AVX-512, XLA still emits 256-bit vector code by default (it avoids the clock throttling some Intel
+parts apply to 512-bit code). The runner compiles a CPU's programs with 512-bit vectors there (cpu_options):
+SmolLM2's one-row decode step, whose GEMVs XLA emits itself, ran 5% faster on an AMD EPYC (2 vCPU).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
+import pathlib
 from typing import MutableMapping
 
 # XLA's default command types, and WHILE (written out: a compile option takes no "+WHILE")
@@ -38,3 +45,20 @@ def compiler_options(flags: tuple[str, ...] = GPU_XLA_FLAGS) -> dict[str, bool |
         key, value = flag.lstrip("-").split("=")
         options[key] = {"true": True, "false": False}.get(value, value)
     return options
+
+
+@functools.cache
+def _has_avx512() -> bool:
+    """Whether this host's CPU has AVX-512 (Linux's /proc/cpuinfo; False where there is none)."""
+    try:
+        return "avx512f" in pathlib.Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def cpu_options() -> dict[str, int]:
+    """Per-compile options for a CPU's programs: 512-bit vectors where the CPU has AVX-512, unless the user's
+    XLA_FLAGS set a width."""
+    if not _has_avx512() or "xla_cpu_prefer_vector_width" in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    return {"xla_cpu_prefer_vector_width": 512}

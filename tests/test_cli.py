@@ -68,6 +68,28 @@ def test_gpu_xla_flags_only_with_the_cuda_plugin_and_never_over_the_users(monkey
     assert env["XLA_FLAGS"] == launcher
 
 
+def test_cpu_options_widen_vectors_only_with_avx512_and_never_over_the_users(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve import xla_flags
+
+    monkeypatch.setattr(xla_flags, "_has_avx512", lambda: False)
+    assert xla_flags.cpu_options() == {}
+    monkeypatch.setattr(xla_flags, "_has_avx512", lambda: True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_prefer_vector_width=256")
+    assert xla_flags.cpu_options() == {}
+    monkeypatch.delenv("XLA_FLAGS")
+    options = xla_flags.cpu_options()
+    assert options == {"xla_cpu_prefer_vector_width": 512}
+    # this XLA knows the option, and a GEMV compiled with it gives the same numbers
+    x, w = (jnp.asarray(np.random.default_rng(0).standard_normal(s), jnp.float32) for s in ((1, 576), (576, 192)))
+    lowered = jax.jit(jnp.matmul).lower(x, w)
+    np.testing.assert_allclose(lowered.compile(compiler_options=options)(x, w), lowered.compile()(x, w),
+                               rtol=1e-5, atol=1e-5 * float(jnp.abs(x).sum()))
+
+
 def test_helpfull_lists_the_flags():
     proc = run_cli("--helpfull")  # absl prints the flags and exits 1 by design
     for flag in ("--prompt", "--model", "--max_tokens", "--temperature", "--top_p", "--seed"):

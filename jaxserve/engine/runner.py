@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxserve import xla_flags
 from jaxserve.engine import batch, grammar
 from jaxserve.engine.kv_cache import RaggedPagedBackend, RaggedPagedMetadata, allocate_caches, cache_dtype
 from jaxserve.engine.sampling import MAX_LOGPROBS, Logprobs, Sampling, Slots, sample_step
@@ -450,14 +451,15 @@ class ModelRunner:
         return self._programs[program]
 
     def _compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-        if self.cpu or not self.blocks:
+        options = xla_flags.cpu_options() if self.cpu else quantize.UNMERGED_DOTS if self.blocks else {}
+        if not options:
             return lowered.compile()
         try:
-            return lowered.compile(compiler_options=quantize.UNMERGED_DOTS)
-        except jax.errors.JaxRuntimeError as e:  # an XLA without the option: its default dots
+            return lowered.compile(compiler_options=options)
+        except jax.errors.JaxRuntimeError as e:  # an XLA without the option: its defaults
             if "No such compile option" not in str(e):
                 raise
-            logging.warning("XLA does not know %s; programs keep its default dots", quantize.UNMERGED_DOTS)
+            logging.warning("XLA does not know %s; programs keep its defaults", options)
             return lowered.compile()
 
     def _abstract(self, tree: Any) -> Any:
