@@ -1,4 +1,4 @@
-"""XLA flags the launcher sets on a GPU machine, before JAX starts.
+"""XLA flags the launcher sets on a GPU machine, before JAX starts; and the options a CPU's programs compile with.
 
 The latency-hiding scheduler (off by default in XLA; NVIDIA's JAX images and JAX's GPU performance tips turn it
 on) orders a program around its asynchronous collectives by their estimated cost. The ring step's overlap does
