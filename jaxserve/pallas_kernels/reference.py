@@ -97,8 +97,9 @@ def paged_decode_attention(
 
 
 # keys tiled_paged_attention reads a loop step (at most key_block): fewer than the GPU kernel's, so a step's
-# scores stay in a CPU core's cache, and a decode reads few keys past its context
-DECODE_KEYS, TILE_KEYS = 32, 64
+# scores stay in a CPU core's cache, and a decode reads few keys past its context. A lone decode row reads more:
+# its steps cost more than its keys (SmolLM2's one-row decode step at 500 tokens: 19.2-19.4 ms, 19.9-20.3 at 32)
+DECODE_KEYS, ONE_ROW_KEYS, TILE_KEYS = 32, 128, 64
 
 
 def tiled_paged_attention(
@@ -122,13 +123,13 @@ def tiled_paged_attention(
     at 96 tokens took 0.5 ms a layer together, 1.0 ms one row at a time. Longer tiles run one
     after another, each to its own last position (a padding tile runs none): a 512-token chunk's tiles took
     9.3 against 18.8 ms a layer without history, 21.5 against 36.3 ms after 512 tokens. The loop reads fewer
-    keys a step than key_block: DECODE_KEYS for decode tiles, TILE_KEYS for the others. Pages are gathered whole
-    (a block_size x kvh x d piece each)."""
+    keys a step than key_block: DECODE_KEYS for decode tiles (ONE_ROW_KEYS for one), TILE_KEYS for the others.
+    Pages are gathered whole (a block_size x kvh x d piece each)."""
     n, tq, h, d = q.shape
     kvh = k_cache.shape[-2]
     g = h // kvh
     pages = key_block // block_size
-    keys = max(DECODE_KEYS if tq == 1 else TILE_KEYS, block_size)
+    keys = max(TILE_KEYS if tq > 1 else ONE_ROW_KEYS if n == 1 else DECODE_KEYS, block_size)
     pages = max(p for p in range(1, pages + 1) if pages % p == 0 and p * block_size <= keys)  # divides key_block
     # [n, kvh, g*tq, d]: each KV head's query group and tokens as one matrix (row r is token r % tq)
     qg = (q.astype(jnp.float32) * d**-0.5).reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)

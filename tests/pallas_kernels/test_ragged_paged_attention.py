@@ -82,6 +82,30 @@ def test_a_sliding_window_matches_dense(window, implementation):
                                               implementation, window=window)
 
 
+# a lone decode row reads reference.ONE_ROW_KEYS keys a loop step, more rows DECODE_KEYS: positions at, before and
+# past a step's edge, with and without a window, GQA
+@pytest.mark.parametrize("position", [0, 127, 128, 300])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_rows_match_dense_across_the_loop_steps(position, window, rows):
+    rng = np.random.default_rng(position + rows)
+    bs, kvh, h, d, width = 16, 3, 9, 16, 32  # a 512-token table
+    assert width * bs > 2 * reference.ONE_ROW_KEYS  # several loop steps of either size
+    num_blocks = rows * width + 1
+    tables = 1 + rng.permutation(rows * width).reshape(rows, width)
+    k_cache, v_cache = (rng.standard_normal((num_blocks * bs, kvh, d)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((rows, 1, h, d)).astype(np.float32)
+    pos = np.array([[position - 5 * i] for i in range(rows)]).clip(0)
+    got, _ = reference.tiled_paged_attention(jnp.asarray(q), jnp.asarray(pos), jnp.asarray(k_cache),
+                                             jnp.asarray(v_cache), jnp.asarray(tables), block_size=bs,
+                                             key_block=256, window=window)
+    for i in range(rows):
+        slots = (tables[i][:, None] * bs + np.arange(bs)).reshape(-1)
+        want = dense_reference(q[i].astype(np.float64), k_cache[slots].astype(np.float64),
+                               v_cache[slots].astype(np.float64), pos[i], pos[i, 0] + 1, window)
+        np.testing.assert_allclose(np.asarray(got[i]), want, **TOL)
+
+
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_kernel_reads_a_narrower_cache_as_the_reference(cache_dtype):
     """--kv_cache_dtype: float32 queries over a bfloat16 or fp8 cache; both sides read the cache's exact values."""
