@@ -21,7 +21,7 @@ import functools
 import importlib.util
 import os
 import pathlib
-from typing import MutableMapping
+from typing import Mapping, MutableMapping
 
 # XLA's default command types, and WHILE (written out: a compile option takes no "+WHILE")
 COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE"
@@ -33,9 +33,14 @@ def for_gpu(environ: MutableMapping[str, str]) -> None:
     the user's value)."""
     if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
         return
+    names = _named(environ)
     given = environ.get("XLA_FLAGS", "")
-    names = {f.split("=")[0] for f in given.split()}
     environ["XLA_FLAGS"] = " ".join([given, *(f for f in GPU_XLA_FLAGS if f.split("=")[0] not in names)]).strip()
+
+
+def _named(environ: Mapping[str, str]) -> set[str]:
+    """The flags environ's XLA_FLAGS sets, by name ("--xla_..."): the user's, which keep their values."""
+    return {f.split("=")[0] for f in environ.get("XLA_FLAGS", "").split()}
 
 
 def compiler_options(flags: tuple[str, ...] = GPU_XLA_FLAGS) -> dict[str, bool | str]:
@@ -59,6 +64,6 @@ def _has_avx512() -> bool:
 def cpu_options() -> dict[str, int]:
     """Per-compile options for a CPU's programs: 512-bit vectors where the CPU has AVX-512, unless the user's
     XLA_FLAGS set a width."""
-    if not _has_avx512() or "xla_cpu_prefer_vector_width" in os.environ.get("XLA_FLAGS", ""):
+    if not _has_avx512() or "--xla_cpu_prefer_vector_width" in _named(os.environ):
         return {}
     return {"xla_cpu_prefer_vector_width": 512}

@@ -60,7 +60,6 @@ from jaxserve.engine.sampling import MAX_LOGPROBS, Logprobs, Sampling, Slots, sa
 from jaxserve.models import quantize
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama, stage_layers, stage_params, unstack_layers
-from jaxserve.models.quantize import Quantized
 from jaxserve.pallas_kernels.common import lowering_for
 from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.sharding import processes, rows, tp as tensor_parallel
@@ -292,9 +291,7 @@ class ModelRunner:
         # quantized weights scan on a CPU: unrolled, XLA dequantizes every layer's weights at once (a float copy of
         # all of them as working memory; a SmolLM2 int8 decode step 9x slower than scanned); layers that differ
         # (Gemma 3) unroll everywhere
-        quantized = any(isinstance(x, Quantized) for x in jax.tree.leaves(
-            params, is_leaf=lambda x: isinstance(x, Quantized)))
-        self.unrolled = cfg.per_layer or not (self.cpu and stages == 1 and quantized)
+        self.unrolled = cfg.per_layer or not (self.cpu and stages == 1 and quantize.kept(params))
         self.blocks = quantize.has_blocks(params)  # their programs compile with quantize.UNMERGED_DOTS off a CPU
         self.max_rows = max(s.rows for s in buckets.programs())
         self._stages = []

@@ -62,12 +62,12 @@ def rope_cos_sin(cfg: LlamaConfig, positions: Int[Array, "b t"], local: bool = F
     """RoPE's cos and sin at each position: a sliding layer's with `local` (LlamaConfig.inv_freq); with LongRoPE,
     a position past the original context by the long factors."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(local))
-    if cfg.long_rope is None:
-        angles = jnp.concatenate([angles, angles], axis=-1)
-        return jnp.cos(angles), jnp.sin(angles)
-    long = positions[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(long=True))
-    angles = jnp.where(positions[..., None] >= cfg.long_rope.original_context, long, angles)
+    if cfg.long_rope is not None:
+        long = positions[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(long=True))
+        angles = jnp.where(positions[..., None] >= cfg.long_rope.original_context, long, angles)
     angles = jnp.concatenate([angles, angles], axis=-1)
+    if cfg.long_rope is None:
+        return jnp.cos(angles), jnp.sin(angles)
     factor = cfg.long_rope.attention_factor
     return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 

@@ -77,10 +77,14 @@ class Quantized:
 UNMERGED_DOTS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
+def kept(params: Any) -> list[Quantized]:
+    """The tree's weights kept quantized."""
+    return [x for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Quantized)) if isinstance(x, Quantized)]
+
+
 def has_blocks(params: Any) -> bool:
     """Whether a linear kernel is quantized in blocks along its input (int4, GGUF's types), not per column."""
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Quantized))
-    return any(isinstance(x, Quantized) and x.scale.shape[-2] > 1 and x.scale.shape[-1] > 1 for x in leaves)
+    return any(x.scale.shape[-2] > 1 and x.scale.shape[-1] > 1 for x in kept(params))
 
 
 def nbytes(params: Any) -> int:
