@@ -95,8 +95,7 @@ class LLM:
         self._new = self.lockstep.new if self.lockstep else lambda cls, *args, **kwargs: cls(*args, **kwargs)
         self._params, self._kv_bytes = params, None  # _kv_bytes: a device's KV pool, once measured
         self._kv_tokens = self._kv_pool_tokens(cfg.parallel.instance)
-        self.max_model_len = min(cfg.model.max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings, self._kv_tokens)
+        self.max_model_len = self._context(cfg.model.max_model_len)
         self._buckets = self._make_buckets()
         self._quick_start = (cfg.startup.quick_start and cfg.startup.warmup and not cfg.parallel.prefill_instances
                              and jax.process_count() == 1)
@@ -112,6 +111,26 @@ class LLM:
         if self.lockstep is not None:  # ready when every process is (followers compile their devices' programs)
             self.lockstep.sync()
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
+
+    def _context_sets(self) -> int:
+        """The KV-parallel sets one request's KV may spread over: the engine's --kvp, or a cluster's decode
+        instance's --decode_kvp (ESP: one instance's)."""
+        layout = self.engine_config.parallel
+        if not layout.prefill_instances:
+            return layout.instance.kvp
+        return layout.decode_kvp if layout.cluster_policy != "esp" else 1
+
+    def _context(self, asked: int | None) -> int:
+        """The longest context served: `asked` (default: the model's positions), capped by the model's positions
+        and by what the KV-parallel sets a request may spread over hold together (a cap below what was asked is
+        logged with its numbers)."""
+        sets, positions = self._context_sets(), self.config.max_position_embeddings
+        pool = self._kv_tokens * sets
+        if asked is not None and asked > min(pool, positions):
+            held = f"{sets} KV-parallel sets of {self._kv_tokens:,} tokens" if sets > 1 else f"{pool:,} tokens"
+            logging.warning("max_model_len %d cut to %d: the model has %d positions, the KV pool holds %s", asked,
+                            min(pool, positions), positions, held)
+        return min(asked or positions, pool, positions)
 
     def _kv_pool_tokens(self, shape: InstanceShape) -> int:
         """Tokens an instance's KV pool holds: kv_cache_tokens, or what kv_cache_gib holds, or what
@@ -244,10 +263,14 @@ class LLM:
         published any more). What the old engine held is dropped. Returns the new engine."""
         self.lockstep = None  # the follower is gone: publish nothing (a stop would wait for no one)
         self._new = lambda cls, *args, **kwargs: cls(*args, **kwargs)
-        tp, one = self.engine_config.parallel.tp, InstanceShape()  # one stage, one KV set
-        logging.warning("building one engine on this process's %d first device(s) after a lost process", tp)
-        self.engine = self.make_engine(jax.local_devices()[:tp], progress=False,
-                                       kv_cache_tokens=self._kv_pool_tokens(one), shape=one)
+        tp = self.engine_config.parallel.tp
+        per_set = self._kv_pool_tokens(InstanceShape())
+        # as many KV-parallel sets as the context needs and this process has; too few, and each holds more
+        sets = max(min(-(-self.max_model_len // per_set), len(jax.local_devices()) // tp), 1)
+        logging.warning("building one engine on this process's %d first device(s) after a lost process", tp * sets)
+        self.engine = self.make_engine(jax.local_devices()[:tp * sets], progress=False,
+                                       kv_cache_tokens=max(per_set, -(-self.max_model_len // sets)),
+                                       shape=InstanceShape(kvp=sets))
         return self.engine
 
     def lost(self, timeout: float) -> str | None:

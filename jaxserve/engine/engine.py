@@ -160,7 +160,7 @@ class Engine:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                             "(prompt plus at least one generated token)")
+                             f"(prompt plus at least one generated token; the KV pool: {self.kv.describe()})")
         if params.structured_output is not None:
             self.grammars.compiled(params.structured_output)  # compiled (and kept) now: a bad grammar is refused
         return ids

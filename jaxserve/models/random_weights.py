@@ -6,6 +6,7 @@ token ids; outputs read as ids).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -23,6 +24,8 @@ SHAPES: dict[str, Callable[[], LlamaConfig]] = {
     # small enough for a CPU test of the same path
     "tiny": lambda: LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                                 num_kv_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False),
+    # the same, its positions reaching 1M tokens: long-context tests and tools/bench_long_context.py
+    "tiny-1m": lambda: dataclasses.replace(SHAPES["tiny"](), max_position_embeddings=1 << 20),
 }
 STD = 0.02  # the initializer range of Llama checkpoints' configs
 

@@ -87,6 +87,12 @@ class KVCacheManager:
     def capacity(self) -> int:
         return self.num_blocks - self.scratch_blocks
 
+    def describe(self) -> str:
+        """What the pool holds, in words: "4 KV-parallel sets of 1,024 tokens", or "1,024 tokens"."""
+        sets = self.scratch_blocks
+        per_set = self.capacity // sets * self.block_size
+        return f"{sets} KV-parallel sets of {per_set:,} tokens" if sets > 1 else f"{per_set:,} tokens"
+
     @property
     def num_free(self) -> int:
         return sum(map(len, self._free))
