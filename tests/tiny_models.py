@@ -195,6 +195,28 @@ PHI3_LONG_POSITIONS = [4096, 4097, 4500, 5000]  # past the original context: the
 def phi3_rope_tensors() -> dict[str, np.ndarray]:
     """PHI3_ROPE's factors as llama.cpp's converter writes them into a GGUF file."""
     return {f"rope_factors_{k}.weight": np.asarray(PHI3_ROPE[f"{k}_factor"], np.float32) for k in ("long", "short")}
+# Qwen2.5's YaRN as its model card adds it (max_position_embeddings left at the original context), here 64 tokens
+# stretched 4 times; the prompt runs past the original context
+YARN_ORIGINAL, YARN_FACTOR = 64, 4.0
+YARN = {"rope_scaling": {"type": "yarn", "factor": YARN_FACTOR, "original_max_position_embeddings": YARN_ORIGINAL},
+        "max_position_embeddings": YARN_ORIGINAL}
+YARN_PROMPT = " ".join([PROMPT] * 8)
+# dynamic NTK: transformers' base at a forward reaching factor x the context, where vLLM fixes it
+DYNAMIC = {"rope_scaling": {"type": "dynamic", "factor": YARN_FACTOR}, "max_position_embeddings": YARN_ORIGINAL}
+DYNAMIC_POSITIONS = [0, 1, 63, 64, 200, 255]  # one forward whose last position is factor x 64 - 1
+# long-context checkpoints' YaRN settings, for transformers' inverse frequencies and attention factor
+YARN_CONFIGS = {
+    "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "rope_theta": 1e6,
+                   "max_position_embeddings": 32768,
+                   "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+    "qwen3-8b": {"model_type": "qwen3", "hidden_size": 4096, "num_attention_heads": 32, "head_dim": 128,
+                 "rope_theta": 1e6, "max_position_embeddings": 40960,
+                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+    "mscale-betas": {"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 16, "rope_theta": 5e5,
+                     "max_position_embeddings": 65536,
+                     "rope_scaling": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096,
+                                      "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5}},
+}
 # Gemma 3's settings beside the shared shape: every one differs from its default, so each matters
 GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
           "final_logit_softcapping": 0.5, "hidden_activation": "gelu_pytorch_tanh",
@@ -203,11 +225,13 @@ GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"], "query_pre_att
 
 
 def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0, family: str = "llama",
-                     tied: bool = True, chat_template: str | None = None) -> dict[str, np.ndarray]:
+                     tied: bool = True, chat_template: str | None = None, rope: dict | None = None
+                     ) -> dict[str, np.ndarray]:
     """A 2-layer model of random weights with `tokenizer`, as a Hugging Face folder; its tensors by name. Beside
     "llama": "qwen2" (q/k/v biases), "qwen3" (q/k norms), "mistral" (a sliding window), "phi3" (fused q/k/v and gate/up projections,
     a sliding window, LongRoPE) and "gemma3" (GEMMA3: a sliding layer and a full one, q/k norms, four norms a layer), each
-    with its family's RoPE theta and its norms drawn (so every weight matters)."""
+    with its family's RoPE theta and its norms drawn (so every weight matters). rope: config.json's keys over the
+    family's (YARN, DYNAMIC)."""
     v, h, f, heads, kv_heads, d = tokenizer.vocab_size, 64, 128, 4, 2, 16
     qwen2, llama, gemma3 = family == "qwen2", family == "llama", family == "gemma3"
     rng = np.random.default_rng(seed)
@@ -250,7 +274,7 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
     if family == "phi3":
         config |= {"rope_scaling": PHI3_ROPE, "max_position_embeddings": PHI3_CONTEXT,
                    "original_max_position_embeddings": PHI3_ORIGINAL}
-    (root / "config.json").write_text(json.dumps(config))
+    (root / "config.json").write_text(json.dumps(config | (rope or {})))
     tokenizer.tokenizer.save(str(root / "tokenizer.json"))
     special = {"eos_token": tokenizer.special_tokens["eos_token"], "bos_token": None}
     (root / "tokenizer_config.json").write_text(json.dumps({

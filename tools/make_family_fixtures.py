@@ -10,7 +10,9 @@ either way), and the family's chat template as transformers renders 10 conversat
 GGUF vocabulary (tiny_models.write_spm_gguf) as transformers tokenizes and decodes tiny_models.SPM_TEXTS, for
 the llama, phi3 and gemma3 architectures (tests/models/test_tokenizer.py). For Gemma 3, also its image-text model's
 logprobs on the prompt (tiny_models.as_image_text: the same text weights as gemma-3-4b and larger keep them); for
-Phi-3, RoPE's cos and sin past the original context (LongRoPE's long factors).
+Phi-3, RoPE's cos and sin past the original context (LongRoPE's long factors); for Qwen2, a YaRN model's logprobs
+and greedy tokens on a prompt past its original context, dynamic NTK's cos and sin at 4x the context, and YaRN's
+frequencies for long-context checkpoints' settings.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from jaxserve.models import registry  # noqa: E402
 from jaxserve.models.gguf_loader import GGUFFile  # noqa: E402
 from jaxserve.models.tokenizer import TextTokenizer  # noqa: E402
-from tiny_models import (CONVERSATIONS, FAMILIES, PHI3_LONG_POSITIONS, PROMPT, SPM_TEXTS, as_image_text,  # noqa: E402
-                         write_spm_gguf, write_tiny_model)
+from tiny_models import (CONVERSATIONS, DYNAMIC, DYNAMIC_POSITIONS, FAMILIES, PHI3_LONG_POSITIONS, PROMPT,  # noqa: E402
+                         SPM_TEXTS, YARN, YARN_CONFIGS, YARN_PROMPT, as_image_text, write_spm_gguf, write_tiny_model)
 
 OUT = ROOT / "tests" / "fixtures" / "families_reference.json"
 SPM_OUT = ROOT / "tests" / "fixtures" / "spm_reference.json"
@@ -57,13 +59,23 @@ def image_text(root: pathlib.Path, ids: list[int]) -> list[float]:
     return [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
 
 
-def long_rope(root: pathlib.Path) -> dict:
-    """transformers' Phi-3 RoPE cos and sin at PHI3_LONG_POSITIONS (one forward's positions, all past the original
-    context, so it takes the long factors)."""
+def rope_at(root: pathlib.Path, positions: list[int]) -> dict:
+    """transformers' RoPE cos and sin at `positions`, one forward's (Phi-3's LongRoPE past the original context takes
+    its long factors; dynamic NTK's base follows the last position)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32).eval()
     with torch.no_grad():
-        cos, sin = model.model.rotary_emb(torch.zeros(1, 1, 16), torch.tensor([PHI3_LONG_POSITIONS]))
+        cos, sin = model.model.rotary_emb(torch.zeros(1, 1, 16), torch.tensor([positions]))
     return {"cos": cos[0].tolist(), "sin": sin[0].tolist()}
+
+
+def yarn_frequencies() -> dict:
+    """transformers' YaRN inverse frequencies and attention factor for long-context checkpoints' settings."""
+    out = {}
+    for name, settings in YARN_CONFIGS.items():
+        config = transformers.AutoConfig.for_model(**settings)
+        inv, attention = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+        out[name] = {"inv_freq": inv.tolist(), "attention_factor": attention}
+    return out
 
 
 def record_spm() -> dict:
@@ -97,7 +109,16 @@ def main() -> None:
         if family == "phi3":  # RoPE's cos and sin past the original context (LongRoPE's long factors)
             with tempfile.TemporaryDirectory() as d:
                 write_tiny_model(pathlib.Path(d), tokenizer, family=family)
-                entry["long_rope"] = long_rope(pathlib.Path(d))
+                entry["long_rope"] = rope_at(pathlib.Path(d), PHI3_LONG_POSITIONS)
+        if family == "qwen2":  # YaRN past its original context; dynamic NTK's RoPE at factor x the context
+            entry["yarn_ids"] = tokenizer.encode(YARN_PROMPT, add_special_tokens=False)
+            with tempfile.TemporaryDirectory() as d:
+                write_tiny_model(pathlib.Path(d), tokenizer, family=family, rope=YARN)
+                entry["yarn"] = record(pathlib.Path(d), entry["yarn_ids"])
+            with tempfile.TemporaryDirectory() as d:
+                write_tiny_model(pathlib.Path(d), tokenizer, family=family, rope=DYNAMIC)
+                entry["dynamic_rope"] = rope_at(pathlib.Path(d), DYNAMIC_POSITIONS)
+            entry["yarn_frequencies"] = yarn_frequencies()
         if family == "gemma3":  # Gemma3ForConditionalGeneration on text (tiny_models.as_image_text)
             with tempfile.TemporaryDirectory() as d:
                 write_tiny_model(pathlib.Path(d), tokenizer, family=family, tied=True)

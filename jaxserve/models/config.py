@@ -59,6 +59,50 @@ class LongRoPE:
         return cls(tuple(map(float, short)), tuple(map(float, long)), int(original), float(attention_factor))
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context stretched `factor` times (the paper's 0.1 ln(s) + 1)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class YaRN:
+    """YaRN (Qwen2.5, Qwen3 and most long-context checkpoints since): a frequency making more than beta_fast turns
+    over the original context keeps its value, one making fewer than beta_slow is divided by `factor`, and those
+    between ramp linearly (by dimension); RoPE's cos and sin are multiplied by attention_factor. The same at
+    every position, so a position's rotation never depends on the sequence around it."""
+
+    factor: float
+    original_context: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # the ramp's ends rounded out to whole dimensions (transformers' default)
+
+    @classmethod
+    def make(cls, factor: float, original: int, attention_factor: float | None = None, mscale: float | None = None,
+             mscale_all_dim: float | None = None, beta_fast: float | None = None, beta_slow: float | None = None,
+             truncate: bool = True) -> "YaRN":
+        """With transformers' defaults for what is not given (DeepSeek's mscale / mscale_all_dim pair included)."""
+        if attention_factor is None:
+            attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                                if mscale and mscale_all_dim else yarn_mscale(factor))
+        return cls(float(factor), int(original), float(attention_factor), float(beta_fast or 32.0),
+                   float(beta_slow or 1.0), bool(truncate))
+
+    def scale(self, inv: np.ndarray, theta: float) -> np.ndarray:
+        """inv (head_dim // 2 RoPE inverse frequencies of base theta), interpolated as YaRN does."""
+        dim = 2 * len(inv)
+
+        def dimension(turns: float) -> float:  # the dimension whose frequency turns this often over the context
+            return dim * math.log(self.original_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = dimension(self.beta_fast), dimension(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = np.clip((np.arange(dim // 2) - low) / ((high - low) or 0.001), 0, 1)  # 0: kept, 1: interpolated
+        return inv / self.factor * ramp + inv * (1 - ramp)
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -76,6 +120,7 @@ class LlamaConfig:
     # The same scaling as llama.cpp stores it: inv_freq is divided by these, one per frequency.
     rope_freq_factors: tuple[float, ...] | None = None
     long_rope: LongRoPE | None = None  # Phi-3's 128K variants
+    yarn: YaRN | None = None  # Qwen2.5's, Qwen3's (and others') long contexts
     tie_word_embeddings: bool = True
     qkv_bias: bool = False  # Qwen2: the q, k and v projections add a bias
     qk_norm: bool = False  # Qwen3, Gemma 3: each head's q and k RMS-normed before RoPE
@@ -99,16 +144,31 @@ class LlamaConfig:
         if float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))) != 1.0:
             raise ValueError("RoPE over part of each head (partial_rotary_factor, Phi-4-mini) is not supported")
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        rope_scaling = long_rope = None
+        rope_scaling = long_rope = yarn = None
         kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+        context = int(cfg.get("max_position_embeddings", 2048))
+        theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        original = (scaling or {}).get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
         if kind in ("longrope", "su"):
-            long_rope = LongRoPE.make(
-                scaling["short_factor"], scaling["long_factor"],
-                scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"],
-                int(cfg.get("max_position_embeddings", 2048)), scaling.get("attention_factor"))
+            long_rope = LongRoPE.make(scaling["short_factor"], scaling["long_factor"], original, context,
+                                      scaling.get("attention_factor"))
+        elif kind == "yarn":
+            original = int(original or context)
+            factor = float(scaling.get("factor") or context / original)
+            yarn = YaRN.make(factor, original, scaling.get("attention_factor"), scaling.get("mscale"),
+                             scaling.get("mscale_all_dim"), scaling.get("beta_fast"), scaling.get("beta_slow"),
+                             scaling.get("truncate", True))
+            context = max(context, int(original * factor))  # Qwen2.5 keeps 32,768 here and its original (vLLM's rule)
+        elif kind == "dynamic":
+            # dynamic NTK as vLLM serves it: the base fixed where transformers puts it for the stretched context
+            # (factor x positions), so a position's rotation never depends on the sequence's length
+            factor, d = float(scaling["factor"]), int(cfg.get("head_dim") or int(cfg["hidden_size"]) //
+                                                      int(cfg["num_attention_heads"]))
+            theta *= (factor * factor - (factor - 1)) ** (d / (d - 2))
+            context = int(context * factor)
         elif scaling:
             if kind != "llama3":
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (llama3 or longrope)")
+                raise ValueError(f"unsupported rope_scaling type {kind!r} (llama3, longrope, yarn or dynamic)")
             rope_scaling = (
                 float(scaling["factor"]),
                 float(scaling["low_freq_factor"]),
@@ -119,7 +179,6 @@ class LlamaConfig:
         hidden = int(cfg["hidden_size"])
         qwen = cfg.get("model_type") in ("qwen2", "qwen3")
         layers = int(cfg["num_hidden_layers"])
-        context = int(cfg.get("max_position_embeddings", 2048))
         window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
         # Qwen's windows cover the layers from max_window_layers on; transformers 5 writes layer_types
         sliding = tuple(range(int(cfg.get("max_window_layers", 0)) if qwen else 0, layers))
@@ -136,9 +195,10 @@ class LlamaConfig:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             max_position_embeddings=context,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=theta,
             rope_scaling=rope_scaling,
             long_rope=long_rope,
+            yarn=yarn,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=cfg.get("model_type") == "qwen2",
             sliding_window=window,
@@ -228,7 +288,15 @@ class LlamaConfig:
             long = raw["long_rope"]
             raw["long_rope"] = LongRoPE(tuple(long["short_factor"]), tuple(long["long_factor"]),
                                         long["original_context"], long["attention_factor"])
+        if raw.get("yarn") is not None:
+            raw["yarn"] = YaRN(**raw["yarn"])
         return cls(**raw)
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """What RoPE's cos and sin are multiplied by: LongRoPE's or YaRN's attention factor, else 1."""
+        scaled = self.long_rope or self.yarn
+        return scaled.attention_factor if scaled is not None else 1.0
 
     def split(self, tp: int) -> TPShape:
         """What one device of a tp-way tensor-parallel instance holds, or a ValueError naming what does not
@@ -247,8 +315,8 @@ class LlamaConfig:
         return TPShape(tp, self.num_heads // tp, kvh * repeat // tp, repeat, self.intermediate_size // tp)
 
     def inv_freq(self, local: bool = False, long: bool = False) -> np.ndarray:
-        """RoPE inverse frequencies (head_dim // 2,), with Llama-3 scaling applied when configured; `local`: a
-        sliding layer's, from rope_local_theta, unscaled; with LongRoPE its short factors, or with `long` its long
+        """RoPE inverse frequencies (head_dim // 2,), with Llama-3 scaling or YaRN applied when configured; `local`:
+        a sliding layer's, from rope_local_theta, unscaled; with LongRoPE its short factors, or with `long` its long
         ones."""
         theta = self.rope_local_theta if local and self.rope_local_theta is not None else self.rope_theta
         inv = 1.0 / (theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
@@ -259,6 +327,8 @@ class LlamaConfig:
             return (inv / np.asarray(factors)).astype(np.float32)
         if self.rope_freq_factors is not None:
             return (inv / np.asarray(self.rope_freq_factors)).astype(np.float32)
+        if self.yarn is not None:
+            return self.yarn.scale(inv, theta).astype(np.float32)
         if self.rope_scaling is None:
             return inv.astype(np.float32)
         factor, low, high, original = self.rope_scaling

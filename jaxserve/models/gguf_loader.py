@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from jaxserve.models.config import LlamaConfig, LongRoPE, gemma3_sliding
+from jaxserve.models.config import LlamaConfig, LongRoPE, YaRN, gemma3_sliding, yarn_mscale
 from jaxserve.models.hf_loader import phi3_split
 from jaxserve.models.quantize import Quantized
 from jaxserve.models.weights import params_from_hf
@@ -102,8 +102,9 @@ class GGUFFile:
         scaling = self.field(p + "rope.scaling.type")
         factor = float(self.field(p + "rope.scaling.factor", 1.0))
         linear = scaling == "linear" or (scaling is None and factor != 1.0)  # llama.cpp's default type is linear
-        if scaling not in (None, "none", "linear") and not self.has_tensor("rope_freqs.weight"):
-            raise ValueError(f"{self.path}: unsupported rope scaling {scaling!r} (only linear and Llama-3 rope_freqs)")
+        if scaling not in (None, "none", "linear", "yarn") and not self.has_tensor("rope_freqs.weight"):
+            raise ValueError(f"{self.path}: unsupported rope scaling {scaling!r} (linear, yarn and Llama-3 "
+                             "rope_freqs)")
         heads = int(self.field(p + "attention.head_count"))
         hidden = int(self.field(p + "embedding_length"))
         head_dim = int(self.field(p + "attention.key_length", self.field(p + "rope.dimension_count", hidden // heads)))
@@ -123,6 +124,13 @@ class GGUFFile:
                                       self.tensor("rope_factors_long.weight").reshape(-1).tolist(),
                                       int(self.field(p + "rope.scaling.original_context_length")), context,
                                       self.field(p + "rope.scaling.attn_factor"))
+        yarn = None
+        if scaling == "yarn":  # llama.cpp multiplies its own attention scale by yarn_attn_factor
+            original = int(self.field(p + "rope.scaling.original_context_length", context))
+            yarn = YaRN.make(factor, original, yarn_mscale(factor) * float(self.field(
+                p + "rope.scaling.yarn_attn_factor", 1.0)), beta_fast=self.field(p + "rope.scaling.yarn_beta_fast"),
+                beta_slow=self.field(p + "rope.scaling.yarn_beta_slow"))
+            context = max(context, int(original * factor))
         layers = int(self.field(p + "block_count"))
         window = self.field(p + "attention.sliding_window")
         cfg = LlamaConfig(
@@ -138,6 +146,7 @@ class GGUFFile:
             rope_theta=float(self.field(p + "rope.freq_base", 10000.0)),
             rope_freq_factors=freq_factors,
             long_rope=long_rope,
+            yarn=yarn,
             tie_word_embeddings=not self.has_tensor("output.weight"),
             qkv_bias=arch == "qwen2",
             qk_norm=arch == "qwen3",

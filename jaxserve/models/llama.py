@@ -60,15 +60,15 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(cfg: LlamaConfig, positions: Int[Array, "b t"], local: bool = False
                  ) -> tuple[Float[Array, "b t d"], Float[Array, "b t d"]]:
     """RoPE's cos and sin at each position: a sliding layer's with `local` (LlamaConfig.inv_freq); with LongRoPE,
-    a position past the original context by the long factors."""
+    a position past the original context by the long factors; times LongRoPE's or YaRN's attention factor."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(local))
     if cfg.long_rope is not None:
         long = positions[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(long=True))
         angles = jnp.where(positions[..., None] >= cfg.long_rope.original_context, long, angles)
     angles = jnp.concatenate([angles, angles], axis=-1)
-    if cfg.long_rope is None:
+    factor = 1.0 if local and cfg.rope_local_theta is not None else cfg.rope_attention_factor
+    if factor == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
-    factor = cfg.long_rope.attention_factor
     return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 

@@ -21,8 +21,9 @@ from jaxserve.models import registry
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
-from tiny_models import (CONVERSATIONS, FAMILIES, PHI3_CONTEXT, PHI3_LONG_POSITIONS, PHI3_ORIGINAL, PROMPT, WINDOW,
-                         as_image_text, gguf_tensors, phi3_rope_tensors, write_gguf, write_tiny_model)
+from tiny_models import (CONVERSATIONS, DYNAMIC, DYNAMIC_POSITIONS, FAMILIES, PHI3_CONTEXT, PHI3_LONG_POSITIONS,
+                         PHI3_ORIGINAL, PROMPT, WINDOW, YARN, YARN_CONFIGS, YARN_FACTOR, YARN_ORIGINAL, as_image_text,
+                         gguf_tensors, phi3_rope_tensors, write_gguf, write_tiny_model)
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "families_reference.json"
 TOL = 1e-4  # float32 logprobs of magnitude ~10 through two implementations
@@ -84,13 +85,7 @@ def test_logprobs_and_greedy_tokens_equal_transformers(model_dir, source, refere
     assert llm.config.sliding_window == (WINDOW if family in ("mistral", "phi3", "gemma3") else None)
     assert llm.config.per_layer == (family == "gemma3")
     assert llm.max_model_len == 256  # a sliding window does not cut the context
-    got = llm.prompt_logprobs(ids, k=5)[1:]
-    np.testing.assert_allclose([g.logprob for g in got], want["chosen"], atol=TOL)
-    for g, top_ids, top in zip(got, want["top_ids"], want["top"]):
-        theirs = dict(zip(top_ids, top))
-        for token, value in g.top:  # the same five, up to ties at the fifth
-            assert token not in theirs or abs(value - theirs[token]) < TOL
-        np.testing.assert_allclose([v for _, v in g.top], top, atol=TOL)
+    check_prompt(llm.prompt_logprobs(ids, k=5)[1:], want)
     out = llm.generate([ids], SamplingParams(max_tokens=len(want["greedy"]), ignore_eos=True))[0]
     for i, (a, b) in enumerate(zip(out.token_ids, want["greedy"])):
         if a != b:  # a tie at float32 resolution may go either way; past it the outputs part
@@ -119,6 +114,81 @@ def test_phi3_longrope_past_the_original_context_as_transformers(tmp_path, token
     tol = 4 * 2**-24 * max(PHI3_LONG_POSITIONS) * 1.09
     np.testing.assert_allclose(np.asarray(cos[0]), want["cos"], atol=tol)
     np.testing.assert_allclose(np.asarray(sin[0]), want["sin"], atol=tol)
+
+
+def check_prompt(got, want) -> None:
+    """prompt_logprobs(k=5)[1:] against a fixture's chosen and top-5 logprobs."""
+    np.testing.assert_allclose([g.logprob for g in got], want["chosen"], atol=TOL)
+    for g, top_ids, top in zip(got, want["top_ids"], want["top"]):
+        theirs = dict(zip(top_ids, top))
+        for token, value in g.top:  # the same five, up to ties at the fifth
+            assert token not in theirs or abs(value - theirs[token]) < TOL
+        np.testing.assert_allclose([v for _, v in g.top], top, atol=TOL)
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_yarn_past_the_original_context_equals_transformers(tmp_path, tokenizer, reference, source, monkeypatch):
+    """Qwen2.5's YaRN as its model card adds it (max_position_embeddings left at the original 64 tokens here,
+    stretched 4x): the context served is 256, and a 128-token prompt's logprobs and greedy tokens equal
+    transformers' at every position, past the original context included; from config.json and from a GGUF with
+    llama.cpp's rope.scaling keys."""
+    tensors = write_tiny_model(tmp_path, tokenizer, family="qwen2", rope=YARN)
+    arch, metadata = GGUF["qwen2"]
+    write_gguf(tmp_path / "model.gguf", arch, {**metadata, "context_length": YARN_ORIGINAL, "rope.scaling.type": "yarn",
+                                               "rope.scaling.factor": YARN_FACTOR,
+                                               "rope.scaling.original_context_length": YARN_ORIGINAL},
+               gguf_tensors(tensors, arch), tokenizer, pre="smollm")
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+    llm = jaxserve.LLM(str(tmp_path if source == "safetensors" else tmp_path / "model.gguf"), kv_cache_tokens=1024,
+                       progress=False)
+    assert llm.max_model_len == YARN_ORIGINAL * YARN_FACTOR
+    assert llm.config.yarn.original_context == YARN_ORIGINAL and llm.config.yarn.factor == YARN_FACTOR
+    ids, want = reference["qwen2"]["yarn_ids"], reference["qwen2"]["yarn"]
+    assert len(ids) > YARN_ORIGINAL
+    check_prompt(llm.prompt_logprobs(ids, k=5)[1:], want)
+    out = llm.generate([ids], SamplingParams(max_tokens=len(want["greedy"]), ignore_eos=True))[0]
+    for i, (a, b) in enumerate(zip(out.token_ids, want["greedy"])):
+        if a != b:  # a tie at float32 resolution may go either way; past it the outputs part
+            best, second = want["greedy_top2"][i]
+            assert best - second < TIE
+            break
+
+
+@pytest.mark.parametrize("name", list(YARN_CONFIGS))
+def test_yarn_frequencies_of_long_context_checkpoints_are_transformers(name, reference):
+    """Qwen2.5-7B's and Qwen3-8B's YaRN settings, and one with its own betas and DeepSeek's mscale pair: the
+    inverse frequencies and attention factor transformers computes, and the context stretched by the factor."""
+    settings = {"vocab_size": 64, "intermediate_size": 64, "num_hidden_layers": 1, **YARN_CONFIGS[name]}
+    cfg = LlamaConfig.from_hf(settings)
+    want = reference["qwen2"]["yarn_frequencies"][name]
+    np.testing.assert_allclose(cfg.inv_freq(), want["inv_freq"], rtol=4 * 2**-24)  # float32 powers of the base
+    assert cfg.rope_attention_factor == pytest.approx(want["attention_factor"], rel=1e-12)
+    scaling = settings["rope_scaling"]
+    assert cfg.max_position_embeddings == max(settings["max_position_embeddings"],
+                                              scaling["original_max_position_embeddings"] * scaling["factor"])
+    assert LlamaConfig.from_json(cfg.to_json()) == cfg  # the converted cache keeps it
+
+
+def test_dynamic_ntk_rope_is_transformers_at_the_stretched_context(tmp_path, tokenizer, reference):
+    """Dynamic NTK (rope_type dynamic), as vLLM serves it: the base transformers takes for a forward reaching
+    factor x the context, at every position, and that many positions served."""
+    from jaxserve.models.llama import rope_cos_sin
+
+    write_tiny_model(tmp_path, tokenizer, family="qwen2", rope=DYNAMIC)
+    cfg = LlamaConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert cfg.max_position_embeddings == YARN_ORIGINAL * YARN_FACTOR
+    cos, sin = rope_cos_sin(cfg, jnp.asarray([DYNAMIC_POSITIONS]))
+    want = reference["qwen2"]["dynamic_rope"]
+    tol = 4 * 2**-24 * max(DYNAMIC_POSITIONS)  # float32 angles of up to 255 radians
+    np.testing.assert_allclose(np.asarray(cos[0]), want["cos"], atol=tol)
+    np.testing.assert_allclose(np.asarray(sin[0]), want["sin"], atol=tol)
+
+
+def test_rope_scaling_not_served_is_refused_by_name():
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2}
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'mrope'"):
+        LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "mrope", "factor": 2.0}})
 
 
 def test_phi4_mini_partial_rotary_is_refused_by_name(tmp_path, tokenizer):
