@@ -19,7 +19,7 @@ from jaxserve.config import EngineConfig, InstanceShape, ModelConfig
 from jaxserve.engine import kv_budget, profile, scoring
 from jaxserve.cluster import pool_profile
 from jaxserve.cluster import lockstep
-from jaxserve.cluster.build import build, warmup
+from jaxserve.cluster.build import build, pool_context, warmup
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.engine.batch import Buckets
 from jaxserve.engine.engine import Engine, RequestOutput, TokenLogprob, token_logprobs
@@ -126,8 +126,13 @@ class LLM:
         logged with its numbers)."""
         sets, positions = self._context_sets(), self.config.max_position_embeddings
         pool = self._kv_tokens * sets
+        held = f"{sets} KV-parallel sets of {self._kv_tokens:,} tokens" if sets > 1 else f"{pool:,} tokens"
+        layout = self.engine_config.parallel
+        if layout.prefill_instances and (stores := pool_context(layout, self._kv_tokens,
+                                                                self.engine_config.cache.key_block)) is not None:
+            pool = min(pool, stores)
+            held += f", the prefill pool {stores:,} ({layout.prefill_instances} instances' history stores)"
         if asked is not None and asked > min(pool, positions):
-            held = f"{sets} KV-parallel sets of {self._kv_tokens:,} tokens" if sets > 1 else f"{pool:,} tokens"
             logging.warning("max_model_len %d cut to %d: the model has %d positions, the KV pool holds %s", asked,
                             min(pool, positions), positions, held)
         return min(asked or positions, pool, positions)
@@ -252,7 +257,7 @@ class LLM:
                                           layout.prefill_instances,
                                           layout.node_size, layout.tp, self.max_model_len, key_block))
         cluster = build(self.config, self._params, layout, lambda ds: self.make_engine(ds, progress), path,
-                        capacity=self.max_model_len, dtype=self._dtype, key_block=key_block, progress=progress,
+                        capacity=self.max_model_len, store_tokens=self._kv_tokens, dtype=self._dtype, key_block=key_block, progress=progress,
                         new=self._new, kv_cache_dtype=self.engine_config.cache.kv_cache_dtype)
         warmup(cluster, self.max_model_len, progress)
         return cluster

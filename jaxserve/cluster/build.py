@@ -19,13 +19,15 @@ from jaxserve.cluster.tetriinfer import TetriInferCluster
 from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sp_prefill import SPPrefill, next_power_of_two
-from jaxserve.sched.cdsp import CDSPPlanner, Pool, planner_groups
+from jaxserve.sched.cdsp import CDSPPlanner, Pool, Stores, planner_groups
 from jaxserve.sched.cluster import ClusterScheduler
 from jaxserve.sched.decode_dispatch import ObservedLengths
 from jaxserve.sched.esp import ESPScheduler, aligned_groups
 from jaxserve.sched.flip import FlipPolicy
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler
 from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill
+
+MIN_LOCAL = 64  # the pool's smallest per-instance chunk bucket
 
 
 def devices_needed(layout: ParallelConfig) -> int:
@@ -68,6 +70,14 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
                          f"--prefill_instances must be powers of two, got {powers}")
 
 
+def pool_context(layout: ParallelConfig, store_tokens: int, key_block: int) -> int | None:
+    """The longest prompt a CDSP pool's history stores of store_tokens each hold together, spread over its
+    instances (None for the other policies, whose stores hold a whole prompt)."""
+    if layout.cluster_policy != "cdsp":
+        return None
+    return Stores(-(-store_tokens // key_block) * key_block, MIN_LOCAL).longest(layout.prefill_instances)
+
+
 def pool_of(layout: ParallelConfig) -> Pool:
     """The prefill pool as the planner sees it: `node_size` instances to a node."""
     return Pool(layout.prefill_instances // layout.node_size, layout.node_size)
@@ -91,10 +101,10 @@ def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> in
 
 
 def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.Device]], Engine],
-          prefill_cost: TetrisPrefill | LoongServePrefill | pathlib.Path, *, capacity: int, dtype=jnp.float32,
-          kv_cache_dtype: str = "auto",
+          prefill_cost: TetrisPrefill | LoongServePrefill | pathlib.Path, *, capacity: int,
+          store_tokens: int | None = None, dtype=jnp.float32, kv_cache_dtype: str = "auto",
           sizes: Sequence[int] | None = None, improvement_rate: float = 0.1,
-          dispatch: str = "freeness", key_block: int = 256, min_local: int = 64,
+          dispatch: str = "freeness", key_block: int = 256, min_local: int = MIN_LOCAL,
           devices: Sequence[jax.Device] | None = None, progress: bool = True,
           new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
     """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool), tetriinfer (each pool
@@ -103,7 +113,9 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     model): the planner's model, or the file to load it from (measured on this pool and written there first if
     it does not exist). sizes: the
     SP sizes chunks may use (default: the fitted ones, or the powers of two from a node to the pool when
-    measuring). new: makes the device-layer objects (across processes: lockstep.Leader.new)."""
+    measuring). capacity: the longest prompt; store_tokens: what a CDSP pool instance's history store holds (its
+    device's KV budget; default: capacity), a prompt's history spread over its chunks' groups (pool_context).
+    new: makes the device-layer objects (across processes: lockstep.Leader.new)."""
     devices = list(devices or jax.devices())
     check_layout(layout, len(devices))
     tp, first = layout.tp, layout.prefill_instances * layout.tp
@@ -111,7 +123,7 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     # than a chunk each (a power of two), the pieces between fill theirs. An ESP prompt is one chunk: on one
     # instance, it fills a power-of-two bucket
     rows = {"tetriinfer": capacity + 2 * layout.prefill_chunk,
-            "esp": next_power_of_two(capacity)}.get(layout.cluster_policy, capacity)
+            "esp": next_power_of_two(capacity)}.get(layout.cluster_policy, min(capacity, store_tokens or capacity))
     flips = bool(layout.flip_window)
     if flips:  # every instance may prefill and decode: a store and an engine on each
         first = (layout.prefill_instances + layout.decode_instances) * tp
@@ -149,6 +161,6 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         groups = {s: tuple(devices[i * tp].id for i in g) for s, g in first_group.items()}
         prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
     planner = CDSPPlanner(prefill_cost, pool_of(layout), improvement_rate, sizes=sizes,
-                          min_chunk=layout.min_chunk)
+                          min_chunk=layout.min_chunk, stores=sp.room)
     scheduler = ClusterScheduler(planner, pool_ids, dispatch, ObservedLengths())
     return ClusterEngine(sp, scheduler, decoders, mover)

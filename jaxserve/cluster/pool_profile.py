@@ -34,7 +34,10 @@ def grid(sp: SPPrefill, size: int, max_tokens: int) -> list[tuple[int, int]]:
     full = [size * b for b in sp.buckets(size, max_tokens // 2)]
     small, mid, large = full[0], full[len(full) // 2], full[-1]
     points = [(small, 0), (mid, 0), (large, 0)]
-    points += [(n, max_tokens - n) for n in (small, large) if max_tokens - n > 0]
+    for n in (small, large):  # the history as long as the group's stores leave room for the chunk
+        h = min(max_tokens - n, size * (sp.cap - sp.local_bucket(size, n)))
+        if h > 0:
+            points.append((n, h))
     return sorted(set(points))
 
 
@@ -45,8 +48,15 @@ def time_chunk(sp: SPPrefill, group: Group, tokens: int, history: int, repeats: 
     for _ in range(repeats + 1):
         sp.claim(_RID, group)
         try:
+            done = 0
+            while done < history:  # in chunks that fill the stores' room (one may not hold it all)
+                n = min(history - done, sp.room.largest(len(group), done))
+                if n < 1:
+                    raise ValueError(f"{history} history tokens do not fit {len(group)} stores of {sp.cap} rows")
+                sp.run_chunk(_RID, group, [1] * n, done, _GREEDY, 0).token()
+                done += n
             if history:
-                sp.run_chunk(_RID, group, [1] * history, 0, _GREEDY, 0).token()
+                sp.rebalance(_RID, group)  # even shares, as before a planned chunk
             start = time.perf_counter()
             sp.run_chunk(_RID, group, [1] * tokens, history, _GREEDY, 0).token()
             times.append(time.perf_counter() - start)
@@ -60,7 +70,7 @@ def measure(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, repeats: i
     """Fit Eq. (1) per SP size from chunks timed on one group of that size (groups: size -> instance ids)."""
     work = [(size, n, h) for size in sorted(groups) for n, h in grid(sp, size, max_tokens)]
     for size, n, h in work:  # compile every program first: the timings must not include it
-        for t in (n, h):
+        for t in (n, min(h, sp.room.largest(size, 0))):
             if t:
                 sp.program(groups[size], sp.local_bucket(size, t))
     samples = [(size, (n, h), time_chunk(sp, groups[size], n, h, repeats))

@@ -36,6 +36,7 @@ from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import Llama
 from jaxserve.pallas_kernels.dispatch import Implementation
 from jaxserve.pallas_kernels.reference import NO_POSITION
+from jaxserve.sched.cdsp import Stores
 from jaxserve.sharding import csa, layouts, processes, rebalance, rows, tp as tensor_parallel
 from jaxserve.sharding.mesh import SP, TP, make_mesh
 from jaxserve.sharding.ring import StoreMetadata, StoreRingBackend
@@ -106,6 +107,7 @@ class SPPrefill:
         self.kv_dtype = cache_dtype(dtype, devices[0].platform, kv_cache_dtype)  # the stores'
         self.min_local, self.implementation = max(min_local, 2), implementation
         self.cap = -(-capacity // key_block) * key_block
+        self.room = Stores(self.cap, self.min_local)  # what the planner places chunks by
         self.instances = {devices[i].id: tuple(devices[i:i + tp]) for i in range(0, len(devices), tp)}
         params, self._specs = tensor_parallel.shard_params(params, cfg, tp)
         self.share = cfg.split(tp)
@@ -125,11 +127,11 @@ class SPPrefill:
     # ---- shapes ---------------------------------------------------------------------------------------------
     def local_bucket(self, sp: int, tokens: int) -> int:
         """Per-device rows of a chunk of `tokens` on `sp` devices: a power of two (zigzag: even)."""
-        return max(self.min_local, next_power_of_two(-(-tokens // sp)))
+        return self.room.local(sp, tokens)
 
     def buckets(self, sp: int, max_tokens: int) -> list[int]:
-        """Every local bucket a chunk of up to max_tokens on sp devices can use."""
-        top = self.local_bucket(sp, max_tokens)
+        """Every local bucket a chunk of up to max_tokens on sp devices can use (none past a store)."""
+        top = min(self.local_bucket(sp, max_tokens), self.cap)
         return [b for b in (self.min_local << i for i in range(top.bit_length())) if b <= top]
 
     # ---- compiled steps -------------------------------------------------------------------------------------
@@ -224,7 +226,8 @@ class SPPrefill:
         stores = [self.stores[i] for i in group]
         for i, s in zip(group, stores):
             if s.fill + local > self.cap:
-                raise RuntimeError(f"instance {i}'s history store is full ({self.cap} rows)")
+                raise RuntimeError(f"instance {i}'s history store cannot take a chunk of {local} rows after the "
+                                   f"{s.fill} it holds ({self.cap} rows; the planner places chunks within them)")
         sharding = NamedSharding(self._mesh(group), P(SP))
         put = lambda x: jax.device_put(x, sharding)  # noqa: E731
         fill = np.array([s.fill for s in stores], np.int32)
@@ -253,9 +256,13 @@ class SPPrefill:
                 old.shape, old.sharding, [new[d] for d in self.instances[i] if d in new],  # this process's
                 dtype=old.dtype)
             s.k, s.v = own(new_k, s.k), own(new_v, s.v)
-            s.pos[s.fill:s.fill + local] = k_pos[j * local:(j + 1) * local]
-            written[i] = (s.fill, s.fill + local)
-            s.fill += local
+            mine = k_pos[j * local:(j + 1) * local]
+            s.pos[s.fill:s.fill + local] = mine
+            # each layout gives a device its valid rows first: the padding after them is free for the next write
+            valid = int(np.count_nonzero(mine != NO_POSITION))
+            kept = valid if (mine[valid:] == NO_POSITION).all() else local
+            written[i] = (s.fill, s.fill + kept)
+            s.fill += kept
         return ChunkRun(processes.read_later(out, owner), written)
 
     # ---- moving history -------------------------------------------------------------------------------------

@@ -86,6 +86,35 @@ def planner_groups(pool: Pool, sizes: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Stores:
+    """Each prefill instance's history store (engine/sp_prefill.py): `rows` rows, sized by the device's KV budget.
+    Before a chunk the request's history is spread evenly over the chunk's group, and the chunk writes its bucket
+    of rows (a power of two per instance, at least min_local) after it; its padding rows are reclaimed after."""
+
+    rows: int
+    min_local: int = 16
+
+    def local(self, sp: int, tokens: int) -> int:
+        """Per-instance rows of a chunk of `tokens` on sp instances (its bucket)."""
+        return max(self.min_local, 1 << max(-(-tokens // sp) - 1, 0).bit_length())
+
+    def fits(self, sp: int, tokens: int, history: int) -> bool:
+        return -(-history // sp) + self.local(sp, tokens) <= self.rows
+
+    def largest(self, sp: int, history: int) -> int:
+        """The most tokens a chunk on sp instances after `history` may have (0: none fits)."""
+        room = self.rows - -(-history // sp)
+        return sp * (1 << (room.bit_length() - 1)) if room >= self.min_local else 0
+
+    def longest(self, sp: int) -> int:
+        """The longest prompt sp instances hold, in chunks each filling the room left."""
+        done = 0
+        while n := self.largest(sp, done):
+            done += n
+        return done
+
+
 # a chunk before its times are filled in: (group, tokens, history, the group holding the history)
 Step = tuple["_Group", int, int, "_Group"]
 
@@ -188,12 +217,13 @@ def _chunks_for(coef: Coef, h: int, start: float, ends: Sequence[float], balance
 class CDSPPlanner:
     def __init__(self, model: TetrisPrefill, pool: Pool, improvement_rate: float = 0.1,
                  sizes: Sequence[int] | None = None, min_chunk: int = 1024, chunking: bool = True,
-                 balancing: Balancing | None = None):
+                 balancing: Balancing | None = None, stores: Stores | None = None):
         """sizes: candidate SP sizes (default: the fitted powers of two that fit the pool); min_chunk: a chunk
         smaller than this is not worth its own step; chunking=False gives request-level SP (Algorithm 2 only);
-        balancing: the cost of spreading history onto a larger group (default: free)."""
+        balancing: the cost of spreading history onto a larger group (default: free); stores: the instances'
+        history stores, which every chunk's group must hold (default: unbounded)."""
         self.pool, self.improvement_rate, self.min_chunk, self.chunking = pool, improvement_rate, min_chunk, chunking
-        self.model, self.balancing = model, balancing
+        self.model, self.balancing, self.stores = model, balancing, stores
         if balancing is not None and balancing.per_node != pool.per_node:
             raise ValueError(f"balancing assumes {balancing.per_node} instances a node, the pool has {pool.per_node}")
         self.sizes = sorted(sizes or [s for s in model.coefficients if s <= pool.size])
@@ -205,6 +235,13 @@ class CDSPPlanner:
 
     def latency(self, sp: int, n: int, h: int) -> float:
         return _latency(self._coef[sp], n, h)
+
+    def _fits(self, sp: int, n: int, h: int) -> bool:
+        return self.stores is None or self.stores.fits(sp, n, h)
+
+    def longest(self) -> int | None:
+        """The longest prompt the pool's stores hold (None: unbounded)."""
+        return None if self.stores is None else self.stores.longest(self.sizes[-1])
 
     def _balance(self, held: "_Group", group: "_Group", h: int) -> float:
         if self.balancing is None:
@@ -235,7 +272,7 @@ class CDSPPlanner:
         prev, held = prev or book.root, held or book.root
         best_end, best = 0.0, None
         for sp in self.sizes:  # every size fits the pool (checked at construction)
-            group = book.extend(prev, sp) if sp >= prev.sp else None
+            group = book.extend(prev, sp) if sp >= prev.sp and self._fits(sp, tokens, h) else None
             if group is None:
                 continue
             end = group.ready + chunk_seconds(self._coef[sp], tokens, h, self._balance(held, group, h))
@@ -255,9 +292,13 @@ class CDSPPlanner:
             raise ValueError(f"need one queue time per instance ({self.pool.size}), got shape {q.shape}")
         book = self._booking(np.maximum(q, 0.0))
         ttft, single = self._single_chunk(tokens, book)
-        steps: tuple[Step, ...] = ((single, tokens, 0, book.root),)
+        if single is None:  # no group's stores hold the prompt as one chunk: chunks that fill them
+            ttft, steps = self._filling(tokens, book)
+        else:
+            steps = ((single, tokens, 0, book.root),)
         if self.chunking:
-            sizes = [s for s in self.sizes if s <= single.sp]
+            limit = single.sp if single is not None else self.sizes[-1]
+            sizes = [s for s in self.sizes if s <= limit]
             coefs = [self._coef[s] for s in sizes]
             for first in range(len(sizes) - 1):
                 chained = self._chains(tokens, book, book.chain(sizes[first:]), coefs[first:], ttft)
@@ -265,6 +306,21 @@ class CDSPPlanner:
                     ttft, steps = chained
         # Chunks are built for the chosen plan only: the search itself runs on (group, tokens, history) steps
         return ChunkPlan(tuple(self._chunk(*step) for step in steps))
+
+    def _filling(self, tokens: int, book: "_Booking") -> tuple[float, tuple[Step, ...]]:
+        """The prompt in chunks on the largest group, each as long as its stores' room allows, or a ValueError
+        naming the numbers when even they cannot hold it."""
+        group, sp = book.extend(book.root, self.sizes[-1]), self.sizes[-1]
+        steps, done, end = [], 0, group.ready
+        while done < tokens:
+            n = min(tokens - done, self.stores.largest(sp, done))
+            if n < 1:
+                raise ValueError(f"a prompt of {tokens} tokens does not fit the prefill pool: {sp} instances hold "
+                                 f"{self.stores.longest(sp)} tokens at most ({self.stores.rows} history rows each)")
+            steps.append((group, n, done, group if done else book.root))
+            end += chunk_seconds(self._coef[sp], n, done)
+            done += n
+        return end, tuple(steps)
 
     def _chains(self, tokens: int, book: "_Booking", groups: list["_Group"], coefs: list[Coef],
                 bound: float) -> tuple[float, tuple[Step, ...]] | None:
@@ -291,11 +347,13 @@ class CDSPPlanner:
             coef, start, held = coefs[j], ready[j], groups[back[j]] if j else book.root
             if j:  # finish the prompt on a group extending G_j, its size chosen by Algorithm 2 for the rest
                 end, last = self._single_chunk(tokens - h, book, groups[j], h, held)
-                if end < bound:
+                if last is not None and end < bound:
                     bound, best, finish = end, j, last
-            # each chunk runs until a larger group's extra instances free up
+            # each chunk runs until a larger group's extra instances free up (at most what its stores hold)
             balance = self._balance(held, groups[j], h)
+            room = self.stores.largest(groups[j].sp, h) if self.stores is not None else math.inf
             for i, n in enumerate(_chunks_for(coef, h, start, ready[j + 1:], balance), j + 1):
+                n = min(n, room)
                 if min_chunk <= n < tokens - h and (done[i] is None or h + n > done[i]):
                     done[i], back[i] = h + n, j
         if not best:

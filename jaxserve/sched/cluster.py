@@ -7,7 +7,7 @@ sim/prefill_pool.py, sim/esp_cluster.py).
   true one); booked at once. TetriInfer (`queue`, 3.3.4): the prompt joins the prefill instance with the fewest
   prompt tokens left. ESP (`wait`, LoongServe): the prompt waits in arrival order.
 - Prefill work, by policy. CDSP (`schedule`, live): the chunks that can start now, in booked order, on free and
-  disjoint groups; a request's history moves to a larger group before its chunk (a rebalance). TetriInfer
+  disjoint groups; a request's history is spread evenly over each later chunk's group first (a rebalance). TetriInfer
   (`next_chunk`): each prefill instance's next fixed-size chunk (sched/prefill_batches.py). ESP
   (`elastic_batches`): the waiting prompts admitted, allocated elastic instances and batched (sched/esp.py).
 - Decode dispatch (`dispatch`): by freeness or power of two, from the predicted decode length.
@@ -143,8 +143,9 @@ class ClusterScheduler:
 
     def schedule(self) -> Plan:
         """The chunks that start now: each request's next chunk, in booked order, where its devices are free of
-        every chunk running or booked before it (groups disjoint). A chunk on other devices than the history's
-        comes with its rebalance move."""
+        every chunk running or booked before it (groups disjoint). A chunk after the first comes with its
+        rebalance move: the history spread evenly over the chunk's group (onto a larger group, or evened out on
+        the same one: the stores' room is planned for even shares, Stores)."""
         taken = {d for p in self._prefills.values() if p.started > p.done for d in p.chunks[p.done].group}
         pending = sorted((p for p in self._prefills.values() if p.started == p.done),
                          key=lambda p: (p.arrival + p.chunks[p.done].start, p.arrival))
@@ -152,7 +153,7 @@ class ClusterScheduler:
         for p in pending:
             c = p.chunks[p.done]
             if not set(c.group) & taken:
-                if p.group and p.group != c.group:
+                if p.group:
                     moves.append(KVMove(p.request_id, p.group, c.group, c.history, "rebalance"))
                 items.append(WorkItem(p.request_id, c.history, c.history + c.tokens, Phase.PREFILL, c.group,
                                       len(c.group), chunk_index=p.done, history=c.history))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-from jaxserve.sched.cdsp import Balancing, CDSPPlanner, FixedSPPlanner, Pool, _chunks_for, chunk_seconds
+from jaxserve.sched.cdsp import Balancing, CDSPPlanner, FixedSPPlanner, Pool, Stores, _chunks_for, chunk_seconds
 from jaxserve.sched.profiles import network, tetris_table1_samples
 
 
@@ -210,3 +210,39 @@ def test_bad_inputs_are_errors():
         planner.plan(1000, np.zeros(3))
     with pytest.raises(ValueError, match="at least one token"):
         planner.plan(0, np.zeros(16))
+
+
+def test_stores_room_and_the_longest_prompt_they_hold():
+    stores = Stores(rows=2048, min_local=64)
+    assert stores.local(4, 7000) == 2048 and stores.fits(4, 7000, 0) and not stores.fits(2, 7000, 0)
+    assert not stores.fits(4, 6000, 1024)  # 256 history rows + a 2,048-row bucket
+    assert stores.largest(4, 0) == 4 * 2048 and stores.largest(4, 1024) == 4 * 1024
+    assert stores.largest(4, 4 * 2048 - 4 * 63) == 0  # 63 rows left: under the smallest bucket
+    assert stores.longest(4) == 4 * 2048
+    assert Stores(rows=3000, min_local=64).longest(2) == 2 * (2048 + 512 + 256 + 128)  # then 56 rows: too few
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_planned_chunk_fits_the_stores_of_its_group(seed):
+    """Stores smaller than the prompt's context on one instance: every chunk, after its history spread evenly over
+    its group, fits each instance's store; the chunks cover the prompt in order; a prompt no group could hold is
+    refused with the numbers. Stores that hold everything plan as no stores do."""
+    rng = np.random.default_rng(seed)
+    rows = int(rng.choice([4 * K, 8 * K, 16 * K]))
+    stores = Stores(rows=rows, min_local=64)
+    planner = CDSPPlanner(MODEL, POOL, improvement_rate=float(rng.choice([0.0, 0.1])), stores=stores)
+    queues = rng.uniform(0, 3, POOL.size) * rng.integers(0, 2, POOL.size)
+    longest = planner.longest()
+    assert longest == stores.longest(16) <= 16 * rows
+    tokens = int(rng.integers(1, longest + 1))
+    plan = planner.plan(tokens, queues)
+    done = 0
+    for c in plan.chunks:
+        assert c.history == done and stores.fits(c.sp, c.tokens, c.history), (c, rows)
+        done += c.tokens
+    assert done == tokens
+    with pytest.raises(ValueError, match=rf"a prompt of {longest + 1} tokens does not fit .* 16 instances hold "
+                                         rf"{longest} tokens at most \({rows} history rows each\)"):
+        planner.plan(longest + 1, queues)
+    free = CDSPPlanner(MODEL, POOL, improvement_rate=planner.improvement_rate, stores=Stores(rows=1 << 30))
+    assert free.plan(tokens, queues) == CDSPPlanner(MODEL, POOL, planner.improvement_rate).plan(tokens, queues)
