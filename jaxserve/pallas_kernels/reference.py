@@ -128,9 +128,9 @@ def tiled_paged_attention(
     n, tq, h, d = q.shape
     kvh = k_cache.shape[-2]
     g = h // kvh
-    pages = key_block // block_size
     keys = max(TILE_KEYS if tq > 1 else ONE_ROW_KEYS if n == 1 else DECODE_KEYS, block_size)
-    pages = max(p for p in range(1, pages + 1) if pages % p == 0 and p * block_size <= keys)  # divides key_block
+    width = tables.shape[1]  # a multiple of key_block's pages: a step that divides it never reads past the table
+    pages = max(p for p in range(1, width + 1) if width % p == 0 and p * block_size <= keys)
     # [n, kvh, g*tq, d]: each KV head's query group and tokens as one matrix (row r is token r % tq)
     qg = (q.astype(jnp.float32) * d**-0.5).reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
     rows_pos = jnp.tile(q_pos, (1, g))[:, None, :, None]  # [n, 1, g*tq, 1]

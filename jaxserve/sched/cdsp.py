@@ -292,10 +292,10 @@ class CDSPPlanner:
             raise ValueError(f"need one queue time per instance ({self.pool.size}), got shape {q.shape}")
         book = self._booking(np.maximum(q, 0.0))
         ttft, single = self._single_chunk(tokens, book)
-        if single is None:  # no group's stores hold the prompt as one chunk: chunks that fill them
-            ttft, steps = self._filling(tokens, book)
-        else:
-            steps = ((single, tokens, 0, book.root),)
+        # no group's stores hold the prompt as one chunk: chunks that fill them, unless a chain does better
+        filled = self._filling(tokens, book) if single is None else None
+        ttft = filled.ttft if filled else ttft
+        steps: tuple[Step, ...] = () if filled else ((single, tokens, 0, book.root),)
         if self.chunking:
             limit = single.sp if single is not None else self.sizes[-1]
             sizes = [s for s in self.sizes if s <= limit]
@@ -305,22 +305,23 @@ class CDSPPlanner:
                 if chained is not None:
                     ttft, steps = chained
         # Chunks are built for the chosen plan only: the search itself runs on (group, tokens, history) steps
-        return ChunkPlan(tuple(self._chunk(*step) for step in steps))
+        return ChunkPlan(tuple(self._chunk(*step) for step in steps)) if steps else filled
 
-    def _filling(self, tokens: int, book: "_Booking") -> tuple[float, tuple[Step, ...]]:
-        """The prompt in chunks on the largest group, each as long as its stores' room allows, or a ValueError
-        naming the numbers when even they cannot hold it."""
-        group, sp = book.extend(book.root, self.sizes[-1]), self.sizes[-1]
-        steps, done, end = [], 0, group.ready
+    def _filling(self, tokens: int, book: "_Booking") -> ChunkPlan:
+        """The prompt in chunks one after another on the largest group, each as long as its stores' room allows,
+        or a ValueError naming the numbers when even they cannot hold it."""
+        sp = self.sizes[-1]
+        largest = book.extend(book.root, sp)
+        chunks, done, end = [], 0, largest.ready
         while done < tokens:
             n = min(tokens - done, self.stores.largest(sp, done))
             if n < 1:
                 raise ValueError(f"a prompt of {tokens} tokens does not fit the prefill pool: {sp} instances hold "
                                  f"{self.stores.longest(sp)} tokens at most ({self.stores.rows} history rows each)")
-            steps.append((group, n, done, group if done else book.root))
-            end += chunk_seconds(self._coef[sp], n, done)
+            start, end = end, end + chunk_seconds(self._coef[sp], n, done)
+            chunks.append(Chunk(n, done, largest.members, start, end))
             done += n
-        return end, tuple(steps)
+        return ChunkPlan(tuple(chunks))
 
     def _chains(self, tokens: int, book: "_Booking", groups: list["_Group"], coefs: list[Coef],
                 bound: float) -> tuple[float, tuple[Step, ...]] | None:

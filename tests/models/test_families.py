@@ -72,6 +72,23 @@ def model_dir(request, tmp_path_factory, tokenizer):
     return family, tied, root
 
 
+def check_against(llm, ids: list[int], want: dict) -> None:
+    """The prompt's logprobs (chosen and top 5) and the greedy tokens against transformers' in the fixture."""
+    got = llm.prompt_logprobs(ids, k=5)[1:]
+    np.testing.assert_allclose([g.logprob for g in got], want["chosen"], atol=TOL)
+    for g, top_ids, top in zip(got, want["top_ids"], want["top"]):
+        theirs = dict(zip(top_ids, top))
+        for token, value in g.top:  # the same five, up to ties at the fifth
+            assert token not in theirs or abs(value - theirs[token]) < TOL
+        np.testing.assert_allclose([v for _, v in g.top], top, atol=TOL)
+    out = llm.generate([ids], SamplingParams(max_tokens=len(want["greedy"]), ignore_eos=True))[0]
+    for i, (a, b) in enumerate(zip(out.token_ids, want["greedy"])):
+        if a != b:  # a tie at float32 resolution may go either way; past it the outputs part
+            best, second = want["greedy_top2"][i]
+            assert best - second < TIE
+            break
+
+
 @pytest.mark.parametrize("source", ["safetensors", "gguf"])
 def test_logprobs_and_greedy_tokens_equal_transformers(model_dir, source, reference, monkeypatch, tmp_path):
     family, tied, root = model_dir
@@ -85,13 +102,7 @@ def test_logprobs_and_greedy_tokens_equal_transformers(model_dir, source, refere
     assert llm.config.sliding_window == (WINDOW if family in ("mistral", "phi3", "gemma3") else None)
     assert llm.config.per_layer == (family == "gemma3")
     assert llm.max_model_len == 256  # a sliding window does not cut the context
-    check_prompt(llm.prompt_logprobs(ids, k=5)[1:], want)
-    out = llm.generate([ids], SamplingParams(max_tokens=len(want["greedy"]), ignore_eos=True))[0]
-    for i, (a, b) in enumerate(zip(out.token_ids, want["greedy"])):
-        if a != b:  # a tie at float32 resolution may go either way; past it the outputs part
-            best, second = want["greedy_top2"][i]
-            assert best - second < TIE
-            break
+    check_against(llm, ids, want)
 
 
 @pytest.mark.parametrize("source", ["safetensors", "gguf"])
@@ -116,16 +127,6 @@ def test_phi3_longrope_past_the_original_context_as_transformers(tmp_path, token
     np.testing.assert_allclose(np.asarray(sin[0]), want["sin"], atol=tol)
 
 
-def check_prompt(got, want) -> None:
-    """prompt_logprobs(k=5)[1:] against a fixture's chosen and top-5 logprobs."""
-    np.testing.assert_allclose([g.logprob for g in got], want["chosen"], atol=TOL)
-    for g, top_ids, top in zip(got, want["top_ids"], want["top"]):
-        theirs = dict(zip(top_ids, top))
-        for token, value in g.top:  # the same five, up to ties at the fifth
-            assert token not in theirs or abs(value - theirs[token]) < TOL
-        np.testing.assert_allclose([v for _, v in g.top], top, atol=TOL)
-
-
 @pytest.mark.parametrize("source", ["safetensors", "gguf"])
 def test_yarn_past_the_original_context_equals_transformers(tmp_path, tokenizer, reference, source, monkeypatch):
     """Qwen2.5's YaRN as its model card adds it (max_position_embeddings left at the original 64 tokens here,
@@ -145,13 +146,7 @@ def test_yarn_past_the_original_context_equals_transformers(tmp_path, tokenizer,
     assert llm.config.yarn.original_context == YARN_ORIGINAL and llm.config.yarn.factor == YARN_FACTOR
     ids, want = reference["qwen2"]["yarn_ids"], reference["qwen2"]["yarn"]
     assert len(ids) > YARN_ORIGINAL
-    check_prompt(llm.prompt_logprobs(ids, k=5)[1:], want)
-    out = llm.generate([ids], SamplingParams(max_tokens=len(want["greedy"]), ignore_eos=True))[0]
-    for i, (a, b) in enumerate(zip(out.token_ids, want["greedy"])):
-        if a != b:  # a tie at float32 resolution may go either way; past it the outputs part
-            best, second = want["greedy_top2"][i]
-            assert best - second < TIE
-            break
+    check_against(llm, ids, want)
 
 
 @pytest.mark.parametrize("name", list(YARN_CONFIGS))

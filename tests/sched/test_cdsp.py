@@ -228,7 +228,7 @@ def test_every_planned_chunk_fits_the_stores_of_its_group(seed):
     its group, fits each instance's store; the chunks cover the prompt in order; a prompt no group could hold is
     refused with the numbers. Stores that hold everything plan as no stores do."""
     rng = np.random.default_rng(seed)
-    rows = int(rng.choice([4 * K, 8 * K, 16 * K]))
+    rows = int(rng.choice([3 * K, 4 * K, 6 * K, 16 * K]))  # not a power of two: no group may hold a long prompt whole
     stores = Stores(rows=rows, min_local=64)
     planner = CDSPPlanner(MODEL, POOL, improvement_rate=float(rng.choice([0.0, 0.1])), stores=stores)
     queues = rng.uniform(0, 3, POOL.size) * rng.integers(0, 2, POOL.size)
@@ -236,13 +236,23 @@ def test_every_planned_chunk_fits_the_stores_of_its_group(seed):
     assert longest == stores.longest(16) <= 16 * rows
     tokens = int(rng.integers(1, longest + 1))
     plan = planner.plan(tokens, queues)
-    done = 0
+    done, end = 0, -np.inf
     for c in plan.chunks:
         assert c.history == done and stores.fits(c.sp, c.tokens, c.history), (c, rows)
-        done += c.tokens
+        assert c.start >= end - 1e-12 and c.end > c.start  # one after another
+        done, end = done + c.tokens, c.end
     assert done == tokens
     with pytest.raises(ValueError, match=rf"a prompt of {longest + 1} tokens does not fit .* 16 instances hold "
                                          rf"{longest} tokens at most \({rows} history rows each\)"):
         planner.plan(longest + 1, queues)
     free = CDSPPlanner(MODEL, POOL, improvement_rate=planner.improvement_rate, stores=Stores(rows=1 << 30))
     assert free.plan(tokens, queues) == CDSPPlanner(MODEL, POOL, planner.improvement_rate).plan(tokens, queues)
+
+
+def test_a_prompt_no_group_holds_whole_fills_the_largest_groups_stores_in_turn():
+    """3K rows an instance: 40K tokens on 16 instances need buckets of 4K rows as one chunk, so the prompt runs as
+    chunks one after another on all 16, each the largest the room left allows."""
+    stores = Stores(rows=3 * K, min_local=64)
+    plan = CDSPPlanner(MODEL, POOL, stores=stores, chunking=False).plan(40 * K, np.zeros(16))
+    assert [c.tokens for c in plan.chunks] == [32 * K, 8 * K] and {c.sp for c in plan.chunks} == {16}
+    assert plan.chunks[1].start == plan.chunks[0].end
