@@ -32,7 +32,7 @@ from jaxserve.sched.step_shapes import StepShapes
 # steps are timed with the drawing sampler (a batch of greedy rows runs the cheaper argmax alone): priced so, a
 # step of sampled rows stays within the budget
 _DRAWN = SamplingParams(max_tokens=1, temperature=1.0)
-VERSION = 10  # of the step and of how it is measured: a change to either must not load an older profile
+VERSION = 11  # of the step and of how it is measured: a change to either must not load an older profile
 LONG = 2048  # tokens of context at the long points
 
 
@@ -137,7 +137,8 @@ def cache_file(model_name: str, dtype: str, shape: str, version: int) -> pathlib
 
 def default_path(model_name: str, dtype: str, runner: ModelRunner) -> pathlib.Path:
     b = runner.buckets
-    shape = (f"t{b.tokens[-1]}-r{b.rows[-1]}-p{b.max_prefills}-w{b.width}-bs{runner.block_size}-kb{runner.key_block}"
+    shape = (f"t{b.tokens[-1]}-r{b.rows[-1]}-p{b.max_prefills}-w{b.width}-tile{b.tile}-bs{runner.block_size}"
+             f"-kb{runner.key_block}"
              f"-tp{runner.tp}" + (f"-pp{runner.stages}" if runner.stages > 1 else "")
              + (f"-kvp{runner.kvp}" if runner.kvp > 1 else ""))
     return cache_file(model_name, dtype, shape, VERSION)

@@ -9,6 +9,7 @@ output 0 and log-sum-exp -inf, which is what `merge_attention` expects of an emp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -96,10 +97,14 @@ def paged_decode_attention(
     return jax.vmap(one)(q, slots, kv_lens)
 
 
-# keys tiled_paged_attention reads a loop step (at most key_block): fewer than the GPU kernel's, so a step's
-# scores stay in a CPU core's cache, and a decode reads few keys past its context. A lone decode row reads more:
-# its steps cost more than its keys (SmolLM2's one-row decode step at 500 tokens: 19.2-19.4 ms, 19.9-20.3 at 32)
+# keys tiled_paged_attention reads a loop step where queries and keys meet (the causal edge): few, so a decode
+# reads few keys past its context and a step's scores stay in a CPU core's cache. A lone decode row reads more:
+# its steps cost more than its keys (docs/BENCHMARKS.md, "Generation vs Hugging Face transformers").
 DECODE_KEYS, ONE_ROW_KEYS, TILE_KEYS = 32, 128, 64
+# Keys before every query of a loop's rows are all visible: there a step reads HISTORY_KEYS, a GEMM of hundreds
+# of keys (a long chunk's history, a long decode's context), and TILE_GROUP prefill tiles (32 tokens each) go
+# together, so a long chunk runs as few large products, not many small ones (docs/BENCHMARKS.md, "Long contexts").
+HISTORY_KEYS, TILE_GROUP = 1024, 8
 
 
 def tiled_paged_attention(
@@ -119,34 +124,49 @@ def tiled_paged_attention(
     (never visible). Softmax in float32 whatever the cache dtype. Returns the output (0 where no key is visible)
     and its float32 log-sum-exp (-inf there).
 
-    Decode tiles (one token) run together, as far as the longest context among them: on a 2-core CPU, 16 rows
-    at 96 tokens took 0.5 ms a layer together, 1.0 ms one row at a time. Longer tiles run one
-    after another, each to its own last position (a padding tile runs none): a 512-token chunk's tiles took
-    9.3 against 18.8 ms a layer without history, 21.5 against 36.3 ms after 512 tokens. The loop reads fewer
-    keys a step than key_block: DECODE_KEYS for decode tiles (ONE_ROW_KEYS for one), TILE_KEYS for the others.
-    Pages are gathered whole (a block_size x kvh x d piece each)."""
+    Decode tiles (one token) run together, as far as the longest context among them (on a 2-core CPU faster than
+    one row at a time). Longer tiles run TILE_GROUP at a time, one group after another, each group to its own
+    last position (a group of padding tiles runs none). Each loop reads the keys every query of its rows sees
+    HISTORY_KEYS a step, then the rest (the causal edge) DECODE_KEYS a step for decode tiles (ONE_ROW_KEYS for
+    one), TILE_KEYS for the others. Pages are gathered whole (a block_size x kvh x d piece each)."""
     n, tq, h, d = q.shape
     kvh = k_cache.shape[-2]
     g = h // kvh
-    keys = max(TILE_KEYS if tq > 1 else ONE_ROW_KEYS if n == 1 else DECODE_KEYS, block_size)
     width = tables.shape[1]  # a multiple of key_block's pages: a step that divides it never reads past the table
-    pages = max(p for p in range(1, width + 1) if width % p == 0 and p * block_size <= keys)
+
+    def pages_for(keys: int, unit: int = 1) -> int:
+        """Pages a loop step reads: the most (a multiple of unit, dividing the width) within `keys` keys."""
+        keys = max(keys, unit * block_size)
+        return max(p for p in range(unit, width + 1, unit) if width % p == 0 and p * block_size <= keys)
+    edge = pages_for(TILE_KEYS if tq > 1 else ONE_ROW_KEYS if n == 1 else DECODE_KEYS)
     # [n, kvh, g*tq, d]: each KV head's query group and tokens as one matrix (row r is token r % tq)
     qg = (q.astype(jnp.float32) * d**-0.5).reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
     rows_pos = jnp.tile(q_pos, (1, g))[:, None, :, None]  # [n, 1, g*tq, 1]
     k_pages, v_pages = (c.reshape(-1, block_size, kvh, d) for c in (k_cache, v_cache))
-    attend = functools.partial(_online_softmax, k_pages=k_pages, v_pages=v_pages, pages=pages, window=window)
-    if tq == 1:
-        m, l, acc = attend(qg, rows_pos, tables, jnp.max(q_pos))
-    else:
-        def tile(i, carry):
-            one = [jax.lax.dynamic_slice_in_dim(x, i, 1) for x in (qg, rows_pos, tables)]
-            return [jax.lax.dynamic_update_slice_in_dim(x, y, i, 0)
-                    for x, y in zip(carry, attend(*one, jnp.max(q_pos[i])))]
+    # the history's steps a multiple of the edge's, so that the edge's loop starts where the history's ended
+    loops = _Loops(k_pages, v_pages, pages_for(HISTORY_KEYS, edge), edge, window)
+    if tq == 1:  # decode rows together: the keys they all see, then to the longest context
+        carry, first = loops.history(qg, rows_pos, tables, jnp.max(q_pos))
+        m, l, acc = loops.edge(qg, rows_pos, tables, jnp.max(q_pos), first, carry)
+    else:  # tiles a group at a time over the keys the whole group sees, then each tile to its own last position
+        group = max(k for k in range(1, TILE_GROUP + 1) if n % k == 0)
+        last = jnp.max(q_pos, axis=1)
 
-        m, l, acc = jax.lax.fori_loop(0, n, tile, [jnp.zeros((n, kvh, g * tq), jnp.float32),
-                                                   jnp.zeros((n, kvh, g * tq), jnp.float32),
-                                                   jnp.zeros((n, kvh, g * tq, d), jnp.float32)])
+        def one_group(i, state):
+            rows = [jax.lax.dynamic_slice_in_dim(x, i * group, group) for x in (qg, rows_pos, tables)]
+            carry, first = loops.history(*rows, jnp.max(jax.lax.dynamic_slice_in_dim(last, i * group, group)))
+            return ([jax.lax.dynamic_update_slice_in_dim(x, y, i * group, 0) for x, y in zip(state[0], carry)],
+                    jax.lax.dynamic_update_slice_in_dim(state[1], jnp.full(group, first), i * group, 0))
+
+        history, first = jax.lax.fori_loop(0, n // group, one_group,
+                                           (_Loops.empty(n, kvh, g * tq, d), jnp.zeros(n, jnp.int32)))
+
+        def one_tile(i, out):  # reads `history`, writes `out`: no buffer both read and written in the loop
+            mine = [jax.lax.dynamic_slice_in_dim(x, i, 1) for x in (qg, rows_pos, tables, *history)]
+            return [jax.lax.dynamic_update_slice_in_dim(x, y, i, 0)
+                    for x, y in zip(out, loops.edge(*mine[:3], last[i], first[i], mine[3:]))]
+
+        m, l, acc = jax.lax.fori_loop(0, n, one_tile, _Loops.empty(n, kvh, g * tq, d))
     seen = l > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -154,40 +174,63 @@ def tiled_paged_attention(
     return out.astype(q.dtype), lse.reshape(n, kvh, g, tq).transpose(0, 3, 1, 2).reshape(n, tq, h)
 
 
-def _online_softmax(
-    qg: Float[Array, "n kvh r d"],
-    rows_pos: Int[Array, "n 1 r 1"],
-    tables: Int[Array, "n w"],
-    last: Int[Array, ""],
-    *,
-    k_pages: Float[Array, "pages bs kvh d"],
-    v_pages: Float[Array, "pages bs kvh d"],
-    pages: int,
-    window: int | None,
-) -> tuple[Float[Array, "n kvh r"], Float[Array, "n kvh r"], Float[Array, "n kvh r d"]]:
-    """The running max, sum and unnormalised output of the tiles' scaled queries over their pages, `pages`
-    pages a loop step, from the first block a query sees (first_block) as far as position `last` (none when it
-    is -1)."""
-    n, kvh, r, d = qg.shape
-    block_size = k_pages.shape[1]
-    key_block = pages * block_size
+@dataclasses.dataclass(frozen=True)
+class _Loops:
+    """The online softmax's two key loops over pages: `pages` a step over the keys every query of the rows sees
+    (their history), then `edge_pages` a step (a divisor of pages) from there to the rows' last position."""
 
-    def body(j, carry):
-        m, l, acc = carry
-        blk = jax.lax.dynamic_slice_in_dim(tables, j * pages, pages, axis=1)  # [n, pages]
-        here = jnp.repeat(blk >= 0, block_size, axis=1)[:, None, None, :]  # [n, 1, 1, kb]
-        k, v = (c[jnp.maximum(blk, 0)].reshape(n, key_block, kvh, d).astype(jnp.float32) for c in (k_pages, v_pages))
-        s = jnp.einsum("nhrd,nkhd->nhrk", qg, k)  # [n, kvh, r, kb]
-        seen = visible(j * key_block + jnp.arange(key_block), rows_pos, window) & here
-        s = jnp.where(seen, s, _NEG)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)  # a row with no key yet must not count masked ones
-        scale = jnp.exp(m - m_new)
-        return m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.einsum("nhrk,nkhd->nhrd", p, v)
+    k_pages: Float[Array, "pages bs kvh d"]
+    v_pages: Float[Array, "pages bs kvh d"]
+    pages: int
+    edge_pages: int
+    window: int | None
 
-    init = (jnp.full((n, kvh, r), _NEG, jnp.float32), jnp.zeros((n, kvh, r), jnp.float32),
-            jnp.zeros((n, kvh, r, d), jnp.float32))
-    return jax.lax.fori_loop(first_block(rows_pos, window, key_block), (last + key_block) // key_block, body, init)
+    @staticmethod
+    def empty(n: int, kvh: int, r: int, d: int) -> list[Array]:
+        """The carry before any key: running max, sum and unnormalised output."""
+        return [jnp.full((n, kvh, r), _NEG, jnp.float32), jnp.zeros((n, kvh, r), jnp.float32),
+                jnp.zeros((n, kvh, r, d), jnp.float32)]
+
+    def history(self, qg, rows_pos, tables, last) -> tuple[list[Array], Int[Array, ""]]:
+        """The carry over the whole history steps below the earliest query (from the first block any query sees),
+        and the edge step the rest starts at."""
+        n, kvh, r, d = qg.shape
+        big = self.pages * self.k_pages.shape[1]
+        earliest = jnp.min(jnp.where(rows_pos >= 0, rows_pos, jnp.iinfo(jnp.int32).max))
+        start = first_block(rows_pos, self.window, big)
+        split = jnp.maximum(jnp.minimum(earliest, last + 1) // big, start)
+        empty = self.empty(n, kvh, r, d)
+        carry = jax.lax.cond(split > start, lambda: self._loop(qg, rows_pos, tables, self.pages, start, split, empty),
+                             lambda: empty)
+        return carry, split * (self.pages // self.edge_pages)
+
+    def edge(self, qg, rows_pos, tables, last, first, carry) -> list[Array]:
+        """The carry after the edge steps from `first` to position `last` (none when it is -1)."""
+        edge = self.edge_pages * self.k_pages.shape[1]
+        first = jnp.maximum(first, first_block(rows_pos, self.window, edge))
+        return self._loop(qg, rows_pos, tables, self.edge_pages, first, (last + edge) // edge, carry)
+
+    def _loop(self, qg, rows_pos, tables, pages: int, lo, hi, carry) -> list[Array]:
+        """The carry after key blocks [lo, hi) of `pages` pages each."""
+        n, kvh, r, d = qg.shape
+        block_size = self.k_pages.shape[1]
+        key_block = pages * block_size
+
+        def body(j, carry):
+            m, l, acc = carry
+            blk = jax.lax.dynamic_slice_in_dim(tables, j * pages, pages, axis=1)  # [n, pages]
+            here = jnp.repeat(blk >= 0, block_size, axis=1)[:, None, None, :]  # [n, 1, 1, kb]
+            k, v = (c[jnp.maximum(blk, 0)].reshape(n, key_block, kvh, d).astype(jnp.float32)
+                    for c in (self.k_pages, self.v_pages))
+            s = jnp.einsum("nhrd,nkhd->nhrk", qg, k)  # [n, kvh, r, kb]
+            seen = visible(j * key_block + jnp.arange(key_block), rows_pos, self.window) & here
+            s = jnp.where(seen, s, _NEG)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)  # a row with no key yet must not count masked
+            scale = jnp.exp(m - m_new)
+            return [m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.einsum("nhrk,nkhd->nhrd", p, v)]
+
+        return jax.lax.fori_loop(lo, hi, body, carry)
 
 
 def first_block(pos: Int[Array, "..."], window: int | None, key_block: int) -> Int[Array, ""]:

@@ -106,6 +106,45 @@ def test_decode_rows_match_dense_across_the_loop_steps(position, window, rows):
         np.testing.assert_allclose(np.asarray(got[i]), want, **TOL)
 
 
+# keys every query of a loop's rows sees are read reference.HISTORY_KEYS a step, TILE_GROUP tiles together, then the
+# causal edge in small steps: tiles of a long chunk, a fresh prompt's and a padding tile grouped, decode rows far
+# apart, with and without a window, at the real step and at one small enough that short tables take many
+CASES = {  # (tile tokens, each tile's first position, its request): the first request's tiles are one chunk's
+    "a chunk": (8, [2500, 2508, 2516, 2524], [0, 0, 0, 0]),
+    "a chunk beside others": (8, [2500, 2508, 2516, 0, 1037, 1700], [0, 0, 0, 1, 2, 3]),
+    "decodes": (1, [2790, 2100, 1501], [0, 1, 2]),
+    "decodes far apart": (1, [2790, 5, 1100], [0, 1, 2]),
+    "one decode": (1, [2790], [0]),
+}
+
+
+@pytest.mark.parametrize("history_keys", [64, reference.HISTORY_KEYS])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("case", list(CASES))
+def test_long_histories_match_dense_across_both_loops(history_keys, window, case, monkeypatch):
+    monkeypatch.setattr(reference, "HISTORY_KEYS", history_keys)
+    tq, starts, requests = CASES[case]
+    rng = np.random.default_rng(history_keys + len(starts) + (window or 0))
+    bs, kvh, h, d, width = 16, 3, 9, 16, 192  # 3,072-token tables: many history steps of either size
+    n = len(starts) + (tq > 1)  # a padding tile last
+    tables = 1 + rng.permutation(4 * width).reshape(4, width)
+    k_cache, v_cache = (rng.standard_normal(((4 * width + 1) * bs, kvh, d)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((n, tq, h, d)).astype(np.float32)
+    pos = np.full((n, tq), -1)
+    for i, s in enumerate(starts):
+        pos[i] = s + np.arange(tq)
+    tile_tables = tables[requests + [0] * (n - len(starts))]
+    got, _ = reference.tiled_paged_attention(jnp.asarray(q), jnp.asarray(pos), jnp.asarray(k_cache),
+                                             jnp.asarray(v_cache), jnp.asarray(tile_tables), block_size=bs,
+                                             key_block=256, window=window)
+    for i in range(len(starts)):
+        slots = (tile_tables[i][:, None] * bs + np.arange(bs)).reshape(-1)
+        want = dense_reference(q[i].astype(np.float64), k_cache[slots].astype(np.float64),
+                               v_cache[slots].astype(np.float64), pos[i], pos[i, -1] + 1, window)
+        np.testing.assert_allclose(np.asarray(got[i]), want, **TOL)
+    assert not np.asarray(got[len(starts):]).any()  # the padding tile attends nothing
+
+
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_kernel_reads_a_narrower_cache_as_the_reference(cache_dtype):
     """--kv_cache_dtype: float32 queries over a bfloat16 or fp8 cache; both sides read the cache's exact values."""
