@@ -257,8 +257,9 @@ class LLM:
                                           layout.prefill_instances,
                                           layout.node_size, layout.tp, self.max_model_len, key_block))
         cluster = build(self.config, self._params, layout, lambda ds: self.make_engine(ds, progress), path,
-                        capacity=self.max_model_len, store_tokens=self._kv_tokens, dtype=self._dtype, key_block=key_block, progress=progress,
-                        new=self._new, kv_cache_dtype=self.engine_config.cache.kv_cache_dtype)
+                        capacity=self.max_model_len, store_tokens=self._kv_tokens, dtype=self._dtype,
+                        key_block=key_block, progress=progress, new=self._new,
+                        kv_cache_dtype=self.engine_config.cache.kv_cache_dtype)
         warmup(cluster, self.max_model_len, progress)
         return cluster
 

@@ -148,7 +148,8 @@ class LlamaConfig:
         kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
         context = int(cfg.get("max_position_embeddings", 2048))
         theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        original = (scaling or {}).get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        original = ((scaling or {}).get("original_max_position_embeddings")
+                    or cfg.get("original_max_position_embeddings"))
         if kind in ("longrope", "su"):
             long_rope = LongRoPE.make(scaling["short_factor"], scaling["long_factor"], original, context,
                                       scaling.get("attention_factor"))
