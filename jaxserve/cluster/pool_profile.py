@@ -35,7 +35,7 @@ def grid(sp: SPPrefill, size: int, max_tokens: int) -> list[tuple[int, int]]:
     small, mid, large = full[0], full[len(full) // 2], full[-1]
     points = [(small, 0), (mid, 0), (large, 0)]
     for n in (small, large):  # the history as long as the group's stores leave room for the chunk
-        h = min(max_tokens - n, size * (sp.cap - sp.local_bucket(size, n)))
+        h = min(max_tokens - n, sp.room.history_room(size, n))
         if h > 0:
             points.append((n, h))
     return sorted(set(points))
@@ -49,10 +49,7 @@ def time_chunk(sp: SPPrefill, group: Group, tokens: int, history: int, repeats: 
         sp.claim(_RID, group)
         try:
             done = 0
-            while done < history:  # in chunks that fill the stores' room (one may not hold it all)
-                n = min(history - done, sp.room.largest(len(group), done))
-                if n < 1:
-                    raise ValueError(f"{history} history tokens do not fit {len(group)} stores of {sp.cap} rows")
+            for n in sp.room.filling(len(group), history):  # in chunks: one store may not hold it all
                 sp.run_chunk(_RID, group, [1] * n, done, _GREEDY, 0).token()
                 done += n
             if history:

@@ -10,7 +10,6 @@ output 0 and log-sum-exp -inf, which is what `merge_attention` expects of an emp
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -99,13 +99,30 @@ class Stores:
         """Per-instance rows of a chunk of `tokens` on sp instances (its bucket)."""
         return max(self.min_local, 1 << max(-(-tokens // sp) - 1, 0).bit_length())
 
+    def history_room(self, sp: int, tokens: int) -> int:
+        """The most history tokens after which a chunk of `tokens` on sp instances still fits."""
+        return sp * (self.rows - self.local(sp, tokens))
+
     def fits(self, sp: int, tokens: int, history: int) -> bool:
-        return -(-history // sp) + self.local(sp, tokens) <= self.rows
+        return history <= self.history_room(sp, tokens)
 
     def largest(self, sp: int, history: int) -> int:
         """The most tokens a chunk on sp instances after `history` may have (0: none fits)."""
         room = self.rows - -(-history // sp)
         return sp * (1 << (room.bit_length() - 1)) if room >= self.min_local else 0
+
+    def filling(self, sp: int, tokens: int) -> list[int]:
+        """A prompt's chunks on sp instances, each as long as the room left allows, or a ValueError naming the
+        numbers when the stores cannot hold it."""
+        chunks, done = [], 0
+        while done < tokens:
+            n = min(tokens - done, self.largest(sp, done))
+            if n < 1:
+                raise ValueError(f"a prompt of {tokens} tokens does not fit the prefill pool: {sp} instances hold "
+                                 f"{self.longest(sp)} tokens at most ({self.rows} history rows each)")
+            chunks.append(n)
+            done += n
+        return chunks
 
     def longest(self, sp: int) -> int:
         """The longest prompt sp instances hold, in chunks each filling the room left."""
@@ -313,11 +330,7 @@ class CDSPPlanner:
         sp = self.sizes[-1]
         largest = book.extend(book.root, sp)
         chunks, done, end = [], 0, largest.ready
-        while done < tokens:
-            n = min(tokens - done, self.stores.largest(sp, done))
-            if n < 1:
-                raise ValueError(f"a prompt of {tokens} tokens does not fit the prefill pool: {sp} instances hold "
-                                 f"{self.stores.longest(sp)} tokens at most ({self.stores.rows} history rows each)")
+        for n in self.stores.filling(sp, tokens):
             start, end = end, end + chunk_seconds(self._coef[sp], n, done)
             chunks.append(Chunk(n, done, largest.members, start, end))
             done += n
