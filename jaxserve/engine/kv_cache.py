@@ -21,7 +21,9 @@ from jaxtyping import Array, Float, Int
 from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import LlamaConfig
 from jaxserve.pallas_kernels.dispatch import Implementation
+from jaxserve.pallas_kernels.paged_attention import held_pages
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxserve.pallas_kernels.reference import NO_POSITION
 from jaxserve.sharding.lse import merge_gathered
 from jaxserve.sharding.mesh import SP
 from jaxserve.sharding.rows import as_cache
@@ -62,10 +64,10 @@ class RaggedPagedBackend:
     window: int | None = None  # a sliding window's keys only (LlamaConfig.sliding_window)
 
     def __call__(self, q, k, v, positions, caches, layer, metadata: RaggedPagedMetadata):
-        slots, tables = metadata.slots, metadata.tables
+        slots, tables, page_pos = metadata.slots, metadata.tables, None
         k_all, v_all = caches
         if self.kvp > 1:
-            slots, tables = self._local(slots, tables)
+            slots, tables, page_pos = self._local(slots, tables)
         k_new, v_new = k[0], v[0]
         if slots.shape[0] == 1:
             # XLA rewrites a one-row scatter as a dynamic-update-slice, which it then fuses twice (once for the
@@ -83,7 +85,7 @@ class RaggedPagedBackend:
         out, lse = ragged_paged_attention(q[0], positions[0], k_all.reshape(flat), v_all.reshape(flat), tables,
                                           metadata.decode_token, metadata.tile_tokens, metadata.tile_row,
                                           block_size=self.block_size,
-                                          key_block=self.key_block, window=self.window,
+                                          key_block=self.key_block, window=self.window, page_pos=page_pos,
                                           implementation=self.implementation)
         if self.kvp > 1:
             out, _ = merge_gathered(out, lse, SP)
@@ -91,11 +93,13 @@ class RaggedPagedBackend:
 
     def _local(self, slots, tables):
         """This device's view of the global slots and tables: the slots it owns as local slots (the others write
-        to its scratch block), the blocks it holds as local ids and -1 for the others'."""
+        to its scratch block); the blocks it holds as local ids, first in each table, with their positions (the
+        attention walks this device's share of each context alone)."""
         me, bs = jax.lax.axis_index(SP), self.block_size
         block = slots // bs
         slots = jnp.where(block % self.kvp == me, (block // self.kvp) * bs + slots % bs, slots % bs)
-        return slots, jnp.where(tables % self.kvp == me, tables // self.kvp, -1)
+        local, page_pos = held_pages(tables // self.kvp, (tables >= 0) & (tables % self.kvp == me), bs, NO_POSITION)
+        return slots, local, page_pos
 
 
 def cache_dtype(dtype: jnp.dtype, platform: str, requested: str = "auto") -> jnp.dtype:

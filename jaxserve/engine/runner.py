@@ -263,13 +263,15 @@ class _Stage:
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Any, dtype: jnp.dtype, *, num_blocks: int, block_size: int,
                  buckets: batch.Buckets, key_block: int, devices: Sequence[jax.Device] | None = None, tp: int = 1,
-                 stages: int = 1, attention: Implementation | None = None, kv_cache_dtype: str = "auto"):
+                 stages: int = 1, attention: Implementation | None = None, kv_cache_dtype: str = "auto",
+                 caches: Any = None):
         """devices: where the weights, the cache and the step run (default: JAX's first tp x stages devices),
         consecutive runs of tp devices tensor-parallel; several such runs form a KV-parallel group holding the
         num_blocks blocks between them. stages: pipeline stages, each an equal consecutive share of the devices
         running an even share of the layers (its hidden states moved on to the next stage's devices).
         attention: the attention's implementation (default: the Pallas kernel on GPU, the jnp reference
-        elsewhere). kv_cache_dtype: CacheConfig's (kv_cache.cache_dtype)."""
+        elsewhere). kv_cache_dtype: CacheConfig's (kv_cache.cache_dtype). caches: (k, v) arrays to serve as the
+        cache of a runner without pipeline stages, in its cache_sharding (default: zeroed ones)."""
         self.devices = list(devices or jax.devices()[:tp * stages])
         if len(self.devices) % (tp * stages):
             raise ValueError(f"{len(self.devices)} devices do not form {stages} pipeline stages of tensor-parallel "
@@ -300,7 +302,7 @@ class ModelRunner:
             stage = _Stage(devices, layers, make_mesh(devices, tp), {})
             own = params if stages == 1 else stage_params(params, cfg, layers)
             stage.loops[self.unrolled] = self._loop(own, backend, stage, self.unrolled)
-            stage.caches = self._allocate(stage)
+            stage.caches = self._allocate(stage) if caches is None else caches
             self._stages.append(stage)
         # on a CPU a mixed program is bound by its chunk's compute, beside which the scan's weight copies are small,
         # and it compiles in a fraction of the time: those scan over a second, stacked copy of the weights, placed
@@ -335,6 +337,22 @@ class ModelRunner:
     def caches(self) -> Any:
         """The first stage's (k, v) cache arrays (the whole cache without pipeline stages)."""
         return self._stages[0].caches
+
+    @caches.setter
+    def caches(self, caches: Any) -> None:
+        """Serve from other (k, v) arrays of the same shapes, in cache_sharding (a runner without pipeline stages:
+        a multi-master group joining its instances' caches, cluster/multi_master.py)."""
+        (stage,) = self._one_stage("other cache arrays")
+        if any(new.shape != old.shape or new.sharding != stage.cache_sharding
+               for new, old in zip(caches, stage.caches)):
+            raise ValueError(f"cache arrays of shapes {[c.shape for c in caches]} for a runner of "
+                             f"{[c.shape for c in stage.caches]} in {stage.cache_sharding}")
+        stage.caches = tuple(caches)
+
+    @property
+    def cache_sharding(self) -> NamedSharding:
+        """Where the cache of a runner without pipeline stages lives."""
+        return self._one_stage("one cache sharding")[0].cache_sharding
 
     @property
     def stage_caches(self) -> list[Any]:

@@ -44,7 +44,7 @@ def chunk_attention(
 ) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
     impl = resolve(implementation)
     if impl == "reference":
-        return reference.chunk_attention(q, k, v, q_pos, k_pos, window)
+        return reference.blockwise_chunk_attention(q, k, v, q_pos, k_pos, window)
     return chunk_kernel.chunk_attention(q, k, v, q_pos, k_pos, window, interpret=impl == "interpret", **tiles)
 
 
@@ -78,14 +78,16 @@ def tiled_paged_attention(
     block_size: int,
     key_block: int,
     window: int | None = None,
+    page_pos: Int[Array, "n w"] | None = None,
     implementation: Implementation | None = None,
 ) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
     impl = resolve(implementation)
     if impl == "reference":
         return reference.tiled_paged_attention(q, q_pos, k_cache, v_cache, tables, block_size=block_size,
-                                               key_block=key_block, window=window)
+                                               key_block=key_block, window=window, page_pos=page_pos)
     return tiled_kernel.tiled_paged_attention(q, q_pos, k_cache, v_cache, tables, block_size=block_size,
-                                              key_block=key_block, window=window, interpret=impl == "interpret")
+                                              key_block=key_block, window=window, page_pos=page_pos,
+                                              interpret=impl == "interpret")
 
 
 def merge_attention(

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 
 def page_slots(block_tables: Int[Array, "b nblk"], block_size: int) -> Int[Array, "b s"]:
     """Cache rows of each request's blocks, in logical order: s = nblk * block_size key positions."""
     offsets = jnp.arange(block_size, dtype=block_tables.dtype)
     return (block_tables[:, :, None] * block_size + offsets).reshape(block_tables.shape[0], -1)
+
+
+def held_pages(tables: Int[Array, "b nblk"], held: Bool[Array, "b nblk"], block_size: int,
+               no_position: int) -> tuple[Int[Array, "b nblk"], Int[Array, "b nblk"]]:
+    """The entries of each block table that `held` marks, first and in order, the rest -1; and each entry's first
+    key position (`no_position` for the rest): a KV-parallel device's own share of its tables, as
+    reference.tiled_paged_attention reads them (page_pos)."""
+    order = jnp.argsort(~held, axis=1, stable=True)
+    mine = jnp.take_along_axis(held, order, axis=1)
+    return (jnp.where(mine, jnp.take_along_axis(tables, order, axis=1), -1),
+            jnp.where(mine, order * block_size, no_position).astype(jnp.int32))
 
 
 def gather_pages(

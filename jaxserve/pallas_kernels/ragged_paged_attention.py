@@ -11,7 +11,9 @@ token and row buckets alone.
 A step of decodes alone has no tiles (the engine's decode programs): only the decode rows run.
 
 A block-table entry of -1 is a block held elsewhere (another device of a KV-parallel group): its keys are not
-attended, and the returned log-sum-exp lets the group merge its partials exactly (sharding/lse.py).
+attended, and the returned log-sum-exp lets the group merge its partials exactly (sharding/lse.py). Such a device
+passes the entries it holds first, with their positions (`page_pos`, from paged_attention.held_pages): its loops
+then walk its own share of a context, not the whole.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def ragged_paged_attention(
     block_size: int,
     key_block: int,
     window: int | None = None,
+    page_pos: Int[Array, "r w"] | None = None,
     implementation: dispatch.Implementation | None = None,
 ) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
     """Causal attention of every token of a flat batch over its request's pages, and its log-sum-exp.
@@ -43,7 +46,8 @@ def ragged_paged_attention(
     is a decode, else t (no token); prefill tokens are grouped in tiles: tile_tokens[k] holds flat indices of
     tokens of row tile_row[k], t where padded. A token's K/V must already be in the cache. Tokens in no tile and
     no decode (batch padding), or that see no key here, get 0 and a log-sum-exp of -inf. window: a sliding
-    window's keys (reference.visible).
+    window's keys (reference.visible). page_pos: each table entry's first key position (None: entry c holds
+    positions from c * block_size; see reference.tiled_paged_attention).
     """
     t, h = q.shape[:2]
 
@@ -53,7 +57,8 @@ def ragged_paged_attention(
         pos = jnp.where(idx < t, jnp.take(positions, idx, mode="clip"), -1)
         return dispatch.tiled_paged_attention(jnp.take(q, idx, axis=0, mode="clip"), pos, k_cache, v_cache,
                                               tables[rows], block_size=block_size, key_block=key_block,
-                                              window=window, implementation=implementation)
+                                              window=window, page_pos=None if page_pos is None else page_pos[rows],
+                                              implementation=implementation)
 
     out, lse = jnp.zeros_like(q), jnp.full((t, h), -jnp.inf, jnp.float32)
     if tile_tokens.shape[0]:

@@ -51,6 +51,38 @@ def chunk_attention(
     return out.reshape(t, h, d), lse.reshape(h, t).T
 
 
+# a CPU's chunk attention reads this many keys at a time (an online merge), so that a long chunk's scores stay
+# [t, KEY_STEP] a head: dense, one ring step of an 8,192-row shard holds 1 GB of them (docs/BENCHMARKS.md,
+# "Long contexts")
+KEY_STEP = 1024
+
+
+def blockwise_chunk_attention(
+    q: Float[Array, "t h d"],
+    k: Float[Array, "s kvh d"],
+    v: Float[Array, "s kvh d"],
+    q_pos: Int[Array, "t"],
+    k_pos: Int[Array, "s"],
+    window: int | None = None,
+    key_step: int = KEY_STEP,
+) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
+    """chunk_attention key_step keys at a time, each step's partial merged into the last (the same result)."""
+    s, kvh, d = k.shape
+    if s <= key_step:
+        return chunk_attention(q, k, v, q_pos, k_pos, window)
+    pad = -s % key_step
+    k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))).reshape(-1, key_step, kvh, d) for x in (k, v))
+    k_pos = jnp.pad(k_pos, (0, pad), constant_values=NO_POSITION).reshape(-1, key_step)
+
+    def step(carry, keys):
+        k_step, v_step, pos_step = keys
+        part = chunk_attention(q, k_step, v_step, q_pos, pos_step, window)
+        return merge_attention(*(jnp.stack(x) for x in zip(carry, part))), None
+
+    empty = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32))
+    return jax.lax.scan(step, empty, (k, v, k_pos))[0]
+
+
 def merge_attention(
     o: Float[Array, "n ... d"], lse: Float[Array, "n ..."]
 ) -> tuple[Float[Array, "... d"], Float[Array, "..."]]:
@@ -116,12 +148,15 @@ def tiled_paged_attention(
     block_size: int,
     key_block: int,
     window: int | None = None,
+    page_pos: Int[Array, "n w"] | None = None,
 ) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
-    """Each tile's queries over its own request's pages: key position j is visible to a query at position p
-    when `visible` (j <= p, within the window) and its block entry is not -1 (p = -1 marks padding: it sees nothing). `tables` rows are block
-    tables whose width is a multiple of key_block / block_size; blocks past a request's length may hold anything
-    (never visible). Softmax in float32 whatever the cache dtype. Returns the output (0 where no key is visible)
-    and its float32 log-sum-exp (-inf there).
+    """Each tile's queries over its own request's pages: a key at position j is visible to a query at position p
+    when `visible` (j <= p, within the window) and its block entry is not -1 (p = -1 marks padding: it sees
+    nothing). `tables` rows are block tables whose width is a multiple of key_block / block_size; blocks past a
+    request's length may hold anything (never visible). page_pos: the first key position of each entry, increasing
+    along a row (None: entry c holds positions [c * block_size, (c + 1) * block_size)); a KV-parallel device passes
+    the blocks it holds first (`paged_attention.held_pages`), so that it walks those alone. Softmax in float32
+    whatever the cache dtype. Returns the output (0 where no key is visible) and its float32 log-sum-exp (-inf there).
 
     Decode tiles (one token) run together, as far as the longest context among them (on a 2-core CPU faster than
     one row at a time). Longer tiles run TILE_GROUP at a time, one group after another, each group to its own
@@ -141,18 +176,20 @@ def tiled_paged_attention(
     # [n, kvh, g*tq, d]: each KV head's query group and tokens as one matrix (row r is token r % tq)
     qg = (q.astype(jnp.float32) * d**-0.5).reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
     rows_pos = jnp.tile(q_pos, (1, g))[:, None, :, None]  # [n, 1, g*tq, 1]
+    if page_pos is None:
+        page_pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32) * block_size, tables.shape)
     k_pages, v_pages = (c.reshape(-1, block_size, kvh, d) for c in (k_cache, v_cache))
     # the history's steps a multiple of the edge's, so that the edge's loop starts where the history's ended
     loops = _Loops(k_pages, v_pages, pages_for(HISTORY_KEYS, edge), edge, window)
     if tq == 1:  # decode rows together: the keys they all see, then to the longest context
-        carry, first = loops.history(qg, rows_pos, tables, jnp.max(q_pos))
-        m, l, acc = loops.edge(qg, rows_pos, tables, jnp.max(q_pos), first, carry)
+        carry, first = loops.history(qg, rows_pos, tables, page_pos, jnp.max(q_pos))
+        m, l, acc = loops.edge(qg, rows_pos, tables, page_pos, jnp.max(q_pos), first, carry)
     else:  # tiles a group at a time over the keys the whole group sees, then each tile to its own last position
         group = max(k for k in range(1, TILE_GROUP + 1) if n % k == 0)
         last = jnp.max(q_pos, axis=1)
 
         def one_group(i, state):
-            rows = [jax.lax.dynamic_slice_in_dim(x, i * group, group) for x in (qg, rows_pos, tables)]
+            rows = [jax.lax.dynamic_slice_in_dim(x, i * group, group) for x in (qg, rows_pos, tables, page_pos)]
             carry, first = loops.history(*rows, jnp.max(jax.lax.dynamic_slice_in_dim(last, i * group, group)))
             return ([jax.lax.dynamic_update_slice_in_dim(x, y, i * group, 0) for x, y in zip(state[0], carry)],
                     jax.lax.dynamic_update_slice_in_dim(state[1], jnp.full(group, first), i * group, 0))
@@ -161,9 +198,9 @@ def tiled_paged_attention(
                                            (_Loops.empty(n, kvh, g * tq, d), jnp.zeros(n, jnp.int32)))
 
         def one_tile(i, out):  # reads `history`, writes `out`: no buffer both read and written in the loop
-            mine = [jax.lax.dynamic_slice_in_dim(x, i, 1) for x in (qg, rows_pos, tables, *history)]
+            mine = [jax.lax.dynamic_slice_in_dim(x, i, 1) for x in (qg, rows_pos, tables, page_pos, *history)]
             return [jax.lax.dynamic_update_slice_in_dim(x, y, i, 0)
-                    for x, y in zip(out, loops.edge(*mine[:3], last[i], first[i], mine[3:]))]
+                    for x, y in zip(out, loops.edge(*mine[:4], last[i], first[i], mine[4:]))]
 
         m, l, acc = jax.lax.fori_loop(0, n, one_tile, _Loops.empty(n, kvh, g * tq, d))
     seen = l > 0
@@ -176,7 +213,8 @@ def tiled_paged_attention(
 @dataclasses.dataclass(frozen=True)
 class _Loops:
     """The online softmax's two key loops over pages: `pages` a step over the keys every query of the rows sees
-    (their history), then `edge_pages` a step (a divisor of pages) from there to the rows' last position."""
+    (their history), then `edge_pages` a step (a divisor of pages) from there to the rows' last position. Steps
+    count table entries, which hold increasing positions: the keys below a position are a row's leading entries."""
 
     k_pages: Float[Array, "pages bs kvh d"]
     v_pages: Float[Array, "pages bs kvh d"]
@@ -190,27 +228,46 @@ class _Loops:
         return [jnp.full((n, kvh, r), _NEG, jnp.float32), jnp.zeros((n, kvh, r), jnp.float32),
                 jnp.zeros((n, kvh, r, d), jnp.float32)]
 
-    def history(self, qg, rows_pos, tables, last) -> tuple[list[Array], Int[Array, ""]]:
-        """The carry over the whole history steps below the earliest query (from the first block any query sees),
-        and the edge step the rest starts at."""
+    def history(self, qg, rows_pos, tables, page_pos, last) -> tuple[list[Array], Int[Array, ""]]:
+        """The carry over the whole history steps below the earliest query (from the first entry any query
+        sees), and the edge step the rest starts at."""
         n, kvh, r, d = qg.shape
-        big = self.pages * self.k_pages.shape[1]
         earliest = jnp.min(jnp.where(rows_pos >= 0, rows_pos, jnp.iinfo(jnp.int32).max))
-        start = first_block(rows_pos, self.window, big)
-        split = jnp.maximum(jnp.minimum(earliest, last + 1) // big, start)
+        start = self._first(rows_pos, page_pos) // self.pages
+        split = jnp.maximum(self._below(rows_pos, page_pos, jnp.minimum(earliest, last + 1), True)
+                            // self.pages, start)
         empty = self.empty(n, kvh, r, d)
-        carry = jax.lax.cond(split > start, lambda: self._loop(qg, rows_pos, tables, self.pages, start, split, empty),
+        carry = jax.lax.cond(split > start,
+                             lambda: self._loop(qg, rows_pos, tables, page_pos, self.pages, start, split, empty),
                              lambda: empty)
         return carry, split * (self.pages // self.edge_pages)
 
-    def edge(self, qg, rows_pos, tables, last, first, carry) -> list[Array]:
+    def edge(self, qg, rows_pos, tables, page_pos, last, first, carry) -> list[Array]:
         """The carry after the edge steps from `first` to position `last` (none when it is -1)."""
-        edge = self.edge_pages * self.k_pages.shape[1]
-        first = jnp.maximum(first, first_block(rows_pos, self.window, edge))
-        return self._loop(qg, rows_pos, tables, self.edge_pages, first, (last + edge) // edge, carry)
+        first = jnp.maximum(first, self._first(rows_pos, page_pos) // self.edge_pages)
+        end = self._below(rows_pos, page_pos, last + self.k_pages.shape[1], False)  # the entries from <= last
+        return self._loop(qg, rows_pos, tables, page_pos, self.edge_pages, first,
+                          (end + self.edge_pages - 1) // self.edge_pages, carry)
 
-    def _loop(self, qg, rows_pos, tables, pages: int, lo, hi, carry) -> list[Array]:
-        """The carry after key blocks [lo, hi) of `pages` pages each."""
+    def _below(self, rows_pos, page_pos, limit, fewest: bool) -> Int[Array, ""]:
+        """Over the rows with a query, the fewest (or most) entries whose keys all lie below `limit` (0 without a
+        query)."""
+        has_query = jnp.any(rows_pos >= 0, axis=(1, 2, 3))
+        entries = jnp.sum(page_pos + self.k_pages.shape[1] <= limit, axis=1)
+        if fewest:
+            return jnp.where(jnp.any(has_query), jnp.min(jnp.where(has_query, entries, entries.max())), 0)
+        return jnp.max(jnp.where(has_query, entries, 0))
+
+    def _first(self, rows_pos, page_pos) -> Int[Array, ""]:
+        """The entries before any key the rows see: 0, or with a sliding window those wholly before the earliest
+        query's window."""
+        if self.window is None:
+            return jnp.int32(0)
+        earliest = jnp.min(jnp.where(rows_pos >= 0, rows_pos, jnp.iinfo(jnp.int32).max))
+        return self._below(rows_pos, page_pos, earliest - self.window + 1, True)
+
+    def _loop(self, qg, rows_pos, tables, page_pos, pages: int, lo, hi, carry) -> list[Array]:
+        """The carry after the steps [lo, hi) of `pages` entries each."""
         n, kvh, r, d = qg.shape
         block_size = self.k_pages.shape[1]
         key_block = pages * block_size
@@ -219,10 +276,12 @@ class _Loops:
             m, l, acc = carry
             blk = jax.lax.dynamic_slice_in_dim(tables, j * pages, pages, axis=1)  # [n, pages]
             here = jnp.repeat(blk >= 0, block_size, axis=1)[:, None, None, :]  # [n, 1, 1, kb]
+            k_pos = (jax.lax.dynamic_slice_in_dim(page_pos, j * pages, pages, axis=1)[:, :, None]
+                     + jnp.arange(block_size)).reshape(n, 1, 1, key_block)
             k, v = (c[jnp.maximum(blk, 0)].reshape(n, key_block, kvh, d).astype(jnp.float32)
                     for c in (self.k_pages, self.v_pages))
             s = jnp.einsum("nhrd,nkhd->nhrk", qg, k)  # [n, kvh, r, kb]
-            seen = visible(j * key_block + jnp.arange(key_block), rows_pos, self.window) & here
+            seen = visible(k_pos, rows_pos, self.window) & here
             s = jnp.where(seen, s, _NEG)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)  # a row with no key yet must not count masked
@@ -230,12 +289,3 @@ class _Loops:
             return [m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.einsum("nhrk,nkhd->nhrd", p, v)]
 
         return jax.lax.fori_loop(lo, hi, body, carry)
-
-
-def first_block(pos: Int[Array, "..."], window: int | None, key_block: int) -> Int[Array, ""]:
-    """The first key block any of the queries at `pos` (-1: padding) sees: 0, or with a sliding window the block
-    of the earliest query's first key."""
-    if window is None:
-        return jnp.int32(0)
-    earliest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
-    return jnp.maximum(earliest - window + 1, 0) // key_block

@@ -38,13 +38,19 @@ def context_splits(programs: int, key_blocks: int, cores: int, most: int = MAX_S
     return max(1, min(cores // max(programs, 1), key_blocks, most))
 
 
-def _kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_size: int, key_block: int,
-            scale: float, splits: int, window: int | None):
+def _kernel(pos_ref, table_ref, page_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_size: int,
+            key_block: int, scale: float, splits: int, window: int | None):
     pages = key_block // block_size
     q = q_ref[...]  # [rows, d]: the group's heads x the tile's tokens
     pos = pos_ref[...]  # [rows]; -1: padding
-    steps = jnp.minimum(lax.div(jnp.max(pos) + key_block, key_block), table_ref.shape[0] // pages)
-    start = jnp.minimum(reference.first_block(pos, window, key_block), steps)  # a sliding window's first block
+    page_pos = page_pos_ref[...]  # [width]: each entry's first key position, increasing
+    # the entries holding a key <= the last position, and (a sliding window) those wholly before the first's
+    steps = lax.div(jnp.sum((page_pos <= jnp.max(pos)).astype(jnp.int32)) + pages - 1, pages)
+    start = 0
+    if window is not None:
+        earliest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
+        start = jnp.minimum(lax.div(jnp.sum((page_pos + block_size <= earliest - window + 1).astype(jnp.int32)),
+                                    pages), steps)
     per = lax.div(steps - start + splits - 1, splits)  # this program's key blocks: [first, last)
     first = start + pl.program_id(2) * per
     last = jnp.minimum(first + per, steps)
@@ -54,7 +60,8 @@ def _kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_si
         blocks = table_ref[pl.ds(pl.multiple_of(j * pages, pages), pages)]  # [pages]; -1: held elsewhere
         slots = (jnp.maximum(blocks, 0)[:, None] * block_size + offsets[None, :]).reshape(key_block)
         here = jnp.broadcast_to((blocks >= 0)[:, None], (pages, block_size)).reshape(key_block)
-        key_pos = j * key_block + jnp.arange(key_block, dtype=jnp.int32)
+        key_pos = (page_pos_ref[pl.ds(pl.multiple_of(j * pages, pages), pages)][:, None] + offsets[None, :]
+                   ).reshape(key_block)
         s = common.scores(q, k_ref[slots, :].astype(q.dtype), scale)  # the cache may be narrower
         s = jnp.where(reference.visible(key_pos[None, :], pos[:, None], window) & here[None, :], s, -jnp.inf)
         return common.online_softmax(carry, s, v_ref[slots, :].astype(q.dtype))
@@ -75,6 +82,7 @@ def tiled_paged_attention(
     block_size: int,
     key_block: int,
     window: int | None = None,
+    page_pos: Int[Array, "n w"] | None = None,
     splits: int | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
@@ -98,6 +106,8 @@ def tiled_paged_attention(
     k_cache, v_cache = common.pad_axis(k_cache, 2, d_pad), common.pad_axis(v_cache, 2, d_pad)
     size = jnp.dtype(k_cache.dtype).itemsize
     stages = common.pipeline_stages(stage_bytes=2 * key_block * d_pad * size, fixed_bytes=rows * d_pad * size)
+    if page_pos is None:
+        page_pos = jnp.broadcast_to(jnp.arange(tables.shape[1], dtype=jnp.int32) * block_size, tables.shape)
     cache_spec = pl.BlockSpec((k_cache.shape[0], None, d_pad), lambda i, kh, j: (0, kh, 0))
     o, lse = pl.pallas_call(
         functools.partial(_kernel, block_size=block_size, key_block=key_block, scale=d**-0.5, splits=splits,
@@ -105,6 +115,7 @@ def tiled_paged_attention(
         grid=(n, kvh, splits),
         in_specs=[
             pl.BlockSpec((None, rows), lambda i, kh, j: (i, 0)),
+            pl.BlockSpec((None, tables.shape[1]), lambda i, kh, j: (i, 0)),
             pl.BlockSpec((None, tables.shape[1]), lambda i, kh, j: (i, 0)),
             pl.BlockSpec((None, None, rows, d_pad), lambda i, kh, j: (i, kh, 0, 0)),
             cache_spec,
@@ -121,7 +132,7 @@ def tiled_paged_attention(
         compiler_params=common.gpu_params(d_pad, interpret, stages),
         interpret=interpret,
         name="tiled_paged_attention",
-    )(pos, tables.astype(jnp.int32), qg, k_cache, v_cache)
+    )(pos, tables.astype(jnp.int32), page_pos.astype(jnp.int32), qg, k_cache, v_cache)
     if splits == 1:
         o, lse = o[0], lse[0]
     else:

@@ -91,6 +91,23 @@ def test_chunk_zigzag_positions():
     check_chunk(q, k, v, q_pos, k_pos, block_q=16, block_k=32)
 
 
+# a CPU's chunk attention: keys in steps (reference.KEY_STEP), merged; steps that divide the keys or not, a step of
+# padding keys alone, a window, GQA, padded queries
+@pytest.mark.parametrize("s, step, window", [(96, 32, None), (100, 32, None), (100, 24, 9), (70, 64, None)])
+def test_blockwise_chunk_attention_equals_dense(s, step, window):
+    rng = np.random.default_rng(s + step)
+    t, h, kvh, d = 37, 6, 2, 16
+    q, k, v = random_qkv(rng, t, s, h, kvh, d)
+    q_pos = s - t + np.arange(t)
+    q_pos[-3:] = -1
+    k_pos = rng.permutation(s)
+    k_pos[-5:] = NO_POSITION
+    want = reference.chunk_attention(q, k, v, jnp.asarray(q_pos), jnp.asarray(k_pos), window)
+    got = reference.blockwise_chunk_attention(q, k, v, jnp.asarray(q_pos), jnp.asarray(k_pos), window, step)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, **TOL)
+
+
 def test_chunk_padding_sees_nothing():
     rng = np.random.default_rng(11)
     t, s, h, kvh, d = 29, 45, 4, 4, 16

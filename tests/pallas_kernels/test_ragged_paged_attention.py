@@ -4,12 +4,14 @@ jnp reference and the Pallas kernel (interpret mode; compiled through Triton on 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.engine import batch
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.pallas_kernels.paged_attention import held_pages
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels import dispatch, reference
 from jaxserve.pallas_kernels import tiled_paged_attention as tiled_kernel
@@ -53,17 +55,23 @@ def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_b
     a = batch.pack(step, buckets, block_size)
     q = rng.standard_normal((len(a.token_ids), heads, d)).astype(np.float32)
 
-    attend = lambda tables: ragged_paged_attention(  # noqa: E731
-        jnp.asarray(q), jnp.asarray(a.positions), jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(tables),
+    # one program per view (the tables change, not their shapes)
+    attend = jax.jit(lambda tables, page_pos=None: ragged_paged_attention(
+        jnp.asarray(q), jnp.asarray(a.positions), jnp.asarray(k_cache), jnp.asarray(v_cache), tables,
         jnp.asarray(a.decode_token), jnp.asarray(a.tile_tokens), jnp.asarray(a.tile_row),
-        block_size=block_size, key_block=key_block, window=window, implementation=implementation)
+        block_size=block_size, key_block=key_block, window=window, page_pos=page_pos, implementation=implementation))
     got, lse = (np.asarray(x) for x in attend(a.tables))
-    # a KV-parallel group's view: each of 3 devices sees the blocks b % 3 == i (the others are -1); the partials
-    # merged by their log-sum-exp are the whole attention again
-    parts = [attend(np.where(a.tables % 3 == i, a.tables, -1)) for i in range(3)]
-    merged, merged_lse = merge_attention(jnp.stack([o for o, _ in parts]), jnp.stack([s for _, s in parts]))
-    np.testing.assert_allclose(merged, got, **TOL)
-    np.testing.assert_allclose(merged_lse, lse, **TOL)
+    # a KV-parallel group's view: each of 3 devices sees the blocks b % 3 == i, either as they lie (the others -1)
+    # or its own first with their positions (held_pages: what the engine passes); the partials merged by their
+    # log-sum-exp are the whole attention again
+    held = [(a.tables >= 0) & (a.tables % 3 == i) for i in range(3)]
+    for view in (lambda i: attend(np.where(held[i], a.tables, -1)),
+                 lambda i: attend(*held_pages(jnp.asarray(a.tables), jnp.asarray(held[i]), block_size,
+                                              reference.NO_POSITION))):
+        parts = [view(i) for i in range(3)]
+        merged, merged_lse = merge_attention(jnp.stack([o for o, _ in parts]), jnp.stack([s for _, s in parts]))
+        np.testing.assert_allclose(merged, got, **TOL)
+        np.testing.assert_allclose(merged_lse, lse, **TOL)
     start = 0
     for (h, n), table, kv_len in zip(rows, tables, kv_lens):
         slots = (np.asarray(table)[:, None] * block_size + np.arange(block_size)).reshape(-1)
@@ -118,10 +126,11 @@ CASES = {  # (tile tokens, each tile's first position, its request): the first r
 }
 
 
-@pytest.mark.parametrize("history_keys", [64, reference.HISTORY_KEYS])
+# sets: a KV-parallel group's view too, each of 3 devices walking the blocks it holds alone (held_pages), merged
+@pytest.mark.parametrize("history_keys, sets", [(64, 1), (reference.HISTORY_KEYS, 1), (64, 3)])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("case", list(CASES))
-def test_long_histories_match_dense_across_both_loops(history_keys, window, case, monkeypatch):
+def test_long_histories_match_dense_across_both_loops(history_keys, sets, window, case, monkeypatch):
     monkeypatch.setattr(reference, "HISTORY_KEYS", history_keys)
     tq, starts, requests = CASES[case]
     rng = np.random.default_rng(history_keys + len(starts) + (window or 0))
@@ -134,9 +143,12 @@ def test_long_histories_match_dense_across_both_loops(history_keys, window, case
     for i, s in enumerate(starts):
         pos[i] = s + np.arange(tq)
     tile_tables = tables[requests + [0] * (n - len(starts))]
-    got, _ = reference.tiled_paged_attention(jnp.asarray(q), jnp.asarray(pos), jnp.asarray(k_cache),
-                                             jnp.asarray(v_cache), jnp.asarray(tile_tables), block_size=bs,
-                                             key_block=256, window=window)
+    attend = jax.jit(lambda tables, page_pos: reference.tiled_paged_attention(
+        jnp.asarray(q), jnp.asarray(pos), jnp.asarray(k_cache), jnp.asarray(v_cache), tables, block_size=bs,
+        key_block=256, window=window, page_pos=page_pos))
+    parts = [attend(*held_pages(jnp.asarray(tile_tables), jnp.asarray(tile_tables % sets == i), bs,
+                                reference.NO_POSITION)) for i in range(sets)]
+    got = merge_attention(jnp.stack([o for o, _ in parts]), jnp.stack([s for _, s in parts]))[0]
     for i in range(len(starts)):
         slots = (tile_tables[i][:, None] * bs + np.arange(bs)).reshape(-1)
         want = dense_reference(q[i].astype(np.float64), k_cache[slots].astype(np.float64),
