@@ -44,7 +44,7 @@ def chunk_attention(
 ) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
     impl = resolve(implementation)
     if impl == "reference":
-        return reference.blockwise_chunk_attention(q, k, v, q_pos, k_pos, window)
+        return reference.chunk_attention(q, k, v, q_pos, k_pos, window, reference.KEY_STEP)
     return chunk_kernel.chunk_attention(q, k, v, q_pos, k_pos, window, interpret=impl == "interpret", **tiles)
 
 

@@ -34,11 +34,15 @@ def chunk_attention(
     q_pos: Int[Array, "t"],
     k_pos: Int[Array, "s"],
     window: int | None = None,
+    key_step: int | None = None,
 ) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
     """Softmax attention of each query over the keys `visible` to it (GQA: h a multiple of kvh).
 
-    Returns the float32 output and the float32 log-sum-exp of the scaled scores, per query and head.
+    Returns the float32 output and the float32 log-sum-exp of the scaled scores, per query and head. key_step:
+    the keys that many at a time, each step's partial merged into the last (the same result; KEY_STEP, the CPU's).
     """
+    if key_step is not None and k.shape[0] > key_step:
+        return _stepped(q, k, v, q_pos, k_pos, window, key_step)
     t, h, d = q.shape
     kvh = k.shape[1]
     qg = q.reshape(t, kvh, h // kvh, d).astype(jnp.float32) * d**-0.5
@@ -51,32 +55,20 @@ def chunk_attention(
     return out.reshape(t, h, d), lse.reshape(h, t).T
 
 
-# a CPU's chunk attention reads this many keys at a time (an online merge), so that a long chunk's scores stay
-# [t, KEY_STEP] a head: dense, one ring step of an 8,192-row shard holds 1 GB of them (docs/BENCHMARKS.md,
-# "Long contexts")
+# a CPU's chunk attention reads this many keys at a time, so that a long chunk's scores stay [t, KEY_STEP] a head:
+# dense, one ring step of an 8,192-row shard holds 1 GB of them (docs/BENCHMARKS.md, "Long contexts")
 KEY_STEP = 1024
 
 
-def blockwise_chunk_attention(
-    q: Float[Array, "t h d"],
-    k: Float[Array, "s kvh d"],
-    v: Float[Array, "s kvh d"],
-    q_pos: Int[Array, "t"],
-    k_pos: Int[Array, "s"],
-    window: int | None = None,
-    key_step: int = KEY_STEP,
-) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
-    """chunk_attention key_step keys at a time, each step's partial merged into the last (the same result)."""
-    s, kvh, d = k.shape
-    if s <= key_step:
-        return chunk_attention(q, k, v, q_pos, k_pos, window)
-    pad = -s % key_step
+def _stepped(q, k, v, q_pos, k_pos, window, key_step):
+    """chunk_attention over the keys key_step at a time (a scan), the partials merged as they come."""
+    kvh, d = k.shape[1:]
+    pad = -k.shape[0] % key_step
     k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))).reshape(-1, key_step, kvh, d) for x in (k, v))
     k_pos = jnp.pad(k_pos, (0, pad), constant_values=NO_POSITION).reshape(-1, key_step)
 
     def step(carry, keys):
-        k_step, v_step, pos_step = keys
-        part = chunk_attention(q, k_step, v_step, q_pos, pos_step, window)
+        part = chunk_attention(q, *keys[:2], q_pos, keys[2], window)
         return merge_attention(*(jnp.stack(x) for x in zip(carry, part))), None
 
     empty = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32))

@@ -94,7 +94,7 @@ def test_chunk_zigzag_positions():
 # a CPU's chunk attention: keys in steps (reference.KEY_STEP), merged; steps that divide the keys or not, a step of
 # padding keys alone, a window, GQA, padded queries
 @pytest.mark.parametrize("s, step, window", [(96, 32, None), (100, 32, None), (100, 24, 9), (70, 64, None)])
-def test_blockwise_chunk_attention_equals_dense(s, step, window):
+def test_chunk_attention_in_key_steps_equals_dense(s, step, window):
     rng = np.random.default_rng(s + step)
     t, h, kvh, d = 37, 6, 2, 16
     q, k, v = random_qkv(rng, t, s, h, kvh, d)
@@ -103,7 +103,7 @@ def test_blockwise_chunk_attention_equals_dense(s, step, window):
     k_pos = rng.permutation(s)
     k_pos[-5:] = NO_POSITION
     want = reference.chunk_attention(q, k, v, jnp.asarray(q_pos), jnp.asarray(k_pos), window)
-    got = reference.blockwise_chunk_attention(q, k, v, jnp.asarray(q_pos), jnp.asarray(k_pos), window, step)
+    got = reference.chunk_attention(q, k, v, jnp.asarray(q_pos), jnp.asarray(k_pos), window, step)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, **TOL)
 
