@@ -6,7 +6,9 @@ Grid over (tile, KV head). A program holds the KV head's whole query group for t
 `key_block / block_size` pages per step: the block ids come from the tile's table row and the pages' rows are
 gathered into one [key_block, d] tile by an index vector (interpret mode and the Triton lowering both load
 through an index array), so one dot covers several pages. The loop stops at the tile's own last position (a
-decode's context, a chunk's end): a short request in a batch with a long one reads only its own pages.
+decode's context, a chunk's end): a short request in a batch with a long one reads only its own pages. Key
+positions come from each entry's first position (page_pos: a KV-parallel device lists its own entries first), and
+where each tile's loop starts and ends, in entries, is reduced before the kernel.
 
 Split along the context (split-K, as FlashDecoding): when tiles x KV heads are fewer programs than the GPU has
 SMs (a decode of few rows), each tile's key blocks are cut into `splits` ranges, one program each, and their
@@ -38,19 +40,14 @@ def context_splits(programs: int, key_blocks: int, cores: int, most: int = MAX_S
     return max(1, min(cores // max(programs, 1), key_blocks, most))
 
 
-def _kernel(pos_ref, table_ref, page_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_size: int,
-            key_block: int, scale: float, splits: int, window: int | None):
+def _kernel(pos_ref, table_ref, page_pos_ref, entries_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+            block_size: int, key_block: int, scale: float, splits: int, window: int | None):
     pages = key_block // block_size
     q = q_ref[...]  # [rows, d]: the group's heads x the tile's tokens
     pos = pos_ref[...]  # [rows]; -1: padding
-    page_pos = page_pos_ref[...]  # [width]: each entry's first key position, increasing
-    # the entries holding a key <= the last position, and (a sliding window) those wholly before the first's
-    steps = lax.div(jnp.sum((page_pos <= jnp.max(pos)).astype(jnp.int32)) + pages - 1, pages)
-    start = 0
-    if window is not None:
-        earliest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
-        start = jnp.minimum(lax.div(jnp.sum((page_pos + block_size <= earliest - window + 1).astype(jnp.int32)),
-                                    pages), steps)
+    # the table entries before the tile's first key, and to its last (scalar loads: Triton lowers no slice)
+    steps = lax.div(entries_ref[1] + pages - 1, pages)
+    start = jnp.minimum(lax.div(entries_ref[0], pages), steps)
     per = lax.div(steps - start + splits - 1, splits)  # this program's key blocks: [first, last)
     first = start + pl.program_id(2) * per
     last = jnp.minimum(first + per, steps)
@@ -69,6 +66,19 @@ def _kernel(pos_ref, table_ref, page_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_re
     o, lse = common.finish(lax.fori_loop(first, last, body, common.init_carry(*q.shape)))
     o_ref[...] = o.astype(o_ref.dtype)
     lse_ref[...] = lse
+
+
+def _entries(q_pos: Int[Array, "n tq"], page_pos: Int[Array, "n w"], block_size: int,
+             window: int | None) -> Int[Array, "n 2"]:
+    """Per tile, the table entries wholly before its earliest query's window (0 without a window) and those
+    holding a key at or before its last position: where its loop starts and ends, reduced here by XLA rather than
+    over a whole table row in each program."""
+    last = jnp.max(q_pos, axis=1, keepdims=True)
+    end = jnp.sum(page_pos <= last, axis=1)
+    if window is None:
+        return jnp.stack([jnp.zeros_like(end), end], axis=1).astype(jnp.int32)
+    earliest = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
+    return jnp.stack([jnp.sum(page_pos + block_size <= earliest - window + 1, axis=1), end], axis=1).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "key_block", "window", "splits", "interpret"))
@@ -108,6 +118,7 @@ def tiled_paged_attention(
     stages = common.pipeline_stages(stage_bytes=2 * key_block * d_pad * size, fixed_bytes=rows * d_pad * size)
     if page_pos is None:
         page_pos = jnp.broadcast_to(jnp.arange(tables.shape[1], dtype=jnp.int32) * block_size, tables.shape)
+    entries = _entries(q_pos, page_pos, block_size, window)
     cache_spec = pl.BlockSpec((k_cache.shape[0], None, d_pad), lambda i, kh, j: (0, kh, 0))
     o, lse = pl.pallas_call(
         functools.partial(_kernel, block_size=block_size, key_block=key_block, scale=d**-0.5, splits=splits,
@@ -117,6 +128,7 @@ def tiled_paged_attention(
             pl.BlockSpec((None, rows), lambda i, kh, j: (i, 0)),
             pl.BlockSpec((None, tables.shape[1]), lambda i, kh, j: (i, 0)),
             pl.BlockSpec((None, tables.shape[1]), lambda i, kh, j: (i, 0)),
+            pl.BlockSpec((None, 2), lambda i, kh, j: (i, 0)),
             pl.BlockSpec((None, None, rows, d_pad), lambda i, kh, j: (i, kh, 0, 0)),
             cache_spec,
             cache_spec,
@@ -132,7 +144,7 @@ def tiled_paged_attention(
         compiler_params=common.gpu_params(d_pad, interpret, stages),
         interpret=interpret,
         name="tiled_paged_attention",
-    )(pos, tables.astype(jnp.int32), page_pos.astype(jnp.int32), qg, k_cache, v_cache)
+    )(pos, tables.astype(jnp.int32), page_pos.astype(jnp.int32), entries, qg, k_cache, v_cache)
     if splits == 1:
         o, lse = o[0], lse[0]
     else:
