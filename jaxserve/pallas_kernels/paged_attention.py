@@ -12,6 +12,12 @@ def page_slots(block_tables: Int[Array, "b nblk"], block_size: int) -> Int[Array
     return (block_tables[:, :, None] * block_size + offsets).reshape(block_tables.shape[0], -1)
 
 
+def pages_in_order(tables: Int[Array, "b nblk"], block_size: int) -> Int[Array, "b nblk"]:
+    """Each entry's first key position when a table lists a request's blocks in order (entry c from
+    c * block_size): the page_pos of every table but a KV-parallel device's (held_pages)."""
+    return jnp.broadcast_to(jnp.arange(tables.shape[1], dtype=jnp.int32) * block_size, tables.shape)
+
+
 def held_pages(tables: Int[Array, "b nblk"], held: Bool[Array, "b nblk"], block_size: int,
                no_position: int) -> tuple[Int[Array, "b nblk"], Int[Array, "b nblk"]]:
     """The entries of each block table that `held` marks, first and in order, the rest -1; and each entry's first

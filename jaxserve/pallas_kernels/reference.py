@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxserve.pallas_kernels.paged_attention import page_slots
+from jaxserve.pallas_kernels.paged_attention import page_slots, pages_in_order
 
 NO_POSITION = 2**30  # position of a padded key: larger than any query position
 _NEG = -1e30  # finite: a row that sees no key stays NaN-free
@@ -169,7 +169,7 @@ def tiled_paged_attention(
     qg = (q.astype(jnp.float32) * d**-0.5).reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
     rows_pos = jnp.tile(q_pos, (1, g))[:, None, :, None]  # [n, 1, g*tq, 1]
     if page_pos is None:
-        page_pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32) * block_size, tables.shape)
+        page_pos = pages_in_order(tables, block_size)
     k_pages, v_pages = (c.reshape(-1, block_size, kvh, d) for c in (k_cache, v_cache))
     # the history's steps a multiple of the edge's, so that the edge's loop starts where the history's ended
     loops = _Loops(k_pages, v_pages, pages_for(HISTORY_KEYS, edge), edge, window)

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
 from jaxserve.pallas_kernels import common, reference
+from jaxserve.pallas_kernels.paged_attention import pages_in_order
 
 
 MAX_SPLITS = 16
@@ -117,7 +118,7 @@ def tiled_paged_attention(
     size = jnp.dtype(k_cache.dtype).itemsize
     stages = common.pipeline_stages(stage_bytes=2 * key_block * d_pad * size, fixed_bytes=rows * d_pad * size)
     if page_pos is None:
-        page_pos = jnp.broadcast_to(jnp.arange(tables.shape[1], dtype=jnp.int32) * block_size, tables.shape)
+        page_pos = pages_in_order(tables, block_size)
     entries = _entries(q_pos, page_pos, block_size, window)
     cache_spec = pl.BlockSpec((k_cache.shape[0], None, d_pad), lambda i, kh, j: (0, kh, 0))
     o, lse = pl.pallas_call(
