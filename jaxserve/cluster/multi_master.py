@@ -20,12 +20,10 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxserve.engine import batch
-from jaxserve.engine.runner import ModelRunner
-from jaxserve.sharding.mesh import SP, TP, make_mesh
+from jaxserve.engine.runner import ModelRunner, cache_sharding
+from jaxserve.sharding.mesh import make_mesh
 
 
 class MultiMaster:
@@ -43,7 +41,7 @@ class MultiMaster:
                                  f"tensor-parallel size and pool: got kvp {r.kvp}, {r.stages} stages, tp {r.tp}, "
                                  f"{r.num_blocks} blocks beside tp {first.tp}, {first.num_blocks} blocks")
         devices = [d for r in self.instances for d in r.devices]
-        self._sharding = NamedSharding(make_mesh(devices, first.tp), P(None, SP, TP))  # as the group's runner
+        self._sharding = cache_sharding(make_mesh(devices, first.tp))  # the group runner's, before it exists
         self.group = ModelRunner(first.cfg, params, first.dtype, num_blocks=first.num_blocks * len(self.instances),
                                  block_size=first.block_size, buckets=buckets or first.buckets,
                                  key_block=first.key_block, devices=devices, tp=first.tp,

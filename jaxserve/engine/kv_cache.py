@@ -48,6 +48,9 @@ class RaggedPagedMetadata(AttentionMetadata):
     """Each attention tile's flat token indices; t where padded."""
     tile_row: Int[Array, "nt"]
     """The row each tile's tokens belong to."""
+    page_pos: Int[Array, "r w"] | None = None
+    """Each table entry's first key position, where a KV-parallel device lists its own blocks first
+    (RaggedPagedBackend.local); None: entry c holds positions c * block_size on."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +67,8 @@ class RaggedPagedBackend:
     window: int | None = None  # a sliding window's keys only (LlamaConfig.sliding_window)
 
     def __call__(self, q, k, v, positions, caches, layer, metadata: RaggedPagedMetadata):
-        slots, tables, page_pos = metadata.slots, metadata.tables, None
+        slots, tables = metadata.slots, metadata.tables
         k_all, v_all = caches
-        if self.kvp > 1:
-            slots, tables, page_pos = self._local(slots, tables)
         k_new, v_new = k[0], v[0]
         if slots.shape[0] == 1:
             # XLA rewrites a one-row scatter as a dynamic-update-slice, which it then fuses twice (once for the
@@ -85,21 +86,26 @@ class RaggedPagedBackend:
         out, lse = ragged_paged_attention(q[0], positions[0], k_all.reshape(flat), v_all.reshape(flat), tables,
                                           metadata.decode_token, metadata.tile_tokens, metadata.tile_row,
                                           block_size=self.block_size,
-                                          key_block=self.key_block, window=self.window, page_pos=page_pos,
+                                          key_block=self.key_block, window=self.window, page_pos=metadata.page_pos,
                                           implementation=self.implementation)
         if self.kvp > 1:
             out, _ = merge_gathered(out, lse, SP)
         return out[None], (k_all, v_all)
 
-    def _local(self, slots, tables):
-        """This device's view of the global slots and tables: the slots it owns as local slots (the others write
-        to its scratch block); the blocks it holds as local ids, first in each table, with their positions (the
-        attention walks this device's share of each context alone)."""
+    def local(self, metadata: RaggedPagedMetadata) -> RaggedPagedMetadata:
+        """This device's view of a step's global slots and tables, made once per step before the layers (inside
+        shard_map): the slots it owns as local slots (the others write to its scratch block); the blocks it holds
+        as local ids, first in each table, with their positions (the attention walks this device's share of each
+        context alone). One device's metadata is its own view."""
+        if self.kvp == 1:
+            return metadata
         me, bs = jax.lax.axis_index(SP), self.block_size
-        block = slots // bs
-        slots = jnp.where(block % self.kvp == me, (block // self.kvp) * bs + slots % bs, slots % bs)
+        block = metadata.slots // bs
+        slots = jnp.where(block % self.kvp == me, (block // self.kvp) * bs + metadata.slots % bs,
+                          metadata.slots % bs)
+        tables = metadata.tables
         local, page_pos = held_pages(tables // self.kvp, (tables >= 0) & (tables % self.kvp == me), bs, NO_POSITION)
-        return slots, local, page_pos
+        return dataclasses.replace(metadata, slots=slots, tables=local, page_pos=page_pos)
 
 
 def cache_dtype(dtype: jnp.dtype, platform: str, requested: str = "auto") -> jnp.dtype:

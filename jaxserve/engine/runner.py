@@ -72,7 +72,8 @@ def forward(model: Llama, params: Any, caches: Any, a: batch.StepArrays,
     """The model over the flat batch, writing its K/V into the caches: the logits of each row's last token.
     inputs: the last step's sampled tokens, which the tokens marked in `a.feed` are; on a pipeline stage after the
     first, the previous stage's hidden states (and a stage before the last returns its own)."""
-    metadata = RaggedPagedMetadata(a.slots, a.tables, a.decode_token, a.tile_tokens, a.tile_row)
+    metadata = model.backend.local(RaggedPagedMetadata(a.slots, a.tables, a.decode_token, a.tile_tokens,
+                                                        a.tile_row))
     if model.layers is None or model.layers[0] == 0:
         inputs = jnp.where(a.feed >= 0, inputs[jnp.maximum(a.feed, 0)], a.token_ids)
     out, caches = model.apply(params, inputs[None], a.positions[None], caches, metadata, a.logits_index[None])
@@ -257,7 +258,13 @@ class _Stage:
 
     @property
     def cache_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(None, SP, TP))
+        return cache_sharding(self.mesh)
+
+
+def cache_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """Where a cache on `mesh` lives: its slots split over the KV-parallel sets, its heads over tensor-parallel
+    devices."""
+    return NamedSharding(mesh, P(None, SP, TP))
 
 
 class ModelRunner:

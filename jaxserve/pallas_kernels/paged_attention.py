@@ -29,6 +29,21 @@ def held_pages(tables: Int[Array, "b nblk"], held: Bool[Array, "b nblk"], block_
             jnp.where(mine, order * block_size, no_position).astype(jnp.int32))
 
 
+def walk_bounds(q_pos: Int[Array, "n t"], page_pos: Int[Array, "n w"], block_size: int, window: int | None
+                ) -> tuple[Int[Array, "n"], Int[Array, "n"], Int[Array, "n"]]:
+    """Per row of queries (q_pos -1 where padded), as counts of its table's leading entries (which hold increasing
+    positions, page_pos): those wholly before its earliest query's window (0 without a window: where a walk over
+    its keys starts), those wholly before its earliest query (every query sees their keys, the window aside), and
+    those holding a key at or before its last query (where the walk ends). A row without a query ends at 0."""
+    earliest = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
+    last = jnp.max(q_pos, axis=1, keepdims=True)
+
+    def below(limit):  # the entries whose keys all lie below limit
+        return jnp.sum(page_pos + block_size <= limit, axis=1).astype(jnp.int32)
+    start = jnp.zeros(q_pos.shape[0], jnp.int32) if window is None else below(earliest - window + 1)
+    return start, below(earliest), below(last + block_size)
+
+
 def gather_pages(
     cache: Float[Array, "slots kvh d"], block_tables: Int[Array, "b nblk"], block_size: int
 ) -> Float[Array, "b s kvh d"]:

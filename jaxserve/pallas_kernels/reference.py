@@ -13,9 +13,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from jaxserve.pallas_kernels.paged_attention import page_slots, pages_in_order
+from jaxserve.pallas_kernels.paged_attention import page_slots, pages_in_order, walk_bounds
 
 NO_POSITION = 2**30  # position of a padded key: larger than any query position
 _NEG = -1e30  # finite: a row that sees no key stays NaN-free
@@ -173,16 +173,18 @@ def tiled_paged_attention(
     k_pages, v_pages = (c.reshape(-1, block_size, kvh, d) for c in (k_cache, v_cache))
     # the history's steps a multiple of the edge's, so that the edge's loop starts where the history's ended
     loops = _Loops(k_pages, v_pages, pages_for(HISTORY_KEYS, edge), edge, window)
+    # each row's loop bounds, once: reduced inside the tile loop, XLA recomputes them there
+    bounds, has_query = jnp.stack(walk_bounds(q_pos, page_pos, block_size, window), axis=1), jnp.any(q_pos >= 0, 1)
     if tq == 1:  # decode rows together: the keys they all see, then to the longest context
-        carry, first = loops.history(qg, rows_pos, tables, page_pos, jnp.max(q_pos))
-        m, l, acc = loops.edge(qg, rows_pos, tables, page_pos, jnp.max(q_pos), first, carry)
+        carry, first = loops.history(qg, rows_pos, tables, page_pos, bounds, has_query)
+        m, l, acc = loops.edge(qg, rows_pos, tables, page_pos, bounds, has_query, first, carry)
     else:  # tiles a group at a time over the keys the whole group sees, then each tile to its own last position
         group = max(k for k in range(1, TILE_GROUP + 1) if n % k == 0)
-        last = jnp.max(q_pos, axis=1)
 
         def one_group(i, state):
-            rows = [jax.lax.dynamic_slice_in_dim(x, i * group, group) for x in (qg, rows_pos, tables, page_pos)]
-            carry, first = loops.history(*rows, jnp.max(jax.lax.dynamic_slice_in_dim(last, i * group, group)))
+            rows = [jax.lax.dynamic_slice_in_dim(x, i * group, group)
+                    for x in (qg, rows_pos, tables, page_pos, bounds, has_query)]
+            carry, first = loops.history(*rows)
             return ([jax.lax.dynamic_update_slice_in_dim(x, y, i * group, 0) for x, y in zip(state[0], carry)],
                     jax.lax.dynamic_update_slice_in_dim(state[1], jnp.full(group, first), i * group, 0))
 
@@ -190,9 +192,10 @@ def tiled_paged_attention(
                                            (_Loops.empty(n, kvh, g * tq, d), jnp.zeros(n, jnp.int32)))
 
         def one_tile(i, out):  # reads `history`, writes `out`: no buffer both read and written in the loop
-            mine = [jax.lax.dynamic_slice_in_dim(x, i, 1) for x in (qg, rows_pos, tables, page_pos, *history)]
+            mine = [jax.lax.dynamic_slice_in_dim(x, i, 1)
+                    for x in (qg, rows_pos, tables, page_pos, bounds, has_query, *history)]
             return [jax.lax.dynamic_update_slice_in_dim(x, y, i, 0)
-                    for x, y in zip(out, loops.edge(*mine[:4], last[i], first[i], mine[4:]))]
+                    for x, y in zip(out, loops.edge(*mine[:6], first[i], mine[6:]))]
 
         m, l, acc = jax.lax.fori_loop(0, n, one_tile, _Loops.empty(n, kvh, g * tq, d))
     seen = l > 0
@@ -200,6 +203,11 @@ def tiled_paged_attention(
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     out = out.reshape(n, kvh, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(n, tq, h, d)
     return out.astype(q.dtype), lse.reshape(n, kvh, g, tq).transpose(0, 3, 1, 2).reshape(n, tq, h)
+
+
+def _fewest(entries: Int[Array, "n"], has_query: Bool[Array, "n"]) -> Int[Array, ""]:
+    """The fewest entries over the rows with a query (0 without one)."""
+    return jnp.where(jnp.any(has_query), jnp.min(jnp.where(has_query, entries, entries.max())), 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,43 +228,23 @@ class _Loops:
         return [jnp.full((n, kvh, r), _NEG, jnp.float32), jnp.zeros((n, kvh, r), jnp.float32),
                 jnp.zeros((n, kvh, r, d), jnp.float32)]
 
-    def history(self, qg, rows_pos, tables, page_pos, last) -> tuple[list[Array], Int[Array, ""]]:
-        """The carry over the whole history steps below the earliest query (from the first entry any query
-        sees), and the edge step the rest starts at."""
+    def history(self, qg, rows_pos, tables, page_pos, bounds, has_query) -> tuple[list[Array], Int[Array, ""]]:
+        """The carry over the whole history steps below each row's earliest query (from the first entry any query
+        sees), and the edge step the rest starts at. bounds: the rows' paged_attention.walk_bounds, stacked."""
         n, kvh, r, d = qg.shape
-        earliest = jnp.min(jnp.where(rows_pos >= 0, rows_pos, jnp.iinfo(jnp.int32).max))
-        start = self._first(rows_pos, page_pos) // self.pages
-        split = jnp.maximum(self._below(rows_pos, page_pos, jnp.minimum(earliest, last + 1), True)
-                            // self.pages, start)
+        start = _fewest(bounds[:, 0], has_query) // self.pages
+        split = jnp.maximum(_fewest(bounds[:, 1], has_query) // self.pages, start)
         empty = self.empty(n, kvh, r, d)
         carry = jax.lax.cond(split > start,
                              lambda: self._loop(qg, rows_pos, tables, page_pos, self.pages, start, split, empty),
                              lambda: empty)
         return carry, split * (self.pages // self.edge_pages)
 
-    def edge(self, qg, rows_pos, tables, page_pos, last, first, carry) -> list[Array]:
-        """The carry after the edge steps from `first` to position `last` (none when it is -1)."""
-        first = jnp.maximum(first, self._first(rows_pos, page_pos) // self.edge_pages)
-        end = self._below(rows_pos, page_pos, last + self.k_pages.shape[1], False)  # the entries from <= last
+    def edge(self, qg, rows_pos, tables, page_pos, bounds, has_query, first, carry) -> list[Array]:
+        """The carry after the edge steps from `first` to each row's last query (none for a row without one)."""
+        first = jnp.maximum(first, _fewest(bounds[:, 0], has_query) // self.edge_pages)
         return self._loop(qg, rows_pos, tables, page_pos, self.edge_pages, first,
-                          (end + self.edge_pages - 1) // self.edge_pages, carry)
-
-    def _below(self, rows_pos, page_pos, limit, fewest: bool) -> Int[Array, ""]:
-        """Over the rows with a query, the fewest (or most) entries whose keys all lie below `limit` (0 without a
-        query)."""
-        has_query = jnp.any(rows_pos >= 0, axis=(1, 2, 3))
-        entries = jnp.sum(page_pos + self.k_pages.shape[1] <= limit, axis=1)
-        if fewest:
-            return jnp.where(jnp.any(has_query), jnp.min(jnp.where(has_query, entries, entries.max())), 0)
-        return jnp.max(jnp.where(has_query, entries, 0))
-
-    def _first(self, rows_pos, page_pos) -> Int[Array, ""]:
-        """The entries before any key the rows see: 0, or with a sliding window those wholly before the earliest
-        query's window."""
-        if self.window is None:
-            return jnp.int32(0)
-        earliest = jnp.min(jnp.where(rows_pos >= 0, rows_pos, jnp.iinfo(jnp.int32).max))
-        return self._below(rows_pos, page_pos, earliest - self.window + 1, True)
+                          (jnp.max(bounds[:, 2]) + self.edge_pages - 1) // self.edge_pages, carry)
 
     def _loop(self, qg, rows_pos, tables, page_pos, pages: int, lo, hi, carry) -> list[Array]:
         """The carry after the steps [lo, hi) of `pages` entries each."""

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
 from jaxserve.pallas_kernels import common, reference
-from jaxserve.pallas_kernels.paged_attention import pages_in_order
+from jaxserve.pallas_kernels.paged_attention import pages_in_order, walk_bounds
 
 
 MAX_SPLITS = 16
@@ -69,19 +69,6 @@ def _kernel(pos_ref, table_ref, page_pos_ref, entries_ref, q_ref, k_ref, v_ref, 
     lse_ref[...] = lse
 
 
-def _entries(q_pos: Int[Array, "n tq"], page_pos: Int[Array, "n w"], block_size: int,
-             window: int | None) -> Int[Array, "n 2"]:
-    """Per tile, the table entries wholly before its earliest query's window (0 without a window) and those
-    holding a key at or before its last position: where its loop starts and ends, reduced here by XLA rather than
-    over a whole table row in each program."""
-    last = jnp.max(q_pos, axis=1, keepdims=True)
-    end = jnp.sum(page_pos <= last, axis=1)
-    if window is None:
-        return jnp.stack([jnp.zeros_like(end), end], axis=1).astype(jnp.int32)
-    earliest = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
-    return jnp.stack([jnp.sum(page_pos + block_size <= earliest - window + 1, axis=1), end], axis=1).astype(jnp.int32)
-
-
 @functools.partial(jax.jit, static_argnames=("block_size", "key_block", "window", "splits", "interpret"))
 def tiled_paged_attention(
     q: Float[Array, "n tq h d"],
@@ -119,7 +106,8 @@ def tiled_paged_attention(
     stages = common.pipeline_stages(stage_bytes=2 * key_block * d_pad * size, fixed_bytes=rows * d_pad * size)
     if page_pos is None:
         page_pos = pages_in_order(tables, block_size)
-    entries = _entries(q_pos, page_pos, block_size, window)
+    start, _, end = walk_bounds(q_pos, page_pos, block_size, window)  # reduced by XLA, not in each program
+    entries = jnp.stack([start, end], axis=1)
     cache_spec = pl.BlockSpec((k_cache.shape[0], None, d_pad), lambda i, kh, j: (0, kh, 0))
     o, lse = pl.pallas_call(
         functools.partial(_kernel, block_size=block_size, key_block=key_block, scale=d**-0.5, splits=splits,
