@@ -100,10 +100,9 @@ class RaggedPagedBackend:
         if self.kvp == 1:
             return metadata
         me, bs = jax.lax.axis_index(SP), self.block_size
-        block = metadata.slots // bs
-        slots = jnp.where(block % self.kvp == me, (block // self.kvp) * bs + metadata.slots % bs,
-                          metadata.slots % bs)
-        tables = metadata.tables
+        slots, tables = metadata.slots, metadata.tables
+        block = slots // bs
+        slots = jnp.where(block % self.kvp == me, (block // self.kvp) * bs + slots % bs, slots % bs)
         local, page_pos = held_pages(tables // self.kvp, (tables >= 0) & (tables % self.kvp == me), bs, NO_POSITION)
         return dataclasses.replace(metadata, slots=slots, tables=local, page_pos=page_pos)
 

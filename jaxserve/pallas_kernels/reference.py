@@ -173,7 +173,7 @@ def tiled_paged_attention(
     k_pages, v_pages = (c.reshape(-1, block_size, kvh, d) for c in (k_cache, v_cache))
     # the history's steps a multiple of the edge's, so that the edge's loop starts where the history's ended
     loops = _Loops(k_pages, v_pages, pages_for(HISTORY_KEYS, edge), edge, window)
-    # each row's loop bounds, once: reduced inside the tile loop, XLA recomputes them there
+    # each row's loop bounds, once, before the loops (reduced inside the tile loop, a long chunk ran slower)
     bounds, has_query = jnp.stack(walk_bounds(q_pos, page_pos, block_size, window), axis=1), jnp.any(q_pos >= 0, 1)
     if tq == 1:  # decode rows together: the keys they all see, then to the longest context
         carry, first = loops.history(qg, rows_pos, tables, page_pos, bounds, has_query)
