@@ -260,7 +260,10 @@ class LLM:
                         capacity=self.max_model_len, store_tokens=self._kv_tokens, dtype=self._dtype,
                         key_block=key_block, progress=progress, new=self._new,
                         kv_cache_dtype=self.engine_config.cache.kv_cache_dtype)
-        warmup(cluster, self.max_model_len, progress)
+        # as one engine: serve compiles everything first, generate as steps need it; between processes always
+        # (a transfer's communicator is set up there, which both processes must reach within a deadline)
+        if self.engine_config.startup.warmup or self.lockstep is not None:
+            warmup(cluster, self.max_model_len, progress)
         return cluster
 
     def fail_over(self) -> ServingEngine:

@@ -225,14 +225,15 @@ GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"], "query_pre_att
 
 
 def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0, family: str = "llama",
-                     tied: bool = True, chat_template: str | None = None, rope: dict | None = None
-                     ) -> dict[str, np.ndarray]:
-    """A 2-layer model of random weights with `tokenizer`, as a Hugging Face folder; its tensors by name. Beside
+                     tied: bool = True, chat_template: str | None = None, rope: dict | None = None,
+                     layers: int = 2, heads: int = 4, kv_heads: int = 2, mlp: int = 128) -> dict[str, np.ndarray]:
+    """A model of random weights (`layers` layers of `heads` query and `kv_heads` KV heads of 16, `mlp` MLP
+    features) with `tokenizer`, as a Hugging Face folder; its tensors by name. Beside
     "llama": "qwen2" (q/k/v biases), "qwen3" (q/k norms), "mistral" (a sliding window), "phi3" (fused q/k/v and gate/up projections,
     a sliding window, LongRoPE) and "gemma3" (GEMMA3: a sliding layer and a full one, q/k norms, four norms a layer), each
     with its family's RoPE theta and its norms drawn (so every weight matters). rope: config.json's keys over the
     family's (YARN, DYNAMIC)."""
-    v, h, f, heads, kv_heads, d = tokenizer.vocab_size, 64, 128, 4, 2, 16
+    v, h, f, d = tokenizer.vocab_size, 64, mlp, 16
     qwen2, llama, gemma3 = family == "qwen2", family == "llama", family == "gemma3"
     rng = np.random.default_rng(seed)
     w = lambda *shape: (0.02 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
@@ -240,7 +241,7 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
     def norm(n: int = h) -> np.ndarray:  # Gemma's scale by 1 + weight
         return (np.ones(n) if llama else (0 if gemma3 else 1) + 0.3 * rng.standard_normal(n)).astype(np.float32)
     tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": norm()}
-    for i in range(2):
+    for i in range(layers):
         p = f"model.layers.{i}."
         tensors |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
                     p + "self_attn.q_proj.weight": w(heads * d, h), p + "self_attn.k_proj.weight": w(kv_heads * d, h),
@@ -257,7 +258,7 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
     if not tied:
         tensors["lm_head.weight"] = w(v, h)
     if family == "phi3":  # q, k, v as one projection, gate and up as another
-        for i in range(2):
+        for i in range(layers):
             p = f"model.layers.{i}."
             tensors[p + "self_attn.qkv_proj.weight"] = np.concatenate(
                 [tensors.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
@@ -265,7 +266,7 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
                 [tensors.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
     save_file(tensors, str(root / "model.safetensors"))
     config = {"architectures": [ARCHITECTURES[family]], "model_type": "gemma3_text" if gemma3 else family,
-              "vocab_size": v, "hidden_size": h, "intermediate_size": f, "num_hidden_layers": 2,
+              "vocab_size": v, "hidden_size": h, "intermediate_size": f, "num_hidden_layers": layers,
               "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d,
               "max_position_embeddings": 4096, "rms_norm_eps": 1e-6 if family in ("qwen2", "qwen3", "gemma3") else 1e-5,
               "rope_theta": 1e6 if family in ("qwen2", "qwen3", "mistral") else 10000.0, "tie_word_embeddings": tied,

@@ -1,6 +1,12 @@
 """Tests of the live cluster: 8 prefill devices (groups of 2 -> 4 -> 8) and decode instances on other devices, so
 12 CPU devices. tests/test_many_devices.py runs this folder in its own process with
-XLA_FLAGS=--xla_force_host_platform_device_count=12 (the flag must be set before JAX starts)."""
+XLA_FLAGS=--xla_force_host_platform_device_count=12 (the flag must be set before JAX starts).
+
+The model is a small one of random weights with SmolLM2's tokenizer (tests/tiny_models.py; 4 layers, 6 query
+and 3 KV heads, 192 MLP features, so it splits over 3 tensor-parallel devices and 2 pipeline stages): what these tests check is
+the layouts and the cluster's decisions, against one device running the same model, and a small model compiles
+and runs their many programs in a fraction of SmolLM2's time. SmolLM2 itself runs here where its file matters
+(its Q4_1 blocks, test_llm_layouts.py) and in the single-device tests."""
 
 from __future__ import annotations
 
@@ -13,9 +19,14 @@ import pytest
 import jaxserve
 from jaxserve.cluster.build import build, warmup
 from jaxserve.config import ParallelConfig
+from jaxserve.models import registry
+from jaxserve.models.gguf_loader import GGUFFile
+from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched.cost_models import TetrisPrefill
+from tiny_models import write_tiny_model
 
 MAX_MODEL_LEN = 4096
+LAYERS = 4
 
 
 @pytest.fixture(autouse=True)
@@ -36,9 +47,27 @@ def devices():
 
 
 @pytest.fixture(scope="session")
-def llm(devices):
-    """SmolLM2 in float32 with a small batch; its engine (on device 0) is the single-device reference."""
-    return jaxserve.LLM(max_model_len=MAX_MODEL_LEN, kv_cache_tokens=2 * MAX_MODEL_LEN, max_num_seqs=4,
+def smollm2() -> str:
+    """SmolLM2's file (the default model), fetched into the user's cache if need be."""
+    return str(registry.resolve(registry.DEFAULT_MODEL))
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory, smollm2) -> str:
+    """The folder of this folder's model. Its conversion, profiles and compiled programs go to a cache of this
+    session's own (JAXSERVE_CACHE), so the user's cache gains nothing from a folder that is gone after the run."""
+    tokenizer = TextTokenizer.from_gguf(GGUFFile(smollm2))
+    root = tmp_path_factory.mktemp("tiny-llama")
+    write_tiny_model(root, tokenizer, layers=LAYERS, heads=6, kv_heads=3, mlp=192, tied=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAXSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield str(root)
+
+
+@pytest.fixture(scope="session")
+def llm(devices, model):
+    """The model in float32 with a small batch; its engine (on device 0) is the single-device reference."""
+    return jaxserve.LLM(model, max_model_len=MAX_MODEL_LEN, kv_cache_tokens=2 * MAX_MODEL_LEN, max_num_seqs=4,
                         max_num_batched_tokens=256, progress=False)
 
 

@@ -77,12 +77,12 @@ def test_elastic_batches_scale_up_and_down_and_equal_one_device(llm, devices):
     assert not cluster.has_unfinished() and cluster.num_running == 0
 
 
-def test_llm_serves_through_esp_by_its_flag(llm):
+def test_llm_serves_through_esp_by_its_flag(model, llm):
     """LLM(cluster_policy="esp", ...) (what --cluster_policy builds) measures LoongServe's batch model on its
     instances, generates the single-device text, and serves it (the openai client over HTTP) with its events in
     /metrics."""
-    clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
-                             prefill_instances=2, cluster_policy="esp", progress=False)
+    clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4,
+                             max_num_batched_tokens=256, prefill_instances=2, cluster_policy="esp", progress=False)
     assert isinstance(clustered.engine, ESPCluster)
     assert set(clustered.engine.scheduler.elastic._sp) == {1, 2}  # fitted per SP size
     ids = [prompt(llm, 900, 31), prompt(llm, 50, 32), prompt(llm, 400, 33)]

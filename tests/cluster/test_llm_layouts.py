@@ -8,9 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 import jaxserve
-from conftest import prompt, serve
+from conftest import LAYERS, prompt, serve
 from jaxserve.cluster.engine import ClusterEngine
-from jaxserve.models import registry
 from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sampling_params import SamplingParams
@@ -20,16 +19,16 @@ from tiny_models import write_tiny_model
 GREEDY = SamplingParams(max_tokens=24)
 
 
-def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(llm, tmp_path):
+def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(model, llm, tmp_path):
     """LLM(tp=..., prefill_instances=...) (what serve/generate's layout flags build), in instances of 3
-    tensor-parallel devices (SmolLM2's 9 heads over 3 KV heads: 3 and 1 per device), the pool CSPS's (SP-NTP
+    tensor-parallel devices (the model's 6 heads over 3 KV heads: 2 and 1 per device), the pool CSPS's (SP-NTP
     with CSA, dropping nothing; test_live_cluster.py serves CDSP's ring): the pool's Eq. (1) is measured and
     written where asked, and generation through the cluster (a prefill pool of 2 instances, one decode instance
     KV-parallel over 2, 12 devices in all) gives the single-device engine's greedy tokens, and serves them (the
     openai client over HTTP) with its events in /metrics."""
     path = tmp_path / "eq1.json"
-    clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4, max_num_batched_tokens=256,
-                             tp=3, prefill_instances=2, decode_instances=1, decode_kvp=2, min_chunk=256,
+    clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4,
+                             max_num_batched_tokens=256, tp=3, prefill_instances=2, decode_instances=1, decode_kvp=2, min_chunk=256,
                              sp_attention="sp_ntp", sparse_attention=0.0, prefill_profile=str(path), progress=False)
     assert type(clustered.engine.prefill.backend(2)).__name__ == "StoreCSABackend"
     assert isinstance(clustered.engine, ClusterEngine)
@@ -45,11 +44,11 @@ def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(llm, tmp_path):
     assert events == {k: float(v) for k, v in clustered.engine.events.items()} and events["transfers"] >= 2, events
 
 
-def test_llm_on_one_tensor_parallel_instance_equals_one_device(llm):
+def test_llm_on_one_tensor_parallel_instance_equals_one_device(model, llm):
     """LLM(tp=3) without a cluster layout: one engine whose step runs on 3 devices, each with a third of every
     layer's heads and MLP and of the KV cache's heads, gives the single-device engine's greedy tokens."""
-    tp = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256, tp=3,
-                      progress=False)
+    tp = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
+                      tp=3, progress=False)
     runner = tp.engine.runner
     assert len(runner.devices) == 3 and runner.caches[0].shape[2] == 3
     assert {s.data.shape[2] for s in runner.caches[0].addressable_shards} == {1}  # one KV head per device
@@ -59,31 +58,32 @@ def test_llm_on_one_tensor_parallel_instance_equals_one_device(llm):
 
 
 
-def test_quantized_weights_split_over_tensor_parallel_devices(llm):
+def test_quantized_weights_split_over_tensor_parallel_devices(model, smollm2, llm):
     """LLM(tp=3) with weights kept quantized, each device holding its share of the values, scales and offsets:
     SmolLM2's Q4_1 blocks (4-bit values packed in bytes, split by columns; offsets per block, split with rows) and
     int8 (one scale per column, whole on every device for the row-split projections). The GGUF blocks give the
-    float32 engine's greedy tokens; int8 gives its own single-device greedy tokens."""
+    float32 engine's greedy tokens (SmolLM2's, converted from the same file); int8 gives its own single-device
+    greedy tokens."""
     settings = dict(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
                     progress=False)
     ids = [prompt(llm, 300, 11), prompt(llm, 40, 12)]
-    kept = jaxserve.LLM(quantization="gguf", tp=3, **settings)
-    assert [c.token_ids for c in kept.generate(ids, GREEDY)] == [c.token_ids for c in llm.generate(ids, GREEDY)]
-    del kept
-    one, three = (jaxserve.LLM(quantization="int8", tp=tp, **settings) for tp in (1, 3))
+    kept, full = (jaxserve.LLM(smollm2, **settings, **extra) for extra in (dict(quantization="gguf", tp=3), {}))
+    assert [c.token_ids for c in kept.generate(ids, GREEDY)] == [c.token_ids for c in full.generate(ids, GREEDY)]
+    del kept, full
+    one, three = (jaxserve.LLM(model, quantization="int8", tp=tp, **settings) for tp in (1, 3))
     assert [c.token_ids for c in three.generate(ids, GREEDY)] == [c.token_ids for c in one.generate(ids, GREEDY)]
 
 
-def test_llm_on_pipeline_stages_of_kv_parallel_sets_equals_one_device(llm):
-    """LLM(stages=2, kvp=2, tp=3, kvp_tokens=256), Medha's 3D layout on 12 devices: SmolLM2's layers split over
+def test_llm_on_pipeline_stages_of_kv_parallel_sets_equals_one_device(model, llm):
+    """LLM(stages=2, kvp=2, tp=3, kvp_tokens=256), Medha's 3D layout on 12 devices: the model's layers split over
     2 stages, each stage's KV over 2 sets of 3 tensor-parallel devices, a request filling 256 tokens on one set
     before the next joins (the long prompt's second set joins mid-prefill). The single-device engine's greedy
     tokens for a prompt many chunks long and short ones beside it."""
-    pipe = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=128, tp=3,
-                        stages=2, kvp=2, kvp_tokens=256, progress=False)
+    pipe = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=128,
+                        tp=3, stages=2, kvp=2, kvp_tokens=256, progress=False)
     runner = pipe.engine.runner
     assert (runner.stages, runner.kvp, runner.tp, len(runner.devices)) == (2, 2, 3, 12)
-    assert [c[0].shape[0] for c in runner.stage_caches] == [15, 15]  # SmolLM2's 30 layers
+    assert [c[0].shape[0] for c in runner.stage_caches] == [LAYERS // 2] * 2
     ids = [prompt(llm, 700, 8), prompt(llm, 90, 9), prompt(llm, 30, 10)]
     want = [c.token_ids for c in llm.generate(ids, GREEDY)]
     assert [c.token_ids for c in pipe.generate(ids, GREEDY)] == want
@@ -92,12 +92,12 @@ def test_llm_on_pipeline_stages_of_kv_parallel_sets_equals_one_device(llm):
     assert min(held) > 0
 
 
-def test_gemma3_on_tensor_parallel_devices_and_pipeline_stages_equals_one_device(tmp_path, monkeypatch):
+def test_gemma3_on_tensor_parallel_devices_and_pipeline_stages_equals_one_device(smollm2, tmp_path, monkeypatch):
     """A tiny Gemma 3 (tests/tiny_models.py: a sliding layer and a full one, each with its RoPE base) on 2
     tensor-parallel devices (a KV head each; the q/k norms whole on both) and as 2 pipeline stages (a layer each,
     which keeps its own window) generates the single-device engine's tokens. Their logprobs agree within float32
     rounding; the tokens agree up to a step whose two best candidates are closer than that."""
-    tokenizer = TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL)))
+    tokenizer = TextTokenizer.from_gguf(GGUFFile(smollm2))
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))  # the tiny model's conversion
     write_tiny_model(tmp_path, tokenizer, family="gemma3", tied=False)
     rng = np.random.default_rng(0)

@@ -25,7 +25,6 @@ def test_prefill_instances_with_sjf_batches_and_whole_kv_transfer_equal_one_devi
     cluster = build(llm.config, llm._params, layout, lambda ds: llm.make_engine(ds, progress=False), None,
                     capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
     assert isinstance(cluster, TetriInferCluster) and isinstance(cluster, ServingEngine)
-    warmup(cluster, MAX_MODEL_LEN, progress=False)
     lengths = [1300, 300, 40, 700, 120, 90]
     ids = [prompt(llm, n, 20 + k) for k, n in enumerate(lengths)]
     want = [c.token_ids for c in llm.generate(ids, GREEDY)]
@@ -46,14 +45,14 @@ def test_prefill_instances_with_sjf_batches_and_whole_kv_transfer_equal_one_devi
     assert not cluster.has_unfinished() and cluster.num_running == 0
 
 
-def test_llm_serves_through_tetriinfer_by_its_flag(llm):
+def test_llm_serves_through_tetriinfer_by_its_flag(model, llm):
     """LLM(cluster_policy="tetriinfer", ...) (what --cluster_policy builds) generates the single-device text, and
     serves it (the openai client over HTTP) with its events in /metrics. The
     1,000-token prompt follows a short one on the same instance: its pieces (206, 256, 256, 256, 26 tokens) take
     more rows of the history store than max_model_len, padded to power-of-two buckets."""
-    clustered = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
-                             prefill_instances=2, decode_instances=1, cluster_policy="tetriinfer", prefill_chunk=256,
-                             progress=False)
+    clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4,
+                             max_num_batched_tokens=256, prefill_instances=2, decode_instances=1,
+                             cluster_policy="tetriinfer", prefill_chunk=256, progress=False)
     assert isinstance(clustered.engine, TetriInferCluster)
     ids = [prompt(llm, 600, 31), prompt(llm, 50, 32), prompt(llm, 1000, 33)]
     want = llm.generate(ids, GREEDY)
@@ -74,17 +73,17 @@ def step_until(cluster, tokens: dict[str, list[int]], done) -> None:
 
 
 def test_instances_flip_to_decode_and_back_to_prefill_as_the_load_shifts(llm, devices):
-    """2 prefill + 2 decode instances, flips on a 0.5 s window. Eight long decodes fill the decode side while the
-    prefill side idles: a prefill instance drains and turns decode instance. Then four long prompts queue on the
+    """2 prefill + 2 decode instances, flips on a 0.2 s window. Eight long decodes fill the decode side while the
+    prefill side idles: a prefill instance drains and turns decode instance. Then eight long prompts queue on the
     one prefill instance left while the decode side idles: a decode instance turns prefill instance, and the next
     prompt prefills there (the emptiest queue). Every prompt gets the single-device engine's greedy tokens."""
     layout = ParallelConfig(prefill_instances=2, decode_instances=2, cluster_policy="tetriinfer", prefill_chunk=256,
-                            flip_window=0.5)
+                            flip_window=0.2)
     cluster = build(llm.config, llm._params, layout, lambda ds: llm.make_engine(ds, progress=False), None,
                     capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
     warmup(cluster, 1024, progress=False)
     assert cluster.prefilling == {0, 1} and cluster.decoding == {2, 3}
-    decode_heavy = SamplingParams(max_tokens=40)
+    decode_heavy = SamplingParams(max_tokens=120)
     first = [prompt(llm, 40 + 20 * k, 80 + k) for k in range(8)]
     tokens: dict[str, list[int]] = {}
     rids = [cluster.add_request(x, decode_heavy) for x in first]
@@ -94,7 +93,7 @@ def test_instances_flip_to_decode_and_back_to_prefill_as_the_load_shifts(llm, de
     step_until(cluster, tokens, lambda: False)
 
     one_token = SamplingParams(max_tokens=1)  # finished by its first token: the decode side stays idle
-    second = [prompt(llm, 800, 90 + k) for k in range(4)]
+    second = [prompt(llm, 1000, 90 + k) for k in range(8)]
     later = [cluster.add_request(x, one_token) for x in second]
     tokens |= {r: [] for r in later}
     (old,) = cluster.prefilling
