@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from conftest import SHARDING, ChildSuite
 
-# the cluster folder's peak (18 GB) allows one process only
+# one process: the cluster folder compiles in threads and keeps both cores busy
 CLUSTER = ChildSuite("cluster", devices=12, workers=1, timeout_s=3000)
 
 
