@@ -22,12 +22,14 @@ KEY = "cli-key"
 DRAIN_S = 3.0
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def server():
+    """One server for the module: the client test uses it, then the SIGTERM test drains it (file order)."""
     # everything compiled before listening: the drain's timing must not share the CPU with a background compile
-    # (quick start, serve's default, is run by tests/engine/test_profile.py's bench_startup test)
-    s = ServerProcess("--max_model_len=1024", "--kv_cache_gib=0.1", f"--api_key={KEY}", f"--drain_timeout={DRAIN_S:g}",
-                      "--noquick_start")
+    # (quick start, serve's default, is run by tests/engine/test_profile.py's bench_startup test). test_fuzz.py's
+    # shapes: its programs and cost profile, cached by then, are loaded rather than compiled and measured again.
+    s = ServerProcess("--max_model_len=1024", "--kv_cache_gib=0.25", "--max_num_seqs=8", f"--api_key={KEY}",
+                      f"--drain_timeout={DRAIN_S:g}", "--noquick_start")
     yield s.proc, s.grpc_port, s.http_port, s.log
     if s.proc.poll() is None:
         s.proc.kill()
