@@ -300,11 +300,13 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def chat_prompt(self, messages: Messages, tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt(self, messages: Messages, tools: Sequence[dict[str, Any]] | None = None, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template (which carries its own BOS), with
         the tools it offers (OpenAI's shape) if any; text in a message that spells a control token stays plain
-        text."""
-        return self.tokenizer.encode_chat(messages, tools=tools)
+        text. add_generation_prompt: open the assistant's turn; continue_final_message: end inside the last
+        message instead (a prefilled reply the model continues; needs add_generation_prompt false)."""
+        return self.tokenizer.encode_chat(messages, add_generation_prompt, tools, continue_final_message)
 
     def render_chat(self, messages: Messages) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -421,8 +423,8 @@ class LLM:
         logprobs returns, and what evaluation harnesses score by)."""
         _, ids = self._prompt_ids(prompt)
         ids = self.engine.check_request(ids, SamplingParams(logprobs=k))
-        return [None] + token_logprobs(ids[1:], scoring.prompt_logprobs(self.config, self._params, self._dtype, ids),
-                                       k)
+        lp, ranks = scoring.prompt_logprobs(self.config, self._params, self._dtype, ids)
+        return [None] + [x._replace(rank=int(r)) for x, r in zip(token_logprobs(ids[1:], lp, k), ranks)]
 
 
 def follow(model: ModelConfig = ModelConfig()) -> None:

@@ -156,8 +156,8 @@ class SamplingParams:
         need(integer(self.top_k) and 0 <= self.top_k < 2**31,
              f"top_k must be -1, 0 (no cut) or an integer < 2**31, got {excerpt(self.top_k, 40)}")
         need(number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {excerpt(self.top_p, 40)}")
-        need(self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**32),
-             f"seed must be an integer in [0, 2**32), got {excerpt(self.seed, 40)}")
+        need(self.seed is None or (integer(self.seed) and -2**63 <= self.seed < 2**63),
+             f"seed must be a 64-bit signed integer, got {excerpt(self.seed, 40)}")
         need(len(self.stop) <= self.MAX_STOP, f"at most {self.MAX_STOP} stop strings, got {len(self.stop)}")
         need(all(isinstance(s, str) and 0 < len(s) <= self.MAX_STOP_CHARS for s in self.stop),
              f"stop must be non-empty strings of at most {self.MAX_STOP_CHARS} characters")
@@ -200,7 +200,18 @@ class SamplingParams:
         k = self.best_of or self.n
         logprobs = 0 if k > self.n and self.logprobs is None else self.logprobs
         return [dataclasses.replace(self, n=1, best_of=None, logprobs=logprobs,
-                                    seed=None if self.seed is None else (self.seed + i) % 2**32) for i in range(k)]
+                                    seed=None if self.seed is None else (self.seed + i + 2**63) % 2**64 - 2**63)
+                for i in range(k)]
+
+    def draw_seed(self) -> int | None:
+        """The 32-bit seed of the draws: a seed in [0, 2**32) as given, any other 64-bit one mixed down from all
+        its bits (splitmix64's finalizer), so that seeds apart by 2**32 draw apart."""
+        if self.seed is None or 0 <= self.seed < 2**32:
+            return self.seed
+        x = self.seed % 2**64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB % 2**64
+        return (x ^ (x >> 31)) >> 32
 
     def kept(self, samples: Sequence[Sequence[Any]]) -> list[int]:
         """Which of the siblings' samples to return, given each one's token logprobs (entries with a `logprob`):

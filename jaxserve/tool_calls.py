@@ -143,12 +143,13 @@ def _calls_schema(tools: list[Tool], exactly_one: bool) -> dict[str, Any]:
 class Plan:
     """A chat request's tools as the engine sees them: the messages and tools the template renders, the
     output's grammar (StructuredOutput's fields, or None), and how to read calls out of the output (None: no
-    calls are read)."""
+    calls are read); forced: the output must be calls (tool_choice required or a named function)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     structured_output: dict[str, Any] | None
     format: str | None
+    forced: bool = False
 
 
 def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, template: str | None,
@@ -167,14 +168,14 @@ def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, 
             repeat = "" if one else "+"
             grammar = {"grammar": f'start: ("{_lark(HERMES_OPEN)}\\n" call "\\n{_lark(HERMES_CLOSE)}"){repeat}\n'
                                   f"call: %json {call}"}
-        return Plan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt)
+        return Plan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto")
     if fmt == "llama3_json":  # one call a reply (its templates refuse more)
         grammar = None
         if choice != "auto":
             items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": _embedded(t)[0]},
                       "required": ["name", "parameters"], "additionalProperties": False} for t in offered]
             grammar = {"json": _rooted(items[0] if len(items) == 1 else {"anyOf": items}, offered)}
-        return Plan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt)
+        return Plan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto")
     calls = {"type": "object", "properties": {"tool_calls": _calls_schema(offered, one)},
              "required": ["tool_calls"], "additionalProperties": False}
     answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
@@ -189,7 +190,7 @@ def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, 
         history[0] = {"role": "system", "content": history[0]["content"] + "\n\n" + system}
     else:
         history.insert(0, {"role": "system", "content": system})
-    return Plan(history, None, {"json": schema}, fmt)
+    return Plan(history, None, {"json": schema}, fmt, choice != "auto")
 
 
 def _lark(text: str) -> str:
@@ -257,8 +258,9 @@ class Reader:
     """Reads one choice's output as it streams: `feed` returns the content that is surely not part of a call
     (held back while it may be), `finish` the rest of the content and the calls."""
 
-    def __init__(self, fmt: str | None):
-        self.format = fmt
+    def __init__(self, fmt: str | None, forced: bool = False):
+        """forced: the output must be calls; one cut short is no content either."""
+        self.format, self.forced = fmt, forced
         self._text = ""
         self._sent = 0  # content characters given out
 
@@ -285,7 +287,12 @@ class Reader:
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """The content not given out yet, and the calls (a call that does not parse stays content)."""
+        """The content not given out yet, and the calls (a call that does not parse stays content, unless calls
+        were forced: then it is the unfinished call, never the reply's text)."""
+        rest, calls = self._finish()
+        return ("", calls) if self.forced else (rest, calls)
+
+    def _finish(self) -> tuple[str, list[ToolCall]]:
         if self.format is None:
             return "", []
         if self.format == "llama3_json":

@@ -82,6 +82,7 @@ def test_generic_format_offers_the_tools_and_holds_the_output_to_its_json():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}, named)
     StructuredOutput(**plan.structured_output)  # llguidance takes it
+    assert not plan.forced and tool_calls.plan(history, tools, "required", template=None).forced
     none = tool_calls.plan(history, tools, "none", template=None)
     assert none.structured_output is None and none.format is None and "get_weather" in none.messages[1]["content"]
 
@@ -99,6 +100,10 @@ def test_generic_output_reads_as_calls_or_content():
     reader = tool_calls.Reader("generic")
     reader.feed("{\"respo")  # cut short (max_tokens): the text as it is
     assert reader.finish() == ("{\"respo", [])
+    for fmt, cut in (("generic", "{\"tool_calls\": [{\""), ("hermes", "<tool_call>\n{\"na"),
+                     ("llama3_json", "{\"name\": \"get_")):
+        forced = tool_calls.Reader(fmt, forced=True)  # the call was required: its unfinished text is no content
+        assert forced.feed(cut) == "" and forced.finish() == ("", [])
 
 
 def test_hermes_template_renders_tools_and_calls_and_its_output_reads_in_any_pieces():

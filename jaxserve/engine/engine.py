@@ -52,6 +52,7 @@ class TokenLogprob(NamedTuple):
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+    rank: int | None = None  # the token's among the vocabulary's (1: the most likely); known for a prompt's
 
 
 def token_logprobs(tokens: Sequence[int], lp: Logprobs, k: int) -> list[TokenLogprob]:
@@ -72,6 +73,7 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why, when finish_reason is ERROR
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    stop: str | int | None = None  # what ended it with STOP: the stop string, or the stop token (EOS included)
 
 
 class StepFailed(RuntimeError):
@@ -202,7 +204,7 @@ class Engine:
         r = sched_request.Request(request_id, self.clock(), len(ids),
                                   min(params.max_tokens, self.max_model_len - len(ids)), token_ids=list(ids),
                                   single_step=params.structured_output is not None)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
+        seed = params.draw_seed() if params.seed is not None else self._seed_rng.getrandbits(32)
         prompt = ids[:len(ids) - generated]
         matcher = None
         if params.structured_output is not None:  # before the request is held: a grammar that fails leaves nothing
@@ -533,13 +535,14 @@ class Engine:
         stop_at = live.stops.feed(new)
         if generated < p.min_tokens:  # as vLLM: no stop counts before min_tokens (the device bans stop tokens)
             stop_at = None
-        reason = None
+        reason = stop = None
         if stop_at is not None:
+            stop = text[stop_at:live.stops.seen]  # the string that matched (the matcher stopped at its end)
             text = text[:stop_at]
             reason = FinishReason.STOP
         elif generated >= p.min_tokens and (token in p.stop_token_ids or (token in self.tokenizer.stop_ids
                                                                            and not p.ignore_eos)):
-            reason = FinishReason.STOP
+            reason, stop = FinishReason.STOP, token
         elif live.matcher is not None and live.matcher.is_stopped():  # the grammar is complete
             reason = FinishReason.STOP
         elif generated >= r.output_len:
@@ -550,4 +553,4 @@ class Engine:
             text = live.text = live.text + live.detokenizer.flush()
         delta = text[live.emitted_chars:]
         live.emitted_chars = len(text)
-        return RequestOutput(r.id, [token], delta, reason is not None, reason, r.cached_tokens)
+        return RequestOutput(r.id, [token], delta, reason is not None, reason, r.cached_tokens, stop=stop)

@@ -8,6 +8,7 @@ import functools
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.batch import powers_of_two
@@ -33,7 +34,11 @@ def _logprobs(cfg: LlamaConfig, dtype: Any, unrolled: bool):
     forward = _forward(cfg, dtype, unrolled)
 
     def run(params, tokens, q_pos, k_pos):
-        return logprobs_of(forward(params, tokens, q_pos, k_pos)[:-1], tokens[1:])
+        logits = forward(params, tokens, q_pos, k_pos)[:-1]
+        lp = logprobs_of(logits, tokens[1:])
+        # each token's rank among the vocabulary's (1: the most likely), as vLLM's prompt_logprobs report it
+        ranks = 1 + jnp.sum(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1) > lp.chosen[:, None], axis=-1)
+        return lp, ranks
 
     return jax.jit(run)
 
@@ -62,9 +67,11 @@ def prompt_logits(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int])
     return np.asarray(_forward(cfg, dtype, unrolled)(params, *_padded(ids)))[:len(ids)]
 
 
-def prompt_logprobs(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int]) -> Logprobs:
+def prompt_logprobs(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int]) -> tuple[Logprobs, np.ndarray]:
     """Each prompt token's logprob given the tokens before it, and the sampling.MAX_LOGPROBS most likely there
-    ([len(ids) - 1, ...]: the first token has none); computed on the device, so only these come back."""
+    ([len(ids) - 1, ...]: the first token has none), and its rank there (1: the most likely); computed on the
+    device, so only these come back."""
     params, unrolled = _layout(cfg, params)
-    out = _logprobs(cfg, dtype, unrolled)(params, *_padded(ids))
-    return Logprobs(*(np.asarray(x)[:len(ids) - 1] for x in out))
+    lp, ranks = _logprobs(cfg, dtype, unrolled)(params, *_padded(ids))
+    n = len(ids) - 1
+    return Logprobs(*(np.asarray(x)[:n] for x in lp)), np.asarray(ranks)[:n]

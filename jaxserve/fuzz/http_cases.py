@@ -15,9 +15,13 @@ COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "t
                      "stop_token_ids", "ignore_eos", "ttft_slo", "stream", "stream_options", "user", "n",
                      "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "echo", "logprobs",
                      "suffix", "best_of", "response_format", "structured_outputs", "guided_json", "guided_regex",
-                     "guided_choice", "guided_grammar")
+                     "guided_choice", "guided_grammar",
+                     # vLLM's and SGLang's extensions, honoured or refused by name
+                     "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "truncate_prompt_tokens",
+                     "regex", "use_beam_search", "allowed_token_ids", "bad_words", "request_id")
 CHAT_FIELDS = tuple(f for f in COMPLETION_FIELDS if f not in ("prompt", "echo", "suffix", "best_of")) + (
-    "messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs")
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "add_generation_prompt",
+    "continue_final_message")
 PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time", "List three colors:", "2 + 2 =")
 
 

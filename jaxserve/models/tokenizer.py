@@ -217,13 +217,13 @@ class TextTokenizer:
         return ids
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a conversation rendered by the chat template (which carries its own BOS). Control tokens
-        come from the template only: text in a message that spells one is encoded as the plain text it is, so no
-        content can forge a turn (e.g. end the user's turn and open a system one), nor can a tool's description or
-        a call's arguments."""
+                    tools: Sequence[dict[str, Any]] | None = None, continue_final_message: bool = False) -> list[int]:
+        """Token ids of a conversation rendered by the chat template (which carries its own BOS); the arguments
+        are apply_chat_template's. Control tokens come from the template only: text in a message that spells one
+        is encoded as the plain text it is, so no content can forge a turn (e.g. end the user's turn and open a
+        system one), nor can a tool's description or a call's arguments."""
         (messages, tools), originals = self._hide_special_text((list(messages), tools))
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message)
         if not originals:
             return self.encode(text, add_special_tokens=False)
         marker = re.compile(re.escape(originals.nonce) + r"(\d+)\ue001")
@@ -276,13 +276,18 @@ class TextTokenizer:
         """The most characters one token stands for (byte-level vocabularies: bytes, an upper bound)."""
         return max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: Sequence[dict[str, Any]] | None = None) -> str:
+                            tools: Sequence[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
         """The conversation as the template renders it (transformers' arguments: messages, tools,
-        add_generation_prompt and the special tokens); a message may carry tool_calls and tool_call_id too."""
+        add_generation_prompt and the special tokens); a message may carry tool_calls and tool_call_id too.
+        continue_final_message: the text ends inside the last message, after its content (a prefilled reply the
+        model continues), as transformers cuts it."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message: it needs add_generation_prompt "
+                             "false")
         if not self.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         for i, m in enumerate(messages):
@@ -290,10 +295,22 @@ class TextTokenizer:
                 raise ValueError(f"message {i} must be a dict with string 'role' and 'content'")
         extra = {} if tools is None else {"tools": list(tools)}
         try:
-            return _compile(self.chat_template).render(
+            text = _compile(self.chat_template).render(
                 messages=list(messages), add_generation_prompt=add_generation_prompt, **extra, **self.special_tokens)
         except jinja2.TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate")
             raise ValueError(f"chat template rejected the messages: {e}") from e
+        return _cut_after_final(text, messages[-1]["content"]) if continue_final_message and messages else text
+
+
+def _cut_after_final(text: str, final: str) -> str:
+    """The rendered text up to the end of the last message's content (transformers' continue_final_message: the
+    content's trailing spaces kept where the template kept them)."""
+    if not final.strip() or final.strip() not in text:
+        raise ValueError("continue_final_message: the chat template does not render the last message's content "
+                         "as it is")
+    at = text.rindex(final.strip())
+    keep = len(final.lstrip()) if text[at:].strip() == final.strip() else len(final.strip())
+    return text[:at + keep]
 
 
 class _Originals(list):

@@ -22,6 +22,10 @@ class Unauthenticated(Exception):
     """The server has an API key and the request did not carry it."""
 
 
+class NotFound(Exception):
+    """The request names a model (or another thing) this server does not have."""
+
+
 class TooLarge(Exception):
     """The request body is over the server's limit."""
 
@@ -43,6 +47,7 @@ class Refusal:
 _REFUSALS: dict[type[Exception], Refusal] = {
     ValueError: Refusal(400, "invalid_request_error", "INVALID_ARGUMENT", "invalid"),
     Unauthenticated: Refusal(401, "authentication_error", "UNAUTHENTICATED", "unauthenticated"),
+    NotFound: Refusal(404, "invalid_request_error", "NOT_FOUND", "not_found"),
     TooLarge: Refusal(413, "invalid_request_error", "INVALID_ARGUMENT", "too_large"),
     ReadTimeout: Refusal(408, "invalid_request_error", "DEADLINE_EXCEEDED", "read_timeout"),
     QueueFull: Refusal(429, "rate_limit_error", "RESOURCE_EXHAUSTED", "queue_full"),
@@ -94,10 +99,10 @@ class Frontend:
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self._api_key.encode()):
             raise Unauthenticated("missing or wrong API key: send 'Authorization: Bearer <key>'")
 
-    def check_model(self, name: str | None) -> None:
-        """An empty name means the served model."""
-        if name and name != self.model_name:
-            raise ValueError(f"unknown model {excerpt(name)}; this server serves {self.model_name!r}")
+    def check_model(self, name: str | None, required: bool = False) -> None:
+        """A request's model must be the served one (NotFound); an empty name means it unless `required`."""
+        if (name or required) and name != self.model_name:
+            raise NotFound(f"unknown model {excerpt(name)}; this server serves {self.model_name!r}")
 
     def _check_text(self, text: object, what: str) -> str:
         """Text a client sent, refused before any work if it is not a string of valid Unicode or is longer than
@@ -113,25 +118,28 @@ class Frontend:
             raise ValueError(f"{what} is not valid Unicode: a lone surrogate at character {e.start}") from None
         return text
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a raw prompt (control-token text in it is read as the token: the client writes the
-        model's input). Tokenized in a worker thread, off the event loop."""
+        model's input), with the tokenizer's BOS unless add_special_tokens is false. Tokenized in a worker thread,
+        off the event loop."""
         if not self._check_text(text, "prompt"):
             raise ValueError("prompt is empty")
-        return await asyncio.to_thread(self.llm.tokenizer.encode, text)
+        return await asyncio.to_thread(self.llm.tokenizer.encode, text, add_special_tokens)
 
-    async def decode(self, ids: Sequence[int]) -> str:
-        """The text of token ids (control tokens left out), each checked to be in the vocabulary."""
+    async def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of token ids (control tokens left out unless asked for), each checked to be in the
+        vocabulary."""
         vocab = self.llm.config.vocab_size
         for i, t in enumerate(ids):
             if not 0 <= t < vocab:
                 raise ValueError(f"tokens[{i}] = {excerpt(t)} is not a token id (0 to {vocab - 1})")
-        return await asyncio.to_thread(self.llm.tokenizer.decode, ids)
+        return await asyncio.to_thread(self.llm.tokenizer.decode, ids, skip_special_tokens)
 
-    async def encode_chat(self, messages: Sequence[dict[str, Any]],
-                          tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    async def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                          **rendering: bool) -> list[int]:
         """Token ids of a conversation, with the tools the template offers (tool_calls.plan); only the chat
-        template adds control tokens. Roles are OpenAI's ("developer" is the newer name of "system")."""
+        template adds control tokens. Roles are OpenAI's ("developer" is the newer name of "system").
+        rendering: LLM.chat_prompt's add_generation_prompt and continue_final_message."""
         if not messages:
             raise ValueError("messages is empty")
         checked, chars = [], 0
@@ -145,7 +153,7 @@ class Frontend:
         if chars > self.max_text_chars:
             raise ValueError(f"messages have {chars} characters; no text over {self.max_text_chars} fits the "
                              f"context of {self.max_model_len} tokens")
-        return await asyncio.to_thread(self.llm.chat_prompt, checked, tools)
+        return await asyncio.to_thread(functools.partial(self.llm.chat_prompt, checked, tools, **rendering))
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[Any]:
         """Each prompt token's TokenLogprob (None for the first), with the k most likely: a scoring pass beside

@@ -58,8 +58,8 @@ class ServerMetrics:
                                       "flips_to_decode, flips_to_prefill: an instance changed role).", ["event"],
                                       registry=r)
         self.errors = Counter("jaxserve_request_errors", "Requests answered with an error, by reason (invalid, "
-                              "unauthenticated, too_large, read_timeout, queue_full, shutting_down, engine_failed, "
-                              "internal).", ["reason"], registry=r)
+                              "not_found, unauthenticated, too_large, read_timeout, queue_full, shutting_down, "
+                              "engine_failed, internal).", ["reason"], registry=r)
 
     def name_model(self, model_name: str) -> None:
         """Serve the main metrics under vLLM's names too, labelled with the model clients ask for."""

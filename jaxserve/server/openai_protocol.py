@@ -3,22 +3,25 @@
 Every field of OpenAI's request schemas is declared here: honoured, informational (it changes no output: who
 asked, how to log it), or not implemented, and then refused with a message unless it holds the value that means
 "off" (tests/server/test_openai_schema.py walks the installed openai package's schemas). vLLM's sampling
-extensions (top_k, repetition_penalty, min_p, min_tokens, stop_token_ids, ignore_eos) are honoured too, and its
-structured output fields (structured_outputs, and the older guided_json, guided_regex, guided_choice,
-guided_grammar) beside OpenAI's response_format. Fields it
-does not know at all are ignored, as OpenAI-compatible servers do, so that clients and load tools that send extras
-still work.
+extensions (top_k, repetition_penalty, min_p, min_tokens, stop_token_ids, ignore_eos, return_token_ids,
+return_tokens_as_token_ids, truncate_prompt_tokens, stream_options.continuous_usage_stats) are honoured too, and
+its structured output fields (structured_outputs, and the older guided_json, guided_regex, guided_choice,
+guided_grammar; SGLang's regex) beside OpenAI's response_format. vLLM's and SGLang's other fields are declared
+and refused by name unless off (PEER_FIELDS_OFF). Fields of none of these schemas are ignored, as
+OpenAI-compatible servers do, so that clients and load tools that send extras still work.
 The tokenize and detokenize bodies, jaxserve's own, refuse unknown fields.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
 from jaxserve import tool_calls
-from jaxserve.sampling_params import excerpt
+from jaxserve.sampling_params import SamplingParams, excerpt
+
+MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 
 
 class _Strict(BaseModel):
@@ -29,6 +32,31 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage so far in every chunk
+
+
+class ReplyOptions(NamedTuple):
+    """What a reply shows beside the text, as the request asked."""
+
+    include_usage: bool  # streamed: a last chunk with the usage
+    continuous_usage: bool  # streamed: the usage so far in every chunk (vLLM's continuous_usage_stats)
+    logprobs: int | None  # each token's logprob and this many most likely (None: no logprobs)
+    token_ids: bool  # vLLM's return_token_ids: the prompt's and the completion's token ids
+    tokens_as_ids: bool  # vLLM's return_tokens_as_token_ids: logprobs name tokens as "token_id:N"
+
+
+# vLLM's and SGLang's request fields that jaxserve does not implement, with the values that mean "off": refused by
+# name when set otherwise, never ignored (the rest of their fields are honoured, see _SamplingRequest)
+PEER_FIELDS_OFF: dict[str, tuple] = {
+    "use_beam_search": (False,), "length_penalty": (1.0,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "allowed_token_ids": (),
+    "bad_words": (), "logprob_token_ids": (), "truncation_side": ("left",),
+    "priority": (0,), "kv_transfer_params": (), "vllm_xargs": (), "structural_tag": (), "chat_template": (),
+    "chat_template_kwargs": (), "documents": (), "mm_processor_kwargs": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "return_hidden_states": (False,), "stop_regex": (), "ebnf": (),
+    "json_schema": (), "no_stop_trim": (False,), "lora_path": (), "session_params": (),
+    "custom_logit_processor": (), "custom_params": (), "return_text_in_logprobs": (),
+}
 
 
 class _SamplingRequest(_Strict):
@@ -60,9 +88,51 @@ class _SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    regex: str | None = None  # SGLang's name of guided_regex
+    # vLLM's reply extensions
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context's worth)
+    prompt_logprobs: int | None = None  # each prompt token's logprob and rank, and this many most likely
+    # informational (how to log or shard the cache; vLLM's and SGLang's): change no output
+    request_id: str | None = None
+    cache_salt: str | None = None
+    rid: str | None = None
+    # vLLM's and SGLang's fields not implemented (PEER_FIELDS_OFF), declared so that none is ignored
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[int] | None = None
+    truncation_side: str | None = None
+    priority: int = 0
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    structural_tag: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    return_hidden_states: bool = False
+    stop_regex: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
+    no_stop_trim: bool = False
+    lora_path: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    custom_params: Any = None
+    return_text_in_logprobs: Any = None
 
     def sampling(self) -> dict[str, Any]:
         """Keyword arguments for Frontend.submit; ValueError names an option jaxserve does not implement."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
         for name, off in self._off_values().items():
             value = getattr(self, name)
             if value not in (None, {}, []) and value not in off:
@@ -77,7 +147,30 @@ class _SamplingRequest(_Strict):
 
     def _off_values(self) -> dict[str, Any]:
         """Options jaxserve does not implement, with the values that mean "off"."""
-        return {}
+        return dict(PEER_FIELDS_OFF)
+
+    def reply_options(self) -> ReplyOptions:
+        usage = self.stream_options or StreamOptions()
+        return ReplyOptions(usage.include_usage, usage.continuous_usage_stats, self._logprobs(),
+                            self.return_token_ids, self.return_tokens_as_token_ids)
+
+    def prompt_logprobs_k(self) -> int | None:
+        """How many most likely tokens each prompt position lists (vLLM's prompt_logprobs), or None."""
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k}")
+        return k
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as served: with truncate_prompt_tokens k its last k tokens (-1: the context's worth)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = max_model_len
+        if k < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k}")
+        return ids[-k:]
 
     def _structured_output(self) -> dict[str, Any] | None:
         """The grammar asked for, as StructuredOutput's fields (None: free text)."""
@@ -85,6 +178,7 @@ class _SamplingRequest(_Strict):
             ("response_format", self._response_format()), ("structured_outputs", self.structured_outputs),
             ("guided_json", None if self.guided_json is None else {"json": self.guided_json}),
             ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
+            ("regex", None if self.regex is None else {"regex": self.regex}),
             ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
             ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}))
             if value is not None}
@@ -122,10 +216,6 @@ class _SamplingRequest(_Strict):
     def _logprobs(self) -> int | None:
         return None
 
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -140,8 +230,10 @@ class CompletionRequest(_SamplingRequest):
     # not implemented (see _off_values)
     suffix: str | None = None
 
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
+
     def _off_values(self) -> dict[str, Any]:
-        return {**super()._off_values(), "suffix": ()}
+        return {**super()._off_values(), "suffix": (), "add_special_tokens": (True,)}
 
     def _best_of(self) -> int | None:
         if self.stream and self.best_of is not None and self.best_of > self.n:
@@ -167,6 +259,11 @@ class CompletionRequest(_SamplingRequest):
         if not p:
             raise ValueError("prompt is empty")
         return list(p)
+
+
+def rendering(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, bool]:
+    """How the chat template renders a body's messages (LLM.chat_prompt's keywords)."""
+    return dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
 
 
 class TextPart(_Strict):
@@ -233,16 +330,28 @@ class ChatCompletionRequest(_SamplingRequest):
     service_tier: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: Any = None
+    # vLLM's chat extensions
+    add_generation_prompt: bool = True  # open the assistant's turn after the messages
+    continue_final_message: bool = False  # end inside the last message: the model continues it (a prefilled reply)
+    echo: bool = False  # the reply's content starts with the last message's, where that is the assistant's
+    add_special_tokens: bool = False  # not implemented: the template writes the control tokens
 
     def _off_values(self) -> dict[str, Any]:
         return {**super()._off_values(), "functions": (), "function_call": ("none",),
                 "audio": (), "modalities": (["text"],), "prediction": (),
                 "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
                 "store": (False,), "service_tier": ("auto", "default"), "prompt_cache_retention": ("in_memory",),
-                "prompt_cache_options": ()}
+                "prompt_cache_options": (), "add_special_tokens": (False,)}
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def echoed(self) -> str | None:
+        """With echo: the text the reply's content starts with, the last message's where it is the assistant's."""
+        last = self.messages[-1] if self.messages else None
+        if not self.echo or last is None or last.role != "assistant":
+            return None
+        return last.as_dict()["content"]
 
     def tool_plan(self, template: str | None) -> tool_calls.Plan | None:
         """The tools' prompt, grammar and reader (None without tools or a tool_choice); ValueError names a bad
@@ -270,15 +379,35 @@ class _Exact(_Strict):
 
 
 class TokenizeRequest(_Exact):
-    """POST /tokenize (vLLM's shape): a prompt, or a conversation rendered by the chat template."""
+    """POST /tokenize (vLLM's shape): a prompt, or a conversation rendered by the chat template (with the tools
+    it offers, as /v1/chat/completions renders them)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # the tokenizer's BOS before a prompt (default: yes; never on messages)
+    add_generation_prompt: bool = True  # messages: open the assistant's turn
+    continue_final_message: bool = False  # messages: end inside the last one
+    tools: list[Any] | None = None  # messages: the functions offered
+    return_token_strs: bool = False  # each token's text beside its id
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and self.add_special_tokens:
+            raise ValueError("add_special_tokens=true is not supported with messages: the chat template writes "
+                             "the control tokens")
+        if self.prompt is not None and (self.tools is not None or not self.add_generation_prompt
+                                        or self.continue_final_message):
+            raise ValueError("tools, add_generation_prompt and continue_final_message apply to messages, not to a "
+                             "prompt")
+
+    def tool_plan(self, template: str | None) -> tool_calls.Plan | None:
+        """The tools as a chat request with tool_choice auto renders them (None without tools)."""
+        if self.tools is None:
+            return None
+        tools = tool_calls.parse_tools(self.tools)
+        return tool_calls.plan([m.as_dict() for m in self.messages], tools, "auto", template)
 
 
 class DetokenizeRequest(_Exact):

@@ -115,7 +115,8 @@ def test_seed_and_counter_determine_the_draw(logits):
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=-3), dict(max_tokens=2.5),
                                     dict(temperature=-0.1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.01),
-                                    dict(seed=-1), dict(stop=("",)), dict(stop_token_ids=(-2,)),
+                                    dict(seed=2**63), dict(seed=-2**63 - 1), dict(seed=1.5), dict(stop=("",)),
+                                    dict(stop_token_ids=(-2,)),
                                     # hostile input: each once passed and hurt the batch or the engine thread
                                     dict(top_k=2**31), dict(temperature=float("inf")), dict(temperature=float("nan")),
                                     dict(top_p=float("nan")), dict(max_tokens=True), dict(temperature=True),

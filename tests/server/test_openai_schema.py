@@ -103,3 +103,47 @@ def test_response_format_and_vllms_guided_fields_set_the_grammar(model, params, 
                          ({"guided_regex": "a", "guided_choice": ["b"]}, "at most one of")]:
         with pytest.raises(ValueError, match=words):
             model(**body, **extra).sampling()
+
+
+# vLLM's and SGLang's fields not implemented: a value each may hold that asks for what jaxserve does not do
+PEER_PROBES = {
+    "use_beam_search": True, "length_penalty": 0.5, "include_stop_str_in_output": True, "skip_special_tokens": False,
+    "spaces_between_special_tokens": False, "allowed_token_ids": [1, 2], "bad_words": ["no"],
+    "logprob_token_ids": [3], "truncation_side": "right", "priority": 1, "kv_transfer_params": {"k": 1},
+    "vllm_xargs": {"k": 1}, "structural_tag": "t", "chat_template": "{{ x }}", "chat_template_kwargs": {"k": 1},
+    "documents": [{"k": "v"}], "mm_processor_kwargs": {"k": 1}, "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ", "return_hidden_states": True, "stop_regex": "a+", "ebnf": "root ::= 'a'",
+    "json_schema": "{}", "no_stop_trim": True, "lora_path": "x", "session_params": {"id": 1},
+    "custom_logit_processor": "x", "custom_params": {"k": 1}, "return_text_in_logprobs": True,
+}
+CHAT_PEER_PROBES = {"add_special_tokens": True}
+
+
+@pytest.mark.parametrize("model, params, base", REQUESTS, ids=["completions", "chat"])
+def test_vllm_and_sglang_fields_not_implemented_are_refused_by_name(model, params, base):
+    from jaxserve.server.openai_protocol import PEER_FIELDS_OFF
+
+    assert set(PEER_PROBES) == set(PEER_FIELDS_OFF)
+    body = {"model": "m", **base}
+    probes = PEER_PROBES | (CHAT_PEER_PROBES if model is ChatCompletionRequest else {"add_special_tokens": False})
+    for name, probe in probes.items():
+        with pytest.raises(ValueError, match=f"^{name}=.* is not supported by jaxserve"):
+            model(**body, **{name: probe}).sampling()
+        model(**body, **{name: model.model_fields[name].default}).sampling()
+
+
+def test_vllm_and_sglang_fields_that_are_honoured_reach_the_reply():
+    from jaxserve.server.openai_protocol import ReplyOptions
+
+    body = {"model": "m", "prompt": "hi", "stream": True, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, "logprobs": 2,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    assert CompletionRequest(**body).reply_options() == ReplyOptions(True, True, 2, True, True)
+    assert CompletionRequest(model="m", prompt="hi", regex="a|b").sampling()["structured_output"] == {"regex": "a|b"}
+    ids = list(range(10))
+    assert CompletionRequest(model="m", prompt="hi", truncate_prompt_tokens=3).truncated(ids, 8) == [7, 8, 9]
+    assert CompletionRequest(model="m", prompt="hi", truncate_prompt_tokens=-1).truncated(ids, 8) == ids[2:]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or an integer >= 1"):
+        CompletionRequest(model="m", prompt="hi", truncate_prompt_tokens=0).truncated(ids, 8)
+    with pytest.raises(ValueError, match="stream_options is only allowed with stream: true"):
+        CompletionRequest(model="m", prompt="hi", stream_options={"include_usage": True}).sampling()
