@@ -8,6 +8,7 @@ like the real sampler, so every request's output is known in advance.
 
 from __future__ import annotations
 
+import functools
 import random
 import types
 
@@ -104,18 +105,25 @@ def expected_output(prompt: list[int], sp: SamplingParams, max_model_len: int) -
 def test_random_workload_keeps_every_invariant(trial, overlap, steps):
     """With the next step dispatched before the last one's tokens are read (overlap), or one step at a time;
     with multi-step decodes of up to `steps` steps or none."""
-    run_random_workload(trial, overlap, steps)
+    random_workload(trial, overlap, steps)
 
 
 def test_random_workloads_preempt_and_hit_the_prefix_cache():
     """The workloads above are not vacuous: memory pressure preempts, shared prefixes hit, bursts run and
     requests stop inside them."""
-    engines = [run_random_workload(trial, True) for trial in range(40)]
+    engines = [random_workload(trial, True, 1) for trial in range(40)]
     assert sum(e.num_preemptions for e in engines) > 20
     assert sum(e.kv.stats.hit_tokens for e in engines) > 0.1 * sum(e.kv.stats.query_tokens for e in engines)
-    bursting = [run_random_workload(trial, True, 4) for trial in range(40)]
+    bursting = [random_workload(trial, True, 4) for trial in range(40)]
     assert sum(e.bursts for e in bursting) > 100 and sum(e.stopped_mid_burst for e in bursting) >= 3
     assert sum(e.num_preemptions for e in bursting) > 20
+
+
+@functools.cache
+def random_workload(trial: int, overlap: bool, steps: int) -> Engine:
+    """A workload's engine once it has run (every invariant checked on the way), run once per session: the
+    test above and the one that reads the workloads' statistics share it."""
+    return run_random_workload(trial, overlap, steps)
 
 
 def run_random_workload(trial: int, overlap: bool, steps: int = 1) -> Engine:
