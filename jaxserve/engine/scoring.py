@@ -34,11 +34,11 @@ def _logprobs(cfg: LlamaConfig, dtype: Any, unrolled: bool):
     forward = _forward(cfg, dtype, unrolled)
 
     def run(params, tokens, q_pos, k_pos):
-        logits = forward(params, tokens, q_pos, k_pos)[:-1]
-        lp = logprobs_of(logits, tokens[1:])
-        # each token's rank among the vocabulary's (1: the most likely), as vLLM's prompt_logprobs report it
-        ranks = 1 + jnp.sum(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1) > lp.chosen[:, None], axis=-1)
-        return lp, ranks
+        logits = forward(params, tokens, q_pos, k_pos)[:-1].astype(jnp.float32)
+        # each token's rank among the vocabulary's (1: the most likely), as vLLM's prompt_logprobs report it: by
+        # the logits themselves (the softmax keeps their order)
+        chosen = jnp.take_along_axis(logits, tokens[1:, None], axis=-1)
+        return logprobs_of(logits, tokens[1:]), 1 + jnp.sum(logits > chosen, axis=-1)
 
     return jax.jit(run)
 

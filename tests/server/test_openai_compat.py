@@ -182,6 +182,8 @@ def test_vllm_prompt_logprobs_on_both_endpoints_are_the_python_apis(llm, oai):
                                   extra_body={"prompt_logprobs": 2}).choices[0].model_dump()
     got = done["prompt_logprobs"]
     assert got[0] is None and len(got) == len(ids)
+    logits = llm.prompt_logits(ids)  # each rank against the logits, counted here
+    assert [x.rank for x in ref[1:]] == [1 + int((row > row[t]).sum()) for row, t in zip(logits[:-1], ids[1:])]
     for token, entries, want in zip(ids[1:], got[1:], ref[1:]):
         own = entries[str(token)]
         assert abs(own["logprob"] - want.logprob) <= 1e-4 * max(1.0, abs(want.logprob))
