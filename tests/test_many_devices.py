@@ -4,7 +4,7 @@ starts in the background once the other child-process tests are done."""
 
 from __future__ import annotations
 
-from conftest import SHARDING, ChildSuite
+from child_suites import SHARDING, ChildSuite
 
 # one process: the cluster folder compiles in threads and keeps both cores busy
 CLUSTER = ChildSuite("cluster", devices=12, workers=1, timeout_s=3000)
