@@ -111,6 +111,9 @@ class SamplingParams:
     n: int = 1  # samples of the prompt (siblings: its prefill is shared through the prefix cache)
     best_of: int | None = None  # draw this many samples and keep the n of the highest total logprob
     structured_output: StructuredOutput | None = None  # a grammar the output follows (a dict of its fields too)
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: sample only these tokens (None: any)
+    bad_words: tuple[str, ...] = ()  # vLLM's: words the output never contains (engine/bad_words.py)
+    skip_special_tokens: bool = True  # vLLM's: False keeps control tokens' text in the output (a stop token's never)
 
     def __post_init__(self):
         # vLLM-style spellings are accepted and normalised: lists, None, top_k=-1, a single stop string.
@@ -118,6 +121,9 @@ class SamplingParams:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         set_("stop", tuple(stop))
         set_("stop_token_ids", tuple(self.stop_token_ids or ()))
+        set_("bad_words", (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words or ()))
+        if isinstance(self.allowed_token_ids, list):
+            set_("allowed_token_ids", tuple(self.allowed_token_ids))
         bias = self.logit_bias or ()
         if isinstance(bias, (dict, list, tuple)):
             set_("logit_bias", tuple(tuple(e) if isinstance(e, list) else e
@@ -135,6 +141,7 @@ class SamplingParams:
     MAX_STOP_CHARS = 1024
     MAX_STOP_TOKEN_IDS = 1024
     MAX_LOGIT_BIAS = 1024
+    MAX_BAD_WORDS = 64  # each may tokenize twice (engine/bad_words.py: at most 128 sequences)
     MAX_LOGPROBS = 20  # engine.sampling.MAX_LOGPROBS
     MAX_N = 64  # samples of one prompt (n, best_of)
 
@@ -189,6 +196,16 @@ class SamplingParams:
              f"best_of must be an integer in [n={self.n}, {self.MAX_N}], got {excerpt(self.best_of, 40)}")
         need(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
              f"structured_output must be a StructuredOutput, got {excerpt(self.structured_output, 40)}")
+        need(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, tuple) and all(
+            integer(t) and 0 <= t < 2**31 for t in self.allowed_token_ids)),
+             f"allowed_token_ids must be token ids (integers >= 0), got {excerpt(self.allowed_token_ids, 40)}")
+        need(self.allowed_token_ids != (), "allowed_token_ids is empty: no token could be sampled")
+        need(isinstance(self.skip_special_tokens, bool),
+             f"skip_special_tokens must be true or false, got {excerpt(self.skip_special_tokens, 40)}")
+        need(len(self.bad_words) <= self.MAX_BAD_WORDS,
+             f"at most {self.MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}")
+        need(all(isinstance(w, str) and w.strip() and len(w) <= self.MAX_STOP_CHARS for w in self.bad_words),
+             f"bad_words must be non-blank strings of at most {self.MAX_STOP_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
@@ -225,7 +242,8 @@ class SamplingParams:
     def uses_history(self) -> bool:
         """Whether sampling reads the request's own history or bias: it holds a slot on the device."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
 
 def grammar_error(message: str, limit: int = 300) -> str:

@@ -7,15 +7,21 @@ How a model writes a call depends on its chat template:
   calls are read out of it; required or a named function hold it to calls by a grammar.
 - "llama3_json": Llama 3.1-3.3's templates, which take `tools` and ask for one call as a JSON object,
   `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` or not); results come back as `ipython` turns.
+- "mistral": Mistral's templates, which write calls after the control token `[TOOL_CALLS]`, as a JSON array of
+  `{"name": ..., "arguments": {...}}` (or, in newer ones, `name[ARGS]{...}` per call); call ids are 9 letters or
+  digits. Its reply keeps control tokens' text (skip_special_tokens false, as vLLM), so the marker is read.
 - "generic": any other template (e.g. SmolLM2's), as llama.cpp's generic format: a system message offers the
   tools and asks for JSON, `{"tool_calls": [{"name": ..., "arguments": {...}}]}` or `{"response": "..."}`, which a
   JSON schema enforces; earlier calls and results go back to the model in the same JSON.
-tool_choice none offers no tools and reads no calls. Plain Python: the servers use it without JAX.
+Where a call is required (tool_choice required or a named function) a grammar holds the output to it: the
+template's own format, or for mistral (as vLLM) the JSON array alone. tool_choice none offers no tools and reads
+no calls. Plain Python: the servers use it without JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import uuid
@@ -26,6 +32,7 @@ from jaxserve.sampling_params import excerpt
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's function names
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's marker before a call
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's markers before the calls, and (newer) the arguments
 LLAMA3_MARK = '"parameters": dictionary of argument name'  # Llama 3.1's own words asking for its call format
 GENERIC_PROMPT = ("You can call these tools. Respond in JSON: either {\"tool_calls\": [{\"name\": ..., \"arguments\": "
                   "{...}}]} to call tools, or {\"response\": \"...\"} to answer the user.\nTools:\n")
@@ -94,8 +101,10 @@ def parse_choice(tool_choice: Any, tools: list[Tool]) -> str | Tool:
 
 
 def template_format(template: str | None) -> str:
-    """How the model's chat template writes tool calls: "hermes", "llama3_json" or "generic"."""
+    """How the model's chat template writes tool calls: "hermes", "llama3_json", "mistral" or "generic"."""
     if template and "tools" in template:
+        if MISTRAL_CALLS in template:
+            return "mistral"
         if HERMES_OPEN in template:
             return "hermes"
         if PYTHON_TAG in template or LLAMA3_MARK in template:
@@ -143,13 +152,15 @@ def _calls_schema(tools: list[Tool], exactly_one: bool) -> dict[str, Any]:
 class Plan:
     """A chat request's tools as the engine sees them: the messages and tools the template renders, the
     output's grammar (StructuredOutput's fields, or None), and how to read calls out of the output (None: no
-    calls are read); forced: the output must be calls (tool_choice required or a named function)."""
+    calls are read); forced: the output must be calls (tool_choice required or a named function); control_text:
+    the reply must keep control tokens' text (its calls open with one)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     structured_output: dict[str, Any] | None
     format: str | None
     forced: bool = False
+    control_text: bool = False
 
 
 def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, template: str | None,
@@ -169,6 +180,10 @@ def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, 
             grammar = {"grammar": f'start: ("{_lark(HERMES_OPEN)}\\n" call "\\n{_lark(HERMES_CLOSE)}"){repeat}\n'
                                   f"call: %json {call}"}
         return Plan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto")
+    if fmt == "mistral":
+        grammar = None if choice == "auto" else {"json": _rooted(_calls_schema(offered, one), offered)}
+        return Plan(_mistral_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto",
+                    control_text=True)
     if fmt == "llama3_json":  # one call a reply (its templates refuse more)
         grammar = None
         if choice != "auto":
@@ -224,6 +239,52 @@ def _template_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _mistral_id(raw: Any) -> str:
+    """A call id as Mistral's templates require (9 ASCII letters or digits): one that is not becomes a hash of
+    it, the same for the call and for its result."""
+    raw = "" if raw is None else str(raw)
+    if len(raw) == 9 and raw.isascii() and raw.isalnum():
+        return raw
+    return hashlib.sha256(raw.encode()).hexdigest()[:9]
+
+
+def _mistral_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """As _template_history, with each call's id and each result's tool_call_id as Mistral's templates take them."""
+    out = _template_history(messages)
+    for m, given in zip(out, messages):
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "id": _mistral_id(g.get("id"))} for c, g in zip(m["tool_calls"],
+                                                                                 given["tool_calls"])]
+        if m["role"] == "tool":
+            m["tool_call_id"] = _mistral_id(m.get("tool_call_id"))
+    return out
+
+
+def _mistral_calls(body: str) -> list[ToolCall]:
+    """The calls after [TOOL_CALLS]: a JSON array of {"name", "arguments"}, or name[ARGS]{...} per call (each
+    after its own marker); none if it is neither."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        doc = None
+    if isinstance(doc, dict):
+        doc = [doc]
+    if isinstance(doc, list):
+        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in doc):
+            return []
+        return [_new_call(c["name"], c.get("arguments", c.get("parameters", {}))) for c in doc]
+    calls = []
+    for piece in body.split(MISTRAL_CALLS):
+        name, sep, args = piece.partition(MISTRAL_ARGS)
+        if not sep or not NAME.match(name.strip()):
+            return []
+        try:
+            calls.append(_new_call(name.strip(), json.loads(args)))
+        except (ValueError, RecursionError):
+            return []
+    return calls
+
+
 def _generic_history(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Messages for a template that knows no tools: calls and results as the JSON the model answers in."""
     out = []
@@ -254,15 +315,112 @@ def _new_call(name: str, arguments: Any) -> ToolCall:
     return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, text)
 
 
+@dataclasses.dataclass
+class _Partial:
+    """A call as far as the output has written it: its name once whole, where its arguments' JSON starts in the
+    scanned text and where it ends (None: still open)."""
+
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+
+
+_ARGUMENTS = ("arguments", "parameters")
+
+
+def _scan_calls(text: str, root: str) -> list[_Partial]:
+    """The calls in a JSON document written so far, by its `root`: "call" (the document is one call, {"name":
+    ..., "arguments": ...}; llama3 says "parameters"), "array" (an array of calls: mistral) or "document" (an
+    object whose "tool_calls" array holds them: the generic format). A stack of the open containers, each with
+    its role and the key its next value belongs to."""
+    calls: list[_Partial] = []
+    stack: list[list] = []  # [kind "{" or "[", role, key, expecting a key]
+    i, n = 0, len(text)
+
+    def begins(at: int, opening: str | None) -> str | None:
+        """A value starts at `at` in the innermost container: what it is for (the role of a container it opens)."""
+        if not stack:
+            if root == "array":
+                return "calls" if opening == "[" else None
+            if opening == "{":
+                if root == "document":
+                    return "document"
+                calls.append(_Partial())
+                return "call"
+            return None
+        _, role, key, _ = stack[-1]
+        if role == "document" and key == "tool_calls" and opening == "[":
+            return "calls"
+        if role == "calls" and opening == "{":
+            calls.append(_Partial())
+            return "call"
+        if role == "call" and key in _ARGUMENTS and calls[-1].args_start is None:
+            calls[-1].args_start = at
+            return "arguments"
+        return None
+
+    while i < n:
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            if j >= n:
+                return calls  # the string is still being written
+            top = stack[-1] if stack else None
+            if top is not None and top[0] == "{" and top[3]:  # a key
+                try:
+                    top[2], top[3] = json.loads(text[i:j + 1]), False
+                except ValueError:
+                    return calls
+            else:
+                role = begins(i, None)
+                if top is not None and top[1] == "call" and top[2] == "name" and calls:
+                    try:
+                        calls[-1].name = json.loads(text[i:j + 1])
+                    except ValueError:
+                        return calls
+                if role == "arguments":
+                    calls[-1].args_end = j + 1
+            i = j + 1
+            continue
+        if c in "{[":
+            role = begins(i, c)
+            stack.append([c, role, None, c == "{"])
+        elif c in "}]":
+            if not stack:
+                return calls
+            kind, role, _, _ = stack.pop()
+            if role == "arguments":
+                calls[-1].args_end = i + 1
+            if not stack:
+                return calls  # the document is whole
+        elif c == ",":
+            if stack and stack[-1][0] == "{":
+                stack[-1][3] = True
+        elif c not in " \t\r\n:" and stack and not (stack[-1][0] == "{" and stack[-1][3]):
+            j = i  # a number, true, false or null
+            while j < n and text[j] not in ",}] \t\r\n":
+                j += 1
+            if begins(i, None) == "arguments" and j < n:
+                calls[-1].args_end = j
+            i = j
+            continue
+        i += 1
+    return calls
+
+
 class Reader:
     """Reads one choice's output as it streams: `feed` returns the content that is surely not part of a call
-    (held back while it may be), `finish` the rest of the content and the calls."""
+    (held back while it may be), `deltas` the calls' streamed pieces (OpenAI's: a call's id and name once its
+    name is whole, then its arguments' JSON text as it grows), `finish` the rest of the content and the calls."""
 
     def __init__(self, fmt: str | None, forced: bool = False):
         """forced: the output must be calls; one cut short is no content either."""
         self.format, self.forced = fmt, forced
         self._text = ""
         self._sent = 0  # content characters given out
+        self._streamed: list[list] = []  # per call streamed: [id, arguments' characters given out]
 
     def feed(self, text: str) -> str:
         if self.format is None:  # no calls: all of it is content, nothing kept
@@ -276,15 +434,70 @@ class Reader:
                 return ""
             out, self._sent = self._text[self._sent:], len(self._text)
             return out
-        at = self._text.find(HERMES_OPEN)
+        if self.format == "mistral" and self.forced:  # the reply is the calls' array alone
+            return ""
+        marker = MISTRAL_CALLS if self.format == "mistral" else HERMES_OPEN
+        at = self._text.find(marker)
         end = len(self._text) if at < 0 else at
         if at < 0:  # hold back a tail that may open a call
-            for k in range(min(len(HERMES_OPEN) - 1, len(self._text)), 0, -1):
-                if HERMES_OPEN.startswith(self._text[-k:]):
+            for k in range(min(len(marker) - 1, len(self._text)), 0, -1):
+                if marker.startswith(self._text[-k:]):
                     end -= k
                     break
         out, self._sent = self._text[self._sent:max(end, self._sent)], max(end, self._sent)
         return out
+
+    def _partials(self) -> list[tuple[_Partial, str]]:
+        """The calls written so far, each with the text its offsets index."""
+        if self.format == "generic":
+            return [(c, self._text) for c in _scan_calls(self._text, "document")]
+        if self.format == "llama3_json":
+            if self._sent:
+                return []
+            head = self._text.lstrip().removeprefix(PYTHON_TAG)
+            return [(c, head) for c in _scan_calls(head, "call")[:1]]
+        if self.format == "mistral":
+            at = self._text.find(MISTRAL_CALLS)
+            if at < 0 and not self.forced:
+                return []
+            body = self._text[at + len(MISTRAL_CALLS):] if at >= 0 else self._text
+            return [(c, body) for c in _scan_calls(body, "array")]
+        if self.format != "hermes":
+            return []
+        out, at = [], self._text.find(HERMES_OPEN)
+        while at >= 0:
+            start = at + len(HERMES_OPEN)
+            end = self._text.find(HERMES_CLOSE, start)
+            block = self._text[start:] if end < 0 else self._text[start:end]
+            out += [(c, block) for c in _scan_calls(block, "call")[:1]]
+            at = -1 if end < 0 else self._text.find(HERMES_OPEN, end)
+        return out
+
+    def deltas(self) -> list[dict[str, Any]]:
+        """The calls' pieces written since the last call (streaming): a new call's index, id, type and name
+        (arguments ""), then arguments' text as fragments that join to its JSON."""
+        out = []
+        for k, (call, text) in enumerate(self._partials()):
+            if k == len(self._streamed):
+                if call.name is None:
+                    break
+                self._streamed.append([f"call_{uuid.uuid4().hex[:24]}", 0])
+                out.append({"index": k, "id": self._streamed[k][0], "type": "function",
+                            "function": {"name": call.name, "arguments": ""}})
+            if call.args_start is not None:
+                args = text[call.args_start:len(text) if call.args_end is None else call.args_end]
+                if len(args) > self._streamed[k][1]:
+                    out.append({"index": k, "function": {"arguments": args[self._streamed[k][1]:]}})
+                    self._streamed[k][1] = len(args)
+        return out
+
+    def finish_deltas(self) -> tuple[str, list[dict[str, Any]], bool]:
+        """Streaming's end: the content not given out, the calls' last pieces (a call none of whose pieces went
+        out goes whole), and whether the reply is calls."""
+        rest, calls = self.finish()
+        out = self.deltas()
+        out += [c.openai(index=k) for k, c in enumerate(calls) if k >= len(self._streamed)]
+        return rest, out, bool(calls)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content not given out yet, and the calls (a call that does not parse stays content, unless calls
@@ -306,6 +519,14 @@ class Reader:
             if isinstance(call, dict) and isinstance(call.get("name"), str):
                 return "", [_new_call(call["name"], call.get("parameters", call.get("arguments", {})))]
             return rest, []
+        if self.format == "mistral":
+            rest = self._text[self._sent:]
+            at = rest.find(MISTRAL_CALLS)
+            if at < 0 and not self.forced:
+                return rest, []
+            content, body = (rest[:at], rest[at + len(MISTRAL_CALLS):]) if at >= 0 else ("", rest)
+            calls = _mistral_calls(body.strip())
+            return (content.strip(), calls) if calls else (rest, [])
         if self.format == "generic":
             try:
                 doc = json.loads(self._text)

@@ -144,6 +144,58 @@ def test_hermes_required_and_named_hold_the_output_to_calls():
     assert ")+" not in one.structured_output["grammar"] and "get_time" not in one.structured_output["grammar"]
 
 
+# the shape of Mistral's templates: tools before the last user turn, calls after [TOOL_CALLS] with 9-character ids
+# (the template refuses others), results in [TOOL_RESULTS]
+MISTRAL = ("{% for m in messages %}{% if m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS] "
+           "{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST] {{ m.content }}[/INST]"
+           "{% elif m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}{% if c.id | length != 9 %}"
+           "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+           "{{ {'name': c.function.name, 'arguments': c.function.arguments, 'id': c.id} | tojson }}"
+           "{% if not loop.last %}, {% endif %}{% endfor %}]</s>{% elif m.role == 'tool' %}"
+           "{% if m.tool_call_id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings "
+           "with length 9!') }}{% endif %}[TOOL_RESULTS] {{ {'content': m.content, 'call_id': m.tool_call_id} "
+           "| tojson }}[/TOOL_RESULTS]{% else %} {{ m.content }}</s>{% endif %}{% endfor %}")
+
+
+def test_mistral_template_renders_calls_with_its_ids_and_both_call_formats_read_back():
+    tok = id_tokenizer(64)
+    tok = TextTokenizer(tok.tokenizer, bos_id=None, stop_ids=[0], add_bos=False, chat_template=MISTRAL,
+                        special_tokens={})
+    tools = tool_calls.parse_tools([WEATHER, TIME])
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_0123456789abcdef", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+               {"role": "tool", "content": "30 C", "tool_call_id": "call_0123456789abcdef"},
+               {"role": "user", "content": "And Oslo?"}]
+    plan = tool_calls.plan(history, tools, "auto", MISTRAL)
+    assert plan.format == "mistral" and plan.structured_output is None and plan.control_text
+    text = tok.apply_chat_template(plan.messages, tools=plan.tools)  # OpenAI's ids would make it raise
+    (call_id,) = {m["tool_calls"][0]["id"] for m in plan.messages if m.get("tool_calls")}
+    assert len(call_id) == 9 and call_id.isalnum() and f'"call_id": "{call_id}"' in text
+    assert '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}' in text
+    assert text.index("[AVAILABLE_TOOLS]") > text.index("[TOOL_RESULTS]")  # offered before the last user turn
+    for out, content, cities in [
+            ('Let me see. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+             '{"name": "get_weather", "arguments": {"city": "Bergen"}}]', "Let me see.", ["Oslo", "Bergen"]),
+            ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_weather[ARGS]{"city": "Bodo"}', "",
+             ["Oslo", "Bodo"]),
+            ("It is [sunny] in Oslo.", "It is [sunny] in Oslo.", []),
+            ("[TOOL_CALLS] not json", "[TOOL_CALLS] not json", [])]:
+        for size in (1, 4, len(out)):
+            reader = tool_calls.Reader("mistral")
+            streamed = "".join(reader.feed(out[i:i + size]) for i in range(0, len(out), size))
+            rest, calls = reader.finish()
+            assert (streamed + rest).strip() == content and [json.loads(c.arguments)["city"] for c in calls] == cities
+            assert "[TOOL" not in streamed  # nothing of a call reaches the content
+    required = tool_calls.plan(history, tools, "required", MISTRAL)
+    StructuredOutput(**required.structured_output)  # the calls' JSON array (as vLLM), which compiles
+    jsonschema.validate([{"name": "get_time", "arguments": {}}], required.structured_output["json"])
+    forced = tool_calls.Reader("mistral", forced=True)
+    assert forced.feed('[{"name": "get_time", "arguments": {}}]') == ""
+    assert [c.name for c in forced.finish()[1]] == ["get_time"]
+
+
 def test_llama3_template_renders_its_calls_and_its_output_reads_back():
     tok = id_tokenizer(64)
     tok = TextTokenizer(tok.tokenizer, bos_id=None, stop_ids=[0], add_bos=False, chat_template=LLAMA3,
@@ -226,3 +278,50 @@ def test_control_tokens_in_tools_and_calls_stay_text():
     ids = tok.encode_chat(plan.messages, tools=plan.tools)
     text = tok.apply_chat_template(plan.messages, tools=plan.tools)
     assert ids.count(end) == text.count("<|im_end|>") - 3  # the template's own ends only, not the 3 forged ones
+
+
+def _joined(deltas: list[dict]) -> list[tuple[str, str]]:
+    """Streamed call deltas as a client joins them: per index, (name, arguments' text)."""
+    calls: dict[int, list] = {}
+    for d in deltas:
+        if "id" in d:
+            assert d["index"] == len(calls) and d["function"]["arguments"] == "" and d["id"].startswith("call_")
+            calls[d["index"]] = [d["function"]["name"], ""]
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+        calls[d["index"]][1] += d["function"].get("arguments", "")
+    return [tuple(calls[k]) for k in sorted(calls)]
+
+
+@pytest.mark.parametrize("fmt, out", [
+    ("hermes", "Checking.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", "
+               "\"days\": [1, 2], \"note\": \"a \\\"}\\\" b\"}}\n</tool_call>\n<tool_call>\n{\"arguments\": "
+               "{\"city\": \"Rome\"}, \"name\": \"get_time\"}\n</tool_call>"),
+    ("generic", "{\"tool_calls\": [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}, "
+                "{\"name\": \"get_time\", \"arguments\": {}}]}"),
+    ("llama3_json", "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\", \"n\": 3}}"),
+    ("mistral", "Sure. [TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}, "
+                "{\"name\": \"get_time\", \"arguments\": {}}]"),
+])
+def test_streamed_calls_arrive_as_a_header_then_argument_fragments_that_join_to_the_call(fmt, out):
+    """In pieces of any size: each call's id and name once, then fragments of its arguments (more than one
+    where the pieces are small) that join to the same JSON as the whole reply's call; content stays content."""
+    whole = tool_calls.Reader(fmt)
+    sent = whole.feed(out)
+    rest, want = whole.finish()
+    want_content = sent + rest
+    for size in (1, 2, 5, len(out)):
+        reader = tool_calls.Reader(fmt)
+        deltas, content = [], ""
+        for i in range(0, len(out), size):
+            content += reader.feed(out[i:i + size])
+            deltas += reader.deltas()
+        rest, last, is_calls = reader.finish_deltas()
+        joined = _joined(deltas + last)
+        assert is_calls and (content + rest).strip() == want_content.strip()
+        assert [(n, json.loads(a)) for n, a in joined] == [(c.name, json.loads(c.arguments)) for c in want]
+        if size == 1:
+            assert len(deltas) > 2 * len(want)  # the arguments came in fragments, not at the end
+    answer = tool_calls.Reader("generic")
+    answer.feed("{\"response\": \"no call\"}")
+    assert answer.deltas() == [] and answer.finish_deltas() == ("no call", [], False)

@@ -130,8 +130,9 @@ class ClusterEngine:
         # the prefill instances draw the first token with temperature, top-k and top-p alone
         if (params.uses_history or params.min_p > 0 or params.logprobs is not None
                 or params.structured_output is not None):
-            raise ValueError("penalties, logit_bias, min_tokens, min_p, logprobs and structured output are not "
-                             "supported with prefill instances yet (one engine serves them)")
+            raise ValueError("penalties, logit_bias, min_tokens, min_p, logprobs, allowed_token_ids, bad_words and "
+                             "structured output are not supported with prefill instances yet (one engine serves "
+                             "them)")
         return self.decoders[0].engine.check_request(prompt_ids, params)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,

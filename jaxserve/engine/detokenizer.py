@@ -17,14 +17,16 @@ class IncrementalDetokenizer:
     UTF-8 character and waits for the next token (or for `flush` at the end).
     """
 
-    def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
         self.prefix = 0
         self.read = len(self.ids)
 
     def _pending(self) -> tuple[str, str]:
-        return self.tokenizer.decode(self.ids[self.prefix:self.read]), self.tokenizer.decode(self.ids[self.prefix:])
+        skip = self.skip_special_tokens
+        return (self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=skip),
+                self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=skip))
 
     def push(self, token: int) -> str:
         """The text that `token` completes ('' while a character is still incomplete)."""

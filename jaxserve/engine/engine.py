@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 from absl import logging
 
+from jaxserve.engine import bad_words
 from jaxserve.engine.batch import BadRow, Row
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.grammar import Grammars
@@ -98,6 +99,13 @@ class _Live:
     emitted_chars: int = 0
     slot: int | None = None  # its sampling slot on the device (runner.set_slot), while it holds one
     matcher: Any = None  # its grammar's state (llguidance.LLMatcher), with structured output
+    bad_words: bad_words.BadWords | None = None  # its bad words of several tokens, following its tokens
+    never: tuple[int, ...] = ()  # its one-token bad words (the slot's bias bans them)
+
+    @property
+    def guided(self) -> bool:
+        """Whether its sampler waits for a mask the host makes from its tokens (engine._sample_guided)."""
+        return self.matcher is not None or self.bad_words is not None
 
 
 @dataclasses.dataclass
@@ -109,7 +117,7 @@ class _Step:
     lives: list[_Live]  # whose rows they are (a request ended meanwhile and its id reused is not the same)
     tokens: Pending | None  # None: every row failed alone, or a guided step's sampler waits for its masks
     dispatched: float
-    matchers: list[Any] = dataclasses.field(default_factory=list)  # a guided step's rows' grammars (or None)
+    guided: list[_Live | None] = dataclasses.field(default_factory=list)  # a guided step's rows that wait
 
     def rows(self) -> dict[str, int]:
         """Each decode's row: where the next step finds its token."""
@@ -163,6 +171,9 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                              f"(prompt plus at least one generated token; the KV pool: {self.kv.describe()})")
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
+        bad_words.sequences(params.bad_words, self.tokenizer, vocab)
         if params.structured_output is not None:
             self.grammars.compiled(params.structured_output)  # compiled (and kept) now: a bad grammar is refused
         return ids
@@ -201,18 +212,23 @@ class Engine:
     def _new_live(self, ids: list[int], params: SamplingParams, request_id: str, generated: int = 0) -> _Live:
         """The engine's side of a new request (its seed: the params' or a random one), kept in _live. With
         `generated`, the text and stop state are replayed over those last ids as _append made them."""
+        prompt = ids[:len(ids) - generated]
+        words = bad_words.sequences(params.bad_words, self.tokenizer, self.runner.cfg.vocab_size)
+        longer = [w for w in words if len(w) > 1]
         r = sched_request.Request(request_id, self.clock(), len(ids),
                                   min(params.max_tokens, self.max_model_len - len(ids)), token_ids=list(ids),
-                                  single_step=params.structured_output is not None)
+                                  single_step=params.structured_output is not None or bool(longer))
         seed = params.draw_seed() if params.seed is not None else self._seed_rng.getrandbits(32)
-        prompt = ids[:len(ids) - generated]
         matcher = None
         if params.structured_output is not None:  # before the request is held: a grammar that fails leaves nothing
             matcher = self.grammars.matcher(params.structured_output)
             if not matcher.consume_tokens(ids[len(prompt):]):
                 raise ValueError(f"request {request_id}: its grammar refuses the tokens it generated")
-        live = self._live[request_id] = _Live(r, params, seed, IncrementalDetokenizer(self.tokenizer, prompt),
-                                              StopMatcher(params.stop), matcher=matcher)
+        live = self._live[request_id] = _Live(
+            r, params, seed, IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens),
+            StopMatcher(params.stop),
+            matcher=matcher, bad_words=bad_words.BadWords(longer, ids[len(prompt):]) if longer else None,
+            never=tuple(w[0] for w in words if len(w) == 1))
         for token in ids[len(prompt):]:
             new = live.detokenizer.push(token)
             live.text += new
@@ -340,7 +356,7 @@ class Engine:
         if current is not None and self.overlap:
             self._pending = self._launch(current)
         outputs = self._finish(current) if current is not None else []
-        if self._pending is not None and self._pending.matchers:  # its grammars have taken current's tokens
+        if self._pending is not None and self._pending.guided:  # its guides have taken current's tokens
             self._sample_guided(self._pending)
         outputs += self._failed_alone
         self._failed_alone = []
@@ -359,11 +375,11 @@ class Engine:
         while True:
             try:
                 rows = [self._row(i, feeds, plan.steps > 1) for i in step.items]
-                matchers = [live.matcher if self.scheduler.yields_token(i) else None
-                            for i, live in zip(step.items, step.lives)]
-                step.matchers = matchers if any(m is not None for m in matchers) else []
-                step.tokens = self.runner.start(rows, steps=plan.steps, guided=bool(step.matchers)) if rows else None
-                if step.matchers and previous is None:  # no step in flight: the grammars are up to date
+                guided = [live if live.guided and self.scheduler.yields_token(i) else None
+                          for i, live in zip(step.items, step.lives)]
+                step.guided = guided if any(g is not None for g in guided) else []
+                step.tokens = self.runner.start(rows, steps=plan.steps, guided=bool(step.guided)) if rows else None
+                if step.guided and previous is None:  # no step in flight: the guides are up to date
                     return self._sample_guided(step)
                 return step
             except BadRow as e:  # one request's inputs: it fails alone, the step runs without it
@@ -375,14 +391,16 @@ class Engine:
                 raise self._fail(e, step, previous) from e
 
     def _sample_guided(self, step: _Step) -> _Step | None:
-        """Dispatch a guided step's sampler with its rows' masks. Each grammar has taken its request's tokens up
-        to this step's (the device ran the step's forward meanwhile); a request that ended since gets no mask
-        (its row's token is dropped). A failure ends the step's requests, told in this step's outputs."""
-        matchers = [m if self._live.get(i.request_id) is live else None
-                    for i, live, m in zip(step.items, step.lives, step.matchers)]
+        """Dispatch a guided step's sampler with its rows' masks: its grammar's, less the last tokens of the bad
+        words its tokens would complete. Each guide has taken its request's tokens up to this step's (the device
+        ran the step's forward meanwhile); a request that ended since gets no mask (its row's token is dropped). A failure ends the step's requests, told in this step's outputs."""
+        guided = [g if g is not None and self._live.get(i.request_id) is g else None
+                  for i, g in zip(step.items, step.guided)]
         try:
-            step.tokens = self.runner.sample_guided(self.grammars.masks(matchers))
-            step.matchers = []
+            masks = self.grammars.masks([None if g is None else g.matcher for g in guided],
+                                        [g.bad_words.banned() if g is not None and g.bad_words else () for g in guided])
+            step.tokens = self.runner.sample_guided(masks)
+            step.guided = []
             return step
         except Exception as e:  # noqa: BLE001 - as a failed dispatch: the step's requests end
             failed = self._fail(e, step)
@@ -476,8 +494,8 @@ class Engine:
             r, p = live.sched, live.params
             slot = self._free_slots.pop()
             banned = (*self.tokenizer.stop_ids, *p.stop_token_ids)
-            self.runner.set_slot(slot, r.token_ids[:r.prompt_len], r.token_ids[r.prompt_len:], p.logit_bias,
-                                 banned)
+            self.runner.set_slot(slot, r.token_ids[:r.prompt_len], r.token_ids[r.prompt_len:],
+                                 (*p.logit_bias, *((t, -math.inf) for t in live.never)), banned, p.allowed_token_ids)
             live.slot = slot
         return live.slot
 
@@ -529,7 +547,11 @@ class Engine:
         generated = r.generated + ahead + 1  # this token included (the scheduler counts it when the Outcome lands)
         if live.matcher is not None and not live.matcher.consume_token(token):
             raise ValueError(f"token {token}: {grammar_error(live.matcher.get_error())}")
-        new = live.detokenizer.push(token)
+        if live.bad_words is not None:
+            live.bad_words.consume_token(token)
+        stop_token = generated >= p.min_tokens and (token in p.stop_token_ids or (token in self.tokenizer.stop_ids
+                                                                                   and not p.ignore_eos))
+        new = "" if stop_token else live.detokenizer.push(token)  # as vLLM: a stop token's text is never output
         live.text += new
         text = live.text
         stop_at = live.stops.feed(new)
@@ -540,8 +562,7 @@ class Engine:
             stop = text[stop_at:live.stops.seen]  # the string that matched (the matcher stopped at its end)
             text = text[:stop_at]
             reason = FinishReason.STOP
-        elif generated >= p.min_tokens and (token in p.stop_token_ids or (token in self.tokenizer.stop_ids
-                                                                           and not p.ignore_eos)):
+        elif stop_token:
             reason, stop = FinishReason.STOP, token
         elif live.matcher is not None and live.matcher.is_stopped():  # the grammar is complete
             reason = FinishReason.STOP

@@ -78,11 +78,16 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def masks(self, matchers: Sequence[llguidance.LLMatcher | None]) -> Int[np.ndarray, "r w"]:
+    def masks(self, matchers: Sequence[llguidance.LLMatcher | None],
+              banned: Sequence[Sequence[int]] = ()) -> Int[np.ndarray, "r w"]:
         """A step's masks: row i's from matchers[i], every token where it has none or its matcher is done (a
-        stopped request's surplus row)."""
+        stopped request's surplus row); then the tokens of banned[i] cleared."""
         mask = everything(len(matchers), self.vocab_size)
         live = [(m, i) for i, m in enumerate(matchers) if m is not None and not (m.is_stopped() or m.is_error())]
         if live:
             llnp.fill_next_token_bitmask_par(self._executor, live, mask)
+        bits = mask.view(np.uint32)  # bit 31 is the sign of an int32 word
+        for i, tokens in enumerate(banned):
+            for t in tokens:
+                bits[i, t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
         return mask

@@ -626,17 +626,21 @@ class ModelRunner:
                        None if logprobs is None else Logprobs(*map(processes.read_later, logprobs)))
 
     def set_slot(self, slot: int, prompt: Sequence[int], generated: Sequence[int],
-                 bias: Sequence[tuple[int, float]], banned: Sequence[int]) -> None:
+                 bias: Sequence[tuple[int, float]], banned: Sequence[int],
+                 allowed: Sequence[int] | None = None) -> None:
         """Fill sampling slot `slot` for a request (before its first step that uses it): its prompt's tokens,
-        the counts of the tokens it generated so far, its logit_bias and the tokens min_tokens holds back. Runs
-        after the steps dispatched before it, so a step still in flight that counted into the slot is
-        overwritten."""
+        the counts of the tokens it generated so far, its logit_bias (-inf bans a token), the tokens min_tokens
+        holds back, and with `allowed` the only tokens it may sample (the others' bias is -inf). Runs after the
+        steps dispatched before it, so a step still in flight that counted into the slot is overwritten."""
         if not 0 <= slot < self.max_rows:
             raise ValueError(f"sampling slot {slot} is not in [0, {self.max_rows})")
         v = self.cfg.vocab_size
         row = Slots(np.bincount(np.asarray(generated, np.int64), minlength=v)[None].astype(np.int32),
                     np.zeros((1, v), bool), np.zeros((1, v), np.float32), np.zeros((1, v), bool))
         row.prompt[0, np.asarray(prompt, np.int64)] = True
+        if allowed is not None:
+            row.bias[0] = -np.inf
+            row.bias[0, np.asarray(allowed, np.int64)] = 0.0
         for token, value in bias:
             row.bias[0, token] = value
         row.banned[0, np.asarray(banned, np.int64)] = True

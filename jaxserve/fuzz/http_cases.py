@@ -18,7 +18,8 @@ COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "t
                      "guided_choice", "guided_grammar",
                      # vLLM's and SGLang's extensions, honoured or refused by name
                      "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "truncate_prompt_tokens",
-                     "regex", "use_beam_search", "allowed_token_ids", "bad_words", "request_id")
+                     "regex", "use_beam_search", "allowed_token_ids", "bad_words", "skip_special_tokens",
+                     "request_id")
 CHAT_FIELDS = tuple(f for f in COMPLETION_FIELDS if f not in ("prompt", "echo", "suffix", "best_of")) + (
     "messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "add_generation_prompt",
     "continue_final_message")

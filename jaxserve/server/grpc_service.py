@@ -70,7 +70,9 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
                 min_p=p.min_p, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
                 logprobs=p.logprobs if p.HasField("logprobs") else None, n=p.n or 1,
-                structured_output=_structured_output(p.structured_output) if p.HasField("structured_output") else None)
+                structured_output=_structured_output(p.structured_output) if p.HasField("structured_output") else None,
+                allowed_token_ids=tuple(p.allowed_token_ids) or None, bad_words=tuple(p.bad_words),
+                skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else None)
             scored = await f.prompt_logprobs(ids, p.prompt_logprobs) if p.HasField("prompt_logprobs") else None
             streams = f.submit(ids, params, p.ttft_slo if p.HasField("ttft_slo") else None)
         except REFUSED as e:

@@ -319,7 +319,7 @@ class _Reply:
                                  headers={"Cache-Control": "no-cache"})
 
     def _chunk(self, i: int, text: str | None, reason: str | None, role: bool = False,
-               logprobs: dict | None = None, calls: list[tool_calls.ToolCall] | None = None,
+               logprobs: dict | None = None, calls: list[dict[str, Any]] | None = None,
                ids: list[int] = (), first: bool = False, stop: str | int | None = None) -> str:
         """One choice's chunk; ids: its new token ids, first: its first chunk (where prompt ids go); stop: with
         the reason, what stopped it (SGLang's matched_stop)."""
@@ -327,8 +327,8 @@ class _Reply:
         ended = {"matched_stop": stop} if reason else {}
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
-            if calls:
-                delta["tool_calls"] = [c.openai(index=k) for k, c in enumerate(calls)]
+            if calls:  # the tool calls' pieces (tool_calls.Reader.deltas)
+                delta["tool_calls"] = calls
             choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason, **ended,
                       **self._token_ids(i, list(ids), prompt=False)}
             body = self._envelope("chat.completion.chunk", choices=[choice], **usage,
@@ -353,14 +353,14 @@ class _Reply:
             async with contextlib.aclosing(merged(self.streams)) as outputs:
                 async for i, out in outputs:
                     text = self.readers[i].feed(out.new_text) if self.chat else out.new_text
-                    reason, calls = None, None
+                    reason, calls = None, self.readers[i].deltas() if self.chat else None
                     if out.finished:  # the last token's chunk carries the reason (vLLM's), not one of its own
                         reason = out.finish_reason.value
-                        if self.chat:  # what the reader held back: the rest of the text, and the calls
-                            rest, calls = self.readers[i].finish()
-                            text += rest
-                            reason = "tool_calls" if calls else reason
-                    if text or out.logprobs or reason or (self.options.token_ids and out.new_token_ids):
+                        if self.chat:  # what the reader held back: the rest of the text, and the calls' pieces
+                            rest, last, is_calls = self.readers[i].finish_deltas()
+                            text, calls = text + rest, calls + last
+                            reason = "tool_calls" if is_calls else reason
+                    if text or calls or out.logprobs or reason or (self.options.token_ids and out.new_token_ids):
                         logprobs = self._logprobs(out.logprobs or [], offsets[i])
                         yield self._chunk(i, text or None, reason, logprobs=logprobs, calls=calls,
                                           ids=out.new_token_ids, first=not started[i], stop=out.stop)
@@ -501,6 +501,8 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
         else:
             prompt = await frontend.encode_chat(tools.messages, tools.tools, **rendering(body))
             sampling["structured_output"] = tools.structured_output or sampling["structured_output"]
+            if tools.control_text:  # the calls open with a control token the reader must see
+                sampling["skip_special_tokens"] = False
         prompt = body.truncated(prompt, frontend.max_model_len)
         scored = await _scored(frontend, [prompt], body.prompt_logprobs_k())  # before anything is queued
         echoed = body.echoed()

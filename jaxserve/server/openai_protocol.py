@@ -4,7 +4,8 @@ Every field of OpenAI's request schemas is declared here: honoured, informationa
 asked, how to log it), or not implemented, and then refused with a message unless it holds the value that means
 "off" (tests/server/test_openai_schema.py walks the installed openai package's schemas). vLLM's sampling
 extensions (top_k, repetition_penalty, min_p, min_tokens, stop_token_ids, ignore_eos, return_token_ids,
-return_tokens_as_token_ids, truncate_prompt_tokens, stream_options.continuous_usage_stats) are honoured too, and
+return_tokens_as_token_ids, truncate_prompt_tokens, allowed_token_ids, bad_words, skip_special_tokens,
+stream_options.continuous_usage_stats) are honoured too, and
 its structured output fields (structured_outputs, and the older guided_json, guided_regex, guided_choice,
 guided_grammar; SGLang's regex) beside OpenAI's response_format. vLLM's and SGLang's other fields are declared
 and refused by name unless off (PEER_FIELDS_OFF). Fields of none of these schemas are ignored, as
@@ -49,8 +50,7 @@ class ReplyOptions(NamedTuple):
 # name when set otherwise, never ignored (the rest of their fields are honoured, see _SamplingRequest)
 PEER_FIELDS_OFF: dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1.0,), "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "allowed_token_ids": (),
-    "bad_words": (), "logprob_token_ids": (), "truncation_side": ("left",),
+    "spaces_between_special_tokens": (True,), "logprob_token_ids": (), "truncation_side": ("left",),
     "priority": (0,), "kv_transfer_params": (), "vllm_xargs": (), "structural_tag": (), "chat_template": (),
     "chat_template_kwargs": (), "documents": (), "mm_processor_kwargs": (), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (), "return_hidden_states": (False,), "stop_regex": (), "ebnf": (),
@@ -94,6 +94,10 @@ class _SamplingRequest(_Strict):
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context's worth)
     prompt_logprobs: int | None = None  # each prompt token's logprob and rank, and this many most likely
+    # vLLM's sampling extensions
+    allowed_token_ids: list[int] | None = None  # sample only these tokens
+    bad_words: list[str] | None = None  # words the reply never contains
+    skip_special_tokens: bool = True  # False: control tokens' text stays in the reply
     # informational (how to log or shard the cache; vLLM's and SGLang's): change no output
     request_id: str | None = None
     cache_salt: str | None = None
@@ -102,10 +106,7 @@ class _SamplingRequest(_Strict):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
     logprob_token_ids: list[int] | None = None
     truncation_side: str | None = None
     priority: int = 0
@@ -143,7 +144,8 @@ class _SamplingRequest(_Strict):
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     min_p=self.min_p, min_tokens=self.min_tokens, logit_bias=self._logit_bias(),
                     logprobs=self._logprobs(), n=self.n, best_of=self._best_of(),
-                    structured_output=self._structured_output())
+                    structured_output=self._structured_output(), allowed_token_ids=self.allowed_token_ids,
+                    bad_words=self.bad_words, skip_special_tokens=self.skip_special_tokens)
 
     def _off_values(self) -> dict[str, Any]:
         """Options jaxserve does not implement, with the values that mean "off"."""

@@ -1,4 +1,4 @@
-"""Penalties, logit_bias, min_tokens, logprobs, n and best_of through the engine on the real model: logprobs
+"""Penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, logprobs, n and best_of through the engine on the real model: logprobs
 against transformers' (the fixtures), penalties against a numpy replay over the scoring pass's logits, samples
 against the same requests one at a time."""
 
@@ -11,6 +11,7 @@ from jaxserve import SamplingParams
 
 # float32 logits of magnitude up to ~30 through two different programs: 1e-4 is the issue's bar, and ~100 ulps
 TOL = 1e-4
+PROMPT_TEXT = "The capital of France is"
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -79,6 +80,87 @@ def test_logit_bias_forces_and_forbids_tokens(llm):
     forced = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=0,
                                                  logit_bias={42: 100}))[0].token_ids
     assert forced == [42] * 4
+
+
+def test_allowed_token_ids_confine_draws_and_greedy_picks_the_best_allowed(llm):
+    prompt = llm.tokenizer.encode("The capital of France is")
+    plain = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    allowed = sorted({*plain[1:], 11, 28, 42, 1000})  # not the greedy first token
+    drawn = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=3,
+                                                allowed_token_ids=allowed))[0].token_ids
+    assert set(drawn) <= set(allowed)
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, allowed_token_ids=allowed))[0]
+    logits = llm.prompt_logits(prompt + greedy.token_ids[:-1])
+    for i, token in enumerate(greedy.token_ids):
+        x = logits[len(prompt) - 1 + i][allowed]
+        best = np.sort(x)[-2:]
+        if best[1] - best[0] > 1e-3:  # not a near-tie
+            assert token == allowed[int(np.argmax(x))], i
+    with pytest.raises(ValueError, match="allowed_token_ids is empty"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be in \[0, "):
+        llm.generate(prompt, SamplingParams(allowed_token_ids=[llm.engine.runner.cfg.vocab_size]))
+
+
+def _contains(seq: list[int], sub: tuple[int, ...]) -> int:
+    """Where sub first starts in seq (-1: nowhere)."""
+    return next((i for i in range(len(seq) - len(sub) + 1) if tuple(seq[i:i + len(sub)]) == sub), -1)
+
+
+def test_bad_words_never_appear_and_the_reply_is_unchanged_before_them(llm):
+    """A word of several tokens from the greedy reply: the reply with it banned equals the plain one up to the
+    word's last token, which it replaces, and never holds the word's tokens; a one-token word (banned on the
+    device) changes the first token. A plain request batched beside them is untouched."""
+    from jaxserve.engine import bad_words
+
+    prompt = "Write one sentence about the history of Paris."
+    plain = llm.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    vocab = llm.engine.runner.cfg.vocab_size
+    found = [(w, s, at) for w in plain.text.split() for s in bad_words.sequences([w], llm.tokenizer, vocab)
+             if len(s) > 1 and (at := _contains(plain.token_ids, s)) >= 0]
+    word, seq, at = found[0]
+    single = next(w for w in plain.text.split()
+                  if {len(s) for s in bad_words.sequences([w], llm.tokenizer, vocab)} == {1})
+    other = SamplingParams(max_tokens=24, ignore_eos=True)
+    banned, one, beside = llm.generate(
+        [prompt, prompt, "The capital of France is"],
+        [SamplingParams(max_tokens=24, ignore_eos=True, bad_words=[word]),
+         SamplingParams(max_tokens=24, ignore_eos=True, bad_words=[single]), other])
+    cut = at + len(seq) - 1
+    assert banned.token_ids[:cut] == plain.token_ids[:cut] and banned.token_ids[cut] != seq[-1]
+    for reply, w in ((banned, word), (one, single)):
+        assert all(_contains(reply.token_ids, s) < 0 for s in bad_words.sequences([w], llm.tokenizer, vocab))
+        assert reply.token_ids != plain.token_ids
+    assert beside.token_ids == llm.generate("The capital of France is", other)[0].token_ids
+
+
+def test_bad_words_of_several_tokens_ban_the_last_after_the_others():
+    """vLLM's rule on the generated tokens: the last token is banned only right after the word's others."""
+    from jaxserve.engine.bad_words import BadWords
+
+    guide = BadWords([(5, 6, 7), (9, 7)], generated=[1, 5])
+    assert guide.banned() == []
+    guide.consume_token(6)
+    assert guide.banned() == [7]
+    guide.consume_token(9)
+    assert guide.banned() == [7]
+    guide.consume_token(7)
+    assert guide.banned() == []
+
+
+def test_control_tokens_text_is_kept_on_request_and_a_stop_tokens_never(llm):
+    """skip_special_tokens false keeps a control token's text (forced here by logit_bias); as vLLM, the token
+    that stops a reply (a stop_token_ids one, EOS) is in its token ids but not its text."""
+    start = llm.tokenizer.tokenizer.token_to_id("<|im_start|>")
+    forced = dict(max_tokens=3, ignore_eos=True, logit_bias={start: 100})
+    assert llm.generate("Hi", SamplingParams(**forced))[0].text == ""
+    assert llm.generate("Hi", SamplingParams(**forced, skip_special_tokens=False))[0].text == "<|im_start|>" * 3
+    ref = llm.generate(PROMPT_TEXT, SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    i = next(i for i in range(2, 8) if ref.token_ids[i] not in ref.token_ids[:i])  # its first time
+    out = llm.generate(PROMPT_TEXT, SamplingParams(max_tokens=8, ignore_eos=True,
+                                                   stop_token_ids=[ref.token_ids[i]]))[0]
+    assert out.token_ids == ref.token_ids[:i + 1] and out.finish_reason == "stop"
+    assert out.text == llm.tokenizer.decode(ref.token_ids[:i])
 
 
 def test_min_tokens_holds_back_eos_and_stop_tokens(llm, reference):

@@ -168,7 +168,7 @@ def test_sglang_regex_holds_the_output_and_unbuilt_extensions_are_refused_by_nam
     done = oai.completions.create(model=MODEL, prompt="Answer yes or no:", max_tokens=4, temperature=0,
                                   extra_body={"regex": "(yes|no)"})
     assert done.choices[0].text in ("yes", "no")
-    for field, value in (("use_beam_search", True), ("bad_words", ["red"])):
+    for field, value in (("use_beam_search", True), ("stop_regex", "a+")):
         with pytest.raises(openai.BadRequestError, match=f"{field}=.* is not supported by jaxserve"):
             oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={field: value})
 
@@ -248,3 +248,31 @@ def test_matched_stop_names_what_ended_each_choice(llm, oai):
                                   extra_body={"ignore_eos": True})
     last = list(long)[-1].choices[0].model_dump()
     assert last["finish_reason"] == "length" and last["matched_stop"] is None
+
+
+def test_vllm_allowed_token_ids_and_bad_words_on_both_endpoints_and_grpc(llm, oai, grpc_client):
+    """The HTTP fields and gRPC's reach the sampler: a draw over allowed_token_ids keeps to them; a bad word of
+    the greedy reply is gone from it; an empty or out-of-vocabulary list is a 400 naming the field."""
+    allowed = [11, 28, 42, 1000, 2000]
+    drawn = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5,
+                                   extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
+                                               "return_token_ids": True})
+    assert set(drawn.choices[0].token_ids) <= set(allowed)
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                       max_tokens=6, temperature=0, extra_body={"allowed_token_ids": allowed,
+                                                                                 "return_token_ids": True})
+    assert set(chat.choices[0].token_ids) <= set(allowed)
+    assert set(grpc_client.generate(PROMPT, max_tokens=6, temperature=1.0, seed=5,
+                                    allowed_token_ids=allowed).token_ids) <= set(allowed)
+
+    plain = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    word = max(plain.split(), key=len)
+    for reply in (oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         extra_body={"bad_words": [word]}).choices[0].text,
+                  grpc_client.generate(PROMPT, max_tokens=12, bad_words=[word]).text):
+        assert word not in reply.split() and reply != plain
+    for extra, field in (({"allowed_token_ids": []}, "allowed_token_ids is empty"),
+                         ({"allowed_token_ids": [10**6]}, "allowed_token_ids must be in"),
+                         ({"bad_words": [" "]}, "bad_words must be non-blank")):
+        with pytest.raises(openai.BadRequestError, match=field):
+            oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=extra)

@@ -230,8 +230,11 @@ def test_a_tool_call_round_trip_with_the_openai_client(oai):
     chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
                                               tool_choice="required", max_tokens=80, temperature=0, stream=True))
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
-        (0, "get_weather", call.function.arguments)]
+    head, *pieces = deltas  # OpenAI's stream: the call's id and name, then its arguments in fragments
+    assert (head.index, head.function.name, head.function.arguments) == (0, "get_weather", "")
+    assert head.id.startswith("call_") and head.type == "function"
+    assert len(pieces) > 1 and all(d.index == 0 and d.id is None and d.function.name is None for d in pieces)
+    assert json.loads("".join(d.function.arguments for d in pieces)) == json.loads(call.function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     named = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=80,
                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
