@@ -26,6 +26,22 @@ HERMES = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | t
           "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def template_tokenizer(template: str) -> TextTokenizer:
+    """A small word tokenizer with the chat template."""
+    tok = id_tokenizer(64)
+    return TextTokenizer(tok.tokenizer, bos_id=None, stop_ids=[0], add_bos=False, chat_template=template,
+                         special_tokens={})
+
+
+def weather_history(call_id: str) -> list[dict]:
+    """A user's question, the assistant's call of get_weather (OpenAI's shape) and its result."""
+    return [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": "get_weather",
+                                                                 "arguments": "{\"city\": \"Rome\"}"}}]},
+            {"role": "tool", "content": "30 C", "tool_call_id": call_id}]
+
+
 # the shape of Llama 3.1's template: tools and the call format in the system turn, calls after <|python_tag|>,
 # results as ipython turns
 LLAMA3 = ("{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\nRespond in the format {\"name\": function "
@@ -107,15 +123,9 @@ def test_generic_output_reads_as_calls_or_content():
 
 
 def test_hermes_template_renders_tools_and_calls_and_its_output_reads_in_any_pieces():
-    tok = id_tokenizer(64)
-    tok = TextTokenizer(tok.tokenizer, bos_id=None, stop_ids=[0], add_bos=False, chat_template=HERMES,
-                        special_tokens={})
+    tok = template_tokenizer(HERMES)
     tools = tool_calls.parse_tools([WEATHER])
-    history = [{"role": "user", "content": "Weather?"},
-               {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": "c", "type": "function", "function": {"name": "get_weather",
-                                                                "arguments": "{\"city\": \"Rome\"}"}}]},
-               {"role": "tool", "content": "30 C", "tool_call_id": "c"}]
+    history = weather_history("c")
     plan = tool_calls.plan(history, tools, "auto", tok.chat_template)
     assert plan.format == "hermes" and plan.structured_output is None
     text = tok.apply_chat_template(plan.messages, tools=plan.tools)
@@ -158,16 +168,9 @@ MISTRAL = ("{% for m in messages %}{% if m.role == 'user' %}{% if tools and loop
 
 
 def test_mistral_template_renders_calls_with_its_ids_and_both_call_formats_read_back():
-    tok = id_tokenizer(64)
-    tok = TextTokenizer(tok.tokenizer, bos_id=None, stop_ids=[0], add_bos=False, chat_template=MISTRAL,
-                        special_tokens={})
+    tok = template_tokenizer(MISTRAL)
     tools = tool_calls.parse_tools([WEATHER, TIME])
-    history = [{"role": "user", "content": "Weather?"},
-               {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": "call_0123456789abcdef", "type": "function",
-                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
-               {"role": "tool", "content": "30 C", "tool_call_id": "call_0123456789abcdef"},
-               {"role": "user", "content": "And Oslo?"}]
+    history = weather_history("call_0123456789abcdef") + [{"role": "user", "content": "And Oslo?"}]
     plan = tool_calls.plan(history, tools, "auto", MISTRAL)
     assert plan.format == "mistral" and plan.structured_output is None and plan.control_text
     text = tok.apply_chat_template(plan.messages, tools=plan.tools)  # OpenAI's ids would make it raise
@@ -197,15 +200,9 @@ def test_mistral_template_renders_calls_with_its_ids_and_both_call_formats_read_
 
 
 def test_llama3_template_renders_its_calls_and_its_output_reads_back():
-    tok = id_tokenizer(64)
-    tok = TextTokenizer(tok.tokenizer, bos_id=None, stop_ids=[0], add_bos=False, chat_template=LLAMA3,
-                        special_tokens={})
+    tok = template_tokenizer(LLAMA3)
     tools = tool_calls.parse_tools([WEATHER, TIME])
-    history = [{"role": "user", "content": "Weather?"},
-               {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": "c", "type": "function", "function": {"name": "get_weather",
-                                                                "arguments": "{\"city\": \"Rome\"}"}}]},
-               {"role": "tool", "content": "30 C", "tool_call_id": "c"}]
+    history = weather_history("c")
     plan = tool_calls.plan(history, tools, "auto", LLAMA3)
     assert plan.format == "llama3_json" and plan.structured_output is None
     text = tok.apply_chat_template(plan.messages, tools=plan.tools)

@@ -32,7 +32,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.grammar import Grammars
 from jaxserve.engine.runner import ModelRunner, Pending
 from jaxserve.engine.sampling import Logprobs
-from jaxserve.sampling_params import SamplingParams, grammar_error
+from jaxserve.sampling_params import SamplingParams, excerpt, grammar_error
 from jaxserve.engine.stop_strings import StopMatcher
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched import request as sched_request
@@ -164,15 +164,14 @@ class Engine:
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.runner.cfg.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        for name, given in (("prompt token ids", ids), ("logit_bias token ids", [t for t, _ in params.logit_bias]),
+                            ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = sorted({t for t in given if not 0 <= t < vocab})
+            if bad:  # vLLM's words: "out of vocabulary"
+                raise ValueError(f"{name} must be in [0, {vocab}): {excerpt(bad, 40)} out of vocabulary")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                              f"(prompt plus at least one generated token; the KV pool: {self.kv.describe()})")
-        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
-            raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
         bad_words.sequences(params.bad_words, self.tokenizer, vocab)
         if params.structured_output is not None:
             self.grammars.compiled(params.structured_output)  # compiled (and kept) now: a bad grammar is refused

@@ -208,12 +208,10 @@ class _SamplingRequest(_Strict):
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        bias = {}
-        for key, value in self.logit_bias.items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {excerpt(key)}")
-            bias[int(key)] = value
-        return bias
+        bad = [key for key in self.logit_bias if not key.isdigit()]
+        if bad:  # every one named
+            raise ValueError(f"logit_bias keys must be token ids, got {excerpt(bad)}")
+        return {int(key): value for key, value in self.logit_bias.items()}
 
     def _logprobs(self) -> int | None:
         return None

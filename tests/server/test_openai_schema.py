@@ -64,8 +64,8 @@ def test_honoured_sampling_fields_reach_the_sampling_params(model, params, base)
                                 "min_p", "min_tokens", "logprobs", "n")} == {
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {42: 5.0}, "repetition_penalty": 1.2,
         "min_p": 0.1, "min_tokens": 4, "logprobs": 3, "n": 2}
-    with pytest.raises(ValueError, match="logit_bias keys must be token ids"):
-        model(**{**body, "logit_bias": {"x": 1.0}}).sampling()
+    with pytest.raises(ValueError, match=r"logit_bias keys must be token ids, got \['x', 'y'\]"):
+        model(**{**body, "logit_bias": {"x": 1.0, "7": 1.0, "y": 2.0}}).sampling()
 
 
 def test_chat_logprobs_need_logprobs_true_for_top_logprobs():
