@@ -209,9 +209,8 @@ class LLM:
         if self.cost is None:
             path = (pathlib.Path(cfg.startup.cost_profile) if cfg.startup.cost_profile else
                     profile.default_path(self.model_name, self._dtype_name, runner))
-            if path.exists():
-                self.cost = profile.load(path, runner)
-            elif cfg.startup.warmup and not quick:
+            self.cost = profile.read_kept(path, lambda: profile.load(path, runner))
+            if self.cost is None and cfg.startup.warmup and not quick:
                 self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
         cost = self.cost or profile.unmeasured(runner)
         scheduler = replica_scheduler(cfg.scheduler, cost, kv, self._packer(cost, measured=self.cost is not None),

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve import disk_cache
 from jaxserve.engine import batch
 from jaxserve.engine.batch import Row
 from jaxserve.engine.runner import ModelRunner
@@ -162,11 +163,29 @@ def load_or_measure(path: pathlib.Path, runner: ModelRunner, max_model_len: int,
                   lambda cost: json.dumps(cost.to_dict(), indent=1))
 
 
-def cached(path: pathlib.Path, read: Callable[[], T], take: Callable[[], T], dumps: Callable[[T], str]) -> T:
-    """A measured profile kept on disk: read if `path` exists, else taken (measured) and written there."""
-    if path.exists():
+def read_kept(path: pathlib.Path, read: Callable[[], T]) -> T | None:
+    """A profile on disk by `read` (None: none there). One in the cache folder is a cache: a bad one is moved
+    aside (None: measure again). A file of the user's own (--cost_profile, --prefill_profile) is read as it is:
+    a bad one is refused."""
+    from jaxserve.models import registry
+
+    if registry.cache_dir().resolve() in path.resolve().parents:
+        return disk_cache.read_file(path, read)
+    if not path.exists():
+        return None
+    try:
         return read()
-    profile = take()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps(profile))
+    except Exception as e:  # noqa: BLE001 - whatever the parser raises, said in one line naming the file
+        if isinstance(e, ValueError) and str(path) in str(e):
+            raise
+        raise ValueError(f"{path}: not a usable profile ({type(e).__name__}: {e})") from e
+
+
+def cached(path: pathlib.Path, read: Callable[[], T], take: Callable[[], T], dumps: Callable[[T], str]) -> T:
+    """A measured profile kept on disk: read if `path` holds a good one (a bad one is moved aside), else taken
+    (measured) and written there (where it can be)."""
+    profile = read_kept(path, read)
+    if profile is None:
+        profile = take()
+        disk_cache.write_text(path, dumps(profile))
     return profile

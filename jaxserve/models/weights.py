@@ -21,7 +21,16 @@ _LAYER_LINEARS = {
 
 def params_from_hf(cfg: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> dict[str, Any]:
     """Build `{'params': ...}` from `tensor(hf_name) -> [out, in]` arrays, or a GGUF file's blocks kept quantized
-    (quantize.Quantized, each of its arrays [out, ..]). Linear weights transpose to kernels."""
+    (quantize.Quantized, each of its arrays [out, ..]). Linear weights transpose to kernels. A float tensor with
+    a NaN or an infinity (a damaged file) is refused by name: it would be served as silent garbage."""
+    read = tensor
+
+    def tensor(name: str) -> np.ndarray:
+        w = read(name)
+        if isinstance(w, np.ndarray) and not np.isfinite(w).all():
+            raise ValueError(f"tensor {name} holds {int(np.size(w) - np.isfinite(w).sum())} values that are not "
+                             "finite (NaN or infinity): the file is damaged")
+        return w
 
     def linear(name: str, bias: bool = False) -> dict[str, Any]:
         out = {"kernel": jax.tree.map(lambda w: np.ascontiguousarray(w.T), tensor(name))}

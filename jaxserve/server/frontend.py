@@ -70,6 +70,11 @@ class Frontend:
         self.llm = llm
         self.engine = engine
         self.model_name = model_name
+        if api_key is not None and not (api_key and api_key.isascii() and api_key.isprintable()
+                                        and api_key == api_key.strip()):
+            # HTTP headers carry bytes a server may read as latin-1, gRPC metadata only printable ASCII
+            raise ValueError("the API key must be printable ASCII, without spaces at its ends: no client could "
+                             "send another the same way over HTTP and gRPC")
         self._api_key = api_key
 
     def release(self) -> None:

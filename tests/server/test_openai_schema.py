@@ -146,3 +146,14 @@ def test_vllm_and_sglang_fields_that_are_honoured_reach_the_reply():
         CompletionRequest(model="m", prompt="hi", truncate_prompt_tokens=0).truncated(ids, 8)
     with pytest.raises(ValueError, match="stream_options is only allowed with stream: true"):
         CompletionRequest(model="m", prompt="hi", stream_options={"include_usage": True}).sampling()
+
+
+@pytest.mark.parametrize("key", ["clé", " key", "", "a\tb"])
+def test_an_api_key_no_client_could_send_alike_on_both_interfaces_is_refused_at_start(key):
+    """HTTP headers reach the server as bytes read as latin-1, gRPC metadata is printable ASCII only: any other
+    key could never match on one of them."""
+    from jaxserve.server.frontend import Frontend
+
+    with pytest.raises(ValueError, match="API key must be printable ASCII"):
+        Frontend(None, None, model_name="m", api_key=key)
+    Frontend(None, None, model_name="m", api_key="sk-Good_key.123")
