@@ -9,7 +9,8 @@ Sampling options are the fields of jaxserve.v1.SamplingParams (max_tokens, tempe
 stop, stop_token_ids, ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, min_p, logit_bias,
 min_tokens, logprobs, n, structured_output, prompt_logprobs, allowed_token_ids, bad_words, skip_special_tokens).
 structured_output is a dict of jaxserve.v1.StructuredOutput's fields, e.g. {"json_schema": {...}} (a schema as a
-dict or its JSON text), {"regex": "[0-9]+"} or {"choice": {"options": ["yes", "no"]}}. Errors arrive as grpc.RpcError with the server's status and message.
+dict or its JSON text), {"regex": "[0-9]+"} or {"choice": {"options": ["yes", "no"]}}. Errors arrive as
+grpc.RpcError with the server's status and message.
 Imports no jax: it runs anywhere grpcio does.
 """
 

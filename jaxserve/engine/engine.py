@@ -392,7 +392,8 @@ class Engine:
     def _sample_guided(self, step: _Step) -> _Step | None:
         """Dispatch a guided step's sampler with its rows' masks: its grammar's, less the last tokens of the bad
         words its tokens would complete. Each guide has taken its request's tokens up to this step's (the device
-        ran the step's forward meanwhile); a request that ended since gets no mask (its row's token is dropped). A failure ends the step's requests, told in this step's outputs."""
+        ran the step's forward meanwhile); a request that ended since gets no mask (its row's token is dropped).
+        A failure ends the step's requests, told in this step's outputs."""
         guided = [g if g is not None and self._live.get(i.request_id) is g else None
                   for i, g in zip(step.items, step.guided)]
         try:

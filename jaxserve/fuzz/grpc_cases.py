@@ -51,7 +51,8 @@ def _params(rng: random.Random) -> pb.SamplingParams:
     p = pb.SamplingParams(max_tokens=rng.choice(INT32 + (3, 4)) if rng.random() < 0.4 else rng.randint(1, 6))
     for _ in range(rng.randint(0, 3)):
         field = rng.choice(("temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                            "ttft_slo", "structured_output"))
+                            "ttft_slo", "structured_output", "allowed_token_ids", "bad_words",
+                            "skip_special_tokens"))
         if field == "structured_output":
             grammar = rng.choice(("json_schema", "regex", "grammar", "choice", "json_object", None))
             if grammar == "choice":
@@ -69,8 +70,12 @@ def _params(rng: random.Random) -> pb.SamplingParams:
             p.seed = rng.choice((0, 1, 2**32 - 1))
         elif field == "stop":
             p.stop.extend(_text(rng) if k < 2 else "s" for k in range(rng.choice((1, 2, 65, 1000))))
-        elif field == "stop_token_ids":
-            p.stop_token_ids.extend(rng.choice(INT32) for _ in range(rng.choice((1, 3, 1025, 5000))))
+        elif field in ("stop_token_ids", "allowed_token_ids"):
+            getattr(p, field).extend(rng.choice(INT32) for _ in range(rng.choice((1, 3, 1025, 5000))))
+        elif field == "bad_words":
+            p.bad_words.extend(_text(rng) for _ in range(rng.choice((1, 2, 65))))
+        elif field == "skip_special_tokens":
+            p.skip_special_tokens = rng.random() < 0.5
         else:
             p.ignore_eos = True
     return p

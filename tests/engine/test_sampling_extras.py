@@ -1,6 +1,6 @@
-"""Penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, logprobs, n and best_of through the engine on the real model: logprobs
-against transformers' (the fixtures), penalties against a numpy replay over the scoring pass's logits, samples
-against the same requests one at a time."""
+"""Penalties, logit_bias, allowed_token_ids, bad_words, skip_special_tokens, min_tokens, logprobs, n and best_of
+through the engine on the real model: logprobs against transformers' (the fixtures), penalties and allowed tokens
+against a numpy replay over the scoring pass's logits, samples against the same requests one at a time."""
 
 from __future__ import annotations
 

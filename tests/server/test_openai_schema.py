@@ -108,8 +108,8 @@ def test_response_format_and_vllms_guided_fields_set_the_grammar(model, params, 
 # vLLM's and SGLang's fields not implemented: a value each may hold that asks for what jaxserve does not do
 PEER_PROBES = {
     "use_beam_search": True, "length_penalty": 0.5, "include_stop_str_in_output": True,
-    "spaces_between_special_tokens": False, "logprob_token_ids": [3], "truncation_side": "right", "priority": 1, "kv_transfer_params": {"k": 1},
-    "vllm_xargs": {"k": 1}, "structural_tag": "t", "chat_template": "{{ x }}", "chat_template_kwargs": {"k": 1},
+    "spaces_between_special_tokens": False, "logprob_token_ids": [3], "truncation_side": "right", "priority": 1,
+    "kv_transfer_params": {"k": 1}, "vllm_xargs": {"k": 1}, "structural_tag": "t", "chat_template": "{{ x }}", "chat_template_kwargs": {"k": 1},
     "documents": [{"k": "v"}], "mm_processor_kwargs": {"k": 1}, "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "return_hidden_states": True, "stop_regex": "a+", "ebnf": "root ::= 'a'",
     "json_schema": "{}", "no_stop_trim": True, "lora_path": "x", "session_params": {"id": 1},
