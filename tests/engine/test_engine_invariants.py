@@ -36,7 +36,7 @@ def fake_token(seed: int, counter: int) -> int:
 class FakeTokenizer:
     stop_ids = frozenset({EOS})
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=True):
         return "".join("abcdefghijklmnopqrstuvwxyz0123456789.,;:"[t] for t in ids if t != EOS)
 
 

@@ -169,7 +169,24 @@ def test_weights_that_are_not_finite_are_refused_by_tensor_name(model, tokenizer
         loader.load_weights(str(tmp_path / "inf.gguf"), "float32")
 
 
-def test_the_second_start_after_every_cache_is_damaged_serves_the_same_text(model, tmp_path, monkeypatch):
+@pytest.fixture
+def own_xla_cache(tmp_path):
+    """The process's XLA cache in tmp_path/xla for one test. JAX takes its cache folder at the first compile of
+    the process, so an earlier test's LLM would otherwise have fixed it elsewhere."""
+    from jax._src import compilation_cache  # its reset is how JAX's own tests move the cache
+
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    compilation_cache.reset_cache()
+
+
+def test_the_second_start_after_every_cache_is_damaged_serves_the_same_text(model, tmp_path, monkeypatch,
+                                                                            own_xla_cache):
     """The converted weights, the cost profiles and the compiled programs all damaged: the next start serves
     what the first did, and so does the one after."""
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
