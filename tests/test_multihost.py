@@ -19,7 +19,11 @@ import openai
 import urllib.request
 
 import jaxserve
+from jaxserve.models import registry
+from jaxserve.models.gguf_loader import GGUFFile
+from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sampling_params import SamplingParams
+from tiny_models import write_tiny_model
 
 HERE = pathlib.Path(__file__).parent / "multihost"
 TIMEOUT_S = 900
@@ -31,17 +35,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str], process_id: int, log: pathlib.Path) -> subprocess.Popen:
+def start(args: list[str], process_id: int, log: pathlib.Path, cache: pathlib.Path | None = None) -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    if cache is not None:
+        env["JAXSERVE_CACHE"] = str(cache)
     # jax.distributed catches SIGTERM: `timeout -k` ends a stuck process for sure
     return subprocess.Popen(["timeout", "-k", "10", str(TIMEOUT_S), sys.executable, *args], env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def test_prefill_spanning_two_processes_then_decode_on_the_other_equals_one_device(tmp_path):
+    """On a small random model (what is tested is the lockstep and where chunks run): its conversion goes to a
+    cache of the test's own."""
+    tokenizer = TextTokenizer.from_gguf(GGUFFile(str(registry.resolve(registry.DEFAULT_MODEL))))
+    (tmp_path / "tiny").mkdir()
+    write_tiny_model(tmp_path / "tiny", tokenizer, layers=4, heads=6, kv_heads=3, mlp=192)
     port, out = free_port(), tmp_path / "result.json"
-    procs = [start([str(HERE / "cluster_worker.py"), str(i), str(port), str(out)], i, tmp_path / f"p{i}.log")
-             for i in range(2)]
+    procs = [start([str(HERE / "cluster_worker.py"), str(i), str(port), str(out), str(tmp_path / "tiny")], i,
+                   tmp_path / f"p{i}.log", cache=tmp_path / "cache") for i in range(2)]
     codes = [p.wait(TIMEOUT_S + 30) for p in procs]
     logs = "\n".join(f"--- process {i}\n" + (tmp_path / f"p{i}.log").read_text()[-4000:] for i in range(2))
     assert codes == [0, 0], logs

@@ -6,7 +6,7 @@ lockstep. It serves a long prompt (its later chunks on the group spanning both p
 process), and writes the tokens, the single-device engine's tokens for the same prompts, and each chunk's group.
 Process 1 only follows.
 
-usage: cluster_worker.py PROCESS_ID COORDINATOR_PORT OUT_JSON
+usage: cluster_worker.py PROCESS_ID COORDINATOR_PORT OUT_JSON MODEL_FOLDER
 """
 
 from __future__ import annotations
@@ -18,25 +18,25 @@ import sys
 import jax
 import numpy as np
 
-process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3])
+process_id, port, out, model = int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3]), sys.argv[4]
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
 
 import jaxserve  # noqa: E402 (after jax.distributed starts)
 from jaxserve import api  # noqa: E402
 from jaxserve.cluster.build import build, warmup  # noqa: E402
-from jaxserve.config import ParallelConfig  # noqa: E402
+from jaxserve.config import ModelConfig, ParallelConfig  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.sched.cost_models import TetrisPrefill  # noqa: E402
 
 MAX_MODEL_LEN = 1024
 
 if process_id != 0:
-    api.follow()
+    api.follow(ModelConfig(model=model))
     jax.distributed.shutdown()
     sys.exit(0)
 
-llm = jaxserve.LLM(max_model_len=MAX_MODEL_LEN, kv_cache_tokens=2 * MAX_MODEL_LEN, max_num_seqs=4,
+llm = jaxserve.LLM(model, max_model_len=MAX_MODEL_LEN, kv_cache_tokens=2 * MAX_MODEL_LEN, max_num_seqs=4,
                    max_num_batched_tokens=256, progress=False)  # its own engine: process 0's first device
 d = jax.devices()  # process 0's four, then process 1's
 # a stand-in Eq. (1) in which the 4-device group is faster per token: what is tested is where chunks run
