@@ -224,6 +224,11 @@ GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"], "query_pre_att
                               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}
 
 
+# The cluster tests' model (tests/cluster, tests/test_multihost.py): its 6 query and 3 KV heads split over 3
+# tensor-parallel devices, its 4 layers over 2 pipeline stages.
+CLUSTER_MODEL = dict(layers=4, heads=6, kv_heads=3, mlp=192)
+
+
 def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0, family: str = "llama",
                      tied: bool = True, chat_template: str | None = None, rope: dict | None = None,
                      layers: int = 2, heads: int = 4, kv_heads: int = 2, mlp: int = 128) -> dict[str, np.ndarray]:
@@ -264,6 +269,7 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
                 [tensors.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
             tensors[p + "mlp.gate_up_proj.weight"] = np.concatenate(
                 [tensors.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+    root.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(root / "model.safetensors"))
     config = {"architectures": [ARCHITECTURES[family]], "model_type": "gemma3_text" if gemma3 else family,
               "vocab_size": v, "hidden_size": h, "intermediate_size": f, "num_hidden_layers": layers,

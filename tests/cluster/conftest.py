@@ -23,10 +23,10 @@ from jaxserve.models import registry
 from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sched.cost_models import TetrisPrefill
-from tiny_models import write_tiny_model
+from tiny_models import CLUSTER_MODEL, write_tiny_model
 
 MAX_MODEL_LEN = 4096
-LAYERS = 4
+LAYERS = CLUSTER_MODEL["layers"]
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +58,7 @@ def model(tmp_path_factory, smollm2) -> str:
     session's own (JAXSERVE_CACHE), so the user's cache gains nothing from a folder that is gone after the run."""
     tokenizer = TextTokenizer.from_gguf(GGUFFile(smollm2))
     root = tmp_path_factory.mktemp("tiny-llama")
-    write_tiny_model(root, tokenizer, layers=LAYERS, heads=6, kv_heads=3, mlp=192, tied=True)
+    write_tiny_model(root, tokenizer, **CLUSTER_MODEL, tied=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("JAXSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
         yield str(root)
