@@ -19,11 +19,8 @@ import openai
 import urllib.request
 
 import jaxserve
-from jaxserve.models import registry
-from jaxserve.models.gguf_loader import GGUFFile
-from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sampling_params import SamplingParams
-from tiny_models import CLUSTER_MODEL, write_tiny_model
+from tiny_models import CLUSTER_MODEL, smollm2_tokenizer, write_tiny_model
 
 HERE = pathlib.Path(__file__).parent / "multihost"
 TIMEOUT_S = 900
@@ -47,7 +44,7 @@ def start(args: list[str], process_id: int, log: pathlib.Path, cache: pathlib.Pa
 def test_prefill_spanning_two_processes_then_decode_on_the_other_equals_one_device(tmp_path):
     """On the cluster tests' small random model (what is tested is the lockstep and where chunks run): its
     conversion goes to a cache of the test's own."""
-    tokenizer = TextTokenizer.from_gguf(GGUFFile(str(registry.resolve(registry.DEFAULT_MODEL))))
+    tokenizer = smollm2_tokenizer()
     write_tiny_model(tmp_path / "tiny", tokenizer, **CLUSTER_MODEL)
     port, out = free_port(), tmp_path / "result.json"
     procs = [start([str(HERE / "cluster_worker.py"), str(i), str(port), str(out), str(tmp_path / "tiny")], i,

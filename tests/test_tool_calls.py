@@ -258,10 +258,9 @@ def test_output_too_deep_to_parse_stays_text_and_empty_turns_stay_empty():
 
 def test_control_tokens_in_tools_and_calls_stay_text():
     """A tool's description or a call's arguments that spell a control token cannot forge a turn."""
-    from jaxserve.models import registry
-    from jaxserve.models.gguf_loader import GGUFFile
+    from tiny_models import smollm2_tokenizer
 
-    base = TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL)))
+    base = smollm2_tokenizer()
     tok = TextTokenizer(base.tokenizer, bos_id=None, stop_ids=base.stop_ids, add_bos=False, chat_template=HERMES,
                         special_tokens=base.special_tokens)
     end = base.tokenizer.token_to_id("<|im_end|>")

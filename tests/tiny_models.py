@@ -8,6 +8,8 @@ import pathlib
 import numpy as np
 from safetensors.numpy import save_file
 
+from jaxserve.models import registry
+from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
 
 
@@ -190,6 +192,11 @@ PHI3_ROPE = {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 
              "long_factor": [1.2, 1.5, 2.1, 3.0, 4.4, 6.5, 9.6, 14.0]}
 PHI3_CONTEXT, PHI3_ORIGINAL = 16384, 4096
 PHI3_LONG_POSITIONS = [4096, 4097, 4500, 5000]  # past the original context: the long factors
+
+
+def smollm2_tokenizer() -> TextTokenizer:
+    """The default model's tokenizer (SmolLM2's), read from its GGUF: the real one for the tiny random models."""
+    return TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL)))
 
 
 def phi3_rope_tensors() -> dict[str, np.ndarray]:

@@ -17,11 +17,9 @@ import jaxserve
 from jaxserve import SamplingParams, tool_calls
 from jaxserve.engine import grammar
 from jaxserve.engine.sampling import Sampling, allowed, sample_step
-from jaxserve.models import registry
-from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sampling_params import StructuredOutput
-from tiny_models import write_tiny_model
+from tiny_models import smollm2_tokenizer, write_tiny_model
 
 
 def bits(mask: np.ndarray, vocab: int) -> np.ndarray:
@@ -70,7 +68,7 @@ def test_every_sampler_draws_only_allowed_tokens(kind):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    write_tiny_model(root, TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL))))
+    write_tiny_model(root, smollm2_tokenizer())
     return jaxserve.LLM(str(root), max_model_len=1024, kv_cache_tokens=32768, max_num_seqs=16,
                         max_num_batched_tokens=256, progress=False)
 
@@ -249,7 +247,7 @@ def test_guided_requests_survive_preemption_unchanged(tiny, tmp_path_factory):
 def test_every_stop_token_may_end_a_grammar():
     """A grammar that is complete allows each of the model's stop tokens (a chat model ends its turn with
     <|im_end|> or <|eot_id|>, not the tokenizer's first EOS)."""
-    base = TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL)))
+    base = smollm2_tokenizer()
     tok = TextTokenizer(base.tokenizer, bos_id=None, stop_ids=[0, 2], add_bos=False, chat_template=None,
                         special_tokens=base.special_tokens)
     grammars = grammar.Grammars(tok, tok.vocab_size)

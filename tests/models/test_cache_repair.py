@@ -16,10 +16,8 @@ from safetensors.numpy import load_file, save_file
 import jaxserve
 from jaxserve import SamplingParams, disk_cache
 from jaxserve.engine import profile
-from jaxserve.models import loader, registry
-from jaxserve.models.gguf_loader import GGUFFile
-from jaxserve.models.tokenizer import TextTokenizer
-from tiny_models import gguf_tensors, write_gguf, write_tiny_model
+from jaxserve.models import loader
+from tiny_models import gguf_tensors, smollm2_tokenizer, write_gguf, write_tiny_model
 
 TEXT = "The capital of France is"
 GGUF_META = {"embedding_length": 64, "feed_forward_length": 128, "block_count": 2, "attention.head_count": 4,
@@ -29,7 +27,7 @@ GGUF_META = {"embedding_length": 64, "feed_forward_length": 128, "block_count": 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL)))
+    return smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +171,7 @@ def test_weights_that_are_not_finite_are_refused_by_tensor_name(model, tokenizer
 def own_xla_cache(tmp_path):
     """The process's XLA cache in tmp_path/xla for one test. JAX takes its cache folder at the first compile of
     the process, so an earlier test's LLM would otherwise have fixed it elsewhere."""
-    from jax._src import compilation_cache  # its reset is how JAX's own tests move the cache
+    from jax.experimental.compilation_cache import compilation_cache  # public: the folder moves on reset
 
     before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))

@@ -17,13 +17,12 @@ import pytest
 import jaxserve
 import jaxserve.models.hf_loader
 from jaxserve import SamplingParams
-from jaxserve.models import registry
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
 from tiny_models import (CONVERSATIONS, DYNAMIC, DYNAMIC_POSITIONS, FAMILIES, PHI3_CONTEXT, PHI3_LONG_POSITIONS,
                          PHI3_ORIGINAL, PROMPT, WINDOW, YARN, YARN_CONFIGS, YARN_FACTOR, YARN_ORIGINAL, as_image_text,
-                         gguf_tensors, phi3_rope_tensors, write_gguf, write_tiny_model)
+                         gguf_tensors, phi3_rope_tensors, smollm2_tokenizer, write_gguf, write_tiny_model)
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "families_reference.json"
 TOL = 1e-4  # float32 logprobs of magnitude ~10 through two implementations
@@ -55,7 +54,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL)))
+    return smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module", params=[(f, t) for f in FAMILIES for t in (True, False)],

@@ -9,10 +9,8 @@ import pytest
 import jaxserve
 from jaxserve import SamplingParams
 from jaxserve.models import registry
-from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.hub import is_hub_id
-from jaxserve.models.tokenizer import TextTokenizer
-from tiny_models import write_tiny_model
+from tiny_models import smollm2_tokenizer, write_tiny_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -26,7 +24,7 @@ def hub_cache(tmp_path_factory) -> pathlib.Path:
     snapshot.mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
-    write_tiny_model(snapshot, TextTokenizer.from_gguf(GGUFFile(registry.resolve(registry.DEFAULT_MODEL))))
+    write_tiny_model(snapshot, smollm2_tokenizer())
     return cache
 
 
