@@ -234,6 +234,23 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
     assert a.token_ids != c.token_ids
 
 
+@pytest.mark.parametrize("sp", [SamplingParams(max_tokens=48, temperature=0.8, seed=1234, ignore_eos=True),
+                                SamplingParams(max_tokens=48, temperature=0.8, seed=1234, ignore_eos=True,
+                                               presence_penalty=0.5)], ids=["plain", "penalty"])
+def test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch(llm, sp):
+    """README, `seed`: the same seeded request alone and beside 1, 3 and 15 others (greedy and sampled, other
+    lengths) draws the same tokens. The logits differ in their last bits between batch shapes; the draw does not
+    move with them (sampling.gumbel_max)."""
+    prompt = "The old lighthouse keeper looked out over the stormy sea and"
+    alone = llm.generate(prompt, sp)[0].token_ids
+    rng = np.random.default_rng(0)
+    for others in (1, 3, 15):
+        params = [SamplingParams(max_tokens=int(rng.integers(8, 60)), ignore_eos=True, seed=i,
+                                 temperature=float(rng.choice([0.0, 1.0]))) for i in range(others)]
+        outs = llm.generate([prompt] + [PROMPTS[i % len(PROMPTS)] for i in range(others)], [sp] + params)
+        assert outs[0].token_ids == alone, f"beside {others}"
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy(llm):
     p = "The three primary colors are"
     greedy = llm.generate(p, SamplingParams(max_tokens=12))[0].token_ids
