@@ -94,6 +94,7 @@ class LLM:
         self.lockstep = lockstep.Leader(params) if jax.process_count() > 1 else None
         self._new = self.lockstep.new if self.lockstep else lambda cls, *args, **kwargs: cls(*args, **kwargs)
         self._params, self._kv_bytes = params, None  # _kv_bytes: a device's KV pool, once measured
+        self._fail_over_programs: tuple[ModelRunner, concurrent.futures.Future] | None = None
         self._kv_tokens = self._kv_pool_tokens(cfg.parallel.instance)
         self.max_model_len = self._context(cfg.model.max_model_len)
         self._buckets = self._make_buckets()
@@ -182,26 +183,25 @@ class LLM:
                             num_scheduler_steps=sched.num_scheduler_steps, min_decode_rows=1 if on_cpu else 2)
 
     def make_engine(self, devices: Sequence[jax.Device] | None = None, progress: bool = True,
-                    kv_cache_tokens: int | None = None, shape: InstanceShape | None = None) -> Engine:
+                    kv_cache_tokens: int | None = None, shape: InstanceShape | None = None,
+                    compiled: dict | None = None) -> Engine:
         """An engine with this LLM's settings on `devices` (default: JAX's first tp x kvp x stages devices; runs
         of tp are tensor-parallel instances, several instances form a KV-parallel group whose KV pool is the sum of
         theirs, and with pipeline stages each stage is an equal share of them), its step programs compiled; the
         step cost model is measured once (on the first engine) and shared. kv_cache_tokens: each instance's pool
-        (default: this LLM's). shape: its stages and KV-parallel sets (default: this LLM's)."""
+        (default: this LLM's). shape: its stages and KV-parallel sets (default: this LLM's). compiled: its
+        programs, compiled already (ModelRunner.compiled_programs of a runner like it)."""
         cfg = self.engine_config
         cache, tp, shape = cfg.cache, cfg.parallel.tp, shape or cfg.parallel.instance
         devices = list(devices or jax.devices()[:tp * shape.kvp * shape.stages])
-        stages = shape.stages
-        kvp = len(devices) // (tp * stages)
-        per_instance = -(-(kv_cache_tokens or self._kv_tokens) // cache.block_size) + 1  # + its scratch block
-        num_blocks = per_instance * kvp
+        kvp = len(devices) // (tp * shape.stages)
+        num_blocks = self._num_blocks(devices, kv_cache_tokens, shape)
         # before the runner: a bad kvp_tokens is refused before anything is placed or compiled
         kv = KVCacheManager(num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
                             scratch_blocks=kvp, kvp_tokens=shape.kvp_tokens if kvp > 1 else None,
                             sliding_window=self.config.uniform_window)
-        runner = self._new(ModelRunner, self.config, self._params, self._dtype, num_blocks=num_blocks,
-                           block_size=cache.block_size, buckets=self._buckets, key_block=cache.key_block,
-                           devices=devices, tp=tp, stages=stages, kv_cache_dtype=cache.kv_cache_dtype)
+        runner = self._new(ModelRunner, self.config, self._params, self._dtype, compiled=compiled,
+                           **self._runner_settings(devices, num_blocks, shape))
         quick = self._quick_start and self.cost is None  # no cost model known yet: measure it later
         if cfg.startup.warmup:
             runner.warmup(runner.first_programs() if quick else None, progress=progress)
@@ -225,6 +225,20 @@ class LLM:
             if self.cost is None:
                 engine.defer(functools.partial(self._measure_when_idle, engine, path, compiled))
         return engine
+
+    def _num_blocks(self, devices: Sequence[jax.Device], kv_cache_tokens: int | None, shape: InstanceShape) -> int:
+        """KV blocks of an engine on `devices`: each KV-parallel set's pool (default: this LLM's) and its scratch
+        block."""
+        cache = self.engine_config.cache
+        kvp = len(devices) // (self.engine_config.parallel.tp * shape.stages)
+        return (-(-(kv_cache_tokens or self._kv_tokens) // cache.block_size) + 1) * kvp
+
+    def _runner_settings(self, devices: Sequence[jax.Device], num_blocks: int, shape: InstanceShape) -> dict:
+        """ModelRunner's settings (after the model, its weights and dtype) for an engine of this LLM's."""
+        cache = self.engine_config.cache
+        return dict(num_blocks=num_blocks, block_size=cache.block_size, buckets=self._buckets,
+                    key_block=cache.key_block, devices=list(devices), tp=self.engine_config.parallel.tp,
+                    stages=shape.stages, kv_cache_dtype=cache.kv_cache_dtype)
 
     def _packer(self, cost: EngineStepCost, measured: bool) -> PackerConfig:
         return packer_config(self.engine_config.scheduler, cost, max_model_len=self.max_model_len,
@@ -265,20 +279,43 @@ class LLM:
             warmup(cluster, self.max_model_len, progress)
         return cluster
 
-    def fail_over(self) -> ServingEngine:
-        """After a follower process is lost: the engine becomes one replica on this process's first devices
-        (the cluster's layout spanned the lost process), its programs compiled; the lockstep ends (nothing is
-        published any more). What the old engine held is dropped. Returns the new engine."""
-        self.lockstep = None  # the follower is gone: publish nothing (a stop would wait for no one)
-        self._new = lambda cls, *args, **kwargs: cls(*args, **kwargs)
+    def _fail_over_layout(self) -> tuple[list[jax.Device], int, InstanceShape]:
+        """Where a fail-over's engine runs: this process's first devices, as many KV-parallel sets as the context
+        needs and this process has (too few, and each holds more); its tokens per set; its shape."""
         tp = self.engine_config.parallel.tp
         per_set = self._kv_pool_tokens(InstanceShape())
-        # as many KV-parallel sets as the context needs and this process has; too few, and each holds more
         sets = max(min(-(-self.max_model_len // per_set), len(jax.local_devices()) // tp), 1)
-        logging.warning("building one engine on this process's %d first device(s) after a lost process", tp * sets)
-        self.engine = self.make_engine(jax.local_devices()[:tp * sets], progress=False,
-                                       kv_cache_tokens=max(per_set, -(-self.max_model_len // sets)),
-                                       shape=InstanceShape(kvp=sets))
+        return jax.local_devices()[:tp * sets], max(per_set, -(-self.max_model_len // sets)), InstanceShape(kvp=sets)
+
+    def prepare_fail_over(self) -> None:
+        """Compile the fail-over engine's step programs in the background, one at a time while this one serves,
+        from shapes alone (nothing is placed on the devices), so that a fail-over waits for no compile."""
+        devices, tokens, shape = self._fail_over_layout()
+        runner = ModelRunner(self.config, self._params, self._dtype, placed=False,
+                             **self._runner_settings(devices, self._num_blocks(devices, tokens, shape), shape))
+        programs = runner.programs()
+        logging.info("compiling the fail-over engine's %d step programs in the background", len(programs))
+        self._fail_over_programs = runner, runner.compile_in_background(programs)
+
+    def fail_over(self) -> ServingEngine:
+        """After a follower process is lost: the engine becomes one replica on this process's first devices
+        (the cluster's layout spanned the lost process), its programs compiled (by prepare_fail_over, if it
+        ran: waited for if not done); the lockstep ends (nothing is published any more). What the old engine
+        held is dropped. Returns the new engine."""
+        self.lockstep = None  # the follower is gone: publish nothing (a stop would wait for no one)
+        self._new = lambda cls, *args, **kwargs: cls(*args, **kwargs)
+        devices, tokens, shape = self._fail_over_layout()
+        compiled = None
+        if self._fail_over_programs is not None:
+            prepared, done = self._fail_over_programs
+            if not done.done():
+                logging.warning("waiting for the fail-over engine's programs to finish compiling")
+            concurrent.futures.wait([done])  # a failure was logged; what did compile is still used
+            compiled = prepared.compiled_programs()
+        logging.warning("building one engine on this process's %d first device(s) after a lost process",
+                        len(devices))
+        self.engine = self.make_engine(devices, progress=False, kv_cache_tokens=tokens, shape=shape,
+                                       compiled=compiled)
         return self.engine
 
     def lost(self, timeout: float) -> str | None:

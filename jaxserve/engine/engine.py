@@ -186,8 +186,9 @@ class Engine:
         """Queue a request whose prompt and params check_request already passed (checking is O(prompt), so a
         caller that checked first does not pay for a long prompt twice). ttft_slo: seconds to the first token,
         the deadline the deadline-aware policies (edf, lrs, lars) rank by; None takes the scheduler's SLO.
-        generated: a resumed request (a fail-over) whose last `generated` ids it generated already: their text
-        was streamed (or is held back, as it was), so its text resumes where it stopped. after: a sibling of that
+        generated: a resumed request (a fail-over) whose last `generated` ids it generated already (params as it
+        was sent: max_tokens counts them): their text was streamed (or is held back, as it was), so its text
+        resumes where it stopped, and its draws go on from that token index. after: a sibling of that
         request (the same prompt: n > 1), held back until it has its first token, so that its prompt is
         prefilled once and the sibling finds it in the prefix cache."""
         live = self._new_live(ids, params, request_id if request_id is not None else f"req-{next(self._ids)}",
@@ -214,9 +215,12 @@ class Engine:
         prompt = ids[:len(ids) - generated]
         words = bad_words.sequences(params.bad_words, self.tokenizer, self.runner.cfg.vocab_size)
         longer = [w for w in words if len(w) > 1]
-        r = sched_request.Request(request_id, self.clock(), len(ids),
-                                  min(params.max_tokens, self.max_model_len - len(ids)), token_ids=list(ids),
-                                  single_step=params.structured_output is not None or bool(longer))
+        r = sched_request.Request(request_id, self.clock(), len(prompt),
+                                  min(params.max_tokens, self.max_model_len - len(prompt)), token_ids=list(ids),
+                                  single_step=params.structured_output is not None or bool(longer),
+                                  generated=generated)
+        if generated:  # as a preempted request: its KV recomputed, its tokens' count (the sampler's) goes on
+            r.preempt()
         seed = params.draw_seed() if params.seed is not None else self._seed_rng.getrandbits(32)
         matcher = None
         if params.structured_output is not None:  # before the request is held: a grammar that fails leaves nothing

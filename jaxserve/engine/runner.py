@@ -42,7 +42,7 @@ import dataclasses
 import functools
 import os
 import threading
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -271,14 +271,17 @@ class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Any, dtype: jnp.dtype, *, num_blocks: int, block_size: int,
                  buckets: batch.Buckets, key_block: int, devices: Sequence[jax.Device] | None = None, tp: int = 1,
                  stages: int = 1, attention: Implementation | None = None, kv_cache_dtype: str = "auto",
-                 caches: Any = None):
+                 caches: Any = None, placed: bool = True, compiled: Mapping[Program, Any] | None = None):
         """devices: where the weights, the cache and the step run (default: JAX's first tp x stages devices),
         consecutive runs of tp devices tensor-parallel; several such runs form a KV-parallel group holding the
         num_blocks blocks between them. stages: pipeline stages, each an equal consecutive share of the devices
         running an even share of the layers (its hidden states moved on to the next stage's devices).
         attention: the attention's implementation (default: the Pallas kernel on GPU, the jnp reference
         elsewhere). kv_cache_dtype: CacheConfig's (kv_cache.cache_dtype). caches: (k, v) arrays to serve as the
-        cache of a runner without pipeline stages, in its cache_sharding (default: zeroed ones)."""
+        cache of a runner without pipeline stages, in its cache_sharding (default: zeroed ones). placed=False:
+        the weights and the cache are shapes and shardings only, nothing is put on the devices: a runner that only
+        compiles (`compiled_programs`, e.g. a fail-over's engine prepared while another serves). compiled: such a
+        runner's programs, taken as compiled (the same devices, settings and buckets)."""
         self.devices = list(devices or jax.devices()[:tp * stages])
         if len(self.devices) % (tp * stages):
             raise ValueError(f"{len(self.devices)} devices do not form {stages} pipeline stages of tensor-parallel "
@@ -301,6 +304,7 @@ class ModelRunner:
         # all of them as working memory; a SmolLM2 int8 decode step 9x slower than scanned); layers that differ
         # (Gemma 3) unroll everywhere
         self.unrolled = cfg.per_layer or not (self.cpu and stages == 1 and quantize.kept(params))
+        self.placed = placed
         self.blocks = quantize.has_blocks(params)  # their programs compile with quantize.UNMERGED_DOTS off a CPU
         self.max_rows = max(s.rows for s in buckets.programs())
         self._stages = []
@@ -327,7 +331,7 @@ class ModelRunner:
         self._waiting: _Forward | None = None  # a guided step's forward (start), until sample_guided
         self._previous = self._no_tokens()
         self._unfed = self._no_tokens(self._stages[0].replicated)
-        self._programs: dict[Program, tuple[jax.stages.Compiled, ...]] = {}
+        self._programs: dict[Program, tuple[jax.stages.Compiled, ...]] = dict(compiled or {})
         self._compiling: dict[Program, threading.Lock] = {}
         self._lock = threading.Lock()
 
@@ -383,7 +387,10 @@ class ModelRunner:
                                              out_specs=(cache, P(), P(), P(), P()), check_vma=False)
         step = forward_packed(model, self.buckets, spread)
         multi = burst_packed(model, self.buckets, self.block_size, self.max_rows, spread_burst)
-        return _Loop(jax.device_put(params, tensor_parallel.shardings(mesh, specs)), model,
+        shardings = tensor_parallel.shardings(mesh, specs)
+        placed = (jax.device_put(params, shardings) if self.placed else
+                  jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings))
+        return _Loop(placed, model,
                      jax.jit(step, donate_argnums=(1,), static_argnames=("shape",)),
                      jax.jit(multi, donate_argnums=(1, 4), static_argnames=("shape", "kind")))
 
@@ -451,6 +458,11 @@ class ModelRunner:
 
         threading.Thread(target=run, name="jaxserve-compile", daemon=True).start()
         return future
+
+    def compiled_programs(self) -> dict[Program, tuple[jax.stages.Compiled, ...]]:
+        """The programs compiled so far, for another runner of the same devices, settings and buckets."""
+        with self._lock:
+            return dict(self._programs)
 
     def is_compiled(self, program: Program) -> bool:
         with self._lock:
@@ -730,5 +742,6 @@ class ModelRunner:
 
     def _allocate(self, stage: _Stage):
         layers = stage.layers[1] - stage.layers[0]
-        return jax.jit(lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.kv_dtype, self.tp,
-                                               layers), out_shardings=stage.cache_sharding)()
+        zeros = jax.jit(lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.kv_dtype, self.tp,
+                                                layers), out_shardings=stage.cache_sharding)
+        return zeros() if self.placed else jax.eval_shape(zeros)

@@ -43,6 +43,7 @@ from jaxserve.config import SLO
 
 
 DECODING = RequestStatus.DECODING
+RESUMED_SEQ = -2**40  # arrival places of resumed requests: before every newcomer's (from 0)
 
 
 class ReplicaScheduler:
@@ -60,6 +61,7 @@ class ReplicaScheduler:
         self.decode_in_flight: dict[str, list[int]] = {}  # tokens of each decode Plan not back, oldest first
         self.requests: dict[str, Request] = {}  # every request not finished
         self._seq: dict[str, int] = {}  # arrival order, kept through preemptions
+        self._resumed = 0  # requests resumed from elsewhere so far
 
     @property
     def decoding(self) -> list[Request]:
@@ -87,8 +89,13 @@ class ReplicaScheduler:
                 request.ttft_deadline = request.arrival + self.slo.ttft(total)
             if math.isinf(request.tpot_slo):
                 request.tpot_slo = self.slo.tpot_slo
+        seq = None
+        if request.generated:  # resumed from elsewhere (a fail-over): its stream stalls until it decodes here, so
+            # it goes before every newcomer (whose first token can wait) under every policy, in its arrival order
+            request.ttft_deadline = -math.inf
+            seq, self._resumed = RESUMED_SEQ + self._resumed, self._resumed + 1
         self.requests[request.id] = request
-        self._seq[request.id] = self.queue.add(request, total)
+        self._seq[request.id] = self.queue.add(request, total, seq=seq)
 
     def reserve(self, request: Request) -> list[int] | None:
         """Blocks for the prompt of a request prefilled elsewhere (disaggregation), for its KV to land in; None

@@ -310,11 +310,10 @@ class AsyncEngine:
             self.capacity += engine.max_num_seqs - self.engine.max_num_seqs  # the same queue beyond its batch
             self.engine, self._can_step = engine, True
             self._events, self._prefix, self._preemptions = {}, (0, 0), 0  # its counts start from zero
-            for rid, live in list(self._live.items()):
-                stream, done = live.stream, len(live.tokens)
-                params = dataclasses.replace(stream.params, max_tokens=stream.params.max_tokens - done)
-                engine.enqueue(stream.prompt_ids + live.tokens, params, request_id=rid, ttft_slo=stream.ttft_slo,
-                               generated=done)
+            for rid, live in list(self._live.items()):  # the scheduler puts those with tokens first
+                stream = live.stream
+                engine.enqueue(stream.prompt_ids + live.tokens, stream.params, request_id=rid,
+                               ttft_slo=stream.ttft_slo, generated=len(live.tokens))
             self.failed_over = True
             self._start_thread()
         logging.warning("serving on the fallback engine after losing a process (%s); %d requests resumed",

@@ -51,6 +51,8 @@ class Server:
         this process's devices (LLM.fail_over), and every open request resumes there; health says degraded.
         If that cannot be built, its requests end UNAVAILABLE and the server stops."""
         cfg = config.replace(server or ServerConfig(), **settings)
+        if llm.lockstep is not None:
+            llm.prepare_fail_over()
         self.host, self.drain_timeout = cfg.host, cfg.drain_timeout
         self._http_limits = {"max_body_bytes": cfg.max_request_bytes, "read_timeout": cfg.request_read_timeout,
                              "allowed_origins": cfg.allowed_origins}

@@ -462,6 +462,26 @@ def test_a_large_request_is_not_overtaken_forever_by_small_newcomers():
     assert not any(r.finished for r in newcomers)  # no newcomer got in ahead of it
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "sjf", "edf", "lars"])
+def test_a_resumed_request_is_planned_before_newcomers_and_its_tokens_go_on(policy):
+    """A request resumed from elsewhere (a fail-over: prompt plus its 5 tokens, preempted) ranks before
+    requests that arrived before it had its stream stalled, recomputes all but its last token, and ends at its
+    output_len counting the tokens it had."""
+    sched = ReplicaScheduler(make_policy(policy), EQ1, PackerConfig(iteration_budget=0.05, chunk_align=1),
+                             _kv(4000))
+    newcomers = [Request(f"n{i}", 0.0, 400, 8, ttft_deadline=1.0) for i in range(3)]
+    for r in newcomers:
+        sched.add(r)
+    resumed = Request("r", 0.5, 300, 8, generated=5, token_ids=list(range(305)))
+    resumed.preempt()
+    sched.add(resumed)
+    first = sched.schedule(0.5)
+    assert first.items[0].request_id == "r" and resumed.prefill_target == 304
+    sched.apply(first, Outcome(0.6, tuple(0.1 for _ in first.items), {}))
+    _drive(sched, 0.6)
+    assert resumed.generated == 8 and resumed.finished
+
+
 def test_a_long_prefill_progresses_while_decodes_fill_the_budget():
     sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10**7))
     d = _running("d", 100)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,10 +13,14 @@ from jaxserve import SamplingParams
 from jaxserve.server.async_engine import AsyncEngine
 
 
-def test_a_lost_engine_fails_over_and_every_stream_goes_on(llm):
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=16, stop=["the end of it"]),  # a stop string: its prefixes are held back
+    # seeded draws go on from the token index they reached; the penalty and min_tokens read the tokens so far
+    SamplingParams(max_tokens=16, temperature=0.8, seed=7, presence_penalty=0.5, min_tokens=14)],
+    ids=["greedy", "seeded"])
+def test_a_lost_engine_fails_over_and_every_stream_goes_on(llm, params):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(100, 5000, int(n)).tolist() for n in rng.integers(5, 200, 6)]
-    params = SamplingParams(max_tokens=16, stop=["the end of it"])  # a stop string: its prefixes are held back
     want = [(c.token_ids, c.text) for c in llm.generate(prompts, params)]
     first, fallback = llm.make_engine(progress=False), llm.make_engine(progress=False)
     lost: list[str] = []
@@ -76,3 +81,25 @@ def test_a_fallback_that_cannot_be_built_ends_every_stream_with_process_gone(llm
         assert engine.threads_alive == 0
 
     asyncio.run(asyncio.wait_for(main(), 600))
+
+
+def test_the_fail_over_engine_runs_the_programs_prepared_while_another_served():
+    """LLM.prepare_fail_over compiles the fail-over engine's programs from shapes alone (nothing placed); the
+    engine fail_over builds runs those very programs, none compiled again, and gives the first engine's tokens."""
+    import jaxserve
+
+    llm = jaxserve.LLM("random:tiny", max_model_len=256, kv_cache_tokens=512, max_num_seqs=4,
+                       max_num_batched_tokens=64, warmup=True, progress=False)
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 90)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3)
+    want = [c.token_ids for c in llm.generate(prompts, params)]
+    llm.prepare_fail_over()
+    prepared, done = llm._fail_over_programs
+    assert not prepared.placed and all(not isinstance(x, jax.Array) for x in jax.tree.leaves(prepared.caches))
+    done.result(600)
+    programs = prepared.compiled_programs()
+    assert set(programs) == set(prepared.programs())
+    engine = llm.fail_over()
+    assert all(engine.runner.compiled_programs()[p] is programs[p] for p in programs)
+    assert len(engine.runner.compiled_programs()) == len(programs)  # warmup found every one compiled
+    assert [c.token_ids for c in llm.generate(prompts, params)] == want
