@@ -4,6 +4,7 @@ damaged model file is refused in one line naming it and the cause; a cache that 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import shutil
@@ -167,20 +168,46 @@ def test_weights_that_are_not_finite_are_refused_by_tensor_name(model, tokenizer
         loader.load_weights(str(tmp_path / "inf.gguf"), "float32")
 
 
-@pytest.fixture
-def own_xla_cache(tmp_path):
-    """The process's XLA cache in tmp_path/xla for one test. JAX takes its cache folder at the first compile of
-    the process, so an earlier test's LLM would otherwise have fixed it elsewhere."""
+@contextlib.contextmanager
+def xla_cache_in(folder: pathlib.Path):
+    """The process's XLA cache in `folder`, every program kept. JAX takes its cache folder at the first compile
+    of the process, so an earlier test's LLM would otherwise have fixed it elsewhere."""
     from jax.experimental.compilation_cache import compilation_cache  # public: the folder moves on reset
 
     before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
+    jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_compilation_cache_dir", before[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
-    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def own_xla_cache(tmp_path):
+    with xla_cache_in(tmp_path / "xla"):
+        yield
+
+
+def test_serving_from_a_cache_that_cannot_be_written_gives_the_same_text(model, tmp_path, monkeypatch):
+    """serve's start (every program compiled, the cost profile measured) with a cache folder in which nothing
+    can be made (a file stands where it should be; a read-only folder would not stop root): the weights, the
+    profile and the compiled programs are not kept, and it serves what a writable cache does."""
+    settings = dict(max_model_len=128, kv_cache_tokens=512, max_num_seqs=2, progress=False)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "writable"))
+    with xla_cache_in(tmp_path / "writable" / "xla"):
+        want = jaxserve.LLM(str(model[0]), **settings).generate(TEXT, params)[0].token_ids
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("JAXSERVE_CACHE", str(blocker / "cache"))
+    with xla_cache_in(blocker / "cache" / "xla"):
+        llm = jaxserve.LLM(str(model[0]), warmup=True, **settings)
+        assert llm.generate(TEXT, params)[0].token_ids == want
+    assert blocker.is_file()
 
 
 def test_the_second_start_after_every_cache_is_damaged_serves_the_same_text(model, tmp_path, monkeypatch,
