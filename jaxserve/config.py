@@ -144,6 +144,19 @@ class InstanceShape:
 
     def __post_init__(self):
         _positive(self, "stages", "kvp", "kvp_tokens")
+        if self.kvp_tokens is not None and self.kvp == 1:
+            raise ValueError(f"--kvp_tokens={self.kvp_tokens} does nothing with one KV-parallel set (--kvp=1): "
+                             f"leave it out, or give --kvp")
+
+
+# The cluster settings each --cluster_policy reads; every other one does nothing there (nor without a cluster)
+CLUSTER_SETTINGS = {
+    "cdsp": ("decode_instances", "decode_kvp", "node_size", "receive_buffers", "min_chunk", "sp_attention",
+             "sparse_attention"),
+    "tetriinfer": ("decode_instances", "decode_kvp", "receive_buffers", "prefill_chunk", "prefill_batch",
+                   "prefill_order", "flip_window"),
+    "esp": ("receive_buffers",),  # its pool's instances decode: the KV of a prompt moves to one of them
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +201,8 @@ class ParallelConfig:
                                  "then both prefill and decode. 0: no flips.")
 
     def __post_init__(self):
-        _positive(self, "tp", "prefill_chunk", "prefill_batch")  # the cluster checks its layout (cluster/build.py)
+        # the cluster checks its layout against the devices (cluster/build.py)
+        _positive(self, "tp", "prefill_chunk", "prefill_batch", "min_chunk", "receive_buffers")
         if self.flip_window < 0:
             raise ValueError(f"flip_window must be 0 (no flips) or more, got {self.flip_window}")
         if self.cluster_policy not in ("cdsp", "tetriinfer", "esp"):
@@ -202,6 +216,20 @@ class ParallelConfig:
             raise ValueError(f"--sparse_attention (CSA's drop ratio, 0 to 1) needs --sp_attention=sp_ntp and "
                              f"--cluster_policy=cdsp; got {self.sparse_attention} with {self.sp_attention} and "
                              f"{self.cluster_policy}")
+        self._refuse_unread()
+
+    def _refuse_unread(self) -> None:
+        """A cluster setting given (not its default) that the layout never reads is refused by name: it would
+        otherwise be accepted and do nothing."""
+        cluster = ("cluster_policy", *dict.fromkeys(n for names in CLUSTER_SETTINGS.values() for n in names))
+        read = ("cluster_policy", *CLUSTER_SETTINGS[self.cluster_policy]) if self.prefill_instances else ()
+        unread = [f"--{n}={getattr(self, n)}" for n in cluster
+                  if n not in read and getattr(self, n) != self.__dataclass_fields__[n].default]
+        if unread:
+            layout = (f"--cluster_policy={self.cluster_policy}" if self.prefill_instances else
+                      "one engine (a cluster needs --prefill_instances)")
+            raise ValueError(f"{', '.join(unread)}: not read with {layout}; leave "
+                             f"{'it' if len(unread) == 1 else 'them'} out")
 
     @property
     def pool_attention(self) -> str:
@@ -388,16 +416,18 @@ def flags() -> dict[str, Leaf]:
 
 
 def replace(config: Any, **values: Any) -> Any:
-    """config with the named settings (field names, nested sections included) replaced; others kept."""
+    """config with the named settings (field names, nested sections included) replaced; others kept. Each
+    section is made once with all its new values, so its checks see them together (in any order given)."""
     fields = leaves(type(config))
-    for name, value in values.items():
+    for name in values:
         if name not in fields:
             raise TypeError(f"{type(config).__name__} has no setting {name!r}")
-        config = _replace(config, fields[name].path, value)
-    return config
+    return _replace(config, {fields[name].path: value for name, value in values.items()})
 
 
-def _replace(config: Any, path: tuple[str, ...], value: Any) -> Any:
-    if len(path) == 1:
-        return dataclasses.replace(config, **{path[0]: value})
-    return dataclasses.replace(config, **{path[0]: _replace(getattr(config, path[0]), path[1:], value)})
+def _replace(config: Any, values: dict[tuple[str, ...], Any]) -> Any:
+    here = {path[0]: value for path, value in values.items() if len(path) == 1}
+    for section in dict.fromkeys(path[0] for path in values if len(path) > 1):
+        here[section] = _replace(getattr(config, section),
+                                 {path[1:]: value for path, value in values.items() if path[0] == section})
+    return dataclasses.replace(config, **here)

@@ -39,6 +39,10 @@ def test_generate_prints_the_greedy_chat_reply(llm):
         (["generate", "--prompt=hi", "--max_model_len=512", "--tp=2"],
          "tensor parallelism over 2 devices does not divide the model's 9 attention heads, 3 KV heads"),
         (["generate", "--prompt=hi", "--max_model_len=512", "--tp=3"], "tp=3 needs 3 devices; there are 1"),
+        (["generate", "--prompt=hi", "--min_chunk=256"],
+         "--min_chunk=256: not read with one engine (a cluster needs --prefill_instances); leave it out"),
+        (["serve", "--prefill_instances=2", "--cluster_policy=esp", "--decode_instances=2"],
+         "--decode_instances=2: not read with --cluster_policy=esp"),
     ],
 )
 def test_bad_input_exits_with_a_message(args, message):

@@ -65,14 +65,55 @@ def test_replace_reaches_nested_settings_and_refuses_unknown_ones():
     (dict(sparse_attention=0.5), "needs --sp_attention=sp_ntp"),
     (dict(sp_attention="sp_ntp", sparse_attention=1.5), "drop ratio, 0 to 1"),
     (dict(sp_attention="sp_ntp", sparse_attention=0.5, cluster_policy="esp"), "--cluster_policy=cdsp"),
+    (dict(min_chunk=0), "min_chunk must be a positive integer"),
+    (dict(receive_buffers=0), "receive_buffers must be a positive integer"),
+    (dict(kvp_tokens=256), r"--kvp_tokens=256 does nothing with one KV-parallel set \(--kvp=1\)"),
 ])
 def test_bad_settings_are_refused_with_their_name(settings, message):
     with pytest.raises(ValueError, match=message):
         config.replace(config.EngineConfig(), **settings)
 
 
+ONE_ENGINE = "not read with one engine \\(a cluster needs --prefill_instances\\)"
+
+
+@pytest.mark.parametrize("settings, message", [
+    # cluster settings without a cluster
+    (dict(decode_instances=2, min_chunk=256), f"--decode_instances=2, --min_chunk=256: {ONE_ENGINE}; leave them out"),
+    (dict(cluster_policy="esp"), f"--cluster_policy=esp: {ONE_ENGINE}; leave it out"),
+    (dict(node_size=4), f"--node_size=4: {ONE_ENGINE}"),
+    (dict(flip_window=2.0), f"--flip_window=2.0: {ONE_ENGINE}"),
+    # TetriInfer's under cdsp; CDSP's under tetriinfer; neither's under esp
+    (dict(prefill_instances=4, prefill_chunk=256, prefill_order="fcfs", prefill_batch=8),
+     "--prefill_chunk=256, --prefill_batch=8, --prefill_order=fcfs: not read with --cluster_policy=cdsp"),
+    (dict(prefill_instances=4, flip_window=1.0), "--flip_window=1.0: not read with --cluster_policy=cdsp"),
+    (dict(prefill_instances=4, cluster_policy="tetriinfer", min_chunk=256, node_size=4),
+     "--node_size=4, --min_chunk=256: not read with --cluster_policy=tetriinfer"),
+    (dict(prefill_instances=4, cluster_policy="tetriinfer", sp_attention="sp_ntp"),
+     "--sp_attention=sp_ntp: not read with --cluster_policy=tetriinfer"),
+    (dict(prefill_instances=4, cluster_policy="esp", decode_instances=2, decode_kvp=2, node_size=4, min_chunk=512),
+     "--decode_instances=2, --decode_kvp=2, --node_size=4, --min_chunk=512: not read with --cluster_policy=esp"),
+])
+def test_a_setting_the_layout_does_not_read_is_refused_by_name(settings, message):
+    """Given in any order (config.replace makes a section once), each is refused at start instead of doing
+    nothing."""
+    with pytest.raises(ValueError, match=message):
+        config.replace(config.EngineConfig(), **settings)
+    with pytest.raises(ValueError, match=message):
+        config.replace(config.EngineConfig(), **dict(reversed(settings.items())))
+
+
+def test_what_each_policy_reads_is_accepted():
+    for settings in (dict(prefill_instances=4, decode_instances=2, decode_kvp=2, node_size=4, min_chunk=256,
+                          receive_buffers=2, sp_attention="sp_ntp", sparse_attention=0.5),
+                     dict(prefill_instances=4, cluster_policy="tetriinfer", decode_instances=2, prefill_chunk=256,
+                          prefill_batch=8, prefill_order="ljf", flip_window=1.0, receive_buffers=2),
+                     dict(prefill_instances=4, cluster_policy="esp", receive_buffers=2),
+                     dict(kvp=2, kvp_tokens=256)):
+        config.replace(config.EngineConfig(), **settings)
+
+
 @pytest.mark.parametrize("layout, message", [
-    (dict(prefill_instances=4, sp_attention="sp_ntp", cluster_policy="tetriinfer"), "the CDSP pool's"),
     (dict(prefill_instances=6, node_size=3, sp_attention="sp_ntp", sparse_attention=0.5), "powers of two"),
     (dict(prefill_instances=4, instance=config.InstanceShape(stages=2)), "pipeline stages"),
 ])

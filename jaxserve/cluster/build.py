@@ -57,13 +57,11 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
     chunk = layout.prefill_chunk
     if layout.cluster_policy == "tetriinfer" and (chunk & (chunk - 1) or chunk < 16):
         raise ValueError(f"--prefill_chunk must be a power of two of 16 or more, got {chunk}")
-    if layout.flip_window and (layout.cluster_policy != "tetriinfer" or layout.decode_kvp > 1):
-        raise ValueError("instance flips (--flip_window) are TetriInfer's: they need --cluster_policy=tetriinfer "
-                         "and decode instances of one instance each (--decode_kvp=1)")
+    if layout.flip_window and layout.decode_kvp > 1:  # (config: only --cluster_policy=tetriinfer reads it)
+        raise ValueError("instance flips (--flip_window) need decode instances of one instance each "
+                         "(--decode_kvp=1)")
     if layout.cluster_policy == "cdsp" and layout.prefill_instances % layout.node_size:
         raise ValueError(f"{layout.prefill_instances} prefill instances do not form nodes of {layout.node_size}")
-    if layout.sp_attention != "ring" and layout.cluster_policy != "cdsp":
-        raise ValueError("--sp_attention=sp_ntp is the CDSP pool's (--cluster_policy=cdsp)")
     powers = [n for n in (layout.node_size, layout.prefill_instances) if n & (n - 1)]
     if layout.sparse_attention is not None and powers:
         raise ValueError(f"CSA (--sparse_attention) needs groups of a power of two instances: --node_size and "
