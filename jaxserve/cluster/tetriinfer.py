@@ -32,7 +32,7 @@ from jaxserve.cluster.transfer import Transfer
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sched.flip import FlipPolicy, LoadWindow
+from jaxserve.sched.flip import FlipController, FlipPolicy, decode_busy
 from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.request import Request
 
@@ -75,9 +75,7 @@ class TetriInferCluster(ClusterEngine):
         else:
             self._check_decoders_on_pool("Flipping")
             self.prefilling, self.decoding = set(range(prefilling)), set(range(prefilling, n))
-        self._joining: int | None = None  # a prefill instance draining to decode
-        self._leaving: int | None = None  # a decode instance draining to prefill
-        self._windows: dict[tuple[str, int], LoadWindow] = {}
+        self._flips = FlipController(flip) if flip is not None else None  # units: instance indices
         self._next_check = self.clock()
 
     def chunk_shapes(self, max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
@@ -192,41 +190,18 @@ class TetriInferCluster(ClusterEngine):
     def _decode_load(self, k: int) -> float:
         d = self.decoders[k]
         load = d.load()
-        return max(1.0 - load.free_slots / d.kv_tokens, load.running / d.engine.max_num_seqs)
-
-    def _window(self, role: str, k: int) -> LoadWindow:
-        return self._windows.setdefault((role, k), LoadWindow(self.flip.window))
+        return decode_busy(d.kv_tokens - load.free_slots, d.kv_tokens, load.running, d.engine.max_num_seqs)
 
     def _check_flip(self) -> None:
         """Finish a drained flip, sample every instance's load, and start the flip the policy chooses (one at a
-        time)."""
+        time): a prefill instance drains its queue, a decode instance what was dispatched to it."""
         now = self.clock()
         self._next_check = now + self.flip.check_every
-        if self._joining is not None and not self._prefill_load(self._joining):
-            self.decoding.add(self._joining)
-            self._windows.pop(("prefill", self._joining), None)
-            self._joining = None
-            self.events["flips_to_decode"] += 1
-        if self._leaving is not None and not self.decoders[self._leaving].heavy:  # nothing dispatched there left
-            self.prefilling.add(self._leaving)
-            self._windows.pop(("decode", self._leaving), None)
-            self._leaving = None
-            self.events["flips_to_prefill"] += 1
-        prefill, decode = sorted(self.prefilling), sorted(self.decoding)
-        for k in prefill:
-            self._window("prefill", k).add(now, self._prefill_load(k))
-        for k in decode:
-            self._window("decode", k).add(now, self._decode_load(k))
-        if self._joining is not None or self._leaving is not None:
-            return
-        choice = self.flip.choose([self._window("prefill", k).mean(now) for k in prefill],
-                                  [self._window("decode", k).mean(now) for k in decode])
-        if choice is None:
-            return
-        kind, i = choice
-        if kind == "to_decode":  # no new prompts; its queue drains
-            self._joining = prefill[i]
-            self.prefilling.discard(self._joining)
-        else:  # no new dispatches; its requests finish
-            self._leaving = decode[i]
-            self.decoding.discard(self._leaving)
+        for kind, k in self._flips.finish(lambda k: not self._prefill_load(k), lambda k: not self.decoders[k].heavy):
+            (self.decoding if kind == "to_decode" else self.prefilling).add(k)
+            self.events[f"flips_{kind}"] += 1
+        started = self._flips.start(now, {k: self._prefill_load(k) for k in sorted(self.prefilling)},
+                                    {k: self._decode_load(k) for k in sorted(self.decoding)})
+        if started is not None:  # no new prompts (its queue drains), or no new dispatches (its requests finish)
+            kind, k = started
+            (self.prefilling if kind == "to_decode" else self.decoding).discard(k)

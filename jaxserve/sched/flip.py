@@ -1,13 +1,13 @@
-"""TetriInfer's instance flip policy (3.5): an instance whose load stayed under `idle` for a whole window
-changes role when the other role is busy (mean load over `busy`). The mechanism (drain, then flip) belongs to
-whoever runs the instances (cluster/tetriinfer.py live, sim/disagg.py simulated); both measure load in
-LoadWindows."""
+"""TetriInfer's instance flip (3.5): an instance whose load stayed under `idle` for a whole window changes role
+when the other role is busy (mean load over `busy`). FlipPolicy chooses; FlipController is the mechanism both
+executors run (cluster/tetriinfer.py live, sim/disagg.py simulated): one flip at a time, the unit drains first
+(no new work; what it has finishes), then changes role. What a unit is and how it drains is the executor's."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from typing import Callable, Hashable, Sequence
 
 
 class LoadWindow:
@@ -52,3 +52,59 @@ class FlipPolicy:
             if idle:
                 return "to_prefill", min(idle)[1]
         return None
+
+
+def decode_busy(kv_used: float, kv_capacity: float, running: int, max_num_seqs: int) -> float:
+    """A decode instance's load for the flip policy: the fuller of its KV memory and its batch."""
+    return max(kv_used / kv_capacity, running / max_num_seqs)
+
+
+class FlipController:
+    """Flips units between the prefill and the decode role, one at a time. Each check, `finish` ends the flip
+    whose unit has drained, then `start` samples the load of every unit in its role (the draining one aside)
+    into a LoadWindow per (role, unit) and, if no flip is under way, starts the one the policy chooses."""
+
+    def __init__(self, policy: FlipPolicy):
+        self.policy = policy
+        self.joining: Hashable | None = None  # a prefill unit draining before it decodes
+        self.leaving: Hashable | None = None  # a decode unit draining before it prefills
+        self._windows: dict[tuple[str, Hashable], LoadWindow] = {}
+
+    def finish(self, prefill_drained: Callable[[Hashable], bool],
+               decode_drained: Callable[[Hashable], bool]) -> list[tuple[str, Hashable]]:
+        """The flips done now that their unit has drained: ("to_decode", unit) and ("to_prefill", unit)."""
+        done = []
+        if self.joining is not None and prefill_drained(self.joining):
+            done.append(("to_decode", self.joining))
+            self._windows.pop(("prefill", self.joining), None)
+            self.joining = None
+        if self.leaving is not None and decode_drained(self.leaving):
+            done.append(("to_prefill", self.leaving))
+            self._windows.pop(("decode", self.leaving), None)
+            self.leaving = None
+        return done
+
+    def start(self, now: float, prefill: dict[Hashable, float],
+              decode: dict[Hashable, float]) -> tuple[str, Hashable] | None:
+        """prefill / decode: each unit's load now, by unit (in the order the policy should see them). The flip
+        started, ("to_decode", a prefill unit) or ("to_prefill", a decode unit), or None."""
+        for role, loads in (("prefill", prefill), ("decode", decode)):
+            for unit, load in loads.items():
+                self._window(role, unit).add(now, load)
+        if self.joining is not None or self.leaving is not None:
+            return None
+        choice = self.policy.choose([self._window("prefill", u).mean(now) for u in prefill],
+                                    [self._window("decode", u).mean(now) for u in decode])
+        if choice is None:
+            return None
+        kind, i = choice
+        if kind == "to_decode":
+            self.joining = list(prefill)[i]
+            return kind, self.joining
+        self.leaving = list(decode)[i]
+        return kind, self.leaving
+
+    def _window(self, role: str, unit: Hashable) -> LoadWindow:
+        if (role, unit) not in self._windows:
+            self._windows[role, unit] = LoadWindow(self.policy.window)
+        return self._windows[role, unit]

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from jaxserve.sched.cluster import ClusterScheduler, Dispatch, Planner
 from jaxserve.sched.decode import DecodeScheduler
 from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor
-from jaxserve.sched.flip import LoadWindow
+from jaxserve.sched.flip import FlipController, decode_busy
 from jaxserve.sched.batch_cost import BatchCost
 from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
@@ -124,7 +124,7 @@ class DecodeInstance:
     def busy(self) -> float:
         """Load for the flip policy: the fuller of KV memory and the batch."""
         s = self.scheduler
-        return max(s.committed() / s.kv_capacity, len(s.running) / s.max_num_seqs)
+        return decode_busy(s.committed(), s.kv_capacity, len(s.running), s.max_num_seqs)
 
     def load(self) -> DecodeLoad:
         s = self.scheduler
@@ -202,10 +202,9 @@ class _Run:
             first = cfg.prefill_instances + i * cfg.decode_tp
             self._new_decoder(tuple(range(first, first + cfg.decode_tp)) if cfg.flip else ())
         sim.decoders = self.decoders
-        self.draining: set[int] = set()  # decode instances on their way to prefill
-        self.joining: list[tuple[int, ...]] = []  # prefill slots on their way to decode
+        # units: a prefill unit is decode_tp GPU slots of the pool, a decode unit a decode instance's index
+        self.flipper = FlipController(cfg.flip) if cfg.flip else None
         self.flips: list[tuple[float, str]] = []
-        self.loads: dict[object, LoadWindow] = {}
         self.events: list[tuple[float, int, int, str, object]] = []  # (time, order, seq, kind, payload)
         self.seq = itertools.count()
         for i, (t, p, o) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist(),
@@ -278,7 +277,7 @@ class _Run:
     def _choose(self, r: Request) -> tuple[DecodeInstance, Dispatch]:
         """r's decode instance, among those not draining, and its predicted decode length (the true one
         without a predictor: an oracle)."""
-        active = [d for d in self.decoders if d.index not in self.draining]
+        active = self._open()
         chosen = self.scheduler.dispatch(r.prompt_len, [d.load() for d in active],
                                          None if self.sim.predictor is not None else r.output_len)
         return active[chosen.decoder], chosen
@@ -299,7 +298,7 @@ class _Run:
         if self.scheduler.instances:
             self._arrive_tetriinfer(t, r)
             return
-        active = [d for d in self.decoders if d.index not in self.draining]
+        active = self._open()
         fits = lambda chosen: r.prompt_len + r.output_len <= active[chosen.decoder].scheduler.kv_capacity  # noqa: E731
         arrival = self.scheduler.arrive(r.prompt_len, t, [d.load() for d in active],
                                         None if sim.predictor is not None else r.output_len, admits=fits)
@@ -361,43 +360,35 @@ class _Run:
         self._push(end, 0, "done", (dec, plan, Outcome(end, (), tokens)))
 
     # -- flips (TetriInfer 3.5) ------------------------------------------------------------------------------
+    def _open(self) -> list[DecodeInstance]:
+        """The decode instances new requests may go to: all but one draining to prefill."""
+        leaving = self.flipper.leaving if self.flipper is not None else None
+        return [d for d in self.decoders if d.index != leaving]
+
     def _check(self, now: float) -> None:
-        cfg, policy = self.cfg, self.cfg.flip
-        for slots in list(self.joining):  # drained prefill slots become a decode instance
-            if self.free_at[list(slots)].max() <= now:
-                self.joining.remove(slots)
-                self._new_decoder(slots)
-                self.flips.append((now, "to_decode"))
-        for dec in list(self.decoders):  # drained decode instances give their GPUs to the prefill pool
-            s = dec.scheduler
-            if dec.index in self.draining and not (s.running or s.waiting or s.in_flight or dec.virtual):
-                self.draining.discard(dec.index)
+        """Finish a drained flip (prefill slots whose booked chunks are done become a decode instance; a decode
+        instance with nothing left gives its GPUs to the pool), sample loads, and start the next flip."""
+        decoders = {d.index: d for d in self.decoders}
+
+        def drained(i: int) -> bool:
+            d = decoders[i]
+            return not (d.scheduler.running or d.scheduler.waiting or d.scheduler.in_flight or d.virtual)
+
+        for kind, unit in self.flipper.finish(lambda slots: self.free_at[list(slots)].max() <= now, drained):
+            if kind == "to_decode":
+                self._new_decoder(unit)
+            else:
+                dec = decoders[unit]
                 self.decoders.remove(dec)
                 self.retired.append(dec)
                 self.unavailable[list(dec.slots)] = False
                 self.free_at[list(dec.slots)] = now
-                self.flips.append((now, "to_prefill"))
-        slices = [tuple(range(a, a + cfg.decode_tp)) for a in range(0, len(self.free_at), cfg.decode_tp)]
-        prefill = [sl for sl in slices if not self.unavailable[list(sl)].any()]
-        active = [d for d in self.decoders if d.index not in self.draining]
-        for sl in prefill:
-            self._window(sl).add(now, float(np.mean(self.free_at[list(sl)] > now)))
-        for d in active:
-            self._window(d.index).add(now, d.busy())
-        if self.joining or self.draining:
-            return  # one flip at a time
-        choice = policy.choose([self._window(sl).mean(now) for sl in prefill],
-                               [self._window(d.index).mean(now) for d in active])
-        if choice is None:
-            return
-        kind, i = choice
-        if kind == "to_decode":
-            self.unavailable[list(prefill[i])] = True  # no new chunks; booked ones finish
-            self.joining.append(prefill[i])
-        else:
-            self.draining.add(active[i].index)  # no new requests; running ones finish
-
-    def _window(self, key: object) -> LoadWindow:
-        if key not in self.loads:
-            self.loads[key] = LoadWindow(self.cfg.flip.window)
-        return self.loads[key]
+            self.flips.append((now, kind))
+        tp = self.cfg.decode_tp
+        slices = [tuple(range(a, a + tp)) for a in range(0, len(self.free_at), tp)]
+        prefill = {sl: float(np.mean(self.free_at[list(sl)] > now)) for sl in slices
+                   if not self.unavailable[list(sl)].any()}
+        started = self.flipper.start(now, prefill, {d.index: d.busy() for d in self._open()})
+        if started is not None and started[0] == "to_decode":
+            self.unavailable[list(started[1])] = True  # no new chunks; booked ones finish
+        # to_prefill: _open leaves it out (no new requests); its running ones finish

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve.sched.flip import FlipPolicy
+from jaxserve.sched.flip import FlipController, FlipPolicy, decode_busy
 
 
 def test_flip_toward_the_busy_role_only_from_an_idle_unit():
@@ -13,3 +13,22 @@ def test_flip_toward_the_busy_role_only_from_an_idle_unit():
     assert policy.choose([0.95], [0.05, 0.01]) == ("to_prefill", 1)
     assert policy.choose([0.05], [0.9]) is None  # the last prefill unit stays
     assert policy.choose([None, 0.9], [0.9, None]) is None  # not watched for a whole window yet
+
+
+def test_the_controller_flips_one_unit_at_a_time_once_it_has_drained():
+    """Loads seen for a whole window start a flip; none starts while one drains; the drained unit's flip ends
+    and its old role's window is dropped, so it is watched afresh if it comes back."""
+    flips = FlipController(FlipPolicy(idle=0.1, busy=0.8, window=2.0))
+    prefill, decode = {"p0": 0.9, "p1": 0.95}, {"d0": 0.02, "d1": 0.5}
+    assert [flips.start(t, prefill, decode) for t in (0.0, 1.0)] == [None, None]  # not a whole window yet
+    assert flips.start(2.0, prefill, decode) == ("to_prefill", "d0") and flips.leaving == "d0"
+    decode.pop("d0")  # the executor sends it no new work
+    assert flips.start(3.0, {"p0": 0.9, "p1": 0.95}, {"d1": 0.01}) is None  # one flip at a time
+    assert flips.finish(lambda u: True, lambda u: False) == [] and flips.leaving == "d0"  # still draining
+    assert flips.finish(lambda u: True, lambda u: u == "d0") == [("to_prefill", "d0")] and flips.leaving is None
+    assert ("decode", "d0") not in flips._windows  # its samples as a decode unit are gone
+
+
+def test_decode_busy_is_the_fuller_of_memory_and_batch():
+    assert decode_busy(30, 100, 2, 4) == 0.5
+    assert decode_busy(90, 100, 1, 4) == 0.9
