@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import pathlib
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -94,7 +95,8 @@ class LLM:
         self.lockstep = lockstep.Leader(params) if jax.process_count() > 1 else None
         self._new = self.lockstep.new if self.lockstep else lambda cls, *args, **kwargs: cls(*args, **kwargs)
         self._params, self._kv_bytes = params, None  # _kv_bytes: a device's KV pool, once measured
-        self._fail_over_programs: tuple[ModelRunner, concurrent.futures.Future] | None = None
+        # the fail-over engine's programs compiling (prepare_fail_over): its runner, their future, a stop
+        self._fail_over_programs: tuple[ModelRunner, concurrent.futures.Future, threading.Event] | None = None
         self._kv_tokens = self._kv_pool_tokens(cfg.parallel.instance)
         self.max_model_len = self._context(cfg.model.max_model_len)
         self._buckets = self._make_buckets()
@@ -293,23 +295,22 @@ class LLM:
         devices, tokens, shape = self._fail_over_layout()
         runner = ModelRunner(self.config, self._params, self._dtype, placed=False,
                              **self._runner_settings(devices, self._num_blocks(devices, tokens, shape), shape))
-        programs = runner.programs()
+        programs, stop = runner.programs(), threading.Event()
         logging.info("compiling the fail-over engine's %d step programs in the background", len(programs))
-        self._fail_over_programs = runner, runner.compile_in_background(programs)
+        self._fail_over_programs = runner, runner.compile_in_background(programs, stop), stop
 
     def fail_over(self) -> ServingEngine:
         """After a follower process is lost: the engine becomes one replica on this process's first devices
-        (the cluster's layout spanned the lost process), its programs compiled (by prepare_fail_over, if it
-        ran: waited for if not done); the lockstep ends (nothing is published any more). What the old engine
-        held is dropped. Returns the new engine."""
+        (the cluster's layout spanned the lost process), its programs compiled: those prepare_fail_over compiled
+        (if it ran), the rest now, in parallel; the lockstep ends (nothing is published any more). What the old
+        engine held is dropped. Returns the new engine."""
         self.lockstep = None  # the follower is gone: publish nothing (a stop would wait for no one)
         self._new = lambda cls, *args, **kwargs: cls(*args, **kwargs)
         devices, tokens, shape = self._fail_over_layout()
         compiled = None
         if self._fail_over_programs is not None:
-            prepared, done = self._fail_over_programs
-            if not done.done():
-                logging.warning("waiting for the fail-over engine's programs to finish compiling")
+            prepared, done, stop = self._fail_over_programs
+            stop.set()  # the one compiling now ends; make_engine compiles what is left, in parallel
             concurrent.futures.wait([done])  # a failure was logged; what did compile is still used
             compiled = prepared.compiled_programs()
         logging.warning("building one engine on this process's %d first device(s) after a lost process",

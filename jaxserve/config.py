@@ -144,9 +144,12 @@ class InstanceShape:
 
     def __post_init__(self):
         _positive(self, "stages", "kvp", "kvp_tokens")
-        if self.kvp_tokens is not None and self.kvp == 1:
-            raise ValueError(f"--kvp_tokens={self.kvp_tokens} does nothing with one KV-parallel set (--kvp=1): "
-                             f"leave it out, or give --kvp")
+
+    def refuse_unread_kvp_tokens(self, sets: int, which: str) -> None:
+        """kvp_tokens given where the instance it shapes has one KV-parallel set (`which` names that setting)."""
+        if self.kvp_tokens is not None and sets == 1:
+            raise ValueError(f"--kvp_tokens={self.kvp_tokens} does nothing with one KV-parallel set ({which}=1): "
+                             f"leave it out, or give {which}")
 
 
 # The cluster settings each --cluster_policy reads; every other one does nothing there (nor without a cluster)
@@ -217,6 +220,10 @@ class ParallelConfig:
                              f"--cluster_policy=cdsp; got {self.sparse_attention} with {self.sp_attention} and "
                              f"{self.cluster_policy}")
         self._refuse_unread()
+        if not self.prefill_instances:
+            self.instance.refuse_unread_kvp_tokens(self.instance.kvp, "--kvp")
+        elif self.cluster_policy != "esp":  # the sets of its decode instances
+            self.instance.refuse_unread_kvp_tokens(self.decode_kvp, "--decode_kvp")
 
     def _refuse_unread(self) -> None:
         """A cluster setting given (not its default) that the layout never reads is refused by name: it would
@@ -225,6 +232,8 @@ class ParallelConfig:
         read = ("cluster_policy", *CLUSTER_SETTINGS[self.cluster_policy]) if self.prefill_instances else ()
         unread = [f"--{n}={getattr(self, n)}" for n in cluster
                   if n not in read and getattr(self, n) != self.__dataclass_fields__[n].default]
+        if self.prefill_instances and self.cluster_policy == "esp" and self.instance.kvp_tokens is not None:
+            unread.append(f"--kvp_tokens={self.instance.kvp_tokens}")  # its instances decode on one set each
         if unread:
             layout = (f"--cluster_policy={self.cluster_policy}" if self.prefill_instances else
                       "one engine (a cluster needs --prefill_instances)")
@@ -360,6 +369,7 @@ class SimConfig:
         for name in ("replicas", "tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.instance.refuse_unread_kvp_tokens(self.instance.kvp, "--kvp")
         if self.scheduler.iteration_budget is None:
             raise ValueError("a simulated replica needs an iteration_budget (seconds)")
         if self.scheduler.num_scheduler_steps > 1 and self.instance.stages > 1:

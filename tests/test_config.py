@@ -93,6 +93,8 @@ ONE_ENGINE = "not read with one engine \\(a cluster needs --prefill_instances\\)
      "--sp_attention=sp_ntp: not read with --cluster_policy=tetriinfer"),
     (dict(prefill_instances=4, cluster_policy="esp", decode_instances=2, decode_kvp=2, node_size=4, min_chunk=512),
      "--decode_instances=2, --decode_kvp=2, --node_size=4, --min_chunk=512: not read with --cluster_policy=esp"),
+    (dict(prefill_instances=4, cluster_policy="esp", kvp_tokens=256), "--kvp_tokens=256: not read with "),
+    (dict(prefill_instances=4, kvp_tokens=256), r"one KV-parallel set \(--decode_kvp=1\)"),
 ])
 def test_a_setting_the_layout_does_not_read_is_refused_by_name(settings, message):
     """Given in any order (config.replace makes a section once), each is refused at start instead of doing
@@ -109,7 +111,7 @@ def test_what_each_policy_reads_is_accepted():
                      dict(prefill_instances=4, cluster_policy="tetriinfer", decode_instances=2, prefill_chunk=256,
                           prefill_batch=8, prefill_order="ljf", flip_window=1.0, receive_buffers=2),
                      dict(prefill_instances=4, cluster_policy="esp", receive_buffers=2),
-                     dict(kvp=2, kvp_tokens=256)):
+                     dict(kvp=2, kvp_tokens=256), dict(prefill_instances=4, decode_kvp=2, kvp_tokens=256)):
         config.replace(config.EngineConfig(), **settings)
 
 

@@ -279,9 +279,10 @@ class ModelRunner:
         attention: the attention's implementation (default: the Pallas kernel on GPU, the jnp reference
         elsewhere). kv_cache_dtype: CacheConfig's (kv_cache.cache_dtype). caches: (k, v) arrays to serve as the
         cache of a runner without pipeline stages, in its cache_sharding (default: zeroed ones). placed=False:
-        the weights and the cache are shapes and shardings only, nothing is put on the devices: a runner that only
-        compiles (`compiled_programs`, e.g. a fail-over's engine prepared while another serves). compiled: such a
-        runner's programs, taken as compiled (the same devices, settings and buckets)."""
+        the weights and the cache are shapes and shardings only (only the few int32s of `previous` are placed): a
+        runner that only compiles (`compiled_programs`, e.g. a fail-over's engine prepared while another serves),
+        never steps. compiled: such a runner's programs, taken as compiled (the same devices, settings and
+        buckets)."""
         self.devices = list(devices or jax.devices()[:tp * stages])
         if len(self.devices) % (tp * stages):
             raise ValueError(f"{len(self.devices)} devices do not form {stages} pipeline stages of tensor-parallel "
@@ -441,15 +442,18 @@ class ModelRunner:
         extra = [p for p in _with_samplers(list(self.buckets.programs())) if isinstance(p, Sampler) and p.extra]
         return [p for p in dict.fromkeys(later + extra) if p not in first] + self._bursts() + [SlotWrite()]
 
-    def compile_in_background(self, programs: Sequence[Program]) -> concurrent.futures.Future:
+    def compile_in_background(self, programs: Sequence[Program],
+                              stop: threading.Event | None = None) -> concurrent.futures.Future:
         """Compile `programs` in a daemon thread, in order, one at a time (the step thread keeps a core). A step
         that needs one first waits for its compile, or compiles it itself if it has not started. Resolves when
-        all are."""
+        all are, or once `stop` is set, after the one compiling then."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
             try:
                 for p in programs:
+                    if stop is not None and stop.is_set():
+                        break
                     self._program(p)
                 future.set_result(None)
             except BaseException as e:  # noqa: BLE001 - a step that needs the program compiles it again

@@ -147,7 +147,8 @@ def argmax(logits: Float[Array, "b v"]) -> Int[Array, "b"]:
 def gumbel_max(scaled: Float[Array, "b v"], keys: Key[Array, "b"]) -> Int[Array, "b"]:
     """Per row, token i with probability softmax(scaled)_i: the argmax of scaled plus Gumbel noise, in two levels.
     A block of BLOCK tokens is drawn by its log-mass (logsumexp) plus one Gumbel number per block, then a
-    token inside it by its logit plus one per token: exact, and about 450 random numbers a row, not 49,152.
+    token inside it by its logit plus one per token: exact up to float32 Gumbel numbers (mode "high": their
+    large values, which draw the far tail, are resolved too), and about 450 random numbers a row, not 49,152.
 
     Why not a running sum's inverse CDF: logits that differ in their last bits (a matmul blocked differently at
     another batch shape) shift the running sum, and a uniform number near a tail token's edge then lands on its
@@ -157,10 +158,11 @@ def gumbel_max(scaled: Float[Array, "b v"], keys: Key[Array, "b"]) -> Int[Array,
     nb = -(-v // BLOCK)
     blocks = jnp.pad(scaled, ((0, 0), (0, nb * BLOCK - v)), constant_values=-jnp.inf).reshape(b, nb, BLOCK)
     pick, inner = jax.vmap(lambda k: tuple(jax.random.split(k)))(keys)
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, (nb,), jnp.float32))(pick)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (nb,), jnp.float32, mode="high"))(pick)
     j = jnp.argmax(jax.nn.logsumexp(blocks, axis=-1) + noise, axis=-1)
     inside = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [b, BLOCK]
-    k = jnp.argmax(inside + jax.vmap(lambda k: jax.random.gumbel(k, (BLOCK,), jnp.float32))(inner), axis=-1)
+    k = jnp.argmax(inside + jax.vmap(lambda k: jax.random.gumbel(k, (BLOCK,), jnp.float32, mode="high"))(inner),
+                   axis=-1)
     return (j * BLOCK + k).astype(jnp.int32)
 
 

@@ -83,7 +83,7 @@ class ReplicaScheduler:
 
     def add(self, request: Request) -> None:
         self._check_new(request)
-        total = self.prefill_time(request.prompt_len)
+        total = self.prefill_time(request.prefill_target)  # a resumed request's: its tokens too
         if self.slo is not None:
             if math.isinf(request.ttft_deadline):
                 request.ttft_deadline = request.arrival + self.slo.ttft(total)

@@ -106,7 +106,7 @@ class RequestStream:
         self.first_token_time = self.first_token_time or item.time
         self.last_token_time = item.time
         self.num_generated += len(out.new_token_ids)
-        self.cached_tokens = out.cached_tokens
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)  # a resumed request's engine hit none
         if out.finished:
             self._end(abort=False)
         return out

@@ -52,7 +52,10 @@ class Server:
         If that cannot be built, its requests end UNAVAILABLE and the server stops."""
         cfg = config.replace(server or ServerConfig(), **settings)
         if llm.lockstep is not None:
-            llm.prepare_fail_over()
+            try:
+                llm.prepare_fail_over()
+            except Exception:  # noqa: BLE001 - a fail-over then compiles its programs itself
+                logging.exception("the fail-over engine's programs cannot be prepared")
         self.host, self.drain_timeout = cfg.host, cfg.drain_timeout
         self._http_limits = {"max_body_bytes": cfg.max_request_bytes, "read_timeout": cfg.request_read_timeout,
                              "allowed_origins": cfg.allowed_origins}

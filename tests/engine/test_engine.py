@@ -234,8 +234,8 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
     assert a.token_ids != c.token_ids
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(max_tokens=48, temperature=0.8, seed=1234, ignore_eos=True),
-                                SamplingParams(max_tokens=48, temperature=0.8, seed=1234, ignore_eos=True,
+@pytest.mark.parametrize("sp", [SamplingParams(max_tokens=32, temperature=0.8, seed=1234, ignore_eos=True),
+                                SamplingParams(max_tokens=32, temperature=0.8, seed=1234, ignore_eos=True,
                                                presence_penalty=0.5)], ids=["plain", "penalty"])
 def test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch(llm, sp):
     """README, `seed`: the same seeded request alone and beside 1, 3 and 15 others (greedy and sampled, other

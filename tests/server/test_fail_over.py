@@ -13,14 +13,13 @@ from jaxserve import SamplingParams
 from jaxserve.server.async_engine import AsyncEngine
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=16, stop=["the end of it"]),  # a stop string: its prefixes are held back
-    # seeded draws go on from the token index they reached; the penalty and min_tokens read the tokens so far
-    SamplingParams(max_tokens=16, temperature=0.8, seed=7, presence_penalty=0.5, min_tokens=14)],
-    ids=["greedy", "seeded"])
-def test_a_lost_engine_fails_over_and_every_stream_goes_on(llm, params):
+def test_a_lost_engine_fails_over_and_every_stream_goes_on(llm):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(100, 5000, int(n)).tolist() for n in rng.integers(5, 200, 6)]
+    params = [SamplingParams(max_tokens=16, stop=["the end of it"]),  # a stop string: its prefixes are held back
+              # seeded draws go on from the token index they reached; the penalty and min_tokens read the tokens
+              # it had
+              SamplingParams(max_tokens=16, temperature=0.8, seed=7, presence_penalty=0.5, min_tokens=14)] * 3
     want = [(c.token_ids, c.text) for c in llm.generate(prompts, params)]
     first, fallback = llm.make_engine(progress=False), llm.make_engine(progress=False)
     lost: list[str] = []
@@ -34,7 +33,8 @@ def test_a_lost_engine_fails_over_and_every_stream_goes_on(llm, params):
             async for out in stream:
                 got[k] = (got[k][0] + out.new_token_ids, got[k][1] + out.new_text)
 
-        readers = [asyncio.create_task(read(k, engine.submit(p, params))) for k, p in enumerate(prompts)]
+        readers = [asyncio.create_task(read(k, engine.submit(p, sp))) for k, (p, sp) in
+                   enumerate(zip(prompts, params))]
         while sum(len(ids) for ids, _ in got) < 20:  # some streams have tokens, none is done
             await asyncio.sleep(0.005)
         assert engine.healthy and not engine.failed_over
@@ -94,7 +94,7 @@ def test_the_fail_over_engine_runs_the_programs_prepared_while_another_served():
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3)
     want = [c.token_ids for c in llm.generate(prompts, params)]
     llm.prepare_fail_over()
-    prepared, done = llm._fail_over_programs
+    prepared, done, _ = llm._fail_over_programs
     assert not prepared.placed and all(not isinstance(x, jax.Array) for x in jax.tree.leaves(prepared.caches))
     done.result(600)
     programs = prepared.compiled_programs()

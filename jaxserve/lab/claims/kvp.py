@@ -59,7 +59,7 @@ def layout_runs(opts: Options, rates: list[float]) -> list[dict]:
                              seed=opts.seed, long_output=(128, 1024))
         for label, layout in LAYOUTS.items():
             config = sim.config_for("lars", profile="h100_llama2_70b", tp=8, space_sharing=True,
-                                    kvp_tokens=opts.kvp_tokens, **layout)
+                                    kvp_tokens=opts.kvp_tokens if layout["kvp"] > 1 else None, **layout)
             s = sim.simulate(work, config, progress=False).summary()
             rows.append({"label": label, "rate": rate, "tpot_p50": s["all"]["tpot_p50"],
                          "tpot_p90": s["all"]["tpot_p90"], "long_tpot_p50": s["long"]["tpot_p50"],
