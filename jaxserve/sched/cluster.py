@@ -30,7 +30,7 @@ from jaxserve.sched.cdsp import Chunk, ChunkPlan
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
 from jaxserve.sched.esp import DecodeLoad as ESPDecodes
 from jaxserve.sched.esp import ElasticInstance, ESPBatch, ESPScheduler
-from jaxserve.sched.plan import KVMove, Outcome, Phase, Plan, WorkItem
+from jaxserve.sched.plan import KVMove, MoveKind, Outcome, Phase, Plan, WorkItem
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, least_queued
 from jaxserve.sched.request import Request
 
@@ -154,7 +154,8 @@ class ClusterScheduler:
             c = p.chunks[p.done]
             if not set(c.group) & taken:
                 if p.group:
-                    moves.append(KVMove(p.request_id, p.group, c.group, c.history, "rebalance"))
+                    moves.append(KVMove(request_id=p.request_id, src=p.group, dst=c.group, tokens=c.history,
+                                        kind=MoveKind.REBALANCE))
                 items.append(WorkItem(p.request_id, c.history, c.history + c.tokens, Phase.PREFILL, c.group,
                                       len(c.group), chunk_index=p.done, history=c.history))
                 p.started += 1

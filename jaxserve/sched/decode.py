@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 
-from jaxserve.sched.plan import KVMove, Outcome, Phase, Plan, WorkItem
+from jaxserve.sched.plan import KVMove, MoveKind, Outcome, Phase, Plan, WorkItem
 from jaxserve.sched.request import Request, RequestStatus
 
 ADMISSION = ("oracle", "greedy", "reserve_static", "reserve_dynamic")
@@ -82,7 +82,7 @@ class DecodeScheduler:
             self.running[r.id] = r
             if r.id in self.swapped:
                 self.swapped.discard(r.id)
-                moves.append(KVMove(r.id, (), self.group, r.kv_len, "swap_in"))
+                moves.append(KVMove(request_id=r.id, src=(), dst=self.group, tokens=r.kv_len, kind=MoveKind.SWAP_IN))
         # KV grows by one token per running request; what does not fit goes out, newest first
         while self.running and self.used() + len(self.running) > self.kv_capacity:
             victim = next(reversed(self.running.values()))
@@ -90,7 +90,8 @@ class DecodeScheduler:
             self.swapped.add(victim.id)
             self.waiting.appendleft(victim)
             self.swaps += 1
-            moves.append(KVMove(victim.id, self.group, (), victim.kv_len, "swap_out"))
+            moves.append(KVMove(request_id=victim.id, src=self.group, dst=(), tokens=victim.kv_len,
+                                kind=MoveKind.SWAP_OUT))
         if not self.running and not moves:
             return None
         items = tuple(WorkItem(r.id, kv, kv + 1, Phase.DECODE, self.group, 1, "zigzag", 0, kv)

@@ -12,6 +12,14 @@ class Phase(str, enum.Enum):
     DECODE = "decode"
 
 
+class MoveKind(enum.Enum):
+    """What a KVMove is."""
+
+    REBALANCE = "rebalance"  # a prompt's history to its next chunk's group (CDSP)
+    SWAP_OUT = "swap_out"  # a preempted decode's KV to the host (sched/decode.py)
+    SWAP_IN = "swap_in"  # and back
+
+
 class WorkItem(NamedTuple):
     """A named tuple, not a dataclass: a Plan holds hundreds and the scheduler builds one every iteration."""
 
@@ -30,13 +38,13 @@ class WorkItem(NamedTuple):
         return self.end - self.start
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class KVMove:
     request_id: str
-    src: tuple[int, ...]
-    dst: tuple[int, ...]
+    src: tuple[int, ...]  # devices (or pool slots) it leaves; () for the host
+    dst: tuple[int, ...]  # and those it goes to
     tokens: int
-    kind: str  # "rebalance" (between chunk groups) or "transfer" (prefill -> decode instance)
+    kind: MoveKind
 
 
 @dataclasses.dataclass(frozen=True)
