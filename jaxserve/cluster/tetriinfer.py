@@ -69,7 +69,6 @@ class TetriInferCluster(ClusterEngine):
         n = len(scheduler.instances)
         self._prompts: dict[str, _Prompt] = {}
         self._chunks: dict[int, _Chunk] = {}  # instance index -> its chunk in flight
-        self.flip = flip
         if flip is None:
             self.prefilling, self.decoding = set(range(n)), set(range(len(self.decoders)))
         else:
@@ -143,7 +142,7 @@ class TetriInferCluster(ClusterEngine):
         self._chunks[k] = _Chunk(plan, runs, self.clock())
 
     def _run_chunks(self) -> list[RequestOutput]:
-        if self.flip is not None and self.clock() >= self._next_check:
+        if self._flips is not None and self.clock() >= self._next_check:
             self._check_flip()
         for k in range(len(self.pool_ids)):
             if k not in self._chunks and (plan := self.scheduler.next_chunk(k, self.clock())) is not None:
@@ -196,7 +195,7 @@ class TetriInferCluster(ClusterEngine):
         """Finish a drained flip, sample every instance's load, and start the flip the policy chooses (one at a
         time): a prefill instance drains its queue, a decode instance what was dispatched to it."""
         now = self.clock()
-        self._next_check = now + self.flip.check_every
+        self._next_check = now + self._flips.policy.check_every
         for kind, k in self._flips.finish(lambda k: not self._prefill_load(k), lambda k: not self.decoders[k].heavy):
             (self.decoding if kind == "to_decode" else self.prefilling).add(k)
             self.events[f"flips_{kind}"] += 1
