@@ -119,7 +119,7 @@ def test_a_thousand_random_schemas_all_parse_and_validate(tiny):
 def test_json_with_any_whitespace_regex_choice_and_lark_hold(tiny):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["n"], "additionalProperties": False}
-    specs = [StructuredOutput(json=schema), StructuredOutput(regex=r"[a-f]{2,5}-\d{3}"),
+    specs = [StructuredOutput(json=schema), StructuredOutput(regex=r"[a-f]{2,5}-[0-9]{3}"),
              StructuredOutput(choice=("red", "green", "blue")),
              StructuredOutput(grammar='start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,2}/')]
     outs = tiny.generate(["go"] * 40, [SamplingParams(max_tokens=600, temperature=1.0, seed=i,
@@ -255,3 +255,18 @@ def test_every_stop_token_may_end_a_grammar():
     assert m.consume_tokens(tok.encode("42", add_special_tokens=False))
     allowed = bits(grammars.masks([m]), tok.vocab_size)[0]
     assert allowed[0] and allowed[2]
+
+
+@pytest.mark.parametrize("spec, unicode_digit", [
+    (StructuredOutput(regex=r"\d+"), True),
+    (StructuredOutput(json={"type": "string", "pattern": r"^\d+$"}), False),
+])
+def test_a_regex_digit_is_unicode_a_json_schema_pattern_digit_ascii(spec, unicode_digit):
+    """README's rule: `\\d` in a regex is Unicode's (as Rust's and Python's re), in a JSON schema's pattern ASCII
+    (JSON Schema's ECMA-262 regexes). Both admit 7; only the regex admits the Arabic-Indic three."""
+    tok = smollm2_tokenizer()
+    grammars = grammar.Grammars(tok, tok.vocab_size)
+    quote = '"' if spec.json else ""
+    assert grammars.matcher(spec).consume_tokens(tok.encode(quote + "7", add_special_tokens=False))
+    other = tok.encode(quote + "\u0663", add_special_tokens=False)
+    assert grammars.matcher(spec).consume_tokens(other) is unicode_digit
