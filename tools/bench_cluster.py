@@ -102,7 +102,7 @@ def measure(llm, policy: str):
     runner = cluster.decoders[0].engine.runner
     step = llm.cost or profile.load_or_measure(profile.default_path(llm.model_name, llm._dtype_name, runner), runner,
                                                FLAGS.max_model_len)
-    moved = [(sum(len(p) for p in t.positions), t.landed - t.sent) for _, t in cluster.transfers]
+    moved = [(t.tokens, t.landed - t.sent) for _, t in cluster.transfers]
     return json.loads(model.to_json()), step.to_dict(), Line.fit(*zip(*moved)) if moved else Line(0.0, 0.0)
 
 

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.cluster import pool_profile
 from jaxserve.config import ParallelConfig
-from jaxserve.cluster.decode import DecodeInstance
+from jaxserve.cluster.decode import LiveDecoder
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.cluster.esp import ESPCluster
 from jaxserve.cluster.tetriinfer import TetriInferCluster
@@ -134,7 +134,7 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         g = layout.decode_kvp * tp
         engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
     mover = new(KVMover, sp, [e.runner for e in engines])
-    decoders = [DecodeInstance(i, e, layout.receive_buffers, mover) for i, e in enumerate(engines)]
+    decoders = [LiveDecoder(i, e, layout.receive_buffers, mover) for i, e in enumerate(engines)]
     pool_ids = sorted(sp.instances)
     if layout.cluster_policy == "tetriinfer":
         instances = [PrefillBatchScheduler(layout.prefill_chunk, layout.prefill_batch, layout.prefill_order, (d,))

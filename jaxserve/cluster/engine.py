@@ -7,8 +7,8 @@ Plan-executing engine.
   groups of the prefill pool and its decode instance; each step, the chunks that start now (with the moves of
   their history); a finished chunk's measured end moves its devices' bookings.
 - Executing: each step runs the scheduler's Plan of chunks (they may run at once, on disjoint groups); takes the
-  chunks that have finished (polling briefly when no decode instance has work); then moves KV (ReceiveBuffers)
-  and runs one step on every decode instance with work, while the chunks still in flight run on.
+  chunks that have finished (polling briefly when no decode instance has work); then moves KV (through each
+  decode instance's receive buffers) and runs one step on every decode instance with work, while the chunks still in flight run on.
 - Observability: the latest executed chunks, transfers and decode starts are recorded with measured times
   (records, transfers, decode_started; HISTORY of each).
 """
@@ -23,13 +23,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxserve.cluster.decode import DecodeInstance
-from jaxserve.cluster.transfer import KVMover, Transfer
+from jaxserve.cluster.decode import LiveDecoder
+from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import ChunkRun, SPPrefill
 from jaxserve.sched.cdsp import planner_groups
 from jaxserve.sched.cluster import ClusterScheduler
+from jaxserve.sched.decode_ledger import Transfer
 from jaxserve.sched.kv_manager import PrefixCacheStats
 from jaxserve.sched.plan import WorkItem
 
@@ -68,7 +69,7 @@ class _Prefill:
     ids: list[int]
     params: SamplingParams
     seed: int
-    decoder: DecodeInstance
+    decoder: LiveDecoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ class _Running:
 
 
 class ClusterEngine:
-    def __init__(self, prefill: SPPrefill, scheduler: ClusterScheduler, decoders: Sequence[DecodeInstance],
+    def __init__(self, prefill: SPPrefill, scheduler: ClusterScheduler, decoders: Sequence[LiveDecoder],
                  mover: KVMover, *, clock: Callable[[], float] = time.monotonic):
         self.pool_ids = tuple(sorted(prefill.instances))
         if scheduler.pool_ids != self.pool_ids:
@@ -106,7 +107,7 @@ class ClusterEngine:
         self._prefills: dict[str, _Prefill] = {}
         self._inflight: list[_Running] = []  # chunks dispatched, in dispatch order
         # every live request's decode instance (None: not chosen yet)
-        self._owner: dict[str, DecodeInstance | None] = {}
+        self._owner: dict[str, LiveDecoder | None] = {}
         self._generated: dict[str, int] = {}
         self._ids = itertools.count()
 
@@ -151,7 +152,7 @@ class ClusterEngine:
         chosen = arrival.dispatch
         decoder = self.decoders[chosen.decoder]
         seed = decoder.engine.expect(ids, params, rid)
-        decoder.expect(rid, len(ids), chosen.predicted, chosen.heavy)
+        decoder.ledger.expect(rid, len(ids), chosen.predicted, chosen.heavy)
         self.scheduler.add(rid, arrival, now)
         self._prefills[rid] = _Prefill(ids, params, seed, decoder)
         self._owner[rid] = decoder
@@ -214,8 +215,7 @@ class ClusterEngine:
             for t in d.pump(self.clock):
                 self.transfers.append((i, t))
                 self.events["transfers"] += 1
-            for rid in [rid for rid in d.incoming if d.ready(rid) and rid not in self._prefills]:
-                d.admit(rid)
+            d.admit_ready(lambda rid: rid in self._prefills)
         predicted = []
         for i, d in enumerate(self.decoders):
             if not d.engine.has_work or self._paused(i):  # has_work: also a step left in flight
@@ -305,8 +305,8 @@ class ClusterEngine:
             self.records.append(ChunkRecord(rid, item.chunk_index, item.group, item.tokens, item.history, f.start,
                                             end, booked_start, booked_end))
             last = self.scheduler.complete(item, end)
-            positions = self.mover.stage((rid, item.chunk_index), f.run.written)
-            p.decoder.buffers.offer(Transfer(rid, item.chunk_index, last, positions, end))
+            staged = self.mover.stage((rid, item.chunk_index), f.run.written)
+            p.decoder.ledger.offer(Transfer(rid, item.chunk_index, last, staged, end))
             if last:
                 del self._prefills[rid]
                 self.prefill.release(rid)

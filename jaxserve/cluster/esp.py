@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 
 from jaxserve.cluster.engine import WAIT, ChunkRecord, ClusterEngine
-from jaxserve.cluster.transfer import Transfer
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched import esp as elastic
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE
+from jaxserve.sched.decode_ledger import Transfer
 from jaxserve.sched.request import Request
 
 
@@ -47,7 +46,7 @@ class _Run:
     request_id: str
     tokens: int
     run: ChunkRun | None  # None: aborted
-    positions: list[np.ndarray]  # its staged KV pieces' token positions
+    staged: int  # rows of its KV staged for its decode instance
 
 
 @dataclasses.dataclass
@@ -106,7 +105,7 @@ class ESPCluster(ClusterEngine):
     def _instance(self, k: int) -> elastic.ElasticInstance:
         """Decode instance k as the ESP scheduler sees it: KV tokens in use (promised ones included)."""
         d = self.decoders[k]
-        decoding = [self._generated.get(rid, 1) for rid in d.heavy if rid not in d.incoming]
+        decoding = [self._generated.get(rid, 1) for rid in d.ledger.heavy if rid not in d.ledger.incoming]
         return elastic.ElasticInstance(k, d.kv_tokens, d.kv_tokens - d.load().free_slots, tuple(decoding))
 
     def _plan(self) -> list[elastic.ESPBatch]:
@@ -131,13 +130,13 @@ class ESPCluster(ClusterEngine):
             decoder = self.decoders[k]
             hi = self.scheduler.predict(len(p.ids), p.params.max_tokens)
             seed = decoder.engine.expect(p.ids, p.params, r.id)
-            decoder.expect(r.id, len(p.ids), hi, hi > HEAVY_DECODE)
+            decoder.ledger.expect(r.id, len(p.ids), hi, hi > HEAVY_DECODE)
             run = self.prefill.run_chunk(r.id, group, p.ids, 0, p.params, seed)
             del self._waiting[r.id]
             self._owner[r.id] = decoder
-            positions = self.mover.stage((r.id, 0), run.written)
+            staged = self.mover.stage((r.id, 0), run.written)
             self.prefill.release(r.id)
-            runs.append(_Run(r.id, len(p.ids), run, positions))
+            runs.append(_Run(r.id, len(p.ids), run, staged))
             self.events["chunks"] += 1
             if len(group) > 1:  # its KV leaves the other instances of the group
                 self.events["scale_downs"] += 1
@@ -171,6 +170,6 @@ class ESPCluster(ClusterEngine):
                 continue
             self.records.append(ChunkRecord(r.request_id, 0, batch.group, r.tokens, 0, batch.start, end, None, None))
             decoder = self._owner[r.request_id]
-            decoder.buffers.offer(Transfer(r.request_id, 0, True, r.positions, end))
+            decoder.ledger.offer(Transfer(r.request_id, 0, True, r.staged, end))
             outputs.append(decoder.engine.first_token(r.request_id, r.run.token()))
         return outputs

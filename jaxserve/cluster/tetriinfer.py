@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 
 from jaxserve.cluster.engine import WAIT, ChunkRecord, ClusterEngine
-from jaxserve.cluster.transfer import Transfer
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.sched.decode_ledger import Transfer
 from jaxserve.sched.flip import FlipController, FlipPolicy, decode_busy
 from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.request import Request
@@ -44,7 +43,7 @@ class _Prompt:
     instance: int  # index of its prefill instance
     seed: int = 0  # the decode instance's, once chosen (earlier pieces' draws are not used)
     rows: tuple[int, int] | None = None  # history store rows written so far
-    positions: list[np.ndarray] | None = None  # its staged KV's token positions, once done
+    staged: int | None = None  # rows of its KV staged for its decode instance, once done
     pieces: int = 0  # pieces run
 
 
@@ -105,7 +104,7 @@ class TetriInferCluster(ClusterEngine):
         if p is None:
             return
         self.prefill.release(request_id)
-        if p.positions is not None:
+        if p.staged is not None:
             self.mover.drop((request_id, 0))
         for c in self._chunks.values():
             c.runs = [None if item.request_id == request_id else run for item, run in zip(c.plan.items, c.runs)]
@@ -115,7 +114,7 @@ class TetriInferCluster(ClusterEngine):
         chosen = self.scheduler.dispatch(len(p.ids), [self.decoders[i].load() for i in open_], p.params.max_tokens)
         decoder = self.decoders[open_[chosen.decoder]]
         p.seed = decoder.engine.expect(p.ids, p.params, rid)
-        decoder.expect(rid, len(p.ids), chosen.predicted, chosen.heavy)
+        decoder.ledger.expect(rid, len(p.ids), chosen.predicted, chosen.heavy)
         self._owner[rid] = decoder
 
     def _start(self, k: int, plan: Plan) -> None:
@@ -135,7 +134,7 @@ class TetriInferCluster(ClusterEngine):
             lo, hi = run.written[instance]
             p.rows = (p.rows[0] if p.rows else lo, hi)
             if last:
-                p.positions = self.mover.stage((item.request_id, 0), {instance: p.rows})
+                p.staged = self.mover.stage((item.request_id, 0), {instance: p.rows})
                 self.prefill.release(item.request_id)
             runs.append(run)
             self.events["chunks"] += 1
@@ -178,7 +177,7 @@ class TetriInferCluster(ClusterEngine):
         outputs = []
         for r in self.scheduler.chunk_done(k, Plan(tuple(item for item, _ in ran)), Outcome(end, (), tokens)):
             p, decoder = self._prompts.pop(r.id), self._owner[r.id]
-            decoder.buffers.offer(Transfer(r.id, 0, True, p.positions, end))
+            decoder.ledger.offer(Transfer(r.id, 0, True, p.staged, end))
             outputs.append(decoder.engine.first_token(r.id, tokens[r.id][0]))
         return outputs
 
@@ -196,7 +195,8 @@ class TetriInferCluster(ClusterEngine):
         time): a prefill instance drains its queue, a decode instance what was dispatched to it."""
         now = self.clock()
         self._next_check = now + self._flips.policy.check_every
-        for kind, k in self._flips.finish(lambda k: not self._prefill_load(k), lambda k: not self.decoders[k].heavy):
+        for kind, k in self._flips.finish(lambda k: not self._prefill_load(k),
+                                          lambda k: not self.decoders[k].ledger.heavy):
             (self.decoding if kind == "to_decode" else self.prefilling).add(k)
             self.events[f"flips_{kind}"] += 1
         started = self._flips.start(now, {k: self._prefill_load(k) for k in sorted(self.prefilling)},

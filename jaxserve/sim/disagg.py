@@ -14,8 +14,9 @@ side, KV transfer to a decode instance, and decode instances running sched/decod
   over instances with room for the predicted footprint, balancing heavy decodes. With the pool, at planning time.
 - Transfer: KV leaves the prefill side's GPUs in parallel (an SP group's or a TP instance's shares) over the
   inter-node link (fitted to the send/recv profile). A decode instance has a few receive backends (GPU
-  buffers): a transfer waits for one (the handshake Tetris overlaps with prefill compute), so under load
-  transfers queue instead of starving. Decoding starts when the prompt's KV has landed.
+  buffers): a finished chunk's transfer waits for one, in order (the handshake Tetris overlaps with prefill
+  compute), so under load transfers queue instead of starving. Decoding starts when the prompt's KV has landed.
+  The dispatch load, the promises and the handshake are the live cluster's (sched/decode_ledger.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 from jaxserve.sched.cluster import ClusterScheduler, Dispatch, Planner
 from jaxserve.sched.decode import DecodeScheduler
 from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor
+from jaxserve.sched.decode_ledger import DecodeLedger, Transfer
 from jaxserve.sched.flip import FlipController, decode_busy
 from jaxserve.sched.batch_cost import BatchCost
 from jaxserve.sched.plan import Outcome, Plan
@@ -110,14 +112,14 @@ def profile_costs(config: DisaggConfig) -> Costs:
                  decode_kv_capacity=config.decode_kv_capacity())
 
 
-class DecodeInstance:
+class SimulatedDecoder:
+    """A simulated decode instance: sched/decode.py's DecodeScheduler on the profile's GPUs, and its ledger."""
+
     def __init__(self, index: int, config: DisaggConfig, costs: Costs):
         self.index, self.cost = index, costs.decode
         self.scheduler = DecodeScheduler(costs.decode_kv_capacity, config.admission, costs.max_num_seqs, (index,))
-        self.virtual = 0  # KV slots promised to requests whose transfer is in flight (Tetris's virtual usage)
-        self.backends = [0.0] * config.recv_backends  # when each receive buffer frees
-        self.heavy = self.light = 0  # assigned requests by predicted decode length
-        self.is_heavy: dict[str, bool] = {}
+        self.ledger = DecodeLedger(config.recv_backends)
+        self.seconds: dict[tuple[str, int], float] = {}  # each offered transfer's time on the link
         self.slots: tuple[int, ...] = ()  # its GPUs in the planner's pool (with flips)
         self.last_end = 0.0  # when its latest decode step ends
 
@@ -128,14 +130,7 @@ class DecodeInstance:
 
     def load(self) -> DecodeLoad:
         s = self.scheduler
-        return DecodeLoad(s.kv_capacity - s.committed() - self.virtual, len(s.running) + len(s.waiting),
-                          self.heavy, self.light)
-
-    def receive(self, ready_at: float, seconds: float) -> float:
-        """Book the earliest free receive buffer for a chunk ready to send at `ready_at`; when it lands."""
-        start = max(ready_at, heapq.heappop(self.backends))
-        heapq.heappush(self.backends, start + seconds)
-        return start + seconds
+        return self.ledger.load(s.kv_capacity - s.committed(), len(s.running) + len(s.waiting))
 
 
 class DisaggSimulator:
@@ -196,8 +191,8 @@ class _Run:
         self.scheduler = ClusterScheduler(sim.planner, range(slots), cfg.dispatch, sim.predictor, cfg.seed,
                                           instances=instances)
         self.free_at, self.unavailable = self.scheduler.free_at, self.scheduler.unavailable
-        self.decoders: list[DecodeInstance] = []
-        self.retired: list[DecodeInstance] = []
+        self.decoders: list[SimulatedDecoder] = []
+        self.retired: list[SimulatedDecoder] = []
         for i in range(cfg.decode_instances):
             first = cfg.prefill_instances + i * cfg.decode_tp
             self._new_decoder(tuple(range(first, first + cfg.decode_tp)) if cfg.flip else ())
@@ -206,6 +201,7 @@ class _Run:
         self.flipper = FlipController(cfg.flip) if cfg.flip else None
         self.flips: list[tuple[float, str]] = []
         self.events: list[tuple[float, int, int, str, object]] = []  # (time, order, seq, kind, payload)
+        self.arrived: dict[str, tuple[Request, int]] = {}  # dispatched, not decoding: (request, its predicted decode)
         self.seq = itertools.count()
         for i, (t, p, o) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist(),
                                           workload.output_lens.tolist())):
@@ -221,8 +217,8 @@ class _Run:
     def _push(self, t: float, order: int, kind: str, payload: object) -> None:
         heapq.heappush(self.events, (t, order, next(self.seq), kind, payload))
 
-    def _new_decoder(self, slots: tuple[int, ...]) -> DecodeInstance:
-        dec = DecodeInstance(len(self.decoders) + len(self.retired), self.cfg, self.sim.costs)
+    def _new_decoder(self, slots: tuple[int, ...]) -> SimulatedDecoder:
+        dec = SimulatedDecoder(len(self.decoders) + len(self.retired), self.cfg, self.sim.costs)
         dec.slots = slots
         self.unavailable[list(slots)] = True
         self.decoders.append(dec)
@@ -238,11 +234,12 @@ class _Run:
             now, _, _, kind, payload = heapq.heappop(self.events)
             if kind == "arrive":
                 self._arrive(now, payload)
-            elif kind == "kv_ready":
-                dec, r, predicted, promised = payload
-                dec.virtual -= promised
-                dec.scheduler.add(r, predicted)
-                self._launch(dec, now)
+            elif kind == "offer":
+                dec, transfer = payload
+                dec.ledger.offer(transfer)
+                self._send(dec, now)
+            elif kind == "landed":
+                self._landed(now, *payload)
             elif kind == "prefill":
                 self._prefill(payload, now)
             elif kind == "prefilled":
@@ -251,8 +248,7 @@ class _Run:
                 dec, plan, outcome = payload
                 done = dec.scheduler.apply(plan, outcome)
                 for r in done:
-                    heavy = dec.is_heavy.pop(r.id)
-                    dec.heavy, dec.light = dec.heavy - heavy, dec.light - (not heavy)
+                    dec.ledger.forget(r.id)
                 self._done(len(done))
                 self._launch(dec, now)
             elif self.pending:  # a flip check, while work remains
@@ -274,7 +270,7 @@ class _Run:
                                                               "flips": self.flips, "gpu_seconds": gpu_seconds},
                        prefills=self.prefills)
 
-    def _choose(self, r: Request) -> tuple[DecodeInstance, Dispatch]:
+    def _choose(self, r: Request) -> tuple[SimulatedDecoder, Dispatch]:
         """r's decode instance, among those not draining, and its predicted decode length (the true one
         without a predictor: an oracle)."""
         active = self._open()
@@ -282,16 +278,35 @@ class _Run:
                                          None if self.sim.predictor is not None else r.output_len)
         return active[chosen.decoder], chosen
 
-    def _send(self, dec: DecodeInstance, r: Request, chosen: Dispatch, landed: float) -> None:
-        """r's KV is on its way to dec, all of it there at `landed`."""
-        # virtual usage: the prompt's KV on its way, plus the predicted decode where a predictor is configured;
-        # never the true output length, which the dispatcher cannot know
-        hi, heavy = chosen.predicted, chosen.heavy
-        promised = r.prompt_len + (hi if self.sim.predictor is not None else 0)
-        dec.virtual += promised
-        dec.is_heavy[r.id] = heavy
-        dec.heavy, dec.light = dec.heavy + heavy, dec.light + (not heavy)
-        self._push(landed, 1, "kv_ready", (dec, r, hi, promised))
+    def _expect(self, dec: SimulatedDecoder, r: Request, chosen: Dispatch) -> None:
+        """r goes to dec: its prompt's KV and, where a predictor is configured, its predicted decode are promised
+        there (never the true output length, which the dispatcher cannot know)."""
+        promised = chosen.predicted if self.sim.predictor is not None else 0
+        dec.ledger.expect(r.id, r.prompt_len, promised, chosen.heavy)
+        self.arrived[r.id] = (r, chosen.predicted)
+
+    def _offer(self, dec: SimulatedDecoder, transfer: Transfer, senders: int) -> None:
+        """A chunk's KV, sent by `senders` GPUs at once, is offered to dec when its chunk ends."""
+        dec.seconds[transfer.key] = self.sim.transfer_seconds(transfer.tokens, senders)
+        self._push(transfer.ready, 1, "offer", (dec, transfer))
+
+    def _send(self, dec: SimulatedDecoder, now: float) -> None:
+        for t in dec.ledger.send(now):
+            self._push(now + dec.seconds.pop(t.key), 1, "landed", (dec, t))
+
+    def _landed(self, now: float, dec: SimulatedDecoder, transfer: Transfer) -> None:
+        """A transfer's KV is in dec's memory (the request holds its room there from its first one); once all
+        of it is, the request decodes."""
+        rid = transfer.request_id
+        if not dec.ledger.holds(rid):
+            dec.ledger.hold(rid)
+        dec.ledger.land(transfer, now)
+        if dec.ledger.ready(rid):
+            dec.ledger.admit(rid)
+            r, predicted = self.arrived.pop(rid)
+            dec.scheduler.add(r, predicted)
+            self._launch(dec, now)
+        self._send(dec, now)
 
     def _arrive(self, t: float, r: Request) -> None:
         cfg, sim = self.cfg, self.sim
@@ -314,8 +329,9 @@ class _Run:
         if r.finished:
             self._done(1)
             return
-        landed = max(dec.receive(t + c.end, sim.transfer_seconds(c.tokens, c.sp)) for c in plan.chunks)
-        self._send(dec, r, arrival.dispatch, landed)
+        self._expect(dec, r, arrival.dispatch)
+        for i, c in enumerate(plan.chunks):  # each chunk's KV goes when it ends
+            self._offer(dec, Transfer(r.id, i, i == len(plan.chunks) - 1, c.tokens, t + c.end), c.sp)
 
     # -- TetriInfer's prefill instances (3.3) -----------------------------------------------------------------
     def _arrive_tetriinfer(self, t: float, r: Request) -> None:
@@ -344,11 +360,11 @@ class _Run:
                 self._done(1)
                 continue
             dec, chosen = self._choose(r)
-            self._send(dec, r, chosen, dec.receive(now, self.sim.transfer_seconds(r.prompt_len,
-                                                                                  self.cfg.prefill_tp)))
+            self._expect(dec, r, chosen)
+            self._offer(dec, Transfer(r.id, 0, True, r.prompt_len, now), self.cfg.prefill_tp)  # the whole prompt
         self._prefill(k, now)
 
-    def _launch(self, dec: DecodeInstance, now: float) -> None:
+    def _launch(self, dec: SimulatedDecoder, now: float) -> None:
         sim = self.sim
         plan = dec.scheduler.schedule(now)
         if plan is None:
@@ -360,7 +376,7 @@ class _Run:
         self._push(end, 0, "done", (dec, plan, Outcome(end, (), tokens)))
 
     # -- flips (TetriInfer 3.5) ------------------------------------------------------------------------------
-    def _open(self) -> list[DecodeInstance]:
+    def _open(self) -> list[SimulatedDecoder]:
         """The decode instances new requests may go to: all but one draining to prefill."""
         leaving = self.flipper.leaving if self.flipper is not None else None
         return [d for d in self.decoders if d.index != leaving]
@@ -370,11 +386,8 @@ class _Run:
         instance with nothing left gives its GPUs to the pool), sample loads, and start the next flip."""
         decoders = {d.index: d for d in self.decoders}
 
-        def drained(i: int) -> bool:
-            d = decoders[i]
-            return not (d.scheduler.running or d.scheduler.waiting or d.scheduler.in_flight or d.virtual)
-
-        for kind, unit in self.flipper.finish(lambda slots: self.free_at[list(slots)].max() <= now, drained):
+        for kind, unit in self.flipper.finish(lambda slots: self.free_at[list(slots)].max() <= now,
+                                              lambda i: not decoders[i].ledger.heavy):  # nothing dispatched left
             if kind == "to_decode":
                 self._new_decoder(unit)
             else:

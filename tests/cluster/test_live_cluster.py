@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import MAX_MODEL_LEN, busy, make_cluster, prompt, run
-from jaxserve.cluster.decode import DecodeInstance
+from jaxserve.cluster.decode import LiveDecoder
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.interface import ServingEngine
@@ -62,7 +62,7 @@ def one_decoder(cluster, engine, receive_buffers: int) -> ClusterEngine:
     """The cluster's prefill pool and planner with `engine` as its one decode instance."""
     mover = KVMover(cluster.prefill, [engine.runner])
     scheduler = ClusterScheduler(cluster.planner, cluster.pool_ids, predictor=ObservedLengths())
-    return ClusterEngine(cluster.prefill, scheduler, [DecodeInstance(0, engine, receive_buffers, mover)], mover)
+    return ClusterEngine(cluster.prefill, scheduler, [LiveDecoder(0, engine, receive_buffers, mover)], mover)
 
 
 @pytest.mark.parametrize("kvp", [4])  # 2: test_llm_layouts.py's cluster; 1-8: tests/sharding's merge
@@ -94,12 +94,12 @@ def test_one_receive_buffer_sends_transfers_one_after_the_other(llm, cluster):
     a_id, b_id = (one.add_request(ids, params) for ids, params in requests)
     tokens = {a_id: [], b_id: []}
     for _ in range(100_000):
-        if len(one.records) == 2 and decoder.buffers.waiting:
+        if len(one.records) == 2 and decoder.ledger.waiting:
             break
         for out in one.step():
             tokens[out.request_id] += out.new_token_ids
-    assert [t.request_id for t in decoder.buffers.held] == [a_id]  # sent, cannot land: no blocks
-    assert [t.request_id for t in decoder.buffers.waiting] == [b_id]  # finished, waiting for the buffer
+    assert [t.request_id for t in decoder.ledger.held] == [a_id]  # sent, cannot land: no blocks
+    assert [t.request_id for t in decoder.ledger.waiting] == [b_id]  # finished, waiting for the buffer
     assert not one.transfers and not one.decode_started
     for i in range(2):
         engine.abort(f"hold-{i}")
