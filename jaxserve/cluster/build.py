@@ -20,7 +20,7 @@ from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sp_prefill import SPPrefill, next_power_of_two
 from jaxserve.sched.cdsp import CDSPPlanner, Pool, Stores, planner_groups
-from jaxserve.sched.cluster import ClusterScheduler
+from jaxserve.sched.cluster import CDSPPolicy, ESPPolicy, TetriInferPolicy
 from jaxserve.sched.decode_dispatch import ObservedLengths
 from jaxserve.sched.esp import ESPScheduler, aligned_groups
 from jaxserve.sched.flip import FlipPolicy
@@ -139,7 +139,7 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     if layout.cluster_policy == "tetriinfer":
         instances = [PrefillBatchScheduler(layout.prefill_chunk, layout.prefill_batch, layout.prefill_order, (d,))
                      for d in pool_ids]
-        scheduler = ClusterScheduler(None, pool_ids, "power_of_two", ObservedLengths(), instances=instances)
+        scheduler = TetriInferPolicy(instances, pool_ids, "power_of_two", ObservedLengths())
         flip = FlipPolicy(window=layout.flip_window, check_every=layout.flip_window / 12) if flips else None
         return TetriInferCluster(sp, scheduler, decoders, mover, flip=flip, prefilling=layout.prefill_instances)
     if layout.cluster_policy == "esp":
@@ -150,7 +150,7 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         # a batch is admitted while one iteration takes at most a full-length prompt's time on one instance
         knee = prefill_cost.predict(1, tp, [capacity])
         esp = ESPScheduler(prefill_cost, tp, knee, None, 0.0, groups=groups)  # no bandwidth: no KV evacuated
-        scheduler = ClusterScheduler(None, pool_ids, "freeness", ObservedLengths(), elastic=esp)
+        scheduler = ESPPolicy(esp, pool_ids, "freeness", ObservedLengths())
         return ESPCluster(sp, scheduler, decoders, mover)
     if isinstance(prefill_cost, pathlib.Path):
         pool = pool_of(layout)
@@ -160,5 +160,5 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
     planner = CDSPPlanner(prefill_cost, pool_of(layout), improvement_rate, sizes=sizes,
                           min_chunk=layout.min_chunk, stores=sp.room)
-    scheduler = ClusterScheduler(planner, pool_ids, dispatch, ObservedLengths())
+    scheduler = CDSPPolicy(planner, pool_ids, dispatch, ObservedLengths())
     return ClusterEngine(sp, scheduler, decoders, mover)

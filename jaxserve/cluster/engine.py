@@ -3,12 +3,13 @@ prompts are planned chunk by chunk onto groups of the prefill pool by a CDSP pla
 group's sub-mesh, its KV streams to the decode instance chosen at planning time, and decode instances run the
 Plan-executing engine.
 
-- Deciding (sched/cluster.py's ClusterScheduler, the simulator's too): on arrival, the prompt's chunks on
+- Deciding (sched/cluster.py's CDSPPolicy, the simulator's too; the subclasses pass their own): on arrival, the prompt's chunks on
   groups of the prefill pool and its decode instance; each step, the chunks that start now (with the moves of
   their history); a finished chunk's measured end moves its devices' bookings.
 - Executing: each step runs the scheduler's Plan of chunks (they may run at once, on disjoint groups); takes the
   chunks that have finished (polling briefly when no decode instance has work); then moves KV (through each
-  decode instance's receive buffers) and runs one step on every decode instance with work, while the chunks still in flight run on.
+  decode instance's receive buffers) and runs one step on every decode instance with work, while the chunks
+  still in flight run on.
 - Observability: the latest executed chunks, transfers and decode starts are recorded with measured times
   (records, transfers, decode_started; HISTORY of each).
 """
@@ -29,7 +30,7 @@ from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import ChunkRun, SPPrefill
 from jaxserve.sched.cdsp import planner_groups
-from jaxserve.sched.cluster import ClusterScheduler
+from jaxserve.sched.cluster import ClusterPolicy
 from jaxserve.sched.decode_ledger import Transfer
 from jaxserve.sched.kv_manager import PrefixCacheStats
 from jaxserve.sched.plan import WorkItem
@@ -82,7 +83,7 @@ class _Running:
 
 
 class ClusterEngine:
-    def __init__(self, prefill: SPPrefill, scheduler: ClusterScheduler, decoders: Sequence[LiveDecoder],
+    def __init__(self, prefill: SPPrefill, scheduler: ClusterPolicy, decoders: Sequence[LiveDecoder],
                  mover: KVMover, *, clock: Callable[[], float] = time.monotonic):
         self.pool_ids = tuple(sorted(prefill.instances))
         if scheduler.pool_ids != self.pool_ids:

@@ -115,7 +115,7 @@ class ESPCluster(ClusterEngine):
             return []
         estimate = self.scheduler.predict(0)
         generated = tuple(g for e in instances for g in e.generated)
-        decodes = elastic.DecodeLoad(elastic.isolated_room(instances), generated, estimate, self.decode_seconds)
+        decodes = elastic.RunningDecodes(elastic.isolated_room(instances), generated, estimate, self.decode_seconds)
         growth = sum(max(estimate - g, 0) for g in generated)
         return self.scheduler.elastic_batches(instances, growth, decodes)
 

@@ -1,18 +1,19 @@
-"""The cluster's scheduler: one object makes the cluster's decisions under each policy, for the live cluster
-(cluster/engine.py, cluster/tetriinfer.py, cluster/esp.py) and the simulators (sim/disagg.py,
-sim/prefill_pool.py, sim/esp_cluster.py).
+"""The cluster's policies: each makes one paper's cluster decisions, for the live cluster (cluster/engine.py,
+cluster/tetriinfer.py, cluster/esp.py) and the simulators (sim/disagg.py, sim/prefill_pool.py,
+sim/esp_cluster.py) alike. What they share is ClusterPolicy's: decode dispatch and the length predictor.
 
-- Arrival, by policy. CDSP (`arrive`, Tetris 5.1-5.2): the prompt's chunks on groups of the prefill pool,
-  planned on each device's bookings, and its decode instance, chosen from the predicted decode length (never the
-  true one); booked at once. TetriInfer (`queue`, 3.3.4): the prompt joins the prefill instance with the fewest
-  prompt tokens left. ESP (`wait`, LoongServe): the prompt waits in arrival order.
-- Prefill work, by policy. CDSP (`schedule`, live): the chunks that can start now, in booked order, on free and
-  disjoint groups; a request's history is spread evenly over each later chunk's group first (a rebalance). TetriInfer
-  (`next_chunk`): each prefill instance's next fixed-size chunk (sched/prefill_batches.py). ESP
-  (`elastic_batches`): the waiting prompts admitted, allocated elastic instances and batched (sched/esp.py).
-- Decode dispatch (`dispatch`): by freeness or power of two, from the predicted decode length.
-- Outcomes: a CDSP chunk's measured end moves its devices' bookings (`complete`); a TetriInfer chunk advances its
-  prompts (`chunk_done`); a finished request teaches the length predictor (`finish`).
+- ClusterPolicy: decode dispatch (`dispatch`) by freeness or power of two, from the predicted decode length;
+  a finished request teaches the length predictor (`finish`). Alone: a cluster whose prefill is not planned.
+- CDSPPolicy (Tetris 5.1-5.2): at arrival (`arrive`) the prompt's chunks on groups of the prefill pool, planned
+  on each device's bookings, and its decode instance, chosen from the predicted decode length (never the true
+  one); booked at once. Live (`add`, `schedule`, `complete`): the chunks that can start now, in booked order, on
+  free and disjoint groups; a request's history is spread evenly over each later chunk's group first (a
+  rebalance); a chunk's measured end moves its devices' bookings.
+- TetriInferPolicy (3.3.4): a prompt joins the prefill instance with the fewest prompt tokens left (`queue`);
+  each instance's next fixed-size chunk (`next_chunk`, sched/prefill_batches.py) advances its prompts
+  (`chunk_done`).
+- ESPPolicy (LoongServe): the prompt waits in arrival order (`wait`); each round the waiting prompts are
+  admitted, allocated elastic instances and batched (`elastic_batches`, sched/esp.py).
 
 Pool slots are the planner's instance indices; Plans name device ids (`pool_ids[slot]`). Slots marked
 `unavailable` (a decode instance's devices, with flips) look busy forever to the planner.
@@ -28,8 +29,7 @@ import numpy as np
 
 from jaxserve.sched.cdsp import Chunk, ChunkPlan
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
-from jaxserve.sched.esp import DecodeLoad as ESPDecodes
-from jaxserve.sched.esp import ElasticInstance, ESPBatch, ESPScheduler
+from jaxserve.sched.esp import ElasticInstance, ESPBatch, ESPScheduler, RunningDecodes
 from jaxserve.sched.plan import KVMove, MoveKind, Outcome, Phase, Plan, WorkItem
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, least_queued
 from jaxserve.sched.request import Request
@@ -69,26 +69,16 @@ class _Prefill:
     group: tuple[int, ...] = ()  # devices holding its history
 
 
-class ClusterScheduler:
-    def __init__(self, planner: Planner | None, pool_ids: Sequence[int], dispatch: str = "freeness",
-                 predictor: LengthPredictor | None = None, seed: int = 0,
-                 instances: Sequence[PrefillBatchScheduler] = (), elastic: ESPScheduler | None = None):
-        """The policy is what is given: planner (CDSP's chunk planner), instances (TetriInfer's prefill
-        instances, one scheduler each, in pool order) or elastic (LoongServe's ESP planner); none of them: decode
-        dispatch alone. pool_ids: the device id of each planner slot. predictor: decode lengths (None: the
-        caller's limit)."""
+class ClusterPolicy:
+    def __init__(self, pool_ids: Sequence[int], dispatch: str = "freeness", predictor: LengthPredictor | None = None,
+                 seed: int = 0):
+        """pool_ids: the device id of each pool slot. dispatch: freeness or power_of_two. predictor: decode
+        lengths (None: the caller's limit, the simulator's oracle). seed: power of two's sampling."""
         if dispatch not in ("freeness", "power_of_two"):
             raise ValueError(f"dispatch must be freeness or power_of_two, got {dispatch!r}")
-        if (planner is not None) + bool(instances) + (elastic is not None) > 1:
-            raise ValueError("one policy: a chunk planner, prefill instances or an elastic planner")
-        self.planner, self.pool_ids, self.dispatch_rule = planner, tuple(pool_ids), dispatch
-        self.predictor = predictor
-        self.instances, self.elastic = list(instances), elastic
-        self._queued_on: dict[str, int] = {}  # TetriInfer: request id -> its prefill instance
-        self._waiting: dict[str, Request] = {}  # ESP: the waiting prompts, in arrival order
+        self.pool_ids, self.dispatch_rule, self.predictor = tuple(pool_ids), dispatch, predictor
         self.free_at = np.zeros(len(self.pool_ids))  # absolute time each slot's bookings end (updated in place)
         self.unavailable = np.zeros(len(self.pool_ids), bool)
-        self._prefills: dict[str, _Prefill] = {}
         self._rng = random.Random(seed)
 
     # ---- arrival ---------------------------------------------------------------------------------------------
@@ -111,14 +101,26 @@ class ClusterScheduler:
             return Dispatch(by_freeness(loads), hi, heavy)
         return Dispatch(power_of_two(loads, prompt_len + hi, heavy, self._rng), hi, heavy)
 
+    def finish(self, request_id: str, generated: int) -> None:
+        """The request ended (or was aborted): a predictor that learns sees how long its decode was."""
+        del request_id
+        if self.predictor is not None and generated:
+            self.predictor.observe(generated)
+
+
+class CDSPPolicy(ClusterPolicy):
+    def __init__(self, planner: Planner, pool_ids: Sequence[int], dispatch: str = "freeness",
+                 predictor: LengthPredictor | None = None, seed: int = 0):
+        super().__init__(pool_ids, dispatch, predictor, seed)
+        self.planner = planner
+        self._prefills: dict[str, _Prefill] = {}
+
     def arrive(self, prompt_len: int, now: float, loads: Sequence[DecodeLoad] | None = None,
                limit: int | None = None, admits: Callable[[Dispatch], bool] | None = None,
                retime: Callable[[ChunkPlan, np.ndarray], ChunkPlan] | None = None) -> Arrival | None:
         """The arrival decision: the planner sees the time, the decode instance is chosen (if `loads`), and,
         unless `admits` refuses it (None is returned then), the chunks are planned and booked. retime: times
         the plan's chunks otherwise before booking (the simulator's executor)."""
-        if self.planner is None:
-            raise ValueError("this cluster's prefill instances plan their own chunks")
         self.planner.on_arrival(now)
         chosen = None if loads is None else self.dispatch(prompt_len, loads, limit)
         if chosen is not None and admits is not None and not admits(chosen):
@@ -182,12 +184,24 @@ class ClusterScheduler:
         c = p.chunks[item.chunk_index]
         return p.arrival + c.start, p.arrival + c.end
 
-    # ---- TetriInfer's prefill instances (3.3) --------------------------------------------------------------
+    def finish(self, request_id: str, generated: int) -> None:
+        self._prefills.pop(request_id, None)
+        super().finish(request_id, generated)
+
+
+class TetriInferPolicy(ClusterPolicy):
+    def __init__(self, instances: Sequence[PrefillBatchScheduler], pool_ids: Sequence[int],
+                 dispatch: str = "freeness", predictor: LengthPredictor | None = None, seed: int = 0):
+        """instances: one prefill scheduler per pool slot, in pool order."""
+        super().__init__(pool_ids, dispatch, predictor, seed)
+        if not instances:
+            raise ValueError("TetriInfer's cluster needs its prefill instances")
+        self.instances = list(instances)
+        self._queued_on: dict[str, int] = {}  # request id -> its prefill instance
+
     def queue(self, request: Request, open_: Sequence[int] | None = None) -> int:
         """The arrival decision with prefill instances: the request joins the open instance (all when None) with
         the fewest prompt tokens left to prefill. Returns that instance's index."""
-        if not self.instances:
-            raise ValueError("this cluster has no prefill instances of its own")
         open_ = sorted(open_) if open_ is not None else range(len(self.instances))
         k = open_[least_queued([self.instances[i] for i in open_])]
         self.instances[k].add(request)
@@ -216,12 +230,22 @@ class ClusterScheduler:
             self._queued_on.pop(r.id, None)
         return done
 
-    # ---- LoongServe's elastic instances ----------------------------------------------------------------------
+    def finish(self, request_id: str, generated: int) -> None:
+        if (k := self._queued_on.pop(request_id, None)) is not None:
+            self.instances[k].remove(request_id)
+        super().finish(request_id, generated)
+
+
+class ESPPolicy(ClusterPolicy):
+    def __init__(self, elastic: ESPScheduler, pool_ids: Sequence[int], dispatch: str = "freeness",
+                 predictor: LengthPredictor | None = None, seed: int = 0):
+        super().__init__(pool_ids, dispatch, predictor, seed)
+        self.elastic = elastic
+        self._waiting: dict[str, Request] = {}  # the waiting prompts, in arrival order
+
     def wait(self, request: Request, first: bool = False) -> None:
         """The arrival decision under ESP: the prompt waits in arrival order (first: at the head, a preempted
         request's recompute)."""
-        if self.elastic is None:
-            raise ValueError("this cluster has no elastic planner")
         self._waiting[request.id] = request
         if first:
             self._waiting = {request.id: request} | self._waiting
@@ -231,12 +255,10 @@ class ClusterScheduler:
         return list(self._waiting.values())
 
     def elastic_batches(self, instances: Sequence[ElasticInstance], growth: int = 0,
-                        decodes: ESPDecodes | None = None) -> list[ESPBatch]:
+                        decodes: RunningDecodes | None = None) -> list[ESPBatch]:
         """One ESP round over the free `instances`: the waiting prompts admitted, allocated elastic instances and
         batched (sched/esp.py's plan); the batched ones stop waiting. growth and decodes: the decoding requests,
         as ESPScheduler.plan takes them. With a length predictor its estimate sizes each request's KV."""
-        if self.elastic is None:
-            raise ValueError("this cluster has no elastic planner")
         if not self._waiting or not instances:
             return []
         if self.predictor is not None:
@@ -248,11 +270,5 @@ class ClusterScheduler:
         return batches
 
     def finish(self, request_id: str, generated: int) -> None:
-        """The request ended (or was aborted): forget it wherever it waits; a predictor that learns sees how long
-        its decode was."""
-        self._prefills.pop(request_id, None)
         self._waiting.pop(request_id, None)
-        if (k := self._queued_on.pop(request_id, None)) is not None:
-            self.instances[k].remove(request_id)
-        if self.predictor is not None and generated:
-            self.predictor.observe(generated)
+        super().finish(request_id, generated)

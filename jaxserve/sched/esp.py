@@ -56,7 +56,7 @@ class ElasticInstance:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeLoad:
+class RunningDecodes:
     """What admission knows of the decoding requests, which a prefill sharing their instances would pause."""
 
     room: int  # KV tokens a prefill can take without sharing an instance with them (isolated_room of the pool)
@@ -112,7 +112,7 @@ class ESPScheduler:
 
     # -- admission -------------------------------------------------------------------------------------------
     def admit(self, pending: Sequence[Request], instances: Sequence[ElasticInstance], growth: int = 0,
-              decodes: DecodeLoad | None = None) -> list[Request]:
+              decodes: RunningDecodes | None = None) -> list[Request]:
         """growth: tokens the requests already decoding are predicted to add before they finish; decodes: those
         requests (None: requests past the isolated memory take decode slots without weighing it, the ablation)."""
         capacity = sum(e.kv_capacity for e in instances)
@@ -139,7 +139,7 @@ class ESPScheduler:
         return admitted
 
     @staticmethod
-    def preemption_gain(extra: Sequence[Request], decodes: DecodeLoad) -> float:
+    def preemption_gain(extra: Sequence[Request], decodes: RunningDecodes) -> float:
         """Slides: Gain = sum_{r in R'} (AvgLat_d - min(B.exec_time))^+ / r.input_len, "(平均Decode时延 - 最小执行
         时间) / 请求X的输入token长度". Read as: R' = `extra`, the requests that need the decode slots; AvgLat_d = the
         average decode time (avg_output steps) and B.exec_time = each paused decode's time so far (generated
@@ -228,7 +228,7 @@ class ESPScheduler:
         return out[::-1]
 
     def plan(self, pending: Sequence[Request], instances: Sequence[ElasticInstance], growth: int = 0,
-             decodes: DecodeLoad | None = None) -> list[ESPBatch]:
+             decodes: RunningDecodes | None = None) -> list[ESPBatch]:
         """One scheduling round: admit, allocate, batch. Admission checks memory over the whole pool; when the
         allocated instances' free memory cannot hold every admitted request, the latest admitted wait."""
         admitted = self.admit(pending, instances, growth, decodes)

@@ -30,7 +30,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.sched.cluster import ClusterScheduler, Dispatch, Planner
+from jaxserve.sched.cluster import CDSPPolicy, Dispatch, Planner, TetriInferPolicy
 from jaxserve.sched.decode import DecodeScheduler
 from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor
 from jaxserve.sched.decode_ledger import DecodeLedger, Transfer
@@ -186,10 +186,12 @@ class _Run:
         if pool_size is not None and pool_size != slots:
             raise ValueError(f"the planner's pool has {pool_size} instances; this cluster has {slots} GPU slots "
                              "for it (prefill instances, plus the decode instances' GPUs when flips are on)")
-        # the cluster scheduler: arrivals, prefill work, decode dispatch and the GPU slots' bookings (its arrays,
+        # the cluster's policy: arrivals, prefill work, decode dispatch and the GPU slots' bookings (its arrays,
         # updated in place)
-        self.scheduler = ClusterScheduler(sim.planner, range(slots), cfg.dispatch, sim.predictor, cfg.seed,
-                                          instances=instances)
+        self._tetriinfer = cfg.prefill == "tetriinfer"
+        self.scheduler = (TetriInferPolicy(instances, range(slots), cfg.dispatch, sim.predictor, cfg.seed)
+                          if self._tetriinfer else
+                          CDSPPolicy(sim.planner, range(slots), cfg.dispatch, sim.predictor, cfg.seed))
         self.free_at, self.unavailable = self.scheduler.free_at, self.scheduler.unavailable
         self.decoders: list[SimulatedDecoder] = []
         self.retired: list[SimulatedDecoder] = []
@@ -260,7 +262,7 @@ class _Run:
         last = max((r.finished_at for r in reqs if r.finished_at is not None), default=first)
         # TetriInfer 5.1's resource usage time: every instance's wall time from the first arrival to its last
         # work, here per GPU (an instance idle from then on is recycled)
-        prefill_tp = self.cfg.prefill_tp if self.scheduler.instances else 1
+        prefill_tp = self.cfg.prefill_tp if self._tetriinfer else 1
         gpu_seconds = (prefill_tp * float(np.maximum(self.free_at - first, 0.0).sum())
                        + sum(self.cfg.decode_tp * max(d.last_end - first, 0.0) for d in self.decoders + self.retired))
         return Results(reqs, self.rejected, span=max(last - first, 1e-9),
@@ -310,7 +312,7 @@ class _Run:
 
     def _arrive(self, t: float, r: Request) -> None:
         cfg, sim = self.cfg, self.sim
-        if self.scheduler.instances:
+        if self._tetriinfer:
             self._arrive_tetriinfer(t, r)
             return
         active = self._open()

@@ -37,8 +37,8 @@ from typing import Iterable, Mapping
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.sched.cluster import ClusterScheduler
-from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, keeper
+from jaxserve.sched.cluster import ESPPolicy
+from jaxserve.sched.esp import RunningDecodes, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, keeper
 from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
@@ -183,7 +183,7 @@ class _Run:
         self.instances = [ElasticInstance(i, sim.capacity) for i in range(self.cfg.instances)]
         self.requests, self.rejected = [], []
         # arrivals wait in it (a preempted request comes back as a proxy); its elastic planner is the simulator's
-        self.scheduler = ClusterScheduler(None, range(self.cfg.instances), elastic=sim.scheduler)
+        self.scheduler = ESPPolicy(sim.scheduler, range(self.cfg.instances))
         self.origin: dict[str, Request] = {}  # scheduled request id -> the workload's request
         self.prefilling: list[tuple[float, ESPBatch]] = []  # (end, batch)
         self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # every batch as run
@@ -282,14 +282,14 @@ class _Run:
                                       end))
             idle = self._idle()
 
-    def _decode_load(self) -> DecodeLoad | None:
+    def _decode_load(self) -> RunningDecodes | None:
         """The decoding requests and the memory outside them (over the instances not prefilling, busy stepping
         or not: a step lasts milliseconds); None where admission takes their free slots without weighing the
         pause (the ablation)."""
         if not self.cfg.decode_preemption:
             return None
         prefilling = {i for _, b in self.prefilling for i in b.instances}
-        return DecodeLoad(isolated_room([e for e in self.instances if e.id not in prefilling]),
+        return RunningDecodes(isolated_room([e for e in self.instances if e.id not in prefilling]),
                           tuple(d.request.generated for d in self.decoding.values()),
                           self.output_sum / self.output_count, self.step_sum / max(self.step_count, 1))
 

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from jaxserve.sched.cdsp import Balancing, ChunkPlan, chunk_seconds
-from jaxserve.sched.cluster import ClusterScheduler, Planner
+from jaxserve.sched.cluster import CDSPPolicy, Planner
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.config import SLO
 from jaxserve.sim.capacity import highest_rate
@@ -69,7 +69,7 @@ def run_pool(planner: Planner, workload: Workload, pool_size: int, best_latency:
     """best_latency(tokens): the prompt's fastest isolated prefill, which its TTFT deadline scales with. The
     cluster scheduler's arrival decision plans and books each prompt (the planner sees every arrival time first).
     executor: times the chunks (default: as planned)."""
-    scheduler = ClusterScheduler(planner, range(pool_size))
+    scheduler = CDSPPolicy(planner, range(pool_size))
     n = len(workload)
     ttft, deadline, chunks = np.empty(n), np.empty(n), np.empty(n, np.int64)
     busy = 0.0

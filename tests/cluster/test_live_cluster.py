@@ -15,7 +15,7 @@ from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.interface import ServingEngine
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sched.cluster import ClusterScheduler
+from jaxserve.sched.cluster import CDSPPolicy
 from jaxserve.sched.decode_dispatch import ObservedLengths
 
 GREEDY = SamplingParams(max_tokens=24)
@@ -61,7 +61,7 @@ def test_prefill_over_growing_groups_then_decode_elsewhere_equals_one_device(clu
 def one_decoder(cluster, engine, receive_buffers: int) -> ClusterEngine:
     """The cluster's prefill pool and planner with `engine` as its one decode instance."""
     mover = KVMover(cluster.prefill, [engine.runner])
-    scheduler = ClusterScheduler(cluster.planner, cluster.pool_ids, predictor=ObservedLengths())
+    scheduler = CDSPPolicy(cluster.planner, cluster.pool_ids, predictor=ObservedLengths())
     return ClusterEngine(cluster.prefill, scheduler, [LiveDecoder(0, engine, receive_buffers, mover)], mover)
 
 

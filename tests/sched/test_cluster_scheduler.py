@@ -1,6 +1,6 @@
-"""The cluster scheduler (sched/cluster.py): one object for the live cluster and the simulators under each policy
-(CDSP's chunk plans, TetriInfer's prefill instances, LoongServe's elastic batches); the chunk order a live
-executor follows; bookings moved by chunks' measured ends; decode dispatch."""
+"""The cluster's policies (sched/cluster.py), each one object for the live cluster and the simulators (CDSP's
+chunk plans, TetriInfer's prefill instances, LoongServe's elastic batches); the chunk order a live executor
+follows; bookings moved by chunks' measured ends; decode dispatch, which they share."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import pytest
 from jaxserve.sched import cost_models as cm
 from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.cdsp import CDSPPlanner, ChunkPlan, Pool
-from jaxserve.sched.cluster import ClusterScheduler
+from jaxserve.sched.cluster import CDSPPolicy, ClusterPolicy, ESPPolicy, TetriInferPolicy
 from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.decode_dispatch import DecodeLoad, ObservedLengths
-from jaxserve.sched.esp import DecodeLoad as ESPDecodes
-from jaxserve.sched.esp import ElasticInstance, ESPScheduler, aligned_groups, isolated_room
+from jaxserve.sched.esp import ElasticInstance, ESPScheduler, RunningDecodes, aligned_groups, isolated_room
 from jaxserve.sched.plan import Outcome, Phase
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import tetris_table1_samples
@@ -34,7 +33,7 @@ POOL = Pool(nodes=2, per_node=4)
 DEVICE_IDS = [10 + 2 * i for i in range(POOL.size)]  # the live pool's device ids, not the planner's slots
 
 
-def fake_executor(scheduler: ClusterScheduler, arrivals, prompt_lens, late: float = 0.0) -> dict[str, ChunkPlan]:
+def fake_executor(scheduler: CDSPPolicy, arrivals, prompt_lens, late: float = 0.0) -> dict[str, ChunkPlan]:
     """A live executor without devices: arrivals and chunk ends in time order; each chunk starts when the
     scheduler's Plan names it and ends `late` seconds after its booked end. Returns every request's plan."""
     events = [(float(t), 1, str(k), n) for k, (t, n) in enumerate(zip(arrivals, prompt_lens))]
@@ -60,7 +59,7 @@ def test_the_live_executor_and_the_simulator_get_the_same_plans():
     booked: the same chunk plans, request by request, and the same bookings at the end."""
     w = long_context("medium", 60, 2.0, seed=3)
     sim = run_pool(CDSPPlanner(MODEL, POOL, 0.2), w, POOL.size, MODEL.fastest)
-    live = ClusterScheduler(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS)
+    live = CDSPPolicy(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS)
     plans = fake_executor(live, w.arrivals, w.prompt_lens)
     assert [plans[str(k)] for k in range(len(w))] == sim.plans
     assert max(len(p.chunks) for p in sim.plans) > 1  # chunked prompts are among them
@@ -72,7 +71,7 @@ def test_chunks_start_in_booked_order_on_free_disjoint_groups_with_their_rebalan
     """Two prompts at once, devices booked so that the long one's chunks grow from 2 to 4 to 8 devices: every
     Plan's groups are disjoint and free of running chunks; every chunk after a prompt's first comes with its
     history's move (spread evenly over the chunk's group); items name device ids."""
-    s = ClusterScheduler(CDSPPlanner(MODEL, POOL, 0.05, min_chunk=1024), DEVICE_IDS)
+    s = CDSPPolicy(CDSPPlanner(MODEL, POOL, 0.05, min_chunk=1024), DEVICE_IDS)
     s.free_at[:] = [0, 0, 2, 2, 3, 3, 3, 3]
     for rid, n in (("a", 120_000), ("b", 30_000)):
         s.add(rid, s.arrive(n, 0.0), 0.0)
@@ -105,7 +104,7 @@ def test_chunks_start_in_booked_order_on_free_disjoint_groups_with_their_rebalan
 
 
 def test_a_late_chunk_moves_its_devices_bookings_and_the_next_arrival_sees_it():
-    s = ClusterScheduler(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS)
+    s = CDSPPolicy(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS)
     s.add("a", s.arrive(4096, 0.0), 0.0)
     (item,) = s.schedule().items
     _, end = s.booked(item)
@@ -119,24 +118,22 @@ def test_a_late_chunk_moves_its_devices_bookings_and_the_next_arrival_sees_it():
 
 def test_dispatch_by_freeness_and_power_of_two_from_the_predicted_length():
     loads = [DecodeLoad(1000, 4), DecodeLoad(4000, 2), DecodeLoad(100, 0)]
-    s = ClusterScheduler(None, (), predictor=ObservedLengths(prior=600, granularity=64))
+    s = ClusterPolicy((), predictor=ObservedLengths(prior=600, granularity=64))
     chosen = s.dispatch(100, loads)
     assert chosen.decoder == 1 and chosen.predicted == 640 and chosen.heavy  # 2,000 free slots a running request
     assert s.dispatch(100, loads, limit=16).predicted == 16 and not s.dispatch(100, loads, limit=16).heavy
     s.finish("x", 10)  # the predictor learns from what was served
     assert s.dispatch(100, loads).predicted == 64
-    two = ClusterScheduler(None, (), "power_of_two", seed=1)
+    two = ClusterPolicy((), "power_of_two", seed=1)
     assert two.dispatch(100, loads, limit=3000).decoder == 1  # only one has room for 3,100 tokens
     with pytest.raises(ValueError, match="decode length"):
         two.dispatch(100, loads)  # no predictor and no limit
-    with pytest.raises(ValueError, match="plan their own"):
-        two.arrive(100, 0.0)
     with pytest.raises(ValueError, match="dispatch must be"):
-        ClusterScheduler(None, (), "random")
+        ClusterPolicy((), "random")
 
 
 def test_an_admission_check_refuses_before_anything_is_booked():
-    s = ClusterScheduler(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS, predictor=ObservedLengths())
+    s = CDSPPolicy(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS, predictor=ObservedLengths())
     loads = [DecodeLoad(10, 0)]
     assert s.arrive(4096, 0.0, loads, admits=lambda d: False) is None
     assert not s.free_at.any()
@@ -144,7 +141,7 @@ def test_an_admission_check_refuses_before_anything_is_booked():
     assert s.free_at.any()
 
 
-def tetriinfer_executor(scheduler: ClusterScheduler, workload: Workload, seconds) -> list[tuple]:
+def tetriinfer_executor(scheduler: TetriInferPolicy, workload: Workload, seconds) -> list[tuple]:
     """TetriInfer's prefill instances, live without devices: an arrival joins the queue the scheduler picks; an
     idle instance starts the chunk the scheduler gives it, which takes seconds(items). Returns every chunk as
     (request ids, (instance,), start, end), the simulator's Results.prefills."""
@@ -171,7 +168,7 @@ def tetriinfer_executor(scheduler: ClusterScheduler, workload: Workload, seconds
 
 def test_tetriinfer_instances_get_the_same_chunks_live_and_simulated():
     """The same arrivals through the disaggregated simulator and through a fake live executor of TetriInfer's
-    prefill instances, both asking one ClusterScheduler: the same chunks, on the same instances, at the same
+    prefill instances, both asking one TetriInferPolicy: the same chunks, on the same instances, at the same
     times; prompts merged into chunks and spread over the instances among them."""
     rng = np.random.default_rng(5)
     n = 40
@@ -184,18 +181,18 @@ def test_tetriinfer_instances_get_the_same_chunks_live_and_simulated():
     def instances() -> list[PrefillBatchScheduler]:
         return [PrefillBatchScheduler(512, 4, "sjf", (i,)) for i in range(3)]
 
-    live = tetriinfer_executor(ClusterScheduler(None, range(3), "power_of_two", instances=instances()), w,
+    live = tetriinfer_executor(TetriInferPolicy(instances(), range(3), "power_of_two"), w,
                                lambda items: chunk_time(sim.prefill_cost, items, 512))
     assert live == simulated
     assert {c[1] for c in live} == {(0,), (1,), (2,)} and max(len(c[0]) for c in live) > 1
-    s = ClusterScheduler(None, range(3), instances=instances())
+    s = TetriInferPolicy(instances(), range(3))
     s.queue(Request("a", 0.0, 900, 2))
     assert s.queue(Request("b", 0.0, 100, 2), open_=[0, 2]) == 2  # the open instance with less queued
     s.finish("a", 0)  # aborted: out of its queue
     assert s.queued_tokens(0) == 0 and s.queued_tokens(2) == 100
 
 
-def elastic_executor(scheduler: ClusterScheduler, workload: Workload, kv_tokens: int, seconds) -> list[tuple]:
+def elastic_executor(scheduler: ESPPolicy, workload: Workload, kv_tokens: int, seconds) -> list[tuple]:
     """LoongServe's elastic instances, live without devices, for one-token requests (no decode): arrivals wait;
     at every event the scheduler batches the waiting prompts onto the instances no batch holds, each batch taking
     seconds(prompt lengths, instances). Returns every batch as the simulator's Results.prefills."""
@@ -211,7 +208,7 @@ def elastic_executor(scheduler: ClusterScheduler, workload: Workload, kv_tokens:
         while True:
             busy = {i for _, b in running for i in b.instances}
             idle = [e for e in instances if e.id not in busy]
-            planned = scheduler.elastic_batches(idle, 0, ESPDecodes(isolated_room(idle), (), 1.0, 0.0))
+            planned = scheduler.elastic_batches(idle, 0, RunningDecodes(isolated_room(idle), (), 1.0, 0.0))
             if not planned:
                 break
             for b in planned:
@@ -223,7 +220,7 @@ def elastic_executor(scheduler: ClusterScheduler, workload: Workload, kv_tokens:
 
 def test_elastic_instances_get_the_same_batches_live_and_simulated():
     """The same arrivals through the ESP simulator (run as the live cluster runs: no KV evacuated, each prompt's
-    KV gathered on one instance) and through a fake live executor, both asking one ClusterScheduler: the same
+    KV gathered on one instance) and through a fake live executor, both asking one ESPPolicy: the same
     prefill batches on the same instance groups at the same times; some of them scaled up."""
     model = LoongServePrefill({(sp, 1): np.array([0.01 * sp, 2e-4 / sp, 1e-9 / sp]) for sp in (1, 2, 4)})
     step = EngineStepCost(StepShapes((16, 512), (4,), 32, 4, (1, 2, 4)), 256, [[0.05], [0.4]], [0.02, 0.025, 0.03],
@@ -237,9 +234,9 @@ def test_elastic_instances_get_the_same_batches_live_and_simulated():
     simulated = sim.run(w, progress=False).prefills
     elastic = ESPScheduler(model, 1, sim.scheduler.knee, None, 0.0, output_estimate=cfg.output_estimate,
                            groups=aligned_groups(4))
-    live = elastic_executor(ClusterScheduler(None, range(4), elastic=elastic), w, 100_000,
+    live = elastic_executor(ESPPolicy(elastic, range(4)), w, 100_000,
                             lambda lengths, sp: model.predict(sp, 1, lengths))
     assert live == simulated
     assert max(len(b[1]) for b in live) > 1  # scale-ups among them
-    with pytest.raises(ValueError, match="one policy"):
-        ClusterScheduler(None, range(4), instances=[PrefillBatchScheduler()], elastic=elastic)
+    with pytest.raises(ValueError, match="needs its prefill instances"):
+        TetriInferPolicy([], range(4))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-from jaxserve.sched.esp import DecodeLoad, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, keeper, split_evenly
+from jaxserve.sched.esp import RunningDecodes, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, keeper, split_evenly
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 
@@ -72,12 +72,12 @@ def test_isolated_room_packs_the_kv_in_use_onto_the_largest_instances():
 
 
 def test_decode_preemption_gain_and_cost_by_hand():
-    decodes = DecodeLoad(room=0, generated=(100, 400), avg_output=1000, step_time=0.02)
+    decodes = RunningDecodes(room=0, generated=(100, 400), avg_output=1000, step_time=0.02)
     # the least advanced decode has 900 steps of 20 ms left: 18 s saved for each request that need not wait
     assert ESPScheduler.preemption_gain([req(0, 20_000), req(1, 10_000)], decodes) == pytest.approx(
         18 * (1 / 20_000 + 1 / 10_000))
     assert ESPScheduler.preemption_cost(2.0, decodes.generated) == pytest.approx(2.0 * (1 / 100 + 1 / 400))
-    past_average = DecodeLoad(room=0, generated=(1500,), avg_output=1000, step_time=0.02)
+    past_average = RunningDecodes(room=0, generated=(1500,), avg_output=1000, step_time=0.02)
     assert ESPScheduler.preemption_gain([req(0, 20_000)], past_average) == 0.0  # (.)^+: no wait to save
 
 
@@ -88,11 +88,11 @@ def test_admission_preempts_decode_slots_only_when_the_gain_beats_the_cost():
     s = esp(output_estimate=0)
     pending = [req(0, 60_000), req(1, 50_000)]
     room = isolated_room(ins)
-    young = DecodeLoad(room, generated=(10,), avg_output=1000, step_time=0.02)  # cost 7 s / 10 >> gain 20 s / 50K
+    young = RunningDecodes(room, generated=(10,), avg_output=1000, step_time=0.02)  # cost 7 s / 10 >> gain 20 s / 50K
     assert [r.id for r in s.admit(pending, ins, decodes=young)] == ["0"]
-    old = DecodeLoad(room, generated=(2000,), avg_output=20_000, step_time=0.05)  # gain 900 s / 50K > 7 s / 2000
+    old = RunningDecodes(room, generated=(2000,), avg_output=20_000, step_time=0.05)  # gain 900 s / 50K > 7 s / 2000
     assert [r.id for r in s.admit(pending, ins, decodes=old)] == ["0", "1"]
-    assert len(s.admit(pending, ins, decodes=DecodeLoad(room, (), 1000, 0.02))) == 2  # no decode to pause
+    assert len(s.admit(pending, ins, decodes=RunningDecodes(room, (), 1000, 0.02))) == 2  # no decode to pause
     assert len(s.admit(pending, ins, decodes=dataclasses.replace(young, room=200_000))) == 2  # room for both
     assert len(s.admit(pending, ins)) == 2  # the ablation takes the slots without weighing the pause
     assert len(s.plan(pending, ins, decodes=young)) == 1
