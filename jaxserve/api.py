@@ -216,7 +216,8 @@ class LLM:
                 self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
         cost = self.cost or profile.unmeasured(runner)
         scheduler = replica_scheduler(cfg.scheduler, cost, kv, self._packer(cost, measured=self.cost is not None),
-                                      num_scheduler_steps=self._buckets.burst_steps)
+                                      num_scheduler_steps=self._buckets.burst_steps,
+                                      admission=cfg.parallel.decode_admission)
         engine = Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
         if quick:
             compiled = runner.compile_in_background(runner.later_programs())

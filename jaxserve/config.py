@@ -154,11 +154,11 @@ class InstanceShape:
 
 # The cluster settings each --cluster_policy reads; every other one does nothing there (nor without a cluster)
 CLUSTER_SETTINGS = {
-    "cdsp": ("decode_instances", "decode_kvp", "node_size", "receive_buffers", "min_chunk", "sp_attention",
-             "sparse_attention"),
-    "tetriinfer": ("decode_instances", "decode_kvp", "receive_buffers", "prefill_chunk", "prefill_batch",
-                   "prefill_order", "flip_window"),
-    "esp": ("receive_buffers",),  # its pool's instances decode: the KV of a prompt moves to one of them
+    "cdsp": ("decode_instances", "decode_kvp", "node_size", "receive_buffers", "decode_admission", "min_chunk",
+             "sp_attention", "sparse_attention"),
+    "tetriinfer": ("decode_instances", "decode_kvp", "receive_buffers", "decode_admission", "prefill_chunk",
+                   "prefill_batch", "prefill_order", "flip_window"),
+    "esp": ("receive_buffers", "decode_admission"),  # its pool's instances decode: a prompt's KV moves to one
 }
 
 
@@ -176,6 +176,11 @@ class ParallelConfig:
                               "(KV-parallel decode).")
     node_size: int = setting(2, "Prefill instances per node (the planner keeps groups on whole nodes where it can).")
     receive_buffers: int = setting(4, "KV transfers a decode instance receives at once.")
+    decode_admission: Literal["greedy", "reserve_static", "reserve_dynamic"] = setting(
+        "greedy", "When a decode instance takes a prefilled request (TetriInfer 3.4), by its predicted decode "
+        "length. greedy (vLLM): while its prompt's blocks are free; a request that outgrows the memory is "
+        "preempted and recomputes. reserve_static: while every request's prompt and predicted decode fit. "
+        "reserve_dynamic: while there is room when the request with the least predicted decode left ends.")
     min_chunk: int = setting(1024, "The smallest CDSP chunk, tokens.")
     cluster_policy: Literal["cdsp", "tetriinfer", "esp"] = setting(
         "cdsp", "How a cluster prefills. cdsp (Tetris): each prompt planned chunk by chunk over SP groups of the "
@@ -212,6 +217,9 @@ class ParallelConfig:
             raise ValueError(f"cluster_policy must be cdsp, tetriinfer or esp, got {self.cluster_policy!r}")
         if self.prefill_order not in ("fcfs", "sjf", "ljf"):
             raise ValueError(f"prefill_order must be fcfs, sjf or ljf, got {self.prefill_order!r}")
+        if self.decode_admission not in ("greedy", "reserve_static", "reserve_dynamic"):
+            raise ValueError(f"decode_admission must be greedy, reserve_static or reserve_dynamic, got "
+                             f"{self.decode_admission!r}")
         if self.sp_attention not in ("ring", "sp_ntp"):
             raise ValueError(f"sp_attention must be ring or sp_ntp, got {self.sp_attention!r}")
         if self.sparse_attention is not None and not (self.sp_attention == "sp_ntp" and self.cluster_policy == "cdsp"

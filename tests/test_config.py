@@ -67,6 +67,7 @@ def test_replace_reaches_nested_settings_and_refuses_unknown_ones():
     (dict(sp_attention="sp_ntp", sparse_attention=0.5, cluster_policy="esp"), "--cluster_policy=cdsp"),
     (dict(min_chunk=0), "min_chunk must be a positive integer"),
     (dict(receive_buffers=0), "receive_buffers must be a positive integer"),
+    (dict(decode_admission="lazy"), "decode_admission must be greedy, reserve_static or reserve_dynamic"),
     (dict(kvp_tokens=256), r"--kvp_tokens=256 does nothing with one KV-parallel set \(--kvp=1\)"),
 ])
 def test_bad_settings_are_refused_with_their_name(settings, message):
@@ -95,6 +96,7 @@ ONE_ENGINE = "not read with one engine \\(a cluster needs --prefill_instances\\)
      "--decode_instances=2, --decode_kvp=2, --node_size=4, --min_chunk=512: not read with --cluster_policy=esp"),
     (dict(prefill_instances=4, cluster_policy="esp", kvp_tokens=256), "--kvp_tokens=256: not read with "),
     (dict(prefill_instances=4, kvp_tokens=256), r"one KV-parallel set \(--decode_kvp=1\)"),
+    (dict(decode_admission="reserve_static"), "--decode_admission=reserve_static: not read with one engine"),
 ])
 def test_a_setting_the_layout_does_not_read_is_refused_by_name(settings, message):
     """Given in any order (config.replace makes a section once), each is refused at start instead of doing
@@ -107,10 +109,13 @@ def test_a_setting_the_layout_does_not_read_is_refused_by_name(settings, message
 
 def test_what_each_policy_reads_is_accepted():
     for settings in (dict(prefill_instances=4, decode_instances=2, decode_kvp=2, node_size=4, min_chunk=256,
-                          receive_buffers=2, sp_attention="sp_ntp", sparse_attention=0.5),
+                          receive_buffers=2, sp_attention="sp_ntp", sparse_attention=0.5,
+                          decode_admission="reserve_static"),
                      dict(prefill_instances=4, cluster_policy="tetriinfer", decode_instances=2, prefill_chunk=256,
-                          prefill_batch=8, prefill_order="ljf", flip_window=1.0, receive_buffers=2),
-                     dict(prefill_instances=4, cluster_policy="esp", receive_buffers=2),
+                          prefill_batch=8, prefill_order="ljf", flip_window=1.0, receive_buffers=2,
+                          decode_admission="reserve_dynamic"),
+                     dict(prefill_instances=4, cluster_policy="esp", receive_buffers=2,
+                          decode_admission="reserve_static"),
                      dict(kvp=2, kvp_tokens=256), dict(prefill_instances=4, decode_kvp=2, kvp_tokens=256)):
         config.replace(config.EngineConfig(), **settings)
 

@@ -186,9 +186,8 @@ class TetriInferCluster(ClusterEngine):
         return float(k in self._chunks or self.scheduler.queued_tokens(k) > 0)
 
     def _decode_load(self, k: int) -> float:
-        d = self.decoders[k]
-        load = d.load()
-        return decode_busy(d.kv_tokens - load.free_slots, d.kv_tokens, load.running, d.engine.max_num_seqs)
+        s = self.decoders[k].engine.scheduler
+        return decode_busy(s.committed(), s.kv_capacity, len(s.running), s.max_num_seqs)
 
     def _check_flip(self) -> None:
         """Finish a drained flip, sample every instance's load, and start the flip the policy chooses (one at a

@@ -256,9 +256,10 @@ class Engine:
             self.abort(request_id)
         return out
 
-    def reserve(self, request_id: str) -> list[int] | None:
-        """The block table its prompt's KV lands in (None while the blocks or the batch are full)."""
-        blocks = self.scheduler.reserve(self._live[request_id].sched)
+    def reserve(self, request_id: str, predicted: int | None = None) -> list[int] | None:
+        """The block table its prompt's KV lands in (None while the blocks or the batch are full, or the
+        admission policy holds it back). predicted: its predicted decode length (None: its max_tokens)."""
+        blocks = self.scheduler.reserve(self._live[request_id].sched, predicted)
         if blocks is not None:
             self._tables[request_id] = list(blocks)
         return blocks

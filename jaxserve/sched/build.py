@@ -39,9 +39,12 @@ def packer_config(config: SchedulerConfig, cost: BatchCost, *, max_model_len: in
 
 def replica_scheduler(config: SchedulerConfig, cost: BatchCost, kv: KVCacheManager, packer: PackerConfig, *,
                       group: tuple[int, ...] = (0,), prefill_cache: PrefillTimeCache | None = None,
-                      num_scheduler_steps: int | None = None, **policy_args) -> ReplicaScheduler:
+                      num_scheduler_steps: int | None = None, admission: str = "greedy",
+                      **policy_args) -> ReplicaScheduler:
     """A replica's scheduler: the config's policy, SLO and batch limits over this cost model and KV pool.
-    num_scheduler_steps: the bursts the executor can run (default: the config's)."""
+    num_scheduler_steps: the bursts the executor can run (default: the config's). admission: of requests
+    prefilled elsewhere (a cluster's decode instance)."""
     steps = config.num_scheduler_steps if num_scheduler_steps is None else num_scheduler_steps
     return ReplicaScheduler(make_policy(config.policy, **policy_args), cost, packer, kv, group, config.slo,
-                            max_num_seqs=config.max_num_seqs, prefill_cache=prefill_cache, num_scheduler_steps=steps)
+                            max_num_seqs=config.max_num_seqs, prefill_cache=prefill_cache, num_scheduler_steps=steps,
+                            admission=admission)

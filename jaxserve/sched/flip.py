@@ -54,9 +54,10 @@ class FlipPolicy:
         return None
 
 
-def decode_busy(kv_used: float, kv_capacity: float, running: int, max_num_seqs: int) -> float:
-    """A decode instance's load for the flip policy: the fuller of its KV memory and its batch."""
-    return max(kv_used / kv_capacity, running / max_num_seqs)
+def decode_busy(kv_committed: int, kv_capacity: int, running: int, max_num_seqs: int) -> float:
+    """A decode instance's load for the flip policy: the fuller of its KV memory (what its admission policy
+    counts as taken: ReplicaScheduler.committed) and its batch."""
+    return max(kv_committed / kv_capacity, running / max_num_seqs)
 
 
 class FlipController:

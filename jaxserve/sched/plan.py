@@ -16,8 +16,6 @@ class MoveKind(enum.Enum):
     """What a KVMove is."""
 
     REBALANCE = "rebalance"  # a prompt's history to its next chunk's group (CDSP)
-    SWAP_OUT = "swap_out"  # a preempted decode's KV to the host (sched/decode.py)
-    SWAP_IN = "swap_in"  # and back
 
 
 class WorkItem(NamedTuple):

@@ -23,6 +23,14 @@ meanwhile waits for about one budget, two in a lagged schedule), as some row sti
 row has free KV blocks for without preempting anyone; one step fitting, the Plan is a plain one. A burst's tokens
 arrive together: the request's token gaps inside it are 0. No burst runs while a decoding request is single_step
 (structured output: each token's mask comes from the host).
+
+Admission of requests prefilled elsewhere (`reserve`, a decode instance of a cluster; TetriInfer 3.4), with a
+request's predicted decode length (the upper end; its max_tokens without one):
+- greedy (vLLM): blocks for the prompt while they are free; KV grows a token per step, and a request that no
+  longer fits is preempted and recomputes here;
+- reserve_static: only while every holder's prompt + predicted decode, and this one's, fit the cache;
+- reserve_dynamic: while there is room at the moment the holder with the least predicted decode left finishes
+  (everyone's KV grown by then): less memory held back than reserve_static.
 """
 
 from __future__ import annotations
@@ -44,14 +52,20 @@ from jaxserve.config import SLO
 
 DECODING = RequestStatus.DECODING
 RESUMED_SEQ = -2**40  # arrival places of resumed requests: before every newcomer's (from 0)
+ADMISSION = ("greedy", "reserve_static", "reserve_dynamic")
 
 
 class ReplicaScheduler:
     def __init__(self, policy: Policy, cost: BatchCost, packer: PackerConfig, kv: KVCacheManager,
                  group: tuple[int, ...] = (0,), slo: SLO | None = None, max_num_seqs: int = 256,
-                 prefill_cache: PrefillTimeCache | None = None, num_scheduler_steps: int = 1):
+                 prefill_cache: PrefillTimeCache | None = None, num_scheduler_steps: int = 1,
+                 admission: str = "greedy"):
         if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
+        if admission not in ADMISSION:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSION)}, got {admission!r}")
+        self.admission = admission
+        self._predicted: dict[str, int] = {}  # a reserved request's predicted decode length (upper end)
         self.num_scheduler_steps = num_scheduler_steps
         self.policy, self.cost, self.packer, self.slo, self.kv = policy, cost, packer, slo, kv
         self.group, self.max_num_seqs = group, max_num_seqs
@@ -97,16 +111,21 @@ class ReplicaScheduler:
         self.requests[request.id] = request
         self._seq[request.id] = self.queue.add(request, total, seq=seq)
 
-    def reserve(self, request: Request) -> list[int] | None:
+    def reserve(self, request: Request, predicted: int | None = None) -> list[int] | None:
         """Blocks for the prompt of a request prefilled elsewhere (disaggregation), for its KV to land in; None
-        (nothing changes) while they are not free or the batch is full. From here the request holds KV but is
-        not planned (nor preempted: its prefill counts as in flight) until add_prefilled."""
+        (nothing changes) while they are not free, the batch is full or the admission policy holds it back.
+        predicted: its predicted decode length (None: its max_tokens). From here the request holds KV but is not
+        planned (nor preempted: its prefill counts as in flight) until add_prefilled."""
         self._check_new(request)
         if len(self.running) >= self.max_num_seqs:
+            return None
+        decode = max(request.output_len if predicted is None else min(predicted, request.output_len), 1)
+        if not self._admits(request, decode):
             return None
         blocks = self.kv.allocate(request.id, request.prompt_len)
         if blocks is None:
             return None
+        self._predicted[request.id] = decode
         request.planned, request.prefilled = request.prompt_len, 0
         request.status = RequestStatus.AWAITING_KV
         self.requests[request.id] = request
@@ -121,6 +140,26 @@ class ReplicaScheduler:
         if request.token_ids is not None:
             request.token_ids.extend(tokens)
         request.add_tokens(len(tokens), outcome.end_time)
+
+    def committed(self) -> int:
+        """KV tokens the admission policy counts as taken: what the requests hold (greedy), or every holder's
+        prompt and predicted decode (reserving)."""
+        if self.admission == "greedy":
+            return (self.kv.capacity - self.kv.num_free) * self.kv.block_size
+        return sum(_promised(r, self._predicted.get(r.id, r.output_len)) for r in self.running.values())
+
+    def _admits(self, request: Request, decode: int) -> bool:
+        """The admission policy's check for a request prefilled elsewhere, predicted to decode `decode` tokens."""
+        if self.admission == "greedy":
+            return True
+        holders = list(self.running.values())
+        if self.admission == "reserve_static" or not holders:
+            return self.committed() + _promised(request, decode) <= self.kv_capacity
+        left = [max(self._predicted.get(r.id, r.output_len) - r.generated, 1) for r in holders]
+        t = min(left)  # steps until the first holder is predicted to finish
+        # memory at that moment, before it frees its own: everyone (this one too) grown by t steps
+        at_t = sum(_held(r) + t for r in holders)
+        return at_t + _held(request) + min(t, max(decode - request.generated, 1)) <= self.kv_capacity
 
     def add_prefilled(self, request: Request) -> None:
         """Its prompt's KV has landed in the reserved blocks and its first token is counted: it decodes from the
@@ -427,6 +466,17 @@ class ReplicaScheduler:
             self.queue.remove(r)
         del self.requests[r.id]
         del self._seq[r.id]
+        self._predicted.pop(r.id, None)
+
+
+def _promised(r: Request, decode: int) -> int:
+    """KV tokens a request will hold if it decodes `decode` tokens (or as many as it has)."""
+    return r.prompt_len + max(decode, r.generated)
+
+
+def _held(r: Request) -> int:
+    """KV tokens a request holds once its prompt is in: the prompt and every generated token fed back."""
+    return r.prompt_len + max(r.generated - 1, 0)
 
 
 def _granted(grants: dict[str, list[int]]) -> dict[str, tuple[int, ...]]:

@@ -1,6 +1,6 @@
 """A prefill/decode-disaggregated cluster in simulation (Tetris 3.2, 4.2, 5.2; TetriInfer 3.3-3.4): a prefill
-side, KV transfer to a decode instance, and decode instances running sched/decode.py's DecodeScheduler
-(admission policies, swaps) on a GPU profile.
+side, KV transfer to a decode instance, and decode instances running the live one's ReplicaScheduler (its
+admission of prefilled requests: greedy with recompute, reserve-static, reserve-dynamic) on a GPU profile.
 
 - Prefill, `prefill="pool"` (Tetris): a pool of TP-1 GPUs planned by an SP planner (CDSP, fixed SP,
   request-level); each arrival is planned once on the pool's booked times; its first token comes with the last
@@ -31,19 +31,28 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.sched.cluster import CDSPPolicy, Dispatch, Planner, TetriInferPolicy
-from jaxserve.sched.decode import DecodeScheduler
 from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor
 from jaxserve.sched.decode_ledger import DecodeLedger, Transfer
 from jaxserve.sched.flip import FlipController, decode_busy
+from jaxserve.sched.build import packer_config, replica_scheduler
+from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.batch_cost import BatchCost
 from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
-from jaxserve.config import SLO
+from jaxserve.config import SLO, SchedulerConfig
 from jaxserve.sim.metrics import Results
-from jaxserve.sim.simulator import PLACEHOLDER_TOKEN
+from jaxserve.sim.simulator import PLACEHOLDER_TOKEN, step_seconds, step_tokens
 from jaxserve.sim.workload import Workload
+
+
+BLOCK_SIZE = 16  # a decode instance's KV block, tokens
+MAX_EMPTY_PLANS = 4  # Plans of no work in a row before a step start gives up (the next event plans again)
+# DisaggConfig.admission -> the decode instances' ReplicaScheduler admission; the oracle reserves what a perfect
+# predictor would give (the true output length)
+ADMISSIONS = {"oracle": "reserve_static", "greedy": "greedy", "reserve_static": "reserve_static",
+              "reserve_dynamic": "reserve_dynamic"}
 
 
 class FlipRule(Protocol):
@@ -77,8 +86,9 @@ class DisaggConfig:
     profile: str = "a100_llama3_8b"  # decode instances' GPU profile; KV bytes per token from its model
     recv_backends: int = 4  # transfer buffers per decode instance
     dispatch: str = "freeness"  # or "power_of_two" (TetriInfer; needs a length predictor)
-    admission: str = "oracle"  # decode admission (sched/decode.py); predictions come from the predictor
-    host_bandwidth: float = 25e9  # bytes/s per GPU to host memory (PCIe 4 x16), for swaps
+    # decode admission (sched/scheduler.py): greedy, reserve_static or reserve_dynamic on the predictor's
+    # lengths, or oracle (reserve_static on the true ones)
+    admission: str = "oracle"
     flip: FlipRule | None = None  # TetriInfer's instance flip: decode_tp prefill GPUs <-> one decode instance
     seed: int = 0  # power of two's sampling
     slo: SLO = SLO()
@@ -96,41 +106,49 @@ class Costs:
     decode: BatchCost  # one decode instance's step
     prefill: BatchCost | None  # one TetriInfer prefill instance's chunk (None: a prefill pool, planned)
     transfer: Callable[[int, int], float]  # seconds to move `tokens` of KV sent by `senders` GPUs at once
-    swap_seconds_per_token: float  # a decode instance's KV to host memory and back
     decode_kv_capacity: int  # tokens of KV one decode instance holds
     max_num_seqs: int = 256  # sequences one decode step runs
 
 
 def profile_costs(config: DisaggConfig) -> Costs:
-    """The costs of `config`'s GPU profile: measured operators, the inter-node link, host swaps over PCIe."""
+    """The costs of `config`'s GPU profile: measured operators and the inter-node link."""
     link = network(PROFILES[config.profile][0])
     kv_bytes = model_shape(config.profile).kv_bytes_per_token()
     return Costs(decode=ProfileBatchCost(config.profile, config.decode_tp),
                  prefill=ProfileBatchCost(config.profile, config.prefill_tp),
                  transfer=lambda tokens, senders: link.predict("inter_node", tokens * kv_bytes / senders),
-                 swap_seconds_per_token=kv_bytes / (config.host_bandwidth * config.decode_tp),
                  decode_kv_capacity=config.decode_kv_capacity())
 
 
 class SimulatedDecoder:
-    """A simulated decode instance: sched/decode.py's DecodeScheduler on the profile's GPUs, and its ledger."""
+    """A simulated decode instance: the live instance's ReplicaScheduler on the profile's GPUs, and its ledger."""
 
     def __init__(self, index: int, config: DisaggConfig, costs: Costs):
         self.index, self.cost = index, costs.decode
-        self.scheduler = DecodeScheduler(costs.decode_kv_capacity, config.admission, costs.max_num_seqs, (index,))
+        kv = KVCacheManager.for_tokens(costs.decode_kv_capacity, BLOCK_SIZE, enable_prefix_caching=False)
+        # the live engine's defaults: its iteration budget a full step (every decode at the longest context)
+        scheduler = SchedulerConfig(policy="fcfs", max_num_seqs=costs.max_num_seqs)
+        self.scheduler = replica_scheduler(scheduler, costs.decode, kv,
+                                           packer_config(scheduler, costs.decode,
+                                                         max_model_len=costs.decode_kv_capacity),
+                                           group=(index,), admission=ADMISSIONS[config.admission])
         self.ledger = DecodeLedger(config.recv_backends)
         self.seconds: dict[tuple[str, int], float] = {}  # each offered transfer's time on the link
+        self.arrived: set[tuple[str, int]] = set()  # sent transfers whose KV is in a receive buffer
+        self.expected: dict[str, tuple[Request, int | None]] = {}  # dispatched here, not yet holding blocks: the
+        # request and the decode length it reserves for (None: its true one, the oracle)
+        self.stepping = False  # a decode step is running
+        self.finished = self.preemptions = 0
         self.slots: tuple[int, ...] = ()  # its GPUs in the planner's pool (with flips)
         self.last_end = 0.0  # when its latest decode step ends
 
+    def load(self) -> DecodeLoad:
+        kv = self.scheduler.kv
+        return self.ledger.load(kv.num_free * kv.block_size, len(self.scheduler.running))
+
     def busy(self) -> float:
-        """Load for the flip policy: the fuller of KV memory and the batch."""
         s = self.scheduler
         return decode_busy(s.committed(), s.kv_capacity, len(s.running), s.max_num_seqs)
-
-    def load(self) -> DecodeLoad:
-        s = self.scheduler
-        return self.ledger.load(s.kv_capacity - s.committed(), len(s.running) + len(s.waiting))
 
 
 class DisaggSimulator:
@@ -148,6 +166,8 @@ class DisaggSimulator:
             raise ValueError("instance flips are simulated with the prefill pool only")
         if config.dispatch not in ("freeness", "power_of_two"):
             raise ValueError(f"dispatch must be freeness or power_of_two, got {config.dispatch!r}")
+        if config.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {config.admission!r}")
         if (config.dispatch == "power_of_two" or config.admission in ("reserve_static", "reserve_dynamic")) \
                 and predictor is None:
             raise ValueError(f"{config.dispatch} dispatch with {config.admission} admission needs a decode-length "
@@ -203,7 +223,6 @@ class _Run:
         self.flipper = FlipController(cfg.flip) if cfg.flip else None
         self.flips: list[tuple[float, str]] = []
         self.events: list[tuple[float, int, int, str, object]] = []  # (time, order, seq, kind, payload)
-        self.arrived: dict[str, tuple[Request, int]] = {}  # dispatched, not decoding: (request, its predicted decode)
         self.seq = itertools.count()
         for i, (t, p, o) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist(),
                                           workload.output_lens.tolist())):
@@ -240,19 +259,23 @@ class _Run:
                 dec, transfer = payload
                 dec.ledger.offer(transfer)
                 self._send(dec, now)
-            elif kind == "landed":
-                self._landed(now, *payload)
+            elif kind == "arrived":  # a sent transfer's KV is in one of the instance's receive buffers
+                dec, transfer = payload
+                dec.arrived.add(transfer.key)
+                self._pump(dec, now)
             elif kind == "prefill":
                 self._prefill(payload, now)
             elif kind == "prefilled":
                 self._prefilled(now, *payload)
             elif kind == "done":
                 dec, plan, outcome = payload
+                dec.stepping = False
                 done = dec.scheduler.apply(plan, outcome)
                 for r in done:
                     dec.ledger.forget(r.id)
+                dec.finished += len(done)
                 self._done(len(done))
-                self._launch(dec, now)
+                self._pump(dec, now)
             elif self.pending:  # a flip check, while work remains
                 self._check(now)
                 self._push(now + self.cfg.flip.check_every, 3, "check", None)
@@ -285,7 +308,7 @@ class _Run:
         there (never the true output length, which the dispatcher cannot know)."""
         promised = chosen.predicted if self.sim.predictor is not None else 0
         dec.ledger.expect(r.id, r.prompt_len, promised, chosen.heavy)
-        self.arrived[r.id] = (r, chosen.predicted)
+        dec.expected[r.id] = r, (None if self.cfg.admission == "oracle" else chosen.predicted)
 
     def _offer(self, dec: SimulatedDecoder, transfer: Transfer, senders: int) -> None:
         """A chunk's KV, sent by `senders` GPUs at once, is offered to dec when its chunk ends."""
@@ -294,21 +317,28 @@ class _Run:
 
     def _send(self, dec: SimulatedDecoder, now: float) -> None:
         for t in dec.ledger.send(now):
-            self._push(now + dec.seconds.pop(t.key), 1, "landed", (dec, t))
+            self._push(now + dec.seconds.pop(t.key), 1, "arrived", (dec, t))
 
-    def _landed(self, now: float, dec: SimulatedDecoder, transfer: Transfer) -> None:
-        """A transfer's KV is in dec's memory (the request holds its room there from its first one); once all
-        of it is, the request decodes."""
-        rid = transfer.request_id
-        if not dec.ledger.holds(rid):
-            dec.ledger.hold(rid)
-        dec.ledger.land(transfer, now)
-        if dec.ledger.ready(rid):
-            dec.ledger.admit(rid)
-            r, predicted = self.arrived.pop(rid)
-            dec.scheduler.add(r, predicted)
-            self._launch(dec, now)
+    def _pump(self, dec: SimulatedDecoder, now: float) -> None:
+        """As the live instance does: land the arrived transfers, in order, once their request holds blocks (a
+        request the admission policy or the memory holds back keeps its buffer); a request with all its KV in
+        decodes; free buffers take the next transfers; a step starts if none runs."""
+        for t in list(dec.ledger.held):
+            if t.key not in dec.arrived:  # still on the link
+                continue
+            rid = t.request_id
+            if not dec.ledger.holds(rid):
+                r, predicted = dec.expected[rid]
+                if dec.scheduler.reserve(r, predicted) is None:
+                    break
+                dec.ledger.hold(rid)
+            dec.arrived.discard(t.key)
+            dec.ledger.land(t, now)
+            if dec.ledger.ready(rid):
+                dec.ledger.admit(rid)
+                dec.scheduler.add_prefilled(dec.expected.pop(rid)[0])
         self._send(dec, now)
+        self._launch(dec, now)
 
     def _arrive(self, t: float, r: Request) -> None:
         cfg, sim = self.cfg, self.sim
@@ -367,15 +397,21 @@ class _Run:
         self._prefill(k, now)
 
     def _launch(self, dec: SimulatedDecoder, now: float) -> None:
-        sim = self.sim
-        plan = dec.scheduler.schedule(now)
-        if plan is None:
+        """dec's next step, unless one runs: its decodes, and the recompute of a preempted request."""
+        if dec.stepping:
             return
-        swapped = sum(m.tokens for m in plan.moves) * sim.costs.swap_seconds_per_token
-        end = now + sim.cost.batch_time([], [i.history for i in plan.items]) + swapped
-        dec.last_end = end
-        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items}
-        self._push(end, 0, "done", (dec, plan, Outcome(end, (), tokens)))
+        plan = dec.scheduler.schedule(now)
+        for _ in range(MAX_EMPTY_PLANS):  # a Plan that only preempted or granted blocks: plan again
+            if plan is None or plan.items:
+                break
+            dec.preemptions += len(plan.preempted)
+            plan = dec.scheduler.schedule(now)
+        if plan is None or not plan.items:
+            return
+        dec.preemptions += len(plan.preempted)
+        end = now + step_seconds(dec.cost, plan)
+        dec.stepping, dec.last_end = True, end
+        self._push(end, 0, "done", (dec, plan, Outcome(end, (), step_tokens(dec.scheduler, plan))))
 
     # -- flips (TetriInfer 3.5) ------------------------------------------------------------------------------
     def _open(self) -> list[SimulatedDecoder]:

@@ -137,19 +137,19 @@ def replay(run: LiveRun, progress: bool = False) -> Results:
         return ESPSimulator(cfg, MeasuredESPCost(model, 1, step, run.transfer)).run(workload, progress)
     eq1 = TetrisPrefill.from_json(json.dumps(run.prefill_model))
     costs = Costs(decode=step, prefill=TetrisBatchCost(eq1, 1) if run.policy == "tetriinfer" else None,
-                  transfer=lambda tokens, senders: run.transfer(tokens), swap_seconds_per_token=run.transfer.per_token,
+                  transfer=lambda tokens, senders: run.transfer(tokens),
                   decode_kv_capacity=run.kv_tokens, max_num_seqs=run.max_num_seqs)
     if run.policy == "tetriinfer":
         cfg = DisaggConfig(prefill="tetriinfer", prefill_instances=run.prefill_instances,
                            prefill_chunk=run.prefill_chunk, prefill_batch=run.prefill_batch,
                            prefill_order=run.prefill_order, decode_instances=run.decode_instances, decode_tp=1,
-                           dispatch="power_of_two")
+                           dispatch="power_of_two", admission="greedy")  # the live decode instances' admission
         sim = DisaggSimulator(None, eq1.fastest, cfg, ObservedLengths(), costs)
     else:
         pool = Pool(run.prefill_instances // run.node_size, run.node_size)
         planner = CDSPPlanner(eq1, pool, run.planner["improvement_rate"], sizes=run.planner["sizes"],
                               min_chunk=run.planner["min_chunk"])
         cfg = DisaggConfig(prefill_instances=run.prefill_instances, decode_instances=run.decode_instances,
-                           decode_tp=1)
+                           decode_tp=1, admission="greedy")
         sim = DisaggSimulator(planner, eq1.fastest, cfg, ObservedLengths(), costs)
     return sim.run(workload, progress)

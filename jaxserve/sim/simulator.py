@@ -26,6 +26,7 @@ from jaxserve.sched.packer import PackerConfig, PrefillTimeCache
 from jaxserve.sched.plan import Outcome, Phase, Plan
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
+from jaxserve.sched.scheduler import ReplicaScheduler
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.workload import Workload
 
@@ -45,6 +46,20 @@ def stage_packer(config: SimConfig, cost: BatchCost) -> PackerConfig:
     between tokens stays near the budget however deep the pipeline."""
     return packer_config(config.scheduler, cost, chunk_align=config.chunk_align, max_prefills=config.max_prefills,
                          long_threshold=config.long_threshold, stages=config.instance.stages)
+
+
+def step_seconds(cost: BatchCost, plan: Plan) -> float:
+    """A Plan's time on the cost model: a burst of decode steps, or one step of chunks and decodes."""
+    if plan.steps > 1:
+        return cost.burst_time([(i.start, i.tokens) for i in plan.items], plan.steps)
+    return cost.batch_time([(i.tokens, i.history) for i in plan.items if i.phase is Phase.PREFILL],
+                           [i.history for i in plan.items if i.phase is Phase.DECODE])
+
+
+def step_tokens(scheduler: ReplicaScheduler, plan: Plan) -> dict[str, tuple[int, ...]]:
+    """The tokens a Plan's items yield (placeholders: the simulator counts tokens)."""
+    return {i.request_id: (PLACEHOLDER_TOKEN,) * (i.tokens if i.phase is Phase.DECODE else 1)
+            for i in plan.items if scheduler.yields_token(i)}
 
 
 class Replica:
@@ -67,19 +82,12 @@ class Replica:
 
     def execute(self, plan: Plan, start: float) -> tuple[float, Outcome]:
         """Charge a Plan on the cost model: per-stage time, ready again after one stage, done after all."""
-        if plan.steps > 1:
-            stage_time = self.cost.burst_time([(i.start, i.tokens) for i in plan.items], plan.steps)
-        else:
-            stage_time = self.cost.batch_time([(i.tokens, i.history) for i in plan.items if i.phase is Phase.PREFILL],
-                                              [i.history for i in plan.items if i.phase is Phase.DECODE])
-        stage_time *= self.time_scale
+        stage_time = step_seconds(self.cost, plan) * self.time_scale
         hops = (self.stages - 1) * self.hop(sum(i.tokens for i in plan.items)) if self.stages > 1 else 0.0
         end = start + stage_time * self.stages + hops
-        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) * (i.tokens if i.phase is Phase.DECODE else 1)
-                  for i in plan.items if self.scheduler.yields_token(i)}
         per_item = tuple(end - start for _ in plan.items)
         self.stage_free_at = start + stage_time
-        return self.stage_free_at, Outcome(end, per_item, tokens)
+        return self.stage_free_at, Outcome(end, per_item, step_tokens(self.scheduler, plan))
 
 
 class Simulator:

@@ -1,6 +1,6 @@
 """The disaggregated cluster: CDSP prefill pool (or TetriInfer's prefill instances), KV transfer through scarce
-receive backends, decode instances dispatched by freeness with virtual usage (or power of two), decoding on
-sched/decode.py's DecodeScheduler."""
+receive backends, decode instances dispatched by freeness with virtual usage (or power of two), decoding on the
+live decode instances' ReplicaScheduler (its admission policies: tests/sched/test_decode_admission.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,9 @@ import pytest
 
 from jaxserve.sched import cost_models as cm
 from jaxserve.sched.cdsp import CDSPPlanner, Pool
-from jaxserve.sched.decode import ADMISSION, DecodeScheduler
-from jaxserve.sched.plan import Outcome
 from jaxserve.sched.profiles import tetris_table1_samples
-from jaxserve.sched.request import Request
 from jaxserve.sched.flip import FlipPolicy, LoadWindow
-from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
+from jaxserve.sim.disagg import ADMISSIONS, DisaggConfig, DisaggSimulator
 from jaxserve.sim.workload import Workload, long_context
 
 
@@ -44,7 +41,7 @@ def test_every_request_prefills_transfers_and_decodes():
 def test_dispatch_spreads_requests_over_decode_instances():
     sim = DisaggSimulator(CDSPPlanner(MODEL, POOL, 0.2), best, DisaggConfig(decode_instances=4))
     res = sim.run(long_context("short", 200, 2.0, seed=1), progress=False)
-    served = [d.scheduler.num_finished for d in sim.decoders]
+    served = [d.finished for d in sim.decoders]
     assert sum(served) == sum(r.output_len > 1 for r in res.requests)
     assert min(served) > 0.15 * sum(served)  # freeness keeps every instance in use
 
@@ -55,7 +52,7 @@ def test_virtual_usage_spreads_a_burst_whose_kv_has_not_landed():
     burst = Workload(np.zeros(8), np.full(8, 4096), np.full(8, 64), "burst")
     sim = DisaggSimulator(CDSPPlanner(MODEL, POOL, 0.2), best, DisaggConfig(decode_instances=4))
     sim.run(burst, progress=False)
-    assert [d.scheduler.num_finished for d in sim.decoders] == [2, 2, 2, 2]
+    assert [d.finished for d in sim.decoders] == [2, 2, 2, 2]
 
 
 def test_scarce_receive_backends_delay_decoding_but_lose_nothing():
@@ -66,72 +63,7 @@ def test_scarce_receive_backends_delay_decoding_but_lose_nothing():
     assert first_gap(scarce) > first_gap(plenty)
 
 
-def landed(rid, prompt, output):
-    r = Request(rid, 0.0, prompt, output)
-    r.add_tokens(1, 0.0)
-    return r
-
-
-def drive(sched, steps=10_000):
-    now = 0.0
-    for _ in range(steps):
-        plan = sched.schedule(now)
-        if plan is None:
-            return now
-        assert sched.used() <= sched.kv_capacity
-        now += 0.01
-        sched.apply(plan, Outcome(now, (), {i.request_id: (0,) for i in plan.items}))
-    raise AssertionError("did not drain")
-
-
-@pytest.mark.parametrize("admission", ADMISSION)
-def test_every_admission_policy_drains_within_memory(admission):
-    sched = DecodeScheduler(kv_capacity=3000, admission=admission)
-    reqs = [landed(str(i), 400, 50 + 40 * i) for i in range(12)]
-    for r in reqs:
-        sched.add(r, predicted=r.output_len // 2 if admission != "oracle" else None)  # predictions too short
-    drive(sched)
-    assert all(r.finished and r.generated == r.output_len for r in reqs)
-    assert not sched.running and not sched.waiting
-
-
-def test_greedy_swaps_when_memory_runs_out_and_reserving_avoids_it():
-    def run(admission, predicted):
-        sched = DecodeScheduler(kv_capacity=2000, admission=admission)
-        for i in range(6):
-            sched.add(landed(str(i), 300, 300), predicted)
-        drive(sched)
-        return sched.swaps
-
-    assert run("greedy", None) > 0
-    assert run("reserve_static", 300) == 0 and run("oracle", None) == 0
-    assert run("reserve_dynamic", 300) == 0
-
-
-def test_reserve_dynamic_admits_earlier_than_static():
-    def admitted(admission):
-        sched = DecodeScheduler(kv_capacity=2000, admission=admission)
-        sched.add(landed("a", 600, 400), 400)
-        sched.add(landed("b", 600, 20), 20)
-        sched.add(landed("c", 600, 100), 100)
-        sched.schedule(0.0)
-        return set(sched.running)
-
-    assert admitted("reserve_static") == {"a", "b"}  # 1000 + 620 reserved; c's 700 does not fit
-    assert admitted("reserve_dynamic") == {"a", "b", "c"}  # in the ~19 steps until b ends, all three fit
-
-
-def test_decode_scheduler_rejects_bad_requests():
-    sched = DecodeScheduler(kv_capacity=1000)
-    with pytest.raises(ValueError, match="first token"):
-        sched.add(Request("x", 0.0, 10, 5))
-    with pytest.raises(ValueError, match="needs 1100 KV tokens"):
-        sched.add(landed("y", 1000, 100))
-    with pytest.raises(ValueError, match="admission must be"):
-        DecodeScheduler(100, admission="lazy")
-
-
-@pytest.mark.parametrize("admission", ADMISSION)
+@pytest.mark.parametrize("admission", ADMISSIONS)
 def test_the_cluster_runs_every_admission_policy_with_a_predictor(admission):
     from jaxserve.sched.decode_dispatch import BucketPredictor
     from jaxserve.sim.workload import load_trace, synthetic_mix
@@ -143,7 +75,7 @@ def test_the_cluster_runs_every_admission_policy_with_a_predictor(admission):
     res = sim.run(synthetic_mix(150, 3.0, long_fraction=0.0, seed=2), progress=False)
     assert all(r.finished for r in res.requests)
     if admission == "oracle":
-        assert sum(d.scheduler.swaps for d in sim.decoders) == 0
+        assert sum(d.preemptions for d in sim.decoders) == 0
 
 
 def test_load_window_needs_a_whole_window_and_forgets_old_samples():
@@ -230,7 +162,7 @@ def test_a_whole_tetriinfer_cluster_serves_azure_conv():
     sim, res = tetriinfer(load_trace("azure_conv", rate=6.0, limit=200), pred, prefill_instances=2,
                           decode_instances=2, dispatch="power_of_two", admission="reserve_dynamic")
     assert len(res.requests) == 200 and all(r.finished and r.generated == r.output_len for r in res.requests)
-    served = [d.scheduler.num_finished for d in sim.decoders]
+    served = [d.finished for d in sim.decoders]
     assert min(served) > 0.3 * sum(served)
     assert res.summary()["all"]["tbt_p50"] < 0.05
 
