@@ -31,7 +31,7 @@ from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.decode_ledger import Transfer
-from jaxserve.sched.flip import FlipController, FlipPolicy, decode_busy
+from jaxserve.sched.flip import FlipController, FlipPolicy
 from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.request import Request
 
@@ -186,8 +186,9 @@ class TetriInferCluster(ClusterEngine):
         return float(k in self._chunks or self.scheduler.queued_tokens(k) > 0)
 
     def _decode_load(self, k: int) -> float:
-        s = self.decoders[k].engine.scheduler
-        return decode_busy(s.committed(), s.kv_capacity, len(s.running), s.max_num_seqs)
+        d = self.decoders[k]
+        s = d.engine.scheduler
+        return d.ledger.busy(s.committed(), s.kv_capacity, len(s.running), s.max_num_seqs)
 
     def _check_flip(self) -> None:
         """Finish a drained flip, sample every instance's load, and start the flip the policy chooses (one at a

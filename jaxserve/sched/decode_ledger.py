@@ -6,6 +6,8 @@ handshake its KV arrives through. The executors keep only what a step does or co
   decode until it holds its blocks on the instance (`holds`), then its predicted decode until it decodes
   (`admit`). A dispatcher's load counts the promised slots as used and the requests on their way as running.
 - Heavy and light (TetriInfer 3.3.4): every request dispatched here and not finished, by predicted decode length.
+- Flip load (TetriInfer 3.5): the fuller of the KV its admission policy counts as taken and its batch, the
+  requests on their way in it.
 - Receive buffers (Tetris 4.2): a finished chunk's KV is offered; transfers are sent in order, each into a free
   buffer it holds until its rows have landed; a request is ready to decode when every chunk offered for it has
   landed and its last chunk was among them.
@@ -17,6 +19,7 @@ import collections
 import dataclasses
 
 from jaxserve.sched.decode_dispatch import DecodeLoad
+from jaxserve.sched.flip import decode_busy
 
 Key = tuple[str, int]  # (request id, chunk index)
 
@@ -71,6 +74,12 @@ class DecodeLedger:
         on_the_way = sum(not p.holds for p in self.incoming.values())
         heavy = sum(self.heavy.values())
         return DecodeLoad(free_slots - promised, running + on_the_way, heavy, len(self.heavy) - heavy)
+
+    def busy(self, committed: int, capacity: int, running: int, max_num_seqs: int) -> float:
+        """The instance's load for the flip policy, from its scheduler's KV committed by admission, its capacity
+        and its running requests: the requests on their way count in its batch."""
+        on_the_way = sum(not p.holds for p in self.incoming.values())
+        return decode_busy(committed, capacity, running + on_the_way, max_num_seqs)
 
     def holds(self, request_id: str) -> bool:
         """Whether the request holds its blocks on the instance (its prompt no longer promised)."""

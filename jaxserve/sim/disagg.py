@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from jaxserve.sched.cluster import CDSPPolicy, Dispatch, Planner, TetriInferPolicy
 from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor
 from jaxserve.sched.decode_ledger import DecodeLedger, Transfer
-from jaxserve.sched.flip import FlipController, decode_busy
+from jaxserve.sched.flip import FlipController
 from jaxserve.sched.build import packer_config, replica_scheduler
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.batch_cost import BatchCost
@@ -148,7 +148,7 @@ class SimulatedDecoder:
 
     def busy(self) -> float:
         s = self.scheduler
-        return decode_busy(s.committed(), s.kv_capacity, len(s.running), s.max_num_seqs)
+        return self.ledger.busy(s.committed(), s.kv_capacity, len(s.running), s.max_num_seqs)
 
 
 class DisaggSimulator:

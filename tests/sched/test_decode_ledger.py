@@ -60,3 +60,13 @@ def test_bad_uses_are_refused():
     ledger.expect("a", 1, 1, heavy=False)
     with pytest.raises(ValueError, match="already dispatched"):
         ledger.expect("a", 1, 1, heavy=False)
+
+
+def test_the_flip_load_counts_requests_on_their_way_in_the_batch():
+    ledger = DecodeLedger(1)
+    assert ledger.busy(0, 1000, 0, 4) == 0.0
+    ledger.expect("a", 300, 64, heavy=False)
+    ledger.expect("b", 300, 64, heavy=False)
+    assert ledger.busy(100, 1000, 1, 4) == 0.75  # 1 running and 2 on their way of 4; memory 0.1
+    ledger.hold("a")
+    assert ledger.busy(900, 1000, 1, 4) == 0.9  # memory the fuller
