@@ -35,7 +35,7 @@ class LiveDecoder:
         landed = []
         for t in list(self.ledger.held):
             if not self.ledger.holds(t.request_id):
-                if self.engine.reserve(t.request_id, self.ledger.incoming[t.request_id].decode) is None:
+                if self.engine.reserve(t.request_id, self.ledger.predicted(t.request_id)) is None:
                     break
                 self.ledger.hold(t.request_id)
             self.mover.land(t.key, self.index, self.engine.block_table(t.request_id), self.engine.kv.block_size)

@@ -81,6 +81,10 @@ class DecodeLedger:
         on_the_way = sum(not p.holds for p in self.incoming.values())
         return decode_busy(committed, capacity, running + on_the_way, max_num_seqs)
 
+    def predicted(self, request_id: str) -> int:
+        """The decode length promised for a request on its way (what its reservation is checked against)."""
+        return self.incoming[request_id].decode
+
     def holds(self, request_id: str) -> bool:
         """Whether the request holds its blocks on the instance (its prompt no longer promised)."""
         return self.incoming[request_id].holds

@@ -13,6 +13,7 @@ def test_a_promise_counts_prompt_and_decode_until_blocks_are_held_then_decode_un
     ledger.expect("a", 300, 64, heavy=False)
     ledger.expect("b", 1000, 700, heavy=True)
     assert ledger.load(10_000, 3) == DecodeLoad(10_000 - 364 - 1700, 5, heavy=1, light=1)
+    assert ledger.predicted("b") == 700
     ledger.hold("a")  # a's prompt now sits in the instance's own blocks, counted in its free slots
     assert ledger.load(9_700, 3) == DecodeLoad(9_700 - 64 - 1700, 4, heavy=1, light=1)
     ledger.admit("a")  # a runs there: counted by the instance itself
