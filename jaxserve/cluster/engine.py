@@ -3,9 +3,9 @@ prompts are planned chunk by chunk onto groups of the prefill pool by a CDSP pla
 group's sub-mesh, its KV streams to the decode instance chosen at planning time, and decode instances run the
 Plan-executing engine.
 
-- Deciding (sched/cluster.py's CDSPPolicy, the simulator's too; the subclasses pass their own): on arrival, the prompt's chunks on
-  groups of the prefill pool and its decode instance; each step, the chunks that start now (with the moves of
-  their history); a finished chunk's measured end moves its devices' bookings.
+- Deciding (sched/cluster.py's CDSPPolicy, the simulator's too; the subclasses pass their own policy): on
+  arrival, the prompt's chunks on groups of the prefill pool and its decode instance; each step, the chunks that
+  start now (with the moves of their history); a finished chunk's measured end moves its devices' bookings.
 - Executing: each step runs the scheduler's Plan of chunks (they may run at once, on disjoint groups); takes the
   chunks that have finished (polling briefly when no decode instance has work); then moves KV (through each
   decode instance's receive buffers) and runs one step on every decode instance with work, while the chunks

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-from jaxserve.sched.esp import RunningDecodes, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, keeper, split_evenly
+from jaxserve.sched.esp import (ElasticInstance, ESPBatch, ESPScheduler, RunningDecodes, isolated_room, keeper,
+                                 split_evenly)
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 
