@@ -152,6 +152,9 @@ class InstanceShape:
                              f"leave it out, or give {which}")
 
 
+# How a decode instance takes a prefilled request (ReplicaScheduler.reserve; TetriInfer 3.4)
+DECODE_ADMISSION = ("greedy", "reserve_static", "reserve_dynamic")
+
 # The cluster settings each --cluster_policy reads; every other one does nothing there (nor without a cluster)
 CLUSTER_SETTINGS = {
     "cdsp": ("decode_instances", "decode_kvp", "node_size", "receive_buffers", "decode_admission", "min_chunk",
@@ -217,9 +220,9 @@ class ParallelConfig:
             raise ValueError(f"cluster_policy must be cdsp, tetriinfer or esp, got {self.cluster_policy!r}")
         if self.prefill_order not in ("fcfs", "sjf", "ljf"):
             raise ValueError(f"prefill_order must be fcfs, sjf or ljf, got {self.prefill_order!r}")
-        if self.decode_admission not in ("greedy", "reserve_static", "reserve_dynamic"):
-            raise ValueError(f"decode_admission must be greedy, reserve_static or reserve_dynamic, got "
-                             f"{self.decode_admission!r}")
+        if self.decode_admission not in DECODE_ADMISSION:
+            raise ValueError(f"decode_admission must be {', '.join(DECODE_ADMISSION[:-1])} or "
+                             f"{DECODE_ADMISSION[-1]}, got {self.decode_admission!r}")
         if self.sp_attention not in ("ring", "sp_ntp"):
             raise ValueError(f"sp_attention must be ring or sp_ntp, got {self.sp_attention!r}")
         if self.sparse_attention is not None and not (self.sp_attention == "sp_ntp" and self.cluster_policy == "cdsp"

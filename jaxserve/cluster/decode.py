@@ -33,11 +33,8 @@ class LiveDecoder:
         order; a request without room keeps its buffer). Returns the transfers that landed."""
         self._send(clock)
         landed = []
-        for t in list(self.ledger.held):
-            if not self.ledger.holds(t.request_id):
-                if self.engine.reserve(t.request_id, self.ledger.predicted(t.request_id)) is None:
-                    break
-                self.ledger.hold(t.request_id)
+        reserve = lambda rid: self.engine.reserve(rid, self.ledger.predicted(rid)) is not None  # noqa: E731
+        for t in self.ledger.landing(lambda t: True, reserve):  # a sent transfer's copy is ordered before its use
             self.mover.land(t.key, self.index, self.engine.block_table(t.request_id), self.engine.kv.block_size)
             self.ledger.land(t, clock())
             landed.append(t)

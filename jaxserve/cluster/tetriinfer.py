@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from jaxserve.cluster.engine import WAIT, ChunkRecord, ClusterEngine
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun

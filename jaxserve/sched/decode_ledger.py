@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Callable, Iterator
 
 from jaxserve.sched.decode_dispatch import DecodeLoad
 from jaxserve.sched.flip import decode_busy
@@ -71,15 +72,18 @@ class DecodeLedger:
     def load(self, free_slots: int, running: int) -> DecodeLoad:
         """What a dispatcher sees, from the instance's free KV slots and the requests running on it."""
         promised = sum(p.decode + (0 if p.holds else p.prompt_len) for p in self.incoming.values())
-        on_the_way = sum(not p.holds for p in self.incoming.values())
         heavy = sum(self.heavy.values())
-        return DecodeLoad(free_slots - promised, running + on_the_way, heavy, len(self.heavy) - heavy)
+        return DecodeLoad(free_slots - promised, running + self._on_the_way, heavy, len(self.heavy) - heavy)
 
     def busy(self, committed: int, capacity: int, running: int, max_num_seqs: int) -> float:
         """The instance's load for the flip policy, from its scheduler's KV committed by admission, its capacity
         and its running requests: the requests on their way count in its batch."""
-        on_the_way = sum(not p.holds for p in self.incoming.values())
-        return decode_busy(committed, capacity, running + on_the_way, max_num_seqs)
+        return decode_busy(committed, capacity, running + self._on_the_way, max_num_seqs)
+
+    @property
+    def _on_the_way(self) -> int:
+        """Requests dispatched here that do not hold blocks yet."""
+        return sum(not p.holds for p in self.incoming.values())
 
     def predicted(self, request_id: str) -> int:
         """The decode length promised for a request on its way (what its reservation is checked against)."""
@@ -127,6 +131,19 @@ class DecodeLedger:
             self.held.append(t)
             sent.append(t)
         return sent
+
+    def landing(self, arrived: Callable[[Transfer], bool], reserve: Callable[[str], bool]) -> Iterator[Transfer]:
+        """The held transfers that land now, in order: those whose KV is in its buffer (`arrived`) and whose
+        request holds blocks, which reserve(request id) gets it the first time. A request refused keeps its
+        buffer, and the transfers after it wait. The caller lands each one it is given (`land`)."""
+        for t in list(self.held):
+            if not arrived(t):
+                continue
+            if not self.holds(t.request_id):
+                if not reserve(t.request_id):
+                    return
+                self.hold(t.request_id)
+            yield t
 
     def land(self, transfer: Transfer, now: float) -> None:
         """A sent transfer's rows are in the instance's cache: its buffer is free."""

@@ -47,12 +47,11 @@ from jaxserve.sched.plan import Outcome, Phase, Plan, WorkItem
 from jaxserve.sched.policies import Policy
 from jaxserve.sched.queue import PrefillQueue
 from jaxserve.sched.request import Request, RequestStatus
-from jaxserve.config import SLO
+from jaxserve.config import DECODE_ADMISSION, SLO
 
 
 DECODING = RequestStatus.DECODING
 RESUMED_SEQ = -2**40  # arrival places of resumed requests: before every newcomer's (from 0)
-ADMISSION = ("greedy", "reserve_static", "reserve_dynamic")
 
 
 class ReplicaScheduler:
@@ -62,8 +61,8 @@ class ReplicaScheduler:
                  admission: str = "greedy"):
         if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
-        if admission not in ADMISSION:
-            raise ValueError(f"admission must be one of {', '.join(ADMISSION)}, got {admission!r}")
+        if admission not in DECODE_ADMISSION:
+            raise ValueError(f"admission must be one of {', '.join(DECODE_ADMISSION)}, got {admission!r}")
         self.admission = admission
         self._predicted: dict[str, int] = {}  # a reserved request's predicted decode length (upper end)
         self.num_scheduler_steps = num_scheduler_steps
@@ -146,7 +145,7 @@ class ReplicaScheduler:
         prompt and predicted decode (reserving)."""
         if self.admission == "greedy":
             return (self.kv.capacity - self.kv.num_free) * self.kv.block_size
-        return sum(_promised(r, self._predicted.get(r.id, r.output_len)) for r in self.running.values())
+        return sum(_promised(r, self._decode(r)) for r in self.running.values())
 
     def _admits(self, request: Request, decode: int) -> bool:
         """The admission policy's check for a request prefilled elsewhere, predicted to decode `decode` tokens."""
@@ -155,11 +154,15 @@ class ReplicaScheduler:
         holders = list(self.running.values())
         if self.admission == "reserve_static" or not holders:
             return self.committed() + _promised(request, decode) <= self.kv_capacity
-        left = [max(self._predicted.get(r.id, r.output_len) - r.generated, 1) for r in holders]
+        left = [max(self._decode(r) - r.generated, 1) for r in holders]
         t = min(left)  # steps until the first holder is predicted to finish
         # memory at that moment, before it frees its own: everyone (this one too) grown by t steps
         at_t = sum(_held(r) + t for r in holders)
         return at_t + _held(request) + min(t, max(decode - request.generated, 1)) <= self.kv_capacity
+
+    def _decode(self, r: Request) -> int:
+        """The decode length a holder's admission counts: its reserved prediction (its max_tokens otherwise)."""
+        return self._predicted.get(r.id, r.output_len)
 
     def add_prefilled(self, request: Request) -> None:
         """Its prompt's KV has landed in the reserved blocks and its first token is counted: it decodes from the

@@ -41,7 +41,7 @@ from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
-from jaxserve.config import SLO, SchedulerConfig
+from jaxserve.config import DECODE_ADMISSION, SLO, SchedulerConfig
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.simulator import PLACEHOLDER_TOKEN, step_seconds, step_tokens
 from jaxserve.sim.workload import Workload
@@ -51,8 +51,7 @@ BLOCK_SIZE = 16  # a decode instance's KV block, tokens
 MAX_EMPTY_PLANS = 4  # Plans of no work in a row before a step start gives up (the next event plans again)
 # DisaggConfig.admission -> the decode instances' ReplicaScheduler admission; the oracle reserves what a perfect
 # predictor would give (the true output length)
-ADMISSIONS = {"oracle": "reserve_static", "greedy": "greedy", "reserve_static": "reserve_static",
-              "reserve_dynamic": "reserve_dynamic"}
+ADMISSIONS = {"oracle": "reserve_static"} | {a: a for a in DECODE_ADMISSION}
 
 
 class FlipRule(Protocol):
@@ -323,20 +322,13 @@ class _Run:
         """As the live instance does: land the arrived transfers, in order, once their request holds blocks (a
         request the admission policy or the memory holds back keeps its buffer); a request with all its KV in
         decodes; free buffers take the next transfers; a step starts if none runs."""
-        for t in list(dec.ledger.held):
-            if t.key not in dec.arrived:  # still on the link
-                continue
-            rid = t.request_id
-            if not dec.ledger.holds(rid):
-                r, predicted = dec.expected[rid]
-                if dec.scheduler.reserve(r, predicted) is None:
-                    break
-                dec.ledger.hold(rid)
+        reserve = lambda rid: dec.scheduler.reserve(*dec.expected[rid]) is not None  # noqa: E731
+        for t in dec.ledger.landing(lambda t: t.key in dec.arrived, reserve):  # not arrived: still on the link
             dec.arrived.discard(t.key)
             dec.ledger.land(t, now)
-            if dec.ledger.ready(rid):
-                dec.ledger.admit(rid)
-                dec.scheduler.add_prefilled(dec.expected.pop(rid)[0])
+            if dec.ledger.ready(t.request_id):
+                dec.ledger.admit(t.request_id)
+                dec.scheduler.add_prefilled(dec.expected.pop(t.request_id)[0])
         self._send(dec, now)
         self._launch(dec, now)
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.config import SchedulerConfig
+from jaxserve.config import DECODE_ADMISSION, SchedulerConfig
 from jaxserve.sched.batch_cost import TetrisBatchCost
 from jaxserve.sched.build import packer_config, replica_scheduler
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.plan import Outcome
 from jaxserve.sched.request import Request
-from jaxserve.sched.scheduler import ADMISSION, ReplicaScheduler
+from jaxserve.sched.scheduler import ReplicaScheduler
 
 COST = TetrisBatchCost(TetrisPrefill({1: np.array([0.004, 6.5e-5, 1.0e-9, 1.2e-9])}))
 
@@ -51,7 +51,7 @@ def drive(sched: ReplicaScheduler, requests: list[Request], predicted: dict[str,
     raise AssertionError("did not drain")
 
 
-@pytest.mark.parametrize("admission", ADMISSION)
+@pytest.mark.parametrize("admission", DECODE_ADMISSION)
 def test_every_admission_policy_drains_within_memory(admission):
     sched = decode_instance(3000, admission)
     reqs = [prefilled(str(i), 400, 50 + 40 * i) for i in range(12)]

@@ -71,3 +71,21 @@ def test_the_flip_load_counts_requests_on_their_way_in_the_batch():
     assert ledger.busy(100, 1000, 1, 4) == 0.75  # 1 running and 2 on their way of 4; memory 0.1
     ledger.hold("a")
     assert ledger.busy(900, 1000, 1, 4) == 0.9  # memory the fuller
+
+
+def test_held_transfers_land_in_order_once_their_request_holds_blocks():
+    ledger = DecodeLedger(3)
+    for rid in "abc":
+        ledger.expect(rid, 100, 10, heavy=False)
+        ledger.offer(Transfer(rid, 0, True, 100, 0.0))
+    ledger.send(0.0)
+    asked = []
+
+    def reserve(rid):
+        asked.append(rid)
+        return rid != "b"  # b's blocks are not free yet
+
+    landed = [t.request_id for t in ledger.landing(lambda t: t.request_id != "a", reserve)]  # a still on the link
+    assert landed == [] and asked == ["b"]  # b refused: c waits behind it, a is skipped
+    got = list(ledger.landing(lambda t: True, lambda rid: True))
+    assert [t.request_id for t in got] == ["a", "b", "c"] and all(ledger.holds(r) for r in "abc")
