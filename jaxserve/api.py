@@ -19,7 +19,7 @@ from jaxserve import config
 from jaxserve.config import EngineConfig, InstanceShape, ModelConfig
 from jaxserve.engine import kv_budget, profile, scoring
 from jaxserve.cluster import pool_profile
-from jaxserve.cluster import lockstep
+from jaxserve.cluster import length_predictor, lockstep
 from jaxserve.cluster.build import build, pool_context, warmup
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.engine.batch import Buckets
@@ -275,7 +275,8 @@ class LLM:
         cluster = build(self.config, self._params, layout, lambda ds: self.make_engine(ds, progress), path,
                         capacity=self.max_model_len, store_tokens=self._kv_tokens, dtype=self._dtype,
                         key_block=key_block, progress=progress, new=self._new,
-                        kv_cache_dtype=self.engine_config.cache.kv_cache_dtype)
+                        kv_cache_dtype=self.engine_config.cache.kv_cache_dtype,
+                        predictor_file=length_predictor.default_path(self.model_name, self._dtype_name))
         # as one engine: serve compiles everything first, generate as steps need it; between processes always
         # (a transfer's communicator is set up there, which both processes must reach within a deadline)
         if self.engine_config.startup.warmup or self.lockstep is not None:

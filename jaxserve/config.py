@@ -158,11 +158,13 @@ DECODE_ADMISSION = ("greedy", "reserve_static", "reserve_dynamic")
 # The cluster settings each --cluster_policy reads; every other one does nothing there (nor without a cluster)
 CLUSTER_SETTINGS = {
     "cdsp": ("decode_instances", "decode_kvp", "node_size", "receive_buffers", "decode_admission", "min_chunk",
-             "sp_attention", "sparse_attention"),
+             "improvement_rate", "improvement_rates", "sp_attention", "sparse_attention", "length_predictor"),
     "tetriinfer": ("decode_instances", "decode_kvp", "receive_buffers", "decode_admission", "prefill_chunk",
-                   "prefill_batch", "prefill_order", "flip_window"),
-    "esp": ("receive_buffers", "decode_admission"),  # its pool's instances decode: a prompt's KV moves to one
+                   "prefill_batch", "prefill_order", "flip_window", "length_predictor"),
+    # its pool's instances decode: a prompt's KV moves to one
+    "esp": ("receive_buffers", "decode_admission", "length_predictor"),
 }
+LENGTH_PREDICTORS = ("mean", "prompt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +186,20 @@ class ParallelConfig:
         "length. greedy (vLLM): while its prompt's blocks are free; a request that outgrows the memory is "
         "preempted and recomputes. reserve_static: while every request's prompt and predicted decode fit. "
         "reserve_dynamic: while there is room when the request with the least predicted decode left ends.")
+    length_predictor: Literal["mean", "prompt"] = setting(
+        "mean", "How a cluster predicts a request's decode length (its decode instance, admission and KV "
+        "promises follow it). mean: the mean of the lengths served so far. prompt (TetriInfer 3.3.3): a classifier "
+        "over 200-token buckets that reads the served model's embedding of the prompt and its length, learned from "
+        "the lengths served (the running mean until 32 have finished), its state kept in the cache folder.")
     min_chunk: int = setting(1024, "The smallest CDSP chunk, tokens.")
+    improvement_rate: float = setting(
+        0.1, "cdsp: a chunk takes a larger group only if it ends at least this share sooner there (Tetris 5.1); "
+        "higher keeps a loaded pool from spending many instances on small gains.")
+    improvement_rates: str | None = setting(
+        None, "cdsp: Tetris's load-aware improvement rate (5.1). A JSON table of the best improvement rate at each "
+        "arrival rate (tools/improvement_rates.py profiles one on the pool's Eq. (1) in simulation); the planner "
+        "takes the rate recorded for the load nearest the arrivals of the last 30 s, refreshed every 30 s. "
+        "Default: --improvement_rate, fixed.")
     cluster_policy: Literal["cdsp", "tetriinfer", "esp"] = setting(
         "cdsp", "How a cluster prefills. cdsp (Tetris): each prompt planned chunk by chunk over SP groups of the "
         "pool, its KV streamed chunk by chunk to the decode instance chosen on arrival (by freeness). tetriinfer "
@@ -223,6 +238,13 @@ class ParallelConfig:
         if self.decode_admission not in DECODE_ADMISSION:
             raise ValueError(f"decode_admission must be {', '.join(DECODE_ADMISSION[:-1])} or "
                              f"{DECODE_ADMISSION[-1]}, got {self.decode_admission!r}")
+        if not 0 <= self.improvement_rate < 1:
+            raise ValueError(f"improvement_rate must be in [0, 1), got {self.improvement_rate}")
+        if self.improvement_rates is not None and self.improvement_rate != 0.1:
+            raise ValueError(f"--improvement_rate={self.improvement_rate}: not read with --improvement_rates (the "
+                             "table picks the rate); leave one out")
+        if self.length_predictor not in LENGTH_PREDICTORS:
+            raise ValueError(f"length_predictor must be mean or prompt, got {self.length_predictor!r}")
         if self.sp_attention not in ("ring", "sp_ntp"):
             raise ValueError(f"sp_attention must be ring or sp_ntp, got {self.sp_attention!r}")
         if self.sparse_attention is not None and not (self.sp_attention == "sp_ntp" and self.cluster_policy == "cdsp"

@@ -69,6 +69,10 @@ def test_replace_reaches_nested_settings_and_refuses_unknown_ones():
     (dict(receive_buffers=0), "receive_buffers must be a positive integer"),
     (dict(decode_admission="lazy"), "decode_admission must be greedy, reserve_static or reserve_dynamic"),
     (dict(kvp_tokens=256), r"--kvp_tokens=256 does nothing with one KV-parallel set \(--kvp=1\)"),
+    (dict(improvement_rate=1.0), r"improvement_rate must be in \[0, 1\)"),
+    (dict(prefill_instances=4, improvement_rate=0.2, improvement_rates="t.json"),
+     "--improvement_rate=0.2: not read with --improvement_rates"),
+    (dict(length_predictor="oracle"), "length_predictor must be mean or prompt"),
 ])
 def test_bad_settings_are_refused_with_their_name(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -97,6 +101,11 @@ ONE_ENGINE = "not read with one engine \\(a cluster needs --prefill_instances\\)
     (dict(prefill_instances=4, cluster_policy="esp", kvp_tokens=256), "--kvp_tokens=256: not read with "),
     (dict(prefill_instances=4, kvp_tokens=256), r"one KV-parallel set \(--decode_kvp=1\)"),
     (dict(decode_admission="reserve_static"), "--decode_admission=reserve_static: not read with one engine"),
+    (dict(length_predictor="prompt"), "--length_predictor=prompt: not read with one engine"),
+    (dict(prefill_instances=4, cluster_policy="esp", improvement_rates="t.json"),
+     "--improvement_rates=t.json: not read with --cluster_policy=esp"),
+    (dict(prefill_instances=4, cluster_policy="tetriinfer", improvement_rate=0.3),
+     "--improvement_rate=0.3: not read with --cluster_policy=tetriinfer"),
 ])
 def test_a_setting_the_layout_does_not_read_is_refused_by_name(settings, message):
     """Given in any order (config.replace makes a section once), each is refused at start instead of doing

@@ -20,6 +20,7 @@ Writes <policy>.json (the LiveRun, each request's live and simulated TTFT and TP
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -135,6 +136,7 @@ def main(argv: list[str]) -> None:
 
     import jaxserve
     from jaxserve.sim import plots
+    from jaxserve.sched.improvement_rate import AdaptiveCDSP
     from jaxserve.sim.replay import LiveRun, replay
 
     out = pathlib.Path(FLAGS.out)
@@ -157,8 +159,11 @@ def main(argv: list[str]) -> None:
     first = cluster.decoders[0]
     planner = {}
     if policy == "cdsp":
-        planner = dict(improvement_rate=cluster.planner.improvement_rate, sizes=list(cluster.planner.sizes),
-                       min_chunk=cluster.planner.min_chunk)
+        adaptive = isinstance(cluster.planner, AdaptiveCDSP)
+        cdsp = cluster.planner.planner if adaptive else cluster.planner
+        planner = dict(improvement_rate=cdsp.improvement_rate, sizes=list(cdsp.sizes), min_chunk=cdsp.min_chunk)
+        if adaptive:
+            planner["improvement_rates"] = dataclasses.asdict(cluster.planner.table)
     # the trace as it was submitted (the loop submits a little after each arrival)
     submitted = [(live["submitted"][k], p, o) for k, (_, p, o) in enumerate(requests)]
     run = LiveRun(policy, FLAGS.prefill_instances, 0 if policy == "esp" else FLAGS.decode_instances,

@@ -14,6 +14,7 @@ from jaxserve.cluster import pool_profile
 from jaxserve.config import ParallelConfig
 from jaxserve.cluster.decode import LiveDecoder
 from jaxserve.cluster.engine import ClusterEngine
+from jaxserve.cluster.length_predictor import KeptClassifier, PromptFeatures
 from jaxserve.cluster.esp import ESPCluster
 from jaxserve.cluster.tetriinfer import TetriInferCluster
 from jaxserve.cluster.transfer import KVMover
@@ -24,6 +25,7 @@ from jaxserve.sched.cluster import CDSPPolicy, ESPPolicy, TetriInferPolicy
 from jaxserve.sched.decode_dispatch import ObservedLengths
 from jaxserve.sched.esp import ESPScheduler, aligned_groups
 from jaxserve.sched.flip import FlipPolicy
+from jaxserve.sched.improvement_rate import AdaptiveCDSP, read_rate_table
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler
 from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill
 
@@ -101,9 +103,10 @@ def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> in
 def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.Device]], Engine],
           prefill_cost: TetrisPrefill | LoongServePrefill | pathlib.Path, *, capacity: int,
           store_tokens: int | None = None, dtype=jnp.float32, kv_cache_dtype: str = "auto",
-          sizes: Sequence[int] | None = None, improvement_rate: float = 0.1,
+          sizes: Sequence[int] | None = None,
           dispatch: str = "freeness", key_block: int = 256, min_local: int = MIN_LOCAL,
           devices: Sequence[jax.Device] | None = None, progress: bool = True,
+          predictor_file: pathlib.Path | None = None,
           new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
     """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool), tetriinfer (each pool
     instance its own PrefillBatchScheduler; power-of-two dispatch) or esp (the pool's instances decode too, an
@@ -113,6 +116,7 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     SP sizes chunks may use (default: the fitted ones, or the powers of two from a node to the pool when
     measuring). capacity: the longest prompt; store_tokens: what a CDSP pool instance's history store holds (its
     device's KV budget; default: capacity), a prompt's history spread over its chunks' groups (pool_context).
+    predictor_file: where `--length_predictor=prompt` keeps what it learned (default: nowhere).
     new: makes the device-layer objects (across processes: lockstep.Leader.new)."""
     devices = list(devices or jax.devices())
     check_layout(layout, len(devices))
@@ -133,15 +137,18 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     else:
         g = layout.decode_kvp * tp
         engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
+    features = PromptFeatures(params) if layout.length_predictor == "prompt" else None
+    predictor = ObservedLengths() if features is None else KeptClassifier(predictor_file, features.dim)
     mover = new(KVMover, sp, [e.runner for e in engines])
     decoders = [LiveDecoder(i, e, layout.receive_buffers, mover) for i, e in enumerate(engines)]
     pool_ids = sorted(sp.instances)
     if layout.cluster_policy == "tetriinfer":
         instances = [PrefillBatchScheduler(layout.prefill_chunk, layout.prefill_batch, layout.prefill_order, (d,))
                      for d in pool_ids]
-        scheduler = TetriInferPolicy(instances, pool_ids, "power_of_two", ObservedLengths())
+        scheduler = TetriInferPolicy(instances, pool_ids, "power_of_two", predictor)
         flip = FlipPolicy(window=layout.flip_window, check_every=layout.flip_window / 12) if flips else None
-        return TetriInferCluster(sp, scheduler, decoders, mover, flip=flip, prefilling=layout.prefill_instances)
+        return TetriInferCluster(sp, scheduler, decoders, mover, flip=flip, prefilling=layout.prefill_instances,
+                                 features=features)
     if layout.cluster_policy == "esp":
         groups = aligned_groups(layout.prefill_instances)
         if isinstance(prefill_cost, pathlib.Path):
@@ -150,15 +157,17 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         # a batch is admitted while one iteration takes at most a full-length prompt's time on one instance
         knee = prefill_cost.predict(1, tp, [capacity])
         esp = ESPScheduler(prefill_cost, tp, knee, None, 0.0, groups=groups)  # no bandwidth: no KV evacuated
-        scheduler = ESPPolicy(esp, pool_ids, "freeness", ObservedLengths())
-        return ESPCluster(sp, scheduler, decoders, mover)
+        scheduler = ESPPolicy(esp, pool_ids, "freeness", predictor)
+        return ESPCluster(sp, scheduler, decoders, mover, features=features)
     if isinstance(prefill_cost, pathlib.Path):
         pool = pool_of(layout)
         sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]
         first_group = {len(g): g for g in reversed(planner_groups(pool, sizes))}  # the first group of each size
         groups = {s: tuple(devices[i * tp].id for i in g) for s, g in first_group.items()}
         prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
-    planner = CDSPPlanner(prefill_cost, pool_of(layout), improvement_rate, sizes=sizes,
+    planner = CDSPPlanner(prefill_cost, pool_of(layout), layout.improvement_rate, sizes=sizes,
                           min_chunk=layout.min_chunk, stores=sp.room)
-    scheduler = CDSPPolicy(planner, pool_ids, dispatch, ObservedLengths())
-    return ClusterEngine(sp, scheduler, decoders, mover)
+    if layout.improvement_rates is not None:  # the user's own file: a bad one is refused, naming it
+        planner = AdaptiveCDSP(planner, read_rate_table(pathlib.Path(layout.improvement_rates)))
+    scheduler = CDSPPolicy(planner, pool_ids, dispatch, predictor)
+    return ClusterEngine(sp, scheduler, decoders, mover, features=features)

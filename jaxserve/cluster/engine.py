@@ -31,6 +31,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import ChunkRun, SPPrefill
 from jaxserve.sched.cdsp import planner_groups
 from jaxserve.sched.cluster import ClusterPolicy
+from jaxserve.sched.decode_dispatch import PromptInfo
 from jaxserve.sched.decode_ledger import Transfer
 from jaxserve.sched.kv_manager import PrefixCacheStats
 from jaxserve.sched.plan import WorkItem
@@ -84,7 +85,10 @@ class _Running:
 
 class ClusterEngine:
     def __init__(self, prefill: SPPrefill, scheduler: ClusterPolicy, decoders: Sequence[LiveDecoder],
-                 mover: KVMover, *, clock: Callable[[], float] = time.monotonic):
+                 mover: KVMover, *, clock: Callable[[], float] = time.monotonic,
+                 features: Callable[[Sequence[int]], np.ndarray] | None = None):
+        """features: what the length predictor reads of a prompt (cluster/prompt_features.py; None: its length
+        alone)."""
         self.pool_ids = tuple(sorted(prefill.instances))
         if scheduler.pool_ids != self.pool_ids:
             raise ValueError(f"the scheduler's pool is devices {scheduler.pool_ids}; the prefill pool's "
@@ -92,7 +96,7 @@ class ClusterEngine:
         if scheduler.predictor is None:
             raise ValueError("a live cluster predicts decode lengths (e.g. ObservedLengths); it cannot know them")
         self.prefill, self.scheduler, self.decoders = prefill, scheduler, list(decoders)
-        self.mover, self.clock = mover, clock
+        self.mover, self.clock, self.features = mover, clock, features
         first = self.decoders[0].engine
         self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
         self.max_num_seqs = sum(d.engine.max_num_seqs for d in self.decoders)
@@ -111,6 +115,10 @@ class ClusterEngine:
         self._owner: dict[str, LiveDecoder | None] = {}
         self._generated: dict[str, int] = {}
         self._ids = itertools.count()
+
+    def prompt_info(self, ids: Sequence[int]) -> PromptInfo:
+        """What the length predictor reads of a prompt."""
+        return PromptInfo(len(ids), None if self.features is None else self.features(ids))
 
     @property
     def planner(self):
@@ -149,7 +157,8 @@ class ClusterEngine:
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")
         now = self.clock()
-        arrival = self.scheduler.arrive(len(ids), now, [d.load() for d in self.decoders], params.max_tokens)
+        arrival = self.scheduler.arrive(self.prompt_info(ids), now, [d.load() for d in self.decoders],
+                                        params.max_tokens, request_id=rid)
         chosen = arrival.dispatch
         decoder = self.decoders[chosen.decoder]
         seed = decoder.engine.expect(ids, params, rid)

@@ -27,7 +27,7 @@ from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched import esp as elastic
-from jaxserve.sched.decode_dispatch import HEAVY_DECODE
+from jaxserve.sched.decode_dispatch import HEAVY_DECODE, PromptInfo
 from jaxserve.sched.decode_ledger import Transfer
 from jaxserve.sched.request import Request
 
@@ -112,7 +112,7 @@ class ESPCluster(ClusterEngine):
         instances = [self._instance(k) for k, i in enumerate(self.pool_ids) if i not in busy]
         if not self._waiting or not instances:
             return []
-        estimate = self.scheduler.predict(0)
+        estimate = self.scheduler.predict(PromptInfo(0))  # the running mean: one estimate for every decode
         generated = tuple(g for e in instances for g in e.generated)
         decodes = elastic.RunningDecodes(elastic.isolated_room(instances), generated, estimate, self.decode_seconds)
         growth = sum(max(estimate - g, 0) for g in generated)
@@ -127,7 +127,7 @@ class ESPCluster(ClusterEngine):
             p = self._waiting[r.id]
             k = elastic.keeper([self._instance(k) for k in batch.instances]).id
             decoder = self.decoders[k]
-            hi = self.scheduler.predict(len(p.ids), p.params.max_tokens)
+            hi = self.scheduler.predict(self.prompt_info(p.ids), p.params.max_tokens, r.id)
             seed = decoder.engine.expect(p.ids, p.params, r.id)
             decoder.ledger.expect(r.id, len(p.ids), hi, hi > HEAVY_DECODE)
             run = self.prefill.run_chunk(r.id, group, p.ids, 0, p.params, seed)

@@ -110,7 +110,8 @@ class TetriInferCluster(ClusterEngine):
 
     def _dispatch(self, rid: str, p: _Prompt) -> None:
         open_ = sorted(self.decoding)
-        chosen = self.scheduler.dispatch(len(p.ids), [self.decoders[i].load() for i in open_], p.params.max_tokens)
+        chosen = self.scheduler.dispatch(self.prompt_info(p.ids), [self.decoders[i].load() for i in open_],
+                                         p.params.max_tokens, rid)
         decoder = self.decoders[open_[chosen.decoder]]
         p.seed = decoder.engine.expect(p.ids, p.params, rid)
         decoder.ledger.expect(rid, len(p.ids), chosen.predicted, chosen.heavy)

@@ -3,7 +3,8 @@ cluster/tetriinfer.py, cluster/esp.py) and the simulators (sim/disagg.py, sim/pr
 sim/esp_cluster.py) alike. What they share is ClusterPolicy's: decode dispatch and the length predictor.
 
 - ClusterPolicy: decode dispatch (`dispatch`) by freeness or power of two, from the predicted decode length;
-  a finished request teaches the length predictor (`finish`). Alone: a cluster whose prefill is not planned.
+  a finished request teaches the length predictor what its prompt gave (`finish`). Alone: a cluster whose
+  prefill is not planned.
 - CDSPPolicy (Tetris 5.1-5.2): at arrival (`arrive`) the prompt's chunks on groups of the prefill pool, planned
   on each device's bookings, and its decode instance, chosen from the predicted decode length (never the true
   one); booked at once. Live (`add`, `schedule`, `complete`): the chunks that can start now, in booked order, on
@@ -28,7 +29,8 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from jaxserve.sched.cdsp import Chunk, ChunkPlan
-from jaxserve.sched.decode_dispatch import HEAVY_DECODE, DecodeLoad, LengthPredictor, by_freeness, power_of_two
+from jaxserve.sched.decode_dispatch import (HEAVY_DECODE, DecodeLoad, LengthPredictor, PromptInfo, by_freeness,
+                                            power_of_two)
 from jaxserve.sched.esp import ElasticInstance, ESPBatch, ESPScheduler, RunningDecodes
 from jaxserve.sched.plan import KVMove, MoveKind, Outcome, Phase, Plan, WorkItem
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, least_queued
@@ -80,32 +82,38 @@ class ClusterPolicy:
         self.free_at = np.zeros(len(self.pool_ids))  # absolute time each slot's bookings end (updated in place)
         self.unavailable = np.zeros(len(self.pool_ids), bool)
         self._rng = random.Random(seed)
+        self._prompts: dict[str, PromptInfo] = {}  # what the predictor read of each request not yet finished
 
     # ---- arrival ---------------------------------------------------------------------------------------------
-    def predict(self, prompt_len: int, limit: int | None = None) -> int:
+    def predict(self, prompt: PromptInfo, limit: int | None = None, request_id: str | None = None) -> int:
         """Decode tokens to plan for: the predictor's upper end, at most `limit` (max_tokens); without a
-        predictor, `limit` itself (the simulator's oracle)."""
+        predictor, `limit` itself (the simulator's oracle). With `request_id` the prompt is kept until its
+        `finish` teaches the predictor."""
         if self.predictor is None:
             if limit is None:
                 raise ValueError("without a length predictor the caller gives the decode length")
             return limit
-        hi = self.predictor.predict(prompt_len)[1]
+        if request_id is not None:
+            self._prompts[request_id] = prompt
+        hi = self.predictor.predict(prompt)[1]
         return hi if limit is None else min(hi, limit)
 
-    def dispatch(self, prompt_len: int, loads: Sequence[DecodeLoad], limit: int | None = None) -> Dispatch:
+    def dispatch(self, prompt: PromptInfo, loads: Sequence[DecodeLoad], limit: int | None = None,
+                 request_id: str | None = None) -> Dispatch:
         """The decode instance for a prompt: by freeness (virtual usage counted in the loads), or power of two
         over the instances with room for prompt plus predicted decode."""
-        hi = self.predict(prompt_len, limit)
+        hi = self.predict(prompt, limit, request_id)
         heavy = hi > HEAVY_DECODE
         if self.dispatch_rule == "freeness":
             return Dispatch(by_freeness(loads), hi, heavy)
-        return Dispatch(power_of_two(loads, prompt_len + hi, heavy, self._rng), hi, heavy)
+        return Dispatch(power_of_two(loads, prompt.length + hi, heavy, self._rng), hi, heavy)
 
     def finish(self, request_id: str, generated: int) -> None:
-        """The request ended (or was aborted): a predictor that learns sees how long its decode was."""
-        del request_id
-        if self.predictor is not None and generated:
-            self.predictor.observe(generated)
+        """The request ended (or was aborted, generated 0): a predictor that learns sees how long the decode
+        of the prompt it read was."""
+        prompt = self._prompts.pop(request_id, None)
+        if self.predictor is not None and prompt is not None and generated:
+            self.predictor.observe(prompt, generated)
 
 
 class CDSPPolicy(ClusterPolicy):
@@ -115,18 +123,19 @@ class CDSPPolicy(ClusterPolicy):
         self.planner = planner
         self._prefills: dict[str, _Prefill] = {}
 
-    def arrive(self, prompt_len: int, now: float, loads: Sequence[DecodeLoad] | None = None,
+    def arrive(self, prompt: PromptInfo, now: float, loads: Sequence[DecodeLoad] | None = None,
                limit: int | None = None, admits: Callable[[Dispatch], bool] | None = None,
-               retime: Callable[[ChunkPlan, np.ndarray], ChunkPlan] | None = None) -> Arrival | None:
+               retime: Callable[[ChunkPlan, np.ndarray], ChunkPlan] | None = None,
+               request_id: str | None = None) -> Arrival | None:
         """The arrival decision: the planner sees the time, the decode instance is chosen (if `loads`), and,
         unless `admits` refuses it (None is returned then), the chunks are planned and booked. retime: times
-        the plan's chunks otherwise before booking (the simulator's executor)."""
+        the plan's chunks otherwise before booking (the simulator's executor). request_id: as `dispatch`."""
         self.planner.on_arrival(now)
-        chosen = None if loads is None else self.dispatch(prompt_len, loads, limit)
+        chosen = None if loads is None else self.dispatch(prompt, loads, limit, request_id)
         if chosen is not None and admits is not None and not admits(chosen):
             return None
         queues = np.where(self.unavailable, UNAVAILABLE, np.maximum(self.free_at - now, 0.0))
-        plan = self.planner.plan(prompt_len, queues)
+        plan = self.planner.plan(prompt.length, queues)
         if retime is not None:
             plan = retime(plan, queues)
         if plan.ttft >= UNAVAILABLE:
@@ -262,7 +271,7 @@ class ESPPolicy(ClusterPolicy):
         if not self._waiting or not instances:
             return []
         if self.predictor is not None:
-            self.elastic.output_estimate = self.predict(0)
+            self.elastic.output_estimate = self.predict(PromptInfo(0))
         batches = self.elastic.plan(self.waiting, instances, growth, decodes)
         for b in batches:
             for r in b.requests:

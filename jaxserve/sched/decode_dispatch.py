@@ -8,7 +8,8 @@ TetriInfer's choice relies on.
   evenly keeps every instance's heavy:light ratio low), a light one to the less loaded.
 - BucketPredictor: TetriInfer predicts a decode-length range (a bucket), not a count. The baseline here is the
   Bayes classifier from trace statistics: per prompt-length band, the most frequent output bucket. Anything with
-  the same `predict` can replace it (TetriInfer fine-tunes a small LLM).
+  the same `predict` can replace it (TetriInfer fine-tunes a small LLM; sched/length_classifier.py reads the
+  served model's features of the prompt).
 - ObservedLengths: what a live server predicts with no trace to fit on: the mean output served so far.
 """
 
@@ -23,12 +24,21 @@ import numpy as np
 HEAVY_DECODE = 512  # TetriInfer 2.2.2: a decode of more than ~512 tokens is heavy
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptInfo:
+    """What a length predictor reads of a prompt: its length and, where the executor computes them, the served
+    model's features of it (cluster/prompt_features.py; None in simulation)."""
+
+    length: int
+    features: np.ndarray | None = None
+
+
 class LengthPredictor(Protocol):
-    def predict(self, prompt_len: int) -> tuple[int, int]:
+    def predict(self, prompt: PromptInfo) -> tuple[int, int]:
         """The predicted decode-length range [lo, hi)."""
 
-    def observe(self, generated: int) -> None:
-        """A request finished after `generated` tokens (a predictor that learns from what it served)."""
+    def observe(self, prompt: PromptInfo, generated: int) -> None:
+        """A request for `prompt` finished after `generated` tokens (a predictor that learns from what it served)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,17 +63,18 @@ class BucketPredictor:
                          for b in range(len(edges) + 1))
         return cls(granularity, edges, per_band)
 
-    def predict(self, prompt_len: int) -> tuple[int, int]:
-        b = self.buckets[int(np.searchsorted(self.band_edges, prompt_len, side="right"))]
+    def predict(self, prompt: PromptInfo) -> tuple[int, int]:
+        b = self.buckets[int(np.searchsorted(self.band_edges, prompt.length, side="right"))]
         return b * self.granularity, (b + 1) * self.granularity
 
-    def observe(self, generated: int) -> None:
-        del generated  # fitted on a trace; learns nothing while serving
+    def observe(self, prompt: PromptInfo, generated: int) -> None:
+        del prompt, generated  # fitted on a trace; learns nothing while serving
 
-    def accuracy(self, prompt_lens: Sequence[int], output_lens: Sequence[int]) -> float:
-        """Share of requests whose decode length falls in the predicted bucket."""
-        hits = [lo <= o < hi for p, o in zip(prompt_lens, output_lens) for lo, hi in (self.predict(p),)]
-        return float(np.mean(hits))
+
+def accuracy(predictor: LengthPredictor, prompts: Sequence[PromptInfo], output_lens: Sequence[int]) -> float:
+    """Share of requests whose decode length falls in the predicted range (TetriInfer's measure)."""
+    hits = [lo <= o < hi for p, o in zip(prompts, output_lens) for lo, hi in (predictor.predict(p),)]
+    return float(np.mean(hits))
 
 
 class ObservedLengths:
@@ -73,14 +84,15 @@ class ObservedLengths:
     def __init__(self, prior: int = 256, granularity: int = 64):
         self.prior, self.granularity, self.total, self.count = prior, granularity, 0, 0
 
-    def observe(self, generated: int) -> None:
+    def observe(self, prompt: PromptInfo, generated: int) -> None:
+        del prompt
         self.total, self.count = self.total + generated, self.count + 1
 
-    def predict(self, prompt_len: int) -> tuple[int, int]:
+    def predict(self, prompt: PromptInfo) -> tuple[int, int]:
+        del prompt
         mean = self.total / self.count if self.count else self.prior
         lo = int(mean) // self.granularity * self.granularity
         return lo, lo + self.granularity
-
 
 
 @dataclasses.dataclass

@@ -31,7 +31,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.sched.cluster import CDSPPolicy, Dispatch, Planner, TetriInferPolicy
-from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor
+from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor, PromptInfo
 from jaxserve.sched.decode_ledger import DecodeLedger, Transfer
 from jaxserve.sched.flip import FlipController
 from jaxserve.sched.build import packer_config, replica_scheduler
@@ -272,6 +272,7 @@ class _Run:
                 done = dec.scheduler.apply(plan, outcome)
                 for r in done:
                     dec.ledger.forget(r.id)
+                    self.scheduler.finish(r.id, r.generated)  # a predictor that learns sees the length, as live
                 dec.finished += len(done)
                 self._done(len(done))
                 self._pump(dec, now)
@@ -298,8 +299,8 @@ class _Run:
         """r's decode instance, among those not draining, and its predicted decode length (the true one
         without a predictor: an oracle)."""
         active = self._open()
-        chosen = self.scheduler.dispatch(r.prompt_len, [d.load() for d in active],
-                                         None if self.sim.predictor is not None else r.output_len)
+        chosen = self.scheduler.dispatch(PromptInfo(r.prompt_len), [d.load() for d in active],
+                                         None if self.sim.predictor is not None else r.output_len, r.id)
         return active[chosen.decoder], chosen
 
     def _expect(self, dec: SimulatedDecoder, r: Request, chosen: Dispatch) -> None:
@@ -339,9 +340,11 @@ class _Run:
             return
         active = self._open()
         fits = lambda chosen: r.prompt_len + r.output_len <= active[chosen.decoder].scheduler.kv_capacity  # noqa: E731
-        arrival = self.scheduler.arrive(r.prompt_len, t, [d.load() for d in active],
-                                        None if sim.predictor is not None else r.output_len, admits=fits)
+        arrival = self.scheduler.arrive(PromptInfo(r.prompt_len), t, [d.load() for d in active],
+                                        None if sim.predictor is not None else r.output_len, admits=fits,
+                                        request_id=r.id)
         if arrival is None:
+            self.scheduler.finish(r.id, 0)
             self.rejected.append(r)
             self._done(1)
             return
@@ -351,6 +354,7 @@ class _Run:
         self.prefills += [((r.id,), tuple(c.group), t + c.start, t + c.end) for c in plan.chunks]
         self.requests.append(r)
         if r.finished:
+            self.scheduler.finish(r.id, r.generated)
             self._done(1)
             return
         self._expect(dec, r, arrival.dispatch)

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxserve.sched.cdsp import Balancing, ChunkPlan, chunk_seconds
 from jaxserve.sched.cluster import CDSPPolicy, Planner
+from jaxserve.sched.decode_dispatch import PromptInfo
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.config import SLO
 from jaxserve.sim.capacity import highest_rate
@@ -75,7 +76,7 @@ def run_pool(planner: Planner, workload: Workload, pool_size: int, best_latency:
     busy = 0.0
     plans = []
     for k, (t, tokens) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist())):
-        plan = scheduler.arrive(tokens, t, retime=executor).plan
+        plan = scheduler.arrive(PromptInfo(tokens), t, retime=executor).plan
         plans.append(plan)
         ttft[k], chunks[k] = plan.ttft, len(plan.chunks)
         deadline[k] = slo.ttft(best_latency(tokens))

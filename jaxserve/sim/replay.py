@@ -23,8 +23,9 @@ import numpy as np
 from jaxserve.sched.batch_cost import EngineStepCost, TetrisBatchCost
 from jaxserve.sched.cdsp import CDSPPlanner, Pool
 from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill
-from jaxserve.sched.decode_dispatch import ObservedLengths
+from jaxserve.sched.decode_dispatch import ObservedLengths, PromptInfo
 from jaxserve.sched.esp import aligned_groups
+from jaxserve.sched.improvement_rate import AdaptiveCDSP, RateTable
 from jaxserve.sim.disagg import Costs, DisaggConfig, DisaggSimulator
 from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
 from jaxserve.sim.metrics import Results
@@ -69,7 +70,8 @@ class LiveRun:
     kv_tokens: int  # KV one decode instance holds
     max_num_seqs: int  # sequences one decode step runs
     max_model_len: int
-    planner: dict = dataclasses.field(default_factory=dict)  # cdsp: improvement_rate, sizes, min_chunk
+    # cdsp: improvement_rate, sizes, min_chunk, and the improvement_rates table (RateTable's fields) if one was used
+    planner: dict = dataclasses.field(default_factory=dict)
     prefill_chunk: int = 512  # tetriinfer
     prefill_batch: int = 16
     prefill_order: str = "sjf"
@@ -132,7 +134,7 @@ def replay(run: LiveRun, progress: bool = False) -> Results:
         cfg = ESPConfig(instances=run.prefill_instances, tp=1, scale_up=False, multi_master=False, proactive=False,
                         evacuate=False, gather=True, groups=tuple(aligned_groups(run.prefill_instances)),
                         kv_tokens=run.kv_tokens, knee_tokens=run.max_model_len,
-                        output_estimate=ObservedLengths().predict(0)[1])
+                        output_estimate=ObservedLengths().predict(PromptInfo(0))[1])
         model = LoongServePrefill.from_json(json.dumps(run.prefill_model))
         return ESPSimulator(cfg, MeasuredESPCost(model, 1, step, run.transfer)).run(workload, progress)
     eq1 = TetrisPrefill.from_json(json.dumps(run.prefill_model))
@@ -149,6 +151,8 @@ def replay(run: LiveRun, progress: bool = False) -> Results:
         pool = Pool(run.prefill_instances // run.node_size, run.node_size)
         planner = CDSPPlanner(eq1, pool, run.planner["improvement_rate"], sizes=run.planner["sizes"],
                               min_chunk=run.planner["min_chunk"])
+        if "improvement_rates" in run.planner:  # --improvement_rates: the load picks the rate, as live
+            planner = AdaptiveCDSP(planner, RateTable(**run.planner["improvement_rates"]))
         cfg = DisaggConfig(prefill_instances=run.prefill_instances, decode_instances=run.decode_instances,
                            decode_tp=1, admission="greedy")
         sim = DisaggSimulator(planner, eq1.fastest, cfg, ObservedLengths(), costs)

@@ -14,6 +14,7 @@ from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sched.improvement_rate import AdaptiveCDSP, RateTable
 from tiny_models import write_tiny_model
 
 GREEDY = SamplingParams(max_tokens=24)
@@ -25,11 +26,16 @@ def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(model, llm, tmp_
     with CSA, dropping nothing; test_live_cluster.py serves CDSP's ring): the pool's Eq. (1) is measured and
     written where asked, and generation through the cluster (a prefill pool of 2 instances, one decode instance
     KV-parallel over 2, 12 devices in all) gives the single-device engine's greedy tokens, and serves them (the
-    openai client over HTTP) with its events in /metrics."""
-    path = tmp_path / "eq1.json"
+    openai client over HTTP) with its events in /metrics. The planner's improvement rate follows the load through
+    a table (--improvement_rates): the first arrivals, at once, read as a high rate."""
+    path, rates = tmp_path / "eq1.json", tmp_path / "rates.json"
+    rates.write_text(RateTable((0.0, 1.0), (0.3, 0.05)).to_json())
     clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4,
-                             max_num_batched_tokens=256, tp=3, prefill_instances=2, decode_instances=1, decode_kvp=2, min_chunk=256,
-                             sp_attention="sp_ntp", sparse_attention=0.0, prefill_profile=str(path), progress=False)
+                             max_num_batched_tokens=256, tp=3, prefill_instances=2, decode_instances=1, decode_kvp=2,
+                             min_chunk=256, sp_attention="sp_ntp", sparse_attention=0.0, prefill_profile=str(path),
+                             improvement_rates=str(rates), progress=False)
+    adaptive = clustered.engine.planner
+    assert isinstance(adaptive, AdaptiveCDSP) and adaptive.planner.improvement_rate == 0.3  # no load seen yet
     assert type(clustered.engine.prefill.backend(2)).__name__ == "StoreCSABackend"
     assert isinstance(clustered.engine, ClusterEngine)
     assert [len(i) for i in clustered.engine.prefill.instances.values()] == [3, 3]
@@ -39,6 +45,7 @@ def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(model, llm, tmp_
     ids = [prompt(llm, 700, 3), prompt(llm, 90, 4)]
     want = llm.generate(ids, GREEDY)
     assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == [c.token_ids for c in want]
+    assert adaptive.planner.improvement_rate == 0.05
     texts, events = serve(clustered, ids, GREEDY.max_tokens)  # `serve` over the same cluster
     assert texts == [c.text for c in want]
     assert events == {k: float(v) for k, v in clustered.engine.events.items()} and events["transfers"] >= 2, events

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jaxserve
 from conftest import MAX_MODEL_LEN, prompt, run, serve
 from jaxserve.cluster.build import build, warmup
+from jaxserve.cluster.length_predictor import KeptClassifier
 from jaxserve.cluster.tetriinfer import TetriInferCluster
 from jaxserve.config import ParallelConfig
 from jaxserve.engine.interface import ServingEngine
@@ -52,7 +53,8 @@ def test_llm_serves_through_tetriinfer_by_its_flag(model, llm):
     more rows of the history store than max_model_len, padded to power-of-two buckets."""
     clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4,
                              max_num_batched_tokens=256, prefill_instances=2, decode_instances=1,
-                             cluster_policy="tetriinfer", prefill_chunk=256, progress=False)
+                             cluster_policy="tetriinfer", prefill_chunk=256, length_predictor="prompt",
+                             progress=False)
     assert isinstance(clustered.engine, TetriInferCluster)
     ids = [prompt(llm, 600, 31), prompt(llm, 50, 32), prompt(llm, 1000, 33)]
     want = llm.generate(ids, GREEDY)
@@ -62,6 +64,11 @@ def test_llm_serves_through_tetriinfer_by_its_flag(model, llm):
     texts, events = serve(clustered, ids, GREEDY.max_tokens)  # `serve` over the same cluster
     assert texts == [c.text for c in want]
     assert events == {k: float(v) for k, v in clustered.engine.events.items()} and events["transfers"] == 6, events
+    # the prompt classifier read each prompt's features and learned from each decode (kept in the test's cache)
+    kept = clustered.engine.scheduler.predictor
+    assert kept.classifier.seen == 6 and kept.classifier.dim == llm.config.hidden_size
+    kept.save()
+    assert KeptClassifier(kept.path, kept.classifier.dim).classifier.seen == 6
 
 
 def step_until(cluster, tokens: dict[str, list[int]], done) -> None:

@@ -1,14 +1,13 @@
-"""Tetris's load-aware improvement rate: the table, the arrival-rate window, the adaptive planner and the offline
-profile, and the capacity CDSP gains with it."""
+"""Tetris's load-aware improvement rate offline: the profile, and the capacity CDSP gains with it (the online side:
+tests/sched/test_improvement_rate.py)."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
 
-from jaxserve.lab.improvement_rate import AdaptiveCDSP, ArrivalRate, RateTable, profile_improvement_rates
+from jaxserve.lab.improvement_rate import profile_improvement_rates
 from jaxserve.sched import cost_models as cm
 from jaxserve.sched.cdsp import CDSPPlanner, FixedSPPlanner, Pool
+from jaxserve.sched.improvement_rate import AdaptiveCDSP
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sim.prefill_pool import max_sustainable_rate
 from jaxserve.sim.workload import long_context
@@ -19,55 +18,6 @@ POOL = Pool(nodes=2, per_node=8)
 
 
 best = MODEL.fastest
-
-
-def test_rate_table_picks_the_nearest_recorded_rate_and_round_trips():
-    table = RateTable((0.5, 1.0, 2.0), (0.1, 0.3, 0.6))
-    assert [table.lookup(x) for x in (0.0, 0.7, 0.76, 1.4, 1.6, 9.0)] == [0.1, 0.1, 0.3, 0.3, 0.6, 0.6]
-    assert RateTable.from_json(table.to_json()) == table
-    with pytest.raises(ValueError, match="ascending"):
-        RateTable((2.0, 1.0), (0.1, 0.2))
-
-
-def test_arrival_rate_counts_the_window():
-    est = ArrivalRate(window=10.0)
-    for t in np.arange(0, 40, 0.5):  # 2 req/s
-        est.observe(float(t))
-    assert est.rate(39.5) == pytest.approx(2.0, rel=0.06)
-    fresh = ArrivalRate(window=10.0)
-    for t in (0.0, 1.0, 2.0):
-        fresh.observe(t)
-    assert fresh.rate(2.0) == pytest.approx(1.0)  # only 2 s seen so far: 2 intervals of 1 s
-    one = ArrivalRate(window=10.0)
-    one.observe(3.0)
-    assert one.rate(3.0) is None and one.rate(5.0) is None  # one arrival measures nothing
-
-
-def test_adaptive_planner_follows_the_load():
-    planner = AdaptiveCDSP(CDSPPlanner(MODEL, POOL), RateTable((0.5, 4.0), (0.05, 0.7)), window=5.0,
-                           update_every=1.0)
-    for t in np.arange(0, 10, 2.0):  # 0.5 req/s
-        planner.on_arrival(float(t))
-    assert planner.planner.improvement_rate == 0.05
-    for t in np.arange(10, 20, 0.25):  # 4 req/s
-        planner.on_arrival(float(t))
-    assert planner.planner.improvement_rate == 0.7
-
-
-def test_adaptive_planner_reads_the_load_from_the_first_arrivals():
-    # Tetris's setting: 30 s window and updates; a loaded start must not run 30 s at the light-load rate.
-    planner = AdaptiveCDSP(CDSPPlanner(MODEL, POOL), RateTable((0.5, 4.0), (0.05, 0.7)))
-    for t in np.arange(0, 3, 0.25):  # 4 req/s from the start
-        planner.on_arrival(float(t))
-    assert planner.planner.improvement_rate == 0.7
-    for t in np.arange(3, 40, 2.0):  # then 0.5 req/s: followed once the 30 s window has seen it
-        planner.on_arrival(float(t))
-    assert planner.planner.improvement_rate == 0.05
-    # two arrivals 0.1 s apart read as 10 req/s; the light load after them is followed before a window is seen
-    planner = AdaptiveCDSP(CDSPPlanner(MODEL, POOL), RateTable((0.5, 4.0), (0.05, 0.7)))
-    for t in [0.0, 0.1, *np.arange(2, 20, 2.0)]:
-        planner.on_arrival(float(t))
-    assert planner.planner.improvement_rate == 0.05
 
 
 def test_offline_profile_prefers_expansion_at_light_load_and_restraint_under_load():
@@ -88,3 +38,21 @@ def test_cdsp_sustains_more_load_than_the_best_fixed_sp():
     fixed = max(max_sustainable_rate(lambda sp=sp: FixedSPPlanner(MODEL, POOL, sp), workload_at, POOL.size, best,
                                      0.1, 20.0) for sp in (8, 16))
     assert cdsp >= 1.2 * fixed
+
+
+def test_the_profiling_tool_writes_a_table_the_live_flag_reads(tmp_path):
+    """tools/improvement_rates.py on a pool's Eq. (1) file: what `--improvement_rates` reads."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from jaxserve.sched.improvement_rate import read_rate_table
+
+    eq1, out = tmp_path / "eq1.json", tmp_path / "rates.json"
+    eq1.write_text(MODEL.to_json())
+    tool = pathlib.Path(__file__).parents[2] / "tools" / "improvement_rates.py"
+    subprocess.run([sys.executable, str(tool), f"--prefill_profile={eq1}",
+                    "--prefill_instances=16", "--node_size=8", "--trace=azure_code", "--requests=60",
+                    "--rates=0.2,5", "--candidates=0.05,0.5", f"--out={out}"], check=True, capture_output=True)
+    table = read_rate_table(out)
+    assert table.arrival_rates == (0.2, 5.0) and set(table.improvement_rates) <= {0.05, 0.5}

@@ -15,7 +15,7 @@ from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.cdsp import CDSPPlanner, ChunkPlan, Pool
 from jaxserve.sched.cluster import CDSPPolicy, ClusterPolicy, ESPPolicy, TetriInferPolicy
 from jaxserve.sched.cost_models import LoongServePrefill
-from jaxserve.sched.decode_dispatch import DecodeLoad, ObservedLengths
+from jaxserve.sched.decode_dispatch import DecodeLoad, ObservedLengths, PromptInfo
 from jaxserve.sched.esp import ElasticInstance, ESPScheduler, RunningDecodes, aligned_groups, isolated_room
 from jaxserve.sched.plan import Outcome, Phase
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
@@ -42,7 +42,7 @@ def fake_executor(scheduler: CDSPPolicy, arrivals, prompt_lens, late: float = 0.
     while events:
         now, kind, rid, payload = heapq.heappop(events)
         if kind == 1:
-            arrival = scheduler.arrive(payload, now)
+            arrival = scheduler.arrive(PromptInfo(payload), now)
             scheduler.add(rid, arrival, now)
             plans[rid] = arrival.plan
         else:
@@ -74,7 +74,7 @@ def test_chunks_start_in_booked_order_on_free_disjoint_groups_with_their_rebalan
     s = CDSPPolicy(CDSPPlanner(MODEL, POOL, 0.05, min_chunk=1024), DEVICE_IDS)
     s.free_at[:] = [0, 0, 2, 2, 3, 3, 3, 3]
     for rid, n in (("a", 120_000), ("b", 30_000)):
-        s.add(rid, s.arrive(n, 0.0), 0.0)
+        s.add(rid, s.arrive(PromptInfo(n), 0.0), 0.0)
     running, held, started = set(), {}, []
     for _ in range(100):
         plan = s.schedule()
@@ -105,29 +105,32 @@ def test_chunks_start_in_booked_order_on_free_disjoint_groups_with_their_rebalan
 
 def test_a_late_chunk_moves_its_devices_bookings_and_the_next_arrival_sees_it():
     s = CDSPPolicy(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS)
-    s.add("a", s.arrive(4096, 0.0), 0.0)
+    s.add("a", s.arrive(PromptInfo(4096), 0.0), 0.0)
     (item,) = s.schedule().items
     _, end = s.booked(item)
     slots = [DEVICE_IDS.index(d) for d in item.group]
     assert np.allclose(s.free_at[slots], end)
     assert s.complete(item, end + 0.5)  # its only chunk, half a second late
     assert np.allclose(s.free_at[slots], end + 0.5)
-    later = s.arrive(4096, end).plan
+    later = s.arrive(PromptInfo(4096), end).plan
     assert not set(later.chunks[0].group) & set(slots) or later.chunks[0].start >= 0.5 - 1e-9
 
 
 def test_dispatch_by_freeness_and_power_of_two_from_the_predicted_length():
     loads = [DecodeLoad(1000, 4), DecodeLoad(4000, 2), DecodeLoad(100, 0)]
     s = ClusterPolicy((), predictor=ObservedLengths(prior=600, granularity=64))
-    chosen = s.dispatch(100, loads)
+    prompt = PromptInfo(100)
+    chosen = s.dispatch(prompt, loads, request_id="x")
     assert chosen.decoder == 1 and chosen.predicted == 640 and chosen.heavy  # 2,000 free slots a running request
-    assert s.dispatch(100, loads, limit=16).predicted == 16 and not s.dispatch(100, loads, limit=16).heavy
+    assert s.dispatch(prompt, loads, limit=16).predicted == 16 and not s.dispatch(prompt, loads, limit=16).heavy
+    s.finish("y", 10)  # a request the policy never dispatched teaches nothing
+    assert s.dispatch(prompt, loads).predicted == 640
     s.finish("x", 10)  # the predictor learns from what was served
-    assert s.dispatch(100, loads).predicted == 64
+    assert s.dispatch(prompt, loads).predicted == 64
     two = ClusterPolicy((), "power_of_two", seed=1)
-    assert two.dispatch(100, loads, limit=3000).decoder == 1  # only one has room for 3,100 tokens
+    assert two.dispatch(prompt, loads, limit=3000).decoder == 1  # only one has room for 3,100 tokens
     with pytest.raises(ValueError, match="decode length"):
-        two.dispatch(100, loads)  # no predictor and no limit
+        two.dispatch(prompt, loads)  # no predictor and no limit
     with pytest.raises(ValueError, match="dispatch must be"):
         ClusterPolicy((), "random")
 
@@ -135,9 +138,9 @@ def test_dispatch_by_freeness_and_power_of_two_from_the_predicted_length():
 def test_an_admission_check_refuses_before_anything_is_booked():
     s = CDSPPolicy(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS, predictor=ObservedLengths())
     loads = [DecodeLoad(10, 0)]
-    assert s.arrive(4096, 0.0, loads, admits=lambda d: False) is None
+    assert s.arrive(PromptInfo(4096), 0.0, loads, admits=lambda d: False) is None
     assert not s.free_at.any()
-    assert s.arrive(4096, 0.0, loads, admits=lambda d: d.decoder == 0).dispatch.decoder == 0
+    assert s.arrive(PromptInfo(4096), 0.0, loads, admits=lambda d: d.decoder == 0).dispatch.decoder == 0
     assert s.free_at.any()
 
 

@@ -7,7 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from jaxserve.sched.decode_dispatch import BucketPredictor, DecodeLoad, by_freeness, power_of_two
+from jaxserve.sched.decode_dispatch import (BucketPredictor, DecodeLoad, PromptInfo, accuracy, by_freeness,
+                                            power_of_two)
 from jaxserve.sim.workload import load_trace
 
 
@@ -15,15 +16,16 @@ def test_bucket_predictor_learns_trace_statistics():
     w = load_trace("azure_conv")
     half = len(w) // 2
     pred = BucketPredictor.fit(w.prompt_lens[:half], w.output_lens[:half], granularity=200)
-    acc = pred.accuracy(w.prompt_lens[half:], w.output_lens[half:])
+    held_out = [PromptInfo(int(n)) for n in w.prompt_lens[half:]]
+    acc = accuracy(pred, held_out, w.output_lens[half:])
     # always predicting the single most common bucket is the floor a fitted predictor must not fall below
     common = np.bincount(w.output_lens[:half] // 200).argmax()
     floor = np.mean(w.output_lens[half:] // 200 == common)
     assert acc >= floor and acc > 0.7
-    lo, hi = pred.predict(5000)
+    lo, hi = pred.predict(PromptInfo(5000))
     assert hi - lo == 200 and lo % 200 == 0
     coarse = BucketPredictor.fit(w.prompt_lens[:half], w.output_lens[:half], granularity=400)
-    assert coarse.accuracy(w.prompt_lens[half:], w.output_lens[half:]) >= acc  # wider buckets, easier hits
+    assert accuracy(coarse, held_out, w.output_lens[half:]) >= acc  # wider buckets, easier hits
 
 
 def test_bucket_predictor_rejects_bad_input():

@@ -4,6 +4,8 @@ live decode instances' ReplicaScheduler (its admission policies: tests/sched/tes
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -76,6 +78,23 @@ def test_the_cluster_runs_every_admission_policy_with_a_predictor(admission):
     assert all(r.finished for r in res.requests)
     if admission == "oracle":
         assert sum(d.preemptions for d in sim.decoders) == 0
+
+
+@pytest.mark.parametrize("prefill", ["cdsp", "tetriinfer"])
+def test_a_learning_predictor_sees_every_finished_decode_as_live(prefill):
+    """As the live cluster does, the simulator tells the policy each request's end: the running mean learns the
+    served lengths."""
+    from jaxserve.sched.decode_dispatch import ObservedLengths
+    from jaxserve.sim.workload import synthetic_mix
+
+    pred = ObservedLengths()
+    cfg = DisaggConfig(decode_instances=2, dispatch="power_of_two")
+    if prefill == "tetriinfer":
+        cfg = dataclasses.replace(cfg, prefill="tetriinfer", prefill_instances=2)
+    sim = DisaggSimulator(CDSPPlanner(MODEL, POOL, 0.2) if prefill == "cdsp" else None, best, cfg, pred)
+    res = sim.run(synthetic_mix(60, 3.0, long_fraction=0.0, seed=4), progress=False)
+    finished = [r for r in res.requests if r.finished]
+    assert pred.count == len(finished) > 0 and pred.total == sum(r.generated for r in finished)
 
 
 def test_load_window_needs_a_whole_window_and_forgets_old_samples():

@@ -30,9 +30,10 @@ from typing import Sequence
 from tqdm import tqdm
 
 from jaxserve.sim.esp_cluster import ESPCost
-from jaxserve.lab.improvement_rate import AdaptiveCDSP, profile_improvement_rates
+from jaxserve.lab.improvement_rate import profile_improvement_rates
 from jaxserve.sched.cdsp import Balancing, CDSPPlanner, FixedSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sched.improvement_rate import AdaptiveCDSP
 from jaxserve.sched.profiles import TETRIS_TABLE1_K, model_shape, network, tetris_table1_samples
 from jaxserve.sim import plots
 from jaxserve.sim.prefill_pool import Executor, max_sustainable_rate, run_pool
