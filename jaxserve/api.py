@@ -94,10 +94,13 @@ class LLM:
         # the device layer: in one process made here; with several, made here and in every follower (lockstep)
         self.lockstep = lockstep.Leader(params) if jax.process_count() > 1 else None
         self._new = self.lockstep.new if self.lockstep else lambda cls, *args, **kwargs: cls(*args, **kwargs)
-        self._params, self._kv_bytes = params, None  # _kv_bytes: a device's KV pool, once measured
+        self._params, self._kv_bytes = params, {}  # _kv_bytes: a device's KV pool by (tp, stages), once measured
         # the fail-over engine's programs compiling (prepare_fail_over): its runner, their future, a stop
         self._fail_over_programs: tuple[ModelRunner, concurrent.futures.Future, threading.Event] | None = None
         self._kv_tokens = self._kv_pool_tokens(cfg.parallel.instance)
+        # a cluster's decode instances' (their tensor-parallel size may differ from the pool's)
+        self._decode_kv_tokens = (self._kv_pool_tokens(InstanceShape(), cfg.parallel.decoder_tp)
+                                  if cfg.parallel.prefill_instances else self._kv_tokens)
         self.max_model_len = self._context(cfg.model.max_model_len)
         self._buckets = self._make_buckets()
         self._quick_start = (cfg.startup.quick_start and cfg.startup.warmup and not cfg.parallel.prefill_instances
@@ -128,9 +131,10 @@ class LLM:
         and by what the KV-parallel sets a request may spread over hold together (a cap below what was asked is
         logged with its numbers)."""
         sets, positions = self._context_sets(), self.config.max_position_embeddings
-        pool = self._kv_tokens * sets
-        held = f"{sets} KV-parallel sets of {self._kv_tokens:,} tokens" if sets > 1 else f"{pool:,} tokens"
         layout = self.engine_config.parallel
+        per_set = self._decode_kv_tokens if layout.prefill_instances else self._kv_tokens
+        pool = per_set * sets
+        held = f"{sets} KV-parallel sets of {per_set:,} tokens" if sets > 1 else f"{pool:,} tokens"
         if layout.prefill_instances and (stores := pool_context(layout, self._kv_tokens,
                                                                 self.engine_config.cache.key_block)) is not None:
             pool = min(pool, stores)
@@ -140,12 +144,12 @@ class LLM:
                             min(pool, positions), positions, held)
         return min(asked or positions, pool, positions)
 
-    def _kv_pool_tokens(self, shape: InstanceShape) -> int:
+    def _kv_pool_tokens(self, shape: InstanceShape, tp: int | None = None) -> int:
         """Tokens an instance's KV pool holds: kv_cache_tokens, or what kv_cache_gib holds, or what
         gpu_memory_utilization leaves a device (engine/kv_budget.py; the default on an accelerator), or 2 GiB's worth
         on a CPU (per device: with tp > 1 a device holds its share of each token's KV heads, with pipeline stages
-        its stage's layers')."""
-        cache, tp = self.engine_config.cache, self.engine_config.parallel.tp
+        its stage's layers'). tp: the instance's (default --tp)."""
+        cache, tp = self.engine_config.cache, tp or self.engine_config.parallel.tp
         stages, kvp = shape.stages, shape.kvp
         kv_heads = self.config.split(tp).kv_heads  # per device; a ValueError when tp does not divide the model
         if tp * stages * kvp > len(jax.devices()):
@@ -161,7 +165,7 @@ class LLM:
         utilization = cache.gpu_memory_utilization or (0.9 if device.platform != "cpu" else None)
         if utilization is None:
             return int(CPU_KV_GIB * 2**30 // token_bytes)
-        if self._kv_bytes is None:  # measured once, before any runner: later instances (a fail-over) get as much
+        if (tp, stages) not in self._kv_bytes:  # measured once, before any runner: later ones (a fail-over) as much
             sched = self.engine_config.scheduler
             all_weights = quantize.nbytes(self._params)
             b = kv_budget.budget(device, utilization, all_weights // (tp * stages), kv_budget.activation_bytes(
@@ -171,8 +175,8 @@ class LLM:
                 raise ValueError(f"gpu_memory_utilization {utilization} leaves no room for the KV cache: "
                                  f"{b.describe(max(b.kv // token_bytes, 0), utilization)}")
             logging.info(b.describe(b.kv // token_bytes, utilization))
-            self._kv_bytes = b.kv
-        return int(self._kv_bytes // token_bytes)
+            self._kv_bytes[tp, stages] = b.kv
+        return int(self._kv_bytes[tp, stages] // token_bytes)
 
     def _make_buckets(self) -> Buckets:
         """The step shapes to compile. On a CPU the jnp attention runs every tile of a mixed program: row buckets
@@ -186,24 +190,28 @@ class LLM:
 
     def make_engine(self, devices: Sequence[jax.Device] | None = None, progress: bool = True,
                     kv_cache_tokens: int | None = None, shape: InstanceShape | None = None,
-                    compiled: dict | None = None) -> Engine:
+                    compiled: dict | None = None, tp: int | None = None) -> Engine:
         """An engine with this LLM's settings on `devices` (default: JAX's first tp x kvp x stages devices; runs
         of tp are tensor-parallel instances, several instances form a KV-parallel group whose KV pool is the sum of
         theirs, and with pipeline stages each stage is an equal share of them), its step programs compiled; the
         step cost model is measured once (on the first engine) and shared. kv_cache_tokens: each instance's pool
         (default: this LLM's). shape: its stages and KV-parallel sets (default: this LLM's). compiled: its
-        programs, compiled already (ModelRunner.compiled_programs of a runner like it)."""
+        programs, compiled already (ModelRunner.compiled_programs of a runner like it). tp: devices per instance
+        (default --tp; a cluster's decode instances: --decode_tp, whose pool is its own)."""
         cfg = self.engine_config
-        cache, tp, shape = cfg.cache, cfg.parallel.tp, shape or cfg.parallel.instance
+        cache, shape = cfg.cache, shape or cfg.parallel.instance
+        tp = tp or cfg.parallel.tp
+        if kv_cache_tokens is None and tp != cfg.parallel.tp:
+            kv_cache_tokens = self._decode_kv_tokens
         devices = list(devices or jax.devices()[:tp * shape.kvp * shape.stages])
         kvp = len(devices) // (tp * shape.stages)
-        num_blocks = self._num_blocks(devices, kv_cache_tokens, shape)
+        num_blocks = self._num_blocks(devices, kv_cache_tokens, shape, tp)
         # before the runner: a bad kvp_tokens is refused before anything is placed or compiled
         kv = KVCacheManager(num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
                             scratch_blocks=kvp, kvp_tokens=shape.kvp_tokens if kvp > 1 else None,
                             sliding_window=self.config.uniform_window)
         runner = self._new(ModelRunner, self.config, self._params, self._dtype, compiled=compiled,
-                           **self._runner_settings(devices, num_blocks, shape))
+                           **self._runner_settings(devices, num_blocks, shape, tp))
         quick = self._quick_start and self.cost is None  # no cost model known yet: measure it later
         if cfg.startup.warmup:
             runner.warmup(runner.first_programs() if quick else None, progress=progress)
@@ -229,18 +237,20 @@ class LLM:
                 engine.defer(functools.partial(self._measure_when_idle, engine, path, compiled))
         return engine
 
-    def _num_blocks(self, devices: Sequence[jax.Device], kv_cache_tokens: int | None, shape: InstanceShape) -> int:
-        """KV blocks of an engine on `devices`: each KV-parallel set's pool (default: this LLM's) and its scratch
-        block."""
+    def _num_blocks(self, devices: Sequence[jax.Device], kv_cache_tokens: int | None, shape: InstanceShape,
+                    tp: int) -> int:
+        """KV blocks of an engine on `devices` of instances of `tp`: each KV-parallel set's pool (default: this
+        LLM's) and its scratch block."""
         cache = self.engine_config.cache
-        kvp = len(devices) // (self.engine_config.parallel.tp * shape.stages)
+        kvp = len(devices) // (tp * shape.stages)
         return (-(-(kv_cache_tokens or self._kv_tokens) // cache.block_size) + 1) * kvp
 
-    def _runner_settings(self, devices: Sequence[jax.Device], num_blocks: int, shape: InstanceShape) -> dict:
+    def _runner_settings(self, devices: Sequence[jax.Device], num_blocks: int, shape: InstanceShape,
+                         tp: int) -> dict:
         """ModelRunner's settings (after the model, its weights and dtype) for an engine of this LLM's."""
         cache = self.engine_config.cache
         return dict(num_blocks=num_blocks, block_size=cache.block_size, buckets=self._buckets,
-                    key_block=cache.key_block, devices=list(devices), tp=self.engine_config.parallel.tp,
+                    key_block=cache.key_block, devices=list(devices), tp=tp,
                     stages=shape.stages, kv_cache_dtype=cache.kv_cache_dtype)
 
     def _packer(self, cost: EngineStepCost, measured: bool) -> PackerConfig:
@@ -272,7 +282,7 @@ class LLM:
                                           f"{layout.cluster_policy}-{layout.pool_attention}",
                                           layout.prefill_instances,
                                           layout.node_size, layout.tp, self.max_model_len, key_block))
-        cluster = build(self.config, self._params, layout, lambda ds: self.make_engine(ds, progress), path,
+        cluster = build(self.config, self._params, layout, lambda ds, tp: self.make_engine(ds, progress, tp=tp), path,
                         capacity=self.max_model_len, store_tokens=self._kv_tokens, dtype=self._dtype,
                         key_block=key_block, progress=progress, new=self._new,
                         kv_cache_dtype=self.engine_config.cache.kv_cache_dtype,
@@ -295,8 +305,9 @@ class LLM:
         """Compile the fail-over engine's step programs in the background, one at a time while this one serves,
         from shapes alone (nothing is placed on the devices), so that a fail-over waits for no compile."""
         devices, tokens, shape = self._fail_over_layout()
+        tp = self.engine_config.parallel.tp
         runner = ModelRunner(self.config, self._params, self._dtype, placed=False,
-                             **self._runner_settings(devices, self._num_blocks(devices, tokens, shape), shape))
+                             **self._runner_settings(devices, self._num_blocks(devices, tokens, shape, tp), shape, tp))
         programs, stop = runner.programs(), threading.Event()
         logging.info("compiling the fail-over engine's %d step programs in the background", len(programs))
         self._fail_over_programs = runner, runner.compile_in_background(programs, stop), stop

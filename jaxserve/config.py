@@ -157,10 +157,11 @@ DECODE_ADMISSION = ("greedy", "reserve_static", "reserve_dynamic")
 
 # The cluster settings each --cluster_policy reads; every other one does nothing there (nor without a cluster)
 CLUSTER_SETTINGS = {
-    "cdsp": ("decode_instances", "decode_kvp", "node_size", "receive_buffers", "decode_admission", "min_chunk",
-             "improvement_rate", "improvement_rates", "sp_attention", "sparse_attention", "length_predictor"),
-    "tetriinfer": ("decode_instances", "decode_kvp", "receive_buffers", "decode_admission", "prefill_chunk",
-                   "prefill_batch", "prefill_order", "flip_window", "length_predictor"),
+    "cdsp": ("decode_instances", "decode_kvp", "decode_tp", "node_size", "receive_buffers", "decode_admission",
+             "min_chunk", "improvement_rate", "improvement_rates", "sp_attention", "sparse_attention",
+             "length_predictor"),
+    "tetriinfer": ("decode_instances", "decode_kvp", "decode_tp", "receive_buffers", "decode_admission",
+                   "prefill_chunk", "prefill_batch", "prefill_order", "flip_window", "length_predictor"),
     # its pool's instances decode: a prompt's KV moves to one
     "esp": ("receive_buffers", "decode_admission", "length_predictor"),
 }
@@ -179,6 +180,9 @@ class ParallelConfig:
     instance: InstanceShape = section(InstanceShape)
     decode_kvp: int = setting(1, "Instances per decode instance; more than 1 splits its KV cache over them "
                               "(KV-parallel decode).")
+    decode_tp: int | None = setting(None, "Tensor-parallel degree of the decode instances when it differs from the "
+                                    "prefill pool's --tp (Tetris: TP 1 prefill instances, TP 8 decode). Default: "
+                                    "--tp.")
     node_size: int = setting(2, "Prefill instances per node (the planner keeps groups on whole nodes where it can).")
     receive_buffers: int = setting(4, "KV transfers a decode instance receives at once.")
     decode_admission: Literal["greedy", "reserve_static", "reserve_dynamic"] = setting(
@@ -238,6 +242,8 @@ class ParallelConfig:
         if self.decode_admission not in DECODE_ADMISSION:
             raise ValueError(f"decode_admission must be {', '.join(DECODE_ADMISSION[:-1])} or "
                              f"{DECODE_ADMISSION[-1]}, got {self.decode_admission!r}")
+        if self.decode_tp is not None and self.decode_tp < 1:
+            raise ValueError(f"decode_tp must be a positive integer, got {self.decode_tp!r}")
         if not 0 <= self.improvement_rate < 1:
             raise ValueError(f"improvement_rate must be in [0, 1), got {self.improvement_rate}")
         if self.improvement_rates is not None and self.improvement_rate != 0.1:
@@ -272,6 +278,11 @@ class ParallelConfig:
                       "one engine (a cluster needs --prefill_instances)")
             raise ValueError(f"{', '.join(unread)}: not read with {layout}; leave "
                              f"{'it' if len(unread) == 1 else 'them'} out")
+
+    @property
+    def decoder_tp(self) -> int:
+        """Devices of each instance a decode instance is made of."""
+        return self.decode_tp or self.tp
 
     @property
     def pool_attention(self) -> str:

@@ -70,6 +70,7 @@ def test_replace_reaches_nested_settings_and_refuses_unknown_ones():
     (dict(decode_admission="lazy"), "decode_admission must be greedy, reserve_static or reserve_dynamic"),
     (dict(kvp_tokens=256), r"--kvp_tokens=256 does nothing with one KV-parallel set \(--kvp=1\)"),
     (dict(improvement_rate=1.0), r"improvement_rate must be in \[0, 1\)"),
+    (dict(decode_tp=0), "decode_tp must be a positive integer"),
     (dict(prefill_instances=4, improvement_rate=0.2, improvement_rates="t.json"),
      "--improvement_rate=0.2: not read with --improvement_rates"),
     (dict(length_predictor="oracle"), "length_predictor must be mean or prompt"),
@@ -102,6 +103,7 @@ ONE_ENGINE = "not read with one engine \\(a cluster needs --prefill_instances\\)
     (dict(prefill_instances=4, kvp_tokens=256), r"one KV-parallel set \(--decode_kvp=1\)"),
     (dict(decode_admission="reserve_static"), "--decode_admission=reserve_static: not read with one engine"),
     (dict(length_predictor="prompt"), "--length_predictor=prompt: not read with one engine"),
+    (dict(prefill_instances=4, cluster_policy="esp", decode_tp=2), "--decode_tp=2: not read with --cluster_policy=esp"),
     (dict(prefill_instances=4, cluster_policy="esp", improvement_rates="t.json"),
      "--improvement_rates=t.json: not read with --cluster_policy=esp"),
     (dict(prefill_instances=4, cluster_policy="tetriinfer", improvement_rate=0.3),
@@ -132,9 +134,12 @@ def test_what_each_policy_reads_is_accepted():
 @pytest.mark.parametrize("layout, message", [
     (dict(prefill_instances=6, node_size=3, sp_attention="sp_ntp", sparse_attention=0.5), "powers of two"),
     (dict(prefill_instances=4, instance=config.InstanceShape(stages=2)), "pipeline stages"),
+    (dict(prefill_instances=2, cluster_policy="tetriinfer", flip_window=1.0, decode_tp=2), "--decode_tp as --tp"),
+    (dict(prefill_instances=4, tp=2, decode_instances=2, decode_tp=4),
+     r"needs 16 devices \(4 prefill, 2 devices each \+ 2 decode x 1, 4 devices each\); there are 12"),
 ])
 def test_cluster_layouts_are_refused_with_the_flags_to_change(layout, message):
     from jaxserve.cluster.build import check_layout
 
     with pytest.raises(ValueError, match=message):
-        check_layout(config.ParallelConfig(**layout), available=16)
+        check_layout(config.ParallelConfig(**layout), available=12)

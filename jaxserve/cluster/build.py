@@ -33,12 +33,12 @@ MIN_LOCAL = 64  # the pool's smallest per-instance chunk bucket
 
 
 def devices_needed(layout: ParallelConfig) -> int:
-    """Devices a cluster layout uses: instances of `tp` devices, the prefill pool's first, then `decode_instances`
-    decode instances of `decode_kvp` instances each (a KV-parallel group when more than one). Under ESP the pool's
-    instances decode too."""
+    """Devices a cluster layout uses: the prefill pool's instances of `tp` devices first, then `decode_instances`
+    decode instances of `decode_kvp` instances of `decoder_tp` devices each (a KV-parallel group when more than
+    one). Under ESP the pool's instances decode too."""
     if layout.cluster_policy == "esp":
         return layout.prefill_instances * layout.tp
-    return (layout.prefill_instances + layout.decode_instances * layout.decode_kvp) * layout.tp
+    return layout.prefill_instances * layout.tp + layout.decode_instances * layout.decode_kvp * layout.decoder_tp
 
 
 def check_layout(layout: ParallelConfig, available: int) -> None:
@@ -54,14 +54,16 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
         if layout.cluster_policy == "esp":
             raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} "
                              f"elastic instances{tp}); there are {available}")
-        raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} prefill + "
-                         f"{layout.decode_instances} decode x {layout.decode_kvp}{tp}); there are {available}")
+        decode_tp = f", {layout.decoder_tp} devices each" if layout.decoder_tp > 1 else ""
+        raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} prefill"
+                         f"{tp} + {layout.decode_instances} decode x {layout.decode_kvp}{decode_tp}); there are "
+                         f"{available}")
     chunk = layout.prefill_chunk
     if layout.cluster_policy == "tetriinfer" and (chunk & (chunk - 1) or chunk < 16):
         raise ValueError(f"--prefill_chunk must be a power of two of 16 or more, got {chunk}")
-    if layout.flip_window and layout.decode_kvp > 1:  # (config: only --cluster_policy=tetriinfer reads it)
-        raise ValueError("instance flips (--flip_window) need decode instances of one instance each "
-                         "(--decode_kvp=1)")
+    if layout.flip_window and (layout.decode_kvp > 1 or layout.decoder_tp != layout.tp):  # (tetriinfer's flag)
+        raise ValueError("instance flips (--flip_window) need decode instances of one instance each, as the "
+                         "pool's (--decode_kvp=1, --decode_tp as --tp)")
     if layout.cluster_policy == "cdsp" and layout.prefill_instances % layout.node_size:
         raise ValueError(f"{layout.prefill_instances} prefill instances do not form nodes of {layout.node_size}")
     powers = [n for n in (layout.node_size, layout.prefill_instances) if n & (n - 1)]
@@ -100,7 +102,7 @@ def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> in
     return len(work)
 
 
-def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.Device]], Engine],
+def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.Device], int], Engine],
           prefill_cost: TetrisPrefill | LoongServePrefill | pathlib.Path, *, capacity: int,
           store_tokens: int | None = None, dtype=jnp.float32, kv_cache_dtype: str = "auto",
           sizes: Sequence[int] | None = None,
@@ -110,10 +112,10 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
           new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
     """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool), tetriinfer (each pool
     instance its own PrefillBatchScheduler; power-of-two dispatch) or esp (the pool's instances decode too, an
-    ESPScheduler batches prompts onto elastic groups). prefill_cost (cdsp: Eq. (1); esp: LoongServe's batch
-    model): the planner's model, or the file to load it from (measured on this pool and written there first if
-    it does not exist). sizes: the
-    SP sizes chunks may use (default: the fitted ones, or the powers of two from a node to the pool when
+    ESPScheduler batches prompts onto elastic groups). make_engine(devices, tp): a decode engine on `devices` of
+    instances of `tp`. prefill_cost (cdsp: Eq. (1); esp: LoongServe's batch model): the planner's model, or the
+    file to load it from (measured on this pool and written there first if it does not exist). sizes: the SP
+    sizes chunks may use (default: the fitted ones, or the powers of two from a node to the pool when
     measuring). capacity: the longest prompt; store_tokens: what a CDSP pool instance's history store holds (its
     device's KV budget; default: capacity), a prompt's history spread over its chunks' groups (pool_context).
     predictor_file: where `--length_predictor=prompt` keeps what it learned (default: nowhere).
@@ -133,10 +135,11 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
              min_local=min_local, tp=tp, sp_attention=layout.sp_attention, sparse_attention=layout.sparse_attention,
              kv_cache_dtype=kv_cache_dtype)
     if layout.cluster_policy == "esp" or flips:  # instances that decode on the pool's devices
-        engines = [make_engine(devices[i * tp:(i + 1) * tp]) for i in range(first // tp)]
+        engines = [make_engine(devices[i * tp:(i + 1) * tp], tp) for i in range(first // tp)]
     else:
-        g = layout.decode_kvp * tp
-        engines = [make_engine(devices[first + i * g:first + (i + 1) * g]) for i in range(layout.decode_instances)]
+        g = layout.decode_kvp * layout.decoder_tp
+        engines = [make_engine(devices[first + i * g:first + (i + 1) * g], layout.decoder_tp)
+                   for i in range(layout.decode_instances)]
     features = PromptFeatures(params) if layout.length_predictor == "prompt" else None
     predictor = ObservedLengths() if features is None else KeptClassifier(predictor_file, features.dim)
     mover = new(KVMover, sp, [e.runner for e in engines])

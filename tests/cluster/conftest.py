@@ -71,6 +71,11 @@ def llm(devices, model):
                         max_num_batched_tokens=256, progress=False)
 
 
+def engine_maker(llm):
+    """build()'s make_engine: the LLM's engines on the devices given, quietly."""
+    return lambda devices, tp: llm.make_engine(devices, progress=False, tp=tp)
+
+
 def prompt(llm, n: int, seed: int) -> list[int]:
     """n tokens of real text (the tokenizer's encoding of varied English), so greedy decoding is not degenerate."""
     words = "the of and to in is was for on that with as by at from his her it an were are which this be".split()
@@ -88,7 +93,7 @@ def eq1_model() -> TetrisPrefill:
 def make_cluster(llm, devices, decode_instances: int = 1, receive_buffers: int = 4, warm: bool = True):
     layout = ParallelConfig(prefill_instances=8, decode_instances=decode_instances, node_size=2,
                             receive_buffers=receive_buffers, min_chunk=256)
-    cluster = build(llm.config, llm._params, layout, lambda ds: llm.make_engine(ds, progress=False), eq1_model(),
+    cluster = build(llm.config, llm._params, layout, engine_maker(llm), eq1_model(),
                     capacity=MAX_MODEL_LEN, min_local=128, devices=devices)
     if warm:
         warmup(cluster, MAX_MODEL_LEN, progress=False)

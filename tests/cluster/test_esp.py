@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 import jaxserve
-from conftest import MAX_MODEL_LEN, prompt, run, serve
+from conftest import MAX_MODEL_LEN, engine_maker, prompt, run, serve
 from jaxserve.cluster.build import build
 from jaxserve.cluster.esp import ESPCluster
 from jaxserve.config import ParallelConfig
@@ -36,7 +36,7 @@ def test_elastic_batches_scale_up_and_down_and_equal_one_device(llm, devices):
     instances' KV moves to it). A second wave arrives while the first decodes: the instances it prefills on pause
     their decodes. Every prompt gets the single-device engine's greedy tokens."""
     layout = ParallelConfig(prefill_instances=4, cluster_policy="esp")
-    cluster = build(llm.config, llm._params, layout, lambda ds: llm.make_engine(ds, progress=False), batch_model(),
+    cluster = build(llm.config, llm._params, layout, engine_maker(llm), batch_model(),
                     capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
     assert isinstance(cluster, ESPCluster) and isinstance(cluster, ServingEngine)
     lengths = [3000, 300, 40, 700, 90]

@@ -5,7 +5,7 @@ engine's greedy tokens."""
 from __future__ import annotations
 
 import jaxserve
-from conftest import MAX_MODEL_LEN, prompt, run, serve
+from conftest import MAX_MODEL_LEN, engine_maker, prompt, run, serve
 from jaxserve.cluster.build import build, warmup
 from jaxserve.cluster.length_predictor import KeptClassifier
 from jaxserve.cluster.tetriinfer import TetriInferCluster
@@ -23,7 +23,7 @@ def test_prefill_instances_with_sjf_batches_and_whole_kv_transfer_equal_one_devi
     prompt is done; every prompt gets the single-device engine's greedy tokens."""
     layout = ParallelConfig(prefill_instances=2, decode_instances=2, cluster_policy="tetriinfer", prefill_chunk=512,
                             prefill_batch=8, prefill_order="sjf")
-    cluster = build(llm.config, llm._params, layout, lambda ds: llm.make_engine(ds, progress=False), None,
+    cluster = build(llm.config, llm._params, layout, engine_maker(llm), None,
                     capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
     assert isinstance(cluster, TetriInferCluster) and isinstance(cluster, ServingEngine)
     lengths = [1300, 300, 40, 700, 120, 90]
@@ -50,12 +50,17 @@ def test_llm_serves_through_tetriinfer_by_its_flag(model, llm):
     """LLM(cluster_policy="tetriinfer", ...) (what --cluster_policy builds) generates the single-device text, and
     serves it (the openai client over HTTP) with its events in /metrics. The
     1,000-token prompt follows a short one on the same instance: its pieces (206, 256, 256, 256, 26 tokens) take
-    more rows of the history store than max_model_len, padded to power-of-two buckets."""
+    more rows of the history store than max_model_len, padded to power-of-two buckets. The prefill instances
+    are one device each, the decode instance three tensor-parallel devices (--decode_tp, Tetris's TP 1 prefill
+    and TP 8 decode): each whole-KV transfer lands split over its heads."""
     clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4,
-                             max_num_batched_tokens=256, prefill_instances=2, decode_instances=1,
+                             max_num_batched_tokens=256, prefill_instances=2, decode_instances=1, decode_tp=3,
                              cluster_policy="tetriinfer", prefill_chunk=256, length_predictor="prompt",
                              progress=False)
     assert isinstance(clustered.engine, TetriInferCluster)
+    decode = clustered.engine.decoders[0].engine.runner
+    assert decode.tp == 3 and len(decode.devices) == 3
+    assert [len(i) for i in clustered.engine.prefill.instances.values()] == [1, 1]
     ids = [prompt(llm, 600, 31), prompt(llm, 50, 32), prompt(llm, 1000, 33)]
     want = llm.generate(ids, GREEDY)
     assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == [c.token_ids for c in want]
@@ -86,7 +91,7 @@ def test_instances_flip_to_decode_and_back_to_prefill_as_the_load_shifts(llm, de
     prompt prefills there (the emptiest queue). Every prompt gets the single-device engine's greedy tokens."""
     layout = ParallelConfig(prefill_instances=2, decode_instances=2, cluster_policy="tetriinfer", prefill_chunk=256,
                             flip_window=0.2)
-    cluster = build(llm.config, llm._params, layout, lambda ds: llm.make_engine(ds, progress=False), None,
+    cluster = build(llm.config, llm._params, layout, engine_maker(llm), None,
                     capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
     warmup(cluster, 1024, progress=False)
     assert cluster.prefilling == {0, 1} and cluster.decoding == {2, 3}
