@@ -115,8 +115,7 @@ class ESPCluster(ClusterEngine):
         estimate = self.scheduler.predict(PromptInfo(0))  # the running mean: one estimate for every decode
         generated = tuple(g for e in instances for g in e.generated)
         decodes = elastic.RunningDecodes(elastic.isolated_room(instances), generated, estimate, self.decode_seconds)
-        growth = sum(max(estimate - g, 0) for g in generated)
-        return self.scheduler.elastic_batches(instances, growth, decodes)
+        return self.scheduler.elastic_batches(instances, elastic.predicted_growth(estimate, generated), decodes)
 
     def _start(self, batch: elastic.ESPBatch) -> None:
         """Run the batch's prompts on its group, each decoding afterwards on the group's instance with the most

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -63,6 +63,12 @@ class RunningDecodes:
     generated: tuple[int, ...]  # tokens each has generated so far (>= 1: prefill yields the first)
     avg_output: float  # mean output length of finished requests (a prior when none has finished)
     step_time: float  # seconds per decode iteration
+
+
+def predicted_growth(estimate: float, generated: Iterable[int]) -> int:
+    """KV tokens the decoding requests are predicted to add before they finish: each grows to the decode-length
+    estimate (live and simulated alike: neither knows a request's true length)."""
+    return int(sum(max(estimate - g, 0) for g in generated))
 
 
 @dataclasses.dataclass(frozen=True)

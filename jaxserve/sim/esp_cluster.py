@@ -38,7 +38,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.sched.cluster import ESPPolicy
-from jaxserve.sched.esp import RunningDecodes, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, keeper
+from jaxserve.sched.decode_dispatch import ObservedLengths, PromptInfo
+from jaxserve.sched.esp import (RunningDecodes, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, keeper,
+                                predicted_growth)
 from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
@@ -58,7 +60,7 @@ class ESPConfig:
     decode_preemption: bool = True  # weigh pausing decodes before a prefill takes their free KV slots (False: always)
     max_overtakes: int = 0  # later requests admitted ahead of one that does not fit (0: strict FCFS, the slides)
     max_sp: int | None = None  # 1: independent replicas (LoongServe without ESP)
-    output_estimate: int = 512  # predicted decode length for admission and scale-down
+    output_estimate: int = 512  # the decode-length prior: the running mean of finished lengths replaces it (as live)
     knee_tokens: int = 16384  # a prefill batch past this many tokens on one instance stops gaining from batching
     slo: SLO = SLO()
     memory_utilization: float = 0.9
@@ -182,8 +184,10 @@ class _Run:
         self.sim, self.cfg, self.cost, self.esp = sim, sim.config, sim.cost, sim.scheduler
         self.instances = [ElasticInstance(i, sim.capacity) for i in range(self.cfg.instances)]
         self.requests, self.rejected = [], []
-        # arrivals wait in it (a preempted request comes back as a proxy); its elastic planner is the simulator's
-        self.scheduler = ESPPolicy(sim.scheduler, range(self.cfg.instances))
+        # arrivals wait in it (a preempted request comes back as a proxy); its elastic planner is the simulator's;
+        # decode lengths are predicted as live: the running mean of finished requests, from the configured prior
+        self.scheduler = ESPPolicy(sim.scheduler, range(self.cfg.instances),
+                                   predictor=ObservedLengths(prior=self.cfg.output_estimate))
         self.origin: dict[str, Request] = {}  # scheduled request id -> the workload's request
         self.prefilling: list[tuple[float, ESPBatch]] = []  # (end, batch)
         self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # every batch as run
@@ -192,8 +196,6 @@ class _Run:
         self.moves: list[tuple[float, set[int]]] = []  # KV moves in flight: end, instances busy until then
         self.preemptions = self.scale_ups = self.migrations = self.evacuations = self.finished = 0
         self.decode_pauses = 0  # decoding requests paused by a prefill taking an instance that holds their KV
-        # outputs of finished requests, after a prior of one predicted output (as LoongServe seeds its average)
-        self.output_sum, self.output_count = float(self.cfg.output_estimate), 1
         self.step_sum, self.step_count = 0.0, 0  # decode step durations so far
         self.now = 0.0
         self.wall = time.perf_counter()
@@ -259,8 +261,7 @@ class _Run:
     def _plan_prefills(self, now: float) -> None:
         idle = self._idle()
         while self.scheduler.waiting and idle:  # rounds until nothing more starts (the knee bounds each round)
-            growth = sum(max(min(self.cfg.output_estimate, d.request.output_len) - d.request.generated, 0)
-                         for d in self.decoding.values())
+            growth = predicted_growth(self._estimate(), (d.request.generated for d in self.decoding.values()))
             for e in self.instances:  # what a prefill taking it pauses (allocation's cost without evacuation)
                 e.generated = tuple(d.request.generated for d in self.decoding.values() if e.id in d.shards)
             batches = self.scheduler.elastic_batches([self.instances[i] for i in sorted(idle)], growth,
@@ -291,7 +292,11 @@ class _Run:
         prefilling = {i for _, b in self.prefilling for i in b.instances}
         return RunningDecodes(isolated_room([e for e in self.instances if e.id not in prefilling]),
                           tuple(d.request.generated for d in self.decoding.values()),
-                          self.output_sum / self.output_count, self.step_sum / max(self.step_count, 1))
+                          self._estimate(), self.step_sum / max(self.step_count, 1))
+
+    def _estimate(self) -> int:
+        """Every decode's predicted length, as the live cluster has it (cluster/esp.py)."""
+        return self.scheduler.predict(PromptInfo(0))
 
     def _evacuate(self, taken: set[int], reserved: set[int], now: float) -> float:
         """A prefill takes instances holding decode KV: move those shares to idle instances outside this round's
@@ -333,6 +338,7 @@ class _Run:
             original = self.origin.pop(r.id)
             original.prefilled = original.prompt_len
             original.add_tokens(1, first)  # prefill (or the recompute of a preempted one) yields the next token
+            self.scheduler.predict(PromptInfo(original.prompt_len), request_id=original.id)  # as live, at its start
             if original.finished:
                 self._finish(original, shards[r.id])
             else:
@@ -378,8 +384,7 @@ class _Run:
 
     def _finish(self, request: Request, shards: dict[int, int]) -> None:
         self.finished += 1
-        self.output_sum += request.output_len
-        self.output_count += 1
+        self.scheduler.finish(request.id, request.generated)  # the predictor learns its length
         self._release(shards)
 
     def _release(self, shards: dict[int, int]) -> None:
@@ -448,7 +453,7 @@ class _Run:
                 return True
         else:  # move the whole KV to one instance that holds it and room to grow
             kv = sum(d.shards.values())
-            need = kv + max(self.cfg.output_estimate - d.request.generated, 1)
+            need = kv + max(self._estimate() - d.request.generated, 1)
             target = max((e for e in candidates if e.id not in d.shards and e.free >= need), default=None,
                          key=lambda e: e.free)
             if target is not None:  # its instances and the target are busy with the move from the next step on

@@ -23,7 +23,7 @@ import numpy as np
 from jaxserve.sched.batch_cost import EngineStepCost, TetrisBatchCost
 from jaxserve.sched.cdsp import CDSPPlanner, Pool
 from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill
-from jaxserve.sched.decode_dispatch import ObservedLengths, PromptInfo
+from jaxserve.sched.decode_dispatch import ObservedLengths
 from jaxserve.sched.esp import aligned_groups
 from jaxserve.sched.improvement_rate import AdaptiveCDSP, RateTable
 from jaxserve.sim.disagg import Costs, DisaggConfig, DisaggSimulator
@@ -134,7 +134,7 @@ def replay(run: LiveRun, progress: bool = False) -> Results:
         cfg = ESPConfig(instances=run.prefill_instances, tp=1, scale_up=False, multi_master=False, proactive=False,
                         evacuate=False, gather=True, groups=tuple(aligned_groups(run.prefill_instances)),
                         kv_tokens=run.kv_tokens, knee_tokens=run.max_model_len,
-                        output_estimate=ObservedLengths().predict(PromptInfo(0))[1])
+                        output_estimate=ObservedLengths().prior)  # the live cluster's predictor, from its prior
         model = LoongServePrefill.from_json(json.dumps(run.prefill_model))
         return ESPSimulator(cfg, MeasuredESPCost(model, 1, step, run.transfer)).run(workload, progress)
     eq1 = TetrisPrefill.from_json(json.dumps(run.prefill_model))

@@ -218,3 +218,15 @@ def test_a_preemption_with_nothing_else_in_flight_is_planned_again():
         res = ESPSimulator(cfg).run(w, progress=False)
         assert res.config["preemptions"] > 0
         check_complete(res, w)
+
+
+def test_decode_lengths_are_predicted_as_live_from_the_finished_requests():
+    """The running mean of finished lengths, from the configured prior (cluster/esp.py's predictor): every
+    finished request teaches it once, a preempted one under its own id, and admission plans with it."""
+    w = long_context("short", 40, 2.0, seed=3)
+    run = _Run(ESPSimulator(ESPConfig(instances=4, output_estimate=100)), w, False)
+    done = [r for r in run.requests if r.finished]
+    predictor = run.scheduler.predictor
+    assert predictor.count == len(done) == len(run.requests) and predictor.total == sum(r.generated for r in done)
+    # admission's estimate is the predictor's upper end (64-token buckets), learned past the prior's (64, 128)
+    assert run.esp.output_estimate % 64 == 0 and run.esp.output_estimate != 128
