@@ -5,7 +5,8 @@ Commands:
   serve     serve --model over gRPC (--grpc_port) and the OpenAI-compatible HTTP API (--http_port) until SIGTERM
   client    send --prompt to a running server over gRPC (--target) and stream the reply to stdout
   fetch     download a registered model into the local cache (the only step that needs the package index)
-  simulate  replay a trace or synthetic mix through the scheduler on a simulated cluster (no devices needed)
+  simulate  replay a trace or synthetic mix through the scheduler on simulated replicas, or on a simulated
+            cluster with --prefill_instances (serve's layout flags; no devices needed)
 """
 
 from __future__ import annotations
@@ -198,25 +199,42 @@ def _fetch() -> None:
     print(registry.fetch_model(FLAGS.model))
 
 
+def _flags_of(section: type) -> set[str]:
+    return {f for leaf in config.leaves(section).values() if (f := config.flag_name(leaf.field))}
+
+
 def _simulate() -> None:
     import json
 
     from jaxserve.sim import plots, run
 
-    w, sim = _config(config.WorkloadConfig()), _config(config.SimConfig())
-    if FLAGS["tp"].present:  # --tp is the engine's setting; a simulated replica takes it too
-        sim = config.replace(sim, tp=FLAGS.tp)
-    sched = sim.scheduler
+    w = _config(config.WorkloadConfig())
     workload = run.make_workload(w.trace, w.rate, w.requests, seed=w.seed, long_fraction=w.long_fraction,
                                  arrival=w.arrival, cv=w.cv)
-    results = run.simulate(workload, sim)
+    if FLAGS.prefill_instances:  # a cluster, from the flags that serve it
+        from jaxserve.sim.cluster import simulate_cluster
+
+        layout = _config(config.ParallelConfig())
+        # the replicas' settings (their scheduler's included) mean nothing to a cluster's simulation
+        unread = sorted(f for f in _flags_of(config.SimConfig) - _flags_of(config.ParallelConfig) - {"profile", "out"}
+                        if FLAGS[f].present)
+        if unread:
+            raise ValueError(f"{', '.join('--' + f for f in unread)}: not read when simulating a cluster "
+                             f"(--prefill_instances); leave {'it' if len(unread) == 1 else 'them'} out")
+        sim = _config(config.SimConfig())
+        results, label = simulate_cluster(workload, layout, sim.profile), layout.cluster_policy
+    else:
+        sim = _config(config.SimConfig())
+        if FLAGS["tp"].present:  # --tp is the engine's setting; a simulated replica takes it too
+            sim = config.replace(sim, tp=FLAGS.tp)
+        results, label = run.simulate(workload, sim), sim.scheduler.policy
     summary = results.summary()
     print(json.dumps(summary, indent=1))
     if sim.out:
         os.makedirs(sim.out, exist_ok=True)
         results.to_json(os.path.join(sim.out, "summary.json"))
         results.to_csv(os.path.join(sim.out, "requests.csv"))
-        plots.ttft_cdf({sched.policy: results}, os.path.join(sim.out, "ttft_cdf.png"), which="all",
+        plots.ttft_cdf({label: results}, os.path.join(sim.out, "ttft_cdf.png"), which="all",
                        title=f"{workload.name}, {workload.rate:.2f} req/s")
         print(f"wrote {sim.out}/summary.json, requests.csv, ttft_cdf.png")
 

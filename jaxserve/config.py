@@ -175,7 +175,8 @@ class ParallelConfig:
     tp: int = setting(1, "Tensor-parallel degree: devices per instance, each holding a share of every layer's "
                       "heads and MLP (simulate: per simulated replica, default 8).")
     prefill_instances: int = setting(0, "Instances (from the first device) forming a CDSP prefill pool; more than 0 "
-                                     "makes the engine a live cluster. 0: one engine on one instance.")
+                                     "makes the engine a live cluster (simulate: a simulated one). 0: one engine "
+                                     "on one instance.")
     decode_instances: int = setting(1, "Decode instances after the prefill pool (with --prefill_instances).")
     instance: InstanceShape = section(InstanceShape)
     decode_kvp: int = setting(1, "Instances per decode instance; more than 1 splits its KV cache over them "

@@ -175,10 +175,12 @@ class Balancing:
         object.__setattr__(self, "_coef", coef)
 
     @classmethod
-    def from_profile(cls, profile: str, per_node: int) -> "Balancing":
-        """From a built-in GPU profile: its send/recv timings and its model's KV size (TP=1 instances)."""
+    def from_profile(cls, profile: str, per_node: int, tp: int = 1) -> "Balancing":
+        """From a built-in GPU profile: its send/recv timings and its model's KV size. Each GPU of a TP-`tp`
+        instance moves its own shard: an instance's move is 1/tp of the bytes per link."""
         shape = model_shape(profile)
-        return cls(network(PROFILES[profile][0]), shape.kv_bytes_per_token() / shape.layers, shape.layers, per_node)
+        return cls(network(PROFILES[profile][0]), shape.kv_bytes_per_token() / shape.layers / tp, shape.layers,
+                   per_node)
 
     def seconds(self, held: Sequence[int], group: Sequence[int], h: int) -> float:
         """Moving h history tokens from `held` onto `group`, which extends it (held's instances first), summed

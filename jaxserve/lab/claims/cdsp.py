@@ -29,13 +29,13 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from jaxserve.sim.esp_cluster import ESPCost
 from jaxserve.lab.improvement_rate import profile_improvement_rates
 from jaxserve.sched.cdsp import Balancing, CDSPPlanner, FixedSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.improvement_rate import AdaptiveCDSP
-from jaxserve.sched.profiles import TETRIS_TABLE1_K, model_shape, network, tetris_table1_samples
+from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sim import plots
+from jaxserve.sim.cluster import pool_eq1
 from jaxserve.sim.prefill_pool import Executor, max_sustainable_rate, run_pool
 from jaxserve.sim.workload import LONG_CONTEXT, Workload, load_trace, long_context
 
@@ -74,14 +74,8 @@ def setup(model: str) -> Setup:
                      Balancing.from_profile("a100_llama3_8b", pool.per_node), (8, 16), "16 x A100 LLaMA3-8B", "")
     # Tetris's 70B: 8 nodes, P/D 1:1, TP-4 prefill instances: 8 instances, 2 per node
     profile, tp, pool = "h100_llama2_70b", 4, Pool(nodes=4, per_node=2)
-    cost = ESPCost(profile, tp)
-    samples = [(sp, (k * 1024, 0), cost.prefill([k * 1024], sp, "intra_node" if sp <= pool.per_node else "inter_node"))
-               for sp in (1, 2, 4, 8) for k in TETRIS_TABLE1_K]
-    shape = model_shape(profile)
-    # each GPU of a TP-4 instance moves its own shard: the instance's move is a quarter of the bytes per link
-    balancing = Balancing(network("h100"), shape.kv_bytes_per_token() / shape.layers / tp, shape.layers,
-                          pool.per_node)
-    return Setup(TetrisPrefill.fit(samples), pool, balancing, (4, 8), "8 x (4 x H100) Llama-2-70B", "_70b")
+    return Setup(pool_eq1(profile, tp, pool), pool, Balancing.from_profile(profile, pool.per_node, tp), (4, 8),
+                 "8 x (4 x H100) Llama-2-70B", "_70b")
 
 
 CDSP, SAME, OWN = "CDSP (Tetris)", "request-level SP (CDSP's rates)", "request-level SP (own rates)"

@@ -1,0 +1,90 @@
+"""A cluster layout simulated from the flags that serve it: `python -m jaxserve simulate --prefill_instances=...`
+reads the same ParallelConfig as `serve` (config.py) and runs its policy's scheduler on a GPU profile.
+
+- cdsp: sim/disagg.py's CDSP pool of `prefill_instances` instances of `tp` GPUs, planned by Eq. (1) fitted to
+  the profile's ring prefill (sim/esp_cluster.ESPCost), cache balancing from its links, the improvement rate
+  fixed or from `--improvement_rates`; decode instances of `decode_tp` GPUs.
+- tetriinfer: sim/disagg.py's TetriInfer prefill instances (their chunk, batch and order), power-of-two
+  dispatch, flips with `--flip_window`.
+- esp: sim/esp_cluster.py's elastic instances. The simulator runs LoongServe whole (scale-up and multi-master
+  decode, evacuation), which the live cluster does not yet (docs/ARCHITECTURE.md, "Not built yet").
+Everywhere: decode lengths predicted by the running mean of finished requests, as live (`--length_predictor=
+mean`); decode admission by `--decode_admission`. A trace carries no prompt text, so `--length_predictor=prompt`
+and the layouts the simulator does not model (`--decode_kvp` > 1, CSPS's `--sp_attention=sp_ntp`) are refused.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from jaxserve.config import ParallelConfig
+from jaxserve.sched.cdsp import Balancing, CDSPPlanner, Pool
+from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sched.decode_dispatch import ObservedLengths
+from jaxserve.sched.flip import FlipPolicy
+from jaxserve.sched.improvement_rate import AdaptiveCDSP, read_rate_table
+from jaxserve.sched.profiles import TETRIS_TABLE1_K, ProfileBatchCost
+from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
+from jaxserve.sim.esp_cluster import ESPConfig, ESPCost, ESPSimulator
+from jaxserve.sim.metrics import Results
+from jaxserve.sim.workload import Workload
+
+
+def pool_eq1(profile: str, tp: int, pool: Pool) -> TetrisPrefill:
+    """Eq. (1) fitted to the profile's prefill of one prompt on SP groups of TP-`tp` instances (the ring model,
+    inter-node once a group outgrows a node), at Tetris's Table 1 lengths."""
+    cost = ESPCost(profile, tp)
+    sizes = [s for s in (1 << i for i in range(pool.size.bit_length())) if s <= pool.size]
+    return TetrisPrefill.fit([(sp, (k * 1024, 0), cost.prefill([k * 1024], sp, "intra_node" if sp <= pool.per_node
+                                                                else "inter_node"))
+                              for sp in sizes for k in TETRIS_TABLE1_K])
+
+
+def check(layout: ParallelConfig) -> None:
+    """ValueError naming what a simulated cluster does not model."""
+    if not layout.prefill_instances:
+        raise ValueError("a simulated cluster needs --prefill_instances")
+    unmodelled = [f"--{name}={getattr(layout, name)}" for name, default in
+                  (("decode_kvp", 1), ("sp_attention", "ring"), ("length_predictor", "mean"))
+                  if getattr(layout, name) != default]
+    if layout.sparse_attention is not None:
+        unmodelled.append(f"--sparse_attention={layout.sparse_attention}")
+    if layout.instance.stages > 1 or layout.instance.kvp > 1:  # as the live cluster (cluster/build.check_layout)
+        raise ValueError("pipeline stages and KV-parallel sets (--pipeline_stages, --kvp) shape one engine's "
+                         "instance, not a cluster's")
+    if unmodelled:
+        raise ValueError(f"{', '.join(unmodelled)}: not simulated (a trace has no prompt text, and the simulator "
+                         f"models neither KV-parallel decode instances nor CSPS's pool); leave "
+                         f"{'it' if len(unmodelled) == 1 else 'them'} out")
+    if layout.cluster_policy == "tetriinfer" and layout.flip_window:
+        raise ValueError(f"--flip_window={layout.flip_window}: TetriInfer's flips are simulated with a CDSP pool "
+                         "only (sim/disagg.py), not with its own prefill instances")
+    if layout.cluster_policy == "cdsp" and layout.prefill_instances % layout.node_size:
+        raise ValueError(f"{layout.prefill_instances} prefill instances do not form nodes of {layout.node_size}")
+
+
+def simulate_cluster(workload: Workload, layout: ParallelConfig, profile: str, progress: bool = True) -> Results:
+    """`layout`'s cluster (its policy, instances and settings, as `serve` reads them) on `profile`'s GPUs."""
+    check(layout)
+    if layout.cluster_policy == "esp":
+        cfg = ESPConfig(instances=layout.prefill_instances, tp=layout.tp, profile=profile)
+        return ESPSimulator(cfg).run(workload, progress)
+    decode = dict(decode_instances=layout.decode_instances, decode_tp=layout.decoder_tp, profile=profile,
+                  recv_backends=layout.receive_buffers, admission=layout.decode_admission)
+    if layout.cluster_policy == "tetriinfer":
+        flip = (FlipPolicy(window=layout.flip_window, check_every=layout.flip_window / 12)
+                if layout.flip_window else None)
+        cfg = DisaggConfig(prefill="tetriinfer", prefill_instances=layout.prefill_instances, prefill_tp=layout.tp,
+                           prefill_chunk=layout.prefill_chunk, prefill_batch=layout.prefill_batch,
+                           prefill_order=layout.prefill_order, dispatch="power_of_two", flip=flip, **decode)
+        cost = ProfileBatchCost(profile, layout.tp)
+        return DisaggSimulator(None, lambda n: cost.batch_time([(n, 0)]), cfg, ObservedLengths()).run(
+            workload, progress)
+    pool = Pool(layout.prefill_instances // layout.node_size, layout.node_size)
+    eq1 = pool_eq1(profile, layout.tp, pool)
+    planner = CDSPPlanner(eq1, pool, layout.improvement_rate, min_chunk=layout.min_chunk,
+                          balancing=Balancing.from_profile(profile, pool.per_node, layout.tp))
+    if layout.improvement_rates is not None:
+        planner = AdaptiveCDSP(planner, read_rate_table(pathlib.Path(layout.improvement_rates)))
+    cfg = DisaggConfig(prefill_instances=pool.size, **decode)
+    return DisaggSimulator(planner, eq1.fastest, cfg, ObservedLengths()).run(workload, progress)
