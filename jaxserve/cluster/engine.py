@@ -106,6 +106,8 @@ class ClusterEngine:
         # instance, landed transfer)
         self.decode_started: collections.deque[tuple[str, float]] = collections.deque(maxlen=HISTORY)  # (request,
         # when its first decode step began)
+        self.arrivals: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=HISTORY)  # (request,
+        # when the policy saw it, prompt tokens): a replay's trace (sim/replay.py)
         self._decoding: set[str] = set()  # live requests that have begun decoding
         self.last_predicted: float | None = None
         self.decode_seconds = 0.0  # a decode instance's step, measured (moving average; 0 before the first)
@@ -115,6 +117,12 @@ class ClusterEngine:
         self._owner: dict[str, LiveDecoder | None] = {}
         self._generated: dict[str, int] = {}
         self._ids = itertools.count()
+
+    def _arrived(self, request_id: str, prompt_len: int) -> float:
+        """Now, recorded as the request's arrival."""
+        now = self.clock()
+        self.arrivals.append((request_id, now, prompt_len))
+        return now
 
     def prompt_info(self, ids: Sequence[int]) -> PromptInfo:
         """What the length predictor reads of a prompt."""
@@ -156,7 +164,7 @@ class ClusterEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")
-        now = self.clock()
+        now = self._arrived(rid, len(ids))
         arrival = self.scheduler.arrive(self.prompt_info(ids), now, [d.load() for d in self.decoders],
                                         params.max_tokens, request_id=rid)
         chosen = arrival.dispatch

@@ -77,7 +77,7 @@ class ESPCluster(ClusterEngine):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")
-        self.scheduler.wait(Request(rid, self.clock(), len(ids), params.max_tokens))
+        self.scheduler.wait(Request(rid, self._arrived(rid, len(ids)), len(ids), params.max_tokens))
         self._waiting[rid] = _Prompt(ids, params)
         self._owner[rid] = None  # its decode instance is chosen when its batch starts
         return rid

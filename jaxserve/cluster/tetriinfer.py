@@ -87,7 +87,8 @@ class TetriInferCluster(ClusterEngine):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")
-        k = self.scheduler.queue(Request(rid, self.clock(), len(ids), params.max_tokens), self.prefilling)
+        k = self.scheduler.queue(Request(rid, self._arrived(rid, len(ids)), len(ids), params.max_tokens),
+                                 self.prefilling)
         self._prompts[rid] = _Prompt(ids, params, k)
         self._owner[rid] = None  # its decode instance is chosen with its last piece
         return rid

@@ -232,6 +232,7 @@ class _Run:
         self.requests: list[Request] = []
         self.rejected: list[Request] = []
         self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # chunks as run
+        self.decoders_of: dict[str, int] = {}  # each request's decode instance
         self.bar = tqdm(total=len(workload), desc="simulate disaggregated", unit="req", disable=not progress)
 
     def _push(self, t: float, order: int, kind: str, payload: object) -> None:
@@ -293,7 +294,7 @@ class _Run:
                        config=dataclasses.asdict(self.cfg) | {"workload": self.workload.name,
                                                               "requests": len(self.workload),
                                                               "flips": self.flips, "gpu_seconds": gpu_seconds},
-                       prefills=self.prefills)
+                       prefills=self.prefills, decoders=self.decoders_of)
 
     def _choose(self, r: Request) -> tuple[SimulatedDecoder, Dispatch]:
         """r's decode instance, among those not draining, and its predicted decode length (the true one
@@ -308,6 +309,7 @@ class _Run:
         there (never the true output length, which the dispatcher cannot know)."""
         promised = chosen.predicted if self.sim.predictor is not None else 0
         dec.ledger.expect(r.id, r.prompt_len, promised, chosen.heavy)
+        self.decoders_of[r.id] = dec.index
         dec.expected[r.id] = r, (None if self.cfg.admission == "oracle" else chosen.predicted)
 
     def _offer(self, dec: SimulatedDecoder, transfer: Transfer, senders: int) -> None:

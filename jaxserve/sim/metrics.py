@@ -70,6 +70,8 @@ class Results:
     long_threshold: int = 32768
     # prefill work as run, for Gantt charts: (request ids, the devices or instances it ran on, start, end)
     prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = dataclasses.field(default_factory=list)
+    # a disaggregated cluster's dispatch: each request's decode instance
+    decoders: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict[str, dict[str, float]]:
         everyone = self.requests + self.rejected  # a rejected request is a missed SLO, not a smaller sample

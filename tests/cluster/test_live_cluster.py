@@ -5,6 +5,8 @@ orders transfers and decode starts."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -50,6 +52,43 @@ def prefill_over_2_4_8(cluster, ids) -> list[int]:
     # the history was rebalanced before each larger group; the transfers came chunk by chunk
     assert len([t for _, t in cluster.transfers if t.request_id == rid]) == 3
     return got
+
+
+def test_the_simulator_makes_the_live_clusters_plans(llm, cluster):
+    """Live against simulated, the cluster contract's check: a burst of prompts planned and dispatched live,
+    replayed through sim/disagg.py with the same arrival times, planner and decode capacity, gets the same chunks
+    on the same groups and the same decode instances. First in this module: neither length predictor has
+    learned anything yet (after the other tests the live one has), and max_tokens is the prior's prediction, so
+    the cap the simulator does not know changes no promise."""
+    from jaxserve.sim.replay import Line, LiveRun, replay
+
+    lengths = [3000, 1500, 700, 300, 1200]
+    requests = [(prompt(llm, n, 40 + i), SamplingParams(max_tokens=320)) for i, n in enumerate(lengths)]
+    before = len(cluster.records)
+    outputs = run(cluster, requests)
+    arrivals = list(cluster.arrivals)[-len(requests):]
+    first = arrivals[0][1]
+    planner, decoder = cluster.planner, cluster.decoders[0]
+    # the engine's steps were never measured here (priced at zero): the simulated ones a millisecond a program,
+    # which decides nothing above (every plan and dispatch is made at arrival)
+    step = decoder.engine.scheduler.cost.to_dict()
+    step["base"] = [[1e-3] * len(row) for row in step["base"]]
+    step["decode_base"] = [1e-3] * len(step["decode_base"])
+    live_run = LiveRun("cdsp", len(cluster.pool_ids), len(cluster.decoders), planner.pool.per_node,
+                       [(t - first, n, len(out)) for (_, t, n), out in zip(arrivals, outputs)],
+                       json.loads(planner.model.to_json()), step, Line(0.0, 0.0),
+                       decoder.kv_tokens, decoder.engine.max_num_seqs, MAX_MODEL_LEN,
+                       dict(improvement_rate=planner.improvement_rate, sizes=list(planner.sizes),
+                            min_chunk=planner.min_chunk))
+    sim = replay(live_run)
+    slot = cluster.pool_ids.index
+    for k, (rid, _, _) in enumerate(arrivals):
+        live_chunks = [tuple(sorted(map(slot, r.group))) for r in list(cluster.records)[before:] if r.request_id == rid]
+        sim_chunks = [tuple(sorted(group)) for ids, group, _, _ in sim.prefills if ids == (str(k),)]
+        assert live_chunks == sim_chunks, (k, live_chunks, sim_chunks)
+        (live_decoder,) = {d for d, t in cluster.transfers if t.request_id == rid}
+        assert live_decoder == sim.decoders[str(k)], k
+    assert {len(g) for ids, g, _, _ in sim.prefills} != {2}  # the burst's plans used more than one group size
 
 
 def test_prefill_over_growing_groups_then_decode_elsewhere_equals_one_device(cluster, long_prompt):
