@@ -3,6 +3,7 @@ embedding table read directly, and the classifier's state kept in the cache fold
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -26,6 +27,18 @@ def test_features_are_the_mean_of_the_prompts_embedding_rows(params, n):
     # float32 sums of n rows of magnitude ~|w|: rounding grows with n at most
     assert got.shape == want.shape and np.allclose(got, want, rtol=0, atol=4 * n * np.finfo(np.float32).eps
                                                    * np.abs(table).max())
+
+
+def test_warmup_compiles_every_size_a_prompt_takes(params):
+    features = PromptFeatures(params)
+    features.warmup(1000)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    for n in (1, 64, 65, 300, 513, 1000):
+        features(list(range(n)))
+    assert compiles == []
 
 
 def test_a_quantized_table_gives_its_dequantized_rows_mean(params):

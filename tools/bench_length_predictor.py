@@ -105,7 +105,7 @@ def build_trace(model: str, prompts: list[tuple[str, str]], path: pathlib.Path) 
     convs = [[{"role": "user", "content": p}] for _, p in prompts]
     done = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=FLAGS.max_tokens))
     print(f"answered {len(done)} prompts in {time.perf_counter() - t0:.0f} s")
-    rows = [{"kind": k, "ids": c.prompt_ids, "output_len": len(c.token_ids)} for (k, _), c in zip(prompts, done)]
+    rows = [{"kind": k, "ids": c.prompt_token_ids, "output_len": len(c.token_ids)} for (k, _), c in zip(prompts, done)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(json.dumps(x) for x in [_header(model, prompts), *rows]) + "\n")
     return rows

@@ -88,7 +88,9 @@ def pool_of(layout: ParallelConfig) -> Pool:
 def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> int:
     """Compile every chunk program (group x local bucket the policy can run), every KV-move and KV-export piece
     program on every instance, every prefill-to-decode instance transfer, and every decode instance's decode
-    programs and samplers. Returns the number of chunk programs."""
+    programs and samplers, and the length predictor's feature programs. Returns the number of chunk programs."""
+    if cluster.features is not None:
+        cluster.features.warmup(max_tokens)
     sp = cluster.prefill
     work = cluster.chunk_shapes(max_tokens)
     for g, b in tqdm(work, desc="compile chunk programs", unit="program", disable=not progress):

@@ -47,9 +47,20 @@ class PromptFeatures:
 
     def __call__(self, ids: Sequence[int]) -> Float[np.ndarray, " e"]:
         n = len(ids)
-        padded = np.zeros(max(SHORTEST, next_power_of_two(n)), np.int32)
+        padded = np.zeros(self._padded(n), np.int32)
         padded[:n] = ids
         return np.asarray(_mean_rows(self.table, padded, np.int32(n)), np.float32)
+
+    def warmup(self, max_tokens: int) -> None:
+        """Compile the program of every padded size a prompt up to max_tokens takes."""
+        size = SHORTEST
+        while size <= self._padded(max_tokens):
+            self([0] * size)
+            size *= 2
+
+    @staticmethod
+    def _padded(n: int) -> int:
+        return max(SHORTEST, next_power_of_two(n))
 
 
 class KeptClassifier:
