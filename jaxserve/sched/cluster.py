@@ -167,8 +167,8 @@ class CDSPPolicy(ClusterPolicy):
                 if p.group:
                     moves.append(KVMove(request_id=p.request_id, src=p.group, dst=c.group, tokens=c.history,
                                         kind=MoveKind.REBALANCE))
-                items.append(WorkItem(p.request_id, c.history, c.history + c.tokens, Phase.PREFILL, c.group,
-                                      len(c.group), chunk_index=p.done, history=c.history))
+                items.append(WorkItem(request_id=p.request_id, start=c.history, end=c.history + c.tokens,
+                                      phase=Phase.PREFILL, group=c.group, chunk_index=p.done, history=c.history))
                 p.started += 1
                 p.group = c.group
             taken |= set(c.group)

@@ -19,16 +19,15 @@ class MoveKind(enum.Enum):
 
 
 class WorkItem(NamedTuple):
-    """A named tuple, not a dataclass: a Plan holds hundreds and the scheduler builds one every iteration."""
+    """One request's tokens in a Plan. Built by keyword; a named tuple, not a frozen dataclass, which takes four
+    times as long to build (a Plan holds hundreds, one every iteration: BENCHMARKS "Scheduler speed")."""
 
     request_id: str
     start: int  # first token position this item computes
     end: int  # one past the last
     phase: Phase
     group: tuple[int, ...]  # device ids, ordered: the SP ring order
-    sp: int = 1
-    layout: str = "zigzag"
-    chunk_index: int = 0
+    chunk_index: int = 0  # which of its prompt's chunks (a cluster's)
     history: int = 0  # tokens already cached before `start` (attention reads them)
 
     @property

@@ -302,10 +302,11 @@ class ReplicaScheduler:
             # with every token cached (they decode from the next Plan, which grants only their new blocks)
             return Plan((), blocks=blocks, preempted=tuple(preempted)) if preempted or blocks else None
         group, decode = self.group, Phase.DECODE
-        items = [WorkItem(r.id, kv, kv + 1, decode, group, 1, "zigzag", 0, kv)
+        items = [WorkItem(request_id=r.id, start=kv, end=kv + 1, phase=decode, group=group, history=kv)
                  for r in decodes for kv in (self._next_position(r),)]
         for r, n in chunks:
-            items.append(WorkItem(r.id, r.planned, r.planned + n, Phase.PREFILL, group, history=r.planned))
+            items.append(WorkItem(request_id=r.id, start=r.planned, end=r.planned + n, phase=Phase.PREFILL,
+                                  group=group, history=r.planned))
             r.planned += n
             if r.planned < r.prefill_target:
                 self.queue.set_remaining(r, self.prefill_time.remaining(r.prefill_target, r.planned))
@@ -376,7 +377,8 @@ class ReplicaScheduler:
             assert new is not None, "need() counted these blocks free"
             if new:
                 grants[r.id] = new
-            items.append(WorkItem(r.id, start, start + n, Phase.DECODE, self.group, history=start))
+            items.append(WorkItem(request_id=r.id, start=start, end=start + n, phase=Phase.DECODE, group=self.group,
+                                  history=start))
             self.decode_in_flight.setdefault(r.id, []).append(n)
         return Plan(tuple(items), predicted_time=time, blocks=_granted(grants), steps=steps)
 

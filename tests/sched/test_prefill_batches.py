@@ -74,7 +74,8 @@ def test_one_chunk_in_flight_at_a_time():
 
 def test_a_chunk_costs_its_pieces_with_their_history_plus_padding_as_tokens():
     cost = TetrisBatchCost(cm.TetrisPrefill.fit(tetris_table1_samples()))
-    items = [WorkItem("a", 212, 300, Phase.PREFILL, (0,), history=212), WorkItem("b", 0, 100, Phase.PREFILL, (0,))]
+    items = [WorkItem(request_id="a", start=212, end=300, phase=Phase.PREFILL, group=(0,), history=212),
+             WorkItem(request_id="b", start=0, end=100, phase=Phase.PREFILL, group=(0,))]
     # padding runs through the linear ops (512 tokens) but attends to nothing
     expected = cost.overhead + cost.linear_ops(512) + cost.prefill_attention(88, 212) + cost.prefill_attention(100, 0)
     assert chunk_time(cost, items, 512) == pytest.approx(expected)
