@@ -30,7 +30,7 @@ from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.decode_ledger import Transfer
-from jaxserve.sched.flip import FlipController, FlipPolicy
+from jaxserve.sched.flip import Flip, FlipController, FlipPolicy
 from jaxserve.sched.plan import Outcome, Plan
 from jaxserve.sched.request import Request
 
@@ -198,10 +198,10 @@ class TetriInferCluster(ClusterEngine):
         self._next_check = now + self._flips.policy.check_every
         for kind, k in self._flips.finish(lambda k: not self._prefill_load(k),
                                           lambda k: not self.decoders[k].ledger.heavy):
-            (self.decoding if kind == "to_decode" else self.prefilling).add(k)
-            self.events[f"flips_{kind}"] += 1
+            (self.decoding if kind is Flip.TO_DECODE else self.prefilling).add(k)
+            self.events[f"flips_{kind.value}"] += 1
         started = self._flips.start(now, {k: self._prefill_load(k) for k in sorted(self.prefilling)},
                                     {k: self._decode_load(k) for k in sorted(self.decoding)})
         if started is not None:  # no new prompts (its queue drains), or no new dispatches (its requests finish)
             kind, k = started
-            (self.prefilling if kind == "to_decode" else self.decoding).discard(k)
+            (self.prefilling if kind is Flip.TO_DECODE else self.decoding).discard(k)

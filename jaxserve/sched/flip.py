@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 from typing import Callable, Hashable, Sequence
 
 
@@ -31,6 +32,13 @@ class LoadWindow:
         return sum(v for _, v in self.samples) / len(self.samples)
 
 
+class Flip(enum.Enum):
+    """Which way a unit changes role."""
+
+    TO_DECODE = "to_decode"  # a prefill unit joins the decode side
+    TO_PREFILL = "to_prefill"  # a decode unit joins the prefill side
+
+
 @dataclasses.dataclass(frozen=True)
 class FlipPolicy:
     idle: float = 0.1
@@ -38,19 +46,19 @@ class FlipPolicy:
     window: float = 60.0
     check_every: float = 5.0
 
-    def choose(self, prefill: Sequence[float | None], decode: Sequence[float | None]) -> tuple[str, int] | None:
+    def choose(self, prefill: Sequence[float | None], decode: Sequence[float | None]) -> tuple[Flip, int] | None:
         """prefill / decode: each unit's mean load over the window (None until a whole window is seen).
-        Returns ("to_decode", prefill unit) or ("to_prefill", decode unit), keeping one unit of each role."""
+        Returns (TO_DECODE, prefill unit) or (TO_PREFILL, decode unit), keeping one unit of each role."""
         known_p = [x for x in prefill if x is not None]
         known_d = [x for x in decode if x is not None]
         if len(prefill) > 1 and known_d and sum(known_d) / len(known_d) > self.busy:
             idle = [(x, i) for i, x in enumerate(prefill) if x is not None and x < self.idle]
             if idle:
-                return "to_decode", min(idle)[1]
+                return Flip.TO_DECODE, min(idle)[1]
         if len(decode) > 1 and known_p and sum(known_p) / len(known_p) > self.busy:
             idle = [(x, i) for i, x in enumerate(decode) if x is not None and x < self.idle]
             if idle:
-                return "to_prefill", min(idle)[1]
+                return Flip.TO_PREFILL, min(idle)[1]
         return None
 
 
@@ -72,23 +80,23 @@ class FlipController:
         self._windows: dict[tuple[str, Hashable], LoadWindow] = {}
 
     def finish(self, prefill_drained: Callable[[Hashable], bool],
-               decode_drained: Callable[[Hashable], bool]) -> list[tuple[str, Hashable]]:
-        """The flips done now that their unit has drained: ("to_decode", unit) and ("to_prefill", unit)."""
+               decode_drained: Callable[[Hashable], bool]) -> list[tuple[Flip, Hashable]]:
+        """The flips done now that their unit has drained: (TO_DECODE, unit) and (TO_PREFILL, unit)."""
         done = []
         if self.joining is not None and prefill_drained(self.joining):
-            done.append(("to_decode", self.joining))
+            done.append((Flip.TO_DECODE, self.joining))
             self._windows.pop(("prefill", self.joining), None)
             self.joining = None
         if self.leaving is not None and decode_drained(self.leaving):
-            done.append(("to_prefill", self.leaving))
+            done.append((Flip.TO_PREFILL, self.leaving))
             self._windows.pop(("decode", self.leaving), None)
             self.leaving = None
         return done
 
     def start(self, now: float, prefill: dict[Hashable, float],
-              decode: dict[Hashable, float]) -> tuple[str, Hashable] | None:
+              decode: dict[Hashable, float]) -> tuple[Flip, Hashable] | None:
         """prefill / decode: each unit's load now, by unit (in the order the policy should see them). The flip
-        started, ("to_decode", a prefill unit) or ("to_prefill", a decode unit), or None."""
+        started, (TO_DECODE, a prefill unit) or (TO_PREFILL, a decode unit), or None."""
         for role, loads in (("prefill", prefill), ("decode", decode)):
             for unit, load in loads.items():
                 self._window(role, unit).add(now, load)
@@ -99,7 +107,7 @@ class FlipController:
         if choice is None:
             return None
         kind, i = choice
-        if kind == "to_decode":
+        if kind is Flip.TO_DECODE:
             self.joining = list(prefill)[i]
             return kind, self.joining
         self.leaving = list(decode)[i]

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from jaxserve.sched.cluster import CDSPPolicy, Dispatch, Planner, TetriInferPolicy
 from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor, PromptInfo
 from jaxserve.sched.decode_ledger import DecodeLedger, Transfer
-from jaxserve.sched.flip import FlipController
+from jaxserve.sched.flip import Flip, FlipController
 from jaxserve.sched.build import packer_config, replica_scheduler
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.batch_cost import BatchCost
@@ -67,8 +67,8 @@ class FlipRule(Protocol):
         """Seconds between checks."""
         ...
 
-    def choose(self, prefill: Sequence[float | None], decode: Sequence[float | None]) -> tuple[str, int] | None:
-        """Each unit's mean load (None until a whole window is seen) -> ("to_decode" | "to_prefill", unit)."""
+    def choose(self, prefill: Sequence[float | None], decode: Sequence[float | None]) -> tuple[Flip, int] | None:
+        """Each unit's mean load (None until a whole window is seen) -> (a Flip, unit)."""
         ...
 
 
@@ -424,7 +424,7 @@ class _Run:
 
         for kind, unit in self.flipper.finish(lambda slots: self.free_at[list(slots)].max() <= now,
                                               lambda i: not decoders[i].ledger.heavy):  # nothing dispatched left
-            if kind == "to_decode":
+            if kind is Flip.TO_DECODE:
                 self._new_decoder(unit)
             else:
                 dec = decoders[unit]
@@ -432,12 +432,12 @@ class _Run:
                 self.retired.append(dec)
                 self.unavailable[list(dec.slots)] = False
                 self.free_at[list(dec.slots)] = now
-            self.flips.append((now, kind))
+            self.flips.append((now, kind.value))
         tp = self.cfg.decode_tp
         slices = [tuple(range(a, a + tp)) for a in range(0, len(self.free_at), tp)]
         prefill = {sl: float(np.mean(self.free_at[list(sl)] > now)) for sl in slices
                    if not self.unavailable[list(sl)].any()}
         started = self.flipper.start(now, prefill, {d.index: d.busy() for d in self._open()})
-        if started is not None and started[0] == "to_decode":
+        if started is not None and started[0] is Flip.TO_DECODE:
             self.unavailable[list(started[1])] = True  # no new chunks; booked ones finish
         # to_prefill: _open leaves it out (no new requests); its running ones finish
