@@ -76,6 +76,12 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     stop: str | int | None = None  # what ended it with STOP: the stop string, or the stop token (EOS included)
 
+    @classmethod
+    def failed(cls, request_id: str, error: str, cached_tokens: int = 0) -> RequestOutput:
+        """The request ended with an error, producing nothing more."""
+        return cls(request_id, new_token_ids=[], new_text="", finished=True, finish_reason=FinishReason.ERROR,
+                   cached_tokens=cached_tokens, error=error)
+
 
 class StepFailed(RuntimeError):
     """A step raised. Its requests were ended; the cache was rebuilt if the failure took it (every other request
@@ -409,8 +415,7 @@ class Engine:
             return step
         except Exception as e:  # noqa: BLE001 - as a failed dispatch: the step's requests end
             failed = self._fail(e, step)
-            self._failed_alone += [RequestOutput(rid, [], "", True, FinishReason.ERROR, error=str(failed))
-                                   for rid in failed.request_ids]
+            self._failed_alone += [RequestOutput.failed(rid, str(failed)) for rid in failed.request_ids]
             return None
 
     def _finish(self, step: _Step) -> list[RequestOutput]:
@@ -483,11 +488,11 @@ class Engine:
         slot = self._slot(live) if self.scheduler.yields_token(item) else -1
         if item.start < len(r.token_ids):
             tokens = r.token_ids[item.start:item.start + (1 if burst else item.tokens)]
-            return Row(tokens, item.start, table, live.params, live.seed, r.generated, steps=steps, stop_ids=stops,
-                       slot=slot)
+            return Row(tokens=tokens, start=item.start, block_table=table, params=live.params, seed=live.seed,
+                       counter=r.generated, steps=steps, stop_ids=stops, slot=slot)
         flying = item.start - len(r.token_ids) + 1
-        return Row((0,), item.start, table, live.params, live.seed, r.generated + flying, feeds[item.request_id],
-                   steps, stops, slot)
+        return Row(tokens=(0,), start=item.start, block_table=table, params=live.params, seed=live.seed,
+                   counter=r.generated + flying, feed=feeds[item.request_id], steps=steps, stop_ids=stops, slot=slot)
 
     def _slot(self, live: _Live) -> int:
         """The request's sampling slot (-1 if its params need none), set from its history when it takes one: at
@@ -515,7 +520,7 @@ class Engine:
         """End one request with an error; the scheduler ignores the rest of its Plan."""
         cached = self._live[request_id].sched.cached_tokens
         self.abort(request_id)
-        return RequestOutput(request_id, [], "", True, FinishReason.ERROR, cached, error=message)
+        return RequestOutput.failed(request_id, message, cached)
 
     def _fail(self, error: Exception, *steps: _Step | None) -> StepFailed:
         """End the requests of a failed step and of the step dispatched beside it (which read its tokens), and
@@ -579,4 +584,5 @@ class Engine:
             text = live.text = live.text + live.detokenizer.flush()
         delta = text[live.emitted_chars:]
         live.emitted_chars = len(text)
-        return RequestOutput(r.id, [token], delta, reason is not None, reason, r.cached_tokens, stop=stop)
+        return RequestOutput(r.id, new_token_ids=[token], new_text=delta, finished=reason is not None,
+                             finish_reason=reason, cached_tokens=r.cached_tokens, stop=stop)
