@@ -32,3 +32,18 @@ def test_a_command_line_runs_its_experiment_from_its_flags(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     experiments.run("tetris_tbt", tiny=True, out=str(registry))
     assert (cli / "tetris_tbt.json").read_text() == (registry / "tetris_tbt.json").read_text()
+
+
+def test_the_improvement_rate_tool_writes_a_table_the_live_flag_reads(tmp_path):
+    """tools/improvement_rates.py on a pool's Eq. (1) file: what `--improvement_rates` reads."""
+    from jaxserve.sched.cost_models import TetrisPrefill
+    from jaxserve.sched.improvement_rate import read_rate_table
+    from jaxserve.sched.profiles import tetris_table1_samples
+
+    eq1, out = tmp_path / "eq1.json", tmp_path / "rates.json"
+    eq1.write_text(TetrisPrefill.fit(tetris_table1_samples()).to_json())
+    subprocess.run([sys.executable, str(TOOLS / "improvement_rates.py"), f"--prefill_profile={eq1}",
+                    "--prefill_instances=16", "--node_size=8", "--trace=azure_code", "--requests=60",
+                    "--rates=0.2,5", "--candidates=0.05,0.5", f"--out={out}"], check=True, capture_output=True)
+    table = read_rate_table(out)
+    assert table.arrival_rates == (0.2, 5.0) and set(table.improvement_rates) <= {0.05, 0.5}

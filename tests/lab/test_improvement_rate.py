@@ -38,21 +38,3 @@ def test_cdsp_sustains_more_load_than_the_best_fixed_sp():
     fixed = max(max_sustainable_rate(lambda sp=sp: FixedSPPlanner(MODEL, POOL, sp), workload_at, POOL.size, best,
                                      0.1, 20.0) for sp in (8, 16))
     assert cdsp >= 1.2 * fixed
-
-
-def test_the_profiling_tool_writes_a_table_the_live_flag_reads(tmp_path):
-    """tools/improvement_rates.py on a pool's Eq. (1) file: what `--improvement_rates` reads."""
-    import pathlib
-    import subprocess
-    import sys
-
-    from jaxserve.sched.improvement_rate import read_rate_table
-
-    eq1, out = tmp_path / "eq1.json", tmp_path / "rates.json"
-    eq1.write_text(MODEL.to_json())
-    tool = pathlib.Path(__file__).parents[2] / "tools" / "improvement_rates.py"
-    subprocess.run([sys.executable, str(tool), f"--prefill_profile={eq1}",
-                    "--prefill_instances=16", "--node_size=8", "--trace=azure_code", "--requests=60",
-                    "--rates=0.2,5", "--candidates=0.05,0.5", f"--out={out}"], check=True, capture_output=True)
-    table = read_rate_table(out)
-    assert table.arrival_rates == (0.2, 5.0) and set(table.improvement_rates) <= {0.05, 0.5}
