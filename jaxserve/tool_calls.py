@@ -149,7 +149,7 @@ def _calls_schema(tools: list[Tool], exactly_one: bool) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ToolPlan:
     """A chat request's tools as the engine sees them: the messages and tools the template renders, the
     output's grammar (StructuredOutput's fields, or None), and how to read calls out of the output (None: no
     calls are read); forced: the output must be calls (tool_choice required or a named function); control_text:
@@ -164,13 +164,13 @@ class Plan:
 
 
 def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, template: str | None,
-         parallel: bool = True) -> Plan:
+         parallel: bool = True) -> ToolPlan:
     """The prompt and grammar of a chat request with tools (messages: role, content, and OpenAI's tool_calls and
     tool_call_id where they have them). parallel: several calls in one reply may be made (else at most one)."""
     fmt = template_format(template)
     one = isinstance(choice, Tool) or not parallel
     if choice == "none":
-        return Plan(_plain_history(messages), None, None, None)
+        return ToolPlan(_plain_history(messages), None, None, None)
     offered = tools if isinstance(choice, str) else [choice]
     if fmt == "hermes":
         grammar = None
@@ -179,10 +179,10 @@ def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, 
             repeat = "" if one else "+"
             grammar = {"grammar": f'start: ("{_lark(HERMES_OPEN)}\\n" call "\\n{_lark(HERMES_CLOSE)}"){repeat}\n'
                                   f"call: %json {call}"}
-        return Plan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto")
+        return ToolPlan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto")
     if fmt == "mistral":
         grammar = None if choice == "auto" else {"json": _rooted(_calls_schema(offered, one), offered)}
-        return Plan(_mistral_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto",
+        return ToolPlan(_mistral_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto",
                     control_text=True)
     if fmt == "llama3_json":  # one call a reply (its templates refuse more)
         grammar = None
@@ -190,7 +190,7 @@ def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, 
             items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": _embedded(t)[0]},
                       "required": ["name", "parameters"], "additionalProperties": False} for t in offered]
             grammar = {"json": _rooted(items[0] if len(items) == 1 else {"anyOf": items}, offered)}
-        return Plan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto")
+        return ToolPlan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto")
     calls = {"type": "object", "properties": {"tool_calls": _calls_schema(offered, one)},
              "required": ["tool_calls"], "additionalProperties": False}
     answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
@@ -205,7 +205,7 @@ def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, 
         history[0] = {"role": "system", "content": history[0]["content"] + "\n\n" + system}
     else:
         history.insert(0, {"role": "system", "content": system})
-    return Plan(history, None, {"json": schema}, fmt, choice != "auto")
+    return ToolPlan(history, None, {"json": schema}, fmt, choice != "auto")
 
 
 def _lark(text: str) -> str:

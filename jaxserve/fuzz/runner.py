@@ -27,7 +27,7 @@ MAX_MESSAGE = 2000  # characters of an error message: more means the client's in
 
 
 @dataclasses.dataclass
-class Outcome:
+class FuzzVerdict:
     interface: str  # "http" or "grpc"
     kind: str
     status: str  # HTTP status code, or gRPC status name
@@ -60,9 +60,9 @@ def _sse_server_error(body: bytes) -> bool:
     return False
 
 
-def send_http(port: int, case: HttpCase, timeout: float) -> Outcome:
-    def out(status: str, failure: str | None = None) -> Outcome:
-        return Outcome("http", case.kind, status, failure, case.describe() if failure else "")
+def send_http(port: int, case: HttpCase, timeout: float) -> FuzzVerdict:
+    def out(status: str, failure: str | None = None) -> FuzzVerdict:
+        return FuzzVerdict("http", case.kind, status, failure, case.describe() if failure else "")
 
     try:
         sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
@@ -92,7 +92,7 @@ def send_http(port: int, case: HttpCase, timeout: float) -> Outcome:
         sock.close()
 
 
-def send_grpc(channel: grpc.Channel, case: GrpcCase) -> Outcome:
+def send_grpc(channel: grpc.Channel, case: GrpcCase) -> FuzzVerdict:
     metadata = None if case.key is None else (("authorization", f"Bearer {case.key}"),)
     raw = dict(request_serializer=lambda b: b, response_deserializer=lambda b: b)
     try:
@@ -119,7 +119,7 @@ def send_grpc(channel: grpc.Channel, case: GrpcCase) -> Outcome:
         failure = f"no end within its {case.timeout:g} s deadline"
     elif len(details) > MAX_MESSAGE:
         failure = f"status message of {len(details)} characters (input echoed): {details[:200]!r}"
-    return Outcome("grpc", case.kind, code.name, failure, case.describe() if failure else "")
+    return FuzzVerdict("grpc", case.kind, code.name, failure, case.describe() if failure else "")
 
 
 class Canary:
@@ -181,7 +181,7 @@ class Canary:
 
 @dataclasses.dataclass
 class FuzzReport:
-    outcomes: list[Outcome]
+    outcomes: list[FuzzVerdict]
     canary_expected: str
     canary_texts: list[str]
     canary_errors: list[str]
@@ -193,7 +193,7 @@ class FuzzReport:
         return sum(o.interface == interface for o in self.outcomes)
 
     @property
-    def failures(self) -> list[Outcome]:
+    def failures(self) -> list[FuzzVerdict]:
         return [o for o in self.outcomes if o.failure]
 
     @property
@@ -229,7 +229,7 @@ def fuzz(http_port: int, grpc_port: int, *, model: str, key: str | None, n_http:
     start = time.monotonic()
     canary.start()
 
-    def one(case: HttpCase | GrpcCase) -> Outcome:
+    def one(case: HttpCase | GrpcCase) -> FuzzVerdict:
         return send_http(http_port, case, timeout) if isinstance(case, HttpCase) else send_grpc(channel, case)
 
     outcomes = []

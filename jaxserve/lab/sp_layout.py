@@ -8,14 +8,14 @@ parallelism, from the bytes each moves per layer (CSPS supplementary material).
 Summed over the N(N - 1) pairs: SP-NTP moves (4 d^2 + 4 L d / N)(N - 1), SP-TP 2 L d (N - 1). SP-NTP wins once
 L > 2 d N / (N - 2) (never for N <= 2; the paper's text says "always" for N = 2, its own formula says never).
 Without TP there are no weights to gather and SP-NTP always moves less. The time comes from the link model
-(cost_models.Transfer): each GPU sends its share, all in parallel.
+(cost_models.LinkModel): each GPU sends its share, all in parallel.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from jaxserve.sched.cost_models import Transfer
+from jaxserve.sched.cost_models import LinkModel
 
 Layout = Literal["sp_ntp", "sp_tp"]
 
@@ -40,7 +40,7 @@ def choose(tokens: int, hidden: int, gpus: int, tensor_parallel: bool) -> Layout
     return "sp_ntp" if ntp < tp else "sp_tp"
 
 
-def layer_seconds(layout: Layout, tokens: int, hidden: int, gpus: int, tensor_parallel: bool, link: Transfer,
+def layer_seconds(layout: Layout, tokens: int, hidden: int, gpus: int, tensor_parallel: bool, link: LinkModel,
                   link_name: str) -> float:
     """One layer's communication: every GPU sends its 1 / gpus of the bytes at once over `link_name`."""
     if gpus < 2:

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.sched.cost_models import TetrisPrefill, Transfer
+from jaxserve.sched.cost_models import TetrisPrefill, LinkModel
 from jaxserve.sched.profiles import PROFILES, model_shape, network
 
 
@@ -162,11 +162,11 @@ class Balancing:
     move that mixes links is charged its largest share at the slower link's speed; exact for a doubling within
     a node or onto fresh nodes.) Every layer's move is one message: latency + bytes / bandwidth."""
 
-    link: Transfer  # keyed "intra_node" and "inter_node" (profiles.network)
+    link: LinkModel  # keyed "intra_node" and "inter_node" (profiles.network)
     kv_bytes_per_token: float  # K and V of one layer
     layers: int
     per_node: int  # instances per node: instance i lives on node i // per_node (as Pool)
-    # each link's (latency, seconds per byte) as plain floats: Transfer.predict's numpy costs more than planning
+    # each link's (latency, seconds per byte) as plain floats: LinkModel.predict's numpy costs more than planning
     _coef: dict[str, tuple[float, float]] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):

@@ -4,7 +4,7 @@ squares from profile samples and saved/loaded as JSON. Pure numpy: the scheduler
 - TetrisPrefill (Tetris Eq. 1), per SP size:  T(n, h) = c0 + c1*n + c2*n*h + c3*n^2   (n chunk, h history tokens)
 - LoongServePrefill, per (SP, TP):             T = a + b*sum(l) + c*sum(l^2)           (l: the batch's lengths)
 - Decode:                                      T = a + b*batch + c*sum(kv)
-- Transfer, per link:                          T = latency + bytes / bandwidth
+- LinkModel, per link:                         T = latency + bytes / bandwidth
 
 Samples are weighted by 1 / T by default, so the fit minimises relative error: a 0.1 s entry matters as much as
 a 30 s one.
@@ -138,7 +138,7 @@ class Decode(KeyedLinearModel):
         return float(self.features(len(kv_lens), float(np.sum(kv_lens))) @ self.coef((sp, tp)))
 
 
-class Transfer(KeyedLinearModel):
+class LinkModel(KeyedLinearModel):
     """Message time over a link (keyed by link name): latency + bytes / bandwidth."""
 
     kind = "transfer"

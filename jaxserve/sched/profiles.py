@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxserve.sched.batch_cost import AdditiveBatchCost, PiecewiseLinear
-from jaxserve.sched.cost_models import Transfer
+from jaxserve.sched.cost_models import LinkModel
 
 _LINEAR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
                "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
@@ -134,13 +134,13 @@ def all_reduce(gpu: str, workers: int) -> PiecewiseLinear:
 
 
 @functools.cache
-def network(gpu: str) -> Transfer:
+def network(gpu: str) -> LinkModel:
     """Point-to-point transfer model fitted to send/recv timings: links 'intra_node' (NVLink) and 'inter_node'."""
     samples = []
     for r in _read(f"net_{gpu}_dgx_send_recv.csv"):
         link = "inter_node" if int(r["devices_per_node"]) == 1 else "intra_node"
         samples.append((link, (int(r["size"]),), float(r["time_stats.send_recv.median"]) / 1e3))
-    return Transfer.fit(samples)
+    return LinkModel.fit(samples)
 
 
 FLOOR_FLOPS = 2.0**33  # calls with at most this much work (< 15 us of it at 600 TFLOP/s) time the floor alone

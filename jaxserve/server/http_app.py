@@ -180,7 +180,7 @@ class _Reply:
     when asked (OpenAI's legacy shape for completions, its `content` list for chat)."""
 
     def __init__(self, frontend: Frontend, submitted: tuple[list[RequestStream], list], chat: bool,
-                 options: ReplyOptions, echo: list[_Echo] | None = None, tools: tool_calls.Plan | None = None,
+                 options: ReplyOptions, echo: list[_Echo] | None = None, tools: tool_calls.ToolPlan | None = None,
                  prompt_logprobs: list[list[dict | None]] | None = None):
         """submitted: _submit_all's streams and groups; options: what the reply shows beside the text; echo: each
         prompt's; tools: how the model writes tool calls and whether it must (None where no calls are read);

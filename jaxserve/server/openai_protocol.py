@@ -353,7 +353,7 @@ class ChatCompletionRequest(_SamplingRequest):
             return None
         return last.as_dict()["content"]
 
-    def tool_plan(self, template: str | None) -> tool_calls.Plan | None:
+    def tool_plan(self, template: str | None) -> tool_calls.ToolPlan | None:
         """The tools' prompt, grammar and reader (None without tools or a tool_choice); ValueError names a bad
         one, or a grammar asked for twice (response_format and a required call)."""
         if self.tools is None and self.tool_choice is None:
@@ -402,7 +402,7 @@ class TokenizeRequest(_Exact):
             raise ValueError("tools, add_generation_prompt and continue_final_message apply to messages, not to a "
                              "prompt")
 
-    def tool_plan(self, template: str | None) -> tool_calls.Plan | None:
+    def tool_plan(self, template: str | None) -> tool_calls.ToolPlan | None:
         """The tools as a chat request with tool_choice auto renders them (None without tools)."""
         if self.tools is None:
             return None

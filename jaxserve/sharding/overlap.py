@@ -19,7 +19,7 @@ _DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8"
 
 
 @dataclasses.dataclass
-class Transfer:
+class HloTransfer:
     name: str
     computation: str
     bytes: int
@@ -55,7 +55,7 @@ def computations(hlo: str) -> dict[str, list[tuple[str, str, str, str]]]:
     return comps
 
 
-def transfers(hlo: str) -> list[Transfer]:
+def transfers(hlo: str) -> list[HloTransfer]:
     """Every collective-permute of a compiled (scheduled) module with what runs while it is in flight."""
     comps = computations(hlo)
     kernels: dict[str, int] = {}
@@ -73,12 +73,12 @@ def transfers(hlo: str) -> list[Transfer]:
     for comp, instructions in comps.items():
         for i, (name, shape, op, rest) in enumerate(instructions):
             if op == "collective-permute":  # synchronous: nothing overlaps it
-                found.append(Transfer(name, comp, array_bytes(shape), False, 0))
+                found.append(HloTransfer(name, comp, array_bytes(shape), False, 0))
             if op != "collective-permute-start":
                 continue
             done = next(j for j in range(i + 1, len(instructions))
                         if instructions[j][2] == "collective-permute-done" and f"%{name}" in instructions[j][3])
-            found.append(Transfer(name, comp, array_bytes(shape), '"is_sync":true' not in rest,
+            found.append(HloTransfer(name, comp, array_bytes(shape), '"is_sync":true' not in rest,
                                   sum(count(r) for _, _, _, r in instructions[i + 1:done])))
     return found
 

@@ -21,7 +21,7 @@ def test_tetris_eq1_reproduces_table1_within_10_percent():
     (cm.TetrisPrefill, 8, lambda r: (r.integers(1, 9000), r.integers(0, 50000)), [0.1, 2e-5, 3e-10, 1e-9]),
     (cm.LoongServePrefill, (4, 2), lambda r: (r.integers(1, 9000), r.integers(1, 9000) ** 2), [0.05, 1e-5, 2e-10]),
     (cm.Decode, (1, 8), lambda r: (r.integers(1, 64), r.integers(1, 10**6)), [0.01, 2e-4, 3e-9]),
-    (cm.Transfer, "nvlink", lambda r: (r.integers(1, 10**9),), [2e-5, 1 / 2e11]),
+    (cm.LinkModel, "nvlink", lambda r: (r.integers(1, 10**9),), [2e-5, 1 / 2e11]),
 ])
 def test_fit_recovers_exact_coefficients_and_round_trips(model_cls, key, inputs, true):
     rng = np.random.default_rng(0)
@@ -37,7 +37,7 @@ def test_fit_recovers_exact_coefficients_and_round_trips(model_cls, key, inputs,
 
 def test_json_kind_is_checked():
     with pytest.raises(ValueError, match="expected a decode model"):
-        cm.Decode.from_json(cm.Transfer.fit([("l", (1,), 1.0), ("l", (2,), 2.0)]).to_json())
+        cm.Decode.from_json(cm.LinkModel.fit([("l", (1,), 1.0), ("l", (2,), 2.0)]).to_json())
 
 
 def test_too_few_samples_is_an_error():
