@@ -208,7 +208,7 @@ def _simulate() -> None:
 
     from jaxserve.sim import plots, run
 
-    w = _config(config.WorkloadConfig())
+    w, sim = _config(config.WorkloadConfig()), _config(config.SimConfig())
     workload = run.make_workload(w.trace, w.rate, w.requests, seed=w.seed, long_fraction=w.long_fraction,
                                  arrival=w.arrival, cv=w.cv)
     if FLAGS.prefill_instances:  # a cluster, from the flags that serve it
@@ -221,10 +221,8 @@ def _simulate() -> None:
         if unread:
             raise ValueError(f"{', '.join('--' + f for f in unread)}: not read when simulating a cluster "
                              f"(--prefill_instances); leave {'it' if len(unread) == 1 else 'them'} out")
-        sim = _config(config.SimConfig())
         results, label = simulate_cluster(workload, layout, sim.profile), layout.cluster_policy
     else:
-        sim = _config(config.SimConfig())
         if FLAGS["tp"].present:  # --tp is the engine's setting; a simulated replica takes it too
             sim = config.replace(sim, tp=FLAGS.tp)
         results, label = run.simulate(workload, sim), sim.scheduler.policy

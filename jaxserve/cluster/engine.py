@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxserve.cluster.decode import LiveDecoder
+from jaxserve.cluster.length_predictor import PromptFeatures
 from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.sampling_params import SamplingParams
@@ -86,9 +87,8 @@ class _Running:
 class ClusterEngine:
     def __init__(self, prefill: SPPrefill, scheduler: ClusterPolicy, decoders: Sequence[LiveDecoder],
                  mover: KVMover, *, clock: Callable[[], float] = time.monotonic,
-                 features: Callable[[Sequence[int]], np.ndarray] | None = None):
-        """features: what the length predictor reads of a prompt (cluster/prompt_features.py; None: its length
-        alone)."""
+                 features: PromptFeatures | None = None):
+        """features: what the length predictor reads of a prompt (None: its length alone)."""
         self.pool_ids = tuple(sorted(prefill.instances))
         if scheduler.pool_ids != self.pool_ids:
             raise ValueError(f"the scheduler's pool is devices {scheduler.pool_ids}; the prefill pool's "
