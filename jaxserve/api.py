@@ -22,6 +22,7 @@ from jaxserve.cluster import pool_profile
 from jaxserve.cluster import length_predictor, lockstep
 from jaxserve.cluster.build import build, pool_context, warmup
 from jaxserve.cluster.engine import ClusterEngine
+from jaxserve.cluster.multi_master import MultiMaster
 from jaxserve.engine.batch import Buckets
 from jaxserve.engine.engine import Engine, RequestOutput, TokenLogprob, token_logprobs
 from jaxserve.engine.interface import ServingEngine
@@ -35,6 +36,7 @@ from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.build import packer_config, replica_scheduler
 from jaxserve.sched.packer import PackerConfig
+from jaxserve.sched.spread_kv import SpreadKV
 
 Messages = Sequence[dict[str, str]]
 
@@ -124,7 +126,9 @@ class LLM:
         layout = self.engine_config.parallel
         if not layout.prefill_instances:
             return layout.instance.kvp
-        return layout.decode_kvp if layout.cluster_policy != "esp" else 1
+        if layout.cluster_policy == "esp":  # a request's KV spreads over the pool's instances (multi-master)
+            return layout.prefill_instances if self.lockstep is None else 1
+        return layout.decode_kvp
 
     def _context(self, asked: int | None) -> int:
         """The longest context served: `asked` (default: the model's positions), capped by the model's positions
@@ -190,17 +194,18 @@ class LLM:
 
     def make_engine(self, devices: Sequence[jax.Device] | None = None, progress: bool = True,
                     kv_cache_tokens: int | None = None, shape: InstanceShape | None = None,
-                    compiled: dict | None = None, tp: int | None = None) -> Engine:
+                    compiled: dict | None = None, tp: int | None = None, max_model_len: int | None = None) -> Engine:
         """An engine with this LLM's settings on `devices` (default: JAX's first tp x kvp x stages devices; runs
         of tp are tensor-parallel instances, several instances form a KV-parallel group whose KV pool is the sum of
         theirs, and with pipeline stages each stage is an equal share of them), its step programs compiled; the
         step cost model is measured once (on the first engine) and shared. kv_cache_tokens: each instance's pool
         (default: this LLM's). shape: its stages and KV-parallel sets (default: this LLM's). compiled: its
         programs, compiled already (ModelRunner.compiled_programs of a runner like it). tp: devices per instance
-        (default --tp; a cluster's decode instances: --decode_tp, whose pool is its own)."""
+        (default --tp; a cluster's decode instances: --decode_tp, whose pool is its own). max_model_len: its
+        requests' longest context (default: this LLM's; an ESP instance's: what its own pool holds)."""
         cfg = self.engine_config
         cache, shape = cfg.cache, shape or cfg.parallel.instance
-        tp = tp or cfg.parallel.tp
+        tp, context = tp or cfg.parallel.tp, max_model_len or self.max_model_len
         if kv_cache_tokens is None and tp != cfg.parallel.tp:
             kv_cache_tokens = self._decode_kv_tokens
         devices = list(devices or jax.devices()[:tp * shape.kvp * shape.stages])
@@ -221,14 +226,11 @@ class LLM:
                     profile.default_path(self.model_name, self._dtype_name, runner))
             self.cost = profile.read_kept(path, lambda: profile.load(path, runner))
             if self.cost is None and cfg.startup.warmup and not quick:
-                self.cost = profile.load_or_measure(path, runner, self.max_model_len, progress)
-        cost = self.cost or profile.unmeasured(runner)
-        scheduler = replica_scheduler(cfg.scheduler, cost, kv, self._packer(cost, measured=self.cost is not None),
-                                      num_scheduler_steps=self._buckets.burst_steps,
-                                      admission=cfg.parallel.decode_admission)
-        engine = Engine(runner, scheduler, self.tokenizer, max_model_len=self.max_model_len)
+                self.cost = profile.load_or_measure(path, runner, context, progress)
+        engine = self._engine(runner, kv, context)
         if quick:
             compiled = runner.compile_in_background(runner.later_programs())
+            scheduler = engine.scheduler
             if self._buckets.burst_steps > 1:  # no burst before its programs compile (the step would wait)
                 scheduler.num_scheduler_steps = 1
                 compiled.add_done_callback(lambda _: setattr(scheduler, "num_scheduler_steps",
@@ -236,6 +238,23 @@ class LLM:
             if self.cost is None:
                 engine.defer(functools.partial(self._measure_when_idle, engine, path, compiled))
         return engine
+
+    def make_spread_engine(self, instances: Sequence[Engine]) -> Engine:
+        """The engine of ESP's multi-master group over `instances` (one device set each): it decodes the requests
+        whose KV spreads over several of them, in blocks of their own pools (cluster/multi_master.py,
+        sched/spread_kv.py); its context is this LLM's, at most what their pools hold together."""
+        runner = MultiMaster([e.runner for e in instances], self._params, self._buckets)
+        kv = SpreadKV([e.kv for e in instances])
+        return self._engine(runner, kv, min(self.max_model_len, kv.capacity * kv.block_size))
+
+    def _engine(self, runner: ModelRunner, kv: KVCacheManager | SpreadKV, max_model_len: int) -> Engine:
+        """The engine over a runner and its block manager, scheduled by this LLM's settings and cost model."""
+        cfg = self.engine_config
+        cost = self.cost or profile.unmeasured(runner)
+        scheduler = replica_scheduler(cfg.scheduler, cost, kv, self._packer(cost, measured=self.cost is not None),
+                                      num_scheduler_steps=self._buckets.burst_steps,
+                                      admission=cfg.parallel.decode_admission)
+        return Engine(runner, scheduler, self.tokenizer, max_model_len=max_model_len)
 
     def _num_blocks(self, devices: Sequence[jax.Device], kv_cache_tokens: int | None, shape: InstanceShape,
                     tp: int) -> int:
@@ -282,9 +301,13 @@ class LLM:
                                           f"{layout.cluster_policy}-{layout.pool_attention}",
                                           layout.prefill_instances,
                                           layout.node_size, layout.tp, self.max_model_len, key_block))
-        cluster = build(self.config, self._params, layout, lambda ds, tp: self.make_engine(ds, progress, tp=tp), path,
+        # an ESP instance serves alone the requests that fit its own pool; its group, those that spread
+        instance_context = min(self.max_model_len, self._kv_tokens) if layout.cluster_policy == "esp" else None
+        make_group = self.make_spread_engine if self.lockstep is None else None
+        cluster = build(self.config, self._params, layout,
+                        lambda ds, tp: self.make_engine(ds, progress, tp=tp, max_model_len=instance_context), path,
                         capacity=self.max_model_len, store_tokens=self._kv_tokens, dtype=self._dtype,
-                        key_block=key_block, progress=progress, new=self._new,
+                        key_block=key_block, progress=progress, new=self._new, make_group=make_group,
                         kv_cache_dtype=self.engine_config.cache.kv_cache_dtype,
                         predictor_file=length_predictor.default_path(self.model_name, self._dtype_name))
         # as one engine: serve compiles everything first, generate as steps need it; between processes always

@@ -111,6 +111,7 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
           dispatch: str = "freeness", key_block: int = 256, min_local: int = MIN_LOCAL,
           devices: Sequence[jax.Device] | None = None, progress: bool = True,
           predictor_file: pathlib.Path | None = None,
+          make_group: Callable[[list[Engine]], Engine] | None = None,
           new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
     """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool), tetriinfer (each pool
     instance its own PrefillBatchScheduler; power-of-two dispatch) or esp (the pool's instances decode too, an
@@ -121,15 +122,19 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     measuring). capacity: the longest prompt; store_tokens: what a CDSP pool instance's history store holds (its
     device's KV budget; default: capacity), a prompt's history spread over its chunks' groups (pool_context).
     predictor_file: where `--length_predictor=prompt` keeps what it learned (default: nowhere).
+    make_group(engines): under esp, the multi-master engine over the instances' engines that decodes the requests
+    whose KV spreads over several instances (None: each request decodes on one instance, its context one's).
     new: makes the device-layer objects (across processes: lockstep.Leader.new)."""
     devices = list(devices or jax.devices())
     check_layout(layout, len(devices))
     tp, first = layout.tp, layout.prefill_instances * layout.tp
     # a TetriInfer prompt's pieces each fill a power-of-two bucket of rows: the first and the last waste less
-    # than a chunk each (a power of two), the pieces between fill theirs. An ESP prompt is one chunk: on one
-    # instance, it fills a power-of-two bucket
+    # than a chunk each (a power of two), the pieces between fill theirs. An ESP prompt is one chunk: each
+    # instance of its group takes an even share, at most what its decode pool holds (the batches are placed so),
+    # and fills a power-of-two bucket
     rows = {"tetriinfer": capacity + 2 * layout.prefill_chunk,
-            "esp": next_power_of_two(capacity)}.get(layout.cluster_policy, min(capacity, store_tokens or capacity))
+            "esp": next_power_of_two(min(capacity, store_tokens or capacity))}.get(
+        layout.cluster_policy, min(capacity, store_tokens or capacity))
     flips = bool(layout.flip_window)
     if flips:  # every instance may prefill and decode: a store and an engine on each
         first = (layout.prefill_instances + layout.decode_instances) * tp
@@ -144,8 +149,10 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
                    for i in range(layout.decode_instances)]
     features = PromptFeatures(params) if layout.length_predictor == "prompt" else None
     predictor = ObservedLengths() if features is None else KeptClassifier(predictor_file, features.dim)
-    mover = new(KVMover, sp, [e.runner for e in engines])
-    decoders = [LiveDecoder(i, e, layout.receive_buffers, mover) for i, e in enumerate(engines)]
+    group = make_group(engines) if layout.cluster_policy == "esp" and make_group and len(engines) > 1 else None
+    decoding = engines + ([group] if group is not None else [])
+    mover = new(KVMover, sp, [e.runner for e in decoding])
+    decoders = [LiveDecoder(i, e, layout.receive_buffers, mover) for i, e in enumerate(decoding)]
     pool_ids = sorted(sp.instances)
     if layout.cluster_policy == "tetriinfer":
         instances = [PrefillBatchScheduler(layout.prefill_chunk, layout.prefill_batch, layout.prefill_order, (d,))

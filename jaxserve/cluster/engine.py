@@ -97,8 +97,9 @@ class ClusterEngine:
             raise ValueError("a live cluster predicts decode lengths (e.g. ObservedLengths); it cannot know them")
         self.prefill, self.scheduler, self.decoders = prefill, scheduler, list(decoders)
         self.mover, self.clock, self.features = mover, clock, features
-        first = self.decoders[0].engine
-        self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
+        # the engine that checks requests: the one serving the longest context (ESP's multi-master group)
+        self._front = max((d.engine for d in self.decoders), key=lambda e: e.max_model_len)
+        self.tokenizer, self.max_model_len = self._front.tokenizer, self._front.max_model_len
         self.max_num_seqs = sum(d.engine.max_num_seqs for d in self.decoders)
         self.events: collections.Counter[str] = collections.Counter()  # chunks, rebalances, transfers
         self.records: collections.deque[ChunkRecord] = collections.deque(maxlen=HISTORY)
@@ -151,7 +152,7 @@ class ClusterEngine:
             raise ValueError("penalties, logit_bias, min_tokens, min_p, logprobs, allowed_token_ids, bad_words and "
                              "structured output are not supported with prefill instances yet (one engine serves "
                              "them)")
-        return self.decoders[0].engine.check_request(prompt_ids, params)
+        return self._front.check_request(prompt_ids, params)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                     ttft_slo: float | None = None) -> str:
@@ -204,8 +205,13 @@ class ClusterEngine:
         return len(self._owner) - self.num_running
 
     @property
+    def pools(self) -> list[LiveDecoder]:
+        """The decode instances that own KV pools (ESP's multi-master group takes its blocks from theirs)."""
+        return self.decoders
+
+    @property
     def kv(self) -> KVTotals:
-        kvs = [d.engine.kv for d in self.decoders]
+        kvs = [d.engine.kv for d in self.pools]
         return KVTotals(sum(k.num_free for k in kvs), sum(k.capacity for k in kvs),
                         PrefixCacheStats(sum(k.stats.query_tokens for k in kvs), sum(k.stats.hit_tokens for k in kvs)))
 
@@ -260,7 +266,7 @@ class ClusterEngine:
 
     def _check_decoders_on_pool(self, policy: str) -> None:
         """Where the pool's instances decode too: decoders[k] must run on pool instance k."""
-        if [d.engine.runner.device.id for d in self.decoders] != list(self.pool_ids):
+        if [d.engine.runner.device.id for d in self.pools] != list(self.pool_ids):
             raise ValueError(f"{policy} instances prefill and decode: one decode engine per pool instance, on its "
                              "devices, in pool order")
 

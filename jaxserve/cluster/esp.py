@@ -7,21 +7,27 @@ prefills and decodes; there are no separate decode instances.
   sets this cluster has programs for (aligned power-of-two groups). A batch's prompts run one after another on
   its group, each as one chunk with ring attention over the group's devices: a scale-up when the group has more
   than one instance.
-- Scale-down: each prompt decodes on one instance of its group, the one with the most free KV (sched/esp.py's
-  first choice). Its KV share on that instance is copied on its own device; the other instances' shares move
-  to it (one transfer, through the decode instance's receive buffers). Its first token is drawn with that
-  instance's seed.
-- Decode: every instance runs the Plan-executing engine over the requests it holds. An instance in a prefill
-  pauses its decodes until the batch ends: the wait admission and allocation weigh (no KV is evacuated).
-Where LoongServe goes further: a request's decode may stay spread over several instances (multi-master decode,
-the query moving to the KV) and grow onto another when its instance fills; here it runs on one instance, and a
-full instance preempts (recompute) as the single-instance engine does.
+- Scale-down: the ESP scheduler's (`scale_down`): each prompt keeps its KV on the fewest instances of its group
+  whose free KV holds it and its predicted decode. A prompt kept on one instance whose context fits that
+  instance's pool decodes there, on the instance's own engine (its share there is copied on its own device; the
+  others' shares move to it, one transfer through its receive buffers). Any other decodes multi-master: on the
+  group engine over every instance (cluster/multi_master.py), its KV landed in the shares scale-down chose, in
+  the instances' own pools (sched/spread_kv.py). Its first token is drawn with its decode engine's seed.
+- Decode: every instance runs the Plan-executing engine over the requests it holds; the group engine runs the
+  spread ones, the query moving to the KV. A spread request whose last instance fills grows onto the emptiest
+  other instance (ESP's scale-up for decode; no KV moves). An instance in a prefill pauses its decodes until the
+  batch ends (the group's, while any batch runs): the wait admission and allocation weigh (no KV is evacuated).
+  A full instance preempts (recompute) as the single-instance engine does.
+Events: scale_ups (a prefill on several instances), scale_downs (a prompt's KV kept on fewer instances than
+prefilled it), multi_master (requests decoding over the group) and decode_scale_ups (a spread decode grown onto
+another instance).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.cluster.decode import LiveDecoder
 from jaxserve.cluster.engine import WAIT, ChunkRecord, ClusterEngine
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
@@ -60,9 +66,11 @@ class _Batch:
 
 class ESPCluster(ClusterEngine):
     def __init__(self, prefill, scheduler, decoders, mover, **kwargs):
-        """decoders: one per pool instance, on its devices, in pool order. scheduler: its `elastic` planner's
-        `groups` are instance indices (what chunk_shapes compiles)."""
+        """decoders: one per pool instance, on its devices, in pool order, then (optionally) the multi-master
+        group's over their blocks. scheduler: its `elastic` planner's `groups` are instance indices (what
+        chunk_shapes compiles)."""
         super().__init__(prefill, scheduler, decoders, mover, **kwargs)
+        self.group = self.decoders[len(self.pool_ids)] if len(self.decoders) > len(self.pool_ids) else None
         self._check_decoders_on_pool("ESP")
         self._waiting: dict[str, _Prompt] = {}  # the prompts the scheduler holds waiting
         self._batches: list[_Batch] = []
@@ -87,10 +95,27 @@ class ESPCluster(ClusterEngine):
         return (sum(d.engine.num_running for d in self.decoders)
                 + sum(r.run is not None for b in self._batches for r in b.runs))
 
+    @property
+    def pools(self) -> list[LiveDecoder]:
+        return self.decoders[:len(self.pool_ids)]
+
+    def recover(self) -> None:
+        """The group first: it sees a lost instance cache (its requests' KV) before that instance rebuilds it."""
+        for d in self.decoders[::-1]:
+            d.engine.recover()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = super().step()
+        if self.group is not None:
+            self.events["decode_scale_ups"] = self.group.engine.kv.scale_ups
+        return outputs
+
     def _drop_prefill(self, request_id: str) -> None:
-        """Forget a prompt (the scheduler takes it out of its queue): its run in a batch ignored and its staged KV
-        dropped."""
+        """Forget a prompt (the scheduler takes it out of its queue): its run in a batch ignored, its staged KV
+        dropped and its place in the group's blocks given up."""
         self._waiting.pop(request_id, None)
+        if self.group is not None:
+            self.group.engine.kv.unplace(request_id)
         for b in self._batches:
             for r in b.runs:
                 if r.request_id == request_id and r.run is not None:
@@ -98,6 +123,8 @@ class ESPCluster(ClusterEngine):
                     self.mover.drop((request_id, 0))
 
     def _paused(self, index: int) -> bool:
+        if index == len(self.pool_ids):  # the group spans every instance
+            return bool(self._batches)
         return any(self.pool_ids[index] in b.group for b in self._batches)
 
     # ---- prefill batches ------------------------------------------------------------------------------------
@@ -105,7 +132,8 @@ class ESPCluster(ClusterEngine):
         """Decode instance k as the ESP scheduler sees it: KV tokens in use (promised ones included)."""
         d = self.decoders[k]
         decoding = [self._generated.get(rid, 1) for rid in d.ledger.heavy if rid not in d.ledger.incoming]
-        return elastic.ElasticInstance(k, d.kv_tokens, d.kv_tokens - d.load().free_slots, tuple(decoding))
+        placed = self.group.engine.kv.promised(k) if self.group is not None else 0  # a spread prompt's, to land
+        return elastic.ElasticInstance(k, d.kv_tokens, d.kv_tokens - d.load().free_slots + placed, tuple(decoding))
 
     def _plan(self) -> list[elastic.ESPBatch]:
         busy = {i for b in self._batches for i in b.group}
@@ -118,17 +146,19 @@ class ESPCluster(ClusterEngine):
         return self.scheduler.elastic_batches(instances, elastic.predicted_growth(estimate, generated), decodes)
 
     def _start(self, batch: elastic.ESPBatch) -> None:
-        """Run the batch's prompts on its group, each decoding afterwards on the group's instance with the most
-        free KV (its share there stays on the device; the others' move)."""
+        """Run the batch's prompts on its group, each decoding afterwards where scale-down keeps its KV."""
         group = tuple(sorted(self.pool_ids[k] for k in batch.instances))
+        kept = self.scheduler.elastic.scale_down(batch, [self._instance(k) for k in range(len(self.pool_ids))])
         runs = []
         for r in batch.requests:
             p = self._waiting[r.id]
-            k = elastic.keeper([self._instance(k) for k in batch.instances]).id
-            decoder = self.decoders[k]
+            decoder = self._decoder(p, kept[r.id])
             hi = self.scheduler.predict(self.prompt_info(p.ids), p.params.max_tokens, r.id)
             seed = decoder.engine.expect(p.ids, p.params, r.id)
             decoder.ledger.expect(r.id, len(p.ids), hi, hi > HEAVY_DECODE)
+            if decoder is self.group:
+                self.group.engine.kv.place(r.id, kept[r.id])
+                self.events["multi_master"] += 1
             run = self.prefill.run_chunk(r.id, group, p.ids, 0, p.params, seed)
             del self._waiting[r.id]
             self._owner[r.id] = decoder
@@ -136,11 +166,22 @@ class ESPCluster(ClusterEngine):
             self.prefill.release(r.id)
             runs.append(_Run(r.id, len(p.ids), run, staged))
             self.events["chunks"] += 1
-            if len(group) > 1:  # its KV leaves the other instances of the group
+            if len(kept[r.id]) < len(group):  # its KV leaves some instances of the group
                 self.events["scale_downs"] += 1
         if len(group) > 1:
             self.events["scale_ups"] += 1
         self._batches.append(_Batch(group, runs, self.clock()))
+
+    def _decoder(self, prompt: _Prompt, kept: dict[int, int]) -> LiveDecoder:
+        """Where a prompt decodes, its KV kept on `kept` (instance -> tokens): that instance's engine if it is one
+        whose context holds the request's, else the multi-master group (without one, the instance of `kept` with
+        the most free KV)."""
+        views = [self._instance(k) for k in kept]
+        one = self.decoders[elastic.keeper(views).id]
+        context = len(prompt.ids) + min(prompt.params.max_tokens, self.max_model_len - len(prompt.ids))
+        if self.group is None or (len(kept) == 1 and context <= one.engine.max_model_len):
+            return one
+        return self.group
 
     def _run_chunks(self) -> list[RequestOutput]:
         batches = self._plan()

@@ -91,3 +91,28 @@ def test_llm_serves_through_esp_by_its_flag(model, llm):
     texts, events = serve(clustered, ids, GREEDY.max_tokens)  # `serve` over the same cluster
     assert texts == [c.text for c in want]
     assert events == {k: float(v) for k, v in clustered.engine.events.items()} and events["chunks"] == 6, events
+
+
+def test_a_request_whose_kv_outgrows_one_instance_decodes_over_several(llm, devices):
+    """Instances of 256 KV tokens: a 400-token prompt is prefilled over a group, keeps its KV on the fewest
+    instances that hold it and its decode (a scale-down), decodes multi-master over them (the query moves, the KV
+    stays) and grows onto a third instance when its last one fills (a scale-up for decode). A short prompt beside
+    it decodes on one instance's own engine. Both get the single-device engine's greedy tokens."""
+    small = 256
+    layout = ParallelConfig(prefill_instances=4, cluster_policy="esp")
+    make = lambda ds, tp: llm.make_engine(ds, progress=False, tp=tp, kv_cache_tokens=small,  # noqa: E731
+                                          max_model_len=small)
+    cluster = build(llm.config, llm._params, layout, make, batch_model(), capacity=4 * small, store_tokens=small,
+                    min_local=64, devices=devices[:4], progress=False, make_group=llm.make_spread_engine)
+    assert cluster.max_model_len == 4 * small and cluster.group is not None
+    long, short = SamplingParams(max_tokens=100, ignore_eos=True), SamplingParams(max_tokens=12, ignore_eos=True)
+    ids = [prompt(llm, 400, 80), prompt(llm, 50, 81)]
+    want = [c.token_ids for c in llm.generate(ids, [long, short])]
+    assert run(cluster, [(ids[0], long), (ids[1], short)]) == want
+
+    spread = cluster.group.engine
+    assert cluster.events["multi_master"] == 1 and cluster.events["scale_downs"] >= 1
+    assert cluster.events["decode_scale_ups"] == 1, cluster.events  # 400 + 100 tokens: two instances, then a third
+    assert [t.request_id for i, t in cluster.transfers if i == len(cluster.pool_ids)] == ["req-0"]
+    assert spread.kv.num_free == sum(d.engine.kv.num_free for d in cluster.pools) == 4 * (small // 16)
+    assert not cluster.has_unfinished()

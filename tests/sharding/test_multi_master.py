@@ -11,6 +11,7 @@ import pytest
 from jaxserve.cluster.multi_master import MultiMaster
 from jaxserve.engine import batch
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.sched.spread_kv import group_block
 from test_parallel_runner import BS, CFG, TOL, heads_held, kv_of, runner
 
 PER_DEVICE = 40  # blocks in each instance's pool, its scratch block included
@@ -42,7 +43,7 @@ def test_a_request_spread_over_two_instances_decodes_as_on_one_device(devices, p
         held = [p for p in range(len(prompt)) if blocks[p // BS][0] == instance]
         slots = np.array([blocks[p // BS][1] * BS + p % BS for p in held])
         runner_.land(*(jax.device_put(x[:, held], runner_.device) for x in (k, v)), slots)
-    table = group.table(blocks)
+    table = [group_block(instance, block, 2) for instance, block in blocks]
     for _ in range(decodes - 1):
         row = [batch.Row(tokens[-1:], len(tokens) - 1, table, GREEDY, 0, 0)]
         want = one.execute([batch.Row(tokens[-1:], len(tokens) - 1, ref_table, GREEDY, 0, 0)])
