@@ -54,8 +54,9 @@ class ServerMetrics:
         self.cluster_events = Counter("jaxserve_cluster_events", "A cluster's scheduling events, by kind (chunks: "
                                       "prefill chunks run; rebalances: a history moved to a chunk's group; "
                                       "transfers: KV landed on a decode instance; scale_ups: an elastic batch over "
-                                      "several instances; scale_downs: a prompt's KV gathered onto one of them; "
-                                      "flips_to_decode, flips_to_prefill: an instance changed role).", ["event"],
+                                      "several instances; scale_downs: a prompt's KV kept on fewer of them; "
+                                      "multi_master: a request decoding over several instances; decode_scale_ups: "
+                                      "such a decode grown onto another instance; flips_to_decode, flips_to_prefill: an instance changed role).", ["event"],
                                       registry=r)
         self.errors = Counter("jaxserve_request_errors", "Requests answered with an error, by reason (invalid, "
                               "not_found, unauthenticated, too_large, read_timeout, queue_full, shutting_down, "

@@ -80,10 +80,10 @@ def test_elastic_batches_scale_up_and_down_and_equal_one_device(llm, devices):
 def test_llm_serves_through_esp_by_its_flag(model, llm):
     """LLM(cluster_policy="esp", ...) (what --cluster_policy builds) measures LoongServe's batch model on its
     instances, generates the single-device text, and serves it (the openai client over HTTP) with its events in
-    /metrics."""
-    clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4,
+    /metrics. Its context is its two instances' pools together: the 900-token prompt decodes over both."""
+    clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=512, max_num_seqs=4,
                              max_num_batched_tokens=256, prefill_instances=2, cluster_policy="esp", progress=False)
-    assert isinstance(clustered.engine, ESPCluster)
+    assert isinstance(clustered.engine, ESPCluster) and clustered.max_model_len == 1024
     assert set(clustered.engine.scheduler.elastic._sp) == {1, 2}  # fitted per SP size
     ids = [prompt(llm, 900, 31), prompt(llm, 50, 32), prompt(llm, 400, 33)]
     want = llm.generate(ids, GREEDY)
@@ -91,6 +91,7 @@ def test_llm_serves_through_esp_by_its_flag(model, llm):
     texts, events = serve(clustered, ids, GREEDY.max_tokens)  # `serve` over the same cluster
     assert texts == [c.text for c in want]
     assert events == {k: float(v) for k, v in clustered.engine.events.items()} and events["chunks"] == 6, events
+    assert events["multi_master"] == 2, events  # the 900-token prompt, each time
 
 
 def test_a_request_whose_kv_outgrows_one_instance_decodes_over_several(llm, devices):
