@@ -114,6 +114,8 @@ def _generate() -> None:
         sys.stdout.write(out.new_text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if llm.engine.events:  # a cluster's: what its policy did (chunks, transfers, scale-ups, flips, ...)
+        sys.stderr.write(f"cluster events: {', '.join(f'{k} {v}' for k, v in sorted(llm.engine.events.items()))}\n")
     llm.close()
     _exit_now()  # as serve: the processes leave jax.distributed together, before any teardown
 

@@ -43,7 +43,23 @@ class PrefixCacheStats:
     hit_tokens: int = 0
 
 
-class KVCacheManager:
+class BlockTables:
+    """Each request's block table, as a scheduler reads it (KVCacheManager's; sched/spread_kv.py's)."""
+
+    block_size: int
+    _tables: dict[str, list[int]]
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def block_table(self, rid: str) -> list[int]:
+        return list(self._tables.get(rid, ()))
+
+    def num_blocks_held(self, rid: str) -> int:
+        return len(self._tables.get(rid, ()))
+
+
+class KVCacheManager(BlockTables):
     """Paged KV blocks owned by the scheduler: reference counts, prefix hashes over full blocks, LRU eviction of
     free-but-cached blocks (vLLM's design)."""
 
@@ -99,15 +115,6 @@ class KVCacheManager:
 
     def _queue(self, block: int) -> collections.OrderedDict[int, None]:
         return self._free[block % self._sets]
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-    def block_table(self, rid: str) -> list[int]:
-        return list(self._tables.get(rid, ()))
-
-    def num_blocks_held(self, rid: str) -> int:
-        return len(self._tables.get(rid, ()))
 
     def match_prefix(self, rid: str, token_ids: Sequence[int], max_tokens: int) -> int:
         """Longest cached prefix of token_ids made of full blocks, at most max_tokens tokens (the caller passes

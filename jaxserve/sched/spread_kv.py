@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from jaxserve.sched.esp import ElasticInstance, ESPScheduler
-from jaxserve.sched.kv_manager import KVCacheManager, PrefixCacheStats
+from jaxserve.sched.kv_manager import BlockTables, KVCacheManager, PrefixCacheStats
 
 
 def group_block(instance: int, block: int, instances: int) -> int:
@@ -25,7 +25,7 @@ def group_block(instance: int, block: int, instances: int) -> int:
     return block * instances + instance
 
 
-class SpreadKV:
+class SpreadKV(BlockTables):
     enable_prefix_caching = False
 
     def __init__(self, instances: Sequence[KVCacheManager]):
@@ -51,15 +51,6 @@ class SpreadKV:
 
     def describe(self) -> str:
         return f"{len(self.instances)} elastic instances of {self.instances[0].capacity * self.block_size:,} tokens"
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-    def block_table(self, rid: str) -> list[int]:
-        return list(self._tables.get(rid, ()))
-
-    def num_blocks_held(self, rid: str) -> int:
-        return len(self._tables.get(rid, ()))
 
     def held(self, rid: str) -> dict[int, int]:
         """Blocks rid holds on each of its instances, in the order they joined it."""

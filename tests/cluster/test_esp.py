@@ -31,8 +31,9 @@ def test_aligned_groups():
 
 
 def test_elastic_batches_scale_up_and_down_and_equal_one_device(llm, devices):
-    """Five prompts at once on 4 elastic instances (programs compiled when first used): the DP batches them onto aligned groups, the 3,000-token one
-    over several instances (a scale-up); each decodes on one instance of its group (a scale-down: the other
+    """Five prompts at once on 4 elastic instances (programs compiled when first used): the DP batches them onto
+    aligned groups, the 3,000-token one over several instances (a scale-up); each decodes on one instance of its
+    group (a scale-down: the other
     instances' KV moves to it). A second wave arrives while the first decodes: the instances it prefills on pause
     their decodes. Every prompt gets the single-device engine's greedy tokens."""
     layout = ParallelConfig(prefill_instances=4, cluster_policy="esp")
