@@ -212,7 +212,8 @@ class ParallelConfig:
         "--prefill_order within scheduling batches; a done prompt's whole KV moves to a decode instance chosen "
         "by power of two on its predicted decode length. esp (LoongServe): the --prefill_instances instances "
         "both prefill and decode (no separate decode instances); a batch of prompts prefills over an elastic "
-        "group of them (ring attention), and each prompt then decodes on one instance of its group.")
+        "group of them (ring attention), and each prompt then decodes on the fewest instances of its group that "
+        "hold its KV (over several: multi-master, growing onto another instance as its last one fills).")
     sp_attention: Literal["ring", "sp_ntp"] = setting(
         "ring", "cdsp: a chunk's attention over its SP group. ring (Tetris's CDSP): zigzag ring attention, K/V "
         "passed around the group; sp_ntp (CSPS's SP-NTP): heads spread over the group by all-to-all (heads that do "
@@ -260,10 +261,35 @@ class ParallelConfig:
                              f"--cluster_policy=cdsp; got {self.sparse_attention} with {self.sp_attention} and "
                              f"{self.cluster_policy}")
         self._refuse_unread()
+        if self.prefill_instances:
+            self._check_cluster()
         if not self.prefill_instances:
             self.instance.refuse_unread_kvp_tokens(self.instance.kvp, "--kvp")
         elif self.cluster_policy != "esp":  # the sets of its decode instances
             self.instance.refuse_unread_kvp_tokens(self.decode_kvp, "--decode_kvp")
+
+    def _check_cluster(self) -> None:
+        """What a cluster's layout must be, its devices aside (cluster/build.py counts those): the live cluster and
+        the simulated one (sim/cluster.py) read it alike."""
+        if self.instance.stages > 1 or self.instance.kvp > 1:
+            raise ValueError("pipeline stages and KV-parallel sets (--pipeline_stages, --kvp) shape one engine's "
+                             "instance; a cluster's instances (--prefill_instances) run without them (its decode "
+                             "instances take --decode_kvp)")
+        if min(self.prefill_instances, self.decode_instances, self.decode_kvp, self.node_size) < 1:
+            raise ValueError(f"a cluster needs at least one prefill and one decode instance, of one device or more, "
+                             f"in nodes of one or more; got {self}")
+        chunk = self.prefill_chunk
+        if self.cluster_policy == "tetriinfer" and (chunk & (chunk - 1) or chunk < 16):
+            raise ValueError(f"--prefill_chunk must be a power of two of 16 or more, got {chunk}")
+        if self.flip_window and (self.decode_kvp > 1 or self.decoder_tp != self.tp):  # (tetriinfer's flag)
+            raise ValueError("instance flips (--flip_window) need decode instances of one instance each, as the "
+                             "pool's (--decode_kvp=1, --decode_tp as --tp)")
+        if self.cluster_policy == "cdsp" and self.prefill_instances % self.node_size:
+            raise ValueError(f"{self.prefill_instances} prefill instances do not form nodes of {self.node_size}")
+        powers = [n for n in (self.node_size, self.prefill_instances) if n & (n - 1)]
+        if self.sparse_attention is not None and powers:
+            raise ValueError(f"CSA (--sparse_attention) needs groups of a power of two instances: --node_size and "
+                             f"--prefill_instances must be powers of two, got {powers}")
 
     def _refuse_unread(self) -> None:
         """A cluster setting given (not its default) that the layout never reads is refused by name: it would

@@ -60,7 +60,7 @@ def test_replace_reaches_nested_settings_and_refuses_unknown_ones():
     (dict(max_model_len=-3), "max_model_len must be a positive integer"),
     (dict(dtype="float16"), "dtype must be auto or one of"),
     (dict(tp=0), "tp must be a positive integer"),
-    (dict(num_scheduler_steps=4, prefill_instances=1), "multi-step decode"),
+    (dict(num_scheduler_steps=4, prefill_instances=2), "multi-step decode"),
     (dict(sp_attention="ulysses"), "sp_attention must be ring or sp_ntp"),
     (dict(sparse_attention=0.5), "needs --sp_attention=sp_ntp"),
     (dict(sp_attention="sp_ntp", sparse_attention=1.5), "drop ratio, 0 to 1"),
@@ -135,11 +135,20 @@ def test_what_each_policy_reads_is_accepted():
     (dict(prefill_instances=6, node_size=3, sp_attention="sp_ntp", sparse_attention=0.5), "powers of two"),
     (dict(prefill_instances=4, instance=config.InstanceShape(stages=2)), "pipeline stages"),
     (dict(prefill_instances=2, cluster_policy="tetriinfer", flip_window=1.0, decode_tp=2), "--decode_tp as --tp"),
-    (dict(prefill_instances=4, tp=2, decode_instances=2, decode_tp=4),
-     r"needs 16 devices \(4 prefill, 2 devices each \+ 2 decode x 1, 4 devices each\); there are 12"),
+    (dict(prefill_instances=2, cluster_policy="tetriinfer", prefill_chunk=24), "power of two of 16"),
+    (dict(prefill_instances=6, node_size=4), "6 prefill instances do not form nodes of 4"),
+    (dict(prefill_instances=2, decode_instances=0), "at least one prefill and one decode instance"),
 ])
 def test_cluster_layouts_are_refused_with_the_flags_to_change(layout, message):
+    """Devices aside, as the layout is made: `serve` and `simulate` refuse it alike."""
+    with pytest.raises(ValueError, match=message):
+        config.ParallelConfig(**layout)
+
+
+def test_a_layout_needing_more_devices_than_there_are_is_refused_with_its_count():
     from jaxserve.cluster.build import check_layout
 
-    with pytest.raises(ValueError, match=message):
-        check_layout(config.ParallelConfig(**layout), available=12)
+    layout = config.ParallelConfig(prefill_instances=4, tp=2, decode_instances=2, decode_tp=4)
+    with pytest.raises(ValueError, match=r"needs 16 devices \(4 prefill, 2 devices each \+ 2 decode x 1, 4 devices "
+                       r"each\); there are 12"):
+        check_layout(layout, available=12)

@@ -42,13 +42,7 @@ def devices_needed(layout: ParallelConfig) -> int:
 
 
 def check_layout(layout: ParallelConfig, available: int) -> None:
-    if layout.instance.stages > 1 or layout.instance.kvp > 1:
-        raise ValueError("pipeline stages and KV-parallel sets (--pipeline_stages, --kvp) shape one engine's "
-                         "instance; a cluster's instances (--prefill_instances) run without them (its decode "
-                         "instances take --decode_kvp)")
-    if min(layout.prefill_instances, layout.decode_instances, layout.decode_kvp, layout.node_size, layout.tp) < 1:
-        raise ValueError(f"a cluster needs at least one prefill and one decode instance, of one device or more, "
-                         f"in nodes of one or more; got {layout}")
+    """The layout's devices against those there are (the rest of it ParallelConfig checked when made)."""
     if devices_needed(layout) > available:
         tp = f", {layout.tp} devices each" if layout.tp > 1 else ""
         if layout.cluster_policy == "esp":
@@ -58,18 +52,6 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
         raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} prefill"
                          f"{tp} + {layout.decode_instances} decode x {layout.decode_kvp}{decode_tp}); there are "
                          f"{available}")
-    chunk = layout.prefill_chunk
-    if layout.cluster_policy == "tetriinfer" and (chunk & (chunk - 1) or chunk < 16):
-        raise ValueError(f"--prefill_chunk must be a power of two of 16 or more, got {chunk}")
-    if layout.flip_window and (layout.decode_kvp > 1 or layout.decoder_tp != layout.tp):  # (tetriinfer's flag)
-        raise ValueError("instance flips (--flip_window) need decode instances of one instance each, as the "
-                         "pool's (--decode_kvp=1, --decode_tp as --tp)")
-    if layout.cluster_policy == "cdsp" and layout.prefill_instances % layout.node_size:
-        raise ValueError(f"{layout.prefill_instances} prefill instances do not form nodes of {layout.node_size}")
-    powers = [n for n in (layout.node_size, layout.prefill_instances) if n & (n - 1)]
-    if layout.sparse_attention is not None and powers:
-        raise ValueError(f"CSA (--sparse_attention) needs groups of a power of two instances: --node_size and "
-                         f"--prefill_instances must be powers of two, got {powers}")
 
 
 def pool_context(layout: ParallelConfig, store_tokens: int, key_block: int) -> int | None:

@@ -49,9 +49,6 @@ def check(layout: ParallelConfig) -> None:
                   if getattr(layout, name) != default]
     if layout.sparse_attention is not None:
         unmodelled.append(f"--sparse_attention={layout.sparse_attention}")
-    if layout.instance.stages > 1 or layout.instance.kvp > 1:  # as the live cluster (cluster/build.check_layout)
-        raise ValueError("pipeline stages and KV-parallel sets (--pipeline_stages, --kvp) shape one engine's "
-                         "instance, not a cluster's")
     if unmodelled:
         raise ValueError(f"{', '.join(unmodelled)}: not simulated (a trace has no prompt text, and the simulator "
                          f"models neither KV-parallel decode instances nor CSPS's pool); leave "
@@ -59,8 +56,6 @@ def check(layout: ParallelConfig) -> None:
     if layout.cluster_policy == "tetriinfer" and layout.flip_window:
         raise ValueError(f"--flip_window={layout.flip_window}: TetriInfer's flips are simulated with a CDSP pool "
                          "only (sim/disagg.py), not with its own prefill instances")
-    if layout.cluster_policy == "cdsp" and layout.prefill_instances % layout.node_size:
-        raise ValueError(f"{layout.prefill_instances} prefill instances do not form nodes of {layout.node_size}")
 
 
 def simulate_cluster(workload: Workload, layout: ParallelConfig, profile: str, progress: bool = True) -> Results:
