@@ -4,8 +4,9 @@ output lengths, the same policy, layout and schedulers, and every executor cost 
 - cdsp: sim/disagg.py's prefill pool, planned by a CDSPPlanner on the pool's measured Eq. (1).
 - tetriinfer: sim/disagg.py's TetriInfer prefill instances, each chunk priced by Eq. (1) at SP 1, measured on one
   live instance.
-- esp: sim/esp_cluster.py as cluster/esp.py runs it (aligned groups, no KV evacuated, each prompt's KV gathered on
-  one instance, no multi-master decode), batches priced by the LoongServe model measured on the pool.
+- esp: sim/esp_cluster.py as cluster/esp.py runs requests that fit one instance (aligned groups, no KV evacuated,
+  each prompt's KV gathered on one instance), batches priced by the LoongServe model measured on the pool. A run
+  with multi-master decodes is not replayed: the live group's step is not measured apart.
 - Everywhere: decode steps by the engine's measured step cost (EngineStepCost), KV moves by a line fitted to the
   live run's transfers, decode-length prediction by the live cluster's predictor (ObservedLengths).
 
@@ -122,7 +123,7 @@ class MeasuredESPCost:
 
     def decode_step(self, mastered: int, held: list[int], spread: int) -> float:
         if spread:
-            raise ValueError("the live cluster decodes each request on one instance (multi_master=False)")
+            raise ValueError("a multi-master decode is not replayed: the live group's step cost is not measured")
         return self.step.batch_time([], held)
 
 

@@ -118,3 +118,12 @@ def test_a_request_whose_kv_outgrows_one_instance_decodes_over_several(llm, devi
     assert [t.request_id for i, t in cluster.transfers if i == len(cluster.pool_ids)] == ["req-0"]
     assert spread.kv.num_free == sum(d.engine.kv.num_free for d in cluster.pools) == 4 * (small // 16)
     assert not cluster.has_unfinished()
+
+    # aborted while it decodes over its instances: every block goes back to the instance it came from
+    rid = cluster.add_request(ids[0], long)
+    while not spread.num_running:
+        cluster.step()
+    cluster.step()
+    assert spread.kv.held(rid) and len(spread.kv.held(rid)) > 1
+    assert cluster.abort(rid) and not cluster.has_unfinished()
+    assert [d.engine.kv.num_free for d in cluster.pools] == [small // 16] * 4
