@@ -152,7 +152,7 @@ def test_multi_step_decode_settings_are_checked():
     with pytest.raises(ValueError, match="num_scheduler_steps must be a positive integer"):
         jaxserve.LLM(num_scheduler_steps=0)
     with pytest.raises(ValueError, match="serves one engine"):
-        jaxserve.LLM(num_scheduler_steps=4, prefill_instances=1)
+        jaxserve.LLM(num_scheduler_steps=4, prefill_instances=2)
 
 
 def _run(engine, requests, tag: str) -> tuple[dict, collections.Counter, collections.Counter]:
