@@ -183,7 +183,7 @@ def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, 
     if fmt == "mistral":
         grammar = None if choice == "auto" else {"json": _rooted(_calls_schema(offered, one), offered)}
         return ToolPlan(_mistral_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto",
-                    control_text=True)
+                        control_text=True)
     if fmt == "llama3_json":  # one call a reply (its templates refuse more)
         grammar = None
         if choice != "auto":

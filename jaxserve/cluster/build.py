@@ -114,9 +114,9 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     # than a chunk each (a power of two), the pieces between fill theirs. An ESP prompt is one chunk: each
     # instance of its group takes an even share, at most what its decode pool holds (the batches are placed so),
     # and fills a power-of-two bucket
+    held = min(capacity, store_tokens or capacity)
     rows = {"tetriinfer": capacity + 2 * layout.prefill_chunk,
-            "esp": next_power_of_two(min(capacity, store_tokens or capacity))}.get(
-        layout.cluster_policy, min(capacity, store_tokens or capacity))
+            "esp": next_power_of_two(held)}.get(layout.cluster_policy, held)
     flips = bool(layout.flip_window)
     if flips:  # every instance may prefill and decode: a store and an engine on each
         first = (layout.prefill_instances + layout.decode_instances) * tp

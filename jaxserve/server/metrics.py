@@ -56,7 +56,8 @@ class ServerMetrics:
                                       "transfers: KV landed on a decode instance; scale_ups: an elastic batch over "
                                       "several instances; scale_downs: a prompt's KV kept on fewer of them; "
                                       "multi_master: a request decoding over several instances; decode_scale_ups: "
-                                      "such a decode grown onto another instance; flips_to_decode, flips_to_prefill: an instance changed role).", ["event"],
+                                      "such a decode grown onto another instance; flips_to_decode, flips_to_prefill: "
+                                      "an instance changed role).", ["event"],
                                       registry=r)
         self.errors = Counter("jaxserve_request_errors", "Requests answered with an error, by reason (invalid, "
                               "not_found, unauthenticated, too_large, read_timeout, queue_full, shutting_down, "

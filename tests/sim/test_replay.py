@@ -47,7 +47,8 @@ def test_a_lone_request_costs_what_the_live_run_measured(policy):
         moved, context = TRANSFER(prompt), prompt + 1  # its simulator books a step's new token before pricing it
     else:  # fixed chunks of 256 tokens, the last one padded; the whole KV moves after the first token
         cost = TetrisBatchCost(TetrisPrefill({1: EQ1[1]}), 1)
-        ttft = sum(chunk_time(cost, [WorkItem(request_id="0", start=h, end=h + n, phase=Phase.PREFILL, group=(0,), history=h)], 256)
+        ttft = sum(chunk_time(cost, [WorkItem(request_id="0", start=h, end=h + n, phase=Phase.PREFILL, group=(0,),
+                                              history=h)], 256)
                    for n, h in ((256, 0), (256, 256), (88, 512)))
         moved, context = TRANSFER(prompt), prompt
     assert row["ttft"] == pytest.approx(ttft, rel=1e-9)
