@@ -176,11 +176,12 @@ class ESPCluster(ClusterEngine):
         """Where a prompt decodes, its KV kept on `kept` (instance -> tokens): that instance's engine if it is one
         whose context holds the request's, else the multi-master group (without one, the instance of `kept` with
         the most free KV)."""
-        views = [self._instance(k) for k in kept]
-        one = self.decoders[elastic.keeper(views).id]
+        if self.group is None:
+            return self.decoders[elastic.keeper([self._instance(k) for k in kept]).id]
+        (one, *more) = kept
         context = len(prompt.ids) + min(prompt.params.max_tokens, self.max_model_len - len(prompt.ids))
-        if self.group is None or (len(kept) == 1 and context <= one.engine.max_model_len):
-            return one
+        if not more and context <= self.decoders[one].engine.max_model_len:
+            return self.decoders[one]
         return self.group
 
     def _run_chunks(self) -> list[RequestOutput]:

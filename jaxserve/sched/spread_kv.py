@@ -39,7 +39,8 @@ class SpreadKV(BlockTables):
         self.scale_ups = 0  # times a decoding request grew onto another instance
         self._tables: dict[str, list[int]] = {}  # group block numbers
         self._held: dict[str, dict[int, int]] = {}  # instance -> blocks held there, in the order it joined
-        self._planned: dict[str, list[int]] = {}  # the instance of each of the prompt's blocks (`place`)
+        self._planned: dict[str, list[int]] = {}  # the instance of each of a prompt's blocks (`place`), until
+        # they are allocated
 
     @property
     def capacity(self) -> int:
@@ -101,6 +102,8 @@ class SpreadKV(BlockTables):
             held[i] = held.get(i, 0) + 1
             table.append(group_block(i, block, len(self.instances)))
             new.append(table[-1])
+        if len(table) >= len(self._planned.get(rid, ())):  # its placement is done: `promised` no longer walks it
+            self._planned.pop(rid, None)
         return new
 
     def _instance_for(self, rid: str, k: int) -> int:
