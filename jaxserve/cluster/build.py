@@ -139,10 +139,10 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     if layout.cluster_policy == "tetriinfer":
         instances = [PrefillBatchScheduler(layout.prefill_chunk, layout.prefill_batch, layout.prefill_order, (d,))
                      for d in pool_ids]
-        scheduler = TetriInferPolicy(instances, pool_ids, "power_of_two", predictor)
         flip = FlipPolicy(window=layout.flip_window, check_every=layout.flip_window / 12) if flips else None
-        return TetriInferCluster(sp, scheduler, decoders, mover, flip=flip, prefilling=layout.prefill_instances,
-                                 features=features)
+        scheduler = TetriInferPolicy(instances, pool_ids, len(decoders), "power_of_two", predictor, flip=flip,
+                                     prefilling=layout.prefill_instances)
+        return TetriInferCluster(sp, scheduler, decoders, mover, features=features)
     if layout.cluster_policy == "esp":
         groups = aligned_groups(layout.prefill_instances)
         if isinstance(prefill_cost, pathlib.Path):

@@ -9,8 +9,8 @@ from typing import Callable
 
 from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import Engine
-from jaxserve.sched.decode_dispatch import DecodeLoad
 from jaxserve.sched.decode_ledger import DecodeLedger, Transfer
+from jaxserve.sched.scheduler import ReplicaScheduler
 
 
 class LiveDecoder:
@@ -24,9 +24,10 @@ class LiveDecoder:
         """Tokens its KV pool holds."""
         return self.engine.kv.capacity * self.engine.kv.block_size
 
-    def load(self) -> DecodeLoad:
-        kv = self.engine.kv
-        return self.ledger.load(kv.num_free * kv.block_size, len(self.engine.scheduler.running))
+    @property
+    def scheduler(self) -> ReplicaScheduler:
+        """Its engine's scheduler (what a cluster policy reads, with the ledger: sched/decode_ledger.py)."""
+        return self.engine.scheduler
 
     def pump(self, clock: Callable[[], float]) -> list[Transfer]:
         """Send waiting transfers into free buffers and land the held ones whose request has its blocks (in

@@ -166,12 +166,10 @@ class ClusterEngine:
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")
         now = self._arrived(rid, len(ids))
-        arrival = self.scheduler.arrive(self.prompt_info(ids), now, [d.load() for d in self.decoders],
+        arrival = self.scheduler.arrive(self.prompt_info(ids), now, dict(enumerate(self.decoders)),
                                         params.max_tokens, request_id=rid)
-        chosen = arrival.dispatch
-        decoder = self.decoders[chosen.decoder]
+        decoder = self.decoders[arrival.dispatch.decoder]
         seed = decoder.engine.expect(ids, params, rid)
-        decoder.ledger.expect(rid, len(ids), chosen.predicted, chosen.heavy)
         self.scheduler.add(rid, arrival, now)
         self._prefills[rid] = _Prefill(ids, params, seed, decoder)
         self._owner[rid] = decoder

@@ -32,7 +32,7 @@ from jaxserve.cluster.engine import WAIT, ChunkRecord, ClusterEngine
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sched import esp as elastic
+from jaxserve.sched import decode_ledger, esp as elastic
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE, PromptInfo
 from jaxserve.sched.decode_ledger import Transfer
 from jaxserve.sched.request import Request
@@ -133,7 +133,8 @@ class ESPCluster(ClusterEngine):
         d = self.decoders[k]
         decoding = [self._generated.get(rid, 1) for rid in d.ledger.heavy if rid not in d.ledger.incoming]
         placed = self.group.engine.kv.promised(k) if self.group is not None else 0  # a spread prompt's, to land
-        return elastic.ElasticInstance(k, d.kv_tokens, d.kv_tokens - d.load().free_slots + placed, tuple(decoding))
+        used = d.kv_tokens - decode_ledger.load(d).free_slots + placed
+        return elastic.ElasticInstance(k, d.kv_tokens, used, tuple(decoding))
 
     def _plan(self) -> list[elastic.ESPBatch]:
         busy = {i for b in self._batches for i in b.group}

@@ -10,9 +10,10 @@ sim/esp_cluster.py) alike. What they share is ClusterPolicy's: decode dispatch a
   one); booked at once. Live (`add`, `schedule`, `complete`): the chunks that can start now, in booked order, on
   free and disjoint groups; a request's history is spread evenly over each later chunk's group first (a
   rebalance); a chunk's measured end moves its devices' bookings.
-- TetriInferPolicy (3.3.4): a prompt joins the prefill instance with the fewest prompt tokens left (`queue`);
-  each instance's next fixed-size chunk (`next_chunk`, sched/prefill_batches.py) advances its prompts
-  (`chunk_done`).
+- TetriInferPolicy (3.3.4, 3.5): a prompt joins the prefill instance with the fewest prompt tokens left
+  (`arrive`); each `plan` gives every free instance's next fixed-size chunk (sched/prefill_batches.py) with the
+  decode instance of each prompt it ends, and, with flips, the instances' role changes; a chunk's outcome
+  advances its prompts (`apply`). The live cluster and the simulator execute the same ClusterPlans.
 - ESPPolicy (LoongServe): the prompt waits in arrival order (`wait`); each round the waiting prompts are
   admitted, allocated elastic instances and batched (`elastic_batches`, sched/esp.py).
 
@@ -23,16 +24,20 @@ Pool slots are the planner's instance indices; Plans name device ids (`pool_ids[
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from jaxserve.sched.cdsp import Chunk, ChunkPlan
-from jaxserve.sched.decode_dispatch import (HEAVY_DECODE, DecodeLoad, LengthPredictor, PromptInfo, by_freeness,
-                                            power_of_two)
+from jaxserve.sched import decode_ledger
+from jaxserve.sched.decode_dispatch import HEAVY_DECODE, LengthPredictor, PromptInfo, by_freeness, power_of_two
+from jaxserve.sched.decode_ledger import DecodeSide
 from jaxserve.sched.esp import ElasticInstance, ESPBatch, ESPScheduler, RunningDecodes
-from jaxserve.sched.plan import KVMove, MoveKind, Outcome, Phase, Plan, WorkItem
+from jaxserve.sched.flip import Flip, FlipController, FlipPolicy
+from jaxserve.sched.plan import (ClusterPlan, Dispatch, KVMove, MoveKind, Outcome, Phase, Plan, RoleChange,
+                                 WorkItem)
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, least_queued
 from jaxserve.sched.request import Request
 
@@ -44,15 +49,6 @@ class Planner(Protocol):
         """Sees every arrival's time before its plan (an adaptive planner tracks the load)."""
 
     def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Dispatch:
-    """A prompt's decode instance (an index into the loads given) and its predicted decode length."""
-
-    decoder: int
-    predicted: int  # decode tokens: the upper end of the predicted range
-    heavy: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,15 +94,26 @@ class ClusterPolicy:
         hi = self.predictor.predict(prompt)[1]
         return hi if limit is None else min(hi, limit)
 
-    def dispatch(self, prompt: PromptInfo, loads: Sequence[DecodeLoad], limit: int | None = None,
-                 request_id: str | None = None) -> Dispatch:
-        """The decode instance for a prompt: by freeness (virtual usage counted in the loads), or power of two
-        over the instances with room for prompt plus predicted decode."""
+    def dispatch(self, prompt: PromptInfo, decoders: Mapping[int, DecodeSide], request_id: str,
+                 limit: int | None = None, admits: Callable[[Dispatch], bool] | None = None) -> Dispatch | None:
+        """The decode instance for a prompt, among `decoders` (by their index in the cluster): by freeness
+        (virtual usage counted in the loads), or power of two over the instances with room for prompt plus
+        predicted decode. Unless `admits` refuses it (None is returned then), it is promised there: the prompt's
+        KV and, with a length predictor, its predicted decode (the simulator's oracle promises none)."""
         hi = self.predict(prompt, limit, request_id)
         heavy = hi > HEAVY_DECODE
+        keys = list(decoders)
+        loads = [decode_ledger.load(decoders[k]) for k in keys]
         if self.dispatch_rule == "freeness":
-            return Dispatch(by_freeness(loads), hi, heavy)
-        return Dispatch(power_of_two(loads, prompt.length + hi, heavy, self._rng), hi, heavy)
+            chosen = by_freeness(loads)
+        else:
+            chosen = power_of_two(loads, prompt.length + hi, heavy, self._rng)
+        out = Dispatch(decoder=keys[chosen], predicted=hi, heavy=heavy)
+        if admits is not None and not admits(out):
+            return None
+        promised = hi if self.predictor is not None else 0
+        decoders[out.decoder].ledger.expect(request_id, prompt.length, promised, heavy)
+        return out
 
     def finish(self, request_id: str, generated: int) -> None:
         """The request ended (or was aborted, generated 0): a predictor that learns sees how long the decode
@@ -123,17 +130,19 @@ class CDSPPolicy(ClusterPolicy):
         self.planner = planner
         self._prefills: dict[str, _Prefill] = {}
 
-    def arrive(self, prompt: PromptInfo, now: float, loads: Sequence[DecodeLoad] | None = None,
+    def arrive(self, prompt: PromptInfo, now: float, decoders: Mapping[int, DecodeSide] | None = None,
                limit: int | None = None, admits: Callable[[Dispatch], bool] | None = None,
                retime: Callable[[ChunkPlan, np.ndarray], ChunkPlan] | None = None,
-               request_id: str | None = None) -> Arrival | None:
-        """The arrival decision: the planner sees the time, the decode instance is chosen (if `loads`), and,
+               request_id: str = "") -> Arrival | None:
+        """The arrival decision: the planner sees the time, the decode instance is chosen (if `decoders`), and,
         unless `admits` refuses it (None is returned then), the chunks are planned and booked. retime: times
-        the plan's chunks otherwise before booking (the simulator's executor). request_id: as `dispatch`."""
+        the plan's chunks otherwise before booking (the simulator's executor). As `dispatch` otherwise."""
         self.planner.on_arrival(now)
-        chosen = None if loads is None else self.dispatch(prompt, loads, limit, request_id)
-        if chosen is not None and admits is not None and not admits(chosen):
-            return None
+        chosen = None
+        if decoders is not None:
+            chosen = self.dispatch(prompt, decoders, request_id, limit, admits)
+            if chosen is None:
+                return None
         queues = np.where(self.unavailable, UNAVAILABLE, np.maximum(self.free_at - now, 0.0))
         plan = self.planner.plan(prompt.length, queues)
         if retime is not None:
@@ -199,49 +208,97 @@ class CDSPPolicy(ClusterPolicy):
 
 
 class TetriInferPolicy(ClusterPolicy):
-    def __init__(self, instances: Sequence[PrefillBatchScheduler], pool_ids: Sequence[int],
-                 dispatch: str = "freeness", predictor: LengthPredictor | None = None, seed: int = 0):
-        """instances: one prefill scheduler per pool slot, in pool order."""
+    def __init__(self, instances: Sequence[PrefillBatchScheduler], pool_ids: Sequence[int], decoders: int,
+                 dispatch: str = "freeness", predictor: LengthPredictor | None = None, seed: int = 0,
+                 flip: FlipPolicy | None = None, prefilling: int | None = None):
+        """instances: one prefill scheduler per pool slot, in pool order. decoders: how many decode instances.
+        flip: instances flip between roles; then decode instance k is pool instance k, and the first `prefilling`
+        instances start in the prefill role, the others in the decode role."""
         super().__init__(pool_ids, dispatch, predictor, seed)
         if not instances:
             raise ValueError("TetriInfer's cluster needs its prefill instances")
         self.instances = list(instances)
+        n = len(self.instances)
+        if flip is None:
+            self.prefilling, self.decoding = set(range(n)), set(range(decoders))
+        else:
+            if decoders != n or prefilling is None or not 0 < prefilling < n:
+                raise ValueError(f"flipping instances prefill and decode: {n} of each, some in each role; got "
+                                 f"{decoders} decode instances, {prefilling} prefilling")
+            self.prefilling, self.decoding = set(range(prefilling)), set(range(prefilling, n))
+        self.flips = FlipController(flip) if flip is not None else None  # units: instance indices
+        self._next_check = -math.inf
         self._queued_on: dict[str, int] = {}  # request id -> its prefill instance
+        self._limits: dict[str, tuple[PromptInfo, int | None]] = {}  # what dispatch reads, until dispatched
 
-    def queue(self, request: Request, open_: Sequence[int] | None = None) -> int:
-        """The arrival decision with prefill instances: the request joins the open instance (all when None) with
-        the fewest prompt tokens left to prefill. Returns that instance's index."""
-        open_ = sorted(open_) if open_ is not None else range(len(self.instances))
+    def arrive(self, request: Request, prompt: PromptInfo, now: float, limit: int | None = None) -> int:
+        """The request joins the prefill instance (in the prefill role) with the fewest prompt tokens left to
+        prefill. prompt and limit: what its dispatch reads (`dispatch`). Returns the instance's index."""
+        del now  # queues are balanced by tokens, not time
+        open_ = sorted(self.prefilling)
         k = open_[least_queued([self.instances[i] for i in open_])]
         self.instances[k].add(request)
         self._queued_on[request.id] = k
+        self._limits[request.id] = prompt, limit
         return k
 
-    def next_chunk(self, k: int, now: float) -> Plan | None:
-        """Instance k's next fixed-size chunk (None: nothing queued or a chunk in flight)."""
-        return self.instances[k].schedule(now)
+    def plan(self, now: float, decoders: Mapping[int, DecodeSide]) -> ClusterPlan:
+        """Role changes (with flips, every check_every seconds), then each free instance's next fixed-size chunk
+        (sched/prefill_batches.py; a flipping instance finishes its queue), and the decode instance of each prompt
+        whose last piece is in one, among the decode instances in that role. decoders: every decode instance."""
+        roles = self._roles(now, decoders) if self.flips is not None and now >= self._next_check else ()
+        items, dispatch = [], {}
+        for k, instance in enumerate(self.instances):
+            chunk = instance.schedule(now)
+            for item in chunk.items if chunk is not None else ():
+                if instance.yields_token(item):
+                    prompt, limit = self._limits.pop(item.request_id)
+                    dispatch[item.request_id] = self.dispatch(
+                        prompt, {i: decoders[i] for i in sorted(self.decoding)}, item.request_id, limit)
+                items.append(item)
+        return ClusterPlan(items=tuple(items), dispatch=dispatch, roles=roles)
 
-    def cancel_chunk(self, k: int, plan: Plan) -> None:
-        """A chunk the executor could not start: instance k stays usable, its prompts stay queued."""
-        self.instances[k].cancel(plan)
+    def cancel(self, group: tuple[int, ...], items: Sequence[WorkItem]) -> None:
+        """A chunk the executor could not start: its instance stays usable, its prompts stay queued."""
+        self._instance(group).cancel(Plan(tuple(items)))
 
-    def yields_token(self, k: int, item: WorkItem) -> bool:
-        """Whether the piece ends its prompt (the executor samples the first token there)."""
-        return self.instances[k].yields_token(item)
-
-    def queued_tokens(self, k: int) -> int:
-        return self.instances[k].queued_tokens()
-
-    def chunk_done(self, k: int, plan: Plan, outcome: Outcome) -> list[Request]:
-        """Instance k's chunk ended: its prompts advance. Returns those whose prefill is done."""
-        done = self.instances[k].apply(plan, outcome)
+    def apply(self, group: tuple[int, ...], items: Sequence[WorkItem], outcome: Outcome) -> list[Request]:
+        """The chunk on `group` ended; `items`: its pieces that ran (not aborted meanwhile). Returns the requests
+        whose prefill it finished."""
+        done = self._instance(group).apply(Plan(tuple(items)), outcome)
         for r in done:
             self._queued_on.pop(r.id, None)
         return done
 
+    def _instance(self, group: tuple[int, ...]) -> PrefillBatchScheduler:
+        (device,) = group
+        return self.instances[self.pool_ids.index(device)]
+
+    def _roles(self, now: float, decoders: Mapping[int, DecodeSide]) -> tuple[RoleChange, ...]:
+        """Finish a drained flip, sample every instance's load, and start the flip the policy chooses (one at a
+        time): a prefill instance drains its queue, a decode instance what was dispatched to it."""
+        self._next_check = now + self.flips.policy.check_every
+        changes = []
+        for kind, k in self.flips.finish(lambda k: not self._prefill_load(k),
+                                         lambda k: not decoders[k].ledger.heavy):
+            (self.decoding if kind is Flip.TO_DECODE else self.prefilling).add(k)
+            changes.append(RoleChange(flip=kind, unit=k, done=True))
+        started = self.flips.start(now, {k: self._prefill_load(k) for k in sorted(self.prefilling)},
+                                   {k: decode_ledger.busy(decoders[k]) for k in sorted(self.decoding)})
+        if started is not None:  # no new prompts (its queue drains), or no new dispatches (its requests finish)
+            kind, k = started
+            (self.prefilling if kind is Flip.TO_DECODE else self.decoding).discard(k)
+            changes.append(RoleChange(flip=kind, unit=k, done=False))
+        return tuple(changes)
+
+    def _prefill_load(self, k: int) -> float:
+        instance = self.instances[k]
+        return float(instance.in_flight or instance.queued_tokens() > 0)
+
     def finish(self, request_id: str, generated: int) -> None:
         if (k := self._queued_on.pop(request_id, None)) is not None:
             self.instances[k].remove(request_id)
+        self._limits.pop(request_id, None)
         super().finish(request_id, generated)
 
 

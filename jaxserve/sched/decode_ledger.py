@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 from jaxserve.sched.decode_dispatch import DecodeLoad
 from jaxserve.sched.flip import decode_busy
+
+if TYPE_CHECKING:
+    from jaxserve.sched.scheduler import ReplicaScheduler
 
 Key = tuple[str, int]  # (request id, chunk index)
 
@@ -152,3 +155,25 @@ class DecodeLedger:
         p = self.incoming[transfer.request_id]
         p.in_flight -= 1
         p.last_landed |= transfer.last
+
+
+class DecodeSide(Protocol):
+    """A decode instance as a cluster policy reads it: its ledger and its ReplicaScheduler (cluster/decode.py's
+    LiveDecoder, sim/disagg.py's SimulatedDecoder)."""
+
+    ledger: DecodeLedger
+
+    @property
+    def scheduler(self) -> ReplicaScheduler: ...
+
+
+def load(side: DecodeSide) -> DecodeLoad:
+    """What a dispatcher sees of the instance."""
+    kv = side.scheduler.kv
+    return side.ledger.load(kv.num_free * kv.block_size, len(side.scheduler.running))
+
+
+def busy(side: DecodeSide) -> float:
+    """The instance's load for the flip policy."""
+    s = side.scheduler
+    return side.ledger.busy(s.committed(), s.kv_capacity, len(s.running), s.max_num_seqs)

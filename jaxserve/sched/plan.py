@@ -1,10 +1,13 @@
-"""The Plan -> Outcome contract between the scheduler and its executors (engine, simulator); see DESIGN.md."""
+"""The Plan -> Outcome contract between a scheduler and its executors (engine, simulator), and a cluster policy's
+ClusterPlan (sched/cluster.py: the live cluster and the cluster simulators execute it); see docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 from typing import Mapping, NamedTuple
+
+from jaxserve.sched.flip import Flip
 
 
 class Phase(str, enum.Enum):
@@ -72,3 +75,40 @@ class Outcome:
     durations: tuple[float, ...]  # one per plan item
     tokens: Mapping[str, tuple[int, ...]]  # request id -> new token ids (the simulator produces placeholder ids)
     stopped: frozenset[str] = frozenset()  # requests that hit a stop condition before output_len
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Dispatch:
+    """A prompt's decode instance (its index in the cluster) and its predicted decode length."""
+
+    decoder: int
+    predicted: int  # decode tokens: the upper end of the predicted range
+    heavy: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoleChange:
+    """An instance flip (TetriInfer 3.5): started (the unit drains: no new work of its old role) or done (the unit
+    has its new role)."""
+
+    flip: Flip
+    unit: int
+    done: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterPlan:
+    """What a cluster policy decided now: prefill chunks (items sharing a group run as one chunk, in order), KV
+    moves, the decode instance of each prompt whose prefill ends in one of these chunks, and role changes."""
+
+    items: tuple[WorkItem, ...] = ()
+    moves: tuple[KVMove, ...] = ()
+    dispatch: Mapping[str, Dispatch] = dataclasses.field(default_factory=dict)
+    roles: tuple[RoleChange, ...] = ()
+
+    def chunks(self) -> dict[tuple[int, ...], tuple[WorkItem, ...]]:
+        """The items by group, each group's in plan order."""
+        out: dict[tuple[int, ...], list[WorkItem]] = {}
+        for item in self.items:
+            out.setdefault(item.group, []).append(item)
+        return {g: tuple(items) for g, items in out.items()}

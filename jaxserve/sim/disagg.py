@@ -8,8 +8,9 @@ admission of prefilled requests: greedy with recompute, reserve-static, reserve-
 - Prefill, `prefill="tetriinfer"`: prefill instances of `prefill_tp` GPUs, each running
   sched/prefill_batches.py (scheduling batches ordered FCFS / SJF / LJF, non-preemptive, fixed-size padded
   chunks); an arrival goes to the instance with the fewest prompt tokens left to prefill (TetriInfer's global
-  scheduler), and a finished prompt is dispatched then, its whole KV sent at once (the paper's request-level
-  transfer). The length predictor's own cost on the prefill instance is not charged.
+  scheduler), a prompt is dispatched when the chunk holding its last piece starts, and its whole KV is sent
+  once that chunk ends (the paper's request-level transfer). The ClusterPlans are TetriInferPolicy's, as live.
+  The length predictor's own cost on the prefill instance is not charged.
 - Dispatch (sched/decode_dispatch.py): Tetris's freeness rate with virtual usage, or TetriInfer's power of two
   over instances with room for the predicted footprint, balancing heavy decodes. With the pool, at planning time.
 - Transfer: KV leaves the prefill side's GPUs in parallel (an SP group's or a TP instance's shares) over the
@@ -30,14 +31,15 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.sched.cluster import CDSPPolicy, Dispatch, Planner, TetriInferPolicy
-from jaxserve.sched.decode_dispatch import DecodeLoad, LengthPredictor, PromptInfo
+from jaxserve.sched import decode_ledger
+from jaxserve.sched.cluster import CDSPPolicy, Planner, TetriInferPolicy
+from jaxserve.sched.decode_dispatch import LengthPredictor, PromptInfo
 from jaxserve.sched.decode_ledger import DecodeLedger, Transfer
 from jaxserve.sched.flip import Flip, FlipController
 from jaxserve.sched.build import packer_config, replica_scheduler
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.batch_cost import BatchCost
-from jaxserve.sched.plan import Outcome, Plan
+from jaxserve.sched.plan import Dispatch, Outcome, WorkItem
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
@@ -141,14 +143,6 @@ class SimulatedDecoder:
         self.slots: tuple[int, ...] = ()  # its GPUs in the planner's pool (with flips)
         self.last_end = 0.0  # when its latest decode step ends
 
-    def load(self) -> DecodeLoad:
-        kv = self.scheduler.kv
-        return self.ledger.load(kv.num_free * kv.block_size, len(self.scheduler.running))
-
-    def busy(self) -> float:
-        s = self.scheduler
-        return self.ledger.busy(s.committed(), s.kv_capacity, len(s.running), s.max_num_seqs)
-
 
 class DisaggSimulator:
     def __init__(self, planner: Planner | None, best_latency: Callable[[int], float],
@@ -208,7 +202,8 @@ class _Run:
         # the cluster's policy: arrivals, prefill work, decode dispatch and the GPU slots' bookings (its arrays,
         # updated in place)
         self._tetriinfer = cfg.prefill == "tetriinfer"
-        self.scheduler = (TetriInferPolicy(instances, range(slots), cfg.dispatch, sim.predictor, cfg.seed)
+        self.scheduler = (TetriInferPolicy(instances, range(slots), cfg.decode_instances, cfg.dispatch,
+                                           sim.predictor, cfg.seed)
                           if self._tetriinfer else
                           CDSPPolicy(sim.planner, range(slots), cfg.dispatch, sim.predictor, cfg.seed))
         self.free_at, self.unavailable = self.scheduler.free_at, self.scheduler.unavailable
@@ -233,6 +228,7 @@ class _Run:
         self.rejected: list[Request] = []
         self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # chunks as run
         self.decoders_of: dict[str, int] = {}  # each request's decode instance
+        self._by_id: dict[str, Request] = {}  # TetriInfer's prompts not yet prefilled
         self.bar = tqdm(total=len(workload), desc="simulate disaggregated", unit="req", disable=not progress)
 
     def _push(self, t: float, order: int, kind: str, payload: object) -> None:
@@ -264,7 +260,7 @@ class _Run:
                 dec.arrived.add(transfer.key)
                 self._pump(dec, now)
             elif kind == "prefill":
-                self._prefill(payload, now)
+                self._prefill(now)
             elif kind == "prefilled":
                 self._prefilled(now, *payload)
             elif kind == "done":
@@ -296,19 +292,9 @@ class _Run:
                                                               "flips": self.flips, "gpu_seconds": gpu_seconds},
                        prefills=self.prefills, decoders=self.decoders_of)
 
-    def _choose(self, r: Request) -> tuple[SimulatedDecoder, Dispatch]:
-        """r's decode instance, among those not draining, and its predicted decode length (the true one
-        without a predictor: an oracle)."""
-        active = self._open()
-        chosen = self.scheduler.dispatch(PromptInfo(r.prompt_len), [d.load() for d in active],
-                                         None if self.sim.predictor is not None else r.output_len, r.id)
-        return active[chosen.decoder], chosen
-
     def _expect(self, dec: SimulatedDecoder, r: Request, chosen: Dispatch) -> None:
-        """r goes to dec: its prompt's KV and, where a predictor is configured, its predicted decode are promised
-        there (never the true output length, which the dispatcher cannot know)."""
-        promised = chosen.predicted if self.sim.predictor is not None else 0
-        dec.ledger.expect(r.id, r.prompt_len, promised, chosen.heavy)
+        """r was dispatched to dec (the policy promised its KV there): its admission reserves for the predicted
+        decode (the true one without a predictor: an oracle)."""
         self.decoders_of[r.id] = dec.index
         dec.expected[r.id] = r, (None if self.cfg.admission == "oracle" else chosen.predicted)
 
@@ -340,9 +326,9 @@ class _Run:
         if self._tetriinfer:
             self._arrive_tetriinfer(t, r)
             return
-        active = self._open()
+        active = {d.index: d for d in self._open()}
         fits = lambda chosen: r.prompt_len + r.output_len <= active[chosen.decoder].scheduler.kv_capacity  # noqa: E731
-        arrival = self.scheduler.arrive(PromptInfo(r.prompt_len), t, [d.load() for d in active],
+        arrival = self.scheduler.arrive(PromptInfo(r.prompt_len), t, active,
                                         None if sim.predictor is not None else r.output_len, admits=fits,
                                         request_id=r.id)
         if arrival is None:
@@ -355,7 +341,8 @@ class _Run:
         r.add_tokens(1, t + plan.ttft)  # the first token comes with the last prefill chunk
         self.prefills += [((r.id,), tuple(c.group), t + c.start, t + c.end) for c in plan.chunks]
         self.requests.append(r)
-        if r.finished:
+        if r.finished:  # by its first token: nothing goes to its decode instance
+            dec.ledger.forget(r.id)
             self.scheduler.finish(r.id, r.generated)
             self._done(1)
             return
@@ -371,28 +358,35 @@ class _Run:
             return
         r.ttft_deadline, r.tpot_slo = t + self.cfg.slo.ttft(self.sim.best_latency(r.prompt_len)), self.cfg.slo.tpot_slo
         self.requests.append(r)
-        k = self.scheduler.queue(r)
-        self._push(t, 4, "prefill", k)  # after every arrival at t: simultaneous ones share a scheduling batch
+        self._by_id[r.id] = r
+        self.scheduler.arrive(r, PromptInfo(r.prompt_len), t, None if self.sim.predictor is not None else r.output_len)
+        self._push(t, 4, "prefill", None)  # after every arrival at t: simultaneous ones share a scheduling batch
 
-    def _prefill(self, k: int, now: float) -> None:
-        plan = self.scheduler.next_chunk(k, now)
-        if plan is None:
-            return
-        end = now + chunk_time(self.sim.prefill_cost, plan.items, self.cfg.prefill_chunk)
-        self.prefills.append((tuple(i.request_id for i in plan.items), (k,), now, end))
-        self.free_at[k] = end
-        tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in plan.items if self.scheduler.yields_token(k, i)}
-        self._push(end, 0, "prefilled", (k, plan, Outcome(end, (), tokens)))
+    def _prefill(self, now: float) -> None:
+        """The policy's plan now: each chunk starts on its instance, each prompt it ends is dispatched."""
+        plan = self.scheduler.plan(now, {d.index: d for d in self.decoders})
+        for rid, chosen in plan.dispatch.items():
+            self._expect(self.decoders[chosen.decoder], self._by_id[rid], chosen)
+        for group, items in plan.chunks().items():
+            (k,) = group
+            end = now + chunk_time(self.sim.prefill_cost, items, self.cfg.prefill_chunk)
+            self.prefills.append((tuple(i.request_id for i in items), group, now, end))
+            self.free_at[k] = end
+            tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in items if i.request_id in plan.dispatch}
+            self._push(end, 0, "prefilled", (group, items, Outcome(end, (), tokens)))
 
-    def _prefilled(self, now: float, k: int, plan: Plan, outcome: Outcome) -> None:
-        for r in self.scheduler.chunk_done(k, plan, outcome):
-            if r.finished:
+    def _prefilled(self, now: float, group: tuple[int, ...], items: tuple[WorkItem, ...], outcome: Outcome) -> None:
+        for r in self.scheduler.apply(group, items, outcome):
+            self._by_id.pop(r.id)
+            dec = self.decoders[self.decoders_of[r.id]]
+            if r.finished:  # by its first token
+                dec.ledger.forget(r.id)
+                dec.expected.pop(r.id)
+                self.scheduler.finish(r.id, r.generated)
                 self._done(1)
                 continue
-            dec, chosen = self._choose(r)
-            self._expect(dec, r, chosen)
             self._offer(dec, Transfer(r.id, 0, True, r.prompt_len, now), self.cfg.prefill_tp)  # the whole prompt
-        self._prefill(k, now)
+        self._prefill(now)
 
     def _launch(self, dec: SimulatedDecoder, now: float) -> None:
         """dec's next step, unless one runs: its decodes, and the recompute of a preempted request."""
@@ -437,7 +431,7 @@ class _Run:
         slices = [tuple(range(a, a + tp)) for a in range(0, len(self.free_at), tp)]
         prefill = {sl: float(np.mean(self.free_at[list(sl)] > now)) for sl in slices
                    if not self.unavailable[list(sl)].any()}
-        started = self.flipper.start(now, prefill, {d.index: d.busy() for d in self._open()})
+        started = self.flipper.start(now, prefill, {d.index: decode_ledger.busy(d) for d in self._open()})
         if started is not None and started[0] is Flip.TO_DECODE:
             self.unavailable[list(started[1])] = True  # no new chunks; booked ones finish
         # to_prefill: _open leaves it out (no new requests); its running ones finish

@@ -94,31 +94,31 @@ def test_instances_flip_to_decode_and_back_to_prefill_as_the_load_shifts(llm, de
     cluster = build(llm.config, llm._params, layout, engine_maker(llm), None,
                     capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
     warmup(cluster, 1024, progress=False)
-    assert cluster.prefilling == {0, 1} and cluster.decoding == {2, 3}
+    assert cluster.scheduler.prefilling == {0, 1} and cluster.scheduler.decoding == {2, 3}
     decode_heavy = SamplingParams(max_tokens=120)
     first = [prompt(llm, 40 + 20 * k, 80 + k) for k in range(8)]
     tokens: dict[str, list[int]] = {}
     rids = [cluster.add_request(x, decode_heavy) for x in first]
     tokens |= {r: [] for r in rids}
     step_until(cluster, tokens, lambda: cluster.events["flips_to_decode"] == 1)
-    assert len(cluster.prefilling) == 1 and len(cluster.decoding) == 3
+    assert len(cluster.scheduler.prefilling) == 1 and len(cluster.scheduler.decoding) == 3
     step_until(cluster, tokens, lambda: False)
 
     one_token = SamplingParams(max_tokens=1)  # finished by its first token: the decode side stays idle
     second = [prompt(llm, 1000, 90 + k) for k in range(8)]
     later = [cluster.add_request(x, one_token) for x in second]
     tokens |= {r: [] for r in later}
-    (old,) = cluster.prefilling
+    (old,) = cluster.scheduler.prefilling
     step_until(cluster, tokens, lambda: cluster.events["flips_to_prefill"] == 1)
-    assert cluster.scheduler.queued_tokens(old) > 0  # still busy with the long prompts
-    (new,) = cluster.prefilling - {old}
+    assert cluster.scheduler.instances[old].queued_tokens() > 0  # still busy with the long prompts
+    (new,) = cluster.scheduler.prefilling - {old}
     third = prompt(llm, 100, 99)
     last = cluster.add_request(third, GREEDY)
     tokens[last] = []
     step_until(cluster, tokens, lambda: False)
     assert [r.group for r in cluster.records if r.request_id == last] == [(cluster.pool_ids[new],)]
 
-    want = ([c.token_ids for c in llm.generate(first, decode_heavy)] + [c.token_ids for c in llm.generate(second, one_token)]
-            + [llm.generate([third], GREEDY)[0].token_ids])
+    want = ([c.token_ids for c in llm.generate(first, decode_heavy)]
+            + [c.token_ids for c in llm.generate(second, one_token)] + [llm.generate([third], GREEDY)[0].token_ids])
     assert [tokens[r] for r in rids + later + [last]] == want
     assert not cluster.has_unfinished()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from jaxserve.sched.cdsp import CDSPPlanner, ChunkPlan, Pool
 from jaxserve.sched.cluster import CDSPPolicy, ClusterPolicy, ESPPolicy, TetriInferPolicy
 from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.decode_dispatch import DecodeLoad, ObservedLengths, PromptInfo
+from jaxserve.sched.decode_ledger import DecodeLedger
+from jaxserve.sched.flip import Flip, FlipPolicy
 from jaxserve.sched.esp import ElasticInstance, ESPScheduler, RunningDecodes, aligned_groups, isolated_room
 from jaxserve.sched.plan import Outcome, Phase
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
@@ -116,63 +119,77 @@ def test_a_late_chunk_moves_its_devices_bookings_and_the_next_arrival_sees_it():
     assert not set(later.chunks[0].group) & set(slots) or later.chunks[0].start >= 0.5 - 1e-9
 
 
+def sides(*loads: tuple[int, int]) -> dict[int, SimpleNamespace]:
+    """Decode instances as a policy reads them (a ledger and a scheduler's KV and batch), each with
+    (free KV slots, running requests)."""
+    return {i: SimpleNamespace(ledger=DecodeLedger(4), scheduler=SimpleNamespace(
+        kv=SimpleNamespace(num_free=free, block_size=1), running=[None] * running, committed=lambda: 0,
+        kv_capacity=max(free, 1), max_num_seqs=max(running, 8))) for i, (free, running) in enumerate(loads)}
+
+
+LOADS = ((1000, 4), (4000, 2), (100, 0))
+
+
 def test_dispatch_by_freeness_and_power_of_two_from_the_predicted_length():
-    loads = [DecodeLoad(1000, 4), DecodeLoad(4000, 2), DecodeLoad(100, 0)]
     s = ClusterPolicy((), predictor=ObservedLengths(prior=600, granularity=64))
     prompt = PromptInfo(100)
-    chosen = s.dispatch(prompt, loads, request_id="x")
+    decoders = sides(*LOADS)
+    chosen = s.dispatch(prompt, decoders, "x")
     assert chosen.decoder == 1 and chosen.predicted == 640 and chosen.heavy  # 2,000 free slots a running request
-    assert s.dispatch(prompt, loads, limit=16).predicted == 16 and not s.dispatch(prompt, loads, limit=16).heavy
-    s.finish("y", 10)  # a request the policy never dispatched teaches nothing
-    assert s.dispatch(prompt, loads).predicted == 640
+    assert decoders[1].ledger.load(4000, 2) == DecodeLoad(4000 - 740, 3, heavy=1)  # promised there
+    short = s.dispatch(prompt, sides(*LOADS), "y", limit=16)
+    assert short.predicted == 16 and not short.heavy
+    s.finish("z", 10)  # a request the policy never dispatched teaches nothing
+    assert s.dispatch(prompt, sides(*LOADS), "w").predicted == 640
     s.finish("x", 10)  # the predictor learns from what was served
-    assert s.dispatch(prompt, loads).predicted == 64
+    assert s.dispatch(prompt, sides(*LOADS), "v").predicted == 64
     two = ClusterPolicy((), "power_of_two", seed=1)
-    assert two.dispatch(prompt, loads, limit=3000).decoder == 1  # only one has room for 3,100 tokens
+    assert two.dispatch(prompt, sides(*LOADS), "a", limit=3000).decoder == 1  # only one has room for 3,100 tokens
+    assert two.dispatch(prompt, {7: sides(*LOADS)[2]}, "b", limit=1).decoder == 7  # named by the cluster's index
     with pytest.raises(ValueError, match="decode length"):
-        two.dispatch(prompt, loads)  # no predictor and no limit
+        two.dispatch(prompt, sides(*LOADS), "c")  # no predictor and no limit
     with pytest.raises(ValueError, match="dispatch must be"):
         ClusterPolicy((), "random")
 
 
-def test_an_admission_check_refuses_before_anything_is_booked():
+def test_an_admission_check_refuses_before_anything_is_booked_or_promised():
     s = CDSPPolicy(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS, predictor=ObservedLengths())
-    loads = [DecodeLoad(10, 0)]
-    assert s.arrive(PromptInfo(4096), 0.0, loads, admits=lambda d: False) is None
-    assert not s.free_at.any()
-    assert s.arrive(PromptInfo(4096), 0.0, loads, admits=lambda d: d.decoder == 0).dispatch.decoder == 0
-    assert s.free_at.any()
+    decoders = sides((10, 0))
+    assert s.arrive(PromptInfo(4096), 0.0, decoders, admits=lambda d: False, request_id="a") is None
+    assert not s.free_at.any() and not decoders[0].ledger.heavy
+    assert s.arrive(PromptInfo(4096), 0.0, decoders, admits=lambda d: d.decoder == 0,
+                    request_id="b").dispatch.decoder == 0
+    assert s.free_at.any() and list(decoders[0].ledger.heavy) == ["b"]
 
 
-def tetriinfer_executor(scheduler: TetriInferPolicy, workload: Workload, seconds) -> list[tuple]:
-    """TetriInfer's prefill instances, live without devices: an arrival joins the queue the scheduler picks; an
-    idle instance starts the chunk the scheduler gives it, which takes seconds(items). Returns every chunk as
-    (request ids, (instance,), start, end), the simulator's Results.prefills."""
+def tetriinfer_executor(scheduler: TetriInferPolicy, workload: Workload, seconds, decoders) -> list[tuple]:
+    """TetriInfer's prefill instances, live without devices: an arrival joins the queue the policy picks; at each
+    arrival and chunk end the policy's plan starts chunks on idle instances, each taking seconds(items).
+    Returns every chunk as (request ids, (instance,), start, end), the simulator's Results.prefills."""
     events, seq, chunks = [], itertools.count(), []
     for k, (t, n) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist())):
         heapq.heappush(events, (t, 1, next(seq), "arrive", Request(str(k), t, n, 2)))
     while events:
         now, _, _, kind, payload = heapq.heappop(events)
         if kind == "arrive":
-            heapq.heappush(events, (now, 2, next(seq), "start", scheduler.queue(payload)))
+            scheduler.arrive(payload, PromptInfo(payload.prompt_len), now, 2)
+            heapq.heappush(events, (now, 2, next(seq), "plan", None))
             continue
         if kind == "end":
-            k, plan = payload
-            tokens = {i.request_id: (0,) for i in plan.items if scheduler.yields_token(k, i)}
-            scheduler.chunk_done(k, plan, Outcome(now, (), tokens))
-        else:
-            k = payload
-        if (plan := scheduler.next_chunk(k, now)) is not None:
-            end = now + seconds(plan.items)
-            chunks.append((tuple(i.request_id for i in plan.items), (k,), now, end))
-            heapq.heappush(events, (end, 0, next(seq), "end", (k, plan)))
+            group, items, ending = payload
+            scheduler.apply(group, items, Outcome(now, (), {rid: (0,) for rid in ending}))
+        plan = scheduler.plan(now, decoders)
+        for group, items in plan.chunks().items():
+            end = now + seconds(items)
+            chunks.append((tuple(i.request_id for i in items), group, now, end))
+            heapq.heappush(events, (end, 0, next(seq), "end", (group, items, plan.dispatch.keys())))
     return chunks
 
 
 def test_tetriinfer_instances_get_the_same_chunks_live_and_simulated():
     """The same arrivals through the disaggregated simulator and through a fake live executor of TetriInfer's
-    prefill instances, both asking one TetriInferPolicy: the same chunks, on the same instances, at the same
-    times; prompts merged into chunks and spread over the instances among them."""
+    prefill instances, both executing one TetriInferPolicy's plans: the same chunks, on the same instances, at
+    the same times; prompts merged into chunks and spread over the instances among them."""
     rng = np.random.default_rng(5)
     n = 40
     w = Workload(np.cumsum(rng.exponential(0.02, n)), rng.integers(50, 3000, n), np.full(n, 2), "mixed")
@@ -184,15 +201,36 @@ def test_tetriinfer_instances_get_the_same_chunks_live_and_simulated():
     def instances() -> list[PrefillBatchScheduler]:
         return [PrefillBatchScheduler(512, 4, "sjf", (i,)) for i in range(3)]
 
-    live = tetriinfer_executor(TetriInferPolicy(instances(), range(3), "power_of_two"), w,
-                               lambda items: chunk_time(sim.prefill_cost, items, 512))
+    live = tetriinfer_executor(TetriInferPolicy(instances(), range(3), 2), w,
+                               lambda items: chunk_time(sim.prefill_cost, items, 512), sides((10**6, 0), (10**6, 0)))
     assert live == simulated
     assert {c[1] for c in live} == {(0,), (1,), (2,)} and max(len(c[0]) for c in live) > 1
-    s = TetriInferPolicy(instances(), range(3))
-    s.queue(Request("a", 0.0, 900, 2))
-    assert s.queue(Request("b", 0.0, 100, 2), open_=[0, 2]) == 2  # the open instance with less queued
+    s = TetriInferPolicy(instances(), range(3), 1)
+    s.arrive(Request("a", 0.0, 900, 2), PromptInfo(900), 0.0)
+    s.prefilling = {0, 2}  # instance 1 drains towards decoding
+    assert s.arrive(Request("b", 0.0, 100, 2), PromptInfo(100), 0.0) == 2  # the prefilling one with less queued
     s.finish("a", 0)  # aborted: out of its queue
-    assert s.queued_tokens(0) == 0 and s.queued_tokens(2) == 100
+    assert s.instances[0].queued_tokens() == 0 and s.instances[2].queued_tokens() == 100
+
+
+def test_tetriinfer_flips_an_idle_prefill_instance_once_the_decode_side_is_busy():
+    """Flips in the policy's plans: a started flip takes the instance out of its role at once (no new prompts),
+    and the flip is done, the instance decoding, once its queue has drained; one flip at a time."""
+    flip = FlipPolicy(window=1.0, check_every=0.5)
+    s = TetriInferPolicy([PrefillBatchScheduler(512, 4, "sjf", (i,)) for i in range(3)], range(3), 3,
+                         predictor=ObservedLengths(), flip=flip, prefilling=2)
+    decoders = sides((10**6, 0), (10**6, 0), (10, 8))  # the one decode instance is full
+    decoders[2].scheduler.committed = lambda: 10
+    s.arrive(Request("a", 0.0, 600, 2), PromptInfo(600), 0.0, 2)  # instance 0 busy, instance 1 idle
+    roles = []
+    for now in np.arange(0.0, 3.0, 0.5):
+        plan = s.plan(float(now), decoders)
+        roles += [(r.flip, r.unit, r.done) for r in plan.roles]
+        for group, items in plan.chunks().items():
+            s.apply(group, items, Outcome(float(now), (), {i.request_id: (0,) for i in items
+                                                          if i.request_id in plan.dispatch}))
+    assert roles == [(Flip.TO_DECODE, 1, False), (Flip.TO_DECODE, 1, True)]
+    assert s.prefilling == {0} and s.decoding == {1, 2}
 
 
 def elastic_executor(scheduler: ESPPolicy, workload: Workload, kv_tokens: int, seconds) -> list[tuple]:
@@ -242,4 +280,4 @@ def test_elastic_instances_get_the_same_batches_live_and_simulated():
     assert live == simulated
     assert max(len(b[1]) for b in live) > 1  # scale-ups among them
     with pytest.raises(ValueError, match="needs its prefill instances"):
-        TetriInferPolicy([], range(4))
+        TetriInferPolicy([], range(4), 1)
