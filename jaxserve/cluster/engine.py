@@ -118,12 +118,16 @@ class ClusterEngine:
         self._owner: dict[str, LiveDecoder | None] = {}
         self._generated: dict[str, int] = {}
         self._ids = itertools.count()
+        self._arrival: float | None = None  # the arrival time of requests enqueued since the last step began
 
     def _arrived(self, request_id: str, prompt_len: int) -> float:
-        """Now, recorded as the request's arrival."""
-        now = self.clock()
-        self.arrivals.append((request_id, now, prompt_len))
-        return now
+        """The request's arrival, recorded: the time of the first request enqueued since the last step began, so
+        requests enqueued between two steps arrive together (the policy plans with them all at the next step,
+        and a replay sees them at once)."""
+        if self._arrival is None:
+            self._arrival = self.clock()
+        self.arrivals.append((request_id, self._arrival, prompt_len))
+        return self._arrival
 
     def prompt_info(self, ids: Sequence[int]) -> PromptInfo:
         """What the length predictor reads of a prompt."""
@@ -232,6 +236,7 @@ class ClusterEngine:
 
     # ---- one iteration ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._arrival = None
         outputs = self._run_chunks()  # counted there
         for i, d in enumerate(self.decoders):
             for t in d.pump(self.clock):

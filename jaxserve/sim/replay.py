@@ -3,7 +3,8 @@ output lengths, the same policy, layout and schedulers, and every executor cost 
 
 - cdsp: sim/disagg.py's prefill pool, planned by a CDSPPlanner on the pool's measured Eq. (1).
 - tetriinfer: sim/disagg.py's TetriInfer prefill instances, each chunk priced by Eq. (1) at SP 1, measured on one
-  live instance.
+  live instance; the ClusterPlans are TetriInferPolicy's on both sides, so a burst's chunks and dispatches match
+  (tests/cluster/test_tetriinfer.py).
 - esp: sim/esp_cluster.py as cluster/esp.py runs requests that fit one instance (aligned groups, no KV evacuated,
   each prompt's KV gathered on one instance), batches priced by the LoongServe model measured on the pool. A run
   with multi-master decodes is not replayed: the live group's step is not measured apart.

@@ -4,6 +4,10 @@ engine's greedy tokens."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
+
 import jaxserve
 from conftest import MAX_MODEL_LEN, engine_maker, prompt, run, serve
 from jaxserve.cluster.build import build, warmup
@@ -12,6 +16,7 @@ from jaxserve.cluster.tetriinfer import TetriInferCluster
 from jaxserve.config import ParallelConfig
 from jaxserve.engine.interface import ServingEngine
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.sched.cost_models import TetrisPrefill
 
 GREEDY = SamplingParams(max_tokens=12)
 
@@ -122,3 +127,44 @@ def test_instances_flip_to_decode_and_back_to_prefill_as_the_load_shifts(llm, de
             + [c.token_ids for c in llm.generate(second, one_token)] + [llm.generate([third], GREEDY)[0].token_ids])
     assert [tokens[r] for r in rids + later + [last]] == want
     assert not cluster.has_unfinished()
+
+
+def test_the_simulator_makes_the_live_clusters_tetriinfer_plans(llm, devices):
+    """Live against simulated under TetriInfer: a burst of seven prompts on one prefill instance (chunks of 256,
+    SJF) and two decode instances, replayed through sim/disagg.py with the live run's chunk and decode step times,
+    gets the same chunks (each chunk's pieces, in order) and the same decode instance for every prompt (power of
+    two, one seed on both sides). The prompts decode on past the last dispatch (ignore_eos), so the predictor's
+    prior is every promise on both sides; then they are aborted."""
+    from jaxserve.sim.replay import Line, LiveRun, replay
+
+    layout = ParallelConfig(prefill_instances=1, decode_instances=2, cluster_policy="tetriinfer", prefill_chunk=256,
+                            prefill_batch=8, prefill_order="sjf")
+    cluster = build(llm.config, llm._params, layout, engine_maker(llm), None,
+                    capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:3], progress=False)
+    warmup(cluster, 1024, progress=False)
+    lengths = [700, 90, 400, 150, 260, 40, 520]
+    params = SamplingParams(max_tokens=2000, ignore_eos=True)
+    rids = [cluster.add_request(prompt(llm, n, 60 + k), params) for k, n in enumerate(lengths)]
+    while len(cluster.transfers) < len(rids):  # every prompt prefilled and its KV landed
+        for out in cluster.step():
+            assert out.error is None and not out.finished, out
+    for rid in rids:
+        cluster.abort(rid)
+    assert not cluster.has_unfinished()
+
+    chunks: dict[float, list[str]] = {}
+    for r in cluster.records:
+        chunks.setdefault(r.start, []).append(str(rids.index(r.request_id)))
+    seconds = np.mean([r.end - r.start for r in {r.start: r for r in cluster.records}.values()])
+    step = cluster.decoders[0].engine.scheduler.cost.to_dict()
+    step["base"] = [[cluster.decode_seconds] * len(row) for row in step["base"]]
+    step["decode_base"] = [cluster.decode_seconds] * len(step["decode_base"])
+    first = cluster.arrivals[0][1]
+    live_run = LiveRun("tetriinfer", 1, 2, 1, [(t - first, n, params.max_tokens) for _, t, n in cluster.arrivals],
+                       json.loads(TetrisPrefill({1: np.array([0.0, seconds / 256, 0.0, 0.0])}).to_json()), step,
+                       Line(0.0, 0.0), cluster.decoders[0].kv_tokens, cluster.decoders[0].engine.max_num_seqs,
+                       MAX_MODEL_LEN, prefill_chunk=256, prefill_batch=8, prefill_order="sjf")
+    sim = replay(live_run)
+    assert [tuple(ids) for ids in chunks.values()] == [ids for ids, _, _, _ in sim.prefills]
+    assert {str(rids.index(t.request_id)): i for i, t in cluster.transfers} == sim.decoders
+    assert len(set(sim.decoders.values())) == 2 and max(len(ids) for ids, _, _, _ in sim.prefills) > 1
