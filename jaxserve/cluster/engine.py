@@ -35,7 +35,7 @@ from jaxserve.sched.cluster import ClusterPolicy
 from jaxserve.sched.decode_dispatch import PromptInfo
 from jaxserve.sched.decode_ledger import Transfer
 from jaxserve.sched.kv_manager import PrefixCacheStats
-from jaxserve.sched.plan import WorkItem
+from jaxserve.sched.plan import Outcome, WorkItem
 
 
 WAIT = 0.005  # seconds an idle step polls for a finished chunk before it returns
@@ -311,7 +311,7 @@ class ClusterEngine:
     def _run_chunks(self) -> list[RequestOutput]:
         """Start the chunks the scheduler plans now, then take the finished ones: the step never blocks on a
         chunk, so decode steps and new arrivals' chunks go on while a long chunk runs on its group."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.plan(self.clock())
         moves = {m.request_id: m for m in plan.moves}
         for item in plan.items:
             p, start = self._prefills[item.request_id], self.clock()
@@ -331,7 +331,7 @@ class ClusterEngine:
             booked_start, booked_end = self.scheduler.booked(item)
             self.records.append(ChunkRecord(rid, item.chunk_index, item.group, item.tokens, item.history, f.start,
                                             end, booked_start, booked_end))
-            last = self.scheduler.complete(item, end)
+            last = bool(self.scheduler.apply(item.group, (item,), Outcome(end, (), {rid: (token,)})))
             staged = self.mover.stage((rid, item.chunk_index), f.run.written)
             p.decoder.ledger.offer(Transfer(rid, item.chunk_index, last, staged, end))
             if last:

@@ -153,8 +153,8 @@ class TetriInferCluster(ClusterEngine):
             if item.request_id in chunk.ending:
                 tokens[item.request_id] = (run.token(),)
         outputs = []
-        for r in self.scheduler.apply(group, [item for item, _ in ran], Outcome(end, (), tokens)):
-            p, decoder = self._prompts.pop(r.id), self._owner[r.id]
-            decoder.ledger.offer(Transfer(r.id, 0, True, p.staged, end))
-            outputs.append(decoder.engine.first_token(r.id, tokens[r.id][0]))
+        for rid in self.scheduler.apply(group, [item for item, _ in ran], Outcome(end, (), tokens)):
+            p, decoder = self._prompts.pop(rid), self._owner[rid]
+            decoder.ledger.offer(Transfer(rid, 0, True, p.staged, end))
+            outputs.append(decoder.engine.first_token(rid, tokens[rid][0]))
         return outputs

@@ -7,9 +7,9 @@ sim/esp_cluster.py) alike. What they share is ClusterPolicy's: decode dispatch a
   prefill is not planned.
 - CDSPPolicy (Tetris 5.1-5.2): at arrival (`arrive`) the prompt's chunks on groups of the prefill pool, planned
   on each device's bookings, and its decode instance, chosen from the predicted decode length (never the true
-  one); booked at once. Live (`add`, `schedule`, `complete`): the chunks that can start now, in booked order, on
+  one); booked at once. Live (`add`, then `plan` and `apply`): the chunks that can start now, in booked order, on
   free and disjoint groups; a request's history is spread evenly over each later chunk's group first (a
-  rebalance); a chunk's measured end moves its devices' bookings.
+  rebalance move); a chunk's measured end moves its devices' bookings. The simulators run the booked times.
 - TetriInferPolicy (3.3.4, 3.5): a prompt joins the prefill instance with the fewest prompt tokens left
   (`arrive`); each `plan` gives every free instance's next fixed-size chunk (sched/prefill_batches.py) with the
   decode instance of each prompt it ends, and, with flips, the instances' role changes; a chunk's outcome
@@ -161,11 +161,13 @@ class CDSPPolicy(ClusterPolicy):
                        for c in arrival.plan.chunks)
         self._prefills[request_id] = _Prefill(request_id, chunks, now)
 
-    def schedule(self) -> Plan:
+    def plan(self, now: float, decoders: Mapping[int, DecodeSide] | None = None) -> ClusterPlan:
         """The chunks that start now: each request's next chunk, in booked order, where its devices are free of
         every chunk running or booked before it (groups disjoint). A chunk after the first comes with its
         rebalance move: the history spread evenly over the chunk's group (onto a larger group, or evened out on
-        the same one: the stores' room is planned for even shares, Stores)."""
+        the same one: the stores' room is planned for even shares, Stores). now and decoders: read by other
+        policies (CDSP decides at arrival)."""
+        del now, decoders
         taken = {d for p in self._prefills.values() if p.started > p.done for d in p.chunks[p.done].group}
         pending = sorted((p for p in self._prefills.values() if p.started == p.done),
                          key=lambda p: (p.arrival + p.chunks[p.done].start, p.arrival))
@@ -181,20 +183,22 @@ class CDSPPolicy(ClusterPolicy):
                 p.started += 1
                 p.group = c.group
             taken |= set(c.group)
-        return Plan(tuple(items), tuple(moves))
+        return ClusterPlan(items=tuple(items), moves=tuple(moves))
 
-    def complete(self, item: WorkItem, end: float) -> bool:
-        """A chunk's Outcome: it ended at `end`. Its devices' bookings move by how late or early it ended.
-        Returns whether it was the request's last chunk (the request leaves the prefill side)."""
+    def apply(self, group: tuple[int, ...], items: Sequence[WorkItem], outcome: Outcome) -> list[str]:
+        """The chunk on `group` (one item) ended at outcome.end_time: its devices' bookings move by how late or
+        early it ended. Returns its request's id if that was its last chunk (it leaves the prefill side)."""
+        (item,) = items
         p = self._prefills[item.request_id]
         c = p.chunks[item.chunk_index]
-        slots = [self.pool_ids.index(d) for d in c.group]
+        slots = [self.pool_ids.index(d) for d in group]
+        end = outcome.end_time
         self.free_at[slots] = np.maximum(self.free_at[slots] + (end - (p.arrival + c.end)), end)
         p.done += 1
         if p.done < len(p.chunks):
-            return False
+            return []
         del self._prefills[item.request_id]
-        return True
+        return [item.request_id]
 
     def booked(self, item: WorkItem) -> tuple[float, float]:
         """The booked (start, end) of a scheduled chunk, in the clock's time."""
@@ -262,13 +266,13 @@ class TetriInferPolicy(ClusterPolicy):
         """A chunk the executor could not start: its instance stays usable, its prompts stay queued."""
         self._instance(group).cancel(Plan(tuple(items)))
 
-    def apply(self, group: tuple[int, ...], items: Sequence[WorkItem], outcome: Outcome) -> list[Request]:
-        """The chunk on `group` ended; `items`: its pieces that ran (not aborted meanwhile). Returns the requests
-        whose prefill it finished."""
+    def apply(self, group: tuple[int, ...], items: Sequence[WorkItem], outcome: Outcome) -> list[str]:
+        """The chunk on `group` ended; `items`: its pieces that ran (not aborted meanwhile). Returns the ids of
+        the requests whose prefill it finished."""
         done = self._instance(group).apply(Plan(tuple(items)), outcome)
         for r in done:
             self._queued_on.pop(r.id, None)
-        return done
+        return [r.id for r in done]
 
     def _instance(self, group: tuple[int, ...]) -> PrefillBatchScheduler:
         (device,) = group

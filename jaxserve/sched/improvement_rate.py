@@ -11,6 +11,7 @@ import bisect
 import collections
 import dataclasses
 import json
+import math
 import pathlib
 from typing import Sequence
 
@@ -82,11 +83,14 @@ class ArrivalRate:
         return self._first is not None and now - self._first >= self.window
 
     def rate(self, now: float) -> float | None:
-        """The estimate, or None before two arrivals (nothing to measure yet)."""
+        """The estimate, or None before two arrivals (nothing to measure yet); arrivals all at one instant (a
+        burst the cluster took between two steps) read as an unbounded rate."""
         if self.warm(now):
             return len(self._times) / self.window
-        if len(self._times) < 2 or now <= self._first:
+        if len(self._times) < 2:
             return None
+        if now <= self._first:
+            return math.inf
         return (len(self._times) - 1) / (now - self._first)
 
 

@@ -376,8 +376,8 @@ class _Run:
             self._push(end, 0, "prefilled", (group, items, Outcome(end, (), tokens)))
 
     def _prefilled(self, now: float, group: tuple[int, ...], items: tuple[WorkItem, ...], outcome: Outcome) -> None:
-        for r in self.scheduler.apply(group, items, outcome):
-            self._by_id.pop(r.id)
+        for rid in self.scheduler.apply(group, items, outcome):
+            r = self._by_id.pop(rid)
             dec = self.decoders[self.decoders_of[r.id]]
             if r.finished:  # by its first token
                 dec.ledger.forget(r.id)

@@ -49,8 +49,8 @@ def fake_executor(scheduler: CDSPPolicy, arrivals, prompt_lens, late: float = 0.
             scheduler.add(rid, arrival, now)
             plans[rid] = arrival.plan
         else:
-            scheduler.complete(payload, now)
-        for item in scheduler.schedule().items:
+            scheduler.apply(payload.group, (payload,), Outcome(now, (), {}))
+        for item in scheduler.plan(now).items:
             _, end = scheduler.booked(item)
             seq += 1
             heapq.heappush(events, (max(end + late, now), 0, f"{item.request_id}/{seq}", item))
@@ -80,7 +80,7 @@ def test_chunks_start_in_booked_order_on_free_disjoint_groups_with_their_rebalan
         s.add(rid, s.arrive(PromptInfo(n), 0.0), 0.0)
     running, held, started = set(), {}, []
     for _ in range(100):
-        plan = s.schedule()
+        plan = s.plan(0.0)
         groups = [set(i.group) for i in plan.items]
         assert all(not (g & h) for k, g in enumerate(groups) for h in groups[k + 1:])
         for item in plan.items:
@@ -97,7 +97,7 @@ def test_chunks_start_in_booked_order_on_free_disjoint_groups_with_their_rebalan
             break
         first = min(running, key=lambda i: s.booked(i)[1])  # the chunk due first ends
         running.remove(first)
-        s.complete(first, s.booked(first)[1])
+        s.apply(first.group, (first,), Outcome(s.booked(first)[1], (), {}))
     assert not running and {i.request_id for i in started} == {"a", "b"}
     for rid, n in (("a", 120_000), ("b", 30_000)):
         mine = [i for i in started if i.request_id == rid]
@@ -109,11 +109,11 @@ def test_chunks_start_in_booked_order_on_free_disjoint_groups_with_their_rebalan
 def test_a_late_chunk_moves_its_devices_bookings_and_the_next_arrival_sees_it():
     s = CDSPPolicy(CDSPPlanner(MODEL, POOL, 0.2), DEVICE_IDS)
     s.add("a", s.arrive(PromptInfo(4096), 0.0), 0.0)
-    (item,) = s.schedule().items
+    (item,) = s.plan(0.0).items
     _, end = s.booked(item)
     slots = [DEVICE_IDS.index(d) for d in item.group]
     assert np.allclose(s.free_at[slots], end)
-    assert s.complete(item, end + 0.5)  # its only chunk, half a second late
+    assert s.apply(item.group, (item,), Outcome(end + 0.5, (), {})) == ["a"]  # its only chunk, half a second late
     assert np.allclose(s.free_at[slots], end + 0.5)
     later = s.arrive(PromptInfo(4096), end).plan
     assert not set(later.chunks[0].group) & set(slots) or later.chunks[0].start >= 0.5 - 1e-9

@@ -34,6 +34,10 @@ def test_arrival_rate_counts_the_window():
     one = ArrivalRate(window=10.0)
     one.observe(3.0)
     assert one.rate(3.0) is None and one.rate(5.0) is None  # one arrival measures nothing
+    burst = ArrivalRate(window=10.0)
+    for _ in range(3):
+        burst.observe(4.0)
+    assert burst.rate(4.0) == float("inf") and RateTable((0.0, 1.0), (0.3, 0.05)).lookup(burst.rate(4.0)) == 0.05
 
 
 def test_adaptive_planner_follows_the_load():
