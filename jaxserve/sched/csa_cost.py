@@ -1,8 +1,8 @@
 """CSPS Communication-efficient Sparse Attention (CSA, §3.2.4) for cost models: the share of causal attention
 pairs, and of SP-NTP (Ulysses) all-to-all bytes, that CSA keeps for given levels, drop ratios and SP size.
 
-The device path is jaxserve/sharding/csa.py; tests/sharding/test_csa.py checks these numbers against it. Its reading of the
-paper, in short: the prompt is split into `sp` contiguous partitions of t tokens, one per device in proximity
+The device path is jaxserve/sharding/csa.py; tests/sharding/test_csa.py checks these numbers against it. Its reading of
+the paper, in short: the prompt is split into `sp` contiguous partitions of t tokens, one per device in proximity
 order. Level v has segments of spans[v] partitions (spans[0] = 1, each span divides the next, spans[-1] = sp).
 A query sees its own partition causally (level 1, nothing dropped) and, at level v > 1, the earlier partitions of
 its level-v segment that lie outside its level-(v-1) segment (the level's "ring"), through only the

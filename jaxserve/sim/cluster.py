@@ -53,9 +53,6 @@ def check(layout: ParallelConfig) -> None:
         raise ValueError(f"{', '.join(unmodelled)}: not simulated (a trace has no prompt text, and the simulator "
                          f"models neither KV-parallel decode instances nor CSPS's pool); leave "
                          f"{'it' if len(unmodelled) == 1 else 'them'} out")
-    if layout.cluster_policy == "tetriinfer" and layout.flip_window:
-        raise ValueError(f"--flip_window={layout.flip_window}: TetriInfer's flips are simulated with a CDSP pool "
-                         "only (sim/disagg.py), not with its own prefill instances")
 
 
 def simulate_cluster(workload: Workload, layout: ParallelConfig, profile: str, progress: bool = True) -> Results:

@@ -9,7 +9,8 @@ admission of prefilled requests: greedy with recompute, reserve-static, reserve-
   sched/prefill_batches.py (scheduling batches ordered FCFS / SJF / LJF, non-preemptive, fixed-size padded
   chunks); an arrival goes to the instance with the fewest prompt tokens left to prefill (TetriInfer's global
   scheduler), a prompt is dispatched when the chunk holding its last piece starts, and its whole KV is sent
-  once that chunk ends (the paper's request-level transfer). The ClusterPlans are TetriInferPolicy's, as live.
+  once that chunk ends (the paper's request-level transfer). The ClusterPlans are TetriInferPolicy's, as live,
+  its instance flips (3.5) included.
   The length predictor's own cost on the prefill instance is not charged.
 - Dispatch (sched/decode_dispatch.py): Tetris's freeness rate with virtual usage, or TetriInfer's power of two
   over instances with room for the predicted footprint, balancing heavy decodes. With the pool, at planning time.
@@ -90,7 +91,9 @@ class DisaggConfig:
     # decode admission (sched/scheduler.py): greedy, reserve_static or reserve_dynamic on the predictor's
     # lengths, or oracle (reserve_static on the true ones)
     admission: str = "oracle"
-    flip: FlipRule | None = None  # TetriInfer's instance flip: decode_tp prefill GPUs <-> one decode instance
+    # TetriInfer's instance flip: with the pool, decode_tp prefill GPUs <-> one decode instance; with TetriInfer's
+    # prefill, each of the prefill_instances + decode_instances instances prefills or decodes
+    flip: FlipRule | None = None
     seed: int = 0  # power of two's sampling
     slo: SLO = SLO()
     memory_utilization: float = 0.9
@@ -155,8 +158,9 @@ class DisaggSimulator:
             raise ValueError(f"prefill must be pool or tetriinfer, got {config.prefill!r}")
         if (config.prefill == "pool") != (planner is not None):
             raise ValueError("a prefill pool needs a planner; TetriInfer's prefill instances take none")
-        if config.prefill == "tetriinfer" and config.flip is not None:
-            raise ValueError("instance flips are simulated with the prefill pool only")
+        if config.prefill == "tetriinfer" and config.flip is not None and config.decode_tp != config.prefill_tp:
+            raise ValueError(f"flipping TetriInfer instances prefill and decode on their own GPUs: decode_tp "
+                             f"({config.decode_tp}) must be prefill_tp ({config.prefill_tp})")
         if config.dispatch not in ("freeness", "power_of_two"):
             raise ValueError(f"dispatch must be freeness or power_of_two, got {config.dispatch!r}")
         if config.admission not in ADMISSIONS:
@@ -187,34 +191,46 @@ class _Run:
     """One simulation: arrivals, KV landings, decode steps and (with a flip policy) role checks, in time
     order. GPU slots 0..P-1 start as prefill instances; with flips, the planner's pool also holds the decode
     instances' GPUs (decode_tp each, after the prefill ones), unavailable to it while they decode. With
-    TetriInfer's prefill, slot i is prefill instance i, and free_at its latest chunk's end."""
+    TetriInfer's prefill, slot i is prefill instance i, and free_at its latest chunk's end; with flips instance i
+    is decode instance i too (the first prefill_instances start prefilling), as live."""
 
     def __init__(self, sim: DisaggSimulator, workload: Workload, progress: bool):
         cfg = self.cfg = sim.config
         self.sim, self.workload = sim, workload
         pool_size = getattr(getattr(sim.planner, "pool", None), "size", None)
-        slots = cfg.prefill_instances + (cfg.decode_instances * cfg.decode_tp if cfg.flip else 0)
-        instances = [PrefillBatchScheduler(cfg.prefill_chunk, cfg.prefill_batch, cfg.prefill_order, (i,))
-                     for i in range(cfg.prefill_instances)] if cfg.prefill == "tetriinfer" else []
+        self._tetriinfer = cfg.prefill == "tetriinfer"
+        if self._tetriinfer:  # with flips every instance prefills and decodes, one role at a time
+            n = cfg.prefill_instances + (cfg.decode_instances if cfg.flip else 0)
+            slots = n
+        else:
+            slots = cfg.prefill_instances + (cfg.decode_instances * cfg.decode_tp if cfg.flip else 0)
         if pool_size is not None and pool_size != slots:
             raise ValueError(f"the planner's pool has {pool_size} instances; this cluster has {slots} GPU slots "
                              "for it (prefill instances, plus the decode instances' GPUs when flips are on)")
-        # the cluster's policy: arrivals, prefill work, decode dispatch and the GPU slots' bookings (its arrays,
-        # updated in place)
-        self._tetriinfer = cfg.prefill == "tetriinfer"
-        self.scheduler = (TetriInferPolicy(instances, range(slots), cfg.decode_instances, cfg.dispatch,
-                                           sim.predictor, cfg.seed)
-                          if self._tetriinfer else
-                          CDSPPolicy(sim.planner, range(slots), cfg.dispatch, sim.predictor, cfg.seed))
+        # the cluster's policy: arrivals, prefill work, decode dispatch, TetriInfer's flips and the GPU slots'
+        # bookings (its arrays, updated in place)
+        if self._tetriinfer:
+            instances = [PrefillBatchScheduler(cfg.prefill_chunk, cfg.prefill_batch, cfg.prefill_order, (i,))
+                         for i in range(n)]
+            self.scheduler = TetriInferPolicy(instances, range(n), n if cfg.flip else cfg.decode_instances,
+                                              cfg.dispatch, sim.predictor, cfg.seed, flip=cfg.flip,
+                                              prefilling=cfg.prefill_instances if cfg.flip else None)
+        else:
+            self.scheduler = CDSPPolicy(sim.planner, range(slots), cfg.dispatch, sim.predictor, cfg.seed)
         self.free_at, self.unavailable = self.scheduler.free_at, self.scheduler.unavailable
         self.decoders: list[SimulatedDecoder] = []
         self.retired: list[SimulatedDecoder] = []
-        for i in range(cfg.decode_instances):
-            first = cfg.prefill_instances + i * cfg.decode_tp
-            self._new_decoder(tuple(range(first, first + cfg.decode_tp)) if cfg.flip else ())
+        if self._tetriinfer:
+            for _ in range(len(self.scheduler.instances) if cfg.flip else cfg.decode_instances):
+                self._new_decoder(())
+        else:
+            for i in range(cfg.decode_instances):
+                first = cfg.prefill_instances + i * cfg.decode_tp
+                self._new_decoder(tuple(range(first, first + cfg.decode_tp)) if cfg.flip else ())
         sim.decoders = self.decoders
-        # units: a prefill unit is decode_tp GPU slots of the pool, a decode unit a decode instance's index
-        self.flipper = FlipController(cfg.flip) if cfg.flip else None
+        # the pool's flips: a prefill unit is decode_tp GPU slots of the pool, a decode unit a decode instance's
+        # index (TetriInfer's flips are its policy's)
+        self.flipper = FlipController(cfg.flip) if cfg.flip and not self._tetriinfer else None
         self.flips: list[tuple[float, str]] = []
         self.events: list[tuple[float, int, int, str, object]] = []  # (time, order, seq, kind, payload)
         self.seq = itertools.count()
@@ -274,7 +290,10 @@ class _Run:
                 self._done(len(done))
                 self._pump(dec, now)
             elif self.pending:  # a flip check, while work remains
-                self._check(now)
+                if self._tetriinfer:
+                    self._prefill(now)  # the policy's plan changes roles on its cadence
+                else:
+                    self._check(now)
                 self._push(now + self.cfg.flip.check_every, 3, "check", None)
         self.bar.close()
         reqs = self.requests
@@ -283,8 +302,13 @@ class _Run:
         # TetriInfer 5.1's resource usage time: every instance's wall time from the first arrival to its last
         # work, here per GPU (an instance idle from then on is recycled)
         prefill_tp = self.cfg.prefill_tp if self._tetriinfer else 1
-        gpu_seconds = (prefill_tp * float(np.maximum(self.free_at - first, 0.0).sum())
-                       + sum(self.cfg.decode_tp * max(d.last_end - first, 0.0) for d in self.decoders + self.retired))
+        if self._tetriinfer and self.cfg.flip:  # an instance's GPUs serve both its roles
+            gpu_seconds = prefill_tp * sum(max(f - first, d.last_end - first, 0.0)
+                                           for f, d in zip(self.free_at.tolist(), self.decoders))
+        else:
+            gpu_seconds = (prefill_tp * float(np.maximum(self.free_at - first, 0.0).sum())
+                           + sum(self.cfg.decode_tp * max(d.last_end - first, 0.0)
+                                 for d in self.decoders + self.retired))
         return Results(reqs, self.rejected, span=max(last - first, 1e-9),
                        wall_seconds=time.perf_counter() - started,
                        config=dataclasses.asdict(self.cfg) | {"workload": self.workload.name,
@@ -365,6 +389,7 @@ class _Run:
     def _prefill(self, now: float) -> None:
         """The policy's plan now: each chunk starts on its instance, each prompt it ends is dispatched."""
         plan = self.scheduler.plan(now, {d.index: d for d in self.decoders})
+        self.flips += [(now, r.flip.value) for r in plan.roles if r.done]
         for rid, chosen in plan.dispatch.items():
             self._expect(self.decoders[chosen.decoder], self._by_id[rid], chosen)
         for group, items in plan.chunks().items():

@@ -186,12 +186,31 @@ def test_a_whole_tetriinfer_cluster_serves_azure_conv():
     assert res.summary()["all"]["tbt_p50"] < 0.05
 
 
-def test_tetriinfer_prefill_takes_no_planner_and_no_flips():
+def test_tetriinfer_prefill_takes_no_planner_and_flips_on_its_own_gpus():
 
 
     with pytest.raises(ValueError, match="needs a planner"):
         DisaggSimulator(None, best, DisaggConfig())
     with pytest.raises(ValueError, match="take none"):
         DisaggSimulator(CDSPPlanner(MODEL, POOL, 0.2), best, DisaggConfig(prefill="tetriinfer"))
-    with pytest.raises(ValueError, match="flips"):
+    with pytest.raises(ValueError, match="decode_tp"):
         DisaggSimulator(None, best, DisaggConfig(prefill="tetriinfer", flip=FlipPolicy()))
+
+
+def test_tetriinfer_instances_flip_toward_the_busy_role():
+    """TetriInfer's flips (its policy's, as live): two prefill and two decode instances of one GPU each. Long
+    decodes of short prompts fill the decode side while the prefill side idles: a prefill instance drains and
+    decodes; every request finishes."""
+    import numpy as np
+
+    from jaxserve.sched.decode_dispatch import ObservedLengths
+    from jaxserve.sim.workload import Workload
+
+    arrivals = np.arange(0, 60, 0.5)
+    w = Workload(arrivals, np.full(len(arrivals), 100), np.full(len(arrivals), 2000), "decode heavy")
+    cfg = DisaggConfig(prefill="tetriinfer", prefill_instances=2, decode_instances=2, decode_tp=1,
+                       dispatch="power_of_two", memory_utilization=0.225, flip=FlipPolicy(window=10.0, check_every=1.0))
+    res = DisaggSimulator(None, best, cfg, ObservedLengths()).run(w, progress=False)
+    flips = [kind for _, kind in res.config["flips"]]
+    assert flips[:1] == ["to_decode"] and len(set(res.decoders.values())) == 3  # a third instance decoded
+    assert len(res.requests) + len(res.rejected) == len(w) and all(r.finished for r in res.requests)

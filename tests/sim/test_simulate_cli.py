@@ -67,6 +67,7 @@ def test_notebook_api_gives_tables():
     (["--prefill_instances=16", "--node_size=8", "--decode_instances=2", "--decode_tp=8"], 120),
     (["--cluster_policy=tetriinfer", "--prefill_instances=8", "--decode_instances=2", "--decode_tp=4",
       "--prefill_chunk=512", "--decode_admission=reserve_dynamic"], 120),
+    (["--cluster_policy=tetriinfer", "--prefill_instances=4", "--decode_instances=2", "--flip_window=30"], 120),
     (["--cluster_policy=esp", "--prefill_instances=8", "--tp=2", "--profile=h100_llama2_7b"], 120),
 ])
 def test_simulate_runs_a_cluster_from_the_flags_that_serve_it(tmp_path, args, finished):
@@ -82,7 +83,6 @@ def test_simulate_runs_a_cluster_from_the_flags_that_serve_it(tmp_path, args, fi
     (["--prefill_instances=4", "--policy=sjf"], "--policy: not read when simulating a cluster"),
     (["--prefill_instances=4", "--length_predictor=prompt"], "--length_predictor=prompt: not simulated"),
     (["--prefill_instances=4", "--decode_kvp=2"], "--decode_kvp=2: not simulated"),
-    (["--prefill_instances=4", "--cluster_policy=tetriinfer", "--flip_window=5"], "--flip_window=5.0: TetriInfer"),
     (["--prefill_instances=4", "--cluster_policy=esp", "--decode_tp=2"], "--decode_tp=2: not read with"),
     (["--prefill_instances=6", "--node_size=4"], "6 prefill instances do not form nodes of 4"),
 ])

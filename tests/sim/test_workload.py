@@ -236,7 +236,8 @@ def test_a_csv_trace_with_times_reads_in_arrival_order(tmp_path):
 
 def test_lengths_written_as_floats_and_arrivals_first_named_late_are_read(tmp_path):
     f = tmp_path / "late.jsonl"
-    f.write_text('{"prompt_tokens": 12.0, "output_tokens": "3"}\n{"arrival": 2, "prompt_tokens": 4, "output_tokens": 5}\n')
+    f.write_text('{"prompt_tokens": 12.0, "output_tokens": "3"}\n'
+                 '{"arrival": 2, "prompt_tokens": 4, "output_tokens": 5}\n')
     with pytest.raises(ValueError, match="late.jsonl:1: an arrival must be"):  # the column exists: every row needs it
         read_trace_file(f)
     f.write_text('{"arrival": 1, "prompt_tokens": 12.0, "output_tokens": "3"}\n')
