@@ -122,11 +122,13 @@ class TetriInferCluster(ClusterEngine):
             p, decoder = self._prompts[rid], self.decoders[chosen.decoder]
             p.seed = decoder.engine.expect(p.ids, p.params, rid)
             self._owner[rid] = decoder
-        for group, items in plan.chunks().items():
+        chunks = list(plan.chunks().items())
+        for i, (group, items) in enumerate(chunks):
             try:
                 self._start(group, items, plan)
-            except BaseException:
-                self.scheduler.cancel(group, items)  # the instance stays usable; the caller ends the requests
+            except BaseException:  # the instances not started stay usable; the caller ends the requests
+                for unstarted, pieces in chunks[i:]:
+                    self.scheduler.cancel(unstarted, pieces)
                 raise
         idle = self._chunks and not any(d.engine.has_work for d in self.decoders)
 

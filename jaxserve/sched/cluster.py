@@ -133,13 +133,15 @@ class CDSPPolicy(ClusterPolicy):
     def arrive(self, prompt: PromptInfo, now: float, decoders: Mapping[int, DecodeSide] | None = None,
                limit: int | None = None, admits: Callable[[Dispatch], bool] | None = None,
                retime: Callable[[ChunkPlan, np.ndarray], ChunkPlan] | None = None,
-               request_id: str = "") -> Arrival | None:
+               request_id: str | None = None) -> Arrival | None:
         """The arrival decision: the planner sees the time, the decode instance is chosen (if `decoders`), and,
         unless `admits` refuses it (None is returned then), the chunks are planned and booked. retime: times
         the plan's chunks otherwise before booking (the simulator's executor). As `dispatch` otherwise."""
         self.planner.on_arrival(now)
         chosen = None
         if decoders is not None:
+            if request_id is None:
+                raise ValueError("a dispatch promises KV for a request: name it (request_id)")
             chosen = self.dispatch(prompt, decoders, request_id, limit, admits)
             if chosen is None:
                 return None
@@ -233,7 +235,7 @@ class TetriInferPolicy(ClusterPolicy):
         self.flips = FlipController(flip) if flip is not None else None  # units: instance indices
         self._next_check = -math.inf
         self._queued_on: dict[str, int] = {}  # request id -> its prefill instance
-        self._limits: dict[str, tuple[PromptInfo, int | None]] = {}  # what dispatch reads, until dispatched
+        self._limits: dict[str, tuple[PromptInfo, int | None]] = {}  # what dispatch reads, until prefilled
 
     def arrive(self, request: Request, prompt: PromptInfo, now: float, limit: int | None = None) -> int:
         """The request joins the prefill instance (in the prefill role) with the fewest prompt tokens left to
@@ -256,14 +258,15 @@ class TetriInferPolicy(ClusterPolicy):
             chunk = instance.schedule(now)
             for item in chunk.items if chunk is not None else ():
                 if instance.yields_token(item):
-                    prompt, limit = self._limits.pop(item.request_id)
+                    prompt, limit = self._limits[item.request_id]
                     dispatch[item.request_id] = self.dispatch(
                         prompt, {i: decoders[i] for i in sorted(self.decoding)}, item.request_id, limit)
                 items.append(item)
         return ClusterPlan(items=tuple(items), dispatch=dispatch, roles=roles)
 
     def cancel(self, group: tuple[int, ...], items: Sequence[WorkItem]) -> None:
-        """A chunk the executor could not start: its instance stays usable, its prompts stay queued."""
+        """A chunk the executor could not start: its instance stays usable, its prompts stay queued (a dispatch
+        the plan made stays promised: the executor ends those requests)."""
         self._instance(group).cancel(Plan(tuple(items)))
 
     def apply(self, group: tuple[int, ...], items: Sequence[WorkItem], outcome: Outcome) -> list[str]:
@@ -272,6 +275,7 @@ class TetriInferPolicy(ClusterPolicy):
         done = self._instance(group).apply(Plan(tuple(items)), outcome)
         for r in done:
             self._queued_on.pop(r.id, None)
+            self._limits.pop(r.id, None)
         return [r.id for r in done]
 
     def _instance(self, group: tuple[int, ...]) -> PrefillBatchScheduler:

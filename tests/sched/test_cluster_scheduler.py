@@ -213,6 +213,20 @@ def test_tetriinfer_instances_get_the_same_chunks_live_and_simulated():
     assert s.instances[0].queued_tokens() == 0 and s.instances[2].queued_tokens() == 100
 
 
+def test_a_tetriinfer_chunk_the_executor_could_not_start_is_planned_again():
+    """An executor that fails to start a plan's chunks cancels them: their instances are free again and the next
+    plan holds the same pieces."""
+    s = TetriInferPolicy([PrefillBatchScheduler(512, 4, "sjf", (i,)) for i in range(2)], range(2), 1)
+    for rid, n in (("a", 700), ("b", 300)):
+        s.arrive(Request(rid, 0.0, n, 2), PromptInfo(n), 0.0, 2)
+    first = s.plan(0.0, sides((10**6, 0)))
+    assert first.dispatch.keys() == {"b"}
+    assert s.plan(0.0, sides((10**6, 0))).items == ()  # both instances busy
+    for group, items in first.chunks().items():
+        s.cancel(group, items)
+    assert s.plan(0.0, sides((10**6, 0))).items == first.items
+
+
 def test_tetriinfer_flips_an_idle_prefill_instance_once_the_decode_side_is_busy():
     """Flips in the policy's plans: a started flip takes the instance out of its role at once (no new prompts),
     and the flip is done, the instance decoding, once its queue has drained; one flip at a time."""
