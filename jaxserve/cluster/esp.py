@@ -33,7 +33,7 @@ from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched import decode_ledger, esp as elastic
-from jaxserve.sched.decode_dispatch import HEAVY_DECODE, PromptInfo
+from jaxserve.sched.decode_dispatch import PromptInfo
 from jaxserve.sched.decode_ledger import Transfer
 from jaxserve.sched.request import Request
 
@@ -154,9 +154,10 @@ class ESPCluster(ClusterEngine):
         for r in batch.requests:
             p = self._waiting[r.id]
             decoder = self._decoder(p, kept[r.id])
-            hi = self.scheduler.predict(self.prompt_info(p.ids), p.params.max_tokens, r.id)
+            info = self.prompt_info(p.ids)
+            hi = self.scheduler.predict(info, p.params.max_tokens, r.id)
             seed = decoder.engine.expect(p.ids, p.params, r.id)
-            decoder.ledger.expect(r.id, len(p.ids), hi, hi > HEAVY_DECODE)
+            self.scheduler.promise(decoder, info, r.id, hi)
             if decoder is self.group:
                 self.group.engine.kv.place(r.id, kept[r.id])
                 self.events["multi_master"] += 1

@@ -98,8 +98,7 @@ class ClusterPolicy:
                  limit: int | None = None, admits: Callable[[Dispatch], bool] | None = None) -> Dispatch | None:
         """The decode instance for a prompt, among `decoders` (by their index in the cluster): by freeness
         (virtual usage counted in the loads), or power of two over the instances with room for prompt plus
-        predicted decode. Unless `admits` refuses it (None is returned then), it is promised there: the prompt's
-        KV and, with a length predictor, its predicted decode (the simulator's oracle promises none)."""
+        predicted decode. Unless `admits` refuses it (None is returned then), it is promised there (`promise`)."""
         hi = self.predict(prompt, limit, request_id)
         heavy = hi > HEAVY_DECODE
         keys = list(decoders)
@@ -111,9 +110,14 @@ class ClusterPolicy:
         out = Dispatch(decoder=keys[chosen], predicted=hi, heavy=heavy)
         if admits is not None and not admits(out):
             return None
-        promised = hi if self.predictor is not None else 0
-        decoders[out.decoder].ledger.expect(request_id, prompt.length, promised, heavy)
+        self.promise(decoders[out.decoder], prompt, request_id, hi)
         return out
+
+    def promise(self, side: DecodeSide, prompt: PromptInfo, request_id: str, predicted: int) -> None:
+        """The prompt decodes on `side`: its KV and, with a length predictor, its `predicted` decode tokens are
+        promised there (the simulator's oracle promises none); heavy past HEAVY_DECODE."""
+        promised = predicted if self.predictor is not None else 0
+        side.ledger.expect(request_id, prompt.length, promised, predicted > HEAVY_DECODE)
 
     def finish(self, request_id: str, generated: int) -> None:
         """The request ended (or was aborted, generated 0): a predictor that learns sees how long the decode

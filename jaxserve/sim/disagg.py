@@ -197,36 +197,31 @@ class _Run:
     def __init__(self, sim: DisaggSimulator, workload: Workload, progress: bool):
         cfg = self.cfg = sim.config
         self.sim, self.workload = sim, workload
-        pool_size = getattr(getattr(sim.planner, "pool", None), "size", None)
+        # the cluster's policy: arrivals, prefill work, decode dispatch, TetriInfer's flips and the GPU slots'
+        # bookings (its arrays, updated in place); and the GPU slots each decode instance holds in the pool
         self._tetriinfer = cfg.prefill == "tetriinfer"
         if self._tetriinfer:  # with flips every instance prefills and decodes, one role at a time
             n = cfg.prefill_instances + (cfg.decode_instances if cfg.flip else 0)
-            slots = n
-        else:
-            slots = cfg.prefill_instances + (cfg.decode_instances * cfg.decode_tp if cfg.flip else 0)
-        if pool_size is not None and pool_size != slots:
-            raise ValueError(f"the planner's pool has {pool_size} instances; this cluster has {slots} GPU slots "
-                             "for it (prefill instances, plus the decode instances' GPUs when flips are on)")
-        # the cluster's policy: arrivals, prefill work, decode dispatch, TetriInfer's flips and the GPU slots'
-        # bookings (its arrays, updated in place)
-        if self._tetriinfer:
             instances = [PrefillBatchScheduler(cfg.prefill_chunk, cfg.prefill_batch, cfg.prefill_order, (i,))
                          for i in range(n)]
-            self.scheduler = TetriInferPolicy(instances, range(n), n if cfg.flip else cfg.decode_instances,
-                                              cfg.dispatch, sim.predictor, cfg.seed, flip=cfg.flip,
-                                              prefilling=cfg.prefill_instances if cfg.flip else None)
+            decoders = n if cfg.flip else cfg.decode_instances
+            self.scheduler = TetriInferPolicy(instances, range(n), decoders, cfg.dispatch, sim.predictor, cfg.seed,
+                                              flip=cfg.flip, prefilling=cfg.prefill_instances if cfg.flip else None)
+            decoder_slots = [()] * decoders
         else:
+            slots = cfg.prefill_instances + (cfg.decode_instances * cfg.decode_tp if cfg.flip else 0)
+            pool_size = getattr(getattr(sim.planner, "pool", None), "size", None)  # (a planner may name none)
+            if pool_size is not None and pool_size != slots:
+                raise ValueError(f"the planner's pool has {pool_size} instances; this cluster has {slots} GPU slots "
+                                 "for it (prefill instances, plus the decode instances' GPUs when flips are on)")
             self.scheduler = CDSPPolicy(sim.planner, range(slots), cfg.dispatch, sim.predictor, cfg.seed)
+            firsts = [cfg.prefill_instances + i * cfg.decode_tp for i in range(cfg.decode_instances)]
+            decoder_slots = [tuple(range(f, f + cfg.decode_tp)) if cfg.flip else () for f in firsts]
         self.free_at, self.unavailable = self.scheduler.free_at, self.scheduler.unavailable
         self.decoders: list[SimulatedDecoder] = []
         self.retired: list[SimulatedDecoder] = []
-        if self._tetriinfer:
-            for _ in range(len(self.scheduler.instances) if cfg.flip else cfg.decode_instances):
-                self._new_decoder(())
-        else:
-            for i in range(cfg.decode_instances):
-                first = cfg.prefill_instances + i * cfg.decode_tp
-                self._new_decoder(tuple(range(first, first + cfg.decode_tp)) if cfg.flip else ())
+        for slots_held in decoder_slots:
+            self._new_decoder(slots_held)
         sim.decoders = self.decoders
         # the pool's flips: a prefill unit is decode_tp GPU slots of the pool, a decode unit a decode instance's
         # index (TetriInfer's flips are its policy's)
