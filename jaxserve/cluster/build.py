@@ -151,7 +151,8 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         # a batch is admitted while one iteration takes at most a full-length prompt's time on one instance
         knee = prefill_cost.predict(1, tp, [capacity])
         esp = ESPScheduler(prefill_cost, tp, knee, None, 0.0, groups=groups)  # no bandwidth: no KV evacuated
-        scheduler = ESPPolicy(esp, pool_ids, "freeness", predictor)
+        scheduler = ESPPolicy(esp, pool_ids, "freeness", predictor, spread=group is not None,
+                              instance_context=engines[0].max_model_len)
         return ESPCluster(sp, scheduler, decoders, mover, features=features)
     if isinstance(prefill_cost, pathlib.Path):
         pool = pool_of(layout)

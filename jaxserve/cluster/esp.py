@@ -1,18 +1,18 @@
 """LoongServe's elastic sequence parallelism, live (LoongServe Sections 4-5): every instance of the pool both
 prefills and decodes; there are no separate decode instances.
 
-- Arrival: a prompt waits, in arrival order (the cluster scheduler's `wait`).
-- Prefill (each step, on the instances no prefill holds): the cluster scheduler's `elastic_batches` (sched/esp.py's
-  ESPScheduler) admits waiting prompts, allocates elastic instances and batches them by its DP, over the instance
-  sets this cluster has programs for (aligned power-of-two groups). A batch's prompts run one after another on
-  its group, each as one chunk with ring attention over the group's devices: a scale-up when the group has more
-  than one instance.
-- Scale-down: the ESP scheduler's (`scale_down`): each prompt keeps its KV on the fewest instances of its group
-  whose free KV holds it and its predicted decode. A prompt kept on one instance whose context fits that
-  instance's pool decodes there, on the instance's own engine (its share there is copied on its own device; the
-  others' shares move to it, one transfer through its receive buffers). Any other decodes multi-master: on the
-  group engine over every instance (cluster/multi_master.py), its KV landed in the shares scale-down chose, in
-  the instances' own pools (sched/spread_kv.py). Its first token is drawn with its decode engine's seed.
+Every decision is the cluster policy's (sched/cluster.py's ESPPolicy, which sim/esp_cluster.py executes too):
+this executor runs its ClusterPlans.
+- Arrival: a prompt waits, in arrival order (`arrive`).
+- Prefill (each step, rounds until one starts nothing): the plan's batches, admitted, allocated elastic instances
+  and batched by the ESP scheduler (sched/esp.py) over the instance sets this cluster has programs for (aligned
+  power-of-two groups). A batch's prompts run one after another on its group, each as one chunk with ring
+  attention over the group's devices: a scale-up when the group has more than one instance.
+- Scale-down: each prompt's dispatch says where its KV stays. Kept on one instance whose engine's context holds
+  the request's, it decodes there, on the instance's own engine (its share there is copied on its own device;
+  the others' shares move to it, one transfer through its receive buffers). Any other decodes multi-master: on
+  the group engine over every instance (cluster/multi_master.py), its KV landed in the kept shares, in the
+  instances' own pools (sched/spread_kv.py). Its first token is drawn with its decode engine's seed.
 - Decode: every instance runs the Plan-executing engine over the requests it holds; the group engine runs the
   spread ones, the query moving to the KV. A spread request whose last instance fills grows onto the emptiest
   other instance (ESP's scale-up for decode; no KV moves). An instance in a prefill pauses its decodes until the
@@ -33,8 +33,8 @@ from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched import decode_ledger, esp as elastic
-from jaxserve.sched.decode_dispatch import PromptInfo
 from jaxserve.sched.decode_ledger import Transfer
+from jaxserve.sched.plan import ClusterPlan, Outcome, WorkItem
 from jaxserve.sched.request import Request
 
 
@@ -48,8 +48,7 @@ class _Prompt:
 class _Run:
     """One prompt of a running batch."""
 
-    request_id: str
-    tokens: int
+    item: WorkItem
     run: ChunkRun | None  # None: aborted
     staged: int  # rows of its KV staged for its decode instance
 
@@ -85,7 +84,8 @@ class ESPCluster(ClusterEngine):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")
-        self.scheduler.wait(Request(rid, self._arrived(rid, len(ids)), len(ids), params.max_tokens))
+        limit = min(params.max_tokens, self.max_model_len - len(ids))  # what it may generate
+        self.scheduler.arrive(Request(rid, self._arrived(rid, len(ids)), len(ids), limit), self.prompt_info(ids))
         self._waiting[rid] = _Prompt(ids, params)
         self._owner[rid] = None  # its decode instance is chosen when its batch starts
         return rid
@@ -118,7 +118,7 @@ class ESPCluster(ClusterEngine):
             self.group.engine.kv.unplace(request_id)
         for b in self._batches:
             for r in b.runs:
-                if r.request_id == request_id and r.run is not None:
+                if r.item.request_id == request_id and r.run is not None:
                     r.run = None
                     self.mover.drop((request_id, 0))
 
@@ -129,72 +129,58 @@ class ESPCluster(ClusterEngine):
 
     # ---- prefill batches ------------------------------------------------------------------------------------
     def _instance(self, k: int) -> elastic.ElasticInstance:
-        """Decode instance k as the ESP scheduler sees it: KV tokens in use (promised ones included)."""
+        """Decode instance k as the ESP policy sees it: KV tokens in use (promised ones included)."""
         d = self.decoders[k]
         decoding = [self._generated.get(rid, 1) for rid in d.ledger.heavy if rid not in d.ledger.incoming]
         placed = self.group.engine.kv.promised(k) if self.group is not None else 0  # a spread prompt's, to land
         used = d.kv_tokens - decode_ledger.load(d).free_slots + placed
         return elastic.ElasticInstance(k, d.kv_tokens, used, tuple(decoding))
 
-    def _plan(self) -> list[elastic.ESPBatch]:
-        busy = {i for b in self._batches for i in b.group}
-        instances = [self._instance(k) for k, i in enumerate(self.pool_ids) if i not in busy]
-        if not self._waiting or not instances:
-            return []
-        estimate = self.scheduler.predict(PromptInfo(0))  # the running mean: one estimate for every decode
-        generated = tuple(g for e in instances for g in e.generated)
-        decodes = elastic.RunningDecodes(elastic.isolated_room(instances), generated, estimate, self.decode_seconds)
-        return self.scheduler.elastic_batches(instances, elastic.predicted_growth(estimate, generated), decodes)
+    def _pool(self) -> elastic.ElasticPool:
+        """Every instance (a step's decodes have ended: all can prefill) and every decoding request."""
+        n = len(self.pool_ids)
+        generated = [self._generated.get(rid, 1) for d in self.decoders for rid in d.ledger.heavy
+                     if rid not in d.ledger.incoming]
+        return elastic.ElasticPool(instances=[self._instance(k) for k in range(n)], available=range(n),
+                                   generated=generated, step_time=self.decode_seconds)
 
-    def _start(self, batch: elastic.ESPBatch) -> None:
-        """Run the batch's prompts on its group, each decoding afterwards where scale-down keeps its KV."""
-        group = tuple(sorted(self.pool_ids[k] for k in batch.instances))
-        kept = self.scheduler.elastic.scale_down(batch, [self._instance(k) for k in range(len(self.pool_ids))])
+    def _start(self, group: tuple[int, ...], items: tuple[WorkItem, ...], plan: ClusterPlan) -> None:
+        """Run a batch's prompts one after another on its group, each decoding afterwards where its dispatch
+        keeps its KV."""
         runs = []
-        for r in batch.requests:
-            p = self._waiting[r.id]
-            decoder = self._decoder(p, kept[r.id])
-            info = self.prompt_info(p.ids)
-            hi = self.scheduler.predict(info, p.params.max_tokens, r.id)
-            seed = decoder.engine.expect(p.ids, p.params, r.id)
-            self.scheduler.promise(decoder, info, r.id, hi)
+        for item in items:
+            rid, chosen = item.request_id, plan.dispatch[item.request_id]
+            p, decoder = self._waiting[rid], self.decoders[chosen.decoder]
+            seed = decoder.engine.expect(p.ids, p.params, rid)
             if decoder is self.group:
-                self.group.engine.kv.place(r.id, kept[r.id])
+                self.group.engine.kv.place(rid, dict(chosen.shards))
                 self.events["multi_master"] += 1
-            run = self.prefill.run_chunk(r.id, group, p.ids, 0, p.params, seed)
-            del self._waiting[r.id]
-            self._owner[r.id] = decoder
-            staged = self.mover.stage((r.id, 0), run.written)
-            self.prefill.release(r.id)
-            runs.append(_Run(r.id, len(p.ids), run, staged))
+            run = self.prefill.run_chunk(rid, group, p.ids, 0, p.params, seed)
+            del self._waiting[rid]
+            self._owner[rid] = decoder
+            staged = self.mover.stage((rid, 0), run.written)
+            self.prefill.release(rid)
+            runs.append(_Run(item, run, staged))
             self.events["chunks"] += 1
-            if len(kept[r.id]) < len(group):  # its KV leaves some instances of the group
+            if len(chosen.shards) < len(group):  # its KV leaves some instances of the group
                 self.events["scale_downs"] += 1
         if len(group) > 1:
             self.events["scale_ups"] += 1
         self._batches.append(_Batch(group, runs, self.clock()))
 
-    def _decoder(self, prompt: _Prompt, kept: dict[int, int]) -> LiveDecoder:
-        """Where a prompt decodes, its KV kept on `kept` (instance -> tokens): that instance's engine if it is one
-        whose context holds the request's, else the multi-master group (without one, the instance of `kept` with
-        the most free KV)."""
-        if self.group is None:
-            return self.decoders[elastic.keeper([self._instance(k) for k in kept]).id]
-        (one, *more) = kept
-        context = len(prompt.ids) + min(prompt.params.max_tokens, self.max_model_len - len(prompt.ids))
-        if not more and context <= self.decoders[one].engine.max_model_len:
-            return self.decoders[one]
-        return self.group
-
     def _run_chunks(self) -> list[RequestOutput]:
-        batches = self._plan()
-        for i, batch in enumerate(batches):
-            try:
-                self._start(batch)
-            except BaseException:  # the prompts not started wait again, in order; the caller ends the requests
-                for r in reversed([r for b in batches[i:] for r in b.requests if r.id in self._waiting]):
-                    self.scheduler.wait(r, first=True)
-                raise
+        while self._waiting:  # rounds until one starts nothing (the knee bounds each)
+            plan = self.scheduler.plan(self.clock(), self._pool(), dict(enumerate(self.decoders)))
+            if not plan.items:
+                break
+            chunks = list(plan.chunks().items())
+            for i, (group, items) in enumerate(chunks):
+                try:
+                    self._start(group, items, plan)
+                except BaseException:  # the batches not started wait again, in order; the caller ends the requests
+                    for unstarted, prompts in chunks[i:]:
+                        self.scheduler.cancel(unstarted, prompts, dict(enumerate(self.decoders)))
+                    raise
         idle = self._batches and not any(d.engine.has_work and not self._paused(k)
                                          for k, d in enumerate(self.decoders))
         outputs = []
@@ -205,13 +191,18 @@ class ESPCluster(ClusterEngine):
         return outputs
 
     def _take(self, batch: _Batch) -> list[RequestOutput]:
-        """A finished batch: each prompt's first token, and its KV sent to its decode instance."""
-        end, outputs = self.clock(), []
-        for r in batch.runs:
-            if r.run is None:
-                continue
-            self.records.append(ChunkRecord(r.request_id, 0, batch.group, r.tokens, 0, batch.start, end, None, None))
-            decoder = self._owner[r.request_id]
-            decoder.ledger.offer(Transfer(r.request_id, 0, True, r.staged, end))
-            outputs.append(decoder.engine.first_token(r.request_id, r.run.token()))
+        """A finished batch: its Outcome to the policy; each prompt's first token, and its KV sent to its decode
+        instance."""
+        end = self.clock()
+        ran = [r for r in batch.runs if r.run is not None]
+        tokens = {r.item.request_id: (r.run.token(),) for r in ran}
+        outputs = []
+        for r in ran:
+            self.records.append(ChunkRecord(r.item.request_id, 0, batch.group, r.item.tokens, 0, batch.start, end,
+                                            None, None))
+        for rid in self.scheduler.apply(batch.group, [r.item for r in ran], Outcome(end, (), tokens)):
+            decoder = self._owner[rid]
+            staged = next(r.staged for r in ran if r.item.request_id == rid)
+            decoder.ledger.offer(Transfer(rid, 0, True, staged, end))
+            outputs.append(decoder.engine.first_token(rid, tokens[rid][0]))
         return outputs

@@ -14,8 +14,10 @@ sim/esp_cluster.py) alike. What they share is ClusterPolicy's: decode dispatch a
   (`arrive`); each `plan` gives every free instance's next fixed-size chunk (sched/prefill_batches.py) with the
   decode instance of each prompt it ends, and, with flips, the instances' role changes; a chunk's outcome
   advances its prompts (`apply`). The live cluster and the simulator execute the same ClusterPlans.
-- ESPPolicy (LoongServe): the prompt waits in arrival order (`wait`); each round the waiting prompts are
-  admitted, allocated elastic instances and batched (`elastic_batches`, sched/esp.py).
+- ESPPolicy (LoongServe): the prompt waits in arrival order (`arrive`); each `plan` is one round: the waiting
+  prompts admitted, allocated elastic instances and batched (sched/esp.py), each prompt's KV kept after its
+  prefill on the fewest instances that hold it (scale-down) or gathered on one, and its decode instance;
+  `apply` ends a batch. The live cluster and the simulator execute the same ClusterPlans.
 
 Pool slots are the planner's instance indices; Plans name device ids (`pool_ids[slot]`). Slots marked
 `unavailable` (a decode instance's devices, with flips) look busy forever to the planner.
@@ -34,7 +36,8 @@ from jaxserve.sched.cdsp import Chunk, ChunkPlan
 from jaxserve.sched import decode_ledger
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE, LengthPredictor, PromptInfo, by_freeness, power_of_two
 from jaxserve.sched.decode_ledger import DecodeSide
-from jaxserve.sched.esp import ElasticInstance, ESPBatch, ESPScheduler, RunningDecodes
+from jaxserve.sched.esp import (ElasticInstance, ElasticPool, ESPBatch, ESPScheduler, RunningDecodes, isolated_room,
+                                keeper, predicted_growth)
 from jaxserve.sched.flip import Flip, FlipController, FlipPolicy
 from jaxserve.sched.plan import (ClusterPlan, Dispatch, KVMove, MoveKind, Outcome, Phase, Plan, RoleChange,
                                  WorkItem)
@@ -316,36 +319,102 @@ class TetriInferPolicy(ClusterPolicy):
 
 class ESPPolicy(ClusterPolicy):
     def __init__(self, elastic: ESPScheduler, pool_ids: Sequence[int], dispatch: str = "freeness",
-                 predictor: LengthPredictor | None = None, seed: int = 0):
+                 predictor: LengthPredictor | None = None, seed: int = 0, *, spread: bool = False,
+                 instance_context: int | None = None, weigh_pauses: bool = True):
+        """spread: a prompt's KV stays where scale-down keeps it (`ESPScheduler.scale_down`): one instance
+        decodes it if it keeps it all and (instance_context: the longest context one instance's engine serves;
+        None: any) its context fits there, else the multi-master group (decoder index len(pool_ids)). Otherwise
+        its whole KV gathers on its batch's `keeper`, which decodes it. weigh_pauses: admission weighs pausing
+        the decodes whose free KV slots a prefill takes (False: it takes them unweighed, the ablation)."""
         super().__init__(pool_ids, dispatch, predictor, seed)
-        self.elastic = elastic
-        self._waiting: dict[str, Request] = {}  # the waiting prompts, in arrival order
+        self.elastic, self.spread, self.instance_context = elastic, spread, instance_context
+        self.weigh_pauses = weigh_pauses
+        self._waiting: dict[str, tuple[Request, PromptInfo]] = {}  # the waiting prompts, in arrival order
+        # pool slots -> the prompts of its batch in flight, each with its decode instance
+        self._running: dict[tuple[int, ...], list[tuple[Request, PromptInfo, int]]] = {}
 
-    def wait(self, request: Request, first: bool = False) -> None:
-        """The arrival decision under ESP: the prompt waits in arrival order (first: at the head, a preempted
-        request's recompute)."""
-        self._waiting[request.id] = request
+    def arrive(self, request: Request, prompt: PromptInfo, first: bool = False) -> None:
+        """The prompt waits in arrival order (first: at the head, a preempted request's recompute). request's
+        output_len: the most it may generate; prompt: what the length predictor reads."""
+        self._waiting[request.id] = request, prompt
         if first:
-            self._waiting = {request.id: request} | self._waiting
+            self._waiting = {request.id: (request, prompt)} | self._waiting
 
     @property
     def waiting(self) -> list[Request]:
-        return list(self._waiting.values())
+        return [r for r, _ in self._waiting.values()]
 
-    def elastic_batches(self, instances: Sequence[ElasticInstance], growth: int = 0,
-                        decodes: RunningDecodes | None = None) -> list[ESPBatch]:
-        """One ESP round over the free `instances`: the waiting prompts admitted, allocated elastic instances and
-        batched (sched/esp.py's plan); the batched ones stop waiting. growth and decodes: the decoding requests,
-        as ESPScheduler.plan takes them. With a length predictor its estimate sizes each request's KV."""
-        if not self._waiting or not instances:
-            return []
+    def plan(self, now: float, pool: ElasticPool, decoders: Mapping[int, DecodeSide] | None = None) -> ClusterPlan:
+        """One ESP round over the pool's available instances no batch holds: the waiting prompts admitted,
+        allocated elastic instances and batched (sched/esp.py's plan), each batch's prompts one chunk each on its
+        group; every prompt's dispatch says where its KV stays and which instance decodes it, promised there
+        (with `decoders`; a simulator keeps its own counts). The kept KV is booked on pool.instances. With a
+        length predictor its estimate sizes each request's KV."""
+        del now  # ESP admits in arrival order whenever instances are free
+        busy = {k for slots in self._running for k in slots}
+        free = [pool.instances[k] for k in sorted(pool.available) if k not in busy]
+        if not self._waiting or not free:
+            return ClusterPlan()
         if self.predictor is not None:
-            self.elastic.output_estimate = self.predict(PromptInfo(0))
-        batches = self.elastic.plan(self.waiting, instances, growth, decodes)
-        for b in batches:
-            for r in b.requests:
-                del self._waiting[r.id]
-        return batches
+            self.elastic.output_estimate = self.predict(PromptInfo(0))  # one estimate for every decode
+        estimate = self.elastic.output_estimate
+        decodes = None
+        if self.weigh_pauses:
+            outside = [e for e in pool.instances if e.id not in busy]
+            decodes = RunningDecodes(isolated_room(outside), tuple(pool.generated), estimate, pool.step_time)
+        batches = self.elastic.plan(self.waiting, free, predicted_growth(estimate, pool.generated), decodes)
+        items, dispatch = [], {}
+        for batch in batches:
+            slots = tuple(sorted(batch.instances))
+            kept = self._keep(batch, pool.instances)
+            self._running[slots] = []
+            for r in batch.requests:
+                request, prompt = self._waiting.pop(r.id)
+                dispatch[r.id] = self._dispatch(request, prompt, kept[r.id], decoders)
+                self._running[slots].append((request, prompt, dispatch[r.id].decoder))
+                items.append(WorkItem(request_id=r.id, start=0, end=r.prompt_len, phase=Phase.PREFILL,
+                                      group=tuple(self.pool_ids[k] for k in slots)))
+        return ClusterPlan(items=tuple(items), dispatch=dispatch)
+
+    def _keep(self, batch: ESPBatch, instances: Sequence[ElasticInstance]) -> dict[str, dict[int, int]]:
+        """Where each prompt's KV stays after the batch's prefill (request id -> instance -> tokens), booked."""
+        if self.spread:
+            return self.elastic.scale_down(batch, instances)
+        out = {}
+        for r in batch.requests:
+            e = keeper([instances[k] for k in batch.instances])
+            e.kv_used += r.prompt_len
+            out[r.id] = {e.id: r.prompt_len}
+        return out
+
+    def _dispatch(self, request: Request, prompt: PromptInfo, shards: dict[int, int],
+                  decoders: Mapping[int, DecodeSide] | None) -> Dispatch:
+        (one, *more) = shards
+        alone = self.instance_context is None or request.prompt_len + request.output_len <= self.instance_context
+        decoder = one if not more and (alone or not self.spread) else len(self.pool_ids)
+        hi = self.predict(prompt, request.output_len, request.id)
+        if decoders is not None:
+            self.promise(decoders[decoder], prompt, request.id, hi)
+        return Dispatch(decoder=decoder, predicted=hi, heavy=hi > HEAVY_DECODE, shards=shards)
+
+    def cancel(self, group: tuple[int, ...], items: Sequence[WorkItem],
+               decoders: Mapping[int, DecodeSide] | None = None) -> None:
+        """A batch the executor could not start: its prompts wait again, at the head in order, and their decode
+        promises (on `decoders`) are taken back."""
+        del items  # a batch is cancelled whole
+        for request, prompt, decoder in reversed(self._running.pop(self._slots(group))):
+            if decoders is not None:
+                decoders[decoder].ledger.forget(request.id)
+            self.arrive(request, prompt, first=True)
+
+    def apply(self, group: tuple[int, ...], items: Sequence[WorkItem], outcome: Outcome) -> list[str]:
+        """The batch on `group` ended (items: its prompts that ran): each prompt's prefill is done."""
+        del outcome
+        self._running.pop(self._slots(group))
+        return [item.request_id for item in items]
+
+    def _slots(self, group: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted(self.pool_ids.index(d) for d in group))
 
     def finish(self, request_id: str, generated: int) -> None:
         self._waiting.pop(request_id, None)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -53,6 +53,17 @@ class ElasticInstance:
     @property
     def free(self) -> int:
         return self.kv_capacity - self.kv_used
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ElasticPool:
+    """The pool as an executor reports it to the ESP policy before a round."""
+
+    instances: Sequence[ElasticInstance]  # every instance, by index (`id`); the policy books kept KV on them
+    available: Collection[int]  # the instances the executor can start a prefill on now (a simulated one in a
+    # decode step or a KV move cannot)
+    generated: Sequence[int]  # tokens each decoding request has generated so far
+    step_time: float  # seconds per decode iteration, measured
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,11 +79,14 @@ class Outcome:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Dispatch:
-    """A prompt's decode instance (its index in the cluster) and its predicted decode length."""
+    """A prompt's decode instance (its index in the cluster), its predicted decode length and, under ESP, where its
+    KV stays after the prefill."""
 
     decoder: int
     predicted: int  # decode tokens: the upper end of the predicted range
     heavy: bool
+    # pool instance -> KV tokens kept there, the last taking new tokens (ESP's scale-down); empty: all on `decoder`
+    shards: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

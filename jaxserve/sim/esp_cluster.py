@@ -39,8 +39,8 @@ from tqdm.auto import tqdm
 
 from jaxserve.sched.cluster import ESPPolicy
 from jaxserve.sched.decode_dispatch import ObservedLengths, PromptInfo
-from jaxserve.sched.esp import (RunningDecodes, ElasticInstance, ESPBatch, ESPScheduler, isolated_room, keeper,
-                                predicted_growth)
+from jaxserve.sched.esp import ElasticInstance, ElasticPool, ESPScheduler
+from jaxserve.sched.plan import Outcome, WorkItem
 from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
 from jaxserve.sched.request import Request
@@ -152,6 +152,16 @@ class ESPCost:
         return tokens * self.shard_bytes / self.copy_rate
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prefilling:
+    """A batch in flight."""
+
+    end: float
+    group: tuple[int, ...]  # instance indices
+    items: tuple[WorkItem, ...]  # its prompts, in order
+    shards: dict[str, dict[int, int]]  # request id -> where its KV stays (its dispatch's)
+
+
 @dataclasses.dataclass
 class _Decoding:
     request: Request  # the original request (metrics)
@@ -187,9 +197,10 @@ class _Run:
         # arrivals wait in it (a preempted request comes back as a proxy); its elastic planner is the simulator's;
         # decode lengths are predicted as live: the running mean of finished requests, from the configured prior
         self.scheduler = ESPPolicy(sim.scheduler, range(self.cfg.instances),
-                                   predictor=ObservedLengths(prior=self.cfg.output_estimate))
-        self.origin: dict[str, Request] = {}  # scheduled request id -> the workload's request
-        self.prefilling: list[tuple[float, ESPBatch]] = []  # (end, batch)
+                                   predictor=ObservedLengths(prior=self.cfg.output_estimate),
+                                   spread=not self.cfg.gather, weigh_pauses=self.cfg.decode_preemption)
+        self.origin: dict[str, Request] = {}  # request id -> the workload's request, while it waits or prefills
+        self.prefilling: list[_Prefilling] = []
         self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # every batch as run
         self.decoding: dict[str, _Decoding] = {}
         self.steps: list[tuple[float, set[int], list[_Decoding]]] = []  # decode steps in flight: end, instances
@@ -218,7 +229,7 @@ class _Run:
         bar = tqdm(total=len(self.requests), desc="esp", unit="req", disable=not progress, leave=False)
         arrived = 0
         while True:
-            times = [e for e, _ in self.prefilling] + [e for e, _, _ in self.steps] + [e for e, _ in self.moves]
+            times = [p.end for p in self.prefilling] + [e for e, _, _ in self.steps] + [e for e, _ in self.moves]
             times += [d.ready_at for d in self.decoding.values() if d.ready_at > self.now]  # migrations landing
             if arrived < len(self.requests):
                 times.append(self.requests[arrived].arrival)
@@ -228,12 +239,12 @@ class _Run:
             self.moves = [m for m in self.moves if m[0] > now]
             while arrived < len(self.requests) and self.requests[arrived].arrival <= now:
                 r = self.requests[arrived]
-                self.scheduler.wait(r)
+                self.scheduler.arrive(r, PromptInfo(r.prompt_len))
                 self.origin[r.id] = r
                 arrived += 1
-            for end, batch in [p for p in self.prefilling if p[0] <= now]:
-                self.prefilling.remove((end, batch))
-                self._prefilled(batch, end)
+            for p in [p for p in self.prefilling if p.end <= now]:
+                self.prefilling.remove(p)
+                self._prefilled(p)
             for step in [s for s in self.steps if s[0] <= now]:
                 self.steps.remove(step)
                 self._stepped(step[0], step[2])
@@ -245,7 +256,7 @@ class _Run:
 
     def _idle(self) -> set[int]:
         """Instances neither prefilling, in a decode step nor moving KV."""
-        busy = {i for _, b in self.prefilling for i in b.instances} | {i for _, ins, _ in self.steps for i in ins}
+        busy = {i for p in self.prefilling for i in p.group} | {i for _, ins, _ in self.steps for i in ins}
         busy |= {i for _, ins in self.moves for i in ins}
         return {e.id for e in self.instances} - busy
 
@@ -259,40 +270,26 @@ class _Run:
             self._start_steps(now, self._idle())
 
     def _plan_prefills(self, now: float) -> None:
-        idle = self._idle()
-        while self.scheduler.waiting and idle:  # rounds until nothing more starts (the knee bounds each round)
-            growth = predicted_growth(self._estimate(), (d.request.generated for d in self.decoding.values()))
+        while self.scheduler.waiting:  # rounds until one starts nothing (the knee bounds each round)
+            generated = [d.request.generated for d in self.decoding.values()]
             for e in self.instances:  # what a prefill taking it pauses (allocation's cost without evacuation)
                 e.generated = tuple(d.request.generated for d in self.decoding.values() if e.id in d.shards)
-            batches = self.scheduler.elastic_batches([self.instances[i] for i in sorted(idle)], growth,
-                                                     self._decode_load())
-            if not batches:
+            pool = ElasticPool(instances=self.instances, available=self._idle(), generated=generated,
+                               step_time=self.step_sum / max(self.step_count, 1))
+            plan = self.scheduler.plan(now, pool)
+            if not plan.items:
                 break
-            reserved = {i for b in batches for i in b.instances}
-            for batch in batches:
+            reserved = {i for group in plan.chunks() for i in group}
+            for group, items in plan.chunks().items():
                 if self.cfg.evacuate:
-                    start = self._evacuate(set(batch.instances), reserved, now)
+                    start = self._evacuate(set(group), reserved, now)
                 else:  # the decodes holding KV on the batch's instances wait for it
                     start = now
-                    self.decode_pauses += sum(not set(d.shards).isdisjoint(batch.instances)
-                                              for d in self.decoding.values())
-                end = start + self.cost.prefill([r.prompt_len for r in batch.requests], len(batch.instances),
-                                                self.cost.link_of(batch.instances))
-                self.prefilling.append((end, batch))
-                self.prefills.append((tuple(self.origin[r.id].id for r in batch.requests), batch.instances, start,
-                                      end))
-            idle = self._idle()
-
-    def _decode_load(self) -> RunningDecodes | None:
-        """The decoding requests and the memory outside them (over the instances not prefilling, busy stepping
-        or not: a step lasts milliseconds); None where admission takes their free slots without weighing the
-        pause (the ablation)."""
-        if not self.cfg.decode_preemption:
-            return None
-        prefilling = {i for _, b in self.prefilling for i in b.instances}
-        return RunningDecodes(isolated_room([e for e in self.instances if e.id not in prefilling]),
-                          tuple(d.request.generated for d in self.decoding.values()),
-                          self._estimate(), self.step_sum / max(self.step_count, 1))
+                    self.decode_pauses += sum(not set(d.shards).isdisjoint(group) for d in self.decoding.values())
+                end = start + self.cost.prefill([i.tokens for i in items], len(group), self.cost.link_of(group))
+                shards = {i.request_id: dict(plan.dispatch[i.request_id].shards) for i in items}
+                self.prefilling.append(_Prefilling(end, group, items, shards))
+                self.prefills.append((tuple(i.request_id for i in items), group, start, end))
 
     def _estimate(self) -> int:
         """Every decode's predicted length, as the live cluster has it (cluster/esp.py)."""
@@ -331,50 +328,42 @@ class _Run:
             self.moves.append((end, set(received)))
         return end
 
-    def _prefilled(self, batch: ESPBatch, end: float) -> None:
-        shards = self._gather(batch) if self.cfg.gather else self.esp.scale_down(batch, self.instances)
-        first, ready = self._scale_down(batch, shards, end)
-        for r in batch.requests:
-            original = self.origin.pop(r.id)
+    def _prefilled(self, p: _Prefilling) -> None:
+        first, ready = self._scale_down(p)
+        self.scheduler.apply(p.group, p.items, Outcome(p.end, (), {}))
+        for item in p.items:
+            original = self.origin.pop(item.request_id)
             original.prefilled = original.prompt_len
             original.add_tokens(1, first)  # prefill (or the recompute of a preempted one) yields the next token
-            self.scheduler.predict(PromptInfo(original.prompt_len), request_id=original.id)  # as live, at its start
+            shards = p.shards[item.request_id]
             if original.finished:
-                self._finish(original, shards[r.id])
+                self._finish(original, shards)
             else:
-                self.decoding[original.id] = _Decoding(original, shards[r.id], ready)
+                self.decoding[original.id] = _Decoding(original, shards, ready)
 
-    def _gather(self, batch: ESPBatch) -> dict[str, dict[int, int]]:
-        """The live cluster's scale-down: each prompt's whole KV on the batch's instance with the most free KV."""
-        out = {}
-        for r in batch.requests:
-            kept = keeper([self.instances[i] for i in batch.instances])
-            kept.kv_used += r.prompt_len
-            out[r.id] = {kept.id: r.prompt_len}
-        return out
-
-    def _scale_down(self, batch: ESPBatch, shards: dict[str, dict[int, int]], end: float) -> tuple[float, float]:
+    def _scale_down(self, p: _Prefilling) -> tuple[float, float]:
         """When the batch's first tokens come out and its requests can decode: the ring left 1/sp of each
         prompt's KV on every instance of the batch and the keepers need their shares. Proactive (LoongServe's
         scale-down, slides: "在轮转的过程中保存KV"): every block passed by every instance during the ring, so a keeper
         stores what it keeps as it passes, a copy into its memory that lengthens the lockstep forward pass (the
         paper measures < 2%); reactive: after the forward pass the shares move over the links. The instances
         involved are busy until it is done."""
-        sp = len(batch.instances)
+        end, sp = p.end, len(p.group)
         sent: collections.Counter[int] = collections.Counter()
         received: collections.Counter[int] = collections.Counter()
-        for r in batch.requests:
+        for item in p.items:
+            shards = p.shards[item.request_id]
             if self.cfg.gather:  # the live cluster sends each prompt's whole KV to its decode engine, even from
-                (keeper,) = shards[r.id]  # the keeper's own store
-                received[keeper] += r.prompt_len
+                (kept,) = shards  # the keeper's own store
+                received[kept] += item.tokens
                 continue
-            for i in batch.instances:
-                delta = round(shards[r.id].get(i, 0) - r.prompt_len / sp)
+            for i in p.group:
+                delta = round(shards.get(i, 0) - item.tokens / sp)
                 if delta:
                     (received if delta > 0 else sent)[i] += abs(delta)
         if self.cfg.proactive:
             done = end + max(map(self.cost.copy, received.values()), default=0.0)
-            first, busy = done, set(batch.instances)
+            first, busy = done, set(p.group)
         else:
             done = end + self.cost.moves(sent, received)
             first, busy = end, set(sent) | set(received)
@@ -440,7 +429,7 @@ class _Run:
         if self.instances[tail].free > 0:
             self._book(d, tail)
             return True
-        prefilling = {i for _, batch in self.prefilling for i in batch.instances}
+        prefilling = {i for p in self.prefilling for i in p.group}
         candidates = [e for e in self.instances if e.id not in prefilling]
         if self.cfg.scale_up:
             grow = self.esp.scale_up(d.shards, candidates)
@@ -479,11 +468,11 @@ class _Run:
         self._release(d.shards)
         del self.decoding[d.request.id]
         r = d.request
-        # prefilling the prompt and every token so far yields the next one, as its decode step would have
-        proxy = Request(f"{r.id}/{self.preemptions}", r.arrival, r.prompt_len + r.generated,
-                        r.output_len - r.generated)
-        self.origin[proxy.id] = r
-        self.scheduler.wait(proxy, first=True)
+        # prefilling the prompt and every token so far yields the next one, as its decode step would have; the
+        # predictor reads the prompt as it came
+        proxy = Request(r.id, r.arrival, r.prompt_len + r.generated, r.output_len - r.generated)
+        self.origin[r.id] = r
+        self.scheduler.arrive(proxy, PromptInfo(r.prompt_len), first=True)
 
     def _stepped(self, end: float, stepping: list[_Decoding]) -> None:
         for d in stepping:

@@ -19,7 +19,7 @@ from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.decode_dispatch import DecodeLoad, ObservedLengths, PromptInfo
 from jaxserve.sched.decode_ledger import DecodeLedger
 from jaxserve.sched.flip import Flip, FlipPolicy
-from jaxserve.sched.esp import ElasticInstance, ESPScheduler, RunningDecodes, aligned_groups, isolated_room
+from jaxserve.sched.esp import ElasticInstance, ElasticPool, ESPScheduler, aligned_groups
 from jaxserve.sched.plan import Outcome, Phase
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import tetris_table1_samples
@@ -249,27 +249,32 @@ def test_tetriinfer_flips_an_idle_prefill_instance_once_the_decode_side_is_busy(
 
 def elastic_executor(scheduler: ESPPolicy, workload: Workload, kv_tokens: int, seconds) -> list[tuple]:
     """LoongServe's elastic instances, live without devices, for one-token requests (no decode): arrivals wait;
-    at every event the scheduler batches the waiting prompts onto the instances no batch holds, each batch taking
-    seconds(prompt lengths, instances). Returns every batch as the simulator's Results.prefills."""
+    at every event the policy's plans batch the waiting prompts onto the instances no batch holds, each batch
+    taking seconds(prompt lengths, instances), its KV freed when it ends. Returns every batch as the simulator's
+    Results.prefills."""
     instances = [ElasticInstance(i, kv_tokens) for i in range(len(scheduler.pool_ids))]
     arrivals = [Request(str(k), t, n, 1) for k, (t, n) in enumerate(zip(workload.arrivals.tolist(),
                                                                        workload.prompt_lens.tolist()))]
     running, batches = [], []
     while arrivals or running:
-        now = min([end for end, _ in running] + [r.arrival for r in arrivals[:1]])
+        now = min([r[0] for r in running] + [r.arrival for r in arrivals[:1]])
         while arrivals and arrivals[0].arrival <= now:
-            scheduler.wait(arrivals.pop(0))
-        running = [(end, b) for end, b in running if end > now]
+            r = arrivals.pop(0)
+            scheduler.arrive(r, PromptInfo(r.prompt_len))
+        for end, group, items, kept in [r for r in running if r[0] <= now]:
+            running.remove((end, group, items, kept))
+            assert scheduler.apply(group, items, Outcome(end, (), {})) == [i.request_id for i in items]
+            for k, tokens in (t for i in items for t in kept[i.request_id].items()):
+                instances[k].kv_used -= tokens
         while True:
-            busy = {i for _, b in running for i in b.instances}
-            idle = [e for e in instances if e.id not in busy]
-            planned = scheduler.elastic_batches(idle, 0, RunningDecodes(isolated_room(idle), (), 1.0, 0.0))
-            if not planned:
+            pool = ElasticPool(instances=instances, available=range(len(instances)), generated=(), step_time=0.0)
+            plan = scheduler.plan(now, pool)
+            if not plan.items:
                 break
-            for b in planned:
-                end = now + seconds([r.prompt_len for r in b.requests], len(b.instances))
-                running.append((end, b))
-                batches.append((tuple(r.id for r in b.requests), b.instances, now, end))
+            for group, items in plan.chunks().items():
+                end = now + seconds([i.tokens for i in items], len(group))
+                running.append((end, group, items, {i: plan.dispatch[i].shards for i in plan.dispatch}))
+                batches.append((tuple(i.request_id for i in items), group, now, end))
     return batches
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.sim.esp_cluster import ESPConfig, ESPCost, ESPSimulator, _Decoding, _Run
+from jaxserve.sched.decode_dispatch import PromptInfo
 from jaxserve.sched.profiles import GPUS, network
 from jaxserve.sched.request import Request
 from jaxserve.sim.workload import Workload, long_context
@@ -162,11 +163,12 @@ def test_a_prefill_starts_once_the_decode_kv_on_its_instances_has_moved_away():
     decoding(run, "a", {0: 8000})
     decoding(run, "c", {1: 100_000})
     b = Request("b", 0.0, 60_000, 10)
-    run.scheduler.wait(b)
+    run.scheduler.arrive(b, PromptInfo(b.prompt_len))
     run.origin["b"] = b
     run._plan_prefills(0.0)
-    (end, batch), = run.prefilling
-    assert sorted(batch.instances) == [0, 2]  # the empty instance and the emptiest busy one
+    (batch,) = run.prefilling
+    end = batch.end
+    assert batch.group == (0, 2)  # the empty instance and the emptiest busy one
     move = NVLINK.predict("intra_node", 8000 * SHARD_BYTES)
     assert run.decoding["a"].shards == {1: 8000} and run.decoding["a"].ready_at == pytest.approx(move)
     assert end == pytest.approx(move + run.cost.prefill([60_000], 2))
