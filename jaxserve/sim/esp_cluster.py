@@ -202,6 +202,7 @@ class _Run:
         self.origin: dict[str, Request] = {}  # request id -> the workload's request, while it waits or prefills
         self.prefilling: list[_Prefilling] = []
         self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # every batch as run
+        self.decoders: dict[str, int] = {}  # each request's decode instance, as dispatched (last: its recompute's)
         self.decoding: dict[str, _Decoding] = {}
         self.steps: list[tuple[float, set[int], list[_Decoding]]] = []  # decode steps in flight: end, instances
         self.moves: list[tuple[float, set[int]]] = []  # KV moves in flight: end, instances busy until then
@@ -288,6 +289,7 @@ class _Run:
                     self.decode_pauses += sum(not set(d.shards).isdisjoint(group) for d in self.decoding.values())
                 end = start + self.cost.prefill([i.tokens for i in items], len(group), self.cost.link_of(group))
                 shards = {i.request_id: dict(plan.dispatch[i.request_id].shards) for i in items}
+                self.decoders |= {i.request_id: plan.dispatch[i.request_id].decoder for i in items}
                 self.prefilling.append(_Prefilling(end, group, items, shards))
                 self.prefills.append((tuple(i.request_id for i in items), group, start, end))
 
@@ -490,4 +492,4 @@ class _Run:
                                      "kv_capacity_per_instance": self.sim.capacity,
                                      "kv_held_at_end": sum(e.kv_used for e in self.instances)}
         return Results(self.requests, self.rejected, span, time.perf_counter() - self.wall, config,
-                       prefills=self.prefills)
+                       prefills=self.prefills, decoders=self.decoders)

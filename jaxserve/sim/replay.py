@@ -6,8 +6,10 @@ output lengths, the same policy, layout and schedulers, and every executor cost 
   live instance; the ClusterPlans are TetriInferPolicy's on both sides, so a burst's chunks and dispatches match
   (tests/cluster/test_tetriinfer.py).
 - esp: sim/esp_cluster.py as cluster/esp.py runs requests that fit one instance (aligned groups, no KV evacuated,
-  each prompt's KV gathered on one instance), batches priced by the LoongServe model measured on the pool. A run
-  with multi-master decodes is not replayed: the live group's step is not measured apart.
+  each prompt's KV gathered on one instance), batches priced by the LoongServe model measured on the pool; the
+  ClusterPlans are ESPPolicy's on both sides, so a burst's batches, groups and decode instances match
+  (tests/cluster/test_esp.py). A run with multi-master decodes is not replayed: the live group's step is not
+  measured apart.
 - Everywhere: decode steps by the engine's measured step cost (EngineStepCost), KV moves by a line fitted to the
   live run's transfers, decode-length prediction by the live cluster's predictor (ObservedLengths).
 

@@ -4,6 +4,8 @@ against the single-device engine's greedy tokens."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 import jaxserve
@@ -127,3 +129,36 @@ def test_a_request_whose_kv_outgrows_one_instance_decodes_over_several(llm, devi
     assert spread.kv.held(rid) and len(spread.kv.held(rid)) > 1
     assert cluster.abort(rid) and not cluster.has_unfinished()
     assert [d.engine.kv.num_free for d in cluster.pools] == [small // 16] * 4
+
+
+def test_the_simulator_makes_the_live_clusters_esp_plans(llm, devices):
+    """Live against simulated under ESP: a burst of eight prompts on 4 elastic instances, replayed through
+    sim/esp_cluster.py with the live run's batch model, gets the same batches (each batch's prompts, in order) on
+    the same groups, and every prompt decodes on the same instance (the keeper of its batch's group)."""
+    from jaxserve.sim.replay import Line, LiveRun, replay
+
+    layout = ParallelConfig(prefill_instances=4, cluster_policy="esp")
+    model = batch_model()
+    cluster = build(llm.config, llm._params, layout, engine_maker(llm), model,
+                    capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
+    lengths = [700, 90, 400, 150, 2600, 40, 520, 1300]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    rids = [cluster.add_request(prompt(llm, n, 90 + k), params) for k, n in enumerate(lengths)]
+    while cluster.has_unfinished():
+        for out in cluster.step():
+            assert out.error is None, out.error
+    slot = {d: k for k, d in enumerate(cluster.pool_ids)}
+    batches: dict[tuple, list[str]] = {}
+    for r in cluster.records:
+        batches.setdefault((r.start, tuple(slot[d] for d in r.group)), []).append(str(rids.index(r.request_id)))
+
+    step = cluster.decoders[0].engine.scheduler.cost.to_dict()
+    first = cluster.arrivals[0][1]
+    live_run = LiveRun("esp", 4, 0, 1, [(t - first, n, params.max_tokens) for _, t, n in cluster.arrivals],
+                       json.loads(model.to_json()), step, Line(0.0, 0.0), cluster.decoders[0].kv_tokens,
+                       cluster.decoders[0].engine.max_num_seqs, MAX_MODEL_LEN)
+    sim = replay(live_run)
+    assert [(tuple(ids), group) for (_, group), ids in batches.items()] == [
+        (ids, group) for ids, group, _, _ in sim.prefills]
+    assert {str(rids.index(t.request_id)): i for i, t in cluster.transfers} == sim.decoders
+    assert len(batches) > 1 and max(len(group) for _, group in batches) > 1  # batches side by side, one scaled up
