@@ -7,9 +7,9 @@ sim/esp_cluster.py) alike. What they share is ClusterPolicy's: decode dispatch a
   prefill is not planned.
 - CDSPPolicy (Tetris 5.1-5.2): at arrival (`arrive`) the prompt's chunks on groups of the prefill pool, planned
   on each device's bookings, and its decode instance, chosen from the predicted decode length (never the true
-  one); booked at once. Live (`add`, then `plan` and `apply`): the chunks that can start now, in booked order, on
-  free and disjoint groups; a request's history is spread evenly over each later chunk's group first (a
-  rebalance move); a chunk's measured end moves its devices' bookings. The simulators run the booked times.
+  one); booked at once. Then (`add`, `plan` and `apply`, live and in sim/disagg.py): the chunks that can start
+  now, each device's in booked order; a request's history is spread evenly over each later chunk's group first (a
+  rebalance move); a chunk's measured end moves its devices' bookings. sim/prefill_pool.py takes the bookings.
 - TetriInferPolicy (3.3.4, 3.5): a prompt joins the prefill instance with the fewest prompt tokens left
   (`arrive`); each `plan` gives every free instance's next fixed-size chunk (sched/prefill_batches.py) with the
   decode instance of each prompt it ends, and, with flips, the instances' role changes; a chunk's outcome
@@ -171,19 +171,19 @@ class CDSPPolicy(ClusterPolicy):
         self._prefills[request_id] = _Prefill(request_id, chunks, now)
 
     def plan(self, now: float, decoders: Mapping[int, DecodeSide] | None = None) -> ClusterPlan:
-        """The chunks that start now: each request's next chunk, in booked order, where its devices are free of
-        every chunk running or booked before it (groups disjoint). A chunk after the first comes with its
-        rebalance move: the history spread evenly over the chunk's group (onto a larger group, or evened out on
-        the same one: the stores' room is planned for even shares, Stores). now and decoders: read by other
-        policies (CDSP decides at arrival)."""
+        """The chunks that start now: each request's next chunk (its previous one done), in booked order, where its
+        devices are free of every chunk running or booked before it, started or not (each device runs its chunks
+        in booked order). A chunk after the first comes with its rebalance move: the history spread evenly over
+        the chunk's group (onto a larger group, or evened out on the same one: the stores' room is planned for
+        even shares, Stores). now and decoders: read by other policies (CDSP decides at arrival)."""
         del now, decoders
         taken = {d for p in self._prefills.values() if p.started > p.done for d in p.chunks[p.done].group}
-        pending = sorted((p for p in self._prefills.values() if p.started == p.done),
-                         key=lambda p: (p.arrival + p.chunks[p.done].start, p.arrival))
+        unstarted = sorted(((p.arrival + c.start, p.arrival, k, p) for p in self._prefills.values()
+                            for k, c in enumerate(p.chunks) if k >= p.started), key=lambda x: x[:3])
         items, moves = [], []
-        for p in pending:
-            c = p.chunks[p.done]
-            if not set(c.group) & taken:
+        for _, _, k, p in unstarted:
+            c = p.chunks[k]
+            if k == p.done and not set(c.group) & taken:
                 if p.group:
                     moves.append(KVMove(request_id=p.request_id, src=p.group, dst=c.group, tokens=c.history,
                                         kind=MoveKind.REBALANCE))

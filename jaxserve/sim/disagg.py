@@ -3,8 +3,9 @@ side, KV transfer to a decode instance, and decode instances running the live on
 admission of prefilled requests: greedy with recompute, reserve-static, reserve-dynamic) on a GPU profile.
 
 - Prefill, `prefill="pool"` (Tetris): a pool of TP-1 GPUs planned by an SP planner (CDSP, fixed SP,
-  request-level); each arrival is planned once on the pool's booked times; its first token comes with the last
-  chunk, and each chunk's KV is sent when it ends (chunk-wise transfer).
+  request-level); each arrival is planned once on the pool's booked times; the chunks start as CDSPPolicy's
+  plans say, as live (each device's in booked order), each lasting what its planner priced; its first token comes
+  with the last chunk, and each chunk's KV is sent when it ends (chunk-wise transfer).
 - Prefill, `prefill="tetriinfer"`: prefill instances of `prefill_tp` GPUs, each running
   sched/prefill_batches.py (scheduling batches ordered FCFS / SJF / LJF, non-preemptive, fixed-size padded
   chunks); an arrival goes to the instance with the fewest prompt tokens left to prefill (TetriInfer's global
@@ -239,7 +240,8 @@ class _Run:
         self.rejected: list[Request] = []
         self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # chunks as run
         self.decoders_of: dict[str, int] = {}  # each request's decode instance
-        self._by_id: dict[str, Request] = {}  # TetriInfer's prompts not yet prefilled
+        self._by_id: dict[str, Request] = {}  # the prompts not yet prefilled
+        self._decoder: dict[str, SimulatedDecoder] = {}  # and the decode instance of each dispatched one
         self.bar = tqdm(total=len(workload), desc="simulate disaggregated", unit="req", disable=not progress)
 
     def _push(self, t: float, order: int, kind: str, payload: object) -> None:
@@ -315,6 +317,7 @@ class _Run:
         """r was dispatched to dec (the policy promised its KV there): its admission reserves for the predicted
         decode (the true one without a predictor: an oracle)."""
         self.decoders_of[r.id] = dec.index
+        self._decoder[r.id] = dec
         dec.expected[r.id] = r, (None if self.cfg.admission == "oracle" else chosen.predicted)
 
     def _offer(self, dec: SimulatedDecoder, transfer: Transfer, senders: int) -> None:
@@ -355,19 +358,12 @@ class _Run:
             self.rejected.append(r)
             self._done(1)
             return
-        dec, plan = active[arrival.dispatch.decoder], arrival.plan
         r.ttft_deadline, r.tpot_slo = t + cfg.slo.ttft(sim.best_latency(r.prompt_len)), cfg.slo.tpot_slo
-        r.add_tokens(1, t + plan.ttft)  # the first token comes with the last prefill chunk
-        self.prefills += [((r.id,), tuple(c.group), t + c.start, t + c.end) for c in plan.chunks]
         self.requests.append(r)
-        if r.finished:  # by its first token: nothing goes to its decode instance
-            dec.ledger.forget(r.id)
-            self.scheduler.finish(r.id, r.generated)
-            self._done(1)
-            return
-        self._expect(dec, r, arrival.dispatch)
-        for i, c in enumerate(plan.chunks):  # each chunk's KV goes when it ends
-            self._offer(dec, Transfer(r.id, i, i == len(plan.chunks) - 1, c.tokens, t + c.end), c.sp)
+        self._by_id[r.id] = r
+        self._expect(active[arrival.dispatch.decoder], r, arrival.dispatch)
+        self.scheduler.add(r.id, arrival, t)
+        self._push(t, 4, "prefill", None)  # the chunks that start now, as live (after every arrival at t)
 
     # -- TetriInfer's prefill instances (3.3) -----------------------------------------------------------------
     def _arrive_tetriinfer(self, t: float, r: Request) -> None:
@@ -382,30 +378,43 @@ class _Run:
         self._push(t, 4, "prefill", None)  # after every arrival at t: simultaneous ones share a scheduling batch
 
     def _prefill(self, now: float) -> None:
-        """The policy's plan now: each chunk starts on its instance, each prompt it ends is dispatched."""
+        """The policy's plan now: each chunk starts on its group (a CDSP chunk lasts as its planner priced it, a
+        TetriInfer chunk as the prefill cost says), each prompt a TetriInfer chunk ends is dispatched."""
         plan = self.scheduler.plan(now, {d.index: d for d in self.decoders})
         self.flips += [(now, r.flip.value) for r in plan.roles if r.done]
         for rid, chosen in plan.dispatch.items():
             self._expect(self.decoders[chosen.decoder], self._by_id[rid], chosen)
         for group, items in plan.chunks().items():
-            (k,) = group
-            end = now + chunk_time(self.sim.prefill_cost, items, self.cfg.prefill_chunk)
+            if self._tetriinfer:
+                end = now + chunk_time(self.sim.prefill_cost, items, self.cfg.prefill_chunk)
+                self.free_at[group[0]] = end
+            else:
+                start, booked_end = self.scheduler.booked(items[0])
+                end = now + (booked_end - start)
             self.prefills.append((tuple(i.request_id for i in items), group, now, end))
-            self.free_at[k] = end
             tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in items if i.request_id in plan.dispatch}
             self._push(end, 0, "prefilled", (group, items, Outcome(end, (), tokens)))
 
     def _prefilled(self, now: float, group: tuple[int, ...], items: tuple[WorkItem, ...], outcome: Outcome) -> None:
-        for rid in self.scheduler.apply(group, items, outcome):
-            r = self._by_id.pop(rid)
-            dec = self.decoders[self.decoders_of[r.id]]
+        """A chunk ended: under CDSP its KV goes to the decode instance now (chunk-wise), under TetriInfer each
+        prompt it finished sends its whole KV; a prompt's first token comes with its last chunk."""
+        done = self.scheduler.apply(group, items, outcome)
+        for item in items if not self._tetriinfer else ():
+            r, last = self._by_id[item.request_id], item.request_id in done
+            if r.output_len > 1:  # else its first token ends it: nothing goes to its decode instance
+                self._offer(self._decoder[r.id], Transfer(r.id, item.chunk_index, last, item.tokens, now),
+                            len(group))
+        for rid in done:
+            r, dec = self._by_id.pop(rid), self._decoder.pop(rid)
+            if not self._tetriinfer:  # a TetriInfer prompt's token came through its instance's scheduler
+                r.add_tokens(1, now)
             if r.finished:  # by its first token
                 dec.ledger.forget(r.id)
                 dec.expected.pop(r.id)
                 self.scheduler.finish(r.id, r.generated)
                 self._done(1)
-                continue
-            self._offer(dec, Transfer(r.id, 0, True, r.prompt_len, now), self.cfg.prefill_tp)  # the whole prompt
+            elif self._tetriinfer:
+                self._offer(dec, Transfer(r.id, 0, True, r.prompt_len, now), self.cfg.prefill_tp)  # the whole prompt
         self._prefill(now)
 
     def _launch(self, dec: SimulatedDecoder, now: float) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.sched import cost_models as cm
 from jaxserve.sched.batch_cost import EngineStepCost
-from jaxserve.sched.cdsp import CDSPPlanner, ChunkPlan, Pool
+from jaxserve.sched.cdsp import CDSPPlanner, Chunk, ChunkPlan, Pool
 from jaxserve.sched.cluster import CDSPPolicy, ClusterPolicy, ESPPolicy, TetriInferPolicy
 from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.decode_dispatch import DecodeLoad, ObservedLengths, PromptInfo
@@ -104,6 +104,39 @@ def test_chunks_start_in_booked_order_on_free_disjoint_groups_with_their_rebalan
         assert [i.chunk_index for i in mine] == list(range(len(mine)))
         assert sum(i.tokens for i in mine) == n and mine[0].history == 0
     assert [len(i.group) for i in started if i.request_id == "a"] == [2, 4, 8]
+
+
+class FixedPlans:
+    """A planner that hands out the given chunk plans in turn."""
+
+    def __init__(self, *plans: ChunkPlan):
+        self.plans = list(plans)
+
+    def on_arrival(self, t: float) -> None:
+        del t
+
+    def plan(self, tokens: int, queues) -> ChunkPlan:
+        del tokens, queues
+        return self.plans.pop(0)
+
+
+def test_each_device_runs_its_chunks_in_booked_order():
+    """A's second chunk is booked on devices 2-3 at 5 s, once its first (devices 0-1) is done; B's only chunk is
+    booked there after it. At 0 s devices 2-3 are idle, but B does not start ahead of A's chunk (which it would
+    delay, and the bookings `apply` moves assume each device's order): it starts when A's ends."""
+    a = ChunkPlan((Chunk(1000, 0, (0, 1), 0.0, 5.0), Chunk(500, 1000, (2, 3), 5.0, 8.0)))
+    b = ChunkPlan((Chunk(800, 0, (2, 3), 8.0, 14.0),))
+    s = CDSPPolicy(FixedPlans(a, b), range(4))
+    for rid in ("a", "b"):
+        s.add(rid, s.arrive(PromptInfo(1), 0.0), 0.0)
+    (first,) = s.plan(0.0).items
+    assert (first.request_id, first.group) == ("a", (0, 1))
+    assert s.apply(first.group, (first,), Outcome(5.0, (), {})) == []
+    (second,) = s.plan(5.0).items
+    assert (second.request_id, second.group) == ("a", (2, 3))
+    assert not s.plan(5.0).items
+    assert s.apply(second.group, (second,), Outcome(8.0, (), {})) == ["a"]
+    assert [i.request_id for i in s.plan(8.0).items] == ["b"]
 
 
 def test_a_late_chunk_moves_its_devices_bookings_and_the_next_arrival_sees_it():
