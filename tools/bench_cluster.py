@@ -162,6 +162,8 @@ def main(argv: list[str]) -> None:
         adaptive = isinstance(cluster.planner, AdaptiveCDSP)
         cdsp = cluster.planner.planner if adaptive else cluster.planner
         planner = dict(improvement_rate=cdsp.improvement_rate, sizes=list(cdsp.sizes), min_chunk=cdsp.min_chunk)
+        if cdsp.balancing is not None:
+            planner["balancing"] = dataclasses.asdict(cdsp.balancing)
         if adaptive:
             planner["improvement_rates"] = dataclasses.asdict(cluster.planner.table)
     # the trace as it was submitted (the loop submits a little after each arrival)

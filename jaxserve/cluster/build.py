@@ -154,14 +154,18 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         scheduler = ESPPolicy(esp, pool_ids, "freeness", predictor, spread=group is not None,
                               instance_context=engines[0].max_model_len)
         return ESPCluster(sp, scheduler, decoders, mover, features=features)
+    moves = None  # a model given (not measured here): moves priced free
     if isinstance(prefill_cost, pathlib.Path):
         pool = pool_of(layout)
         sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]
         first_group = {len(g): g for g in reversed(planner_groups(pool, sizes))}  # the first group of each size
         groups = {s: tuple(devices[i * tp].id for i in g) for s, g in first_group.items()}
+        moves_file = prefill_cost.with_name(prefill_cost.stem + "-moves.json")
         prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
+        if len(groups) > 1:  # a chunk may move its history onto a larger group: priced as measured
+            moves = pool_profile.load_or_measure_moves(moves_file, sp, groups, capacity, pool.per_node, progress)
     planner = CDSPPlanner(prefill_cost, pool_of(layout), layout.improvement_rate, sizes=sizes,
-                          min_chunk=layout.min_chunk, stores=sp.room)
+                          min_chunk=layout.min_chunk, balancing=moves, stores=sp.room)
     if layout.improvement_rates is not None:  # the user's own file: a bad one is refused, naming it
         planner = AdaptiveCDSP(planner, read_rate_table(pathlib.Path(layout.improvement_rates)))
     scheduler = CDSPPolicy(planner, pool_ids, dispatch, predictor)

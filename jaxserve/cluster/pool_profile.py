@@ -6,21 +6,29 @@ kind, model, dtype and pool shape, cached on disk as the engine's step profile i
 A chunk runs in power-of-two per-device buckets, so its time is a step function of n: the grid measures chunks
 that fill their bucket (what a planned chunk costs at worst) at no history and at a long one.
 
+The live pool's cache balancing (a prompt's history spread over its next chunk's larger group) is a move ahead of
+the chunk: timed on each pair of nested groups, the rows moved against the seconds, a line the planner prices the
+move with (sched/cdsp.py's MeasuredBalancing), cached beside Eq. (1).
+
 The ESP policy plans with LoongServe's batch model instead, a + b*sum(l) + c*sum(l^2) per SP size, fitted to
 whole prompts (no history) timed the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import pathlib
 import statistics
 import time
 
+import jax
 from tqdm.auto import tqdm
 
 from jaxserve.engine import profile
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import Group, SPPrefill
+from jaxserve.sched.cdsp import MeasuredBalancing
 from jaxserve.sched.cost_models import KeyedLinearModel, LoongServePrefill, TetrisPrefill
 
 VERSION = 1  # of the chunk step and of how it is measured: a change to either must not load an older profile
@@ -48,10 +56,7 @@ def time_chunk(sp: SPPrefill, group: Group, tokens: int, history: int, repeats: 
     for _ in range(repeats + 1):
         sp.claim(_RID, group)
         try:
-            done = 0
-            for n in sp.room.filling(len(group), history):  # in chunks: one store may not hold it all
-                sp.run_chunk(_RID, group, [1] * n, done, _GREEDY, 0).token()
-                done += n
+            _write_history(sp, group, history)
             if history:
                 sp.rebalance(_RID, group)  # even shares, as before a planned chunk
             start = time.perf_counter()
@@ -60,6 +65,60 @@ def time_chunk(sp: SPPrefill, group: Group, tokens: int, history: int, repeats: 
         finally:
             sp.release(_RID)
     return statistics.median(times[1:])
+
+
+def _write_history(sp: SPPrefill, group: Group, history: int) -> None:
+    """`history` tokens of _RID's prompt on `group`, in chunks (one store may not hold it all)."""
+    done = 0
+    for n in sp.room.filling(len(group), history):
+        sp.run_chunk(_RID, group, [1] * n, done, _GREEDY, 0).token()
+        done += n
+
+
+def time_move(sp: SPPrefill, held: Group, group: Group, history: int, repeats: int) -> tuple[int, float]:
+    """Rows moved and median seconds of spreading `history` tokens written on `held` over `group`, which extends
+    it (the history written first, untimed; the first repetition, which compiles the move's pieces, dropped)."""
+    times, moved = [], 0
+    for _ in range(repeats + 1):
+        sp.claim(_RID, held)
+        try:
+            _write_history(sp, held, history)
+            start = time.perf_counter()
+            moved = sp.rebalance(_RID, group)
+            jax.block_until_ready([(sp.stores[i].k, sp.stores[i].v) for i in group])
+            times.append(time.perf_counter() - start)
+        finally:
+            sp.release(_RID)
+    return moved, statistics.median(times[1:])
+
+
+def measure_moves(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, per_node: int, repeats: int = 2,
+                  progress: bool = True) -> MeasuredBalancing:
+    """The move's line from each pair of consecutive SP sizes whose groups nest (groups: size -> instance ids),
+    at a short and at the longest history the smaller group holds."""
+    sizes = sorted(groups)
+    work = []
+    for small, large in zip(sizes, sizes[1:]):
+        if set(groups[small]) <= set(groups[large]):
+            longest = min(max_tokens, sp.room.longest(small))
+            work += [(small, large, h) for h in sorted({longest // 4, longest}) if h]
+    samples = [time_move(sp, groups[small], groups[large], h, repeats)
+               for small, large, h in tqdm(work, desc="measure cache balancing", unit="move",
+                                           disable=not progress)]
+    return MeasuredBalancing.fit(*zip(*samples), per_node=per_node)
+
+
+def load_or_measure_moves(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
+                          per_node: int, progress: bool = True) -> MeasuredBalancing:
+    """The move's line in `path`, measured (and written there) first if the file does not exist."""
+    def load_moves() -> MeasuredBalancing:
+        moves = MeasuredBalancing(**json.loads(path.read_text()))
+        if moves.per_node != per_node or moves.fixed < 0 or moves.per_token < 0:
+            raise ValueError(f"the cache balancing profile {path} is not this pool's ({per_node} instances a node)")
+        return moves
+
+    return profile.cached(path, load_moves, lambda: measure_moves(sp, groups, max_tokens, per_node, progress=progress),
+                          lambda m: json.dumps(dataclasses.asdict(m)))
 
 
 def measure(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, repeats: int = 2,

@@ -13,7 +13,9 @@ prefill instances runs each, given how long every instance is already booked.
   evaluated as a dynamic programme over nested groups (see _chains), so planning stays well under a millisecond.
 - Cache balancing (Section 4.1): before a chunk on a larger group, the history KV is spread evenly over it,
   overlapped layer by layer with the chunk's fully-connected layers; what they cannot hide lengthens the chunk
-  (Balancing, chunk_seconds: the planner predicts with them and sim/prefill_pool.py charges with them).
+  (Balancing, chunk_seconds: the planner predicts with them and sim/prefill_pool.py charges with them). The live
+  pool moves the history before the chunk, a program of its own that nothing hides: MeasuredBalancing prices
+  that move as measured (cluster/pool_profile.py), ahead of the chunk.
 
 Times are relative to now; queues are per-instance seconds until free. Pure Python + numpy.
 """
@@ -162,6 +164,7 @@ class Balancing:
     move that mixes links is charged its largest share at the slower link's speed; exact for a doubling within
     a node or onto fresh nodes.) Every layer's move is one message: latency + bytes / bandwidth."""
 
+    hidden = True  # the chunk's fully-connected layers hide it, layer by layer (chunk_seconds)
     link: LinkModel  # keyed "intra_node" and "inter_node" (profiles.network)
     kv_bytes_per_token: float  # K and V of one layer
     layers: int
@@ -196,6 +199,35 @@ class Balancing:
         latency, per_byte = self._coef["inter_node" if inter_node else "intra_node"]
         tokens = h / s1 * max(1.0, s1 / s0 - 1.0)  # max(received per new instance, sent per old one)
         return self.layers * (latency + tokens * self.kv_bytes_per_token * per_byte)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredBalancing:
+    """Cache balancing as the live pool runs it (engine/sp_prefill.py's rebalance): the history's excess rows move
+    to the instances below their even share before the chunk starts, a move nothing hides; seconds = fixed +
+    per_token * rows moved, fitted to timed moves (cluster/pool_profile.py). Spreading h tokens held evenly by s0
+    instances over s1 moves h * (1 - s0 / s1) of them."""
+
+    hidden = False
+    fixed: float
+    per_token: float
+    per_node: int
+
+    @classmethod
+    def fit(cls, moved: Sequence[int], seconds: Sequence[float], per_node: int) -> "MeasuredBalancing":
+        """The least-squares line through (rows moved, seconds), neither coefficient below zero."""
+        x, y = np.asarray(moved, np.float64), np.asarray(seconds, np.float64)
+        if len(x) < 2 or np.ptp(x) == 0:
+            raise ValueError(f"a move's line needs two or more sizes of move, got rows {x.tolist()}")
+        per_token, fixed = np.polyfit(x, y, 1)
+        return cls(max(float(fixed), 0.0), max(float(per_token), 0.0), per_node)
+
+    def move(self, s0: int, s1: int, h: int, inter_node: bool) -> float:
+        """Balancing.move's signature: one link kind here (the line is what this pool measured)."""
+        del inter_node
+        if not h or not s0 or s1 <= s0:
+            return 0.0
+        return self.fixed + self.per_token * h * (1 - s0 / s1)
 
 
 def _root(a: float, b: float, c: float) -> float:
@@ -236,7 +268,7 @@ def _chunks_for(coef: Coef, h: int, start: float, ends: Sequence[float], balance
 class CDSPPlanner:
     def __init__(self, model: TetrisPrefill, pool: Pool, improvement_rate: float = 0.1,
                  sizes: Sequence[int] | None = None, min_chunk: int = 1024, chunking: bool = True,
-                 balancing: Balancing | None = None, stores: Stores | None = None):
+                 balancing: Balancing | MeasuredBalancing | None = None, stores: Stores | None = None):
         """sizes: candidate SP sizes (default: the fitted powers of two that fit the pool); min_chunk: a chunk
         smaller than this is not worth its own step; chunking=False gives request-level SP (Algorithm 2 only);
         balancing: the cost of spreading history onto a larger group (default: free); stores: the instances'
@@ -268,6 +300,13 @@ class CDSPPlanner:
         # group extends held, so it reaches another node exactly when it leaves fewer nodes untouched
         return self.balancing.move(held.sp, group.sp, h, len(group.free) < len(held.free))
 
+    def _seconds(self, sp: int, n: int, h: int, balance: float) -> float:
+        """A chunk's time with its history's move: hidden by its layers where they can (chunk_seconds), else
+        ahead of it."""
+        if self.balancing is not None and not self.balancing.hidden:
+            return balance + _latency(self._coef[sp], n, h)
+        return chunk_seconds(self._coef[sp], n, h, balance)
+
     def chunk_for(self, sp: int, budget: float, h: int) -> int:
         """Largest chunk that runs within `budget` seconds after h history tokens (see _chunks_for)."""
         return _chunks_for(self._coef[sp], h, 0.0, [budget])[0]
@@ -294,7 +333,7 @@ class CDSPPlanner:
             group = book.extend(prev, sp) if sp >= prev.sp and self._fits(sp, tokens, h) else None
             if group is None:
                 continue
-            end = group.ready + chunk_seconds(self._coef[sp], tokens, h, self._balance(held, group, h))
+            end = group.ready + self._seconds(sp, tokens, h, self._balance(held, group, h))
             if best is None or end < best_end * (1 - self.improvement_rate):
                 best_end, best = end, group
         return best_end, best
@@ -367,6 +406,8 @@ class CDSPPlanner:
                     bound, best, finish = end, j, last
             # each chunk runs until a larger group's extra instances free up (at most what its stores hold)
             balance = self._balance(held, groups[j], h)
+            if self.balancing is not None and not self.balancing.hidden:  # the move first, then the chunk
+                start, balance = start + balance, 0.0
             room = self.stores.largest(groups[j].sp, h) if self.stores is not None else math.inf
             for i, n in enumerate(_chunks_for(coef, h, start, ready[j + 1:], balance), j + 1):
                 n = min(n, room)
@@ -383,7 +424,7 @@ class CDSPPlanner:
         return bound, tuple(reversed(steps))
 
     def _chunk(self, group: "_Group", n: int, h: int, held: "_Group") -> Chunk:
-        seconds = chunk_seconds(self._coef[group.sp], n, h, self._balance(held, group, h))
+        seconds = self._seconds(group.sp, n, h, self._balance(held, group, h))
         return Chunk(n, h, group.members, group.ready, group.ready + seconds)
 
 

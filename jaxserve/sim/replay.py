@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from jaxserve.sched.batch_cost import EngineStepCost, TetrisBatchCost
-from jaxserve.sched.cdsp import CDSPPlanner, Pool
+from jaxserve.sched.cdsp import CDSPPlanner, MeasuredBalancing, Pool
 from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill
 from jaxserve.sched.decode_dispatch import ObservedLengths
 from jaxserve.sched.esp import aligned_groups
@@ -74,7 +74,8 @@ class LiveRun:
     kv_tokens: int  # KV one decode instance holds
     max_num_seqs: int  # sequences one decode step runs
     max_model_len: int
-    # cdsp: improvement_rate, sizes, min_chunk, and the improvement_rates table (RateTable's fields) if one was used
+    # cdsp: improvement_rate, sizes, min_chunk, the improvement_rates table (RateTable's fields) if one was used, and
+    # the measured cache balancing (MeasuredBalancing's fields) if it had one
     planner: dict = dataclasses.field(default_factory=dict)
     prefill_chunk: int = 512  # tetriinfer
     prefill_batch: int = 16
@@ -153,8 +154,10 @@ def replay(run: LiveRun, progress: bool = False) -> Results:
         sim = DisaggSimulator(None, eq1.fastest, cfg, ObservedLengths(), costs)
     else:
         pool = Pool(run.prefill_instances // run.node_size, run.node_size)
+        moves = run.planner.get("balancing")  # the live pool's measured move, if it had one
         planner = CDSPPlanner(eq1, pool, run.planner["improvement_rate"], sizes=run.planner["sizes"],
-                              min_chunk=run.planner["min_chunk"])
+                              min_chunk=run.planner["min_chunk"],
+                              balancing=MeasuredBalancing(**moves) if moves is not None else None)
         if "improvement_rates" in run.planner:  # --improvement_rates: the load picks the rate, as live
             planner = AdaptiveCDSP(planner, RateTable(**run.planner["improvement_rates"]))
         cfg = DisaggConfig(prefill_instances=run.prefill_instances, decode_instances=run.decode_instances,

@@ -4,11 +4,14 @@ its KV lands spread over a KV-parallel decode instance's sets; what no group cou
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 import jaxserve
 from conftest import eq1_model
+from jaxserve.sched.cdsp import MeasuredBalancing
 from jaxserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12)
@@ -20,7 +23,8 @@ def test_a_prompt_past_one_store_prefills_over_the_pool_and_decodes_over_the_set
     """4 pool instances of 1,536 rows each and a decode instance of 4 sets of 1,536 tokens: max_model_len is
     6,144 (both hold that), and a 5,000-token prompt, which no group holds as one chunk (its bucket on 4 instances
     is 2,048 rows), runs as chunks that fill the stores (the history evened out before the second), never more
-    rows a device than its store; its KV lands on all four decode sets, and the tokens are one device's."""
+    rows a device than its store; its KV lands on all four decode sets, and the tokens are one device's. The history's
+    move onto the larger group is measured and priced."""
     path = tmp_path / "eq1.json"
     eq1 = eq1_model()
     path.write_text(type(eq1)({s: c for s, c in eq1.coefficients.items() if s <= 4}).to_json())
@@ -29,6 +33,12 @@ def test_a_prompt_past_one_store_prefills_over_the_pool_and_decodes_over_the_set
                        prefill_profile=str(path), progress=False)
     cluster = llm.engine
     assert llm.max_model_len == 4 * PER_DEVICE and cluster.prefill.cap == PER_DEVICE
+    # the history's move onto a larger group was timed on this pool and is priced ahead of the chunk (kept beside
+    # Eq. (1), read back as measured)
+    moves = cluster.planner.balancing
+    assert isinstance(moves, MeasuredBalancing) and not moves.hidden and moves.per_node == 2
+    assert moves.move(2, 4, 3000, False) > 0 and moves.move(4, 4, 3000, False) == 0
+    assert MeasuredBalancing(**json.loads((tmp_path / "eq1-moves.json").read_text())) == moves
     assert {s.k.shape[1] for s in cluster.prefill.stores.values()} == {PER_DEVICE}  # not the context's
     ids = np.random.default_rng(1).integers(10, 512, PROMPT).tolist()
     one = jaxserve.LLM("random:tiny-1m", kv_cache_tokens=8192, max_model_len=8192, progress=False)

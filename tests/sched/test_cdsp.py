@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-from jaxserve.sched.cdsp import Balancing, CDSPPlanner, FixedSPPlanner, Pool, Stores, _chunks_for, chunk_seconds
+from jaxserve.sched.cdsp import (Balancing, CDSPPlanner, FixedSPPlanner, MeasuredBalancing, Pool, Stores, _chunks_for,
+                                 chunk_seconds)
 from jaxserve.sched.profiles import network, tetris_table1_samples
 
 
@@ -162,6 +163,29 @@ def test_the_planner_avoids_balancing_it_cannot_hide():
     assert blind.ttft < aware.ttft < blind.ttft + exposed  # still the better plan once the move is paid
     first, rest = aware.chunks
     assert rest.end - rest.start == pytest.approx(MODEL.predict(8, rest.tokens, rest.history))  # NVLink: hidden
+
+
+def test_a_move_nothing_hides_is_priced_ahead_of_its_chunk():
+    """The live pool's cache balancing, a move before the chunk (MeasuredBalancing, a line fitted to timed moves):
+    a chunk onto a larger group lasts the move plus Eq. (1). The same 96K prompt as above: free moves send the rest
+    to SP 16; a move of 10 us a row keeps it on SP 8 (half the history moves, not three quarters); at 100 us a
+    row no chain beats waiting for SP 16 and moving nothing."""
+    line = MeasuredBalancing.fit([1000, 5000, 9000], [0.011, 0.051, 0.091], per_node=8)
+    assert (line.fixed, line.per_token) == pytest.approx((0.001, 1e-5))
+    assert line.move(4, 16, 64 * K, True) == pytest.approx(0.001 + 1e-5 * 48 * K)  # 3/4 of the history moves
+    assert line.move(8, 8, K, False) == line.move(0, 8, K, False) == 0.0
+    q = np.array([0.0] * 4 + [3.0] * 12)
+    sizes = {}
+    for per_token in (0.0, 1e-5, 1e-4):
+        moves = MeasuredBalancing(0.001, per_token, per_node=8)
+        plan = CDSPPlanner(MODEL, POOL, 0.0, balancing=moves).plan(96 * K, q)
+        sizes[per_token] = [c.sp for c in plan.chunks]
+        for prev, c in zip((None,) + plan.chunks, plan.chunks):
+            move = moves.move(prev.sp, c.sp, c.history, False) if prev else 0.0
+            assert c.end - c.start == pytest.approx(move + MODEL.predict(c.sp, c.tokens, c.history))
+    assert sizes == {0.0: [4, 16], 1e-5: [4, 8], 1e-4: [16]}
+    with pytest.raises(ValueError, match="two or more sizes"):
+        MeasuredBalancing.fit([1000, 1000], [0.1, 0.2], per_node=8)
 
 
 def test_groups_fill_a_node_before_spilling_and_prefer_short_queues():

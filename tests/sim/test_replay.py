@@ -77,6 +77,22 @@ def test_a_busy_trace_replays_to_the_end_and_survives_json(policy):
     assert res.prefills and {rid for ids, *_ in res.prefills for rid in ids} == {str(k) for k in range(24)}
 
 
+def test_a_cdsp_replay_prices_the_live_pools_measured_moves():
+    """The live pool's measured cache balancing travels with the run: priced free, a busy trace's prompts grow
+    onto larger groups chunk by chunk; priced at a second a row, no chain pays for its move."""
+    rng = np.random.default_rng(0)
+    trace = [(float(t), int(p), 2) for t, p in zip(np.cumsum(rng.exponential(0.3, 24)), rng.integers(64, 3000, 24))]
+    model = TetrisPrefill({s: np.array([0.01, 1e-3 / s, 2e-7 / s, 1e-7 / s]) for s in (2, 4)})  # a small fixed cost
+    chunks = {}
+    for per_token in (0.0, 1.0):
+        planner = dict(improvement_rate=0.1, sizes=[2, 4], min_chunk=64,
+                       balancing=dict(fixed=0.0, per_token=per_token, per_node=2))
+        run = live("cdsp", trace, planner=planner, prefill_model=json.loads(model.to_json()))
+        res = replay(LiveRun.from_dict(json.loads(json.dumps(run.to_dict()))))
+        chunks[per_token] = max(sum(rid in ids for ids, *_ in res.prefills) for rid in map(str, range(24)))
+    assert chunks == {0.0: chunks[0.0], 1.0: 1} and chunks[0.0] > 1
+
+
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy must be one of"):
         live("vllm", [])
