@@ -334,8 +334,9 @@ class ESPPolicy(ClusterPolicy):
         self._running: dict[tuple[int, ...], list[tuple[Request, PromptInfo, int]]] = {}
 
     def arrive(self, request: Request, prompt: PromptInfo, first: bool = False) -> None:
-        """The prompt waits in arrival order (first: at the head, a preempted request's recompute). request's
-        output_len: the most it may generate; prompt: what the length predictor reads."""
+        """The prompt waits in arrival order (first: at the head, a preempted request's recompute: its
+        prefill_target, Request.preempt). request's output_len: the most it may generate; prompt: what the length
+        predictor reads."""
         self._waiting[request.id] = request, prompt
         if first:
             self._waiting = {request.id: (request, prompt)} | self._waiting
@@ -372,7 +373,7 @@ class ESPPolicy(ClusterPolicy):
                 request, prompt = self._waiting.pop(r.id)
                 dispatch[r.id] = self._dispatch(request, prompt, kept[r.id], decoders)
                 self._running[slots].append((request, prompt, dispatch[r.id].decoder))
-                items.append(WorkItem(request_id=r.id, start=0, end=r.prompt_len, phase=Phase.PREFILL,
+                items.append(WorkItem(request_id=r.id, start=0, end=r.prefill_target, phase=Phase.PREFILL,
                                       group=tuple(self.pool_ids[k] for k in slots)))
         return ClusterPlan(items=tuple(items), dispatch=dispatch)
 
@@ -383,8 +384,8 @@ class ESPPolicy(ClusterPolicy):
         out = {}
         for r in batch.requests:
             e = keeper([instances[k] for k in batch.instances])
-            e.kv_used += r.prompt_len
-            out[r.id] = {e.id: r.prompt_len}
+            e.kv_used += r.prefill_target
+            out[r.id] = {e.id: r.prefill_target}
         return out
 
     def _dispatch(self, request: Request, prompt: PromptInfo, shards: dict[int, int],

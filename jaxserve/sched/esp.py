@@ -28,7 +28,8 @@ elastic instances, and split into which batches (LoongServe Section 5; slides in
   non-attention layers); with several masters per group the masters spread over the group's instances.
 
 T(R, E) is LoongServe's model a + b*sum(l) + c*sum(l^2) at SP = |E|; SP sizes between fitted ones interpolate
-in log2(SP). Pure Python + numpy.
+in log2(SP). A request's l is what it prefills (`prefill_target`: its prompt, or a preempted request's recompute).
+Pure Python + numpy.
 """
 
 from __future__ import annotations
@@ -123,9 +124,9 @@ class ESPScheduler:
         return float(a + b * lengths.sum() + c * (lengths**2).sum())
 
     def kv_need(self, r: Request) -> int:
-        """KV tokens a request is predicted to hold at its end: the prompt plus the predicted output, which never
-        exceeds what it may generate (max_tokens)."""
-        return r.prompt_len + min(self.output_estimate, r.output_len)
+        """KV tokens a request is predicted to hold at its end: what it prefills plus the predicted output, at most
+        what it may still generate (max_tokens)."""
+        return r.prefill_target + min(self.output_estimate, r.output_len - r.generated)
 
     # -- admission -------------------------------------------------------------------------------------------
     def admit(self, pending: Sequence[Request], instances: Sequence[ElasticInstance], growth: int = 0,
@@ -142,7 +143,7 @@ class ESPScheduler:
                 if self._overtaken.get(r.id, 0) < self.max_overtakes:
                     continue
                 break
-            lengths = [x.prompt_len for x in admitted + [r]]
+            lengths = [x.prefill_target for x in admitted + [r]]
             if admitted and self.latency(lengths, len(instances)) > self.knee:
                 break
             if decodes is None or need <= decodes.room or not decodes.generated:
@@ -163,7 +164,7 @@ class ESPScheduler:
         steps), so the positive part is how long R' would otherwise wait for the least advanced decode to end.
         The waiting time saved, per prompt token."""
         wait = decodes.step_time * max(decodes.avg_output - min(decodes.generated), 0.0)
-        return wait * sum(1.0 / r.prompt_len for r in extra)
+        return wait * sum(1.0 / r.prefill_target for r in extra)
 
     @staticmethod
     def preemption_cost(prefill_time: float, generated: Sequence[int]) -> float:
@@ -176,7 +177,7 @@ class ESPScheduler:
     def allocate(self, requests: Sequence[Request], instances: Sequence[ElasticInstance]) -> list[ElasticInstance]:
         chosen = [e for e in instances if e.kv_used == 0]
         busy = sorted((e for e in instances if e.kv_used), key=lambda e: e.kv_used)
-        lengths = [r.prompt_len for r in requests]
+        lengths = [r.prefill_target for r in requests]
         inv = sum(1.0 / l for l in lengths)
         need = sum(map(self.kv_need, requests))
         for e in busy:
@@ -197,7 +198,7 @@ class ESPScheduler:
         minimising the requests' summed prefill time (each waits for its whole batch, so a batch's time counts
         once per request in it: side-by-side batches beat one stacked on a single instance); every request is
         placed or ValueError says why it cannot be."""
-        reqs = sorted(requests, key=lambda r: -r.prompt_len)
+        reqs = sorted(requests, key=lambda r: -r.prefill_target)
         ins = sorted(instances, key=lambda e: e.kv_used)
         n, m = len(reqs), len(ins)
         if not n:
@@ -205,8 +206,8 @@ class ESPScheduler:
         if not m:
             raise ValueError("no instances to batch onto")
         lens = np.array([self.kv_need(r) for r in reqs], np.float64)
-        p1 = np.concatenate([[0.0], np.cumsum([r.prompt_len for r in reqs])])
-        p2 = np.concatenate([[0.0], np.cumsum([float(r.prompt_len) ** 2 for r in reqs])])
+        p1 = np.concatenate([[0.0], np.cumsum([r.prefill_target for r in reqs])])
+        p2 = np.concatenate([[0.0], np.cumsum([float(r.prefill_target) ** 2 for r in reqs])])
         pk = np.concatenate([[0.0], np.cumsum(lens)])
         free = np.concatenate([[0.0], np.cumsum([e.free for e in ins])])
         coef = np.array([self.coef(sp) for sp in range(1, m + 1)])  # [sp - 1, (a, b, c)]
@@ -240,7 +241,7 @@ class ESPScheduler:
                 continue
             j, l = arg[(i, k)]
             group = tuple(e.id for e in ins[l:k])
-            out.append(ESPBatch(tuple(reqs[j:i]), group, self.latency([r.prompt_len for r in reqs[j:i]], k - l)))
+            out.append(ESPBatch(tuple(reqs[j:i]), group, self.latency([r.prefill_target for r in reqs[j:i]], k - l)))
             i, k = j, l
         return out[::-1]
 
@@ -276,7 +277,7 @@ class ESPScheduler:
         the predicted output, split evenly; with no such set, on all of them. Updates the instances' kv_used."""
         by_id = {e.id: e for e in instances}
         out = {}
-        for r in sorted(batch.requests, key=lambda r: -r.prompt_len):
+        for r in sorted(batch.requests, key=lambda r: -r.prefill_target):
             group = sorted((by_id[i] for i in batch.instances), key=lambda e: -e.free)
             need, room, size = self.kv_need(r), 0, len(group)
             for k, e in enumerate(group):
@@ -284,7 +285,7 @@ class ESPScheduler:
                 if room >= need:
                     size = k + 1
                     break
-            out[r.id] = split_evenly(r.prompt_len, group[:size])
+            out[r.id] = split_evenly(r.prefill_target, group[:size])
             for i, tokens in out[r.id].items():
                 by_id[i].kv_used += tokens
         return out

@@ -16,8 +16,8 @@ sched/esp.py's ESPScheduler through the cluster scheduler (sched/cluster.py), as
   instance's traffic sets the time, and the instances involved are busy until it is done.
 - Scale-up: a request whose tail instance is full grows onto the emptiest instance with room (multi-master:
   each step's masters spread over a group's instances); without scale-up it moves its whole KV to an instance
-  that holds it. With no memory anywhere it is preempted: its KV is freed and it prefills again (prompt plus
-  the tokens generated so far) ahead of new arrivals.
+  that holds it. With no memory anywhere it is preempted (Request.preempt): its KV is freed and it prefills again
+  (everything but its last token, which its next decode step feeds) ahead of new arrivals.
 - Times come from the GPU profile (sched/profiles.py): prefill = linear ops over each instance's share of the
   batch + causal attention split over the group + the ring's K/V passing where one ring step's compute does not
   hide it (per layer, sp - 1 sends of the instance's share, each hidden up to 1/sp of its attention); a decode step
@@ -194,7 +194,7 @@ class _Run:
         self.sim, self.cfg, self.cost, self.esp = sim, sim.config, sim.cost, sim.scheduler
         self.instances = [ElasticInstance(i, sim.capacity) for i in range(self.cfg.instances)]
         self.requests, self.rejected = [], []
-        # arrivals wait in it (a preempted request comes back as a proxy); its elastic planner is the simulator's;
+        # arrivals wait in it (a preempted request comes back to recompute); its elastic planner is the simulator's;
         # decode lengths are predicted as live: the running mean of finished requests, from the configured prior
         self.scheduler = ESPPolicy(sim.scheduler, range(self.cfg.instances),
                                    predictor=ObservedLengths(prior=self.cfg.output_estimate),
@@ -335,8 +335,9 @@ class _Run:
         self.scheduler.apply(p.group, p.items, Outcome(p.end, (), {}))
         for item in p.items:
             original = self.origin.pop(item.request_id)
-            original.prefilled = original.prompt_len
-            original.add_tokens(1, first)  # prefill (or the recompute of a preempted one) yields the next token
+            original.prefilled = original.prefill_target
+            if not original.generated:  # a prefill yields the first token; a recompute's next comes from a decode
+                original.add_tokens(1, first)
             shards = p.shards[item.request_id]
             if original.finished:
                 self._finish(original, shards)
@@ -465,16 +466,14 @@ class _Run:
         self.instances[instance].kv_used += 1
 
     def _preempt(self, d: _Decoding) -> None:
-        """Free its KV; it prefills prompt + generated tokens again, ahead of everyone waiting."""
+        """Free its KV; it recomputes everything but its last token (Request.preempt), ahead of everyone waiting."""
         self.preemptions += 1
         self._release(d.shards)
         del self.decoding[d.request.id]
         r = d.request
-        # prefilling the prompt and every token so far yields the next one, as its decode step would have; the
-        # predictor reads the prompt as it came
-        proxy = Request(r.id, r.arrival, r.prompt_len + r.generated, r.output_len - r.generated)
+        r.preempt()
         self.origin[r.id] = r
-        self.scheduler.arrive(proxy, PromptInfo(r.prompt_len), first=True)
+        self.scheduler.arrive(r, PromptInfo(r.prompt_len), first=True)
 
     def _stepped(self, end: float, stepping: list[_Decoding]) -> None:
         for d in stepping:
