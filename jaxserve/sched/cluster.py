@@ -17,7 +17,9 @@ sim/esp_cluster.py) alike. What they share is ClusterPolicy's: decode dispatch a
 - ESPPolicy (LoongServe): the prompt waits in arrival order (`arrive`); each `plan` is one round: the waiting
   prompts admitted, allocated elastic instances and batched (sched/esp.py), each prompt's KV kept after its
   prefill on the fewest instances that hold it (scale-down) or gathered on one, and its decode instance;
-  `apply` ends a batch. The live cluster and the simulator execute the same ClusterPlans.
+  `apply` ends a batch. The live cluster and the simulator execute the same ClusterPlans. Where a full decode
+  grows (`grow`: scale-up, migration or preemption) and the decode KV a prefill's instances shed first
+  (`evacuate`) are its decisions too (the simulator runs them; live, the group's SpreadKV scales up).
 
 Pool slots are the planner's instance indices; Plans name device ids (`pool_ids[slot]`). Slots marked
 `unavailable` (a decode instance's devices, with flips) look busy forever to the planner.
@@ -26,9 +28,10 @@ Pool slots are the planner's instance indices; Plans name device ids (`pool_ids[
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import random
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Collection, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -317,18 +320,34 @@ class TetriInferPolicy(ClusterPolicy):
         super().finish(request_id, generated)
 
 
+class GrowthKind(enum.Enum):
+    TAIL = "tail"  # on its last instance
+    SCALE_UP = "scale_up"  # onto another instance, which joins its group
+    MIGRATE = "migrate"  # its whole KV to one instance with room
+    PREEMPT = "preempt"  # nowhere: its KV is freed, it recomputes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Growth:
+    """Where a decoding request's next token goes (ESPPolicy.grow)."""
+
+    kind: GrowthKind
+    instance: int | None
+
+
 class ESPPolicy(ClusterPolicy):
     def __init__(self, elastic: ESPScheduler, pool_ids: Sequence[int], dispatch: str = "freeness",
                  predictor: LengthPredictor | None = None, seed: int = 0, *, spread: bool = False,
-                 instance_context: int | None = None, weigh_pauses: bool = True):
+                 instance_context: int | None = None, weigh_pauses: bool = True, scale_up: bool = True):
         """spread: a prompt's KV stays where scale-down keeps it (`ESPScheduler.scale_down`): one instance
         decodes it if it keeps it all and (instance_context: the longest context one instance's engine serves;
         None: any) its context fits there, else the multi-master group (decoder index len(pool_ids)). Otherwise
         its whole KV gathers on its batch's `keeper`, which decodes it. weigh_pauses: admission weighs pausing
-        the decodes whose free KV slots a prefill takes (False: it takes them unweighed, the ablation)."""
+        the decodes whose free KV slots a prefill takes (False: it takes them unweighed, the ablation). scale_up: a
+        decode whose last instance is full grows onto another (False: its KV migrates whole, `grow`)."""
         super().__init__(pool_ids, dispatch, predictor, seed)
         self.elastic, self.spread, self.instance_context = elastic, spread, instance_context
-        self.weigh_pauses = weigh_pauses
+        self.weigh_pauses, self.scale_up = weigh_pauses, scale_up
         self._waiting: dict[str, tuple[Request, PromptInfo]] = {}  # the waiting prompts, in arrival order
         # pool slots -> the prompts of its batch in flight, each with its decode instance
         self._running: dict[tuple[int, ...], list[tuple[Request, PromptInfo, int]]] = {}
@@ -356,9 +375,7 @@ class ESPPolicy(ClusterPolicy):
         free = [pool.instances[k] for k in sorted(pool.available) if k not in busy]
         if not self._waiting or not free:
             return ClusterPlan()
-        if self.predictor is not None:
-            self.elastic.output_estimate = self.predict(PromptInfo(0))  # one estimate for every decode
-        estimate = self.elastic.output_estimate
+        estimate = self.elastic.output_estimate = self._estimate()
         decodes = None
         if self.weigh_pauses:
             outside = [e for e in pool.instances if e.id not in busy]
@@ -376,6 +393,55 @@ class ESPPolicy(ClusterPolicy):
                 items.append(WorkItem(request_id=r.id, start=0, end=r.prefill_target, phase=Phase.PREFILL,
                                       group=tuple(self.pool_ids[k] for k in slots)))
         return ClusterPlan(items=tuple(items), dispatch=dispatch)
+
+    def evacuate(self, taken: Collection[int], free: Sequence[ElasticInstance],
+                 decoding: Mapping[str, Mapping[int, int]]) -> tuple[list[KVMove], set[str]]:
+        """A prefill takes the `taken` instances (LoongServe: a busy instance's decode KV moves away first, what
+        allocation weighs with the link's bandwidth): each decoding request's share there (decoding: request id
+        -> instance -> tokens) moves to the instance of `free` with the most room that holds none of its KV;
+        a request with a share no instance takes pauses until the prefill ends. Returns the moves and the paused
+        requests."""
+        room = {e.id: e.free for e in free}
+        moves, paused = [], set()
+        for rid, shards in decoding.items():
+            held = set(shards)
+            for i in [i for i in shards if i in taken]:
+                fits = [k for k in room if k not in held and room[k] >= shards[i] + 1]
+                if not fits:
+                    paused.add(rid)
+                    continue
+                target = max(fits, key=lambda k: room[k])
+                room[target] -= shards[i]
+                held.add(target)
+                moves.append(KVMove(request_id=rid, src=(i,), dst=(target,), tokens=shards[i],
+                                    kind=MoveKind.MIGRATE))
+        return moves, paused
+
+    def grow(self, shards: Mapping[int, int], generated: int, instances: Sequence[ElasticInstance]) -> Growth:
+        """Where a decoding request's next token goes (shards: instance -> tokens, the last taking new ones;
+        instances: every instance, by index): its last instance while it has room; else, among the instances no
+        batch holds, with scale-up the emptiest other one (multi-master, no KV moves), without it the one with the
+        most room for its whole KV and predicted rest (a migration); else nowhere: it is preempted."""
+        tail = next(reversed(shards))
+        if instances[tail].free > 0:
+            return Growth(kind=GrowthKind.TAIL, instance=tail)
+        busy = {k for slots in self._running for k in slots}
+        candidates = [e for e in instances if e.id not in busy]
+        if self.scale_up:
+            grown = self.elastic.scale_up(dict(shards), candidates)
+            if grown is not None:
+                return Growth(kind=GrowthKind.SCALE_UP, instance=grown)
+        else:
+            need = sum(shards.values()) + max(self._estimate() - generated, 1)
+            target = max((e for e in candidates if e.id not in shards and e.free >= need), default=None,
+                         key=lambda e: e.free)
+            if target is not None:
+                return Growth(kind=GrowthKind.MIGRATE, instance=target.id)
+        return Growth(kind=GrowthKind.PREEMPT, instance=None)
+
+    def _estimate(self) -> int:
+        """Every decode's predicted length (one for all: the predictor's for an empty prompt)."""
+        return self.predict(PromptInfo(0)) if self.predictor is not None else self.elastic.output_estimate
 
     def _keep(self, batch: ESPBatch, instances: Sequence[ElasticInstance]) -> dict[str, dict[int, int]]:
         """Where each prompt's KV stays after the batch's prefill (request id -> instance -> tokens), booked."""

@@ -19,6 +19,7 @@ class MoveKind(enum.Enum):
     """What a KVMove is."""
 
     REBALANCE = "rebalance"  # a prompt's history to its next chunk's group (CDSP)
+    MIGRATE = "migrate"  # a decoding request's KV (or a share of it) to another instance (ESP)
 
 
 class WorkItem(NamedTuple):

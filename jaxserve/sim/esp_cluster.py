@@ -37,7 +37,7 @@ from typing import Iterable, Mapping
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.sched.cluster import ESPPolicy
+from jaxserve.sched.cluster import ESPPolicy, GrowthKind
 from jaxserve.sched.decode_dispatch import ObservedLengths, PromptInfo
 from jaxserve.sched.esp import ElasticInstance, ElasticPool, ESPScheduler
 from jaxserve.sched.plan import Outcome, WorkItem
@@ -198,7 +198,8 @@ class _Run:
         # decode lengths are predicted as live: the running mean of finished requests, from the configured prior
         self.scheduler = ESPPolicy(sim.scheduler, range(self.cfg.instances),
                                    predictor=ObservedLengths(prior=self.cfg.output_estimate),
-                                   spread=not self.cfg.gather, weigh_pauses=self.cfg.decode_preemption)
+                                   spread=not self.cfg.gather, weigh_pauses=self.cfg.decode_preemption,
+                                   scale_up=self.cfg.scale_up)
         self.origin: dict[str, Request] = {}  # request id -> the workload's request, while it waits or prefills
         self.prefilling: list[_Prefilling] = []
         self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # every batch as run
@@ -293,39 +294,27 @@ class _Run:
                 self.prefilling.append(_Prefilling(end, group, items, shards))
                 self.prefills.append((tuple(i.request_id for i in items), group, start, end))
 
-    def _estimate(self) -> int:
-        """Every decode's predicted length, as the live cluster has it (cluster/esp.py)."""
-        return self.scheduler.predict(PromptInfo(0))
-
     def _evacuate(self, taken: set[int], reserved: set[int], now: float) -> float:
-        """A prefill takes instances holding decode KV: move those shares to idle instances outside this round's
-        prefills with room (the cost the allocation weighed), busy receiving until done; a request whose share
-        finds no room is paused until the prefill ends. Returns when the prefill can start."""
+        """A prefill takes instances holding decode KV: the policy's moves take those shares to idle instances
+        outside this round's prefills, busy receiving until done; a request with a share left is paused until
+        the prefill ends. Returns when the prefill can start."""
         idle = [e for e in self.instances if e.id in self._idle() - reserved]
+        moves, paused = self.scheduler.evacuate(taken, idle, {rid: d.shards for rid, d in self.decoding.items()})
+        self.decode_pauses += len(paused)
         sent: collections.Counter[int] = collections.Counter()
         received: collections.Counter[int] = collections.Counter()
-        moved = []
-        for d in self.decoding.values():
-            paused = False
-            for i in [i for i in d.shards if i in taken]:
-                tokens = d.shards[i]
-                room = [e for e in idle if e.id not in d.shards and e.free >= tokens + 1]
-                if not room:
-                    paused = True
-                    continue
-                target = max(room, key=lambda e: e.free)
-                self.evacuations += 1
-                del d.shards[i]
-                self.instances[i].kv_used -= tokens
-                d.shards[target.id] = tokens  # last: it takes the new tokens
-                target.kv_used += tokens
-                sent[i] += tokens
-                received[target.id] += tokens
-                moved.append(d)
-            self.decode_pauses += paused
+        for m in moves:
+            d, (src,), (dst,) = self.decoding[m.request_id], m.src, m.dst
+            del d.shards[src]
+            d.shards[dst] = m.tokens  # last: it takes the new tokens
+            self.instances[src].kv_used -= m.tokens
+            self.instances[dst].kv_used += m.tokens
+            sent[src] += m.tokens
+            received[dst] += m.tokens
+        self.evacuations += len(moves)
         end = now + self.cost.moves(sent, received)
-        for d in moved:
-            d.ready_at = max(d.ready_at, end)
+        for rid in {m.request_id for m in moves}:
+            self.decoding[rid].ready_at = max(self.decoding[rid].ready_at, end)
         if received:
             self.moves.append((end, set(received)))
         return end
@@ -427,37 +416,29 @@ class _Run:
         return max(self.cost.decode_step(*row) for row in load.values())
 
     def _room_for_one(self, d: _Decoding, now: float, idle: set[int]) -> bool:
-        """Make room for the token this step appends; False if the request cannot step now."""
-        tail = next(reversed(d.shards))
-        if self.instances[tail].free > 0:
-            self._book(d, tail)
+        """Make room for the token this step appends where the policy grows it; False if it cannot step now."""
+        growth = self.scheduler.grow(d.shards, d.request.generated, self.instances)
+        if growth.kind is GrowthKind.TAIL:
+            self._book(d, growth.instance)
             return True
-        prefilling = {i for p in self.prefilling for i in p.group}
-        candidates = [e for e in self.instances if e.id not in prefilling]
-        if self.cfg.scale_up:
-            grow = self.esp.scale_up(d.shards, candidates)
-            if grow is not None:  # it steps with grow's group, now if that is idle, else next time
-                self.scale_ups += 1
-                d.shards[grow] = 0
-                if grow not in idle:
-                    return False
-                self._book(d, grow)
-                return True
-        else:  # move the whole KV to one instance that holds it and room to grow
-            kv = sum(d.shards.values())
-            need = kv + max(self._estimate() - d.request.generated, 1)
-            target = max((e for e in candidates if e.id not in d.shards and e.free >= need), default=None,
-                         key=lambda e: e.free)
-            if target is not None:  # its instances and the target are busy with the move from the next step on
-                self.migrations += 1
-                self._release(d.shards)
-                seconds = self.cost.moves(d.shards, {target.id: kv})
-                self.moves.append((now + seconds, set(d.shards) | {target.id}))
-                idle.difference_update(self.moves[-1][1])
-                d.shards = {target.id: kv}
-                target.kv_used += kv
-                d.ready_at = now + seconds
-                return True
+        if growth.kind is GrowthKind.SCALE_UP:  # it steps with the grown group, now if that is idle, else next time
+            self.scale_ups += 1
+            d.shards[growth.instance] = 0
+            if growth.instance not in idle:
+                return False
+            self._book(d, growth.instance)
+            return True
+        if growth.kind is GrowthKind.MIGRATE:  # its instances and the target are busy with the move from now on
+            kv, target = sum(d.shards.values()), growth.instance
+            self.migrations += 1
+            self._release(d.shards)
+            seconds = self.cost.moves(d.shards, {target: kv})
+            self.moves.append((now + seconds, set(d.shards) | {target}))
+            idle.difference_update(self.moves[-1][1])
+            d.shards = {target: kv}
+            self.instances[target].kv_used += kv
+            d.ready_at = now + seconds
+            return True
         self._preempt(d)
         return False
 

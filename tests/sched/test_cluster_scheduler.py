@@ -14,13 +14,13 @@ import pytest
 from jaxserve.sched import cost_models as cm
 from jaxserve.sched.batch_cost import EngineStepCost
 from jaxserve.sched.cdsp import CDSPPlanner, Chunk, ChunkPlan, Pool
-from jaxserve.sched.cluster import CDSPPolicy, ClusterPolicy, ESPPolicy, TetriInferPolicy
+from jaxserve.sched.cluster import CDSPPolicy, ClusterPolicy, ESPPolicy, Growth, GrowthKind, TetriInferPolicy
 from jaxserve.sched.cost_models import LoongServePrefill
 from jaxserve.sched.decode_dispatch import DecodeLoad, ObservedLengths, PromptInfo
 from jaxserve.sched.decode_ledger import DecodeLedger
 from jaxserve.sched.flip import Flip, FlipPolicy
 from jaxserve.sched.esp import ElasticInstance, ElasticPool, ESPScheduler, aligned_groups
-from jaxserve.sched.plan import Outcome, Phase
+from jaxserve.sched.plan import MoveKind, Outcome, Phase
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
@@ -333,3 +333,26 @@ def test_elastic_instances_get_the_same_batches_live_and_simulated():
     assert max(len(b[1]) for b in live) > 1  # scale-ups among them
     with pytest.raises(ValueError, match="needs its prefill instances"):
         TetriInferPolicy([], range(4), 1)
+
+
+def test_esp_policy_moves_decode_kv_off_a_prefills_instances_and_grows_full_decodes():
+    """Before a prefill takes instance 0: a's share there goes to the free instance with the most room; b's
+    share finds none (the other free instance holds b already, or is too small), so b pauses. A decode whose last
+    instance is full grows onto the emptiest other instance, or without scale-up migrates whole where its KV and
+    predicted rest fit, or is preempted."""
+    model = LoongServePrefill({(sp, 1): np.array([0.01 * sp, 2e-4 / sp, 1e-9 / sp]) for sp in (1, 2, 4)})
+    policy = lambda scale_up: ESPPolicy(ESPScheduler(model, 1, 1.0, None, 0.0, output_estimate=16),  # noqa: E731
+                                        range(3), scale_up=scale_up)
+    free = [ElasticInstance(1, 1000, 900), ElasticInstance(2, 1000, 100)]
+    moves, paused = policy(True).evacuate({0}, free, {"a": {0: 300}, "b": {2: 5, 0: 800}, "c": {1: 50}})
+    assert [(m.request_id, m.src, m.dst, m.tokens, m.kind) for m in moves] == [("a", (0,), (2,), 300,
+                                                                                  MoveKind.MIGRATE)]
+    assert paused == {"b"}
+
+    instances = [ElasticInstance(0, 100, 100), ElasticInstance(1, 200, 40), ElasticInstance(2, 200, 150)]
+    assert policy(True).grow({1: 40}, 3, instances) == Growth(kind=GrowthKind.TAIL, instance=1)
+    assert policy(True).grow({0: 100}, 3, instances) == Growth(kind=GrowthKind.SCALE_UP, instance=1)
+    # without scale-up: 100 tokens and 16 - 3 more fit instance 1 (160 free), not instance 2 (50)
+    assert policy(False).grow({0: 100}, 3, instances) == Growth(kind=GrowthKind.MIGRATE, instance=1)
+    full = [ElasticInstance(k, 100, 100) for k in range(3)]
+    assert policy(True).grow({0: 100}, 3, full) == Growth(kind=GrowthKind.PREEMPT, instance=None)
