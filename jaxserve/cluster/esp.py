@@ -131,16 +131,18 @@ class ESPCluster(ClusterEngine):
     def _instance(self, k: int) -> elastic.ElasticInstance:
         """Decode instance k as the ESP policy sees it: KV tokens in use (promised ones included)."""
         d = self.decoders[k]
-        decoding = [self._generated.get(rid, 1) for rid in d.ledger.heavy if rid not in d.ledger.incoming]
         placed = self.group.engine.kv.promised(k) if self.group is not None else 0  # a spread prompt's, to land
         used = d.kv_tokens - decode_ledger.load(d).free_slots + placed
-        return elastic.ElasticInstance(k, d.kv_tokens, used, tuple(decoding))
+        return elastic.ElasticInstance(k, d.kv_tokens, used, tuple(self._generated_on(d)))
+
+    def _generated_on(self, d: LiveDecoder) -> list[int]:
+        """Tokens each request decoding on `d` (dispatched there, its KV landed) has generated so far."""
+        return [self._generated.get(rid, 1) for rid in d.ledger.heavy if rid not in d.ledger.incoming]
 
     def _pool(self) -> elastic.ElasticPool:
         """Every instance (a step's decodes have ended: all can prefill) and every decoding request."""
         n = len(self.pool_ids)
-        generated = [self._generated.get(rid, 1) for d in self.decoders for rid in d.ledger.heavy
-                     if rid not in d.ledger.incoming]
+        generated = [g for d in self.decoders for g in self._generated_on(d)]
         return elastic.ElasticPool(instances=[self._instance(k) for k in range(n)], available=range(n),
                                    generated=generated, step_time=self.decode_seconds)
 
@@ -194,15 +196,13 @@ class ESPCluster(ClusterEngine):
         """A finished batch: its Outcome to the policy; each prompt's first token, and its KV sent to its decode
         instance."""
         end = self.clock()
-        ran = [r for r in batch.runs if r.run is not None]
-        tokens = {r.item.request_id: (r.run.token(),) for r in ran}
+        ran = {r.item.request_id: r for r in batch.runs if r.run is not None}
+        tokens = {rid: (r.run.token(),) for rid, r in ran.items()}
         outputs = []
-        for r in ran:
-            self.records.append(ChunkRecord(r.item.request_id, 0, batch.group, r.item.tokens, 0, batch.start, end,
-                                            None, None))
-        for rid in self.scheduler.apply(batch.group, [r.item for r in ran], Outcome(end, (), tokens)):
+        for rid, r in ran.items():
+            self.records.append(ChunkRecord(rid, 0, batch.group, r.item.tokens, 0, batch.start, end, None, None))
+        for rid in self.scheduler.apply(batch.group, [r.item for r in ran.values()], Outcome(end, (), tokens)):
             decoder = self._owner[rid]
-            staged = next(r.staged for r in ran if r.item.request_id == rid)
-            decoder.ledger.offer(Transfer(rid, 0, True, staged, end))
+            decoder.ledger.offer(Transfer(rid, 0, True, ran[rid].staged, end))
             outputs.append(decoder.engine.first_token(rid, tokens[rid][0]))
         return outputs

@@ -371,7 +371,7 @@ class ESPPolicy(ClusterPolicy):
         (with `decoders`; a simulator keeps its own counts). The kept KV is booked on pool.instances. With a
         length predictor its estimate sizes each request's KV."""
         del now  # ESP admits in arrival order whenever instances are free
-        busy = {k for slots in self._running for k in slots}
+        busy = self._prefilling
         free = [pool.instances[k] for k in sorted(pool.available) if k not in busy]
         if not self._waiting or not free:
             return ClusterPlan()
@@ -425,8 +425,7 @@ class ESPPolicy(ClusterPolicy):
         tail = next(reversed(shards))
         if instances[tail].free > 0:
             return Growth(kind=GrowthKind.TAIL, instance=tail)
-        busy = {k for slots in self._running for k in slots}
-        candidates = [e for e in instances if e.id not in busy]
+        candidates = [e for e in instances if e.id not in self._prefilling]
         if self.scale_up:
             grown = self.elastic.scale_up(dict(shards), candidates)
             if grown is not None:
@@ -438,6 +437,11 @@ class ESPPolicy(ClusterPolicy):
             if target is not None:
                 return Growth(kind=GrowthKind.MIGRATE, instance=target.id)
         return Growth(kind=GrowthKind.PREEMPT, instance=None)
+
+    @property
+    def _prefilling(self) -> set[int]:
+        """The pool slots a planned batch holds until it is applied."""
+        return {k for slots in self._running for k in slots}
 
     def _estimate(self) -> int:
         """Every decode's predicted length (one for all: the predictor's for an empty prompt)."""
