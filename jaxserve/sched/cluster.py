@@ -71,6 +71,7 @@ class _Prefill:
     started: int = 0  # chunks handed to the executor
     done: int = 0  # chunks completed
     group: tuple[int, ...] = ()  # devices holding its history
+    moved: np.ndarray | None = None  # CDSPPolicy._moved when its chunks were booked
 
 
 class ClusterPolicy:
@@ -139,6 +140,7 @@ class CDSPPolicy(ClusterPolicy):
         super().__init__(pool_ids, dispatch, predictor, seed)
         self.planner = planner
         self._prefills: dict[str, _Prefill] = {}
+        self._moved = np.zeros(len(self.pool_ids))  # how far chunks' ends have moved each slot's bookings
 
     def arrive(self, prompt: PromptInfo, now: float, decoders: Mapping[int, DecodeSide] | None = None,
                limit: int | None = None, admits: Callable[[Dispatch], bool] | None = None,
@@ -171,7 +173,7 @@ class CDSPPolicy(ClusterPolicy):
             raise ValueError(f"request id {request_id} is already in use")
         chunks = tuple(dataclasses.replace(c, group=tuple(sorted(self.pool_ids[i] for i in c.group)))
                        for c in arrival.plan.chunks)
-        self._prefills[request_id] = _Prefill(request_id, chunks, now)
+        self._prefills[request_id] = _Prefill(request_id, chunks, now, moved=self._moved.copy())
 
     def plan(self, now: float, decoders: Mapping[int, DecodeSide] | None = None) -> ClusterPlan:
         """The chunks that start now: each request's next chunk (its previous one done), in booked order, where its
@@ -199,13 +201,18 @@ class CDSPPolicy(ClusterPolicy):
 
     def apply(self, group: tuple[int, ...], items: Sequence[WorkItem], outcome: Outcome) -> list[str]:
         """The chunk on `group` (one item) ended at outcome.end_time: its devices' bookings move by how late or
-        early it ended. Returns its request's id if that was its last chunk (it leaves the prefill side)."""
+        early it ended, against its booked end as already moved by the chunks before it on each device (a lateness
+        that delayed its start counts once). Returns its request's id if that was its last chunk (it leaves the
+        prefill side)."""
         (item,) = items
         p = self._prefills[item.request_id]
         c = p.chunks[item.chunk_index]
         slots = [self.pool_ids.index(d) for d in group]
         end = outcome.end_time
-        self.free_at[slots] = np.maximum(self.free_at[slots] + (end - (p.arrival + c.end)), end)
+        expected = p.arrival + c.end + self._moved[slots] - p.moved[slots]
+        free_at = np.maximum(self.free_at[slots] + (end - expected), end)
+        self._moved[slots] += free_at - self.free_at[slots]
+        self.free_at[slots] = free_at
         p.done += 1
         if p.done < len(p.chunks):
             return []

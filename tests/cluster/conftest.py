@@ -101,10 +101,11 @@ def make_cluster(llm, devices, decode_instances: int = 1, receive_buffers: int =
 
 
 def busy(cluster, seconds_by_device: dict[int, float]) -> None:
-    """Book prefill devices as if earlier work held them for these seconds (the queues the planner sees)."""
+    """Book prefill devices as if earlier work held them for these seconds, the others free (the queues the
+    planner sees, whatever earlier tests left)."""
     now = cluster.clock()
-    for i, s in seconds_by_device.items():
-        cluster.free_at[cluster.pool_ids.index(i)] = now + s
+    for k, i in enumerate(cluster.pool_ids):
+        cluster.free_at[k] = now + seconds_by_device.get(i, 0.0)
 
 
 def run(cluster, requests):

@@ -89,6 +89,7 @@ def test_the_simulator_makes_the_live_clusters_plans(llm, cluster):
         (live_decoder,) = {d for d, t in cluster.transfers if t.request_id == rid}
         assert live_decoder == sim.decoders[str(k)], k
     assert {len(g) for ids, g, _, _ in sim.prefills} != {2}  # the burst's plans used more than one group size
+    assert (cluster.free_at <= cluster.clock()).all()  # late chunks moved the bookings once: idle devices are free
 
 
 def test_prefill_over_growing_groups_then_decode_elsewhere_equals_one_device(cluster, long_prompt):

@@ -152,6 +152,23 @@ def test_a_late_chunk_moves_its_devices_bookings_and_the_next_arrival_sees_it():
     assert not set(later.chunks[0].group) & set(slots) or later.chunks[0].start >= 0.5 - 1e-9
 
 
+def test_a_lateness_moves_a_devices_bookings_once():
+    """A's chunk on devices 0-1 ends 2 s late, so B's chunk booked after it there starts 2 s late and, taking
+    its booked time, ends 2 s late too: that is the same lateness, not another. Once both are done the devices
+    are free at B's end, not 2 s after it (the next arrivals would see phantom queues)."""
+    a = ChunkPlan((Chunk(1000, 0, (0, 1), 0.0, 5.0),))
+    b = ChunkPlan((Chunk(800, 0, (0, 1), 5.0, 8.0),))
+    s = CDSPPolicy(FixedPlans(a, b), range(2))
+    for rid in ("a", "b"):
+        s.add(rid, s.arrive(PromptInfo(1), 0.0), 0.0)
+    (first,) = s.plan(0.0).items
+    s.apply(first.group, (first,), Outcome(7.0, (), {}))
+    assert np.allclose(s.free_at, 10.0)  # B's booking moved by A's 2 s
+    (second,) = s.plan(7.0).items
+    s.apply(second.group, (second,), Outcome(10.0, (), {}))
+    assert np.allclose(s.free_at, 10.0)
+
+
 def sides(*loads: tuple[int, int]) -> dict[int, SimpleNamespace]:
     """Decode instances as a policy reads them (a ledger and a scheduler's KV and batch), each with
     (free KV slots, running requests)."""
