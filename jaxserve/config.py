@@ -164,7 +164,11 @@ CLUSTER_SETTINGS = {
                    "prefill_chunk", "prefill_batch", "prefill_order", "flip_window", "length_predictor"),
     # its pool's instances decode: a prompt's KV moves to one
     "esp": ("receive_buffers", "decode_admission", "length_predictor"),
+    # its pool runs SP-NTP: --sp_attention is not a choice there
+    "csps": ("decode_instances", "decode_kvp", "decode_tp", "node_size", "receive_buffers", "decode_admission",
+             "partition_tokens", "sparse_attention", "length_predictor"),
 }
+CLUSTER_POLICIES = tuple(CLUSTER_SETTINGS)
 LENGTH_PREDICTORS = ("mean", "prompt")
 
 
@@ -205,7 +209,7 @@ class ParallelConfig:
         "arrival rate (tools/improvement_rates.py profiles one on the pool's Eq. (1) in simulation); the planner "
         "takes the rate recorded for the load nearest the arrivals of the last 30 s, refreshed every 30 s. "
         "Default: --improvement_rate, fixed.")
-    cluster_policy: Literal["cdsp", "tetriinfer", "esp"] = setting(
+    cluster_policy: Literal["cdsp", "tetriinfer", "esp", "csps"] = setting(
         "cdsp", "How a cluster prefills. cdsp (Tetris): each prompt planned chunk by chunk over SP groups of the "
         "pool, its KV streamed chunk by chunk to the decode instance chosen on arrival (by freeness). tetriinfer "
         "(TetriInfer): every pool instance prefills its own queue in fixed-size chunks, ordered by "
@@ -213,16 +217,22 @@ class ParallelConfig:
         "by power of two on its predicted decode length. esp (LoongServe): the --prefill_instances instances "
         "both prefill and decode (no separate decode instances); a batch of prompts prefills over an elastic "
         "group of them (ring attention), and each prompt then decodes on the fewest instances of its group that "
-        "hold its KV (over several: multi-master, growing onto another instance as its last one fills).")
+        "hold its KV (over several: multi-master, growing onto another instance as its last one fills). csps "
+        "(CSPS): each prompt goes whole to the fewest pool instances (a power of two) that hold it in partitions "
+        "of --partition_tokens, on the aligned group that frees up first, with SP-NTP attention (all-to-alls; CSA "
+        "with --sparse_attention); its KV moves to the decode instance chosen on arrival (by freeness).")
     sp_attention: Literal["ring", "sp_ntp"] = setting(
         "ring", "cdsp: a chunk's attention over its SP group. ring (Tetris's CDSP): zigzag ring attention, K/V "
         "passed around the group; sp_ntp (CSPS's SP-NTP): heads spread over the group by all-to-all (heads that do "
         "not divide over it run as MHA, padded).")
     sparse_attention: float | None = setting(
-        None, "cdsp with --sp_attention=sp_ntp: CSPS's communication-efficient sparse attention (CSA) on each "
+        None, "csps, or cdsp with --sp_attention=sp_ntp: CSPS's communication-efficient sparse attention (CSA) on each "
         "chunk, dropping this fraction of an earlier partition's K/V at level 2 and more at farther levels (the "
         "paper's geometric schedule; 0 drops nothing: dense results). The history stays dense. Needs node sizes "
         "and groups of powers of two. Default: dense attention.")
+    partition_tokens: int = setting(131072, "csps: the most tokens of a prompt one pool instance takes (CSPS's "
+                                    "sequence partition, SPT; the paper's 64K-128K). Fewer spread prompts over more "
+                                    "instances (each a power of two).")
     prefill_chunk: int = setting(512, "tetriinfer: tokens in a prefill chunk (TetriInfer's ChunkSize).")
     prefill_batch: int = setting(16, "tetriinfer: prompts in a scheduling batch.")
     prefill_order: Literal["fcfs", "sjf", "ljf"] = setting("sjf", "tetriinfer: the order within a scheduling "
@@ -234,11 +244,12 @@ class ParallelConfig:
 
     def __post_init__(self):
         # the cluster checks its layout against the devices (cluster/build.py)
-        _positive(self, "tp", "prefill_chunk", "prefill_batch", "min_chunk", "receive_buffers")
+        _positive(self, "tp", "prefill_chunk", "prefill_batch", "min_chunk", "receive_buffers", "partition_tokens")
         if self.flip_window < 0:
             raise ValueError(f"flip_window must be 0 (no flips) or more, got {self.flip_window}")
-        if self.cluster_policy not in ("cdsp", "tetriinfer", "esp"):
-            raise ValueError(f"cluster_policy must be cdsp, tetriinfer or esp, got {self.cluster_policy!r}")
+        if self.cluster_policy not in CLUSTER_POLICIES:
+            raise ValueError(f"cluster_policy must be one of {', '.join(CLUSTER_POLICIES)}, got "
+                             f"{self.cluster_policy!r}")
         if self.prefill_order not in ("fcfs", "sjf", "ljf"):
             raise ValueError(f"prefill_order must be fcfs, sjf or ljf, got {self.prefill_order!r}")
         if self.decode_admission not in DECODE_ADMISSION:
@@ -255,11 +266,11 @@ class ParallelConfig:
             raise ValueError(f"length_predictor must be mean or prompt, got {self.length_predictor!r}")
         if self.sp_attention not in ("ring", "sp_ntp"):
             raise ValueError(f"sp_attention must be ring or sp_ntp, got {self.sp_attention!r}")
-        if self.sparse_attention is not None and not (self.sp_attention == "sp_ntp" and self.cluster_policy == "cdsp"
+        if self.sparse_attention is not None and not (self.pool_sp_attention == "sp_ntp"
                                                       and 0 <= self.sparse_attention <= 1):
-            raise ValueError(f"--sparse_attention (CSA's drop ratio, 0 to 1) needs --sp_attention=sp_ntp and "
-                             f"--cluster_policy=cdsp; got {self.sparse_attention} with {self.sp_attention} and "
-                             f"{self.cluster_policy}")
+            raise ValueError(f"--sparse_attention (CSA's drop ratio, 0 to 1) needs SP-NTP (--cluster_policy=csps, or "
+                             f"cdsp with --sp_attention=sp_ntp); got {self.sparse_attention} with "
+                             f"{self.cluster_policy} and {self.sp_attention}")
         self._refuse_unread()
         if self.prefill_instances:
             self._check_cluster()
@@ -284,12 +295,17 @@ class ParallelConfig:
         if self.flip_window and (self.decode_kvp > 1 or self.decoder_tp != self.tp):  # (tetriinfer's flag)
             raise ValueError("instance flips (--flip_window) need decode instances of one instance each, as the "
                              "pool's (--decode_kvp=1, --decode_tp as --tp)")
-        if self.cluster_policy == "cdsp" and self.prefill_instances % self.node_size:
+        if self.cluster_policy in ("cdsp", "csps") and self.prefill_instances % self.node_size:
             raise ValueError(f"{self.prefill_instances} prefill instances do not form nodes of {self.node_size}")
         powers = [n for n in (self.node_size, self.prefill_instances) if n & (n - 1)]
-        if self.sparse_attention is not None and powers:
-            raise ValueError(f"CSA (--sparse_attention) needs groups of a power of two instances: --node_size and "
+        if powers and (self.sparse_attention is not None or self.cluster_policy == "csps"):
+            what = "CSA (--sparse_attention)" if self.sparse_attention is not None else "CSPS"
+            raise ValueError(f"{what} needs groups of a power of two instances: --node_size and "
                              f"--prefill_instances must be powers of two, got {powers}")
+        if self.cluster_policy == "csps" and self.tp > 1:
+            raise ValueError(f"--cluster_policy=csps with --tp={self.tp}: CSPS's SP-TP (a group's instances "
+                             "splitting the weights) is not built; its pool runs SP-NTP on instances of one device "
+                             "each, a whole copy of the weights on every one (--tp=1)")
 
     def _refuse_unread(self) -> None:
         """A cluster setting given (not its default) that the layout never reads is refused by name: it would
@@ -312,9 +328,14 @@ class ParallelConfig:
         return self.decode_tp or self.tp
 
     @property
+    def pool_sp_attention(self) -> str:
+        """A chunk's attention over its group: CSPS's pool is SP-NTP's; the others' --sp_attention."""
+        return "sp_ntp" if self.cluster_policy == "csps" else self.sp_attention
+
+    @property
     def pool_attention(self) -> str:
         """The prefill pool's attention in a word: ring, sp_ntp or csa<drop>."""
-        return self.sp_attention if self.sparse_attention is None else f"csa{self.sparse_attention:g}"
+        return self.pool_sp_attention if self.sparse_attention is None else f"csa{self.sparse_attention:g}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,9 +62,14 @@ def test_replace_reaches_nested_settings_and_refuses_unknown_ones():
     (dict(tp=0), "tp must be a positive integer"),
     (dict(num_scheduler_steps=4, prefill_instances=2), "multi-step decode"),
     (dict(sp_attention="ulysses"), "sp_attention must be ring or sp_ntp"),
-    (dict(sparse_attention=0.5), "needs --sp_attention=sp_ntp"),
+    (dict(sparse_attention=0.5), "needs SP-NTP"),
     (dict(sp_attention="sp_ntp", sparse_attention=1.5), "drop ratio, 0 to 1"),
-    (dict(sp_attention="sp_ntp", sparse_attention=0.5, cluster_policy="esp"), "--cluster_policy=cdsp"),
+    (dict(prefill_instances=4, sp_attention="sp_ntp", sparse_attention=0.5, cluster_policy="esp"),
+     "not read with --cluster_policy=esp"),
+    (dict(prefill_instances=4, cluster_policy="csps", sp_attention="sp_ntp"), "--sp_attention=sp_ntp: not read"),
+    (dict(prefill_instances=4, partition_tokens=4096), "--partition_tokens=4096: not read with --cluster_policy=cdsp"),
+    (dict(partition_tokens=0), "partition_tokens must be a positive integer"),
+    (dict(cluster_policy="sarathi"), "cluster_policy must be one of cdsp, tetriinfer, esp, csps"),
     (dict(min_chunk=0), "min_chunk must be a positive integer"),
     (dict(receive_buffers=0), "receive_buffers must be a positive integer"),
     (dict(decode_admission="lazy"), "decode_admission must be greedy, reserve_static or reserve_dynamic"),
@@ -127,12 +132,16 @@ def test_what_each_policy_reads_is_accepted():
                           decode_admission="reserve_dynamic"),
                      dict(prefill_instances=4, cluster_policy="esp", receive_buffers=2,
                           decode_admission="reserve_static"),
+                     dict(prefill_instances=8, cluster_policy="csps", node_size=4, decode_instances=2, decode_kvp=2,
+                          partition_tokens=4096, sparse_attention=0.5, decode_admission="reserve_static"),
                      dict(kvp=2, kvp_tokens=256), dict(prefill_instances=4, decode_kvp=2, kvp_tokens=256)):
         config.replace(config.EngineConfig(), **settings)
 
 
 @pytest.mark.parametrize("layout, message", [
     (dict(prefill_instances=6, node_size=3, sp_attention="sp_ntp", sparse_attention=0.5), "powers of two"),
+    (dict(prefill_instances=6, node_size=3, cluster_policy="csps"), "CSPS needs groups of a power of two"),
+    (dict(prefill_instances=4, cluster_policy="csps", tp=2), "CSPS's SP-TP .* is not built"),
     (dict(prefill_instances=4, instance=config.InstanceShape(stages=2)), "pipeline stages"),
     (dict(prefill_instances=2, cluster_policy="tetriinfer", flip_window=1.0, decode_tp=2), "--decode_tp as --tp"),
     (dict(prefill_instances=2, cluster_policy="tetriinfer", prefill_chunk=24), "power of two of 16"),

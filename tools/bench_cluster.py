@@ -6,8 +6,9 @@ One policy per call (each builds its own cluster); every call prints the table o
     .venv/bin/python tools/bench_cluster.py --cluster_policy=cdsp --out=bench_out/cluster
     .venv/bin/python tools/bench_cluster.py --cluster_policy=tetriinfer --out=bench_out/cluster
     .venv/bin/python tools/bench_cluster.py --cluster_policy=esp --out=bench_out/cluster
+    .venv/bin/python tools/bench_cluster.py --cluster_policy=csps --out=bench_out/cluster
 
-Measured on the live devices: the prefill model (cdsp: the pool's Eq. (1); esp: LoongServe's batch model; both
+Measured on the live devices: the prefill model (cdsp, csps: the pool's Eq. (1); esp: LoongServe's batch model; both
 measured when the cluster starts, cached; tetriinfer: Eq. (1) at SP 1 on one instance, measured here), the decode
 engine's step cost (engine/profile.py) and a line through the live KV transfers (seconds against tokens).
 
@@ -31,10 +32,12 @@ from absl import app, flags
 from tqdm.auto import tqdm
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("cluster_policy", "cdsp", ["cdsp", "esp", "tetriinfer"], "The policy to serve and replay.")
+POLICIES = ("cdsp", "csps", "esp", "tetriinfer")
+flags.DEFINE_enum("cluster_policy", "cdsp", POLICIES, "The policy to serve and replay.")
 flags.DEFINE_integer("prefill_instances", 4, "Prefill instances (esp: the instances, which decode too).")
-flags.DEFINE_integer("decode_instances", 2, "Decode instances (cdsp, tetriinfer).")
-flags.DEFINE_integer("node_size", 2, "Prefill instances per node (cdsp).")
+flags.DEFINE_integer("decode_instances", 2, "Decode instances (cdsp, csps, tetriinfer).")
+flags.DEFINE_integer("node_size", 2, "Prefill instances per node (cdsp, csps).")
+flags.DEFINE_integer("partition_tokens", 512, "CSPS's sequence partition, tokens.")
 flags.DEFINE_integer("prefill_chunk", 256, "TetriInfer's fixed chunk, tokens.")
 flags.DEFINE_integer("requests", 16, "Requests in the trace.")
 flags.DEFINE_float("rate", 0.1, "Poisson arrival rate, requests/s.")
@@ -95,6 +98,8 @@ def measure(llm, policy: str):
         model = cluster.scheduler.elastic.model
     elif policy == "cdsp":
         model = cluster.planner.model
+    elif policy == "csps":
+        model = cluster.planner.model.model  # MeasuredCSPS's Eq. (1)
     else:  # TetriInfer plans nothing with a model: Eq. (1) at SP 1 measured on one instance, for the replay
         layout = llm.engine_config.parallel
         path = pool_profile.default_path(llm.model_name, llm._dtype_name, "tetriinfer-sp1", layout.prefill_instances,
@@ -115,7 +120,7 @@ def percentiles(values) -> tuple[float, float]:
 def table(out: pathlib.Path) -> None:
     print(f"\n{'policy':<11} {'TTFT P50 live / sim (s)':>24} {'TTFT P99 live / sim':>20} "
           f"{'TPOT P50 live / sim (ms)':>25} {'TPOT P99 live / sim':>20}")
-    for policy in ("cdsp", "esp", "tetriinfer"):
+    for policy in POLICIES:
         path = out / f"{policy}.json"
         if not path.exists():
             continue
@@ -149,6 +154,8 @@ def main(argv: list[str]) -> None:
         layout |= dict(decode_instances=FLAGS.decode_instances)
     if policy == "cdsp":
         layout |= dict(node_size=FLAGS.node_size, min_chunk=FLAGS.min_chunk)
+    if policy == "csps":
+        layout |= dict(node_size=FLAGS.node_size, partition_tokens=FLAGS.partition_tokens)
     if policy == "tetriinfer":
         layout |= dict(prefill_chunk=FLAGS.prefill_chunk)
     llm = jaxserve.LLM(max_model_len=top, kv_cache_tokens=2 * top, max_num_seqs=4, max_num_batched_tokens=256,
@@ -166,6 +173,8 @@ def main(argv: list[str]) -> None:
             planner["balancing"] = dataclasses.asdict(cdsp.balancing)
         if adaptive:
             planner["improvement_rates"] = dataclasses.asdict(cluster.planner.table)
+    if policy == "csps":
+        planner = dict(partition_tokens=cluster.planner.spt, sizes=list(cluster.planner.sizes))
     # the trace as it was submitted (the loop submits a little after each arrival)
     submitted = [(live["submitted"][k], p, o) for k, (_, p, o) in enumerate(requests)]
     run = LiveRun(policy, FLAGS.prefill_instances, 0 if policy == "esp" else FLAGS.decode_instances,

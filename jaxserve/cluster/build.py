@@ -22,6 +22,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.sp_prefill import SPPrefill, next_power_of_two
 from jaxserve.sched.cdsp import CDSPPlanner, Pool, Stores, planner_groups
 from jaxserve.sched.cluster import CDSPPolicy, ESPPolicy, TetriInferPolicy
+from jaxserve.sched.csps import CSPSPlanner, MeasuredCSPS
 from jaxserve.sched.decode_dispatch import ObservedLengths
 from jaxserve.sched.esp import ESPScheduler, aligned_groups
 from jaxserve.sched.flip import FlipPolicy
@@ -55,9 +56,9 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
 
 
 def pool_context(layout: ParallelConfig, store_tokens: int, key_block: int) -> int | None:
-    """The longest prompt a CDSP pool's history stores of store_tokens each hold together, spread over its
+    """The longest prompt a CDSP or CSPS pool's history stores of store_tokens each hold together, spread over its
     instances (None for the other policies, whose stores hold a whole prompt)."""
-    if layout.cluster_policy != "cdsp":
+    if layout.cluster_policy not in ("cdsp", "csps"):
         return None
     return Stores(-(-store_tokens // key_block) * key_block, MIN_LOCAL).longest(layout.prefill_instances)
 
@@ -95,10 +96,11 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
           predictor_file: pathlib.Path | None = None,
           make_group: Callable[[list[Engine]], Engine] | None = None,
           new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
-    """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool), tetriinfer (each pool
+    """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool), csps (CSPS's planner:
+    whole prompts on SP-NTP groups sized by --partition_tokens), tetriinfer (each pool
     instance its own PrefillBatchScheduler; power-of-two dispatch) or esp (the pool's instances decode too, an
     ESPScheduler batches prompts onto elastic groups). make_engine(devices, tp): a decode engine on `devices` of
-    instances of `tp`. prefill_cost (cdsp: Eq. (1); esp: LoongServe's batch model): the planner's model, or the
+    instances of `tp`. prefill_cost (cdsp, csps: Eq. (1); esp: LoongServe's batch model): the planner's model, or the
     file to load it from (measured on this pool and written there first if it does not exist). sizes: the SP
     sizes chunks may use (default: the fitted ones, or the powers of two from a node to the pool when
     measuring). capacity: the longest prompt; store_tokens: what a CDSP pool instance's history store holds (its
@@ -121,8 +123,8 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     if flips:  # every instance may prefill and decode: a store and an engine on each
         first = (layout.prefill_instances + layout.decode_instances) * tp
     sp = new(SPPrefill, cfg, params, devices[:first], capacity=rows, dtype=dtype, key_block=key_block,
-             min_local=min_local, tp=tp, sp_attention=layout.sp_attention, sparse_attention=layout.sparse_attention,
-             kv_cache_dtype=kv_cache_dtype)
+             min_local=min_local, tp=tp, sp_attention=layout.pool_sp_attention,
+             sparse_attention=layout.sparse_attention, kv_cache_dtype=kv_cache_dtype)
     if layout.cluster_policy == "esp" or flips:  # instances that decode on the pool's devices
         engines = [make_engine(devices[i * tp:(i + 1) * tp], tp) for i in range(first // tp)]
     else:
@@ -154,6 +156,16 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         scheduler = ESPPolicy(esp, pool_ids, "freeness", predictor, spread=group is not None,
                               instance_context=engines[0].max_model_len)
         return ESPCluster(sp, scheduler, decoders, mover, features=features)
+    if layout.cluster_policy == "csps":  # a prompt is one chunk with no history: Eq. (1) at h = 0 prices it
+        if isinstance(prefill_cost, pathlib.Path):
+            sizes = sizes or [1 << i for i in range(layout.prefill_instances.bit_length())]
+            groups = {s: tuple(devices[i * tp].id for i in range(s)) for s in sizes}  # each size's first group
+            prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
+        sizes = sizes or sorted(s for s in prefill_cost.coefficients if s <= layout.prefill_instances)
+        planner = CSPSPlanner(MeasuredCSPS(prefill_cost), pool_of(layout), layout.partition_tokens, sizes,
+                              stores=sp.room)
+        return ClusterEngine(sp, CDSPPolicy(planner, pool_ids, dispatch, predictor), decoders, mover,
+                             features=features)
     moves = None  # a model given (not measured here): moves priced free
     if isinstance(prefill_cost, pathlib.Path):
         pool = pool_of(layout)

@@ -30,7 +30,6 @@ from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import ChunkRun, SPPrefill
-from jaxserve.sched.cdsp import planner_groups
 from jaxserve.sched.cluster import ClusterPolicy
 from jaxserve.sched.decode_dispatch import PromptInfo
 from jaxserve.sched.decode_ledger import Transfer
@@ -139,8 +138,7 @@ class ClusterEngine:
 
     def chunk_shapes(self, max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
         """Every (group, local bucket) a chunk can run as: the planner's groups, chunks up to max_tokens."""
-        cdsp = getattr(self.planner, "planner", self.planner)  # AdaptiveCDSP wraps a CDSPPlanner
-        groups = [tuple(self.pool_ids[i] for i in g) for g in planner_groups(cdsp.pool, cdsp.sizes)]
+        groups = [tuple(self.pool_ids[i] for i in g) for g in self.planner.groups()]
         return [(g, b) for g in groups for b in self.prefill.buckets(len(g), max_tokens)]
 
     @property

@@ -287,6 +287,10 @@ class CDSPPlanner:
     def latency(self, sp: int, n: int, h: int) -> float:
         return _latency(self._coef[sp], n, h)
 
+    def groups(self) -> list[tuple[int, ...]]:
+        """Every group a chunk may take."""
+        return planner_groups(self.pool, self.sizes)
+
     def _fits(self, sp: int, n: int, h: int) -> bool:
         return self.stores is None or self.stores.fits(sp, n, h)
 
@@ -529,13 +533,20 @@ class FixedSPPlanner:
         if pool.size % sp:
             raise ValueError(f"a pool of {pool.size} instances does not split into groups of {sp}")
         self.model, self.pool, self.sp = model, pool, sp
-        self.groups = [tuple(range(g, g + sp)) for g in range(0, pool.size, sp)]
+
+    def groups(self) -> list[tuple[int, ...]]:
+        return [tuple(range(g, g + self.sp)) for g in range(0, self.pool.size, self.sp)]
 
     def on_arrival(self, t: float) -> None:
         del t  # plans from the queues alone
 
     def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan:
-        q = np.maximum(np.asarray(queues, np.float64), 0.0)
-        group = min(self.groups, key=lambda g: q[list(g)].max())
-        start = float(q[list(group)].max())
+        group, start = first_free(self.groups(), queues)
         return ChunkPlan((Chunk(tokens, 0, group, start, start + self.model.predict(self.sp, tokens)),))
+
+
+def first_free(groups: Sequence[tuple[int, ...]], queues: Sequence[float]) -> tuple[tuple[int, ...], float]:
+    """The group whose instances are all free first (the earliest in `groups` on a tie), and when."""
+    q = np.maximum(np.asarray(queues, np.float64), 0.0)
+    group = min(groups, key=lambda g: q[list(g)].max())
+    return group, float(q[list(group)].max())

@@ -56,6 +56,9 @@ class Planner(Protocol):
 
     def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan: ...
 
+    def groups(self) -> list[tuple[int, ...]]:
+        """Every group (pool slots) a chunk may take: what a live pool compiles."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Arrival:

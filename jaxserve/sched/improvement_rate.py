@@ -115,3 +115,6 @@ class AdaptiveCDSP:
 
     def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan:
         return self.planner.plan(tokens, queues)
+
+    def groups(self) -> list[tuple[int, ...]]:
+        return self.planner.groups()

@@ -6,11 +6,15 @@ reads the same ParallelConfig as `serve` (config.py) and runs its policy's sched
   fixed or from `--improvement_rates`; decode instances of `decode_tp` GPUs.
 - tetriinfer: sim/disagg.py's TetriInfer prefill instances (their chunk, batch and order), power-of-two
   dispatch, flips with `--flip_window`.
+- csps: sim/disagg.py's pool planned by CSPS's planner (sched/csps.py: whole prompts on the fewest instances
+  whose `partition_tokens` partitions hold them), priced by its SP-NTP model on the profile (dense: CSA is the
+  lab's experiment, `python -m jaxserve.lab csps`); decode instances as under cdsp.
 - esp: sim/esp_cluster.py's elastic instances. The simulator runs LoongServe whole (scale-up and multi-master
   decode, evacuation), which the live cluster does not yet (docs/ARCHITECTURE.md, "Not built yet").
 Everywhere: decode lengths predicted by the running mean of finished requests, as live (`--length_predictor=
 mean`); decode admission by `--decode_admission`. A trace carries no prompt text, so `--length_predictor=prompt`
-and the layouts the simulator does not model (`--decode_kvp` > 1, CSPS's `--sp_attention=sp_ntp`) are refused.
+and the layouts the simulator does not model (`--decode_kvp` > 1, `--sp_attention=sp_ntp` under cdsp, CSA's
+`--sparse_attention`) are refused.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import pathlib
 from jaxserve.config import ParallelConfig
 from jaxserve.sched.cdsp import Balancing, CDSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sched.csps import CSPSPlanner, CSPSPrefill
 from jaxserve.sched.decode_dispatch import ObservedLengths
 from jaxserve.sched.flip import FlipPolicy
 from jaxserve.sched.improvement_rate import AdaptiveCDSP, read_rate_table
@@ -51,7 +56,8 @@ def check(layout: ParallelConfig) -> None:
         unmodelled.append(f"--sparse_attention={layout.sparse_attention}")
     if unmodelled:
         raise ValueError(f"{', '.join(unmodelled)}: not simulated (a trace has no prompt text, and the simulator "
-                         f"models neither KV-parallel decode instances nor CSPS's pool); leave "
+                         f"models neither KV-parallel decode instances, nor SP-NTP in a CDSP pool, nor CSA's drop "
+                         f"ratio; --cluster_policy=csps simulates dense SP-NTP); leave "
                          f"{'it' if len(unmodelled) == 1 else 'them'} out")
 
 
@@ -73,10 +79,13 @@ def simulate_cluster(workload: Workload, layout: ParallelConfig, profile: str, p
         return DisaggSimulator(None, lambda n: cost.batch_time([(n, 0)]), cfg, ObservedLengths()).run(
             workload, progress)
     pool = Pool(layout.prefill_instances // layout.node_size, layout.node_size)
+    cfg = DisaggConfig(prefill_instances=pool.size, **decode)
+    if layout.cluster_policy == "csps":
+        csps = CSPSPlanner(CSPSPrefill(profile, pool.per_node, cut=0.0), pool, layout.partition_tokens)
+        return DisaggSimulator(csps, csps.fastest, cfg, ObservedLengths()).run(workload, progress)
     eq1 = pool_eq1(profile, layout.tp, pool)
     planner = CDSPPlanner(eq1, pool, layout.improvement_rate, min_chunk=layout.min_chunk,
                           balancing=Balancing.from_profile(profile, pool.per_node, layout.tp))
     if layout.improvement_rates is not None:
         planner = AdaptiveCDSP(planner, read_rate_table(pathlib.Path(layout.improvement_rates)))
-    cfg = DisaggConfig(prefill_instances=pool.size, **decode)
     return DisaggSimulator(planner, eq1.fastest, cfg, ObservedLengths()).run(workload, progress)

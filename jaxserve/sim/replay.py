@@ -2,6 +2,8 @@
 output lengths, the same policy, layout and schedulers, and every executor cost taken from the live devices.
 
 - cdsp: sim/disagg.py's prefill pool, planned by a CDSPPlanner on the pool's measured Eq. (1).
+- csps: sim/disagg.py's prefill pool, planned by CSPS's planner on the pool's measured Eq. (1) (its stores
+  assumed to hold every partition, as they do when `partition_tokens` fits a store).
 - tetriinfer: sim/disagg.py's TetriInfer prefill instances, each chunk priced by Eq. (1) at SP 1, measured on one
   live instance; the ClusterPlans are TetriInferPolicy's on both sides, so a burst's chunks and dispatches match
   (tests/cluster/test_tetriinfer.py).
@@ -27,6 +29,7 @@ import numpy as np
 from jaxserve.sched.batch_cost import EngineStepCost, TetrisBatchCost
 from jaxserve.sched.cdsp import CDSPPlanner, MeasuredBalancing, Pool
 from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill
+from jaxserve.sched.csps import CSPSPlanner, MeasuredCSPS
 from jaxserve.sched.decode_dispatch import ObservedLengths
 from jaxserve.sched.esp import aligned_groups
 from jaxserve.sched.improvement_rate import AdaptiveCDSP, RateTable
@@ -35,7 +38,7 @@ from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.workload import Workload
 
-POLICIES = ("cdsp", "esp", "tetriinfer")
+POLICIES = ("cdsp", "csps", "esp", "tetriinfer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,19 +66,19 @@ class Line:
 class LiveRun:
     """What a live run was and what it measured (JSON: `to_dict` / `from_dict`)."""
 
-    policy: str  # cdsp, esp or tetriinfer
+    policy: str  # cdsp, csps, esp or tetriinfer
     prefill_instances: int
     decode_instances: int  # 0 under esp: the pool's instances decode
     node_size: int
     trace: list[tuple[float, int, int]]  # (arrival seconds from the first, prompt tokens, output tokens)
-    prefill_model: dict  # cdsp: Eq. (1) on the pool; tetriinfer: Eq. (1) at SP 1; esp: LoongServe's batch model
+    prefill_model: dict  # cdsp, csps: Eq. (1) on the pool; tetriinfer: Eq. (1) at SP 1; esp: LoongServe's batch model
     step_cost: dict  # the decode engine's EngineStepCost
     transfer: Line  # one KV transfer (or gather) of a request's tokens
     kv_tokens: int  # KV one decode instance holds
     max_num_seqs: int  # sequences one decode step runs
     max_model_len: int
     # cdsp: improvement_rate, sizes, min_chunk, the improvement_rates table (RateTable's fields) if one was used, and
-    # the measured cache balancing (MeasuredBalancing's fields) if it had one
+    # the measured cache balancing (MeasuredBalancing's fields) if it had one; csps: partition_tokens, sizes
     planner: dict = dataclasses.field(default_factory=dict)
     prefill_chunk: int = 512  # tetriinfer
     prefill_batch: int = 16
@@ -152,6 +155,12 @@ def replay(run: LiveRun, progress: bool = False) -> Results:
                            prefill_order=run.prefill_order, decode_instances=run.decode_instances, decode_tp=1,
                            dispatch="power_of_two", admission="greedy")  # the live decode instances' admission
         sim = DisaggSimulator(None, eq1.fastest, cfg, ObservedLengths(), costs)
+    elif run.policy == "csps":
+        pool = Pool(run.prefill_instances // run.node_size, run.node_size)
+        planner = CSPSPlanner(MeasuredCSPS(eq1), pool, run.planner["partition_tokens"], run.planner["sizes"])
+        cfg = DisaggConfig(prefill_instances=run.prefill_instances, decode_instances=run.decode_instances,
+                           decode_tp=1, admission="greedy")
+        sim = DisaggSimulator(planner, planner.fastest, cfg, ObservedLengths(), costs)
     else:
         pool = Pool(run.prefill_instances // run.node_size, run.node_size)
         moves = run.planner.get("balancing")  # the live pool's measured move, if it had one

@@ -26,7 +26,9 @@ def live(policy: str, trace, **fields) -> LiveRun:
     if policy == "esp":  # SP 1 is the fastest for any lone prompt here: its fixed cost grows with the group
         model = LoongServePrefill({(sp, 1): np.array([0.5 * sp, 1e-3 / sp, 1e-8]) for sp in (1, 2, 4)})
     else:
-        model = TetrisPrefill({1: EQ1[1]} if policy == "tetriinfer" else {2: EQ1[2], 4: EQ1[4]})
+        model = TetrisPrefill({"tetriinfer": {1: EQ1[1]}, "csps": EQ1}.get(policy, {2: EQ1[2], 4: EQ1[4]}))
+    if policy == "csps":
+        fields = dict(planner=dict(partition_tokens=512, sizes=[1, 2, 4])) | fields
     base = dict(policy=policy, prefill_instances=4, decode_instances=0 if policy == "esp" else 2, node_size=2,
                 trace=trace, prefill_model=json.loads(model.to_json()), step_cost=STEP.to_dict(), transfer=TRANSFER,
                 kv_tokens=8192, max_num_seqs=4, max_model_len=4096,
@@ -63,7 +65,16 @@ def test_a_lone_request_under_cdsp_takes_its_planned_chunks_and_the_measured_ste
     assert row["tpot"] >= sum(decode_steps(prompt, output)) / (output - 1)
 
 
-@pytest.mark.parametrize("policy", ["cdsp", "tetriinfer", "esp"])
+def test_a_lone_request_under_csps_takes_the_fewest_instances_its_partitions_fill():
+    """600 tokens in partitions of at most 512: two instances, one chunk, Eq. (1) at SP 2 with no history."""
+    prompt, output = 600, 5
+    res = replay(live("csps", [(0.0, prompt, output)]))
+    (row,), ((_, group, _, _),) = res.table(), res.prefills
+    assert len(group) == 2
+    assert row["ttft"] == pytest.approx(TetrisPrefill(EQ1).predict(2, prompt), rel=1e-9)
+
+
+@pytest.mark.parametrize("policy", ["cdsp", "csps", "tetriinfer", "esp"])
 def test_a_busy_trace_replays_to_the_end_and_survives_json(policy):
     rng = np.random.default_rng(0)
     trace = [(float(t), int(p), int(o)) for t, p, o in zip(np.cumsum(rng.exponential(0.5, 24)) - 0.5,

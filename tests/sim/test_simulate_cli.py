@@ -69,6 +69,8 @@ def test_notebook_api_gives_tables():
       "--prefill_chunk=512", "--decode_admission=reserve_dynamic"], 120),
     (["--cluster_policy=tetriinfer", "--prefill_instances=4", "--decode_instances=2", "--flip_window=30"], 120),
     (["--cluster_policy=esp", "--prefill_instances=8", "--tp=2", "--profile=h100_llama2_7b"], 120),
+    (["--cluster_policy=csps", "--prefill_instances=16", "--node_size=8", "--partition_tokens=8192",
+      "--decode_instances=2", "--decode_tp=8"], 120),
 ])
 def test_simulate_runs_a_cluster_from_the_flags_that_serve_it(tmp_path, args, finished):
     """`simulate --prefill_instances=...`: serve's layout flags, each policy's scheduler on the GPU profile."""
@@ -85,6 +87,8 @@ def test_simulate_runs_a_cluster_from_the_flags_that_serve_it(tmp_path, args, fi
     (["--prefill_instances=4", "--decode_kvp=2"], "--decode_kvp=2: not simulated"),
     (["--prefill_instances=4", "--cluster_policy=esp", "--decode_tp=2"], "--decode_tp=2: not read with"),
     (["--prefill_instances=6", "--node_size=4"], "6 prefill instances do not form nodes of 4"),
+    (["--prefill_instances=4", "--cluster_policy=csps", "--sparse_attention=0.3"],
+     "--sparse_attention=0.3: not simulated"),
 ])
 def test_a_cluster_setting_the_simulator_cannot_honour_is_refused_by_name(args, message):
     proc = run_cli(*args, "--trace=azure_code", "--requests=10")

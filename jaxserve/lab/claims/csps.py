@@ -4,7 +4,7 @@ an 8B model (the built-in Llama-3-8B profile; CSPS served GLM-4-9B-1M and Intern
 
 - Sarathi-Serve (the paper's baseline): 8 replicas of TP4 x PP2, FCFS, chunked prefill with a 256-token budget
   per iteration, prefill chunks and decodes mixed (sim/simulator.py).
-- CSPS: a prefill pool of `--prefill_gpus` GPUs (lab/csps.py: SP-NTP over as many GPUs as SPTs of at most
+- CSPS: a prefill pool of `--prefill_gpus` GPUs (sched/csps.py: SP-NTP over as many GPUs as SPTs of at most
   `--spts` tokens need, all-to-alls pipelined with attention, CSA dropping `--cut` of the attention pairs, the
   paper's measured 28%) and the rest as
   TP-`--decode_tp` decode instances (sim/disagg.py). CSPS decodes apart from prefill with the KV spread over
@@ -36,7 +36,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from jaxserve.lab.csps import CSPSPlanner, CSPSPrefill
+from jaxserve.sched.csps import CSPSPlanner, CSPSPrefill
 from jaxserve.sched.cdsp import Pool
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator

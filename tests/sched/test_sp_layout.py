@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.lab import sp_layout
+from jaxserve.sched import sp_layout
 from jaxserve.sched.profiles import network
 
 

@@ -1,6 +1,12 @@
-"""CSPS's prefill (§3.2) for the simulator: a prompt split into sequence partitions (SPTs) of at most `spt` tokens,
-one per GPU of a group, attention through SP-NTP (Ulysses all-to-alls, no TP: an 8B model fits one GPU) with
+"""CSPS (§3.2): a long prompt's prefill over a group of instances, one sequence partition (SPT) of at most `spt`
+tokens on each, attention through SP-NTP (Ulysses all-to-alls; live: engine/sp_prefill.py's sp_ntp) with
 optional CSA token dropping, the all-to-alls pipelined with the attention (§3.2.5).
+
+- CSPSPlanner: CSPS's prefill plan. A prompt goes whole to the fewest instances (a power of two) whose SPTs
+  hold it, on the aligned group that frees up first. One planner, two costs: `serve --cluster_policy=csps`
+  plans on Eq. (1) measured on its pool (MeasuredCSPS), the simulator and the lab on a GPU profile
+  (CSPSPrefill). Served and simulated through sched/cluster.py's CDSPPolicy (plans made and booked at arrival).
+- CSPSPrefill: the profile's time, below.
 
 Time of an L-token prompt on N GPUs, all layers (t = L / N tokens per GPU; N at most the query heads, which
 SP-NTP splits across the GPUs):
@@ -24,14 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Sequence
+from typing import Protocol, Sequence
 
-import numpy as np
 
-from jaxserve.lab import sp_layout
-from jaxserve.sched import csa_cost
-from jaxserve.sched.cdsp import Chunk, ChunkPlan, Pool
+from jaxserve.sched import csa_cost, sp_layout
+from jaxserve.sched.cdsp import Chunk, ChunkPlan, Pool, Stores, first_free
+from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.profiles import PROFILES, ProfileBatchCost, model_shape, network
 
 
@@ -88,30 +92,67 @@ class CSPSPrefill:
         return self._cost.linear_ops(t) + overlapped
 
 
-class CSPSPlanner:
-    """A prompt goes whole to the `sp_for(tokens)` GPUs that free up first, in aligned blocks (one node's GPUs
-    for groups up to a node, runs of whole nodes beyond): its SPTs are at most `spt` tokens, as CSPS's 64K-128K,
-    on at most as many GPUs as the model has query heads (and the pool holds)."""
+class PromptSeconds(Protocol):
+    def seconds(self, sp: int, tokens: int) -> float:
+        """A whole prompt's prefill on `sp` instances."""
 
-    def __init__(self, model: CSPSPrefill, pool: Pool, spt: int = 131072):
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredCSPS:
+    """The live pool's Eq. (1), measured on its SP-NTP groups: a whole prompt is one chunk with no history."""
+
+    model: TetrisPrefill
+
+    def seconds(self, sp: int, tokens: int) -> float:
+        return self.model.predict(sp, tokens)
+
+
+class CSPSPlanner:
+    """A prompt goes whole to the `sp_for(tokens)` instances that free up first, in aligned blocks (within a node
+    for groups up to a node, runs of whole nodes beyond): its SPTs are at most `spt` tokens, on at most the
+    largest of `sizes` (CSPSPrefill: the model's query heads; live: the sizes measured)."""
+
+    def __init__(self, model: PromptSeconds, pool: Pool, spt: int = 131072, sizes: Sequence[int] | None = None,
+                 stores: Stores | None = None):
+        """sizes: the group sizes, powers of two (default: every one the pool holds, and the model's query heads
+        for a CSPSPrefill). stores: the instances' history stores, which hold a prompt's SPTs (default:
+        unbounded)."""
         if spt < 1:
             raise ValueError(f"spt must be >= 1, got {spt}")
-        self.model, self.pool, self.spt = model, pool, spt
+        if sizes is None:
+            most = min(pool.size, model_shape(model.profile).heads if isinstance(model, CSPSPrefill) else pool.size)
+            sizes = [1 << i for i in range(most.bit_length())]
+        self.sizes = sorted(sizes)
+        bad = [s for s in self.sizes if s & (s - 1) or s > pool.size or (s > pool.per_node and s % pool.per_node)
+               or (s < pool.per_node and pool.per_node % s)]
+        if not self.sizes or bad:
+            raise ValueError(f"CSPS's groups are powers of two in whole nodes of {pool.per_node} (or within one), "
+                             f"at most the pool's {pool.size}: got {list(sizes)}")
+        self.model, self.pool, self.spt, self.stores = model, pool, spt, stores
 
     def sp_for(self, tokens: int) -> int:
-        most = min(self.pool.size, model_shape(self.model.profile).heads)
-        return min(1 << max(math.ceil(math.log2(tokens / self.spt)), 0), 1 << int(math.log2(most)))
+        """The fewest instances whose SPTs (and stores) hold the prompt; the largest size if none does."""
+        fits = [s for s in self.sizes if s * self.spt >= tokens and (self.stores is None or
+                                                                     self.stores.fits(s, tokens, 0))]
+        return fits[0] if fits else self.sizes[-1]
+
+    def longest(self) -> int | None:
+        """The longest prompt the pool's stores hold (None: unbounded)."""
+        return None if self.stores is None else self.stores.longest(self.sizes[-1])
+
+    def groups(self, sp: int | None = None) -> list[tuple[int, ...]]:
+        """The groups of `sp` instances a prompt may take (None: of every size)."""
+        if sp is None:
+            return [g for s in self.sizes for g in self.groups(s)]
+        step = min(sp, self.pool.per_node)  # groups of whole nodes start at any node
+        return [tuple(range(g, g + sp)) for g in range(0, self.pool.size - sp + 1, step)]
 
     def on_arrival(self, t: float) -> None:
         del t  # plans from the queues alone
 
     def plan(self, tokens: int, queues: Sequence[float]) -> ChunkPlan:
         sp = self.sp_for(tokens)
-        q = np.maximum(np.asarray(queues, np.float64), 0.0)
-        step = sp if sp <= self.pool.per_node else self.pool.per_node  # groups of whole nodes start at any node
-        groups = [tuple(range(g, g + sp)) for g in range(0, self.pool.size - sp + 1, step)]
-        group = min(groups, key=lambda g: q[list(g)].max())
-        start = float(q[list(group)].max())
+        group, start = first_free(self.groups(sp), queues)
         return ChunkPlan((Chunk(tokens, 0, group, start, start + self.model.seconds(sp, tokens)),))
 
     def fastest(self, tokens: int) -> float:

@@ -1,14 +1,15 @@
-"""CSPS's prefill cost and planner (lab/csps.py): the pieces it adds up, CSA's calibrated drop and kept pairs,
-SPT sizing and group placement."""
+"""CSPS's prefill cost and planner (sched/csps.py): the pieces it adds up, CSA's calibrated drop and kept pairs,
+SPT sizing and group placement, on a GPU profile and on a live pool's measured Eq. (1)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from jaxserve.lab import sp_layout
-from jaxserve.lab.csps import CSPSPlanner, CSPSPrefill
-from jaxserve.sched import csa_cost
-from jaxserve.sched.cdsp import Pool
+from jaxserve.sched import csa_cost, sp_layout
+from jaxserve.sched.cdsp import Pool, Stores
+from jaxserve.sched.cost_models import TetrisPrefill
+from jaxserve.sched.csps import CSPSPlanner, CSPSPrefill, MeasuredCSPS
 from jaxserve.sched.profiles import ProfileBatchCost, model_shape, network
 
 PROFILE = "a100_llama3_8b"  # 32 query heads
@@ -81,3 +82,19 @@ def test_groups_beyond_a_node_start_at_any_node_and_stop_at_the_heads():
     queues = [9.0] * 8 + [0.0] * 40  # the first node busy: GPUs 8-39 are free now
     (chunk,) = planner.plan(1 << 20, queues).chunks
     assert chunk.group == tuple(range(8, 40)) and chunk.start == 0.0
+
+
+def test_the_live_planner_takes_the_measured_sizes_and_its_stores_bound_the_group():
+    """Live, the sizes are those measured on the pool and a prompt's partitions must fit the instances' history
+    stores: a prompt whose SPT would overflow a store takes more instances."""
+    eq1 = TetrisPrefill({s: np.array([0.01 * s, 1e-3 / s, 0.0, 1e-7 / s]) for s in (1, 2, 4)})
+    pool = Pool(nodes=2, per_node=2)
+    planner = CSPSPlanner(MeasuredCSPS(eq1), pool, spt=4096, sizes=[1, 2, 4], stores=Stores(1024, 64))
+    assert [planner.sp_for(n) for n in (1000, 1025, 3000, 5000)] == [1, 2, 4, 4]
+    assert planner.longest() == 4096
+    assert planner.groups() == [(0,), (1,), (2,), (3,), (0, 1), (2, 3), (0, 1, 2, 3)]
+    (chunk,) = planner.plan(1500, [0.5, 0.5, 0.2, 0.0]).chunks
+    assert chunk.group == (2, 3) and chunk.start == 0.2 and chunk.end == pytest.approx(0.2 + eq1.predict(2, 1500))
+    for sizes in ([3], [1, 8], [4, 16]):  # not a power of two; past the pool; a node and a half
+        with pytest.raises(ValueError, match="powers of two"):
+            CSPSPlanner(MeasuredCSPS(eq1), Pool(nodes=3, per_node=4) if 16 in sizes else pool, sizes=sizes)
