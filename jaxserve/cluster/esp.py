@@ -32,7 +32,8 @@ from jaxserve.cluster.engine import WAIT, ChunkRecord, ClusterEngine
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sched import decode_ledger, esp as elastic
+from jaxserve.sched import esp as elastic
+from jaxserve.sched.cluster import elastic_pool
 from jaxserve.sched.decode_ledger import Transfer
 from jaxserve.sched.plan import ClusterPlan, Outcome, WorkItem
 from jaxserve.sched.request import Request
@@ -128,23 +129,10 @@ class ESPCluster(ClusterEngine):
         return any(self.pool_ids[index] in b.group for b in self._batches)
 
     # ---- prefill batches ------------------------------------------------------------------------------------
-    def _instance(self, k: int) -> elastic.ElasticInstance:
-        """Decode instance k as the ESP policy sees it: KV tokens in use (promised ones included)."""
-        d = self.decoders[k]
-        placed = self.group.engine.kv.promised(k) if self.group is not None else 0  # a spread prompt's, to land
-        used = d.kv_tokens - decode_ledger.load(d).free_slots + placed
-        return elastic.ElasticInstance(k, d.kv_tokens, used, tuple(self._generated_on(d)))
-
-    def _generated_on(self, d: LiveDecoder) -> list[int]:
-        """Tokens each request decoding on `d` (dispatched there, its KV landed) has generated so far."""
-        return [self._generated.get(rid, 1) for rid in d.ledger.heavy if rid not in d.ledger.incoming]
-
     def _pool(self) -> elastic.ElasticPool:
         """Every instance (a step's decodes have ended: all can prefill) and every decoding request."""
-        n = len(self.pool_ids)
-        generated = [g for d in self.decoders for g in self._generated_on(d)]
-        return elastic.ElasticPool(instances=[self._instance(k) for k in range(n)], available=range(n),
-                                   generated=generated, step_time=self.decode_seconds)
+        return elastic_pool(self.pools, self.group, lambda rid: self._generated.get(rid, 1),
+                            range(len(self.pool_ids)), self.decode_seconds)
 
     def _start(self, group: tuple[int, ...], items: tuple[WorkItem, ...], plan: ClusterPlan) -> None:
         """Run a batch's prompts one after another on its group, each decoding afterwards where its dispatch

@@ -36,8 +36,8 @@ from typing import Callable, Collection, Mapping, Protocol, Sequence
 import numpy as np
 
 from jaxserve.sched.cdsp import Chunk, ChunkPlan
-from jaxserve.sched import decode_ledger
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE, LengthPredictor, PromptInfo, by_freeness, power_of_two
+from jaxserve.sched import decode_ledger
 from jaxserve.sched.decode_ledger import DecodeSide
 from jaxserve.sched.esp import (ElasticInstance, ElasticPool, ESPBatch, ESPScheduler, RunningDecodes, isolated_room,
                                 keeper, predicted_growth)
@@ -328,6 +328,27 @@ class TetriInferPolicy(ClusterPolicy):
             self.instances[k].remove(request_id)
         self._limits.pop(request_id, None)
         super().finish(request_id, generated)
+
+
+def elastic_pool(instances: Sequence[DecodeSide], group: DecodeSide | None, generated: Callable[[str], int],
+                 available: Collection[int], step_time: float) -> ElasticPool:
+    """The pool as ESPPolicy reads it, from the decode sides of its instances (instances[k]: instance k's) and of
+    the multi-master group over them (its KV a SpreadKV; None: no group): each instance's KV in use, promised KV
+    included (a dispatched prompt's, and a spread prompt's share placed there to land), and the tokens each request
+    decoding there (its KV landed) has generated so far, generated(request id)."""
+    def decoding(side: DecodeSide) -> list[int]:
+        return [generated(rid) for rid in side.ledger.heavy if rid not in side.ledger.incoming]
+
+    views = []
+    for k, side in enumerate(instances):
+        kv = side.scheduler.kv
+        tokens = kv.capacity * kv.block_size
+        placed = group.scheduler.kv.promised(k) if group is not None else 0
+        used = tokens - decode_ledger.load(side).free_slots + placed
+        views.append(ElasticInstance(k, tokens, used, tuple(decoding(side))))
+    sides = [*instances, *([group] if group is not None else [])]
+    return ElasticPool(instances=views, available=available, generated=[g for d in sides for g in decoding(d)],
+                       step_time=step_time)
 
 
 class GrowthKind(enum.Enum):

@@ -13,6 +13,12 @@ admission of prefilled requests: greedy with recompute, reserve-static, reserve-
   once that chunk ends (the paper's request-level transfer). The ClusterPlans are TetriInferPolicy's, as live,
   its instance flips (3.5) included.
   The length predictor's own cost on the prefill instance is not charged.
+- Prefill, `prefill="esp"` (LoongServe, as cluster/esp.py serves it): `prefill_instances` elastic instances that
+  also decode (decode instance k is instance k; with `spread`, decode instance `prefill_instances` is the
+  multi-master group over their pools, sched/spread_kv.py). ESPPolicy's rounds batch the waiting prompts onto
+  groups of them, each batch lasting `Costs.batch`; a batch starts once its instances' decode steps end, and they
+  (the group: while any batch runs) pause until it ends; each prompt's KV then moves to where its dispatch keeps
+  it, in one transfer. The policy sees the pool as live (sched/cluster.py's elastic_pool): KV promised counts.
 - Dispatch (sched/decode_dispatch.py): Tetris's freeness rate with virtual usage, or TetriInfer's power of two
   over instances with room for the predicted footprint, balancing heavy decodes. With the pool, at planning time.
 - Transfer: KV leaves the prefill side's GPUs in parallel (an SP group's or a TP instance's shares) over the
@@ -34,12 +40,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.sched import decode_ledger
-from jaxserve.sched.cluster import CDSPPolicy, Planner, TetriInferPolicy
+from jaxserve.sched.cluster import CDSPPolicy, ESPPolicy, Planner, TetriInferPolicy, elastic_pool
 from jaxserve.sched.decode_dispatch import LengthPredictor, PromptInfo
 from jaxserve.sched.decode_ledger import DecodeLedger, Transfer
 from jaxserve.sched.flip import Flip, FlipController
 from jaxserve.sched.build import packer_config, replica_scheduler
-from jaxserve.sched.kv_manager import KVCacheManager
+from jaxserve.sched.esp import ESPScheduler
+from jaxserve.sched.kv_manager import BlockTables, KVCacheManager
+from jaxserve.sched.spread_kv import SpreadKV
 from jaxserve.sched.batch_cost import BatchCost
 from jaxserve.sched.plan import Dispatch, Outcome, WorkItem
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
@@ -78,8 +86,8 @@ class FlipRule(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class DisaggConfig:
-    prefill: str = "pool"  # or "tetriinfer" (TetriInfer's prefill instances; no planner)
-    prefill_instances: int = 16  # GPUs in the pool, or TetriInfer prefill instances
+    prefill: str = "pool"  # or "tetriinfer" (TetriInfer's prefill instances; no planner), or "esp"
+    prefill_instances: int = 16  # GPUs in the pool, TetriInfer prefill instances, or ESP's elastic instances
     prefill_tp: int = 1  # GPUs per TetriInfer prefill instance
     prefill_chunk: int = 512  # TetriInfer's ChunkSize: the accelerator's saturation point
     prefill_batch: int = 16  # TetriInfer's PrefillSchedBatch
@@ -96,6 +104,7 @@ class DisaggConfig:
     # prefill, each of the prefill_instances + decode_instances instances prefills or decodes
     flip: FlipRule | None = None
     seed: int = 0  # power of two's sampling
+    spread: bool = False  # esp: a prompt's KV may stay spread over instances, decoded by the multi-master group
     slo: SLO = SLO()
     memory_utilization: float = 0.9
 
@@ -113,6 +122,7 @@ class Costs:
     transfer: Callable[[int, int], float]  # seconds to move `tokens` of KV sent by `senders` GPUs at once
     decode_kv_capacity: int  # tokens of KV one decode instance holds
     max_num_seqs: int = 256  # sequences one decode step runs
+    batch: Callable[[Sequence[int], int], float] | None = None  # esp: a batch of prompts (lengths) on sp instances
 
 
 def profile_costs(config: DisaggConfig) -> Costs:
@@ -128,14 +138,15 @@ def profile_costs(config: DisaggConfig) -> Costs:
 class SimulatedDecoder:
     """A simulated decode instance: the live instance's ReplicaScheduler on the profile's GPUs, and its ledger."""
 
-    def __init__(self, index: int, config: DisaggConfig, costs: Costs):
+    def __init__(self, index: int, config: DisaggConfig, costs: Costs, kv: BlockTables | None = None):
+        """kv: its pool (default: its own of costs.decode_kv_capacity tokens; ESP's group: a SpreadKV)."""
         self.index, self.cost = index, costs.decode
-        kv = KVCacheManager.for_tokens(costs.decode_kv_capacity, BLOCK_SIZE, enable_prefix_caching=False)
+        kv = kv or KVCacheManager.for_tokens(costs.decode_kv_capacity, BLOCK_SIZE, enable_prefix_caching=False)
         # the live engine's defaults: its iteration budget a full step (every decode at the longest context)
         scheduler = SchedulerConfig(policy="fcfs", max_num_seqs=costs.max_num_seqs)
         self.scheduler = replica_scheduler(scheduler, costs.decode, kv,
                                            packer_config(scheduler, costs.decode,
-                                                         max_model_len=costs.decode_kv_capacity),
+                                                         max_model_len=kv.capacity * kv.block_size),
                                            group=(index,), admission=ADMISSIONS[config.admission])
         self.ledger = DecodeLedger(config.recv_backends)
         self.seconds: dict[tuple[str, int], float] = {}  # each offered transfer's time on the link
@@ -149,16 +160,20 @@ class SimulatedDecoder:
 
 
 class DisaggSimulator:
-    def __init__(self, planner: Planner | None, best_latency: Callable[[int], float],
+    def __init__(self, planner: Planner | ESPScheduler | None, best_latency: Callable[[int], float],
                  config: DisaggConfig = DisaggConfig(), predictor: LengthPredictor | None = None,
                  costs: Costs | None = None):
-        """planner: the pool's (None with TetriInfer's prefill instances); best_latency(tokens): a prompt's
-        fastest isolated prefill, which its TTFT deadline scales with; predictor: decode-length ranges for
-        power-of-two dispatch; costs: what the executor charges (None: config's GPU profile)."""
-        if config.prefill not in ("pool", "tetriinfer"):
-            raise ValueError(f"prefill must be pool or tetriinfer, got {config.prefill!r}")
-        if (config.prefill == "pool") != (planner is not None):
-            raise ValueError("a prefill pool needs a planner; TetriInfer's prefill instances take none")
+        """planner: the pool's (an ESPScheduler for ESP's instances; None with TetriInfer's prefill instances);
+        best_latency(tokens): a prompt's fastest isolated prefill, which its TTFT deadline scales with;
+        predictor: decode-length ranges for power-of-two dispatch; costs: what the executor charges (None:
+        config's GPU profile; ESP's needs its batch cost)."""
+        if config.prefill not in ("pool", "tetriinfer", "esp"):
+            raise ValueError(f"prefill must be pool, tetriinfer or esp, got {config.prefill!r}")
+        if (config.prefill == "tetriinfer") == (planner is not None):
+            raise ValueError("a prefill pool needs a planner (ESP's instances: an ESPScheduler); TetriInfer's prefill "
+                             "instances take none")
+        if config.prefill == "esp" and (costs is None or costs.batch is None or config.flip is not None):
+            raise ValueError("ESP's instances need a batch cost (Costs.batch) and take no flips")
         if config.prefill == "tetriinfer" and config.flip is not None and config.decode_tp != config.prefill_tp:
             raise ValueError(f"flipping TetriInfer instances prefill and decode on their own GPUs: decode_tp "
                              f"({config.decode_tp}) must be prefill_tp ({config.prefill_tp})")
@@ -200,8 +215,14 @@ class _Run:
         self.sim, self.workload = sim, workload
         # the cluster's policy: arrivals, prefill work, decode dispatch, TetriInfer's flips and the GPU slots'
         # bookings (its arrays, updated in place); and the GPU slots each decode instance holds in the pool
-        self._tetriinfer = cfg.prefill == "tetriinfer"
-        if self._tetriinfer:  # with flips every instance prefills and decodes, one role at a time
+        self._tetriinfer, self._esp = cfg.prefill == "tetriinfer", cfg.prefill == "esp"
+        n = cfg.prefill_instances
+        if self._esp:  # its instances decode: decode instance k is instance k
+            context = sim.costs.decode_kv_capacity * (n if cfg.spread else 1)
+            self.scheduler = ESPPolicy(sim.planner, range(n), cfg.dispatch, sim.predictor, cfg.seed,
+                                       spread=cfg.spread, instance_context=sim.costs.decode_kv_capacity)
+            decoder_slots = [()] * n
+        elif self._tetriinfer:  # with flips every instance prefills and decodes, one role at a time
             n = cfg.prefill_instances + (cfg.decode_instances if cfg.flip else 0)
             instances = [PrefillBatchScheduler(cfg.prefill_chunk, cfg.prefill_batch, cfg.prefill_order, (i,))
                          for i in range(n)]
@@ -223,6 +244,13 @@ class _Run:
         self.retired: list[SimulatedDecoder] = []
         for slots_held in decoder_slots:
             self._new_decoder(slots_held)
+        self.group = None  # ESP's multi-master group: its blocks come from the instances' pools
+        if self._esp and cfg.spread and n > 1:
+            self.group = SimulatedDecoder(n, cfg, sim.costs, SpreadKV([d.scheduler.kv for d in self.decoders]))
+            self.decoders.append(self.group)
+        self.context = context if self._esp else sim.costs.decode_kv_capacity  # the longest request served
+        self.batches: dict[tuple[int, ...], float] = {}  # ESP: each batch in flight's instances and end
+        self.decode_seconds = 0.0  # ESP: a decode step's time, as live measures it (a moving average)
         sim.decoders = self.decoders
         # the pool's flips: a prefill unit is decode_tp GPU slots of the pool, a decode unit a decode instance's
         # index (TetriInfer's flips are its policy's)
@@ -241,6 +269,7 @@ class _Run:
         self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # chunks as run
         self.decoders_of: dict[str, int] = {}  # each request's decode instance
         self._by_id: dict[str, Request] = {}  # the prompts not yet prefilled
+        self._served: dict[str, Request] = {}  # every request admitted
         self._decoder: dict[str, SimulatedDecoder] = {}  # and the decode instance of each dispatched one
         self.bar = tqdm(total=len(workload), desc="simulate disaggregated", unit="req", disable=not progress)
 
@@ -299,7 +328,10 @@ class _Run:
         # TetriInfer 5.1's resource usage time: every instance's wall time from the first arrival to its last
         # work, here per GPU (an instance idle from then on is recycled)
         prefill_tp = self.cfg.prefill_tp if self._tetriinfer else 1
-        if self._tetriinfer and self.cfg.flip:  # an instance's GPUs serve both its roles
+        if self._esp:  # an instance's GPUs prefill and decode
+            gpu_seconds = self.cfg.decode_tp * sum(max(f - first, d.last_end - first, 0.0)
+                                                   for f, d in zip(self.free_at.tolist(), self.decoders))
+        elif self._tetriinfer and self.cfg.flip:  # an instance's GPUs serve both its roles
             gpu_seconds = prefill_tp * sum(max(f - first, d.last_end - first, 0.0)
                                            for f, d in zip(self.free_at.tolist(), self.decoders))
         else:
@@ -345,8 +377,8 @@ class _Run:
 
     def _arrive(self, t: float, r: Request) -> None:
         cfg, sim = self.cfg, self.sim
-        if self._tetriinfer:
-            self._arrive_tetriinfer(t, r)
+        if self._tetriinfer or self._esp:
+            self._queue(t, r)
             return
         active = {d.index: d for d in self._open()}
         fits = lambda chosen: r.prompt_len + r.output_len <= active[chosen.decoder].scheduler.kv_capacity  # noqa: E731
@@ -365,21 +397,29 @@ class _Run:
         self.scheduler.add(r.id, arrival, t)
         self._push(t, 4, "prefill", None)  # the chunks that start now, as live (after every arrival at t)
 
-    # -- TetriInfer's prefill instances (3.3) -----------------------------------------------------------------
-    def _arrive_tetriinfer(self, t: float, r: Request) -> None:
-        if r.prompt_len + r.output_len > self.sim.costs.decode_kv_capacity:
+    # -- TetriInfer's prefill instances (3.3), ESP's elastic ones ---------------------------------------------
+    def _queue(self, t: float, r: Request) -> None:
+        """r waits for its policy's plans (a request longer than a decode instance serves is refused)."""
+        if r.prompt_len + r.output_len > self.context:
             self.rejected.append(r)
             self._done(1)
             return
         r.ttft_deadline, r.tpot_slo = t + self.cfg.slo.ttft(self.sim.best_latency(r.prompt_len)), self.cfg.slo.tpot_slo
         self.requests.append(r)
-        self._by_id[r.id] = r
-        self.scheduler.arrive(r, PromptInfo(r.prompt_len), t, None if self.sim.predictor is not None else r.output_len)
+        self._by_id[r.id] = self._served[r.id] = r
+        if self._esp:
+            self.scheduler.arrive(r, PromptInfo(r.prompt_len))
+        else:
+            self.scheduler.arrive(r, PromptInfo(r.prompt_len), t,
+                                  None if self.sim.predictor is not None else r.output_len)
         self._push(t, 4, "prefill", None)  # after every arrival at t: simultaneous ones share a scheduling batch
 
     def _prefill(self, now: float) -> None:
         """The policy's plan now: each chunk starts on its group (a CDSP chunk lasts as its planner priced it, a
         TetriInfer chunk as the prefill cost says), each prompt a TetriInfer chunk ends is dispatched."""
+        if self._esp:
+            self._prefill_esp(now)
+            return
         plan = self.scheduler.plan(now, {d.index: d for d in self.decoders})
         self.flips += [(now, r.flip.value) for r in plan.roles if r.done]
         for rid, chosen in plan.dispatch.items():
@@ -395,11 +435,44 @@ class _Run:
             tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in items if i.request_id in plan.dispatch}
             self._push(end, 0, "prefilled", (group, items, Outcome(end, (), tokens)))
 
+    def _prefill_esp(self, now: float) -> None:
+        """ESP's rounds until one starts nothing, as live: each batch on its group once the group's instances (and
+        the multi-master group) end their decode steps, each prompt dispatched where its KV stays."""
+        decoders = {d.index: d for d in self.decoders}
+        n = self.cfg.prefill_instances
+        while True:
+            pool = elastic_pool(self.decoders[:n], self.group, lambda rid: self._served[rid].generated, range(n),
+                                self.decode_seconds)
+            plan = self.scheduler.plan(now, pool, decoders)
+            if not plan.items:
+                return
+            for group, items in plan.chunks().items():
+                stepping = [decoders[k] for k in group] + ([self.group] if self.group is not None else [])
+                start = max([now] + [d.last_end for d in stepping if d.stepping])
+                end = start + self.sim.costs.batch([i.tokens for i in items], len(group))
+                for i in items:
+                    chosen = plan.dispatch[i.request_id]
+                    if decoders[chosen.decoder] is self.group:
+                        self.group.scheduler.kv.place(i.request_id, dict(chosen.shards))
+                    self._expect(decoders[chosen.decoder], self._by_id[i.request_id], chosen)
+                self.batches[group] = end
+                self.free_at[list(group)] = end
+                self.prefills.append((tuple(i.request_id for i in items), group, start, end))
+                tokens = {i.request_id: (PLACEHOLDER_TOKEN,) for i in items}
+                self._push(end, 0, "prefilled", (group, items, Outcome(end, (), tokens)))
+
+    def _paused(self, dec: SimulatedDecoder) -> bool:
+        """ESP: an instance decodes while no batch holds it; the multi-master group while none runs."""
+        if dec is self.group:
+            return bool(self.batches)
+        return any(dec.index in group for group in self.batches)
+
     def _prefilled(self, now: float, group: tuple[int, ...], items: tuple[WorkItem, ...], outcome: Outcome) -> None:
-        """A chunk ended: under CDSP its KV goes to the decode instance now (chunk-wise), under TetriInfer each
-        prompt it finished sends its whole KV; a prompt's first token comes with its last chunk."""
+        """A chunk ended: under CDSP its KV goes to the decode instance now (chunk-wise), under TetriInfer and ESP
+        each prompt it finished sends its whole KV; a prompt's first token comes with its last chunk."""
         done = self.scheduler.apply(group, items, outcome)
-        for item in items if not self._tetriinfer else ():
+        self.batches.pop(group, None)
+        for item in items if not (self._tetriinfer or self._esp) else ():
             r, last = self._by_id[item.request_id], item.request_id in done
             if r.output_len > 1:  # else its first token ends it: nothing goes to its decode instance
                 self._offer(self._decoder[r.id], Transfer(r.id, item.chunk_index, last, item.tokens, now),
@@ -411,15 +484,22 @@ class _Run:
             if r.finished:  # by its first token
                 dec.ledger.forget(r.id)
                 dec.expected.pop(r.id)
+                if dec is self.group:
+                    self.group.scheduler.kv.unplace(r.id)
                 self.scheduler.finish(r.id, r.generated)
                 self._done(1)
-            elif self._tetriinfer:
-                self._offer(dec, Transfer(r.id, 0, True, r.prompt_len, now), self.cfg.prefill_tp)  # the whole prompt
+            elif self._tetriinfer or self._esp:  # the whole prompt
+                self._offer(dec, Transfer(r.id, 0, True, r.prompt_len, now),
+                            len(group) if self._esp else self.cfg.prefill_tp)
         self._prefill(now)
+        if self._esp:  # the batch's instances decode again
+            for dec in self.decoders:
+                self._launch(dec, now)
 
     def _launch(self, dec: SimulatedDecoder, now: float) -> None:
-        """dec's next step, unless one runs: its decodes, and the recompute of a preempted request."""
-        if dec.stepping:
+        """dec's next step, unless one runs (or ESP pauses it): its decodes, and the recompute of a preempted
+        request."""
+        if dec.stepping or self._paused(dec):
             return
         plan = dec.scheduler.schedule(now)
         for _ in range(MAX_EMPTY_PLANS):  # a Plan that only preempted or granted blocks: plan again
@@ -430,7 +510,9 @@ class _Run:
         if plan is None or not plan.items:
             return
         dec.preemptions += len(plan.preempted)
-        end = now + step_seconds(dec.cost, plan)
+        seconds = step_seconds(dec.cost, plan)
+        self.decode_seconds = seconds if not self.decode_seconds else 0.9 * self.decode_seconds + 0.1 * seconds
+        end = now + seconds
         dec.stepping, dec.last_end = True, end
         self._push(end, 0, "done", (dec, plan, Outcome(end, (), step_tokens(dec.scheduler, plan))))
 

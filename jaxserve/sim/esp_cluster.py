@@ -1,6 +1,10 @@
-"""LoongServe's elastic sequence parallelism in simulation: a pool of elastic instances (each a full model copy
-on `tp` GPUs) that prefill in batches on elastic groups and decode with their KV spread across instances, run by
-sched/esp.py's ESPScheduler through the cluster scheduler (sched/cluster.py), as the live cluster runs it.
+"""LoongServe's elastic sequence parallelism in simulation, the paper's whole design on a GPU profile: a pool of
+elastic instances (each a full model copy on `tp` GPUs) that prefill in batches on elastic groups and decode with
+their KV spread across instances, run by sched/cluster.py's ESPPolicy (sched/esp.py's ESPScheduler), as the live
+cluster runs it, and with what the live cluster does not do yet: KV evacuation, proactive scale-down, per-instance
+shares of a request's KV moving between instances. Its instances keep their own KV counts (a share per request),
+not ReplicaSchedulers: `simulate --cluster_policy=esp` and the lab's experiments run it; a live run's replay runs
+sim/disagg.py's elastic instances, which decode as served.
 
 - Iterations: at every event the scheduler plans prefill batches on the idle instances (admission, elastic
   allocation, batching); then every decoding request whose instances are all idle takes one decode step, the
@@ -65,10 +69,6 @@ class ESPConfig:
     slo: SLO = SLO()
     memory_utilization: float = 0.9
     kv_tokens: int | None = None  # KV one instance holds (None: the profile's GPUs at memory_utilization)
-    # What the live cluster (cluster/esp.py) does where LoongServe goes further:
-    evacuate: bool = True  # False: a prefill's instances pause their decodes, their KV stays
-    gather: bool = False  # a prompt's whole KV onto its batch's instance with the most free KV, after the prefill
-    groups: tuple[tuple[int, ...], ...] | None = None  # the instance sets a batch may run on (None: any)
 
     def label(self) -> dict:
         return dataclasses.asdict(self) | {"slo": dataclasses.asdict(self.slo)}
@@ -170,20 +170,17 @@ class _Decoding:
 
 
 class ESPSimulator:
-    def __init__(self, config: ESPConfig = ESPConfig(), cost: ESPCost | None = None):
-        """cost: what the executor charges (None: config's GPU profile; a replay passes the live run's, an object
-        with ESPCost's methods)."""
+    def __init__(self, config: ESPConfig = ESPConfig()):
         c = self.config = config
         if c.instances < 1 or c.tp < 1:
             raise ValueError(f"instances and tp must be >= 1, got {c.instances}, {c.tp}")
-        self.cost = cost or ESPCost(c.profile, c.tp)
+        self.cost = ESPCost(c.profile, c.tp)
         self.capacity = c.kv_tokens or kv_capacity(c.profile, c.tp, c.memory_utilization)
         model = self.cost.fit(c.instances, c.tp)
         self.scheduler = ESPScheduler(
             model, c.tp, knee=self.cost.prefill([c.knee_tokens], 1),
-            migration_bandwidth=self.cost.migration_bandwidth if c.evacuate else None,
-            kv_bytes_per_token=self.cost.shard_bytes, output_estimate=c.output_estimate, max_sp=c.max_sp,
-            max_overtakes=c.max_overtakes, groups=c.groups)
+            migration_bandwidth=self.cost.migration_bandwidth, kv_bytes_per_token=self.cost.shard_bytes,
+            output_estimate=c.output_estimate, max_sp=c.max_sp, max_overtakes=c.max_overtakes)
 
     def run(self, workload: Workload, progress: bool = True) -> Results:
         return _Run(self, workload, progress).results()
@@ -198,7 +195,7 @@ class _Run:
         # decode lengths are predicted as live: the running mean of finished requests, from the configured prior
         self.scheduler = ESPPolicy(sim.scheduler, range(self.cfg.instances),
                                    predictor=ObservedLengths(prior=self.cfg.output_estimate),
-                                   spread=not self.cfg.gather, weigh_pauses=self.cfg.decode_preemption,
+                                   spread=True, weigh_pauses=self.cfg.decode_preemption,
                                    scale_up=self.cfg.scale_up)
         self.origin: dict[str, Request] = {}  # request id -> the workload's request, while it waits or prefills
         self.prefilling: list[_Prefilling] = []
@@ -283,11 +280,7 @@ class _Run:
                 break
             reserved = {i for group in plan.chunks() for i in group}
             for group, items in plan.chunks().items():
-                if self.cfg.evacuate:
-                    start = self._evacuate(set(group), reserved, now)
-                else:  # the decodes holding KV on the batch's instances wait for it
-                    start = now
-                    self.decode_pauses += sum(not set(d.shards).isdisjoint(group) for d in self.decoding.values())
+                start = self._evacuate(set(group), reserved, now)
                 end = start + self.cost.prefill([i.tokens for i in items], len(group), self.cost.link_of(group))
                 shards = {i.request_id: dict(plan.dispatch[i.request_id].shards) for i in items}
                 self.decoders |= {i.request_id: plan.dispatch[i.request_id].decoder for i in items}
@@ -345,10 +338,6 @@ class _Run:
         received: collections.Counter[int] = collections.Counter()
         for item in p.items:
             shards = p.shards[item.request_id]
-            if self.cfg.gather:  # the live cluster sends each prompt's whole KV to its decode engine, even from
-                (kept,) = shards  # the keeper's own store
-                received[kept] += item.tokens
-                continue
             for i in p.group:
                 delta = round(shards.get(i, 0) - item.tokens / sp)
                 if delta:

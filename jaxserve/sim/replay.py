@@ -7,11 +7,11 @@ output lengths, the same policy, layout and schedulers, and every executor cost 
 - tetriinfer: sim/disagg.py's TetriInfer prefill instances, each chunk priced by Eq. (1) at SP 1, measured on one
   live instance; the ClusterPlans are TetriInferPolicy's on both sides, so a burst's chunks and dispatches match
   (tests/cluster/test_tetriinfer.py).
-- esp: sim/esp_cluster.py as cluster/esp.py runs requests that fit one instance (aligned groups, no KV evacuated,
-  each prompt's KV gathered on one instance), batches priced by the LoongServe model measured on the pool; the
-  ClusterPlans are ESPPolicy's on both sides, so a burst's batches, groups and decode instances match
-  (tests/cluster/test_esp.py). A run with multi-master decodes is not replayed: the live group's step is not
-  measured apart.
+- esp: sim/disagg.py's elastic instances, as cluster/esp.py serves requests that fit one instance (aligned
+  groups, each prompt's KV gathered on one instance, which decodes it with the live ReplicaScheduler), batches
+  priced by the LoongServe model measured on the pool; the ClusterPlans are ESPPolicy's on both sides, reading the
+  pool alike (promised KV included), so batches, groups and decode instances match (tests/cluster/test_esp.py). A
+  run with multi-master decodes is not replayed: the live group's step is not measured apart.
 - Everywhere: decode steps by the engine's measured step cost (EngineStepCost), KV moves by a line fitted to the
   live run's transfers, decode-length prediction by the live cluster's predictor (ObservedLengths).
 
@@ -31,10 +31,9 @@ from jaxserve.sched.cdsp import CDSPPlanner, MeasuredBalancing, Pool
 from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill
 from jaxserve.sched.csps import CSPSPlanner, MeasuredCSPS
 from jaxserve.sched.decode_dispatch import ObservedLengths
-from jaxserve.sched.esp import aligned_groups
+from jaxserve.sched.esp import ESPScheduler, aligned_groups
 from jaxserve.sched.improvement_rate import AdaptiveCDSP, RateTable
 from jaxserve.sim.disagg import Costs, DisaggConfig, DisaggSimulator
-from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.workload import Workload
 
@@ -100,56 +99,23 @@ class LiveRun:
         return Workload(arrival.astype(np.float64), prompt.astype(np.int64), output.astype(np.int64), "live trace")
 
 
-class MeasuredESPCost:
-    """sim/esp_cluster.ESPCost's methods from a live run's measurements. The live cluster evacuates no KV and keeps
-    no request spread over instances, so there is no link bandwidth and no query exchange to price."""
-
-    shard_bytes = 0.0
-
-    def __init__(self, model: LoongServePrefill, tp: int, step: EngineStepCost, transfer: Line):
-        self.model, self.tp, self.step, self.transfer = model, tp, step, transfer
-        self._sizes = sorted(sp for sp, t in model.coefficients if t == tp)
-
-    def prefill(self, lengths: list[int], sp: int, link: str = "intra_node") -> float:
-        return self.model.predict(sp, self.tp, lengths)
-
-    def fastest_prefill(self, tokens: int, max_sp: int) -> float:
-        return min(self.prefill([tokens], sp) for sp in self._sizes if sp <= max_sp)
-
-    def fit(self, max_sp: int, tp: int) -> LoongServePrefill:
-        return self.model
-
-    def link_of(self, instances) -> str:
-        return "intra_node"
-
-    def moves(self, sent: Mapping[int, float], received: Mapping[int, float]) -> float:
-        return self.transfer(max([*sent.values(), *received.values()], default=0))
-
-    def copy(self, tokens: float) -> float:
-        raise ValueError("the live cluster gathers KV after the prefill (proactive=False)")
-
-    def decode_step(self, mastered: int, held: list[int], spread: int) -> float:
-        if spread:
-            raise ValueError("a multi-master decode is not replayed: the live group's step cost is not measured")
-        return self.step.batch_time([], held)
-
-
 def replay(run: LiveRun, progress: bool = False) -> Results:
     """The run's trace through the simulator of its policy, with its measured costs."""
     step = EngineStepCost.from_dict(run.step_cost)
     workload = run.workload()
-    if run.policy == "esp":
-        cfg = ESPConfig(instances=run.prefill_instances, tp=1, scale_up=False, multi_master=False, proactive=False,
-                        evacuate=False, gather=True, groups=tuple(aligned_groups(run.prefill_instances)),
-                        kv_tokens=run.kv_tokens, knee_tokens=run.max_model_len,
-                        output_estimate=ObservedLengths().prior)  # the live cluster's predictor, from its prior
-        model = LoongServePrefill.from_json(json.dumps(run.prefill_model))
-        return ESPSimulator(cfg, MeasuredESPCost(model, 1, step, run.transfer)).run(workload, progress)
-    eq1 = TetrisPrefill.from_json(json.dumps(run.prefill_model))
-    costs = Costs(decode=step, prefill=TetrisBatchCost(eq1, 1) if run.policy == "tetriinfer" else None,
-                  transfer=lambda tokens, senders: run.transfer(tokens),
+    costs = Costs(decode=step, prefill=None, transfer=lambda tokens, senders: run.transfer(tokens),
                   decode_kv_capacity=run.kv_tokens, max_num_seqs=run.max_num_seqs)
+    if run.policy == "esp":  # as cluster/build.py: a batch admitted while it takes a full prompt's time on one
+        model = LoongServePrefill.from_json(json.dumps(run.prefill_model))
+        elastic = ESPScheduler(model, 1, model.predict(1, 1, [run.max_model_len]), None, 0.0,
+                               groups=aligned_groups(run.prefill_instances))
+        costs = dataclasses.replace(costs, batch=lambda lengths, sp: model.predict(sp, 1, lengths))
+        cfg = DisaggConfig(prefill="esp", prefill_instances=run.prefill_instances, decode_tp=1, admission="greedy")
+        best = lambda tokens: min(model.predict(sp, 1, [tokens]) for sp, _ in model.coefficients)  # noqa: E731
+        return DisaggSimulator(elastic, best, cfg, ObservedLengths(), costs).run(workload, progress)
+    eq1 = TetrisPrefill.from_json(json.dumps(run.prefill_model))
     if run.policy == "tetriinfer":
+        costs = dataclasses.replace(costs, prefill=TetrisBatchCost(eq1, 1))
         cfg = DisaggConfig(prefill="tetriinfer", prefill_instances=run.prefill_instances,
                            prefill_chunk=run.prefill_chunk, prefill_batch=run.prefill_batch,
                            prefill_order=run.prefill_order, decode_instances=run.decode_instances, decode_tp=1,

@@ -133,8 +133,9 @@ def test_a_request_whose_kv_outgrows_one_instance_decodes_over_several(llm, devi
 
 def test_the_simulator_makes_the_live_clusters_esp_plans(llm, devices):
     """Live against simulated under ESP: a burst of eight prompts on 4 elastic instances, replayed through
-    sim/esp_cluster.py with the live run's batch model, gets the same batches (each batch's prompts, in order) on
-    the same groups, and every prompt decodes on the same instance (the keeper of its batch's group)."""
+    sim/disagg.py's elastic instances (each decoding with the live ReplicaScheduler) with the live run's batch
+    model, gets the same batches (each batch's prompts, in order) on the same groups, and every prompt decodes on
+    the same instance (the keeper of its batch's group)."""
     from jaxserve.sim.replay import Line, LiveRun, replay
 
     layout = ParallelConfig(prefill_instances=4, cluster_policy="esp")
@@ -152,7 +153,9 @@ def test_the_simulator_makes_the_live_clusters_esp_plans(llm, devices):
     for r in cluster.records:
         batches.setdefault((r.start, tuple(slot[d] for d in r.group)), []).append(str(rids.index(r.request_id)))
 
-    step = cluster.decoders[0].engine.scheduler.cost.to_dict()
+    step = cluster.decoders[0].engine.scheduler.cost.to_dict()  # never measured here (priced at zero): the
+    step["base"] = [[1e-3] * len(row) for row in step["base"]]  # simulated steps a millisecond a program
+    step["decode_base"] = [1e-3] * len(step["decode_base"])
     first = cluster.arrivals[0][1]
     live_run = LiveRun("esp", 4, 0, 1, [(t - first, n, params.max_tokens) for _, t, n in cluster.arrivals],
                        json.loads(model.to_json()), step, Line(0.0, 0.0), cluster.decoders[0].kv_tokens,

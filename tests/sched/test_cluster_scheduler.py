@@ -25,10 +25,8 @@ from jaxserve.sched.prefill_batches import PrefillBatchScheduler, chunk_time
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 from jaxserve.sched.step_shapes import StepShapes
-from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
-from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
+from jaxserve.sim.disagg import Costs, DisaggConfig, DisaggSimulator
 from jaxserve.sim.prefill_pool import run_pool
-from jaxserve.sim.replay import Line, MeasuredESPCost
 from jaxserve.sim.workload import Workload, long_context
 
 MODEL = cm.TetrisPrefill.fit(tetris_table1_samples())
@@ -329,23 +327,24 @@ def elastic_executor(scheduler: ESPPolicy, workload: Workload, kv_tokens: int, s
 
 
 def test_elastic_instances_get_the_same_batches_live_and_simulated():
-    """The same arrivals through the ESP simulator (run as the live cluster runs: no KV evacuated, each prompt's
-    KV gathered on one instance) and through a fake live executor, both asking one ESPPolicy: the same
+    """The same arrivals through the simulator's elastic instances (sim/disagg.py, as the live cluster runs them:
+    each prompt's KV gathered on one instance) and through a fake live executor, both asking an ESPPolicy: the same
     prefill batches on the same instance groups at the same times; some of them scaled up."""
     model = LoongServePrefill({(sp, 1): np.array([0.01 * sp, 2e-4 / sp, 1e-9 / sp]) for sp in (1, 2, 4)})
     step = EngineStepCost(StepShapes((16, 512), (4,), 32, 4, (1, 2, 4)), 256, [[0.05], [0.4]], [0.02, 0.025, 0.03],
                           tile_fixed=1e-3, tile_block=5e-3, decode_fixed=1e-4, decode_block=2e-3, decode_pad_block=1e-3)
-    cfg = ESPConfig(instances=4, tp=1, scale_up=False, multi_master=False, proactive=False, evacuate=False,
-                    gather=True, groups=tuple(aligned_groups(4)), kv_tokens=100_000, knee_tokens=8192)
     rng = np.random.default_rng(2)
     n = 30
     w = Workload(np.cumsum(rng.exponential(0.3, n)), rng.integers(100, 8000, n), np.ones(n, int), "mixed")
-    sim = ESPSimulator(cfg, MeasuredESPCost(model, 1, step, Line(0.0, 0.0)))
+    seconds = lambda lengths, sp: model.predict(sp, 1, lengths)  # noqa: E731
+    elastic = lambda: ESPScheduler(model, 1, model.predict(1, 1, [8192]), None, 0.0,  # noqa: E731
+                                   groups=aligned_groups(4))
+    costs = Costs(decode=step, prefill=None, transfer=lambda tokens, senders: 0.0, decode_kv_capacity=100_000,
+                  batch=seconds)
+    sim = DisaggSimulator(elastic(), lambda tokens: seconds([tokens], 1), DisaggConfig(
+        prefill="esp", prefill_instances=4, decode_tp=1, admission="greedy"), costs=costs)
     simulated = sim.run(w, progress=False).prefills
-    elastic = ESPScheduler(model, 1, sim.scheduler.knee, None, 0.0, output_estimate=cfg.output_estimate,
-                           groups=aligned_groups(4))
-    live = elastic_executor(ESPPolicy(elastic, range(4)), w, 100_000,
-                            lambda lengths, sp: model.predict(sp, 1, lengths))
+    live = elastic_executor(ESPPolicy(elastic(), range(4)), w, 100_000, seconds)
     assert live == simulated
     assert max(len(b[1]) for b in live) > 1  # scale-ups among them
     with pytest.raises(ValueError, match="needs its prefill instances"):

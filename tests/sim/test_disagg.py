@@ -214,3 +214,37 @@ def test_tetriinfer_instances_flip_toward_the_busy_role():
     flips = [kind for _, kind in res.config["flips"]]
     assert flips[:1] == ["to_decode"] and len(set(res.decoders.values())) == 3  # a third instance decoded
     assert len(res.requests) + len(res.rejected) == len(w) and all(r.finished for r in res.requests)
+
+
+def test_esp_instances_decode_as_served_on_their_keeper_or_spread_over_the_group():
+    """prefill="esp" (cluster/esp.py as served): 4 elastic instances of 2,048 KV tokens. A 3,000-token prompt
+    cannot stay on one instance: its KV stays on two, it decodes on the multi-master group (decode instance 4)
+    over SpreadKV, its blocks in both instances' pools; a 500-token prompt stays on one instance, which decodes
+    it. Without the group (spread off) the long prompt is refused."""
+    from jaxserve.sched.cost_models import LoongServePrefill
+    from jaxserve.sched.esp import ESPScheduler, aligned_groups
+    from jaxserve.sched.profiles import ProfileBatchCost
+    from jaxserve.sim.disagg import Costs
+
+    model = LoongServePrefill({(sp, 1): np.array([0.01 * sp, 1e-4 / sp, 1e-9 / sp]) for sp in (1, 2, 4)})
+    costs = Costs(decode=ProfileBatchCost("a100_llama3_8b", 1), prefill=None, transfer=lambda tokens, senders: 1e-3,
+                  decode_kv_capacity=2048, batch=lambda lengths, sp: model.predict(sp, 1, lengths))
+    w = Workload(np.array([0.0, 0.0]), np.array([3000, 500]), np.array([40, 40]), "two")
+
+    def simulate(spread: bool):
+        elastic = ESPScheduler(model, 1, model.predict(1, 1, [2048]), None, 0.0, groups=aligned_groups(4))
+        cfg = DisaggConfig(prefill="esp", prefill_instances=4, decode_tp=1, admission="greedy", spread=spread)
+        sim = DisaggSimulator(elastic, lambda n: model.predict(1, 1, [n]), cfg, costs=costs)
+        return sim, sim.run(w, progress=False)
+
+    sim, res = simulate(spread=True)
+    assert all(r.finished and r.generated == 40 for r in res.requests) and not res.rejected
+    assert res.decoders["0"] == 4 and res.decoders["1"] < 4
+    group = sim.decoders[4]
+    assert group.finished == 1 and sim.decoders[res.decoders["1"]].finished == 1
+    assert not any(m.num_blocks_held("0") for m in group.scheduler.kv.instances)  # freed at the end
+    assert min(len(g) for ids, g, _, _ in res.prefills if "0" in ids) >= 2  # a prefill over several instances
+    (_, decoded) = simulate(spread=False)
+    assert [r.id for r in decoded.rejected] == ["0"] and decoded.requests[0].finished
+    with pytest.raises(ValueError, match="batch cost"):
+        DisaggSimulator(ESPScheduler(model, 1, 1.0, None, 0.0), best, DisaggConfig(prefill="esp"))

@@ -46,7 +46,7 @@ def test_a_lone_request_costs_what_the_live_run_measured(policy):
     row = replay(live(policy, [(0.0, prompt, output)])).table()[0]
     if policy == "esp":  # one instance prefills it; its KV moves from the instance's store to its decode engine
         ttft = LoongServePrefill.from_json(json.dumps(live(policy, []).prefill_model)).predict(1, 1, [prompt])
-        moved, context = TRANSFER(prompt), prompt + 1  # its simulator books a step's new token before pricing it
+        moved, context = TRANSFER(prompt), prompt
     else:  # fixed chunks of 256 tokens, the last one padded; the whole KV moves after the first token
         cost = TetrisBatchCost(TetrisPrefill({1: EQ1[1]}), 1)
         ttft = sum(chunk_time(cost, [WorkItem(request_id="0", start=h, end=h + n, phase=Phase.PREFILL, group=(0,),
