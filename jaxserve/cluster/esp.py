@@ -1,7 +1,7 @@
 """LoongServe's elastic sequence parallelism, live (LoongServe Sections 4-5): every instance of the pool both
 prefills and decodes; there are no separate decode instances.
 
-Every decision is the cluster policy's (sched/cluster.py's ESPPolicy, which sim/esp_cluster.py executes too):
+Every decision is the cluster policy's (sched/cluster.py's ESPPolicy, which sim/disagg.py executes too):
 this executor runs its ClusterPlans.
 - Arrival: a prompt waits, in arrival order (`arrive`).
 - Prefill (each step, rounds until one starts nothing): the plan's batches, admitted, allocated elastic instances

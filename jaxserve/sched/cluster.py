@@ -1,6 +1,7 @@
 """The cluster's policies: each makes one paper's cluster decisions, for the live cluster (cluster/engine.py,
-cluster/tetriinfer.py, cluster/esp.py) and the simulators (sim/disagg.py, sim/prefill_pool.py,
-sim/esp_cluster.py) alike. What they share is ClusterPolicy's: decode dispatch and the length predictor.
+cluster/tetriinfer.py, cluster/esp.py) and the simulators (sim/disagg.py, sim/prefill_pool.py, and the lab's
+LoongServe model, lab/esp_cluster.py) alike. What they share is ClusterPolicy's: decode dispatch and the length
+predictor.
 
 - ClusterPolicy: decode dispatch (`dispatch`) by freeness or power of two, from the predicted decode length;
   a finished request teaches the length predictor what its prompt gave (`finish`). Alone: a cluster whose

@@ -2,15 +2,18 @@
 reads the same ParallelConfig as `serve` (config.py) and runs its policy's scheduler on a GPU profile.
 
 - cdsp: sim/disagg.py's CDSP pool of `prefill_instances` instances of `tp` GPUs, planned by Eq. (1) fitted to
-  the profile's ring prefill (sim/esp_cluster.ESPCost), cache balancing from its links, the improvement rate
+  the profile's ring prefill (sim/esp_cost.ESPCost), cache balancing from its links, the improvement rate
   fixed or from `--improvement_rates`; decode instances of `decode_tp` GPUs.
 - tetriinfer: sim/disagg.py's TetriInfer prefill instances (their chunk, batch and order), power-of-two
   dispatch, flips with `--flip_window`.
 - csps: sim/disagg.py's pool planned by CSPS's planner (sched/csps.py: whole prompts on the fewest instances
   whose `partition_tokens` partitions hold them), priced by its SP-NTP model on the profile (dense: CSA is the
   lab's experiment, `python -m jaxserve.lab csps`); decode instances as under cdsp.
-- esp: sim/esp_cluster.py's elastic instances. The simulator runs LoongServe whole (scale-up and multi-master
-  decode, evacuation), which the live cluster does not yet (docs/ARCHITECTURE.md, "Not built yet").
+- esp: sim/disagg.py's elastic instances, as cluster/esp.py serves them: batches on aligned groups priced by the
+  profile's ring prefill (the ESP scheduler planning on LoongServe's model fitted to it), each prompt's KV kept
+  on its fewest instances, decoded there on the live scheduler or, spread, by the multi-master group (its step
+  priced as one instance's). LoongServe's whole design (KV evacuation, moving shares) is the lab's:
+  `python -m jaxserve.lab esp`.
 Everywhere: decode lengths predicted by the running mean of finished requests, as live (`--length_predictor=
 mean`); decode admission by `--decode_admission`. A trace carries no prompt text, so `--length_predictor=prompt`
 and the layouts the simulator does not model (`--decode_kvp` > 1, `--sp_attention=sp_ntp` under cdsp, CSA's
@@ -28,9 +31,10 @@ from jaxserve.sched.csps import CSPSPlanner, CSPSPrefill
 from jaxserve.sched.decode_dispatch import ObservedLengths
 from jaxserve.sched.flip import FlipPolicy
 from jaxserve.sched.improvement_rate import AdaptiveCDSP, read_rate_table
-from jaxserve.sched.profiles import TETRIS_TABLE1_K, ProfileBatchCost
-from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
-from jaxserve.sim.esp_cluster import ESPConfig, ESPCost, ESPSimulator
+from jaxserve.sched.esp import ESPScheduler, aligned_groups
+from jaxserve.sched.profiles import PROFILES, TETRIS_TABLE1_K, ProfileBatchCost, kv_capacity, model_shape, network
+from jaxserve.sim.disagg import Costs, DisaggConfig, DisaggSimulator
+from jaxserve.sim.esp_cost import ESPCost
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.workload import Workload
 
@@ -65,8 +69,7 @@ def simulate_cluster(workload: Workload, layout: ParallelConfig, profile: str, p
     """`layout`'s cluster (its policy, instances and settings, as `serve` reads them) on `profile`'s GPUs."""
     check(layout)
     if layout.cluster_policy == "esp":
-        cfg = ESPConfig(instances=layout.prefill_instances, tp=layout.tp, profile=profile)
-        return ESPSimulator(cfg).run(workload, progress)
+        return _elastic(workload, layout, profile, progress)
     decode = dict(decode_instances=layout.decode_instances, decode_tp=layout.decoder_tp, profile=profile,
                   recv_backends=layout.receive_buffers, admission=layout.decode_admission)
     if layout.cluster_policy == "tetriinfer":
@@ -89,3 +92,21 @@ def simulate_cluster(workload: Workload, layout: ParallelConfig, profile: str, p
     if layout.improvement_rates is not None:
         planner = AdaptiveCDSP(planner, read_rate_table(pathlib.Path(layout.improvement_rates)))
     return DisaggSimulator(planner, eq1.fastest, cfg, ObservedLengths()).run(workload, progress)
+
+
+KNEE_TOKENS = 16384  # ESP admits a batch while an iteration takes at most this long a prompt's time on one instance
+
+
+def _elastic(workload: Workload, layout: ParallelConfig, profile: str, progress: bool) -> Results:
+    """ESP as served, on the profile: the pool's instances prefill in batches and decode."""
+    n, tp = layout.prefill_instances, layout.tp
+    cost = ESPCost(profile, tp)
+    elastic = ESPScheduler(cost.fit(n, tp), tp, cost.prefill([KNEE_TOKENS], 1), None, 0.0, groups=aligned_groups(n))
+    link, kv_bytes = network(PROFILES[profile][0]), model_shape(profile).kv_bytes_per_token()
+    costs = Costs(decode=ProfileBatchCost(profile, tp), prefill=None, decode_kv_capacity=kv_capacity(profile, tp),
+                  transfer=lambda tokens, senders: link.predict("intra_node", tokens * kv_bytes / senders),
+                  batch=lambda lengths, sp: cost.prefill(list(lengths), sp, cost.link_of(range(sp))))
+    cfg = DisaggConfig(prefill="esp", prefill_instances=n, decode_tp=tp, profile=profile,
+                       recv_backends=layout.receive_buffers, admission=layout.decode_admission, spread=n > 1)
+    return DisaggSimulator(elastic, lambda tokens: cost.fastest_prefill(tokens, n), cfg, ObservedLengths(),
+                           costs).run(workload, progress)

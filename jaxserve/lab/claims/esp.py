@@ -30,7 +30,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
+from jaxserve.lab.esp_cluster import ESPConfig, ESPSimulator
 from jaxserve.config import SLO
 from jaxserve.sim import plots
 from jaxserve.sim.capacity import highest_rate

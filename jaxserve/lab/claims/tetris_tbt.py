@@ -4,7 +4,7 @@ traces.
 
 - Tetris: a 16-GPU TP-1 CDSP prefill pool (Eq. (1) fitted to Table 1, adaptive improvement rate seeded at 0.2)
   and 2 TP-8 decode instances, dispatch by freeness (sim/disagg.py), the paper's 1:1 P/D split.
-- LoongServe: 32 TP-1 instances with elastic SP (sim/esp_cluster.py), decoding on the prefill instances.
+- LoongServe: 32 TP-1 instances with elastic SP (lab/esp_cluster.py), decoding on the prefill instances.
 - LoongServe Disaggregated: the Tetris cluster with request-level SP (no chunking, greedy SP) as prefill
   scheduler: what the disaggregated TP-8 decode alone buys.
 
@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from jaxserve.sim.esp_cluster import ESPConfig, ESPSimulator
+from jaxserve.lab.esp_cluster import ESPConfig, ESPSimulator
 from jaxserve.sched.cdsp import Balancing, CDSPPlanner, Pool
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.profiles import tetris_table1_samples

@@ -2,9 +2,9 @@
 elastic instances (each a full model copy on `tp` GPUs) that prefill in batches on elastic groups and decode with
 their KV spread across instances, run by sched/cluster.py's ESPPolicy (sched/esp.py's ESPScheduler), as the live
 cluster runs it, and with what the live cluster does not do yet: KV evacuation, proactive scale-down, per-instance
-shares of a request's KV moving between instances. Its instances keep their own KV counts (a share per request),
-not ReplicaSchedulers: `simulate --cluster_policy=esp` and the lab's experiments run it; a live run's replay runs
-sim/disagg.py's elastic instances, which decode as served.
+shares of a request's KV moving between instances. The paper's model, in the lab: its instances keep their own KV
+counts (a share per request), not ReplicaSchedulers. ESP as served is simulated by sim/disagg.py's elastic
+instances (`simulate --cluster_policy=esp`, a live run's replay), which decode on the live scheduler.
 
 - Iterations: at every event the scheduler plans prefill batches on the idle instances (admission, elastic
   allocation, batching); then every decoding request whose instances are all idle takes one decode step, the
@@ -34,21 +34,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
-from typing import Iterable, Mapping
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.sched.cluster import ESPPolicy, GrowthKind
 from jaxserve.sched.decode_dispatch import ObservedLengths, PromptInfo
 from jaxserve.sched.esp import ElasticInstance, ElasticPool, ESPScheduler
 from jaxserve.sched.plan import Outcome, WorkItem
-from jaxserve.sched.cost_models import LoongServePrefill
-from jaxserve.sched.profiles import GPUS, PROFILES, ProfileBatchCost, kv_capacity, model_shape, network
+from jaxserve.sched.profiles import kv_capacity
 from jaxserve.sched.request import Request
 from jaxserve.config import SLO
+from jaxserve.sim.esp_cost import ESPCost
 from jaxserve.sim.metrics import Results
 from jaxserve.sim.workload import Workload
 
@@ -72,84 +69,6 @@ class ESPConfig:
 
     def label(self) -> dict:
         return dataclasses.asdict(self) | {"slo": dataclasses.asdict(self.slo)}
-
-
-GPUS_PER_NODE = 8  # the network profile's DGX nodes; instance i holds GPUs i*tp .. (i+1)*tp - 1
-
-
-class ESPCost:
-    """What the executor charges, from the GPU profile, for instances of `tp` GPUs."""
-
-    def __init__(self, profile: str, tp: int):
-        self.batch = ProfileBatchCost(profile, tp)
-        self.layers, self.tp = self.batch.layers, tp
-        gpu = PROFILES[profile][0]
-        self.link = network(gpu)
-        self.kv_bytes = model_shape(profile).kv_bytes_per_token()
-        self.shard_bytes = self.kv_bytes / tp  # one GPU's share of a token's KV (all layers): what its link carries
-        self.copy_rate = GPUS[gpu].hbm_bandwidth * GPUS[gpu].mbu  # bytes/s of a copy within one GPU's memory
-        self.query_bytes = 2.0 * model_shape(profile).hidden  # bf16 query (and partial output) per layer
-
-    def link_of(self, instances: Iterable[int]) -> str:
-        """The slowest link between the instances: NVLink when they share a node."""
-        return "intra_node" if len({i * self.tp // GPUS_PER_NODE for i in instances}) <= 1 else "inter_node"
-
-    def prefill(self, lengths: list[int], sp: int, link: str = "intra_node") -> float:
-        per_instance = math.ceil(sum(lengths) / sp)
-        attention = sum(self.batch.prefill_attention(l, 0) for l in lengths) / sp
-        return self.batch.linear_ops(per_instance) + attention + self.ring(per_instance, attention, sp, link)
-
-    def ring(self, tokens: int, attention: float, sp: int, link: str) -> float:
-        """Ring attention's exposed K/V passing: per layer, sp steps each compute 1/sp of the instance's
-        attention while the block of `tokens` (this GPU's heads) goes to the next instance; each of the sp - 1
-        sends is hidden only up to one step's compute."""
-        if sp == 1:
-            return 0.0
-        send = self.link.predict(link, tokens * self.shard_bytes / self.layers)
-        return self.layers * (sp - 1) * max(send - attention / self.layers / sp, 0.0)
-
-    def fastest_prefill(self, tokens: int, max_sp: int) -> float:
-        return min(self.prefill([tokens], sp) for sp in range(1, max_sp + 1))
-
-    @property
-    def migration_bandwidth(self) -> float:
-        """Bytes/s of one link, what admission prices a KV evacuation with."""
-        return self.link.bandwidth("intra_node")
-
-    def decode_step(self, mastered: int, held: list[int], spread: int) -> float:
-        """One instance's part of a decode step: linear ops for the `mastered` requests it runs the query of,
-        attention over the KV it holds of each request (`held`, tokens), and the query exchange for the `spread`
-        requests whose KV spans several instances."""
-        return ((self.batch.linear_ops(mastered) if mastered else 0.0)
-                + sum(self.batch.decode_attention(t) for t in held) + (self.exchange(spread) if spread else 0.0))
-
-    def fit(self, max_sp: int, tp: int) -> LoongServePrefill:
-        """LoongServe's model a + b sum(l) + c sum(l^2), fitted per SP size to this profile's prefill times."""
-        rng = np.random.default_rng(0)
-        samples = []
-        for sp in range(1, max_sp + 1):
-            for _ in range(60):
-                lengths = np.exp(rng.uniform(np.log(256), np.log(1 << 19), rng.integers(1, 5))).astype(int).tolist()
-                samples.append(((sp, tp), (sum(lengths), sum(l * l for l in lengths)), self.prefill(lengths, sp)))
-        return LoongServePrefill.fit(samples)
-
-    def exchange(self, requests: int) -> float:
-        """Per step: each layer sends the queries of `requests` spread requests and gets their partials back."""
-        return self.layers * 2 * self.link.predict("intra_node", requests * self.query_bytes)
-
-    def migrate(self, tokens: float, link: str = "intra_node") -> float:
-        """One instance sending (or receiving) `tokens` of KV: its GPUs move their shards in parallel."""
-        return self.link.predict(link, tokens * self.shard_bytes)
-
-    def moves(self, sent: Mapping[int, float], received: Mapping[int, float]) -> float:
-        """KV moved between instances at once, given the tokens each sends and receives: links carry both ways at
-        once, so the busiest instance's inbound or outbound tokens set the time."""
-        busiest = max([*sent.values(), *received.values()], default=0)
-        return self.migrate(busiest, self.link_of({*sent, *received})) if busiest else 0.0
-
-    def copy(self, tokens: float) -> float:
-        """Storing `tokens` of KV that passed by into an instance's own memory."""
-        return tokens * self.shard_bytes / self.copy_rate
 
 
 @dataclasses.dataclass(frozen=True)

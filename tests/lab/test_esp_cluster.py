@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.sim.esp_cluster import ESPConfig, ESPCost, ESPSimulator, _Decoding, _Run
+from jaxserve.lab.esp_cluster import ESPConfig, ESPSimulator, _Decoding, _Run
+from jaxserve.sim.esp_cost import ESPCost
 from jaxserve.sched.decode_dispatch import PromptInfo
 from jaxserve.sched.profiles import GPUS, network
 from jaxserve.sched.request import Request
