@@ -309,7 +309,8 @@ class LLM:
                         capacity=self.max_model_len, store_tokens=self._kv_tokens, dtype=self._dtype,
                         key_block=key_block, progress=progress, new=self._new, make_group=make_group,
                         kv_cache_dtype=self.engine_config.cache.kv_cache_dtype,
-                        predictor_file=length_predictor.default_path(self.model_name, self._dtype_name))
+                        predictor_file=length_predictor.default_path(self.model_name, self._dtype_name),
+                        defer=self.engine_config.startup.quick_start and self.lockstep is None)
         # as one engine: serve compiles everything first, generate as steps need it; between processes always
         # (a transfer's communicator is set up there, which both processes must reach within a deadline)
         if self.engine_config.startup.warmup or self.lockstep is not None:

@@ -159,7 +159,7 @@ def main(argv: list[str]) -> None:
     if policy == "tetriinfer":
         layout |= dict(prefill_chunk=FLAGS.prefill_chunk)
     llm = jaxserve.LLM(max_model_len=top, kv_cache_tokens=2 * top, max_num_seqs=4, max_num_batched_tokens=256,
-                       **layout)
+                       quick_start=False, **layout)  # the pool's model measured before serving: the replay reads it
     cluster = llm.engine
     live = serve(cluster, requests, rng)
     prefill_model, step_cost, transfer = measure(llm, policy)

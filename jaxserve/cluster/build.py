@@ -20,7 +20,7 @@ from jaxserve.cluster.tetriinfer import TetriInferCluster
 from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sp_prefill import SPPrefill, next_power_of_two
-from jaxserve.sched.cdsp import CDSPPlanner, Pool, Stores, planner_groups
+from jaxserve.sched.cdsp import CDSPPlanner, MeasuredBalancing, Pool, Stores, planner_groups
 from jaxserve.sched.cluster import CDSPPolicy, ESPPolicy, TetriInferPolicy
 from jaxserve.sched.csps import CSPSPlanner, MeasuredCSPS
 from jaxserve.sched.decode_dispatch import ObservedLengths
@@ -93,7 +93,7 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
           sizes: Sequence[int] | None = None,
           dispatch: str = "freeness", key_block: int = 256, min_local: int = MIN_LOCAL,
           devices: Sequence[jax.Device] | None = None, progress: bool = True,
-          predictor_file: pathlib.Path | None = None,
+          predictor_file: pathlib.Path | None = None, defer: bool = False,
           make_group: Callable[[list[Engine]], Engine] | None = None,
           new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
     """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool), csps (CSPS's planner:
@@ -105,7 +105,9 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     sizes chunks may use (default: the fitted ones, or the powers of two from a node to the pool when
     measuring). capacity: the longest prompt; store_tokens: what a CDSP pool instance's history store holds (its
     device's KV budget; default: capacity), a prompt's history spread over its chunks' groups (pool_context).
-    predictor_file: where `--length_predictor=prompt` keeps what it learned (default: nowhere).
+    predictor_file: where `--length_predictor=prompt` keeps what it learned (default: nowhere). defer: a
+    prefill_cost file that does not exist yet is not measured now: the pool plans with a prior model until the
+    cluster measures its own while idle (ClusterEngine.run_deferred) and switches to it.
     make_group(engines): under esp, the multi-master engine over the instances' engines that decodes the requests
     whose KV spreads over several instances (None: each request decodes on one instance, its context one's).
     new: makes the device-layer objects (across processes: lockstep.Leader.new)."""
@@ -138,6 +140,27 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     mover = new(KVMover, sp, [e.runner for e in decoding])
     decoders = [LiveDecoder(i, e, layout.receive_buffers, mover) for i, e in enumerate(decoding)]
     pool_ids = sorted(sp.instances)
+    later: list[pool_profile.Later] = []
+
+    def now_or_later(now: Callable[[], Any], or_later: Callable[[], tuple[Any, pool_profile.Later | None]]):
+        """A pool model: cached, else measured now, or (defer) what stands in until the cluster measures it."""
+        if not defer:
+            return now()
+        model, pending = or_later()
+        later.extend([pending] if pending is not None else [])
+        return model
+
+    def pool_model(path: pathlib.Path, groups: dict[int, tuple[int, ...]], use: Callable[[Any], None],
+                   esp: bool = False):
+        """The pool's prefill model in `path` (a prior until measured, with defer)."""
+        return now_or_later(lambda: pool_profile.load_or_measure(path, sp, groups, capacity, progress, esp=esp),
+                            lambda: pool_profile.load_or_later(path, sp, groups, capacity, use, esp=esp))
+
+    def measuring(cluster: ClusterEngine) -> ClusterEngine:
+        for pending in later:
+            cluster.defer(pending)
+        return cluster
+
     if layout.cluster_policy == "tetriinfer":
         instances = [PrefillBatchScheduler(layout.prefill_chunk, layout.prefill_batch, layout.prefill_order, (d,))
                      for d in pool_ids]
@@ -147,38 +170,61 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         return TetriInferCluster(sp, scheduler, decoders, mover, features=features)
     if layout.cluster_policy == "esp":
         groups = aligned_groups(layout.prefill_instances)
+
+        def measured_batches(model: LoongServePrefill) -> None:
+            esp.model, esp.knee = model, model.predict(1, tp, [capacity])
+
         if isinstance(prefill_cost, pathlib.Path):
             first_group = {len(g): tuple(pool_ids[i] for i in g) for g in reversed(groups)}
-            prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, first_group, capacity, progress, esp=True)
+            prefill_cost = pool_model(prefill_cost, first_group, measured_batches, esp=True)
         # a batch is admitted while one iteration takes at most a full-length prompt's time on one instance
         knee = prefill_cost.predict(1, tp, [capacity])
         esp = ESPScheduler(prefill_cost, tp, knee, None, 0.0, groups=groups)  # no bandwidth: no KV evacuated
         scheduler = ESPPolicy(esp, pool_ids, "freeness", predictor, spread=group is not None,
                               instance_context=engines[0].max_model_len)
-        return ESPCluster(sp, scheduler, decoders, mover, features=features)
+        return measuring(ESPCluster(sp, scheduler, decoders, mover, features=features))
     if layout.cluster_policy == "csps":  # a prompt is one chunk with no history: Eq. (1) at h = 0 prices it
+        def measured_csps(model: TetrisPrefill) -> None:
+            planner.model = MeasuredCSPS(model)
+
         if isinstance(prefill_cost, pathlib.Path):
             sizes = sizes or [1 << i for i in range(layout.prefill_instances.bit_length())]
             groups = {s: tuple(devices[i * tp].id for i in range(s)) for s in sizes}  # each size's first group
-            prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
+            prefill_cost = pool_model(prefill_cost, groups, measured_csps)
         sizes = sizes or sorted(s for s in prefill_cost.coefficients if s <= layout.prefill_instances)
         planner = CSPSPlanner(MeasuredCSPS(prefill_cost), pool_of(layout), layout.partition_tokens, sizes,
                               stores=sp.room)
-        return ClusterEngine(sp, CDSPPolicy(planner, pool_ids, dispatch, predictor), decoders, mover,
-                             features=features)
-    moves = None  # a model given (not measured here): moves priced free
+        return measuring(ClusterEngine(sp, CDSPPolicy(planner, pool_ids, dispatch, predictor), decoders, mover,
+                                       features=features))
+    plan_with = dict(model=prefill_cost, moves=None)  # a model given (not measured here): moves priced free
+
+    def cdsp_planner(model: TetrisPrefill, moves: MeasuredBalancing | None) -> CDSPPlanner:
+        return CDSPPlanner(model, pool_of(layout), layout.improvement_rate, sizes=sizes, min_chunk=layout.min_chunk,
+                           balancing=moves, stores=sp.room)
+
+    def replan(**measured) -> None:  # a measured model or move line in place of the prior's
+        plan_with.update(measured)
+        planner = cdsp_planner(**plan_with)
+        if isinstance(scheduler.planner, AdaptiveCDSP):  # the rate the load chose stays
+            planner.improvement_rate = scheduler.planner.planner.improvement_rate
+            scheduler.planner.planner = planner
+        else:
+            scheduler.planner = planner
+
     if isinstance(prefill_cost, pathlib.Path):
         pool = pool_of(layout)
         sizes = sizes or [s for s in (pool.per_node << i for i in range(pool.size.bit_length())) if s <= pool.size]
         first_group = {len(g): g for g in reversed(planner_groups(pool, sizes))}  # the first group of each size
         groups = {s: tuple(devices[i * tp].id for i in g) for s, g in first_group.items()}
         moves_file = prefill_cost.with_name(prefill_cost.stem + "-moves.json")
-        prefill_cost = pool_profile.load_or_measure(prefill_cost, sp, groups, capacity, progress)
-        if len(groups) > 1:  # a chunk may move its history onto a larger group: priced as measured
-            moves = pool_profile.load_or_measure_moves(moves_file, sp, groups, capacity, pool.per_node, progress)
-    planner = CDSPPlanner(prefill_cost, pool_of(layout), layout.improvement_rate, sizes=sizes,
-                          min_chunk=layout.min_chunk, balancing=moves, stores=sp.room)
+        plan_with["model"] = pool_model(prefill_cost, groups, lambda model: replan(model=model))
+        if len(groups) > 1:  # a chunk may move its history onto a larger group: priced as measured (free until)
+            plan_with["moves"] = now_or_later(
+                lambda: pool_profile.load_or_measure_moves(moves_file, sp, groups, capacity, pool.per_node, progress),
+                lambda: pool_profile.moves_or_later(moves_file, sp, groups, capacity, pool.per_node,
+                                                    lambda moves: replan(moves=moves)))
+    planner = cdsp_planner(**plan_with)
     if layout.improvement_rates is not None:  # the user's own file: a bad one is refused, naming it
         planner = AdaptiveCDSP(planner, read_rate_table(pathlib.Path(layout.improvement_rates)))
     scheduler = CDSPPolicy(planner, pool_ids, dispatch, predictor)
-    return ClusterEngine(sp, scheduler, decoders, mover, features=features)
+    return measuring(ClusterEngine(sp, scheduler, decoders, mover, features=features))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import time
 from typing import Callable, Sequence
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from jaxserve.cluster.decode import LiveDecoder
 from jaxserve.cluster.length_predictor import PromptFeatures
+from jaxserve.cluster.pool_profile import Later
 from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.sampling_params import SamplingParams
@@ -101,6 +103,7 @@ class ClusterEngine:
         self.tokenizer, self.max_model_len = self._front.tokenizer, self._front.max_model_len
         self.max_num_seqs = sum(d.engine.max_num_seqs for d in self.decoders)
         self.events: collections.Counter[str] = collections.Counter()  # chunks, rebalances, transfers
+        self._later: list[Later] = []  # the pool's measurements to take while idle (build's defer)
         self.records: collections.deque[ChunkRecord] = collections.deque(maxlen=HISTORY)
         self.transfers: collections.deque[tuple[int, Transfer]] = collections.deque(maxlen=HISTORY)  # (decode
         # instance, landed transfer)
@@ -227,10 +230,29 @@ class ClusterEngine:
         for d in self.decoders:
             d.engine.recover()
 
-    has_deferred = False  # a cluster warms up in full: no work waits for it to be idle
+    def defer(self, later: Later) -> None:
+        """A measurement of the pool's model to take while no request is in the cluster (after the ones queued)."""
+        self._later.append(later)
 
-    def run_deferred(self, stop) -> None:
-        del stop
+    @property
+    def has_deferred(self) -> bool:
+        return bool(self._later)
+
+    def run_deferred(self, stop: Callable[[], bool]) -> None:
+        """Take the deferred measurements one point at a time while no request is in the cluster, returning
+        between points once stop() is true (a request waits: the next call goes on from there); each done one
+        is put to use. A failed one is dropped: the pool plans on with what it has."""
+        while self._later and not self._owner:
+            later = self._later[0]
+            try:
+                while not later.measurement.done:
+                    if stop():
+                        return
+                    later.measurement.step()
+                later.finish()
+            except Exception:  # noqa: BLE001 - a measurement only refines the plans: serve without it
+                logging.exception("%s failed; the pool plans on without it", later.measurement.name)
+            self._later.pop(0)
 
     # ---- one iteration ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

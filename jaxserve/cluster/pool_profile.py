@@ -12,19 +12,27 @@ move with (sched/cdsp.py's MeasuredBalancing), cached beside Eq. (1).
 
 The ESP policy plans with LoongServe's batch model instead, a + b*sum(l) + c*sum(l^2) per SP size, fitted to
 whole prompts (no history) timed the same way.
+
+Each model is a Measurement, timed one point at a time: at start (`run`), or, after a quick start, while a server
+idles (ClusterEngine.run_deferred: a point at a time, yielding to requests between points), the pool planning
+with a prior until then (`Later`: written to the cache and put to use when done).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 import pathlib
 import statistics
 import time
+from typing import Any, Callable, Generic, TypeVar
 
 import jax
 from tqdm.auto import tqdm
 
+from jaxserve import disk_cache
 from jaxserve.engine import profile
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import Group, SPPrefill
@@ -34,6 +42,51 @@ from jaxserve.sched.cost_models import KeyedLinearModel, LoongServePrefill, Tetr
 VERSION = 1  # of the chunk step and of how it is measured: a change to either must not load an older profile
 _GREEDY = SamplingParams(max_tokens=1)
 _RID = "eq1-profile"
+T = TypeVar("T")
+
+
+class Measurement(Generic[T]):
+    """A model fitted to timed points, measured one point at a time."""
+
+    def __init__(self, name: str, points: list[Callable[[], Any]], fit: Callable[[list], T],
+                 prepare: Callable[[], None] = lambda: None):
+        """points: each times one sample; fit: the model from the samples; prepare: what must be done before the
+        first point (compiling the programs the points run: a timing must not include a compile)."""
+        self.name, self.points, self.fit, self.prepare = name, points, fit, prepare
+        self.samples: list = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.samples) == len(self.points)
+
+    def step(self) -> None:
+        """Time the next point."""
+        if not self.samples:
+            self.prepare()
+        self.samples.append(self.points[len(self.samples)]())
+
+    def run(self, progress: bool = True) -> T:
+        """Every point left, then the model."""
+        for _ in tqdm(range(len(self.points) - len(self.samples)), desc=self.name, unit="point",
+                      disable=not progress):
+            self.step()
+        return self.fit(self.samples)
+
+
+@dataclasses.dataclass
+class Later(Generic[T]):
+    """A measurement a cluster takes while idle: when done, its model is written to `path` and put to use."""
+
+    measurement: Measurement[T]
+    path: pathlib.Path
+    dumps: Callable[[T], str]
+    use: Callable[[T], None]
+
+    def finish(self) -> None:
+        model = self.measurement.fit(self.measurement.samples)
+        disk_cache.write_text(self.path, self.dumps(model))
+        self.use(model)
+        logging.info("%s: measured (%s); the pool plans with it from now on", self.measurement.name, self.path)
 
 
 def grid(sp: SPPrefill, size: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -92,8 +145,8 @@ def time_move(sp: SPPrefill, held: Group, group: Group, history: int, repeats: i
     return moved, statistics.median(times[1:])
 
 
-def measure_moves(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, per_node: int, repeats: int = 2,
-                  progress: bool = True) -> MeasuredBalancing:
+def moves_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, per_node: int,
+                      repeats: int = 2) -> Measurement[MeasuredBalancing]:
     """The move's line from each pair of consecutive SP sizes whose groups nest (groups: size -> instance ids),
     at a short and at the longest history the smaller group holds."""
     sizes = sorted(groups)
@@ -102,51 +155,64 @@ def measure_moves(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, per_
         if set(groups[small]) <= set(groups[large]):
             longest = min(max_tokens, sp.room.longest(small))
             work += [(small, large, h) for h in sorted({longest // 4, longest}) if h]
-    samples = [time_move(sp, groups[small], groups[large], h, repeats)
-               for small, large, h in tqdm(work, desc="measure cache balancing", unit="move",
-                                           disable=not progress)]
-    return MeasuredBalancing.fit(*zip(*samples), per_node=per_node)
+    points = [functools.partial(time_move, sp, groups[small], groups[large], h, repeats) for small, large, h in work]
+    return Measurement("measure cache balancing", points,
+                       lambda samples: MeasuredBalancing.fit(*zip(*samples), per_node=per_node))
 
 
-def load_or_measure_moves(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
-                          per_node: int, progress: bool = True) -> MeasuredBalancing:
-    """The move's line in `path`, measured (and written there) first if the file does not exist."""
-    def load_moves() -> MeasuredBalancing:
-        moves = MeasuredBalancing(**json.loads(path.read_text()))
-        if moves.per_node != per_node or moves.fixed < 0 or moves.per_token < 0:
-            raise ValueError(f"the cache balancing profile {path} is not this pool's ({per_node} instances a node)")
-        return moves
-
-    return profile.cached(path, load_moves, lambda: measure_moves(sp, groups, max_tokens, per_node, progress=progress),
-                          lambda m: json.dumps(dataclasses.asdict(m)))
+def load_moves(path: pathlib.Path, per_node: int) -> MeasuredBalancing:
+    """The move's line in `path`, checked against the pool."""
+    moves = MeasuredBalancing(**json.loads(path.read_text()))
+    if moves.per_node != per_node or moves.fixed < 0 or moves.per_token < 0:
+        raise ValueError(f"the cache balancing profile {path} is not this pool's ({per_node} instances a node)")
+    return moves
 
 
-def measure(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, repeats: int = 2,
-            progress: bool = True) -> TetrisPrefill:
-    """Fit Eq. (1) per SP size from chunks timed on one group of that size (groups: size -> instance ids)."""
+def dumps_moves(moves: MeasuredBalancing) -> str:
+    return json.dumps(dataclasses.asdict(moves))
+
+
+def eq1_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
+                    repeats: int = 2) -> Measurement[TetrisPrefill]:
+    """Eq. (1) per SP size from chunks timed on one group of that size (groups: size -> instance ids)."""
     work = [(size, n, h) for size in sorted(groups) for n, h in grid(sp, size, max_tokens)]
-    for size, n, h in work:  # compile every program first: the timings must not include it
-        for t in (n, min(h, sp.room.largest(size, 0))):
-            if t:
-                sp.program(groups[size], sp.local_bucket(size, t))
-    samples = [(size, (n, h), time_chunk(sp, groups[size], n, h, repeats))
-               for size, n, h in tqdm(work, desc="measure Eq. (1) chunk latency", unit="point", disable=not progress)]
-    return TetrisPrefill.fit(samples)
+
+    def compile_all() -> None:  # the timings must not include a compile
+        for size, n, h in work:
+            for t in (n, min(h, sp.room.largest(size, 0))):
+                if t:
+                    sp.program(groups[size], sp.local_bucket(size, t))
+
+    def point(size: int, n: int, h: int) -> tuple:
+        return size, (n, h), time_chunk(sp, groups[size], n, h, repeats)
+
+    return Measurement("measure Eq. (1) chunk latency", [functools.partial(point, *w) for w in work],
+                       TetrisPrefill.fit, compile_all)
 
 
-def measure_batches(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, repeats: int = 2,
-                    progress: bool = True) -> LoongServePrefill:
-    """Fit LoongServe's batch model per (SP size, TP) from whole prompts (each filling its bucket) timed on one
-    group of each size: a batch of one prompt of l tokens has sum(l) = l and sum(l^2) = l^2."""
+def batch_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
+                      repeats: int = 2) -> Measurement[LoongServePrefill]:
+    """LoongServe's batch model per (SP size, TP) from whole prompts (each filling its bucket) timed on one group
+    of each size: a batch of one prompt of l tokens has sum(l) = l and sum(l^2) = l^2."""
     work = []
     for size in sorted(groups):
         full = [size * b for b in sp.buckets(size, max_tokens)]
         work += [(size, n) for n in sorted({full[0], full[len(full) // 3], full[2 * len(full) // 3], full[-1]})]
-    for size, n in work:
-        sp.program(groups[size], sp.local_bucket(size, n))
-    samples = [((size, sp.tp), (n, n * n), time_chunk(sp, groups[size], n, 0, repeats))
-               for size, n in tqdm(work, desc="measure ESP prefill latency", unit="point", disable=not progress)]
-    return LoongServePrefill.fit(samples)
+
+    def compile_all() -> None:
+        for size, n in work:
+            sp.program(groups[size], sp.local_bucket(size, n))
+
+    def point(size: int, n: int) -> tuple:
+        return (size, sp.tp), (n, n * n), time_chunk(sp, groups[size], n, 0, repeats)
+
+    return Measurement("measure ESP prefill latency", [functools.partial(point, *w) for w in work],
+                       LoongServePrefill.fit, compile_all)
+
+
+def prefill_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, esp: bool = False) -> Measurement:
+    """Eq. (1), or with esp LoongServe's batch model."""
+    return (batch_measurement if esp else eq1_measurement)(sp, groups, max_tokens)
 
 
 def default_path(model_name: str, dtype: str, policy: str, pool_size: int, node_size: int, tp: int, capacity: int,
@@ -161,10 +227,13 @@ def load_or_measure(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group],
     """The fit in `path` (Eq. (1), or with esp LoongServe's batch model), measured (and written there) first if
     the file does not exist."""
     kind = LoongServePrefill if esp else TetrisPrefill
-    keys = {(s, sp.tp) for s in groups} if esp else set(groups)
-    measure_one = measure_batches if esp else measure
-    return profile.cached(path, lambda: load(path, kind, keys),
-                          lambda: measure_one(sp, groups, max_tokens, progress=progress), kind.to_json)
+    return profile.cached(path, lambda: load(path, kind, keys_of(sp, groups, esp)),
+                          lambda: prefill_measurement(sp, groups, max_tokens, esp).run(progress), kind.to_json)
+
+
+def keys_of(sp: SPPrefill, groups: dict[int, Group], esp: bool = False) -> set:
+    """The keys a pool's model has: SP sizes, or with esp (SP size, TP) pairs."""
+    return {(s, sp.tp) for s in groups} if esp else set(groups)
 
 
 def load(path: pathlib.Path, kind: type[KeyedLinearModel], keys: set) -> KeyedLinearModel:
@@ -174,3 +243,33 @@ def load(path: pathlib.Path, kind: type[KeyedLinearModel], keys: set) -> KeyedLi
         raise ValueError(f"the prefill profile {path} was fitted for {sorted(model.coefficients)}, not this "
                          f"pool's {sorted(keys)}")
     return model
+
+
+def load_or_later(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
+                  use: Callable[[KeyedLinearModel], None], esp: bool = False) -> tuple[KeyedLinearModel, Later | None]:
+    """The fit in `path`; with none there, the prior (sched/cost_models.py) and the Later that measures the
+    pool's own while it idles, `use` taking it."""
+    kind = LoongServePrefill if esp else TetrisPrefill
+    keys = keys_of(sp, groups, esp)
+    kept = profile.read_kept(path, lambda: load(path, kind, keys))
+    if kept is not None:
+        return kept, None
+    logging.info("the prefill pool plans with a prior model (sched/cost_models.py: short prompts on the smallest "
+                 "group, long ones on the largest) until its own is measured, while it idles (%s)", path)
+    return kind.prior(sorted(keys)), Later(prefill_measurement(sp, groups, max_tokens, esp), path, kind.to_json, use)
+
+
+def moves_or_later(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int, per_node: int,
+                   use: Callable[[MeasuredBalancing], None]) -> tuple[MeasuredBalancing | None, Later | None]:
+    """The move's line in `path`; with none there, None (moves priced free) and the Later that measures it."""
+    kept = profile.read_kept(path, lambda: load_moves(path, per_node))
+    if kept is not None:
+        return kept, None
+    return None, Later(moves_measurement(sp, groups, max_tokens, per_node), path, dumps_moves, use)
+
+
+def load_or_measure_moves(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
+                          per_node: int, progress: bool = True) -> MeasuredBalancing:
+    """The move's line in `path`, measured (and written there) first if the file does not exist."""
+    return profile.cached(path, lambda: load_moves(path, per_node),
+                          lambda: moves_measurement(sp, groups, max_tokens, per_node).run(progress), dumps_moves)

@@ -81,6 +81,12 @@ def _key_in(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
+# A prior Eq. (1) at SP 1, (c0, c1, c2, c3): 20 ms a chunk, 5,000 tokens/s, attention at 1e-8 s per pair; a group
+# of s instances multiplies the fixed cost by s and divides the rest by s. What its decisions are matters, not
+# its times: it stands in until the pool's own is measured (cluster/build.py).
+PRIOR_COEFFICIENTS = np.array([2e-2, 2e-4, 2e-8, 1e-8])
+
+
 class TetrisPrefill(KeyedLinearModel):
     """Tetris Eq. (1), keyed by SP size."""
 
@@ -97,6 +103,12 @@ class TetrisPrefill(KeyedLinearModel):
     def fastest(self, n: float, h: float = 0.0) -> float:
         """The latency at the best fitted SP size: a prompt's light-load TTFT, which SLOs scale with."""
         return min(self.predict(sp, n, h) for sp in self.coefficients)
+
+    @classmethod
+    def prior(cls, sizes: Sequence[int]) -> "TetrisPrefill":
+        """What a pool plans with before its own is measured: a chunk's fixed cost grows with its group and its
+        per-token costs shrink, so short prompts take the smallest group and long ones the largest."""
+        return cls({s: PRIOR_COEFFICIENTS / np.array([1 / s, s, s, s]) for s in sizes})
 
     @classmethod
     def _fit_one(cls, xs, times, w):
@@ -122,6 +134,12 @@ class LoongServePrefill(KeyedLinearModel):
     def predict(self, sp: int, tp: int, lengths: Sequence[int]) -> float:
         lengths = np.asarray(lengths, np.float64)
         return float(self.features(lengths.sum(), (lengths**2).sum()) @ self.coef((sp, tp)))
+
+    @classmethod
+    def prior(cls, keys: Sequence[tuple[int, int]]) -> "LoongServePrefill":
+        """As TetrisPrefill.prior, for batches of whole prompts on (SP, TP) groups."""
+        c0, c1, _, c3 = PRIOR_COEFFICIENTS
+        return cls({(sp, tp): np.array([c0 * sp, c1 / sp, c3 / sp]) for sp, tp in keys})
 
 
 class Decode(KeyedLinearModel):

@@ -72,16 +72,18 @@ def test_whole_prompts_on_the_fewest_instances_equal_one_device_and_replay_to_th
 
 
 def test_llm_serves_through_csps_by_its_flag(model, llm, tmp_path):
-    """LLM(cluster_policy="csps", ...) (what --cluster_policy builds): the pool's Eq. (1) is measured on its
-    SP-NTP groups of 1, 2 and 4 instances and written where asked, and generation through the cluster gives the
-    single-device engine's greedy tokens."""
+    """LLM(cluster_policy="csps", ...) (what --cluster_policy builds): with no Eq. (1) on disk it starts on the
+    prior, its pool's own to be measured on groups of 1, 2 and 4 instances while idle (test_live_cluster.py
+    follows a pool through that), and generation through the cluster gives the single-device engine's greedy
+    tokens."""
     path = tmp_path / "eq1.json"
     clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4,
                              max_num_batched_tokens=256, prefill_instances=4, decode_instances=1,
                              cluster_policy="csps", partition_tokens=256, prefill_profile=str(path), progress=False)
-    assert isinstance(clustered.engine, ClusterEngine) and isinstance(clustered.engine.planner, CSPSPlanner)
-    assert set(TetrisPrefill.from_json(path.read_text()).coefficients) == {1, 2, 4}
+    cluster = clustered.engine
+    assert isinstance(cluster, ClusterEngine) and isinstance(cluster.planner, CSPSPlanner)
+    assert cluster.planner.model.model.to_json() == TetrisPrefill.prior([1, 2, 4]).to_json() and cluster.has_deferred
     ids = [prompt(llm, 700, 3), prompt(llm, 90, 4)]
     params = SamplingParams(max_tokens=12)
     assert [c.token_ids for c in clustered.generate(ids, params)] == [c.token_ids for c in llm.generate(ids, params)]
-    assert sorted(len(r.group) for r in clustered.engine.records) == [1, 4]
+    assert sorted(len(r.group) for r in cluster.records) == [1, 4]

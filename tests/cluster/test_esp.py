@@ -85,7 +85,8 @@ def test_llm_serves_through_esp_by_its_flag(model, llm):
     instances, generates the single-device text, and serves it (the openai client over HTTP) with its events in
     /metrics. Its context is its two instances' pools together: the 900-token prompt decodes over both."""
     clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=512, max_num_seqs=4,
-                             max_num_batched_tokens=256, prefill_instances=2, cluster_policy="esp", progress=False)
+                             max_num_batched_tokens=256, prefill_instances=2, cluster_policy="esp",
+                             quick_start=False, progress=False)
     assert isinstance(clustered.engine, ESPCluster) and clustered.max_model_len == 1024
     assert set(clustered.engine.scheduler.elastic._sp) == {1, 2}  # fitted per SP size
     ids = [prompt(llm, 900, 31), prompt(llm, 50, 32), prompt(llm, 400, 33)]

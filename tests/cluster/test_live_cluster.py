@@ -11,13 +11,17 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import MAX_MODEL_LEN, busy, make_cluster, prompt, run
+from conftest import MAX_MODEL_LEN, busy, engine_maker, make_cluster, prompt, run
+from jaxserve.cluster.build import build, warmup
 from jaxserve.cluster.decode import LiveDecoder
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.cluster.transfer import KVMover
+from jaxserve.config import ParallelConfig
 from jaxserve.engine.interface import ServingEngine
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.sched.cdsp import MeasuredBalancing
 from jaxserve.sched.cluster import CDSPPolicy
+from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.decode_dispatch import ObservedLengths
 
 GREEDY = SamplingParams(max_tokens=24)
@@ -171,3 +175,42 @@ def test_no_compilation_after_warmup_across_varied_requests(llm, cluster):
         run(cluster, [(ids, params)])
     assert compiles == []
     assert {len(r.group) for r in list(cluster.records)[before:]} == {2, 4, 8}
+
+
+def test_a_cluster_plans_with_a_prior_until_it_measures_its_pool_while_idle(llm, devices, tmp_path):
+    """A quick start (build's defer, what serve and generate do by default): with no Eq. (1) on disk the pool
+    plans with the prior at once and serves; while idle it measures its own Eq. (1) and cache-balancing line one
+    point at a time, never while a request is in and returning once one waits, writes them and plans with them
+    from then on. After the warm-up, measuring and serving compile nothing."""
+    path, context = tmp_path / "eq1.json", 1024
+    layout = ParallelConfig(prefill_instances=4, decode_instances=1, node_size=2, min_chunk=256)
+    cluster = build(llm.config, llm._params, layout, engine_maker(llm), path, capacity=context, min_local=64,
+                    devices=devices[:5], progress=False, defer=True)
+    prior = TetrisPrefill.prior([2, 4])
+    assert cluster.planner.model.to_json() == prior.to_json() and cluster.has_deferred and not path.exists()
+    warmup(cluster, context, progress=False)
+    ids = prompt(llm, 900, 7)
+    (want,) = [c.token_ids for c in llm.generate([ids], GREEDY)]  # (the reference engine compiles its own)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    assert run(cluster, [(ids, GREEDY)]) == [want]  # served on the prior's plan
+
+    cluster.add_request(ids, GREEDY)
+    cluster.run_deferred(stop=lambda: False)  # a request is in: nothing is measured
+    measurement = cluster._later[0].measurement
+    assert not measurement.samples
+    while cluster.has_unfinished():
+        cluster.step()
+    answers = iter([False, False, True])  # a request comes after two points
+    cluster.run_deferred(stop=lambda: next(answers))
+    assert len(measurement.samples) == 2 and not path.exists() and cluster.planner.model.to_json() == prior.to_json()
+    cluster.run_deferred(stop=lambda: False)
+    assert not cluster.has_deferred
+    measured = TetrisPrefill.from_json(path.read_text())
+    assert cluster.planner.model.to_json() == measured.to_json() != prior.to_json()
+    moves = MeasuredBalancing(**json.loads((tmp_path / "eq1-moves.json").read_text()))
+    assert cluster.planner.balancing == moves and moves.move(2, 4, 512, False) > 0
+    assert run(cluster, [(ids, GREEDY)]) == [want]  # served on the measured plan
+    assert compiles == []

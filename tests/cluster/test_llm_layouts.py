@@ -33,7 +33,7 @@ def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(model, llm, tmp_
     clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4,
                              max_num_batched_tokens=256, tp=3, prefill_instances=2, decode_instances=1, decode_kvp=2,
                              min_chunk=256, sp_attention="sp_ntp", sparse_attention=0.0, prefill_profile=str(path),
-                             improvement_rates=str(rates), progress=False)
+                             improvement_rates=str(rates), quick_start=False, progress=False)
     adaptive = clustered.engine.planner
     assert isinstance(adaptive, AdaptiveCDSP) and adaptive.planner.improvement_rate == 0.3  # no load seen yet
     assert type(clustered.engine.prefill.backend(2)).__name__ == "StoreCSABackend"
