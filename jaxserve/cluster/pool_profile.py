@@ -86,7 +86,8 @@ class Later(Generic[T]):
         model = self.measurement.fit(self.measurement.samples)
         disk_cache.write_text(self.path, self.dumps(model))
         self.use(model)
-        logging.info("%s: measured (%s); the pool plans with it from now on", self.measurement.name, self.path)
+        # warnings: the CLI shows them by default, and each is said once a pool
+        logging.warning("%s: measured (%s); the pool plans with it from now on", self.measurement.name, self.path)
 
 
 def grid(sp: SPPrefill, size: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -254,8 +255,8 @@ def load_or_later(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], m
     kept = profile.read_kept(path, lambda: load(path, kind, keys))
     if kept is not None:
         return kept, None
-    logging.info("the prefill pool plans with a prior model (sched/cost_models.py: short prompts on the smallest "
-                 "group, long ones on the largest) until its own is measured, while it idles (%s)", path)
+    logging.warning("the prefill pool plans with a prior model (sched/cost_models.py: short prompts on the smallest "
+                    "group, long ones on the largest) until its own is measured, while it idles (%s)", path)
     return kind.prior(sorted(keys)), Later(prefill_measurement(sp, groups, max_tokens, esp), path, kind.to_json, use)
 
 
