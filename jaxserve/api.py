@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import pathlib
+import resource
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
@@ -315,6 +316,8 @@ class LLM:
         # (a transfer's communicator is set up there, which both processes must reach within a deadline)
         if self.engine_config.startup.warmup or self.lockstep is not None:
             warmup(cluster, self.max_model_len, progress)
+        logging.info("the cluster is built; this process's peak memory so far: %.1f GiB",
+                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB on Linux
         return cluster
 
     def _fail_over_layout(self) -> tuple[list[jax.Device], int, InstanceShape]:
