@@ -172,13 +172,12 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         groups = aligned_groups(layout.prefill_instances)
 
         def measured_batches(model: LoongServePrefill) -> None:
-            esp.model, esp.knee = model, model.predict(1, tp, [capacity])
+            esp.use(model, ESPScheduler.served_knee(model, tp, capacity))
 
         if isinstance(prefill_cost, pathlib.Path):
             first_group = {len(g): tuple(pool_ids[i] for i in g) for g in reversed(groups)}
             prefill_cost = pool_model(prefill_cost, first_group, measured_batches, esp=True)
-        # a batch is admitted while one iteration takes at most a full-length prompt's time on one instance
-        knee = prefill_cost.predict(1, tp, [capacity])
+        knee = ESPScheduler.served_knee(prefill_cost, tp, capacity)
         esp = ESPScheduler(prefill_cost, tp, knee, None, 0.0, groups=groups)  # no bandwidth: no KV evacuated
         scheduler = ESPPolicy(esp, pool_ids, "freeness", predictor, spread=group is not None,
                               instance_context=engines[0].max_model_len)

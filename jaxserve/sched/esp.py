@@ -102,16 +102,28 @@ class ESPScheduler:
         max_overtakes: how many later requests may be admitted ahead of one the memory cannot take yet (0: the
         slides' strict FCFS; LoongServe's code bounds such out-of-order admissions, `max_num_ooe`);
         groups: the instance id sets a batch may run on (None: any)."""
-        self.model, self.tp, self.knee, self.bandwidth, self.max_sp = model, tp, knee, migration_bandwidth, max_sp
+        self.tp, self.bandwidth, self.max_sp = tp, migration_bandwidth, max_sp
         self.groups = None if groups is None else {frozenset(g) for g in groups}
         self.max_overtakes = max_overtakes
         self._overtaken: dict[str, int] = {}  # request id -> admissions that went ahead of it
         self.kv_bytes, self.output_estimate = kv_bytes_per_token, output_estimate
-        self._sp = sorted(sp for sp, t in model.coefficients if t == tp)
-        if not self._sp:
-            raise ValueError(f"the model has no fit at TP={tp}")
-        self._coef = np.array([model.coef((sp, tp)) for sp in self._sp])  # [sizes, (a, b, c)]
-        self._log_sp = np.log2(self._sp)
+        self.use(model, knee)
+
+    def use(self, model: LoongServePrefill, knee: float) -> None:
+        """Plan with `model` and `knee` from now on (a pool's measured model in place of the prior it started
+        with: cluster/build.py)."""
+        sizes = sorted(sp for sp, t in model.coefficients if t == self.tp)
+        if not sizes:
+            raise ValueError(f"the model has no fit at TP={self.tp}")
+        self.model, self.knee, self._sp = model, knee, sizes
+        self._coef = np.array([model.coef((sp, self.tp)) for sp in sizes])  # [sizes, (a, b, c)]
+        self._log_sp = np.log2(sizes)
+
+    @staticmethod
+    def served_knee(model: LoongServePrefill, tp: int, context: int) -> float:
+        """The live cluster's knee: a batch is admitted while one iteration takes at most a `context`-token
+        prompt's time on one instance."""
+        return model.predict(1, tp, [context])
 
     def coef(self, sp: int) -> np.ndarray:
         """(a, b, c) at SP size sp, interpolated in log2(sp) between fitted sizes (held flat outside them)."""

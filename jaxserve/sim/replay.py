@@ -105,9 +105,9 @@ def replay(run: LiveRun, progress: bool = False) -> Results:
     workload = run.workload()
     costs = Costs(decode=step, prefill=None, transfer=lambda tokens, senders: run.transfer(tokens),
                   decode_kv_capacity=run.kv_tokens, max_num_seqs=run.max_num_seqs)
-    if run.policy == "esp":  # as cluster/build.py: a batch admitted while it takes a full prompt's time on one
+    if run.policy == "esp":  # as cluster/build.py makes it
         model = LoongServePrefill.from_json(json.dumps(run.prefill_model))
-        elastic = ESPScheduler(model, 1, model.predict(1, 1, [run.max_model_len]), None, 0.0,
+        elastic = ESPScheduler(model, 1, ESPScheduler.served_knee(model, 1, run.max_model_len), None, 0.0,
                                groups=aligned_groups(run.prefill_instances))
         costs = dataclasses.replace(costs, batch=lambda lengths, sp: model.predict(sp, 1, lengths))
         cfg = DisaggConfig(prefill="esp", prefill_instances=run.prefill_instances, decode_tp=1, admission="greedy")

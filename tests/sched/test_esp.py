@@ -31,6 +31,17 @@ def req(i, n):
     return Request(str(i), 0.0, n, 64)
 
 
+def test_a_measured_model_replaces_the_prior_it_started_with():
+    """A pool starts on the prior and plans with its measured model once it has it (cluster/build.py): latency
+    and knee follow the model given to `use`."""
+    keys = sorted(MODEL.coefficients)
+    s = ESPScheduler(cm.LoongServePrefill.prior(keys), 1, 1.0, None, KV_BYTES)
+    assert s.latency([32768], 8) != pytest.approx(MODEL.predict(8, 1, [32768]))
+    s.use(MODEL, ESPScheduler.served_knee(MODEL, 1, 8192))
+    assert s.latency([32768], 8) == pytest.approx(MODEL.predict(8, 1, [32768]))
+    assert s.knee == pytest.approx(MODEL.predict(1, 1, [8192]))
+
+
 def test_latency_interpolates_between_fitted_sp_sizes():
     s = esp()
     assert s.latency([32768], 8) == pytest.approx(MODEL.predict(8, 1, [32768]))
