@@ -31,8 +31,9 @@ import numpy as np
 from absl import app, flags
 from tqdm.auto import tqdm
 
+from jaxserve.sim.replay import POLICIES  # jax-free: XLA_FLAGS is set in main, before JAX starts
+
 FLAGS = flags.FLAGS
-POLICIES = ("cdsp", "csps", "esp", "tetriinfer")
 flags.DEFINE_enum("cluster_policy", "cdsp", POLICIES, "The policy to serve and replay.")
 flags.DEFINE_integer("prefill_instances", 4, "Prefill instances (esp: the instances, which decode too).")
 flags.DEFINE_integer("decode_instances", 2, "Decode instances (cdsp, csps, tetriinfer).")

@@ -32,7 +32,7 @@ from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.engine.sp_prefill import ChunkRun, SPPrefill
-from jaxserve.sched.cluster import ClusterPolicy
+from jaxserve.sched.cluster import ClusterPolicy, averaged_step
 from jaxserve.sched.decode_dispatch import PromptInfo
 from jaxserve.sched.decode_ledger import Transfer
 from jaxserve.sched.kv_manager import PrefixCacheStats
@@ -275,7 +275,7 @@ class ClusterEngine:
                     self._end(rid)
                 raise
             took = self.clock() - before
-            self.decode_seconds = took if not self.decode_seconds else 0.9 * self.decode_seconds + 0.1 * took
+            self.decode_seconds = averaged_step(self.decode_seconds, took)
             if d.engine.last_predicted is not None:
                 predicted.append(d.engine.last_predicted)
             for out in outs:

@@ -37,8 +37,8 @@ from typing import Callable, Collection, Mapping, Protocol, Sequence
 import numpy as np
 
 from jaxserve.sched.cdsp import Chunk, ChunkPlan
-from jaxserve.sched.decode_dispatch import HEAVY_DECODE, LengthPredictor, PromptInfo, by_freeness, power_of_two
 from jaxserve.sched import decode_ledger
+from jaxserve.sched.decode_dispatch import HEAVY_DECODE, LengthPredictor, PromptInfo, by_freeness, power_of_two
 from jaxserve.sched.decode_ledger import DecodeSide
 from jaxserve.sched.esp import (ElasticInstance, ElasticPool, ESPBatch, ESPScheduler, RunningDecodes, isolated_room,
                                 keeper, predicted_growth)
@@ -352,6 +352,12 @@ def elastic_pool(instances: Sequence[DecodeSide], group: DecodeSide | None, gene
                        step_time=step_time)
 
 
+def averaged_step(average: float, seconds: float) -> float:
+    """The decode step time an ESP pool reports (ElasticPool.step_time): a moving average of the steps measured
+    so far, the first taken as it is."""
+    return seconds if not average else 0.9 * average + 0.1 * seconds
+
+
 class GrowthKind(enum.Enum):
     TAIL = "tail"  # on its last instance
     SCALE_UP = "scale_up"  # onto another instance, which joins its group
@@ -400,8 +406,8 @@ class ESPPolicy(ClusterPolicy):
         """One ESP round over the pool's available instances no batch holds: the waiting prompts admitted,
         allocated elastic instances and batched (sched/esp.py's plan), each batch's prompts one chunk each on its
         group; every prompt's dispatch says where its KV stays and which instance decodes it, promised there
-        (with `decoders`; a simulator keeps its own counts). The kept KV is booked on pool.instances. With a
-        length predictor its estimate sizes each request's KV."""
+        (with `decoders`; the lab's LoongServe model keeps its own counts). The kept KV is booked on
+        pool.instances. With a length predictor its estimate sizes each request's KV."""
         del now  # ESP admits in arrival order whenever instances are free
         busy = self._prefilling
         free = [pool.instances[k] for k in sorted(pool.available) if k not in busy]

@@ -40,7 +40,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.sched import decode_ledger
-from jaxserve.sched.cluster import CDSPPolicy, ESPPolicy, Planner, TetriInferPolicy, elastic_pool
+from jaxserve.sched.cluster import CDSPPolicy, ESPPolicy, Planner, TetriInferPolicy, averaged_step, elastic_pool
 from jaxserve.sched.decode_dispatch import LengthPredictor, PromptInfo
 from jaxserve.sched.decode_ledger import DecodeLedger, Transfer
 from jaxserve.sched.flip import Flip, FlipController
@@ -511,7 +511,7 @@ class _Run:
             return
         dec.preemptions += len(plan.preempted)
         seconds = step_seconds(dec.cost, plan)
-        self.decode_seconds = seconds if not self.decode_seconds else 0.9 * self.decode_seconds + 0.1 * seconds
+        self.decode_seconds = averaged_step(self.decode_seconds, seconds)
         end = now + seconds
         dec.stepping, dec.last_end = True, end
         self._push(end, 0, "done", (dec, plan, Outcome(end, (), step_tokens(dec.scheduler, plan))))
