@@ -21,7 +21,7 @@ from jaxserve.config import EngineConfig, InstanceShape, ModelConfig
 from jaxserve.engine import kv_budget, profile, scoring
 from jaxserve.cluster import pool_profile
 from jaxserve.cluster import length_predictor, lockstep
-from jaxserve.cluster.build import build, pool_context, warmup
+from jaxserve.cluster.build import Compiling, build, pool_context, warmup, warmup_steps
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.cluster.multi_master import MultiMaster
 from jaxserve.engine.batch import Buckets
@@ -106,8 +106,7 @@ class LLM:
                                   if cfg.parallel.prefill_instances else self._kv_tokens)
         self.max_model_len = self._context(cfg.model.max_model_len)
         self._buckets = self._make_buckets()
-        self._quick_start = (cfg.startup.quick_start and cfg.startup.warmup and not cfg.parallel.prefill_instances
-                             and jax.process_count() == 1)
+        self._quick_start = cfg.startup.quick_start and cfg.startup.warmup and jax.process_count() == 1
         self.cost = None
         self.engine: ServingEngine
         if cfg.parallel.prefill_instances:
@@ -246,7 +245,10 @@ class LLM:
         sched/spread_kv.py); its context is this LLM's, at most what their pools hold together."""
         runner = MultiMaster([e.runner for e in instances], self._params, self._buckets)
         kv = SpreadKV([e.kv for e in instances])
-        return self._engine(runner, kv, min(self.max_model_len, kv.capacity * kv.block_size))
+        engine = self._engine(runner, kv, min(self.max_model_len, kv.capacity * kv.block_size))
+        if self.cost is None:  # a quick start: its instances measure the step profile while idle
+            engine.defer(functools.partial(self._adopt_cost, engine))
+        return engine
 
     def _engine(self, runner: ModelRunner, kv: KVCacheManager | SpreadKV, max_model_len: int) -> Engine:
         """The engine over a runner and its block manager, scheduled by this LLM's settings and cost model."""
@@ -282,6 +284,8 @@ class LLM:
                            stop: Callable[[], bool]) -> bool:
         """Engine.defer's work after a quick start: once every program is compiled (timings taken beside a
         compile would be wrong), measure the cost profile and plan with it. Whether it is done."""
+        if self.cost is not None:  # another engine of the cluster's measured it
+            return self._adopt_cost(engine, stop)
         if not compiled.done() or stop():
             return False
         engine.scheduler.kv.reset_prefix_cache()  # the measurement writes its own KV over free blocks, cached too
@@ -292,6 +296,14 @@ class LLM:
         self.cost = cost
         engine.scheduler.use_cost(cost, self._packer(cost, measured=True))
         logging.info("cost profile measured (%s); steps are planned by time from now on", path)
+        return True
+
+    def _adopt_cost(self, engine: Engine, stop: Callable[[], bool]) -> bool:
+        """Engine.defer's work for an engine that measures nothing itself (ESP's multi-master group, a cluster's
+        later decode instances): plan by the cost profile once another engine has it. Whether it has."""
+        if self.cost is None:
+            return False
+        engine.scheduler.use_cost(self.cost, self._packer(self.cost, measured=True))
         return True
 
     def _make_cluster(self, progress: bool) -> ClusterEngine:
@@ -312,9 +324,12 @@ class LLM:
                         kv_cache_dtype=self.engine_config.cache.kv_cache_dtype,
                         predictor_file=length_predictor.default_path(self.model_name, self._dtype_name),
                         defer=self.engine_config.startup.quick_start and self.lockstep is None)
-        # as one engine: serve compiles everything first, generate as steps need it; between processes always
-        # (a transfer's communicator is set up there, which both processes must reach within a deadline)
-        if self.engine_config.startup.warmup or self.lockstep is not None:
+        # as one engine: serve compiles everything first (a quick start: while idle), generate as steps need it;
+        # between processes always first (a transfer's communicator is set up there, which both processes must
+        # reach within a deadline)
+        if self._quick_start:
+            cluster.defer(Compiling(warmup_steps(cluster, self.max_model_len)), first=True)
+        elif self.engine_config.startup.warmup or self.lockstep is not None:
             warmup(cluster, self.max_model_len, progress)
         logging.info("the cluster is built; this process's peak memory so far: %.1f GiB",
                      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB on Linux

@@ -341,10 +341,10 @@ class ParallelConfig:
 @dataclasses.dataclass(frozen=True)
 class StartupConfig:
     quick_start: bool = setting(True, "serve: listen once the first requests' programs compile; the rest compile "
-                                "in the background, and an uncached cost profile is measured when first idle. A "
-                                "cluster (serve and generate) plans with a prior prefill model until it has "
-                                "measured its pool's while idle (--noquick_start: compile and measure everything "
-                                "before the first request).")
+                                "in the background (a cluster's own: while idle), and an uncached cost profile is "
+                                "measured when first idle. A cluster (serve and generate) plans with a prior "
+                                "prefill model until it has measured its pool's while idle (--noquick_start: "
+                                "compile and measure everything before the first request).")
     warmup: bool = setting(False, "Compile every step program (and measure an uncached cost profile) before the "
                            "first request; serve sets it.", flag=False)
     cost_profile: str | None = setting(None, "The step cost profile to load, or to measure and write (default: "

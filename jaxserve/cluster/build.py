@@ -1,8 +1,12 @@
 """Assembling a live cluster from `jax.devices()`: the prefill pool, the CDSP planner over it, decode instances,
-and the warm-up that compiles every program the layout can run before the first request."""
+and the warm-up that compiles every program the layout can run: before the first request, or after a quick start
+while the cluster idles (Compiling)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import pathlib
 from typing import Any, Callable, Sequence
 
@@ -68,23 +72,48 @@ def pool_of(layout: ParallelConfig) -> Pool:
     return Pool(layout.prefill_instances // layout.node_size, layout.node_size)
 
 
-def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> int:
-    """Compile every chunk program (group x local bucket the policy can run), every KV-move and KV-export piece
-    program on every instance, every prefill-to-decode instance transfer, and every decode instance's decode
-    programs and samplers, and the length predictor's feature programs. Returns the number of chunk programs."""
-    if cluster.features is not None:
-        cluster.features.warmup(max_tokens)
+def warmup_steps(cluster: ClusterEngine, max_tokens: int) -> list[Callable[[], Any]]:
+    """The cluster's own programs, a step each (a compile, or one instance's pieces): the length predictor's
+    feature programs, every chunk program (group x local bucket the policy can run), each prefill instance's
+    KV-move and KV-export pieces and its transfers to every decode instance, and each decode instance's landing
+    programs. (The decode instances' engines compile their step programs.)"""
     sp = cluster.prefill
-    work = cluster.chunk_shapes(max_tokens)
-    for g, b in tqdm(work, desc="compile chunk programs", unit="program", disable=not progress):
-        sp.program(g, b)
-    sp.warmup_moves()
-    cluster.mover.warmup()
+    steps = [functools.partial(cluster.features.warmup, max_tokens)] if cluster.features is not None else []
+    steps += [functools.partial(sp.program, g, b) for g, b in cluster.chunk_shapes(max_tokens)]
+    for i in sp.stores:
+        steps += [functools.partial(sp.warmup_moves, i), functools.partial(cluster.mover.warmup, i)]
+    return steps + [functools.partial(d.engine.runner.warmup_land, sp.cap) for d in cluster.decoders]
+
+
+def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> None:
+    """Compile every program the layout can run now, before serving: warmup_steps, then every decode instance's
+    decode programs and samplers (a recompute's prefill compiles when it comes)."""
+    for step in tqdm(warmup_steps(cluster, max_tokens), desc="compile the cluster's programs", unit="program",
+                     disable=not progress):
+        step()
     for d in cluster.decoders:
-        d.engine.runner.warmup_land(sp.cap)
-        runner = d.engine.runner  # a decode instance decodes (a recompute's prefill compiles when it comes)
-        runner.warmup(runner.programs(mixed=False), progress=progress)
-    return len(work)
+        d.engine.runner.warmup(d.engine.runner.programs(mixed=False), progress=progress)
+
+
+@dataclasses.dataclass
+class Compiling:
+    """The cluster's programs compiled while it idles, after a quick start: warmup_steps one at a time (a request
+    that comes first compiles what it needs itself). IdleWork."""
+
+    steps: list[Callable[[], Any]]
+    name: str = "compile the cluster's programs"
+    _next: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self.steps)
+
+    def step(self) -> None:
+        self.steps[self._next]()
+        self._next += 1
+
+    def finish(self) -> None:
+        logging.info("%s: the %d steps done while idle", self.name, len(self.steps))
 
 
 def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.Device], int], Engine],

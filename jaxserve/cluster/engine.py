@@ -21,13 +21,12 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from jaxserve.cluster.decode import LiveDecoder
 from jaxserve.cluster.length_predictor import PromptFeatures
-from jaxserve.cluster.pool_profile import Later
 from jaxserve.cluster.transfer import KVMover
 from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.sampling_params import SamplingParams
@@ -68,6 +67,23 @@ class KVTotals:
     stats: PrefixCacheStats
 
 
+class IdleWork(Protocol):
+    """Work a cluster does while no request is in it, a step at a time (ClusterEngine.run_deferred): after a
+    quick start, compiling its programs (build.py's Compiling) and measuring its pool's model (pool_profile.Later)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    def step(self) -> None:
+        """The next piece (seconds at most: a request may be waiting for the one after it)."""
+
+    def finish(self) -> None:
+        """Put what the steps made to use."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Prefill:
     ids: list[int]
@@ -103,7 +119,7 @@ class ClusterEngine:
         self.tokenizer, self.max_model_len = self._front.tokenizer, self._front.max_model_len
         self.max_num_seqs = sum(d.engine.max_num_seqs for d in self.decoders)
         self.events: collections.Counter[str] = collections.Counter()  # chunks, rebalances, transfers
-        self._later: list[Later] = []  # the pool's measurements to take while idle (build's defer)
+        self._idle: list[IdleWork] = []  # what to do while no request is in (defer)
         self.records: collections.deque[ChunkRecord] = collections.deque(maxlen=HISTORY)
         self.transfers: collections.deque[tuple[int, Transfer]] = collections.deque(maxlen=HISTORY)  # (decode
         # instance, landed transfer)
@@ -230,29 +246,35 @@ class ClusterEngine:
         for d in self.decoders:
             d.engine.recover()
 
-    def defer(self, later: Later) -> None:
-        """A measurement of the pool's model to take while no request is in the cluster (after the ones queued)."""
-        self._later.append(later)
+    def defer(self, work: IdleWork, first: bool = False) -> None:
+        """Work to do while no request is in the cluster: after the work queued (first: before it)."""
+        self._idle.insert(0 if first else len(self._idle), work)
 
     @property
     def has_deferred(self) -> bool:
-        return bool(self._later)
+        return bool(self._idle) or any(d.engine.has_deferred for d in self.decoders)
 
     def run_deferred(self, stop: Callable[[], bool]) -> None:
-        """Take the deferred measurements one point at a time while no request is in the cluster, returning
-        between points once stop() is true (a request waits: the next call goes on from there); each done one
-        is put to use. A failed one is dropped: the pool plans on with what it has."""
-        while self._later and not self._owner:
-            later = self._later[0]
+        """While no request is in the cluster: the decode instances' deferred work (their step profiles, once
+        their programs compile), then the cluster's own a step at a time, returning between steps once stop() is
+        true (a request waits: the next call goes on from there); each finished work is put to use. A failed one
+        is dropped: the cluster serves on without it."""
+        if self._owner:
+            return
+        for d in self.decoders:
+            if d.engine.has_deferred:  # it returns as soon as stop() is true
+                d.engine.run_deferred(stop)
+        while self._idle and not self._owner:
+            work = self._idle[0]
             try:
-                while not later.measurement.done:
+                while not work.done:
                     if stop():
                         return
-                    later.measurement.step()
-                later.finish()
-            except Exception:  # noqa: BLE001 - a measurement only refines the plans: serve without it
-                logging.exception("%s failed; the pool plans on without it", later.measurement.name)
-            self._later.pop(0)
+                    work.step()
+                work.finish()
+            except Exception:  # noqa: BLE001 - the work only refines serving: serve without it
+                logging.exception("%s failed; the cluster serves on without it", work.name)
+            self._idle.pop(0)
 
     # ---- one iteration ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

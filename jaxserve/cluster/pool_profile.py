@@ -3,8 +3,10 @@ an SP group of each size, c0 + c1*n + c2*n*h + c3*n^2, fitted to timed chunks (t
 the group and the sampled token back on the host). The CDSP planner plans with it; measured once per device
 kind, model, dtype and pool shape, cached on disk as the engine's step profile is (engine/profile.py).
 
-A chunk runs in power-of-two per-device buckets, so its time is a step function of n: the grid measures chunks
-that fill their bucket (what a planned chunk costs at worst) at no history and at a long one.
+A chunk runs in power-of-two per-device buckets, so its time is a step function of n: the points are chunks that
+fill their bucket (what a planned chunk costs at worst), a ladder of them at no history and two after a long one.
+Each point takes seconds: the ladder stops where a chunk's run passes BUDGET_S (what the fit needs, not every
+chunk the pool runs), and a history is assumed, not computed (only its length costs the chunk time).
 
 The live pool's cache balancing (a prompt's history spread over its next chunk's larger group) is a move ahead of
 the chunk: timed on each pair of nested groups, the rows moved against the seconds, a line the planner prices the
@@ -27,7 +29,7 @@ import logging
 import pathlib
 import statistics
 import time
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 import jax
 from tqdm.auto import tqdm
@@ -39,37 +41,47 @@ from jaxserve.engine.sp_prefill import Group, SPPrefill
 from jaxserve.sched.cdsp import MeasuredBalancing
 from jaxserve.sched.cost_models import KeyedLinearModel, LoongServePrefill, TetrisPrefill
 
-VERSION = 1  # of the chunk step and of how it is measured: a change to either must not load an older profile
+VERSION = 2  # of the chunk step and of how it is measured: a change to either must not load an older profile
 _GREEDY = SamplingParams(max_tokens=1)
 _RID = "eq1-profile"
+BUDGET_S = 4.0  # a chunk's run past which a ladder stops growing (after three): each point takes seconds
+LONG_S = 1.0  # a run past which one timed run is a point's time (shorter ones: the median of REPEATS)
+REPEATS = 3
 T = TypeVar("T")
 
 
 class Measurement(Generic[T]):
-    """A model fitted to timed points, measured one point at a time."""
+    """A model fitted to timed points, measured one point at a time. Which point comes next may depend on the
+    samples so far (a ladder of chunks stops growing once one takes BUDGET_S)."""
 
-    def __init__(self, name: str, points: list[Callable[[], Any]], fit: Callable[[list], T],
-                 prepare: Callable[[], None] = lambda: None):
-        """points: each times one sample; fit: the model from the samples; prepare: what must be done before the
-        first point (compiling the programs the points run: a timing must not include a compile)."""
-        self.name, self.points, self.fit, self.prepare = name, points, fit, prepare
+    def __init__(self, name: str, points: Callable[[list], Iterator[Callable[[], Any]]], fit: Callable[[list], T],
+                 most: int, prepare: Callable[[], None] = lambda: None):
+        """points(samples): the points, each a call that times one sample, chosen as the samples so far say;
+        most: how many there are at most (the progress shown); fit: the model from the samples; prepare: what
+        must be done before the first point (compiling the programs the points run: a timing must not include
+        a compile)."""
+        self.name, self.fit, self.most, self.prepare = name, fit, most, prepare
+        self._points, self._left = points, None
         self.samples: list = []
-
-    @property
-    def done(self) -> bool:
-        return len(self.samples) == len(self.points)
+        self.done = False
 
     def step(self) -> None:
-        """Time the next point."""
-        if not self.samples:
+        """Time the next point (a call that finds none left marks the measurement done)."""
+        if self._left is None:
             self.prepare()
-        self.samples.append(self.points[len(self.samples)]())
+            self._left = iter(self._points(self.samples))
+        point = next(self._left, None)
+        if point is None:
+            self.done = True
+        else:
+            self.samples.append(point())
 
     def run(self, progress: bool = True) -> T:
         """Every point left, then the model."""
-        for _ in tqdm(range(len(self.points) - len(self.samples)), desc=self.name, unit="point",
-                      disable=not progress):
-            self.step()
+        with tqdm(total=self.most, desc=self.name, unit="point", disable=not progress) as bar:
+            while not self.done:
+                self.step()
+                bar.update(len(self.samples) - bar.n)
         return self.fit(self.samples)
 
 
@@ -82,6 +94,22 @@ class Later(Generic[T]):
     dumps: Callable[[T], str]
     use: Callable[[T], None]
 
+    @property
+    def name(self) -> str:
+        return self.measurement.name
+
+    @property
+    def done(self) -> bool:
+        return self.measurement.done
+
+    def step(self) -> None:
+        """Time the next point, logged with its seconds (the progress of a measurement no bar shows)."""
+        start, taken = time.perf_counter(), len(self.measurement.samples)
+        self.measurement.step()
+        if len(self.measurement.samples) > taken:
+            logging.info("%s: point %d (of at most %d) took %.1f s", self.name, taken + 1, self.measurement.most,
+                         time.perf_counter() - start)
+
     def finish(self) -> None:
         model = self.measurement.fit(self.measurement.samples)
         disk_cache.write_text(self.path, self.dumps(model))
@@ -90,53 +118,45 @@ class Later(Generic[T]):
         logging.warning("%s: measured (%s); the pool plans with it from now on", self.measurement.name, self.path)
 
 
-def grid(sp: SPPrefill, size: int, max_tokens: int) -> list[tuple[int, int]]:
-    """(tokens, history) points for one SP size: the smallest, a middle and the largest full bucket at no
-    history, and the smallest and largest after the longest history that leaves room for them."""
-    full = [size * b for b in sp.buckets(size, max_tokens // 2)]
-    small, mid, large = full[0], full[len(full) // 2], full[-1]
-    points = [(small, 0), (mid, 0), (large, 0)]
-    for n in (small, large):  # the history as long as the group's stores leave room for the chunk
-        h = min(max_tokens - n, sp.room.history_room(size, n))
-        if h > 0:
-            points.append((n, h))
-    return sorted(set(points))
+def ladder(sp: SPPrefill, size: int, max_tokens: int, samples: list,
+           point: Callable[[int], Callable[[], Any]]) -> Iterator[Callable[[], Any]]:
+    """Chunks on `size` instances that fill their bucket, from the smallest up to max_tokens, one point each
+    (point(tokens)); after three, the ladder stops at the first whose time (samples[-1]'s last field) passes
+    BUDGET_S: the fit extrapolates to the longer ones."""
+    for k, n in enumerate(size * b for b in sp.buckets(size, max_tokens)):
+        yield point(n)
+        if k >= 2 and samples[-1][-1] > BUDGET_S:
+            return
 
 
-def time_chunk(sp: SPPrefill, group: Group, tokens: int, history: int, repeats: int) -> float:
-    """Median seconds of a chunk of `tokens` after `history` tokens on `group` (the history written first, untimed).
-    The first repetition compiles nothing (the programs are built first) but warms caches and is dropped."""
-    times = []
-    for _ in range(repeats + 1):
-        sp.claim(_RID, group)
+def time_chunk(sp: SPPrefill, group: Group, tokens: int, history: int, warm: bool) -> float:
+    """Seconds of a chunk of `tokens` after `history` tokens on `group` (the history assumed, not computed:
+    SPPrefill.assume_history): one run past LONG_S, else the median of REPEATS, after a run dropped when `warm`
+    (the program's first: it compiles nothing, the programs are built first, but warms caches)."""
+    def once() -> float:
+        sp.assume_history(_RID, group, history)
         try:
-            _write_history(sp, group, history)
-            if history:
-                sp.rebalance(_RID, group)  # even shares, as before a planned chunk
             start = time.perf_counter()
             sp.run_chunk(_RID, group, [1] * tokens, history, _GREEDY, 0).token()
-            times.append(time.perf_counter() - start)
+            return time.perf_counter() - start
         finally:
             sp.release(_RID)
-    return statistics.median(times[1:])
+
+    if warm:
+        once()
+    times = [once()]
+    if times[0] < LONG_S:
+        times += [once() for _ in range(REPEATS - 1)]
+    return statistics.median(times)
 
 
-def _write_history(sp: SPPrefill, group: Group, history: int) -> None:
-    """`history` tokens of _RID's prompt on `group`, in chunks (one store may not hold it all)."""
-    done = 0
-    for n in sp.room.filling(len(group), history):
-        sp.run_chunk(_RID, group, [1] * n, done, _GREEDY, 0).token()
-        done += n
-
-
-def time_move(sp: SPPrefill, held: Group, group: Group, history: int, repeats: int) -> tuple[int, float]:
-    """Rows moved and median seconds of spreading `history` tokens written on `held` over `group`, which extends
-    it (the history written first, untimed; the first repetition, which compiles the move's pieces, dropped)."""
+def time_move(sp: SPPrefill, held: Group, group: Group, history: int) -> tuple[int, float]:
+    """Rows moved and median seconds of spreading `history` tokens held on `held` over `group`, which extends it
+    (the history assumed, not computed; the first run, which compiles the move's pieces, dropped)."""
     times, moved = [], 0
-    for _ in range(repeats + 1):
-        sp.claim(_RID, held)
+    for _ in range(REPEATS + 1):
+        sp.assume_history(_RID, held, history)
         try:
-            _write_history(sp, held, history)
             start = time.perf_counter()
             moved = sp.rebalance(_RID, group)
             jax.block_until_ready([(sp.stores[i].k, sp.stores[i].v) for i in group])
@@ -146,8 +166,8 @@ def time_move(sp: SPPrefill, held: Group, group: Group, history: int, repeats: i
     return moved, statistics.median(times[1:])
 
 
-def moves_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, per_node: int,
-                      repeats: int = 2) -> Measurement[MeasuredBalancing]:
+def moves_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
+                      per_node: int) -> Measurement[MeasuredBalancing]:
     """The move's line from each pair of consecutive SP sizes whose groups nest (groups: size -> instance ids),
     at a short and at the longest history the smaller group holds."""
     sizes = sorted(groups)
@@ -156,9 +176,9 @@ def moves_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, 
         if set(groups[small]) <= set(groups[large]):
             longest = min(max_tokens, sp.room.longest(small))
             work += [(small, large, h) for h in sorted({longest // 4, longest}) if h]
-    points = [functools.partial(time_move, sp, groups[small], groups[large], h, repeats) for small, large, h in work]
-    return Measurement("measure cache balancing", points,
-                       lambda samples: MeasuredBalancing.fit(*zip(*samples), per_node=per_node))
+    points = [functools.partial(time_move, sp, groups[small], groups[large], h) for small, large, h in work]
+    return Measurement("measure cache balancing", lambda samples: points,
+                       lambda samples: MeasuredBalancing.fit(*zip(*samples), per_node=per_node), len(points))
 
 
 def load_moves(path: pathlib.Path, per_node: int) -> MeasuredBalancing:
@@ -173,42 +193,61 @@ def dumps_moves(moves: MeasuredBalancing) -> str:
     return json.dumps(dataclasses.asdict(moves))
 
 
-def eq1_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
-                    repeats: int = 2) -> Measurement[TetrisPrefill]:
-    """Eq. (1) per SP size from chunks timed on one group of that size (groups: size -> instance ids)."""
-    work = [(size, n, h) for size in sorted(groups) for n, h in grid(sp, size, max_tokens)]
+def eq1_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int) -> Measurement[TetrisPrefill]:
+    """Eq. (1) per SP size from chunks timed on one group of that size (groups: size -> instance ids): a ladder
+    of chunks up to half of max_tokens at no history (c0, c1, c3), then the smallest and the ladder's last after
+    the longest history that leaves room for them (c2)."""
+    ran: set[tuple[int, int]] = set()  # (SP size, local bucket) run: its program's caches are warm
+
+    def point(size: int, n: int, h: int) -> Callable[[], tuple]:
+        def timed() -> tuple:
+            local = sp.local_bucket(size, n)
+            seconds = time_chunk(sp, groups[size], n, h, warm=(size, local) not in ran)
+            ran.add((size, local))
+            return size, (n, h), seconds
+        return timed
+
+    def points(samples: list) -> Iterator[Callable[[], tuple]]:
+        for size in sorted(groups):
+            yield from ladder(sp, size, max_tokens // 2, samples, lambda n: point(size, n, 0))
+            top = samples[-1][1][0]
+            for n in sorted({size * sp.min_local, top}):
+                if (h := min(max_tokens - n, sp.room.history_room(size, n))) > 0:
+                    yield point(size, n, h)
 
     def compile_all() -> None:  # the timings must not include a compile
-        for size, n, h in work:
-            for t in (n, min(h, sp.room.largest(size, 0))):
-                if t:
-                    sp.program(groups[size], sp.local_bucket(size, t))
+        for size in groups:
+            for b in sp.buckets(size, max_tokens // 2):
+                sp.program(groups[size], b)
 
-    def point(size: int, n: int, h: int) -> tuple:
-        return size, (n, h), time_chunk(sp, groups[size], n, h, repeats)
-
-    return Measurement("measure Eq. (1) chunk latency", [functools.partial(point, *w) for w in work],
-                       TetrisPrefill.fit, compile_all)
+    most = sum(len(sp.buckets(size, max_tokens // 2)) + 2 for size in groups)
+    return Measurement("measure Eq. (1) chunk latency", points, TetrisPrefill.fit, most, compile_all)
 
 
-def batch_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
-                      repeats: int = 2) -> Measurement[LoongServePrefill]:
-    """LoongServe's batch model per (SP size, TP) from whole prompts (each filling its bucket) timed on one group
-    of each size: a batch of one prompt of l tokens has sum(l) = l and sum(l^2) = l^2."""
-    work = []
-    for size in sorted(groups):
-        full = [size * b for b in sp.buckets(size, max_tokens)]
-        work += [(size, n) for n in sorted({full[0], full[len(full) // 3], full[2 * len(full) // 3], full[-1]})]
+def batch_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int) -> Measurement[LoongServePrefill]:
+    """LoongServe's batch model per (SP size, TP) from whole prompts timed on one group of each size, a ladder up
+    to max_tokens: a batch of one prompt of l tokens has sum(l) = l and sum(l^2) = l^2."""
+    ran: set[tuple[int, int]] = set()
+
+    def point(size: int, n: int) -> Callable[[], tuple]:
+        def timed() -> tuple:
+            local = sp.local_bucket(size, n)
+            seconds = time_chunk(sp, groups[size], n, 0, warm=(size, local) not in ran)
+            ran.add((size, local))
+            return (size, sp.tp), (n, n * n), seconds
+        return timed
+
+    def points(samples: list) -> Iterator[Callable[[], tuple]]:
+        for size in sorted(groups):
+            yield from ladder(sp, size, max_tokens, samples, functools.partial(point, size))
 
     def compile_all() -> None:
-        for size, n in work:
-            sp.program(groups[size], sp.local_bucket(size, n))
+        for size in groups:
+            for b in sp.buckets(size, max_tokens):
+                sp.program(groups[size], b)
 
-    def point(size: int, n: int) -> tuple:
-        return (size, sp.tp), (n, n * n), time_chunk(sp, groups[size], n, 0, repeats)
-
-    return Measurement("measure ESP prefill latency", [functools.partial(point, *w) for w in work],
-                       LoongServePrefill.fit, compile_all)
+    most = sum(len(sp.buckets(size, max_tokens)) for size in groups)
+    return Measurement("measure ESP prefill latency", points, LoongServePrefill.fit, most, compile_all)
 
 
 def prefill_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, esp: bool = False) -> Measurement:

@@ -48,14 +48,13 @@ class KVMover:
         after the copy)."""
         self._pieces[key] = self._onto(self._pieces[key], decoder)
 
-    def warmup(self) -> None:
-        """Send a one-row piece from every prefill instance to every decode instance, so that each pair's
-        program exists and, between processes, its communicator is set up (which both processes must reach
-        within a deadline) before serving."""
-        for instance in self.prefill.stores:
-            piece = self.prefill.take(instance, 0, 1)
-            for decoder in range(len(self.runners)):
-                self._onto([piece], decoder)
+    def warmup(self, instance: int) -> None:
+        """Send a one-row piece from prefill `instance` to every decode instance, so that each pair's program
+        exists and, between processes, its communicator is set up (which both processes must reach within a
+        deadline) before serving."""
+        piece = self.prefill.take(instance, 0, 1)
+        for decoder in range(len(self.runners)):
+            self._onto([piece], decoder)
 
     def _onto(self, pieces: list[tuple[jax.Array, jax.Array]], decoder: int) -> list[tuple[jax.Array, jax.Array]]:
         """A tensor-parallel instance's pieces are gathered on its first device first."""

@@ -180,13 +180,13 @@ class SPPrefill:
         kind = StoreUlyssesBackend if self.sp_attention == "sp_ntp" else StoreRingBackend
         return kind(sp, self.key_block, implementation=self.implementation)
 
-    def warmup_moves(self) -> None:
-        """Compile the row take and put programs of every piece size on every instance (the stores must be free:
-        what these write is never read)."""
-        for i, s in self.stores.items():
-            for n in (1 << j for j in range(self.cap.bit_length()) if 1 << j <= self.cap):
-                s.k, s.v = rows.put(s.k, s.v, *rows.take(s.k, s.v, 0, size=n), 0)
-                self.take(i, 0, n)
+    def warmup_moves(self, instance: int) -> None:
+        """Compile the row take and put programs of every piece size on `instance` (its store must be free: what
+        these write is never read)."""
+        s = self.stores[instance]
+        for n in (1 << j for j in range(self.cap.bit_length()) if 1 << j <= self.cap):
+            s.k, s.v = rows.put(s.k, s.v, *rows.take(s.k, s.v, 0, size=n), 0)
+            self.take(instance, 0, n)
 
     # ---- chunks ---------------------------------------------------------------------------------------------
     def claim(self, request_id: str, group: Group) -> None:
@@ -197,6 +197,19 @@ class SPPrefill:
                 raise RuntimeError(f"instance {i} still holds request {s.owner}'s history; {request_id} cannot "
                                    "use it (the planner books an instance for one request at a time)")
             s.owner = request_id
+
+    def assume_history(self, request_id: str, group: Group, history: int) -> None:
+        """Give request_id `history` tokens of history spread evenly over `group`'s free stores without computing
+        it: the rows keep whatever the stores hold. For timing chunks (pool_profile), whose time depends on how
+        many rows they attend to, not on what the rows hold."""
+        self.claim(request_id, group)
+        shares = rebalance.targets(history, len(group))
+        for i, lo, share in zip(group, np.cumsum(shares) - shares, shares):
+            s = self.stores[i]
+            if share > self.cap:
+                raise ValueError(f"{history} history tokens do not fit {len(group)} stores of {self.cap} rows")
+            s.fill = int(share)
+            s.pos[:share] = np.arange(lo, lo + share)
 
     def release(self, request_id: str) -> None:
         for s in self.stores.values():

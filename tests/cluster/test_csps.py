@@ -75,7 +75,7 @@ def test_llm_serves_through_csps_by_its_flag(model, llm, tmp_path):
     """LLM(cluster_policy="csps", ...) (what --cluster_policy builds): with no Eq. (1) on disk it starts on the
     prior, its pool's own to be measured on groups of 1, 2 and 4 instances while idle (test_live_cluster.py
     follows a pool through that), and generation through the cluster gives the single-device engine's greedy
-    tokens."""
+    tokens, on the prior's plans and, once the cluster has measured its own while idle, on the measured one's."""
     path = tmp_path / "eq1.json"
     clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4,
                              max_num_batched_tokens=256, prefill_instances=4, decode_instances=1,
@@ -85,5 +85,10 @@ def test_llm_serves_through_csps_by_its_flag(model, llm, tmp_path):
     assert cluster.planner.model.model.to_json() == TetrisPrefill.prior([1, 2, 4]).to_json() and cluster.has_deferred
     ids = [prompt(llm, 700, 3), prompt(llm, 90, 4)]
     params = SamplingParams(max_tokens=12)
-    assert [c.token_ids for c in clustered.generate(ids, params)] == [c.token_ids for c in llm.generate(ids, params)]
+    want = [c.token_ids for c in llm.generate(ids, params)]
+    assert [c.token_ids for c in clustered.generate(ids, params)] == want
     assert sorted(len(r.group) for r in cluster.records) == [1, 4]
+    cluster.run_deferred(stop=lambda: False)
+    measured = TetrisPrefill.from_json(path.read_text())
+    assert not cluster.has_deferred and cluster.planner.model.model.to_json() == measured.to_json()
+    assert [c.token_ids for c in clustered.generate(ids, params)] == want

@@ -199,7 +199,7 @@ def test_a_cluster_plans_with_a_prior_until_it_measures_its_pool_while_idle(llm,
 
     cluster.add_request(ids, GREEDY)
     cluster.run_deferred(stop=lambda: False)  # a request is in: nothing is measured
-    measurement = cluster._later[0].measurement
+    measurement = cluster._idle[0].measurement
     assert not measurement.samples
     while cluster.has_unfinished():
         cluster.step()
