@@ -217,9 +217,13 @@ class LLM:
                             sliding_window=self.config.uniform_window)
         runner = self._new(ModelRunner, self.config, self._params, self._dtype, compiled=compiled,
                            **self._runner_settings(devices, num_blocks, shape, tp))
-        quick = self._quick_start and self.cost is None  # no cost model known yet: measure it later
+        # one engine starts quickly while its cost model is unknown (measured later); a cluster always: its
+        # instances are many and its pool compiles while idle too. A cluster's instances get prompts as KV
+        cluster = bool(cfg.parallel.prefill_instances)
+        quick = self._quick_start and (self.cost is None or cluster)
+        first = runner.first_programs(mixed=not cluster)
         if cfg.startup.warmup:
-            runner.warmup(runner.first_programs() if quick else None, progress=progress)
+            runner.warmup(first if quick else None, progress=progress)
         path = None
         if self.cost is None:
             path = (pathlib.Path(cfg.startup.cost_profile) if cfg.startup.cost_profile else
@@ -229,7 +233,7 @@ class LLM:
                 self.cost = profile.load_or_measure(path, runner, context, progress)
         engine = self._engine(runner, kv, context)
         if quick:
-            compiled = runner.compile_in_background(runner.later_programs())
+            compiled = runner.compile_in_background(runner.later_programs(first))
             scheduler = engine.scheduler
             if self._buckets.burst_steps > 1:  # no burst before its programs compile (the step would wait)
                 scheduler.num_scheduler_steps = 1

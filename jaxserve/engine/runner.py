@@ -426,17 +426,18 @@ class ModelRunner:
                 done.result()
                 bar.update()
 
-    def first_programs(self) -> list[Program]:
+    def first_programs(self, mixed: bool = True) -> list[Program]:
         """What the first few requests run: programs of at most the smallest mixed row bucket's rows, decodes
-        and chunks of up to FIRST_TOKENS tokens (a short prompt), and their plain samplers."""
+        and (with `mixed`; a cluster's decode instance gets its prompts as KV) chunks of up to FIRST_TOKENS tokens
+        (a short prompt), and their plain samplers."""
         b = self.buckets
         return _with_samplers([s for s in b.programs() if s.rows <= b.rows[0] and (
-            s.tiles == 0 or s.tokens <= max(FIRST_TOKENS, b.tokens[0]))], extra=(False,))
+            s.tiles == 0 or mixed and s.tokens <= max(FIRST_TOKENS, b.tokens[0]))], extra=(False,))
 
-    def later_programs(self) -> list[Program]:
-        """The rest of programs(), fewest tokens and rows first, each forward followed by its samplers, then the
-        bursts."""
-        first = set(self.first_programs())
+    def later_programs(self, first: Sequence[Program] | None = None) -> list[Program]:
+        """The rest of programs() after `first` (default: first_programs()), fewest tokens and rows first, each
+        forward followed by its samplers, then the bursts."""
+        first = set(self.first_programs() if first is None else first)
         shapes = sorted((s for s in self.buckets.programs() if s not in first), key=lambda s: (s.tokens, s.rows))
         later = [p for s in shapes for p in (s, *(Sampler(s.rows, kind) for kind in batch.SAMPLER_KINDS))]
         extra = [p for p in _with_samplers(list(self.buckets.programs())) if isinstance(p, Sampler) and p.extra]
