@@ -73,26 +73,30 @@ def pool_of(layout: ParallelConfig) -> Pool:
 
 
 def warmup_steps(cluster: ClusterEngine, max_tokens: int) -> list[Callable[[], Any]]:
-    """The cluster's own programs, a step each (a compile, or one instance's pieces): the length predictor's
-    feature programs, every chunk program (group x local bucket the policy can run), each prefill instance's
-    KV-move and KV-export pieces and its transfers to every decode instance, and each decode instance's landing
-    programs. (The decode instances' engines compile their step programs.)"""
+    """Every program the layout can run, a step each (a compile, or one instance's pieces): the length
+    predictor's feature programs, every chunk program (group x local bucket the policy can run), each prefill
+    instance's KV-move and KV-export pieces and its transfers to every decode instance, each decode instance's
+    landing programs and its decode programs and samplers (a recompute's prefill compiles when it comes; after a
+    quick start its engine compiles them in the background too: a step finds one compiled, or waits for it)."""
     sp = cluster.prefill
     steps = [functools.partial(cluster.features.warmup, max_tokens)] if cluster.features is not None else []
     steps += [functools.partial(sp.program, g, b) for g, b in cluster.chunk_shapes(max_tokens)]
     for i in sp.stores:
         steps += [functools.partial(sp.warmup_moves, i), functools.partial(cluster.mover.warmup, i)]
-    return steps + [functools.partial(d.engine.runner.warmup_land, sp.cap) for d in cluster.decoders]
+    for d in cluster.decoders:
+        runner = d.engine.runner
+        steps.append(functools.partial(runner.warmup_land, sp.cap))
+        steps += [functools.partial(runner.warmup, [p], progress=False) for p in runner.programs(mixed=False)]
+    return steps
 
 
 def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> None:
-    """Compile every program the layout can run now, before serving: warmup_steps, then every decode instance's
-    decode programs and samplers (a recompute's prefill compiles when it comes)."""
+    """Every warmup step now, before serving (the decode programs first, a thread per core)."""
+    for d in cluster.decoders:
+        d.engine.runner.warmup(d.engine.runner.programs(mixed=False), progress=progress)
     for step in tqdm(warmup_steps(cluster, max_tokens), desc="compile the cluster's programs", unit="program",
                      disable=not progress):
         step()
-    for d in cluster.decoders:
-        d.engine.runner.warmup(d.engine.runner.programs(mixed=False), progress=progress)
 
 
 @dataclasses.dataclass

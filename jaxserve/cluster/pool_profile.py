@@ -102,20 +102,28 @@ class Later(Generic[T]):
     def done(self) -> bool:
         return self.measurement.done
 
+    seconds: float = 0.0  # spent on the points so far
+
     def step(self) -> None:
         """Time the next point, logged with its seconds (the progress of a measurement no bar shows)."""
         start, taken = time.perf_counter(), len(self.measurement.samples)
+        if not taken:
+            logging.warning("%s while idle: at most %d points of seconds each (each logged at INFO)", self.name,
+                            self.measurement.most)
         self.measurement.step()
+        took = time.perf_counter() - start
+        self.seconds += took
         if len(self.measurement.samples) > taken:
             logging.info("%s: point %d (of at most %d) took %.1f s", self.name, taken + 1, self.measurement.most,
-                         time.perf_counter() - start)
+                         took)
 
     def finish(self) -> None:
         model = self.measurement.fit(self.measurement.samples)
         disk_cache.write_text(self.path, self.dumps(model))
         self.use(model)
         # warnings: the CLI shows them by default, and each is said once a pool
-        logging.warning("%s: measured (%s); the pool plans with it from now on", self.measurement.name, self.path)
+        logging.warning("%s: measured in %d points, %.0f s (%s); the pool plans with it from now on", self.name,
+                        len(self.measurement.samples), self.seconds, self.path)
 
 
 def ladder(sp: SPPrefill, size: int, max_tokens: int, samples: list,

@@ -5,12 +5,14 @@ against the single-device engine's greedy tokens."""
 from __future__ import annotations
 
 import json
+import time
 
+import jax
 import numpy as np
 
 import jaxserve
 from conftest import MAX_MODEL_LEN, engine_maker, prompt, run, serve
-from jaxserve.cluster.build import build
+from jaxserve.cluster.build import Compiling, build
 from jaxserve.cluster.esp import ESPCluster
 from jaxserve.config import ParallelConfig
 from jaxserve.engine.interface import ServingEngine
@@ -80,18 +82,40 @@ def test_elastic_batches_scale_up_and_down_and_equal_one_device(llm, devices):
     assert not cluster.has_unfinished() and cluster.num_running == 0
 
 
-def test_llm_serves_through_esp_by_its_flag(model, llm):
-    """LLM(cluster_policy="esp", ...) (what --cluster_policy builds) measures LoongServe's batch model on its
-    instances, generates the single-device text, and serves it (the openai client over HTTP) with its events in
-    /metrics. Its context is its two instances' pools together: the 900-token prompt decodes over both."""
+def test_llm_serves_through_esp_by_its_flag(model, llm, tmp_path):
+    """LLM(cluster_policy="esp", ...) (what --cluster_policy builds), started as serve starts it (warmup with
+    quick_start, the default): the instances compile their first decode programs, the pool nothing; the cluster
+    plans with the prior; while idle it compiles its programs (the instances the rest in the background), measures
+    LoongServe's batch model and the step profile and plans with them (the multi-master group too). Then it
+    compiles nothing more, generates the single-device text, and serves it (the openai client over HTTP) with its
+    events in /metrics. Its context is its two instances' pools together: the 900-token prompt decodes over
+    both."""
+    batches, steps = tmp_path / "esp.json", tmp_path / "step.json"
     clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=512, max_num_seqs=4,
-                             max_num_batched_tokens=256, prefill_instances=2, cluster_policy="esp",
-                             quick_start=False, progress=False)
-    assert isinstance(clustered.engine, ESPCluster) and clustered.max_model_len == 1024
-    assert set(clustered.engine.scheduler.elastic._sp) == {1, 2}  # fitted per SP size
+                             max_num_batched_tokens=256, prefill_instances=2, cluster_policy="esp", warmup=True,
+                             prefill_profile=str(batches), cost_profile=str(steps), progress=False)
+    cluster = clustered.engine
+    assert isinstance(cluster, ESPCluster) and clustered.max_model_len == 1024
+    assert cluster.prefill.num_programs == 0 and isinstance(cluster._idle[0], Compiling)
+    runner = cluster.decoders[0].engine.runner
+    assert set(runner.first_programs(mixed=False)) <= set(runner.compiled_programs()) and clustered.cost is None
+    elastic = cluster.scheduler.elastic
+    assert elastic.model.to_json() == LoongServePrefill.prior([(1, 1), (2, 1)]).to_json()
+    while cluster.has_deferred:  # the instances measure once their background compiles are done
+        cluster.run_deferred(stop=lambda: False)
+        time.sleep(0.2)
+    assert cluster.prefill.num_programs == len(cluster.chunk_shapes(1024))
+    assert elastic.model.to_json() == LoongServePrefill.from_json(batches.read_text()).to_json()
+    assert set(elastic._sp) == {1, 2}  # fitted per SP size
+    assert clustered.cost is not None and all(d.engine.scheduler.cost is clustered.cost for d in cluster.decoders)
     ids = [prompt(llm, 900, 31), prompt(llm, 50, 32), prompt(llm, 400, 33)]
     want = llm.generate(ids, GREEDY)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
     assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == [c.token_ids for c in want]
+    assert compiles == []
     texts, events = serve(clustered, ids, GREEDY.max_tokens)  # `serve` over the same cluster
     assert texts == [c.text for c in want]
     assert events == {k: float(v) for k, v in clustered.engine.events.items()} and events["chunks"] == 6, events

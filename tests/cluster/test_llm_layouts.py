@@ -5,14 +5,10 @@ its module's cluster is freed first (the folder's memory peak)."""
 
 from __future__ import annotations
 
-import time
-
-import jax
 import numpy as np
 
 import jaxserve
 from conftest import LAYERS, prompt, serve
-from jaxserve.cluster.build import Compiling
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.models.gguf_loader import GGUFFile
 from jaxserve.models.tokenizer import TextTokenizer
@@ -55,37 +51,6 @@ def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(model, llm, tmp_
     texts, events = serve(clustered, ids, GREEDY.max_tokens)  # `serve` over the same cluster
     assert texts == [c.text for c in want]
     assert events == {k: float(v) for k, v in clustered.engine.events.items()} and events["transfers"] >= 2, events
-
-
-def test_a_served_cluster_listens_first_then_compiles_and_measures_while_idle(model, llm, tmp_path):
-    """What serve builds by default (warmup with quick_start): the decode instance compiles only the first
-    requests' programs before the cluster is made (the rest in the background), the pool nothing; while idle the
-    cluster compiles its programs, the decode instance measures its step profile and the pool its Eq. (1), each
-    written and put to use. After that, serving compiles nothing and gives one device's greedy tokens."""
-    step_file, eq1_file = tmp_path / "step.json", tmp_path / "eq1.json"
-    clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4,
-                             max_num_batched_tokens=256, prefill_instances=2, decode_instances=1, min_chunk=256,
-                             warmup=True, cost_profile=str(step_file), prefill_profile=str(eq1_file), progress=False)
-    cluster, runner = clustered.engine, clustered.engine.decoders[0].engine.runner
-    assert cluster.prefill.num_programs == 0 and isinstance(cluster._idle[0], Compiling)
-    assert set(runner.first_programs(mixed=False)) <= set(runner.compiled_programs()) and clustered.cost is None
-    assert cluster.planner.model.to_json() == TetrisPrefill.prior([2]).to_json()
-    while cluster.has_deferred:  # the decode instance measures once its background compile is done
-        cluster.run_deferred(stop=lambda: False)
-        time.sleep(0.2)
-    assert cluster.prefill.num_programs == len(cluster.chunk_shapes(1024))
-    assert set(runner.programs()) <= set(runner.compiled_programs())
-    assert clustered.cost is not None and step_file.exists()
-    assert cluster.decoders[0].engine.scheduler.cost is clustered.cost
-    assert cluster.planner.model.to_json() == TetrisPrefill.from_json(eq1_file.read_text()).to_json()
-    ids = [prompt(llm, 700, 13), prompt(llm, 90, 14)]
-    want = [c.token_ids for c in llm.generate(ids, GREEDY)]
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-        else None)
-    assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == want
-    assert compiles == []
 
 
 def test_llm_on_one_tensor_parallel_instance_equals_one_device(model, llm):
