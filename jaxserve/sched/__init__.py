@@ -1,1 +1,1 @@
-"""The scheduler: pure Python + numpy, never imports jax (see ../shared/DESIGN.md)."""
+"""The scheduler: pure Python + numpy, never imports jax (docs/ARCHITECTURE.md, the layers' rules)."""

@@ -1,5 +1,5 @@
 """LoongServe's elastic sequence parallelism (ESP) scheduler: which pending requests start prefill now, on which
-elastic instances, and split into which batches (LoongServe Section 5; slides in ../shared/seeds/002).
+elastic instances, and split into which batches (LoongServe Section 5).
 
 - Admission: pending requests in FCFS order while (memory) the KV they hold now plus what they will grow to
   (prompt + predicted output) fits the pool, and (compute) one iteration over the admitted set stays under the

@@ -1,4 +1,4 @@
-"""Built-in cost profiles from real GPU measurements (../shared/data/profiles, from microsoft/vidur, MIT):
+"""Built-in cost profiles from real GPU measurements (microsoft/vidur's data/profiles, MIT):
 per-layer operator timings by token count and TP degree, collective timings by message size.
 
 Attention is not in Vidur's data. Where the GPU has an attention table measured by jaxserve
