@@ -69,8 +69,7 @@ class LLM:
     routed to per-request queues, so no caller loses another's tokens. Not thread-safe: one thread drives it.
     """
 
-    def __init__(self, model: str | EngineConfig = registry.DEFAULT_MODEL, *, progress: bool = True,
-                 **settings: Any):
+    def __init__(self, model: str | EngineConfig = registry.DEFAULT_MODEL, *, progress: bool = True, **settings: Any):
         """model: a registered name, a .gguf file or a Hugging Face folder, or a whole EngineConfig. settings: any
         of EngineConfig's settings by name (e.g. max_num_seqs=32), over it; jaxserve/config.py says what each does.
 
@@ -88,8 +87,10 @@ class LLM:
         if cfg.model.tokenizer:
             self.tokenizer = TextTokenizer.from_hf_dir(cfg.model.tokenizer)
             if self.tokenizer.vocab_size > self.config.vocab_size:
-                raise ValueError(f"tokenizer {cfg.model.tokenizer} has {self.tokenizer.vocab_size} tokens; the model "
-                                 f"reads {self.config.vocab_size}")
+                raise ValueError(
+                    f"tokenizer {cfg.model.tokenizer} has {self.tokenizer.vocab_size} tokens; the model "
+                    f"reads {self.config.vocab_size}"
+                )
         if jax.process_index() != lockstep.LEADER:
             raise RuntimeError("LLM runs on the leader (process 0); other processes call jaxserve.api.follow")
         if jax.process_count() > 1:  # on the host: each process puts its copy on whichever of its devices need it
@@ -102,8 +103,11 @@ class LLM:
         self._fail_over_programs: tuple[ModelRunner, concurrent.futures.Future, threading.Event] | None = None
         self._kv_tokens = self._kv_pool_tokens(cfg.parallel.instance)
         # a cluster's decode instances' (their tensor-parallel size may differ from the pool's)
-        self._decode_kv_tokens = (self._kv_pool_tokens(InstanceShape(), cfg.parallel.decoder_tp)
-                                  if cfg.parallel.prefill_instances else self._kv_tokens)
+        self._decode_kv_tokens = (
+            self._kv_pool_tokens(InstanceShape(), cfg.parallel.decoder_tp)
+            if cfg.parallel.prefill_instances
+            else self._kv_tokens
+        )
         self.max_model_len = self._context(cfg.model.max_model_len)
         self._buckets = self._make_buckets()
         self._quick_start = cfg.startup.quick_start and cfg.startup.warmup and jax.process_count() == 1
@@ -113,8 +117,12 @@ class LLM:
             self.engine = self._make_cluster(progress)
         else:
             self.engine = replica = self.make_engine(progress=progress)
-            if (self.lockstep is None and cfg.parallel.tp == 1 and replica.runner.stages == 1
-                    and not replica.runner.scan_mixed):
+            if (
+                self.lockstep is None
+                and cfg.parallel.tp == 1
+                and replica.runner.stages == 1
+                and not replica.runner.scan_mixed
+            ):
                 self._params = replica.runner.params  # one copy of the weights (the runner's, per layer)
         if self.lockstep is not None:  # ready when every process is (followers compile their devices' programs)
             self.lockstep.sync()
@@ -139,13 +147,20 @@ class LLM:
         per_set = self._decode_kv_tokens if layout.prefill_instances else self._kv_tokens
         pool = per_set * sets
         held = f"{sets} KV-parallel sets of {per_set:,} tokens" if sets > 1 else f"{pool:,} tokens"
-        if layout.prefill_instances and (stores := pool_context(layout, self._kv_tokens,
-                                                                self.engine_config.cache.key_block)) is not None:
+        if (
+            layout.prefill_instances
+            and (stores := pool_context(layout, self._kv_tokens, self.engine_config.cache.key_block)) is not None
+        ):
             pool = min(pool, stores)
             held += f", the prefill pool {stores:,} ({layout.prefill_instances} instances' history stores)"
         if asked is not None and asked > min(pool, positions):
-            logging.warning("max_model_len %d cut to %d: the model has %d positions, the KV pool holds %s", asked,
-                            min(pool, positions), positions, held)
+            logging.warning(
+                "max_model_len %d cut to %d: the model has %d positions, the KV pool holds %s",
+                asked,
+                min(pool, positions),
+                positions,
+                held,
+            )
         return min(asked or positions, pool, positions)
 
     def _kv_pool_tokens(self, shape: InstanceShape, tp: int | None = None) -> int:
@@ -172,12 +187,25 @@ class LLM:
         if (tp, stages) not in self._kv_bytes:  # measured once, before any runner: later ones (a fail-over) as much
             sched = self.engine_config.scheduler
             all_weights = quantize.nbytes(self._params)
-            b = kv_budget.budget(device, utilization, all_weights // (tp * stages), kv_budget.activation_bytes(
-                self.config, sched.max_num_batched_tokens, sched.max_num_seqs, cache.key_block,
-                self._dtype.itemsize, tp, quantized=self.engine_config.model.quantization is not None))
+            b = kv_budget.budget(
+                device,
+                utilization,
+                all_weights // (tp * stages),
+                kv_budget.activation_bytes(
+                    self.config,
+                    sched.max_num_batched_tokens,
+                    sched.max_num_seqs,
+                    cache.key_block,
+                    self._dtype.itemsize,
+                    tp,
+                    quantized=self.engine_config.model.quantization is not None,
+                ),
+            )
             if b.kv // token_bytes < 2 * cache.block_size:
-                raise ValueError(f"gpu_memory_utilization {utilization} leaves no room for the KV cache: "
-                                 f"{b.describe(max(b.kv // token_bytes, 0), utilization)}")
+                raise ValueError(
+                    f"gpu_memory_utilization {utilization} leaves no room for the KV cache: "
+                    f"{b.describe(max(b.kv // token_bytes, 0), utilization)}"
+                )
             logging.info(b.describe(b.kv // token_bytes, utilization))
             self._kv_bytes[tp, stages] = b.kv
         return int(self._kv_bytes[tp, stages] // token_bytes)
@@ -188,13 +216,28 @@ class LLM:
         10M weights (k_proj, v_proj) as multiply + reduce, fused into the KV write, 30x slower than the GEMM."""
         cache, sched = self.engine_config.cache, self.engine_config.scheduler
         on_cpu = jax.devices()[0].platform == "cpu"
-        return Buckets.make(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, cache.block_size,
-                            cache.key_block, min_rows=4 if on_cpu else None, max_prefills=sched.max_prefills_per_step,
-                            num_scheduler_steps=sched.num_scheduler_steps, min_decode_rows=1 if on_cpu else 2)
+        return Buckets.make(
+            sched.max_num_batched_tokens,
+            sched.max_num_seqs,
+            self.max_model_len,
+            cache.block_size,
+            cache.key_block,
+            min_rows=4 if on_cpu else None,
+            max_prefills=sched.max_prefills_per_step,
+            num_scheduler_steps=sched.num_scheduler_steps,
+            min_decode_rows=1 if on_cpu else 2,
+        )
 
-    def make_engine(self, devices: Sequence[jax.Device] | None = None, progress: bool = True,
-                    kv_cache_tokens: int | None = None, shape: InstanceShape | None = None,
-                    compiled: dict | None = None, tp: int | None = None, max_model_len: int | None = None) -> Engine:
+    def make_engine(
+        self,
+        devices: Sequence[jax.Device] | None = None,
+        progress: bool = True,
+        kv_cache_tokens: int | None = None,
+        shape: InstanceShape | None = None,
+        compiled: dict | None = None,
+        tp: int | None = None,
+        max_model_len: int | None = None,
+    ) -> Engine:
         """An engine with this LLM's settings on `devices` (default: JAX's first tp x kvp x stages devices; runs
         of tp are tensor-parallel instances, several instances form a KV-parallel group whose KV pool is the sum of
         theirs, and with pipeline stages each stage is an equal share of them), its step programs compiled; the
@@ -208,15 +251,26 @@ class LLM:
         tp, context = tp or cfg.parallel.tp, max_model_len or self.max_model_len
         if kv_cache_tokens is None and tp != cfg.parallel.tp:
             kv_cache_tokens = self._decode_kv_tokens
-        devices = list(devices or jax.devices()[:tp * shape.kvp * shape.stages])
+        devices = list(devices or jax.devices()[: tp * shape.kvp * shape.stages])
         kvp = len(devices) // (tp * shape.stages)
         num_blocks = self._num_blocks(devices, kv_cache_tokens, shape, tp)
         # before the runner: a bad kvp_tokens is refused before anything is placed or compiled
-        kv = KVCacheManager(num_blocks, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
-                            scratch_blocks=kvp, kvp_tokens=shape.kvp_tokens if kvp > 1 else None,
-                            sliding_window=self.config.uniform_window)
-        runner = self._new(ModelRunner, self.config, self._params, self._dtype, compiled=compiled,
-                           **self._runner_settings(devices, num_blocks, shape, tp))
+        kv = KVCacheManager(
+            num_blocks,
+            cache.block_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            scratch_blocks=kvp,
+            kvp_tokens=shape.kvp_tokens if kvp > 1 else None,
+            sliding_window=self.config.uniform_window,
+        )
+        runner = self._new(
+            ModelRunner,
+            self.config,
+            self._params,
+            self._dtype,
+            compiled=compiled,
+            **self._runner_settings(devices, num_blocks, shape, tp),
+        )
         # one engine starts quickly while its cost model is unknown (measured later); a cluster always: its
         # instances are many and its pool compiles while idle too. A cluster's instances get prompts as KV
         cluster = bool(cfg.parallel.prefill_instances)
@@ -226,8 +280,11 @@ class LLM:
             runner.warmup(first if quick else None, progress=progress)
         path = None
         if self.cost is None:
-            path = (pathlib.Path(cfg.startup.cost_profile) if cfg.startup.cost_profile else
-                    profile.default_path(self.model_name, self._dtype_name, runner))
+            path = (
+                pathlib.Path(cfg.startup.cost_profile)
+                if cfg.startup.cost_profile
+                else profile.default_path(self.model_name, self._dtype_name, runner)
+            )
             self.cost = profile.read_kept(path, lambda: profile.load(path, runner))
             if self.cost is None and cfg.startup.warmup and not quick:
                 self.cost = profile.load_or_measure(path, runner, context, progress)
@@ -237,8 +294,9 @@ class LLM:
             scheduler = engine.scheduler
             if self._buckets.burst_steps > 1:  # no burst before its programs compile (the step would wait)
                 scheduler.num_scheduler_steps = 1
-                compiled.add_done_callback(lambda _: setattr(scheduler, "num_scheduler_steps",
-                                                             self._buckets.burst_steps))
+                compiled.add_done_callback(
+                    lambda _: setattr(scheduler, "num_scheduler_steps", self._buckets.burst_steps)
+                )
             if self.cost is None:
                 engine.defer(functools.partial(self._measure_when_idle, engine, path, compiled))
         return engine
@@ -258,34 +316,52 @@ class LLM:
         """The engine over a runner and its block manager, scheduled by this LLM's settings and cost model."""
         cfg = self.engine_config
         cost = self.cost or profile.unmeasured(runner)
-        scheduler = replica_scheduler(cfg.scheduler, cost, kv, self._packer(cost, measured=self.cost is not None),
-                                      num_scheduler_steps=self._buckets.burst_steps,
-                                      admission=cfg.parallel.decode_admission)
+        scheduler = replica_scheduler(
+            cfg.scheduler,
+            cost,
+            kv,
+            self._packer(cost, measured=self.cost is not None),
+            num_scheduler_steps=self._buckets.burst_steps,
+            admission=cfg.parallel.decode_admission,
+        )
         return Engine(runner, scheduler, self.tokenizer, max_model_len=max_model_len)
 
-    def _num_blocks(self, devices: Sequence[jax.Device], kv_cache_tokens: int | None, shape: InstanceShape,
-                    tp: int) -> int:
+    def _num_blocks(
+        self, devices: Sequence[jax.Device], kv_cache_tokens: int | None, shape: InstanceShape, tp: int
+    ) -> int:
         """KV blocks of an engine on `devices` of instances of `tp`: each KV-parallel set's pool (default: this
         LLM's) and its scratch block."""
         cache = self.engine_config.cache
         kvp = len(devices) // (tp * shape.stages)
         return (-(-(kv_cache_tokens or self._kv_tokens) // cache.block_size) + 1) * kvp
 
-    def _runner_settings(self, devices: Sequence[jax.Device], num_blocks: int, shape: InstanceShape,
-                         tp: int) -> dict:
+    def _runner_settings(self, devices: Sequence[jax.Device], num_blocks: int, shape: InstanceShape, tp: int) -> dict:
         """ModelRunner's settings (after the model, its weights and dtype) for an engine of this LLM's."""
         cache = self.engine_config.cache
-        return dict(num_blocks=num_blocks, block_size=cache.block_size, buckets=self._buckets,
-                    key_block=cache.key_block, devices=list(devices), tp=tp,
-                    stages=shape.stages, kv_cache_dtype=cache.kv_cache_dtype)
+        return dict(
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            buckets=self._buckets,
+            key_block=cache.key_block,
+            devices=list(devices),
+            tp=tp,
+            stages=shape.stages,
+            kv_cache_dtype=cache.kv_cache_dtype,
+        )
 
     def _packer(self, cost: EngineStepCost, measured: bool) -> PackerConfig:
-        return packer_config(self.engine_config.scheduler, cost, max_model_len=self.max_model_len,
-                             chunk_align=self._buckets.tokens[0], max_prefills=self._buckets.max_prefills,
-                             measured=measured)
+        return packer_config(
+            self.engine_config.scheduler,
+            cost,
+            max_model_len=self.max_model_len,
+            chunk_align=self._buckets.tokens[0],
+            max_prefills=self._buckets.max_prefills,
+            measured=measured,
+        )
 
-    def _measure_when_idle(self, engine: Engine, path: pathlib.Path, compiled: concurrent.futures.Future,
-                           stop: Callable[[], bool]) -> bool:
+    def _measure_when_idle(
+        self, engine: Engine, path: pathlib.Path, compiled: concurrent.futures.Future, stop: Callable[[], bool]
+    ) -> bool:
         """Engine.defer's work after a quick start: once every program is compiled (timings taken beside a
         compile would be wrong), measure the cost profile and plan with it. Whether it is done."""
         if self.cost is not None:  # another engine of the cluster's measured it
@@ -313,21 +389,40 @@ class LLM:
     def _make_cluster(self, progress: bool) -> ClusterEngine:
         layout, key_block = self.engine_config.parallel, self.engine_config.cache.key_block
         prefill_profile = self.engine_config.startup.prefill_profile
-        path = (pathlib.Path(prefill_profile) if prefill_profile else
-                pool_profile.default_path(self.model_name, self._dtype_name,
-                                          f"{layout.cluster_policy}-{layout.pool_attention}",
-                                          layout.prefill_instances,
-                                          layout.node_size, layout.tp, self.max_model_len, key_block))
+        path = (
+            pathlib.Path(prefill_profile)
+            if prefill_profile
+            else pool_profile.default_path(
+                self.model_name,
+                self._dtype_name,
+                f"{layout.cluster_policy}-{layout.pool_attention}",
+                layout.prefill_instances,
+                layout.node_size,
+                layout.tp,
+                self.max_model_len,
+                key_block,
+            )
+        )
         # an ESP instance serves alone the requests that fit its own pool; its group, those that spread
         instance_context = min(self.max_model_len, self._kv_tokens) if layout.cluster_policy == "esp" else None
         make_group = self.make_spread_engine if self.lockstep is None else None
-        cluster = build(self.config, self._params, layout,
-                        lambda ds, tp: self.make_engine(ds, progress, tp=tp, max_model_len=instance_context), path,
-                        capacity=self.max_model_len, store_tokens=self._kv_tokens, dtype=self._dtype,
-                        key_block=key_block, progress=progress, new=self._new, make_group=make_group,
-                        kv_cache_dtype=self.engine_config.cache.kv_cache_dtype,
-                        predictor_file=length_predictor.default_path(self.model_name, self._dtype_name),
-                        defer=self.engine_config.startup.quick_start and self.lockstep is None)
+        cluster = build(
+            self.config,
+            self._params,
+            layout,
+            lambda ds, tp: self.make_engine(ds, progress, tp=tp, max_model_len=instance_context),
+            path,
+            capacity=self.max_model_len,
+            store_tokens=self._kv_tokens,
+            dtype=self._dtype,
+            key_block=key_block,
+            progress=progress,
+            new=self._new,
+            make_group=make_group,
+            kv_cache_dtype=self.engine_config.cache.kv_cache_dtype,
+            predictor_file=length_predictor.default_path(self.model_name, self._dtype_name),
+            defer=self.engine_config.startup.quick_start and self.lockstep is None,
+        )
         # as one engine: serve compiles everything first (a quick start: while idle), generate as steps need it;
         # between processes always first (a transfer's communicator is set up there, which both processes must
         # reach within a deadline)
@@ -335,8 +430,10 @@ class LLM:
             cluster.defer(Compiling(warmup_steps(cluster, self.max_model_len)), first=True)
         elif self.engine_config.startup.warmup or self.lockstep is not None:
             warmup(cluster, self.max_model_len, progress)
-        logging.info("the cluster is built; this process's peak memory so far: %.1f GiB",
-                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB on Linux
+        logging.info(
+            "the cluster is built; this process's peak memory so far: %.1f GiB",
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        )  # KiB on Linux
         return cluster
 
     def _fail_over_layout(self) -> tuple[list[jax.Device], int, InstanceShape]:
@@ -345,15 +442,20 @@ class LLM:
         tp = self.engine_config.parallel.tp
         per_set = self._kv_pool_tokens(InstanceShape())
         sets = max(min(-(-self.max_model_len // per_set), len(jax.local_devices()) // tp), 1)
-        return jax.local_devices()[:tp * sets], max(per_set, -(-self.max_model_len // sets)), InstanceShape(kvp=sets)
+        return jax.local_devices()[: tp * sets], max(per_set, -(-self.max_model_len // sets)), InstanceShape(kvp=sets)
 
     def prepare_fail_over(self) -> None:
         """Compile the fail-over engine's step programs in the background, one at a time while this one serves,
         from shapes alone (nothing is placed on the devices), so that a fail-over waits for no compile."""
         devices, tokens, shape = self._fail_over_layout()
         tp = self.engine_config.parallel.tp
-        runner = ModelRunner(self.config, self._params, self._dtype, placed=False,
-                             **self._runner_settings(devices, self._num_blocks(devices, tokens, shape, tp), shape, tp))
+        runner = ModelRunner(
+            self.config,
+            self._params,
+            self._dtype,
+            placed=False,
+            **self._runner_settings(devices, self._num_blocks(devices, tokens, shape, tp), shape, tp),
+        )
         programs, stop = runner.programs(), threading.Event()
         logging.info("compiling the fail-over engine's %d step programs in the background", len(programs))
         self._fail_over_programs = runner, runner.compile_in_background(programs, stop), stop
@@ -372,10 +474,8 @@ class LLM:
             stop.set()  # the one compiling now ends; make_engine compiles what is left, in parallel
             concurrent.futures.wait([done])  # a failure was logged; what did compile is still used
             compiled = prepared.compiled_programs()
-        logging.warning("building one engine on this process's %d first device(s) after a lost process",
-                        len(devices))
-        self.engine = self.make_engine(devices, progress=False, kv_cache_tokens=tokens, shape=shape,
-                                       compiled=compiled)
+        logging.warning("building one engine on this process's %d first device(s) after a lost process", len(devices))
+        self.engine = self.make_engine(devices, progress=False, kv_cache_tokens=tokens, shape=shape, compiled=compiled)
         return self.engine
 
     def lost(self, timeout: float) -> str | None:
@@ -396,8 +496,14 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def chat_prompt(self, messages: Messages, tools: Sequence[dict[str, Any]] | None = None, *,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: Messages,
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template (which carries its own BOS), with
         the tools it offers (OpenAI's shape) if any; text in a message that spells a control token stays plain
         text. add_generation_prompt: open the assistant's turn; continue_final_message: end inside the last
@@ -454,9 +560,12 @@ class LLM:
             self._forget([rid])
 
     # ---- generation ---------------------------------------------------------------------------------
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress: bool = False) -> list[Completion]:
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[Completion]:
         """Generate for every prompt (continuously batched); results in prompt order, SamplingParams.n of them
         per prompt (with best_of: the n of the highest total logprob, best first)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
@@ -478,13 +587,21 @@ class LLM:
             self._forget(rids)  # aborts whatever an exception left unfinished
         completions = []
         for (text_prompt, ids), group, sp in zip(prepared, groups, plist):
-            samples = [Completion(text_prompt, ids, "".join(o.new_text for o in outs),
-                                  [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason.value,
-                                  [x for o in outs for x in o.logprobs or ()])
-                       for outs in (outputs[rid] for rid in group)]
+            samples = [
+                Completion(
+                    text_prompt,
+                    ids,
+                    "".join(o.new_text for o in outs),
+                    [t for o in outs for t in o.new_token_ids],
+                    outs[-1].finish_reason.value,
+                    [x for o in outs for x in o.logprobs or ()],
+                )
+                for outs in (outputs[rid] for rid in group)
+            ]
             for i in sp.kept([c.logprobs for c in samples]):
-                completions.append(dataclasses.replace(samples[i], logprobs=samples[i].logprobs
-                                                       if sp.logprobs is not None else None))
+                completions.append(
+                    dataclasses.replace(samples[i], logprobs=samples[i].logprobs if sp.logprobs is not None else None)
+                )
         return completions
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -495,8 +612,11 @@ class LLM:
         params = params or SamplingParams()
         return self._stream(self.engine.check_request(ids, params), params)
 
-    def chat(self, conversations: Messages | Sequence[Messages],
-             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+    def chat(
+        self,
+        conversations: Messages | Sequence[Messages],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
         """Reply to one conversation (a list of {'role', 'content'} messages) or to several."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]

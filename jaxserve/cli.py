@@ -25,14 +25,19 @@ from jaxserve.sampling_params import SamplingParams
 
 FLAGS = flags.FLAGS
 # the sampling parameters `generate` and `client` take from the command line
-SAMPLING_FLAGS = {"max_tokens": "Most tokens to generate.", "temperature": "Sampling temperature; 0 is greedy.",
-                  "top_k": "Keep the k most likely tokens (0: all).", "top_p": "Nucleus sampling mass in (0, 1].",
-                  "seed": "Sampling seed (default: random).", "stop": "Stop string (repeatable).",
-                  "min_p": "Keep tokens at least min_p times as likely as the most likely.",
-                  "presence_penalty": "Subtracted once from each token generated so far.",
-                  "frequency_penalty": "Subtracted per time each token was generated so far.",
-                  "repetition_penalty": "Divides positive logits of tokens already seen (1: off).",
-                  "min_tokens": "No EOS or stop before this many tokens."}
+SAMPLING_FLAGS = {
+    "max_tokens": "Most tokens to generate.",
+    "temperature": "Sampling temperature; 0 is greedy.",
+    "top_k": "Keep the k most likely tokens (0: all).",
+    "top_p": "Nucleus sampling mass in (0, 1].",
+    "seed": "Sampling seed (default: random).",
+    "stop": "Stop string (repeatable).",
+    "min_p": "Keep tokens at least min_p times as likely as the most likely.",
+    "presence_penalty": "Subtracted once from each token generated so far.",
+    "frequency_penalty": "Subtracted per time each token was generated so far.",
+    "repetition_penalty": "Divides positive logits of tokens already seen (1: off).",
+    "min_tokens": "No EOS or stop before this many tokens.",
+}
 
 
 def _define(name: str, kind: Any, default: Any, help: str) -> None:
@@ -94,8 +99,9 @@ def _join(model: config.ModelConfig) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts (GPUs use NCCL)
     jax.config.update("jax_enable_recoverability", True)  # a dead follower must not kill the leader: it fails
     # over and serves on (--heartbeat_timeout)
-    jax.distributed.initialize(dist.coordinator_address, dist.num_processes, dist.process_id,
-                               heartbeat_timeout_seconds=dist.heartbeat_timeout)
+    jax.distributed.initialize(
+        dist.coordinator_address, dist.num_processes, dist.process_id, heartbeat_timeout_seconds=dist.heartbeat_timeout
+    )
     if jax.process_index() == 0:
         return
     api.follow(model)
@@ -133,8 +139,7 @@ def _serve() -> None:
     engine = config.replace(_config(config.EngineConfig()), warmup=True)
     _join(engine.model)
     llm = jaxserve.LLM(engine)
-    server = Server(llm, _config(config.ServerConfig()), api_key=_api_key(),
-                    heartbeat_timeout=FLAGS.heartbeat_timeout)
+    server = Server(llm, _config(config.ServerConfig()), api_key=_api_key(), heartbeat_timeout=FLAGS.heartbeat_timeout)
     try:
         asyncio.run(server.serve_until_signalled())
     finally:
@@ -168,6 +173,7 @@ def _leave_distributed() -> None:
     from jax._src import distributed  # the service is not public; without it, jax.distributed.shutdown() alone
 
     import jax
+
     state = getattr(distributed, "global_state", None)
     service = getattr(state, "service", None)
     if service is not None:
@@ -211,18 +217,24 @@ def _simulate() -> None:
     from jaxserve.sim import plots, run
 
     w, sim = _config(config.WorkloadConfig()), _config(config.SimConfig())
-    workload = run.make_workload(w.trace, w.rate, w.requests, seed=w.seed, long_fraction=w.long_fraction,
-                                 arrival=w.arrival, cv=w.cv)
+    workload = run.make_workload(
+        w.trace, w.rate, w.requests, seed=w.seed, long_fraction=w.long_fraction, arrival=w.arrival, cv=w.cv
+    )
     if FLAGS.prefill_instances:  # a cluster, from the flags that serve it
         from jaxserve.sim.cluster import simulate_cluster
 
         layout = _config(config.ParallelConfig())
         # the replicas' settings (their scheduler's included) mean nothing to a cluster's simulation
-        unread = sorted(f for f in _flags_of(config.SimConfig) - _flags_of(config.ParallelConfig) - {"profile", "out"}
-                        if FLAGS[f].present)
+        unread = sorted(
+            f
+            for f in _flags_of(config.SimConfig) - _flags_of(config.ParallelConfig) - {"profile", "out"}
+            if FLAGS[f].present
+        )
         if unread:
-            raise ValueError(f"{', '.join('--' + f for f in unread)}: not read when simulating a cluster "
-                             f"(--prefill_instances); leave {'it' if len(unread) == 1 else 'them'} out")
+            raise ValueError(
+                f"{', '.join('--' + f for f in unread)}: not read when simulating a cluster "
+                f"(--prefill_instances); leave {'it' if len(unread) == 1 else 'them'} out"
+            )
         results, label = simulate_cluster(workload, layout, sim.profile), layout.cluster_policy
     else:
         if FLAGS["tp"].present:  # --tp is the engine's setting; a simulated replica takes it too
@@ -234,8 +246,12 @@ def _simulate() -> None:
         os.makedirs(sim.out, exist_ok=True)
         results.to_json(os.path.join(sim.out, "summary.json"))
         results.to_csv(os.path.join(sim.out, "requests.csv"))
-        plots.ttft_cdf({label: results}, os.path.join(sim.out, "ttft_cdf.png"), which="all",
-                       title=f"{workload.name}, {workload.rate:.2f} req/s")
+        plots.ttft_cdf(
+            {label: results},
+            os.path.join(sim.out, "ttft_cdf.png"),
+            which="all",
+            title=f"{workload.name}, {workload.rate:.2f} req/s",
+        )
         print(f"wrote {sim.out}/summary.json, requests.csv, ttft_cdf.png")
 
 

@@ -45,14 +45,17 @@ class Generation:
     prompt_logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)  # with prompt_logprobs
 
 
-def _generate_request(prompt: str | Sequence[int] | None, messages: Messages | None, model: str,
-                      params: dict[str, Any]) -> pb.GenerateRequest:
+def _generate_request(
+    prompt: str | Sequence[int] | None, messages: Messages | None, model: str, params: dict[str, Any]
+) -> pb.GenerateRequest:
     if (prompt is None) == (messages is None):
         raise ValueError("give either a prompt (text or token ids) or chat messages")
     params = {k: v for k, v in params.items() if v is not None}
     if isinstance(params.get("structured_output", {}).get("json_schema"), dict):
-        params["structured_output"] = {**params["structured_output"],
-                                       "json_schema": json.dumps(params["structured_output"]["json_schema"])}
+        params["structured_output"] = {
+            **params["structured_output"],
+            "json_schema": json.dumps(params["structured_output"]["json_schema"]),
+        }
     request = pb.GenerateRequest(model=model, params=pb.SamplingParams(**params))
     if messages is not None:
         request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
@@ -74,8 +77,9 @@ def _tokenize_request(text: str | None, messages: Messages | None, model: str) -
         raise ValueError("give either text or chat messages")
     if messages is None:
         return pb.TokenizeRequest(model=model, text=text)
-    return pb.TokenizeRequest(model=model, chat=pb.Chat(
-        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]))
+    return pb.TokenizeRequest(
+        model=model, chat=pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+    )
 
 
 class _Assembler:
@@ -93,11 +97,18 @@ class _Assembler:
     @staticmethod
     def _one(parts: list[pb.GenerateResponse]) -> Generation:
         last = parts[-1]
-        return Generation(last.request_id, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
-                          pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower(),
-                          last.usage.prompt_tokens, last.timings.time_to_first_token_s, last.timings.total_s,
-                          last.usage.cached_tokens, [x for p in parts for x in p.logprobs],
-                          [x for p in parts for x in p.prompt_logprobs])
+        return Generation(
+            last.request_id,
+            "".join(p.text for p in parts),
+            [t for p in parts for t in p.token_ids],
+            pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower(),
+            last.usage.prompt_tokens,
+            last.timings.time_to_first_token_s,
+            last.timings.total_s,
+            last.usage.cached_tokens,
+            [x for p in parts for x in p.logprobs],
+            [x for p in parts for x in p.prompt_logprobs],
+        )
 
 
 class _Base:
@@ -116,23 +127,42 @@ class Client(_Base):
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, model: str = ""):
         super().__init__(target, api_key, model, grpc.insecure_channel(target))
 
-    def stream(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
-               timeout: float | None = None, **params: Any) -> Iterator[pb.GenerateResponse]:
+    def stream(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Messages | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> Iterator[pb.GenerateResponse]:
         """The server's messages as they arrive; leaving the loop early cancels the request."""
-        call = self._stub.Generate(_generate_request(prompt, messages, self.model, params), timeout=timeout,
-                                   metadata=self._metadata)
+        call = self._stub.Generate(
+            _generate_request(prompt, messages, self.model, params), timeout=timeout, metadata=self._metadata
+        )
         try:
             yield from call
         finally:
             call.cancel()  # no-op once the stream ended
 
-    def generate(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
-                 timeout: float | None = None, **params: Any) -> Generation:
+    def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Messages | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> Generation:
         (one,) = self.samples(prompt, messages=messages, timeout=timeout, **_one_sample(params))
         return one
 
-    def samples(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
-                timeout: float | None = None, **params: Any) -> list[Generation]:
+    def samples(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Messages | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> list[Generation]:
         """The n (a params option) samples of one prompt, whole."""
         whole = _Assembler()
         for reply in self.stream(prompt, messages=messages, timeout=timeout, **params):
@@ -140,8 +170,9 @@ class Client(_Base):
         return whole.results()
 
     def tokenize(self, text: str | None = None, *, messages: Messages | None = None) -> list[int]:
-        return list(self._stub.Tokenize(_tokenize_request(text, messages, self.model),
-                                        metadata=self._metadata).token_ids)
+        return list(
+            self._stub.Tokenize(_tokenize_request(text, messages, self.model), metadata=self._metadata).token_ids
+        )
 
     def list_models(self) -> list[pb.ModelInfo]:
         return list(self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata).models)
@@ -167,23 +198,42 @@ class AsyncClient(_Base):
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, model: str = ""):
         super().__init__(target, api_key, model, grpc.aio.insecure_channel(target))
 
-    async def stream(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
-                     timeout: float | None = None, **params: Any) -> AsyncIterator[pb.GenerateResponse]:
-        call = self._stub.Generate(_generate_request(prompt, messages, self.model, params), timeout=timeout,
-                                   metadata=self._metadata)
+    async def stream(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Messages | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        call = self._stub.Generate(
+            _generate_request(prompt, messages, self.model, params), timeout=timeout, metadata=self._metadata
+        )
         try:
             async for reply in call:
                 yield reply
         finally:
             call.cancel()
 
-    async def generate(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
-                       timeout: float | None = None, **params: Any) -> Generation:
+    async def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Messages | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> Generation:
         (one,) = await self.samples(prompt, messages=messages, timeout=timeout, **_one_sample(params))
         return one
 
-    async def samples(self, prompt: str | Sequence[int] | None = None, *, messages: Messages | None = None,
-                      timeout: float | None = None, **params: Any) -> list[Generation]:
+    async def samples(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Messages | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> list[Generation]:
         """The n (a params option) samples of one prompt, whole."""
         whole = _Assembler()
         async for reply in self.stream(prompt, messages=messages, timeout=timeout, **params):

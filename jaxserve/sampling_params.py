@@ -40,20 +40,28 @@ class StructuredOutput:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) != 1:
-            raise ValueError(f"structured output takes exactly one of json, json_object, regex, choice and grammar; "
-                             f"got {given or 'none'}")
+            raise ValueError(
+                f"structured output takes exactly one of json, json_object, regex, choice and grammar; "
+                f"got {given or 'none'}"
+            )
         for name in ("json", "regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and 0 < len(value) <= self.MAX_CHARS):
-                raise ValueError(f"structured output's {name} must be a non-empty string of at most "
-                                 f"{self.MAX_CHARS} characters, got {excerpt(value, 40)}")
+                raise ValueError(
+                    f"structured output's {name} must be a non-empty string of at most "
+                    f"{self.MAX_CHARS} characters, got {excerpt(value, 40)}"
+                )
         if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError(f"disable_any_whitespace must be true or false, got "
-                             f"{excerpt(self.disable_any_whitespace, 40)}")
-        if self.choice is not None and not (isinstance(self.choice, tuple) and self.choice
-                                            and all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError(f"structured output's choice must be a non-empty list of non-empty strings, got "
-                             f"{excerpt(self.choice, 40)}")
+            raise ValueError(
+                f"disable_any_whitespace must be true or false, got {excerpt(self.disable_any_whitespace, 40)}"
+            )
+        if self.choice is not None and not (
+            isinstance(self.choice, tuple) and self.choice and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured output's choice must be a non-empty list of non-empty strings, got "
+                f"{excerpt(self.choice, 40)}"
+            )
         if self.json is not None:
             try:
                 schema = json.loads(self.json)
@@ -73,15 +81,17 @@ class StructuredOutput:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = [k for k in fields if k not in known]
         if unknown:
-            raise ValueError(f"structured output has no field {excerpt(unknown[0], 40)}; its fields are "
-                             f"{', '.join(sorted(known))}")
+            raise ValueError(
+                f"structured output has no field {excerpt(unknown[0], 40)}; its fields are {', '.join(sorted(known))}"
+            )
         return cls(**fields)
 
     def grammar_text(self) -> str:
         """The grammar as llguidance takes it."""
         if self.json is not None or self.json_object:
             return llguidance.LLMatcher.grammar_from_json_schema(
-                self.json or '{"type": "object"}', overrides={"whitespace_flexible": not self.disable_any_whitespace})
+                self.json or '{"type": "object"}', overrides={"whitespace_flexible": not self.disable_any_whitespace}
+            )
         if self.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
@@ -126,14 +136,21 @@ class SamplingParams:
             set_("allowed_token_ids", tuple(self.allowed_token_ids))
         bias = self.logit_bias or ()
         if isinstance(bias, (dict, list, tuple)):
-            set_("logit_bias", tuple(tuple(e) if isinstance(e, list) else e
-                                     for e in (bias.items() if isinstance(bias, dict) else bias)))
+            set_(
+                "logit_bias",
+                tuple(
+                    tuple(e) if isinstance(e, list) else e for e in (bias.items() if isinstance(bias, dict) else bias)
+                ),
+            )
         if isinstance(self.structured_output, dict):
             set_("structured_output", StructuredOutput.from_dict(self.structured_output))
         if self.top_k == -1:
             set_("top_k", 0)
-        if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) \
-                and 0 <= self.temperature < 1e-5:
+        if (
+            isinstance(self.temperature, (int, float))
+            and not isinstance(self.temperature, bool)
+            and 0 <= self.temperature < 1e-5
+        ):
             set_("temperature", 0.0)
         self.validate()
 
@@ -158,54 +175,102 @@ class SamplingParams:
 
         need(integer(self.max_tokens), f"max_tokens must be an integer, got {excerpt(self.max_tokens, 40)}")
         need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-        need(number(self.temperature) and self.temperature >= 0,
-             f"temperature must be a finite number >= 0, got {excerpt(self.temperature, 40)}")
-        need(integer(self.top_k) and 0 <= self.top_k < 2**31,
-             f"top_k must be -1, 0 (no cut) or an integer < 2**31, got {excerpt(self.top_k, 40)}")
+        need(
+            number(self.temperature) and self.temperature >= 0,
+            f"temperature must be a finite number >= 0, got {excerpt(self.temperature, 40)}",
+        )
+        need(
+            integer(self.top_k) and 0 <= self.top_k < 2**31,
+            f"top_k must be -1, 0 (no cut) or an integer < 2**31, got {excerpt(self.top_k, 40)}",
+        )
         need(number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {excerpt(self.top_p, 40)}")
-        need(self.seed is None or (integer(self.seed) and -2**63 <= self.seed < 2**63),
-             f"seed must be a 64-bit signed integer, got {excerpt(self.seed, 40)}")
+        need(
+            self.seed is None or (integer(self.seed) and -(2**63) <= self.seed < 2**63),
+            f"seed must be a 64-bit signed integer, got {excerpt(self.seed, 40)}",
+        )
         need(len(self.stop) <= self.MAX_STOP, f"at most {self.MAX_STOP} stop strings, got {len(self.stop)}")
-        need(all(isinstance(s, str) and 0 < len(s) <= self.MAX_STOP_CHARS for s in self.stop),
-             f"stop must be non-empty strings of at most {self.MAX_STOP_CHARS} characters")
-        need(len(self.stop_token_ids) <= self.MAX_STOP_TOKEN_IDS,
-             f"at most {self.MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
-        need(all(integer(t) and 0 <= t < 2**31 for t in self.stop_token_ids),
-             "stop_token_ids must be token ids (integers >= 0)")
+        need(
+            all(isinstance(s, str) and 0 < len(s) <= self.MAX_STOP_CHARS for s in self.stop),
+            f"stop must be non-empty strings of at most {self.MAX_STOP_CHARS} characters",
+        )
+        need(
+            len(self.stop_token_ids) <= self.MAX_STOP_TOKEN_IDS,
+            f"at most {self.MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
+        )
+        need(
+            all(integer(t) and 0 <= t < 2**31 for t in self.stop_token_ids),
+            "stop_token_ids must be token ids (integers >= 0)",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             need(number(value) and -2 <= value <= 2, f"{name} must be a number in [-2, 2], got {excerpt(value, 40)}")
-        need(number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
-             f"repetition_penalty must be a number in (0, 100], got {excerpt(self.repetition_penalty, 40)}")
+        need(
+            number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
+            f"repetition_penalty must be a number in (0, 100], got {excerpt(self.repetition_penalty, 40)}",
+        )
         need(number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {excerpt(self.min_p, 40)}")
-        need(isinstance(self.logit_bias, tuple), f"logit_bias must map token ids to numbers, got "
-                                                 f"{excerpt(self.logit_bias, 40)}")
-        need(len(self.logit_bias) <= self.MAX_LOGIT_BIAS,
-             f"at most {self.MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}")
-        need(all(isinstance(e, tuple) and len(e) == 2 and integer(e[0]) and 0 <= e[0] < 2**31 and number(e[1])
-                 and -100 <= e[1] <= 100 for e in self.logit_bias),
-             "logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]")
+        need(
+            isinstance(self.logit_bias, tuple),
+            f"logit_bias must map token ids to numbers, got {excerpt(self.logit_bias, 40)}",
+        )
+        need(
+            len(self.logit_bias) <= self.MAX_LOGIT_BIAS,
+            f"at most {self.MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}",
+        )
+        need(
+            all(
+                isinstance(e, tuple)
+                and len(e) == 2
+                and integer(e[0])
+                and 0 <= e[0] < 2**31
+                and number(e[1])
+                and -100 <= e[1] <= 100
+                for e in self.logit_bias
+            ),
+            "logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]",
+        )
         need(len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token twice")
-        need(integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {excerpt(self.min_tokens, 40)}")
-        need(self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
-             f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {excerpt(self.logprobs, 40)}")
-        need(integer(self.n) and 1 <= self.n <= self.MAX_N, f"n must be an integer in [1, {self.MAX_N}], got "
-                                                             f"{excerpt(self.n, 40)}")
-        need(self.best_of is None or (integer(self.best_of) and self.n <= self.best_of <= self.MAX_N),
-             f"best_of must be an integer in [n={self.n}, {self.MAX_N}], got {excerpt(self.best_of, 40)}")
-        need(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
-             f"structured_output must be a StructuredOutput, got {excerpt(self.structured_output, 40)}")
-        need(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, tuple) and all(
-            integer(t) and 0 <= t < 2**31 for t in self.allowed_token_ids)),
-             f"allowed_token_ids must be token ids (integers >= 0), got {excerpt(self.allowed_token_ids, 40)}")
+        need(
+            integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {excerpt(self.min_tokens, 40)}",
+        )
+        need(
+            self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
+            f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {excerpt(self.logprobs, 40)}",
+        )
+        need(
+            integer(self.n) and 1 <= self.n <= self.MAX_N,
+            f"n must be an integer in [1, {self.MAX_N}], got {excerpt(self.n, 40)}",
+        )
+        need(
+            self.best_of is None or (integer(self.best_of) and self.n <= self.best_of <= self.MAX_N),
+            f"best_of must be an integer in [n={self.n}, {self.MAX_N}], got {excerpt(self.best_of, 40)}",
+        )
+        need(
+            self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+            f"structured_output must be a StructuredOutput, got {excerpt(self.structured_output, 40)}",
+        )
+        need(
+            self.allowed_token_ids is None
+            or (
+                isinstance(self.allowed_token_ids, tuple)
+                and all(integer(t) and 0 <= t < 2**31 for t in self.allowed_token_ids)
+            ),
+            f"allowed_token_ids must be token ids (integers >= 0), got {excerpt(self.allowed_token_ids, 40)}",
+        )
         need(self.allowed_token_ids != (), "allowed_token_ids is empty: no token could be sampled")
-        need(isinstance(self.skip_special_tokens, bool),
-             f"skip_special_tokens must be true or false, got {excerpt(self.skip_special_tokens, 40)}")
-        need(len(self.bad_words) <= self.MAX_BAD_WORDS,
-             f"at most {self.MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}")
-        need(all(isinstance(w, str) and w.strip() and len(w) <= self.MAX_STOP_CHARS for w in self.bad_words),
-             f"bad_words must be non-blank strings of at most {self.MAX_STOP_CHARS} characters")
+        need(
+            isinstance(self.skip_special_tokens, bool),
+            f"skip_special_tokens must be true or false, got {excerpt(self.skip_special_tokens, 40)}",
+        )
+        need(
+            len(self.bad_words) <= self.MAX_BAD_WORDS,
+            f"at most {self.MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}",
+        )
+        need(
+            all(isinstance(w, str) and w.strip() and len(w) <= self.MAX_STOP_CHARS for w in self.bad_words),
+            f"bad_words must be non-blank strings of at most {self.MAX_STOP_CHARS} characters",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -216,9 +281,16 @@ class SamplingParams:
         at random). With best_of > n each keeps at least its chosen tokens' logprobs, which rank them (`best`)."""
         k = self.best_of or self.n
         logprobs = 0 if k > self.n and self.logprobs is None else self.logprobs
-        return [dataclasses.replace(self, n=1, best_of=None, logprobs=logprobs,
-                                    seed=None if self.seed is None else (self.seed + i + 2**63) % 2**64 - 2**63)
-                for i in range(k)]
+        return [
+            dataclasses.replace(
+                self,
+                n=1,
+                best_of=None,
+                logprobs=logprobs,
+                seed=None if self.seed is None else (self.seed + i + 2**63) % 2**64 - 2**63,
+            )
+            for i in range(k)
+        ]
 
     def draw_seed(self) -> int | None:
         """The 32-bit seed of the draws: a seed in [0, 2**32) as given, any other 64-bit one mixed down from all
@@ -236,14 +308,20 @@ class SamplingParams:
         if self.best_of is None:
             return list(range(self.n))
         totals = [sum(x.logprob for x in sample) for sample in samples]
-        return sorted(range(len(totals)), key=lambda i: -totals[i])[:self.n]
+        return sorted(range(len(totals)), key=lambda i: -totals[i])[: self.n]
 
     @property
     def uses_history(self) -> bool:
         """Whether sampling reads the request's own history or bias: it holds a slot on the device."""
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
-                or bool(self.bad_words))
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
 
 
 def grammar_error(message: str, limit: int = 300) -> str:

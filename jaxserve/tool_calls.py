@@ -34,8 +34,10 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's marker before a call
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's markers before the calls, and (newer) the arguments
 LLAMA3_MARK = '"parameters": dictionary of argument name'  # Llama 3.1's own words asking for its call format
-GENERIC_PROMPT = ("You can call these tools. Respond in JSON: either {\"tool_calls\": [{\"name\": ..., \"arguments\": "
-                  "{...}}]} to call tools, or {\"response\": \"...\"} to answer the user.\nTools:\n")
+GENERIC_PROMPT = (
+    'You can call these tools. Respond in JSON: either {"tool_calls": [{"name": ..., "arguments": '
+    '{...}}]} to call tools, or {"response": "..."} to answer the user.\nTools:\n'
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +64,11 @@ def parse_tools(tools: Sequence[Any]) -> list[Tool]:
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}')
         if not NAME.match(f["name"]):
-            raise ValueError(f"tools[{i}].function.name must be 1 to 64 letters, digits, _ or -, got "
-                             f"{excerpt(f['name'])}")
+            raise ValueError(
+                f"tools[{i}].function.name must be 1 to 64 letters, digits, _ or -, got {excerpt(f['name'])}"
+            )
         params = f.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
@@ -83,7 +86,7 @@ def parse_tools(tools: Sequence[Any]) -> list[Tool]:
 
 
 def parse_choice(tool_choice: Any, tools: list[Tool]) -> str | Tool:
-    """"none", "auto", "required" or the named Tool (OpenAI's default: auto with tools, none without)."""
+    """ "none", "auto", "required" or the named Tool (OpenAI's default: auto with tools, none without)."""
     if tool_choice is None:
         return "auto" if tools else "none"
     if tool_choice in ("none", "auto", "required"):
@@ -92,8 +95,7 @@ def parse_choice(tool_choice: Any, tools: list[Tool]) -> str | Tool:
         return tool_choice
     name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
     if not isinstance(name, str) or tool_choice.get("type") != "function":
-        raise ValueError("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
-                         "{\"name\": ...}}")
+        raise ValueError('tool_choice must be none, auto, required or {"type": "function", "function": {"name": ...}}')
     for t in tools:
         if t.name == name:
             return t
@@ -127,8 +129,9 @@ def _embedded(t: Tool) -> tuple[dict[str, Any], dict[str, Any]]:
         ref = out.get("$ref")
         for prefix in ("#/$defs/", "#/definitions/"):
             if isinstance(ref, str) and ref.startswith(prefix):
-                out["$ref"] = f"#/$defs/{t.name}.{ref[len(prefix):]}"
+                out["$ref"] = f"#/$defs/{t.name}.{ref[len(prefix) :]}"
         return out
+
     return moved(params), {f"{t.name}.{k}": moved(v) for k, v in defs.items()}
 
 
@@ -139,8 +142,12 @@ def _rooted(schema: dict[str, Any], tools: list[Tool]) -> dict[str, Any]:
 
 
 def _call_schema(t: Tool) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": _embedded(t)[0]},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": t.name}, "arguments": _embedded(t)[0]},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def _calls_schema(tools: list[Tool], exactly_one: bool) -> dict[str, Any]:
@@ -163,8 +170,9 @@ class ToolPlan:
     control_text: bool = False
 
 
-def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, template: str | None,
-         parallel: bool = True) -> ToolPlan:
+def plan(
+    messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, template: str | None, parallel: bool = True
+) -> ToolPlan:
     """The prompt and grammar of a chat request with tools (messages: role, content, and OpenAI's tool_calls and
     tool_call_id where they have them). parallel: several calls in one reply may be made (else at most one)."""
     fmt = template_format(template)
@@ -177,28 +185,52 @@ def plan(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool, 
         if choice != "auto":  # the template's own format, each call's JSON held to its tool's schema
             call = json.dumps(_rooted(_calls_schema(offered, False)["items"], offered))
             repeat = "" if one else "+"
-            grammar = {"grammar": f'start: ("{_lark(HERMES_OPEN)}\\n" call "\\n{_lark(HERMES_CLOSE)}"){repeat}\n'
-                                  f"call: %json {call}"}
+            grammar = {
+                "grammar": f'start: ("{_lark(HERMES_OPEN)}\\n" call "\\n{_lark(HERMES_CLOSE)}"){repeat}\n'
+                f"call: %json {call}"
+            }
         return ToolPlan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto")
     if fmt == "mistral":
         grammar = None if choice == "auto" else {"json": _rooted(_calls_schema(offered, one), offered)}
-        return ToolPlan(_mistral_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto",
-                        control_text=True)
+        return ToolPlan(
+            _mistral_history(messages),
+            [_openai_tool(t) for t in tools],
+            grammar,
+            fmt,
+            choice != "auto",
+            control_text=True,
+        )
     if fmt == "llama3_json":  # one call a reply (its templates refuse more)
         grammar = None
         if choice != "auto":
-            items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": _embedded(t)[0]},
-                      "required": ["name", "parameters"], "additionalProperties": False} for t in offered]
+            items = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t.name}, "parameters": _embedded(t)[0]},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for t in offered
+            ]
             grammar = {"json": _rooted(items[0] if len(items) == 1 else {"anyOf": items}, offered)}
         return ToolPlan(_template_history(messages), [_openai_tool(t) for t in tools], grammar, fmt, choice != "auto")
-    calls = {"type": "object", "properties": {"tool_calls": _calls_schema(offered, one)},
-             "required": ["tool_calls"], "additionalProperties": False}
-    answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-              "additionalProperties": False}
+    calls = {
+        "type": "object",
+        "properties": {"tool_calls": _calls_schema(offered, one)},
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+    }
+    answer = {
+        "type": "object",
+        "properties": {"response": {"type": "string"}},
+        "required": ["response"],
+        "additionalProperties": False,
+    }
     schema = {"anyOf": [calls, answer]} if choice == "auto" else calls
     schema = _rooted(schema, offered)
-    listing = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters})
-                        for t in tools)
+    listing = "\n".join(
+        json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters}) for t in tools
+    )
     history = _generic_history(messages)
     system = GENERIC_PROMPT + listing
     if history and history[0]["role"] == "system":
@@ -213,8 +245,7 @@ def _lark(text: str) -> str:
 
 
 def _openai_tool(t: Tool) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": t.name, "description": t.description,
-                                             "parameters": t.parameters}}
+    return {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
 
 
 def _arguments(call: dict[str, Any]) -> Any:
@@ -232,9 +263,10 @@ def _template_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for m in messages:
         m = {**m, "content": m.get("content") or ""}
         if m.get("tool_calls"):
-            m["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
-                                                                 "arguments": _arguments(c)}}
-                               for c in m["tool_calls"]]
+            m["tool_calls"] = [
+                {"type": "function", "function": {"name": c["function"]["name"], "arguments": _arguments(c)}}
+                for c in m["tool_calls"]
+            ]
         out.append(m)
     return out
 
@@ -253,8 +285,9 @@ def _mistral_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = _template_history(messages)
     for m, given in zip(out, messages):
         if m.get("tool_calls"):
-            m["tool_calls"] = [{**c, "id": _mistral_id(g.get("id"))} for c, g in zip(m["tool_calls"],
-                                                                                 given["tool_calls"])]
+            m["tool_calls"] = [
+                {**c, "id": _mistral_id(g.get("id"))} for c, g in zip(m["tool_calls"], given["tool_calls"])
+            ]
         if m["role"] == "tool":
             m["tool_call_id"] = _mistral_id(m.get("tool_call_id"))
     return out
@@ -295,8 +328,14 @@ def _generic_history(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         elif m["role"] == "assistant":
             out.append({"role": "assistant", "content": json.dumps({"response": m.get("content") or ""})})
         elif m["role"] == "tool":
-            out.append({"role": "user", "content": json.dumps({"tool_response": {
-                "tool_call_id": m.get("tool_call_id"), "content": m.get("content") or ""}})})
+            out.append(
+                {
+                    "role": "user",
+                    "content": json.dumps(
+                        {"tool_response": {"tool_call_id": m.get("tool_call_id"), "content": m.get("content") or ""}}
+                    ),
+                }
+            )
         else:
             out.append({"role": m["role"], "content": m.get("content") or ""})
     return out
@@ -304,9 +343,11 @@ def _generic_history(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 def _plain_history(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Messages without tools: a call as the text of its JSON, a result as a user's message."""
+
     def text(m: dict[str, Any]) -> str:
         calls = [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in m.get("tool_calls") or ()]
         return m.get("content") or (json.dumps(calls) if calls else "")
+
     return [{"role": "user" if m["role"] == "tool" else m["role"], "content": text(m)} for m in messages]
 
 
@@ -370,14 +411,14 @@ def _scan_calls(text: str, root: str) -> list[_Partial]:
             top = stack[-1] if stack else None
             if top is not None and top[0] == "{" and top[3]:  # a key
                 try:
-                    top[2], top[3] = json.loads(text[i:j + 1]), False
+                    top[2], top[3] = json.loads(text[i : j + 1]), False
                 except ValueError:
                     return calls
             else:
                 role = begins(i, None)
                 if top is not None and top[1] == "call" and top[2] == "name" and calls:
                     try:
-                        calls[-1].name = json.loads(text[i:j + 1])
+                        calls[-1].name = json.loads(text[i : j + 1])
                     except ValueError:
                         return calls
                 if role == "arguments":
@@ -432,7 +473,7 @@ class Reader:
             head = self._text.lstrip()
             if self._sent == 0 and (head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)):
                 return ""
-            out, self._sent = self._text[self._sent:], len(self._text)
+            out, self._sent = self._text[self._sent :], len(self._text)
             return out
         if self.format == "mistral" and self.forced:  # the reply is the calls' array alone
             return ""
@@ -444,7 +485,7 @@ class Reader:
                 if marker.startswith(self._text[-k:]):
                     end -= k
                     break
-        out, self._sent = self._text[self._sent:max(end, self._sent)], max(end, self._sent)
+        out, self._sent = self._text[self._sent : max(end, self._sent)], max(end, self._sent)
         return out
 
     def _partials(self) -> list[tuple[_Partial, str]]:
@@ -460,7 +501,7 @@ class Reader:
             at = self._text.find(MISTRAL_CALLS)
             if at < 0 and not self.forced:
                 return []
-            body = self._text[at + len(MISTRAL_CALLS):] if at >= 0 else self._text
+            body = self._text[at + len(MISTRAL_CALLS) :] if at >= 0 else self._text
             return [(c, body) for c in _scan_calls(body, "array")]
         if self.format != "hermes":
             return []
@@ -482,12 +523,18 @@ class Reader:
                 if call.name is None:
                     break
                 self._streamed.append([f"call_{uuid.uuid4().hex[:24]}", 0])
-                out.append({"index": k, "id": self._streamed[k][0], "type": "function",
-                            "function": {"name": call.name, "arguments": ""}})
+                out.append(
+                    {
+                        "index": k,
+                        "id": self._streamed[k][0],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
             if call.args_start is not None:
-                args = text[call.args_start:len(text) if call.args_end is None else call.args_end]
+                args = text[call.args_start : len(text) if call.args_end is None else call.args_end]
                 if len(args) > self._streamed[k][1]:
-                    out.append({"index": k, "function": {"arguments": args[self._streamed[k][1]:]}})
+                    out.append({"index": k, "function": {"arguments": args[self._streamed[k][1] :]}})
                     self._streamed[k][1] = len(args)
         return out
 
@@ -509,7 +556,7 @@ class Reader:
         if self.format is None:
             return "", []
         if self.format == "llama3_json":
-            rest = self._text[self._sent:]
+            rest = self._text[self._sent :]
             if self._sent:
                 return rest, []
             try:
@@ -520,11 +567,11 @@ class Reader:
                 return "", [_new_call(call["name"], call.get("parameters", call.get("arguments", {})))]
             return rest, []
         if self.format == "mistral":
-            rest = self._text[self._sent:]
+            rest = self._text[self._sent :]
             at = rest.find(MISTRAL_CALLS)
             if at < 0 and not self.forced:
                 return rest, []
-            content, body = (rest[:at], rest[at + len(MISTRAL_CALLS):]) if at >= 0 else ("", rest)
+            content, body = (rest[:at], rest[at + len(MISTRAL_CALLS) :]) if at >= 0 else ("", rest)
             calls = _mistral_calls(body.strip())
             return (content.strip(), calls) if calls else (rest, [])
         if self.format == "generic":
@@ -533,15 +580,19 @@ class Reader:
             except (ValueError, RecursionError):
                 return self._text, []
             if isinstance(doc, dict) and isinstance(doc.get("tool_calls"), list):
-                return "", [_new_call(c["name"], c.get("arguments", {})) for c in doc["tool_calls"]
-                            if isinstance(c, dict) and isinstance(c.get("name"), str)]
-            return (doc["response"] if isinstance(doc, dict) and isinstance(doc.get("response"), str)
-                    else self._text), []
-        rest, calls, content = self._text[self._sent:], [], []
+                return "", [
+                    _new_call(c["name"], c.get("arguments", {}))
+                    for c in doc["tool_calls"]
+                    if isinstance(c, dict) and isinstance(c.get("name"), str)
+                ]
+            return (
+                doc["response"] if isinstance(doc, dict) and isinstance(doc.get("response"), str) else self._text
+            ), []
+        rest, calls, content = self._text[self._sent :], [], []
         pattern = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE), re.S)
         last = 0
         for m in pattern.finditer(rest):
-            content.append(rest[last:m.start()])
+            content.append(rest[last : m.start()])
             last = m.end()
             try:
                 call = json.loads(m.group(1))

@@ -28,9 +28,25 @@ class ChildSuite:
         self.log = tempfile.TemporaryFile("w+")
         self.deadline = time.monotonic() + self.timeout_s
         self.proc = subprocess.Popen(
-            ["nice", "-n", str(self.nice), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             "--durations=10", *parallel, str(pathlib.Path(__file__).parent / self.folder)],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+            [
+                "nice",
+                "-n",
+                str(self.nice),
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--durations=10",
+                *parallel,
+                str(pathlib.Path(__file__).parent / self.folder),
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def finish(self) -> tuple[int, str]:
         """Wait for the run (starting it if need be): its exit status and the tail of its output."""

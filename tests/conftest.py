@@ -17,9 +17,9 @@ collect_ignore = ["sharding", "cluster"]
 
 # Tests that start child processes with their own devices run first, alone: the children (the 12-device cluster
 # folder, 4.3 GB at its peak, keeps both cores busy) then share the machine with a parent that has not yet loaded
-# models and compiled programs. The sharding folder (two workers of 2.6 GB at most) instead runs in the background, niced, beside the
-# single-device tests, which leave part of the CPU idle (mostly single-threaded compiles); its test comes last
-# and waits for it.
+# models and compiled programs. The sharding folder (two workers of 2.6 GB at most) instead runs in the background,
+# niced, beside the single-device tests, which leave part of the CPU idle (mostly single-threaded compiles); its test
+# comes last and waits for it.
 CHILD_PROCESS_MODULES = ("test_many_devices.py", "test_multihost.py")
 BACKGROUND_TEST = "test_sharding_suite"
 

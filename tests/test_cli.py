@@ -32,17 +32,34 @@ def test_generate_prints_the_greedy_chat_reply(llm):
         (["generate", "--prompt=hi", "--model=no-such-model"], "unknown model 'no-such-model'"),
         (["generate", "--prompt=hi", "--max_tokens=lots"], "max_tokens"),
         (["bogus"], "usage: python -m jaxserve"),
-        (["generate", "--prompt=hi", "--max_model_len=512", "--prefill_instances=4", "--decode_instances=2",
-          "--decode_kvp=2"], "the layout needs 8 devices (4 prefill + 2 decode x 2); there are 1"),
-        (["generate", "--prompt=hi", "--max_model_len=512", "--prefill_instances=2", "--node_size=0"],
-         "in nodes of one or more"),
-        (["generate", "--prompt=hi", "--max_model_len=512", "--tp=2"],
-         "tensor parallelism over 2 devices does not divide the model's 9 attention heads, 3 KV heads"),
+        (
+            [
+                "generate",
+                "--prompt=hi",
+                "--max_model_len=512",
+                "--prefill_instances=4",
+                "--decode_instances=2",
+                "--decode_kvp=2",
+            ],
+            "the layout needs 8 devices (4 prefill + 2 decode x 2); there are 1",
+        ),
+        (
+            ["generate", "--prompt=hi", "--max_model_len=512", "--prefill_instances=2", "--node_size=0"],
+            "in nodes of one or more",
+        ),
+        (
+            ["generate", "--prompt=hi", "--max_model_len=512", "--tp=2"],
+            "tensor parallelism over 2 devices does not divide the model's 9 attention heads, 3 KV heads",
+        ),
         (["generate", "--prompt=hi", "--max_model_len=512", "--tp=3"], "tp=3 needs 3 devices; there are 1"),
-        (["generate", "--prompt=hi", "--min_chunk=256"],
-         "--min_chunk=256: not read with one engine (a cluster needs --prefill_instances); leave it out"),
-        (["serve", "--prefill_instances=2", "--cluster_policy=esp", "--decode_instances=2"],
-         "--decode_instances=2: not read with --cluster_policy=esp"),
+        (
+            ["generate", "--prompt=hi", "--min_chunk=256"],
+            "--min_chunk=256: not read with one engine (a cluster needs --prefill_instances); leave it out",
+        ),
+        (
+            ["serve", "--prefill_instances=2", "--cluster_policy=esp", "--decode_instances=2"],
+            "--decode_instances=2: not read with --cluster_policy=esp",
+        ),
     ],
 )
 def test_bad_input_exits_with_a_message(args, message):
@@ -90,8 +107,12 @@ def test_cpu_options_widen_vectors_only_with_avx512_and_never_over_the_users(mon
     # this XLA knows the option, and a GEMV compiled with it gives the same numbers
     x, w = (jnp.asarray(np.random.default_rng(0).standard_normal(s), jnp.float32) for s in ((1, 576), (576, 192)))
     lowered = jax.jit(jnp.matmul).lower(x, w)
-    np.testing.assert_allclose(lowered.compile(compiler_options=options)(x, w), lowered.compile()(x, w),
-                               rtol=1e-5, atol=1e-5 * float(jnp.abs(x).sum()))
+    np.testing.assert_allclose(
+        lowered.compile(compiler_options=options)(x, w),
+        lowered.compile()(x, w),
+        rtol=1e-5,
+        atol=1e-5 * float(jnp.abs(x).sum()),
+    )
 
 
 def test_helpfull_lists_the_flags():

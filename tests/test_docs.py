@@ -47,6 +47,10 @@ def test_every_relative_link_resolves(page):
 
 def test_nothing_shipped_refers_to_a_file_outside_the_repository():
     shipped = [*PAGES, *ROOT.glob("jaxserve/**/*.py"), *ROOT.glob("tools/**/*.py"), *ROOT.glob("protos/*.proto")]
-    outside = [f"{p.relative_to(ROOT)}:{i}" for p in shipped
-               for i, line in enumerate(p.read_text().splitlines(), 1) if "../shared/" in line]
+    outside = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in shipped
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "../shared/" in line
+    ]
     assert not outside, f"these refer to ../shared/, which a clone does not have: {outside}"

@@ -25,8 +25,9 @@ def test_features_are_the_mean_of_the_prompts_embedding_rows(params, n):
     got = PromptFeatures(params)(ids.tolist())
     want = table[ids].mean(0)
     # float32 sums of n rows of magnitude ~|w|: rounding grows with n at most
-    assert got.shape == want.shape and np.allclose(got, want, rtol=0, atol=4 * n * np.finfo(np.float32).eps
-                                                   * np.abs(table).max())
+    assert got.shape == want.shape and np.allclose(
+        got, want, rtol=0, atol=4 * n * np.finfo(np.float32).eps * np.abs(table).max()
+    )
 
 
 def test_warmup_compiles_every_size_a_prompt_takes(params):
@@ -34,8 +35,10 @@ def test_warmup_compiles_every_size_a_prompt_takes(params):
     features.warmup(1000)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-        else None)
+        lambda event, secs, **kw: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
     for n in (1, 64, 65, 300, 513, 1000):
         features(list(range(n)))
     assert compiles == []

@@ -37,8 +37,13 @@ def start(args: list[str], process_id: int, log: pathlib.Path, cache: pathlib.Pa
     if cache is not None:
         env["JAXSERVE_CACHE"] = str(cache)
     # jax.distributed catches SIGTERM: `timeout -k` ends a stuck process for sure
-    return subprocess.Popen(["timeout", "-k", "10", str(TIMEOUT_S), sys.executable, *args], env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        ["timeout", "-k", "10", str(TIMEOUT_S), sys.executable, *args],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def test_prefill_spanning_two_processes_then_decode_on_the_other_equals_one_device(tmp_path):
@@ -47,8 +52,15 @@ def test_prefill_spanning_two_processes_then_decode_on_the_other_equals_one_devi
     tokenizer = smollm2_tokenizer()
     write_tiny_model(tmp_path / "tiny", tokenizer, **CLUSTER_MODEL)
     port, out = free_port(), tmp_path / "result.json"
-    procs = [start([str(HERE / "cluster_worker.py"), str(i), str(port), str(out), str(tmp_path / "tiny")], i,
-                   tmp_path / f"p{i}.log", cache=tmp_path / "cache") for i in range(2)]
+    procs = [
+        start(
+            [str(HERE / "cluster_worker.py"), str(i), str(port), str(out), str(tmp_path / "tiny")],
+            i,
+            tmp_path / f"p{i}.log",
+            cache=tmp_path / "cache",
+        )
+        for i in range(2)
+    ]
     codes = [p.wait(TIMEOUT_S + 30) for p in procs]
     logs = "\n".join(f"--- process {i}\n" + (tmp_path / f"p{i}.log").read_text()[-4000:] for i in range(2))
     assert codes == [0, 0], logs
@@ -73,8 +85,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: pathlib.Path, timeout: f
     raise AssertionError(f"not healthy within {timeout} s:\n{log.read_text()[-4000:]}")
 
 
-def test_server_across_two_processes_answers_openai_and_loses_no_request_when_a_follower_is_killed(tmp_path,
-                                                                                                   record_property):
+def test_server_across_two_processes_answers_openai_and_loses_no_request_when_a_follower_is_killed(
+    tmp_path, record_property
+):
     """`serve` on two processes: the leader's pool prefills, the follower's devices decode. The openai client
     gets the single-device engine's greedy text, and the metrics count the cluster's chunks and transfers. Then
     the follower is SIGKILLed while 16 streams run: the leader fails over to one engine on its own devices, every
@@ -82,10 +95,21 @@ def test_server_across_two_processes_answers_openai_and_loses_no_request_when_a_
     health says degraded, and the server keeps answering. Reported: the longest gap in a stream across the
     fail-over (the heartbeat's timeout, then the fail-over engine built from programs compiled beforehand)."""
     port, http = free_port(), free_port()
-    flags = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--max_model_len=1024",
-             "--kv_cache_gib=0.25", "--max_num_seqs=4", "--max_num_batched_tokens=256", "--prefill_instances=4",
-             "--node_size=2", "--decode_instances=2", "--min_chunk=256", "--grpc_port=0", f"--http_port={http}",
-             "--heartbeat_timeout=5"]
+    flags = [
+        f"--coordinator_address=127.0.0.1:{port}",
+        "--num_processes=2",
+        "--max_model_len=1024",
+        "--kv_cache_gib=0.25",
+        "--max_num_seqs=4",
+        "--max_num_batched_tokens=256",
+        "--prefill_instances=4",
+        "--node_size=2",
+        "--decode_instances=2",
+        "--min_chunk=256",
+        "--grpc_port=0",
+        f"--http_port={http}",
+        "--heartbeat_timeout=5",
+    ]
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
     procs = [start(["-m", "jaxserve", "serve", *flags, f"--process_id={i}"], i, logs[i]) for i in range(2)]
     try:
@@ -93,12 +117,12 @@ def test_server_across_two_processes_answers_openai_and_loses_no_request_when_a_
         rng = np.random.default_rng(1)
         words = ["river", "stone", "light", "cloud", "seven", "green", "the", "of", "and", "under"]
         prompts = [" ".join(rng.choice(words, int(n))) for n in rng.integers(20, 300, 17)]
-        llm = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
-                           progress=False)
+        llm = jaxserve.LLM(
+            max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256, progress=False
+        )
         want = [c.text for c in llm.generate(prompts, SamplingParams(max_tokens=24))]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=0, timeout=600)
-        got = client.completions.create(model="smollm2-135m-instruct", prompt=prompts[0], max_tokens=24,
-                                        temperature=0)
+        got = client.completions.create(model="smollm2-135m-instruct", prompt=prompts[0], max_tokens=24, temperature=0)
         assert got.choices[0].text == want[0]
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10) as reply:
             metrics = reply.read().decode()
@@ -108,8 +132,9 @@ def test_server_across_two_processes_answers_openai_and_loses_no_request_when_a_
         chunks = []  # (stream, text, when) as they arrive
 
         def stream(k: int) -> str:
-            pieces = client.completions.create(model="smollm2-135m-instruct", prompt=prompts[k], max_tokens=24,
-                                               temperature=0, stream=True)
+            pieces = client.completions.create(
+                model="smollm2-135m-instruct", prompt=prompts[k], max_tokens=24, temperature=0, stream=True
+            )
             text = ""
             for piece in pieces:
                 text += piece.choices[0].text
@@ -133,8 +158,9 @@ def test_server_across_two_processes_answers_openai_and_loses_no_request_when_a_
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=10) as reply:
             health = json.loads(reply.read())
         assert health["status"] == "degraded" and "stopped answering" in health["lost"]
-        again = client.completions.create(model="smollm2-135m-instruct", prompt=prompts[0], max_tokens=24,
-                                          temperature=0)
+        again = client.completions.create(
+            model="smollm2-135m-instruct", prompt=prompts[0], max_tokens=24, temperature=0
+        )
         assert again.choices[0].text == want[0]
         assert procs[0].poll() is None
     finally:

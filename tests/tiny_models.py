@@ -19,7 +19,8 @@ QWEN_TEMPLATE = (
     "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
     "<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}{%- if message.role != 'system' or not loop.first %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
@@ -28,8 +29,13 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Line one\nLine two\n\n  indented"}],
     [{"role": "system", "content": ""}, {"role": "user", "content": "empty system"}],
     [{"role": "user", "content": "{{ not a template }} {% raw %}"}],
-    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
-     {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"}],
+    [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+        {"role": "user", "content": "e"},
+    ],
     [{"role": "user", "content": "quotes ' \" and \\ backslash"}],
     [{"role": "system", "content": "S"}, {"role": "user", "content": "<|im_end|> typed by a user"}],
 ]
@@ -40,14 +46,16 @@ MISTRAL_TEMPLATE = (
     "{%- endif %}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
     "{%- if loop.first and system %}{{- '[INST] ' + system + '\n\n' + message['content'] + ' [/INST]' }}"
     "{%- else %}{{- '[INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
-    "{%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}")
+    "{%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"
+)
 # Phi-3-mini's
 PHI3_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
     "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}"
     "{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
     "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
 # Qwen3's (its thinking turns, tool calls and responses in ChatML)
 QWEN3_TEMPLATE = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -182,14 +190,28 @@ GEMMA3_TEMPLATE = """{{ bos_token }}
 """
 PROMPT = "The quick brown fox jumps over the lazy dog. 12345"
 # family -> its chat template (tools/make_family_fixtures.py records transformers' side in a fixture)
-FAMILIES = {"qwen2": QWEN_TEMPLATE, "qwen3": QWEN3_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "phi3": PHI3_TEMPLATE,
-            "gemma3": GEMMA3_TEMPLATE}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+FAMILIES = {
+    "qwen2": QWEN_TEMPLATE,
+    "qwen3": QWEN3_TEMPLATE,
+    "mistral": MISTRAL_TEMPLATE,
+    "phi3": PHI3_TEMPLATE,
+    "gemma3": GEMMA3_TEMPLATE,
+}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 WINDOW = 6  # the sliding window here (Mistral, Phi-3, Gemma 3's first layer): shorter than the test's text
 # Phi-3's LongRoPE as its 128K variants configure it (here 4,096 tokens stretched to 16,384): a factor per frequency
-PHI3_ROPE = {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
-             "long_factor": [1.2, 1.5, 2.1, 3.0, 4.4, 6.5, 9.6, 14.0]}
+PHI3_ROPE = {
+    "type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+    "long_factor": [1.2, 1.5, 2.1, 3.0, 4.4, 6.5, 9.6, 14.0],
+}
 PHI3_CONTEXT, PHI3_ORIGINAL = 16384, 4096
 PHI3_LONG_POSITIONS = [4096, 4097, 4500, 5000]  # past the original context: the long factors
 
@@ -202,33 +224,66 @@ def smollm2_tokenizer() -> TextTokenizer:
 def phi3_rope_tensors() -> dict[str, np.ndarray]:
     """PHI3_ROPE's factors as llama.cpp's converter writes them into a GGUF file."""
     return {f"rope_factors_{k}.weight": np.asarray(PHI3_ROPE[f"{k}_factor"], np.float32) for k in ("long", "short")}
+
+
 # Qwen2.5's YaRN as its model card adds it (max_position_embeddings left at the original context), here 64 tokens
 # stretched 4 times; the prompt runs past the original context
 YARN_ORIGINAL, YARN_FACTOR = 64, 4.0
-YARN = {"rope_scaling": {"type": "yarn", "factor": YARN_FACTOR, "original_max_position_embeddings": YARN_ORIGINAL},
-        "max_position_embeddings": YARN_ORIGINAL}
+YARN = {
+    "rope_scaling": {"type": "yarn", "factor": YARN_FACTOR, "original_max_position_embeddings": YARN_ORIGINAL},
+    "max_position_embeddings": YARN_ORIGINAL,
+}
 YARN_PROMPT = " ".join([PROMPT] * 8)
 # dynamic NTK: transformers' base at a forward reaching factor x the context, where vLLM fixes it
 DYNAMIC = {"rope_scaling": {"type": "dynamic", "factor": YARN_FACTOR}, "max_position_embeddings": YARN_ORIGINAL}
 DYNAMIC_POSITIONS = [0, 1, 63, 64, 200, 255]  # one forward whose last position is factor x 64 - 1
 # long-context checkpoints' YaRN settings, for transformers' inverse frequencies and attention factor
 YARN_CONFIGS = {
-    "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "rope_theta": 1e6,
-                   "max_position_embeddings": 32768,
-                   "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
-    "qwen3-8b": {"model_type": "qwen3", "hidden_size": 4096, "num_attention_heads": 32, "head_dim": 128,
-                 "rope_theta": 1e6, "max_position_embeddings": 40960,
-                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
-    "mscale-betas": {"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 16, "rope_theta": 5e5,
-                     "max_position_embeddings": 65536,
-                     "rope_scaling": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096,
-                                      "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5}},
+    "qwen2.5-7b": {
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "num_attention_heads": 28,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 32768,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    },
+    "qwen3-8b": {
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "head_dim": 128,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 40960,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    },
+    "mscale-betas": {
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "rope_theta": 5e5,
+        "max_position_embeddings": 65536,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
+    },
 }
 # Gemma 3's settings beside the shared shape: every one differs from its default, so each matters
-GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
-          "final_logit_softcapping": 0.5, "hidden_activation": "gelu_pytorch_tanh",
-          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}
+GEMMA3 = {
+    "layer_types": ["sliding_attention", "full_attention"],
+    "query_pre_attn_scalar": 24,
+    "final_logit_softcapping": 0.5,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+    },
+}
 
 
 # The cluster tests' model (tests/cluster, tests/test_multihost.py): its 6 query and 3 KV heads split over 3
@@ -236,9 +291,19 @@ GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"], "query_pre_att
 CLUSTER_MODEL = dict(layers=4, heads=6, kv_heads=3, mlp=192)
 
 
-def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0, family: str = "llama",
-                     tied: bool = True, chat_template: str | None = None, rope: dict | None = None,
-                     layers: int = 2, heads: int = 4, kv_heads: int = 2, mlp: int = 128) -> dict[str, np.ndarray]:
+def write_tiny_model(
+    root: pathlib.Path,
+    tokenizer: TextTokenizer,
+    seed: int = 0,
+    family: str = "llama",
+    tied: bool = True,
+    chat_template: str | None = None,
+    rope: dict | None = None,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    mlp: int = 128,
+) -> dict[str, np.ndarray]:
     """A model of random weights (`layers` layers of `heads` query and `kv_heads` KV heads of 16, `mlp` MLP
     features) with `tokenizer`, as a Hugging Face folder; its tensors by name. Beside
     "llama": "qwen2" (q/k/v biases), "qwen3" (q/k norms), "mistral" (a sliding window), "phi3" (fused q/k/v and gate/up projections,
@@ -252,17 +317,26 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
 
     def norm(n: int = h) -> np.ndarray:  # Gemma's scale by 1 + weight
         return (np.ones(n) if llama else (0 if gemma3 else 1) + 0.3 * rng.standard_normal(n)).astype(np.float32)
+
     tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": norm()}
     for i in range(layers):
         p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
-                    p + "self_attn.q_proj.weight": w(heads * d, h), p + "self_attn.k_proj.weight": w(kv_heads * d, h),
-                    p + "self_attn.v_proj.weight": w(kv_heads * d, h), p + "self_attn.o_proj.weight": w(h, heads * d),
-                    p + "mlp.gate_proj.weight": w(f, h), p + "mlp.up_proj.weight": w(f, h),
-                    p + "mlp.down_proj.weight": w(h, f)}
+        tensors |= {
+            p + "input_layernorm.weight": norm(),
+            p + "post_attention_layernorm.weight": norm(),
+            p + "self_attn.q_proj.weight": w(heads * d, h),
+            p + "self_attn.k_proj.weight": w(kv_heads * d, h),
+            p + "self_attn.v_proj.weight": w(kv_heads * d, h),
+            p + "self_attn.o_proj.weight": w(h, heads * d),
+            p + "mlp.gate_proj.weight": w(f, h),
+            p + "mlp.up_proj.weight": w(f, h),
+            p + "mlp.down_proj.weight": w(h, f),
+        }
         if qwen2:
-            tensors |= {p + f"self_attn.{x}_proj.bias": (0.3 * rng.standard_normal(n)).astype(np.float32)
-                        for x, n in (("q", heads * d), ("k", kv_heads * d), ("v", kv_heads * d))}
+            tensors |= {
+                p + f"self_attn.{x}_proj.bias": (0.3 * rng.standard_normal(n)).astype(np.float32)
+                for x, n in (("q", heads * d), ("k", kv_heads * d), ("v", kv_heads * d))
+            }
         if gemma3 or family == "qwen3":
             tensors |= {p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d)}
         if gemma3:
@@ -273,27 +347,49 @@ def write_tiny_model(root: pathlib.Path, tokenizer: TextTokenizer, seed: int = 0
         for i in range(layers):
             p = f"model.layers.{i}."
             tensors[p + "self_attn.qkv_proj.weight"] = np.concatenate(
-                [tensors.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+                [tensors.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+            )
             tensors[p + "mlp.gate_up_proj.weight"] = np.concatenate(
-                [tensors.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+                [tensors.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
+            )
     root.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(root / "model.safetensors"))
-    config = {"architectures": [ARCHITECTURES[family]], "model_type": "gemma3_text" if gemma3 else family,
-              "vocab_size": v, "hidden_size": h, "intermediate_size": f, "num_hidden_layers": layers,
-              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d,
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6 if family in ("qwen2", "qwen3", "gemma3") else 1e-5,
-              "rope_theta": 1e6 if family in ("qwen2", "qwen3", "mistral") else 10000.0, "tie_word_embeddings": tied,
-              "torch_dtype": "float32", **({"sliding_window": WINDOW} if family in ("mistral", "phi3", "gemma3") else {}),
-              **(GEMMA3 if gemma3 else {})}
+    config = {
+        "architectures": [ARCHITECTURES[family]],
+        "model_type": "gemma3_text" if gemma3 else family,
+        "vocab_size": v,
+        "hidden_size": h,
+        "intermediate_size": f,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": d,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6 if family in ("qwen2", "qwen3", "gemma3") else 1e-5,
+        "rope_theta": 1e6 if family in ("qwen2", "qwen3", "mistral") else 10000.0,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "float32",
+        **({"sliding_window": WINDOW} if family in ("mistral", "phi3", "gemma3") else {}),
+        **(GEMMA3 if gemma3 else {}),
+    }
     if family == "phi3":
-        config |= {"rope_scaling": PHI3_ROPE, "max_position_embeddings": PHI3_CONTEXT,
-                   "original_max_position_embeddings": PHI3_ORIGINAL}
+        config |= {
+            "rope_scaling": PHI3_ROPE,
+            "max_position_embeddings": PHI3_CONTEXT,
+            "original_max_position_embeddings": PHI3_ORIGINAL,
+        }
     (root / "config.json").write_text(json.dumps(config | (rope or {})))
     tokenizer.tokenizer.save(str(root / "tokenizer.json"))
     special = {"eos_token": tokenizer.special_tokens["eos_token"], "bos_token": None}
-    (root / "tokenizer_config.json").write_text(json.dumps({
-        **special, **({"chat_template": chat_template} if chat_template else {}),
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (root / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                **special,
+                **({"chat_template": chat_template} if chat_template else {}),
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     return tensors
 
 
@@ -305,11 +401,27 @@ def as_image_text(root: pathlib.Path, prefix: str = "language_model.model.") -> 
     from safetensors.numpy import load_file
 
     text = json.loads((root / "config.json").read_text())
-    vision = {"model_type": "siglip_vision_model", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
-    (root / "config.json").write_text(json.dumps({
-        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
-        "vision_config": vision, "mm_tokens_per_image": 4, "torch_dtype": "float32"}))
+    vision = {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+    }
+    (root / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gemma3",
+                "architectures": ["Gemma3ForConditionalGeneration"],
+                "text_config": text,
+                "vision_config": vision,
+                "mm_tokens_per_image": 4,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     tensors = load_file(str(root / "model.safetensors"))
     save_file({prefix + k.removeprefix("model."): v for k, v in tensors.items()}, str(root / "model.safetensors"))
 
@@ -318,17 +430,26 @@ def gguf_tensors(tensors: dict[str, np.ndarray], arch: str, heads: int = 4, kv_h
     """Hugging Face-named tensors by llama.cpp's names, as its converter writes them for `arch`: llama's q and k
     rows permuted (interleaved RoPE pairs), phi3's fused projections as they are, gemma3's norms as 1 + weight."""
     gemma3 = arch == "gemma3"
-    names = {"input_layernorm.weight": "attn_norm.weight",
-             "post_attention_layernorm.weight": "post_attention_norm.weight" if gemma3 else "ffn_norm.weight",
-             "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-             "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-             "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-             "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
-             **{f"self_attn.{x}_proj.{kind}": f"attn_{x}.{kind}" for x in "qkv" for kind in ("weight", "bias")}}
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight" if gemma3 else "ffn_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "self_attn.qkv_proj.weight": "attn_qkv.weight",
+        "mlp.gate_up_proj.weight": "ffn_up.weight",
+        **{f"self_attn.{x}_proj.{kind}": f"attn_{x}.{kind}" for x in "qkv" for kind in ("weight", "bias")},
+    }
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     out = {}
     for key, value in tensors.items():
         parts = key.split(".")
@@ -341,8 +462,9 @@ def gguf_tensors(tensors: dict[str, np.ndarray], arch: str, heads: int = 4, kv_h
     return out
 
 
-def write_gguf(path: pathlib.Path, arch: str, config: dict, tensors: dict[str, np.ndarray], tokenizer: TextTokenizer,
-               pre: str) -> None:
+def write_gguf(
+    path: pathlib.Path, arch: str, config: dict, tensors: dict[str, np.ndarray], tokenizer: TextTokenizer, pre: str
+) -> None:
     """A float32 GGUF file as llama.cpp's converter writes one: `config` its `{arch}.*` metadata, `tensors` by their
     GGUF names ([out, in] arrays), the tokenizer's byte-level BPE vocabulary and merges, `pre` its pre-tokenizer."""
     import gguf
@@ -384,12 +506,92 @@ def write_gguf(path: pathlib.Path, arch: str, config: dict, tensors: dict[str, n
 
 # A SentencePiece ("llama") vocabulary, as llama.cpp's converter writes Llama-2, Mistral and Phi-3 models: <unk>,
 # <s>, </s>, the 256 byte tokens, then pieces ("▁" marks a space) scored best first. Its merges are implied.
-SPM_PIECES = ["▁", "e", "t", "a", "o", "i", "n", "s", "h", "r", "l", "d", "u", "c", "m", "w", "f", "g", "y", "p", ",",
-              ".", "T", "I", "W", "!", "?", "1", "2", "3", "th", "he", "in", "er", "an", "▁t", "▁a", "▁s", "▁w", "on",
-              "▁th", "▁the", "en", "at", "re", "is", "▁i", "▁is", "or", "ou", "it", "▁o", "▁of", "ing", "▁in", "ll",
-              "ed", "▁h", "▁he", "▁b", "▁c", "ar", "▁m", "▁f", "▁d", "▁p", "es", "▁The", "▁T", "he▁", "▁▁", "▁▁▁"]
-SPM_TEXTS = ["The cat sat on the mat.", " leading space", "two  spaces and   three", "line\nbreak\n\nend",
-             "unicode: café, naïve, 日本語 ✓", "<s>inside</s> control", "What is it? It is 123!", "", " ", "▁raw marker"]
+SPM_PIECES = [
+    "▁",
+    "e",
+    "t",
+    "a",
+    "o",
+    "i",
+    "n",
+    "s",
+    "h",
+    "r",
+    "l",
+    "d",
+    "u",
+    "c",
+    "m",
+    "w",
+    "f",
+    "g",
+    "y",
+    "p",
+    ",",
+    ".",
+    "T",
+    "I",
+    "W",
+    "!",
+    "?",
+    "1",
+    "2",
+    "3",
+    "th",
+    "he",
+    "in",
+    "er",
+    "an",
+    "▁t",
+    "▁a",
+    "▁s",
+    "▁w",
+    "on",
+    "▁th",
+    "▁the",
+    "en",
+    "at",
+    "re",
+    "is",
+    "▁i",
+    "▁is",
+    "or",
+    "ou",
+    "it",
+    "▁o",
+    "▁of",
+    "ing",
+    "▁in",
+    "ll",
+    "ed",
+    "▁h",
+    "▁he",
+    "▁b",
+    "▁c",
+    "ar",
+    "▁m",
+    "▁f",
+    "▁d",
+    "▁p",
+    "es",
+    "▁The",
+    "▁T",
+    "he▁",
+    "▁▁",
+    "▁▁▁",
+]
+SPM_TEXTS = [
+    "The cat sat on the mat.",
+    " leading space",
+    "two  spaces and   three",
+    "line\nbreak\n\nend",
+    "unicode: café, naïve, 日本語 ✓",
+    "<s>inside</s> control",
+    "What is it? It is 123!",
+    "",
+    " ",
+    "▁raw marker",
+]
 
 
 def write_spm_gguf(path: pathlib.Path, arch: str, extra: tuple[str, ...] = ()) -> None:

@@ -60,16 +60,24 @@ def main(argv):
     if FLAGS.child:
         if FLAGS.child == "stand_in":
             from jaxserve.pallas_kernels import reference
+
             reference.tiled_paged_attention = _stand_in
         print(json.dumps(decode_rates()))
         return
     results = {}
     for child in ("plain", "stand_in"):
-        settings = [f"--{k}={','.join(v) if isinstance(v, list) else v}" for k, v in
-                    (("rows", FLAGS.rows), ("repeats", FLAGS.repeats), ("decode_tokens", FLAGS.decode_tokens),
-                     ("model", FLAGS.model))]
-        out = subprocess.run([sys.executable, __file__, *settings, f"--child={child}"], check=True,
-                             capture_output=True, text=True).stdout
+        settings = [
+            f"--{k}={','.join(v) if isinstance(v, list) else v}"
+            for k, v in (
+                ("rows", FLAGS.rows),
+                ("repeats", FLAGS.repeats),
+                ("decode_tokens", FLAGS.decode_tokens),
+                ("model", FLAGS.model),
+            )
+        ]
+        out = subprocess.run(
+            [sys.executable, __file__, *settings, f"--child={child}"], check=True, capture_output=True, text=True
+        ).stdout
         results[child] = json.loads(out.strip().splitlines()[-1])  # the child's last line: {rows: tok/s}
     print(f"{'rows':>5} {'tok/s':>9} {'no attention':>13} {'ms a step':>10} {'attention ms':>13} {'share':>6}")
     for key, rate in results["plain"].items():

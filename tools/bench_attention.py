@@ -65,12 +65,16 @@ def random(key: int, shape: tuple[int, ...]) -> jax.Array:
 
 def bench_chunk(seqs: list[int], on_gpu: bool, impl: str) -> Iterator[dict]:
     h, kvh, d = FLAGS.heads, FLAGS.kv_heads, FLAGS.head_dim
-    kernel = jax.jit(functools.partial(dispatch.chunk_attention, implementation=impl, block_q=FLAGS.block_q,
-                                       block_k=FLAGS.block_k))
+    kernel = jax.jit(
+        functools.partial(dispatch.chunk_attention, implementation=impl, block_q=FLAGS.block_q, block_k=FLAGS.block_k)
+    )
     if on_gpu:
         baseline_name = "cudnn"
-        baseline = jax.jit(lambda q, k, v, pos: jax.nn.dot_product_attention(
-            q[None], k[None], v[None], is_causal=True, implementation="cudnn", return_residual=True))
+        baseline = jax.jit(
+            lambda q, k, v, pos: jax.nn.dot_product_attention(
+                q[None], k[None], v[None], is_causal=True, implementation="cudnn", return_residual=True
+            )
+        )
     else:
         baseline_name = "jnp reference"
         baseline = jax.jit(lambda q, k, v, pos: reference.chunk_attention(q, k, v, pos, pos))
@@ -81,8 +85,14 @@ def bench_chunk(seqs: list[int], on_gpu: bool, impl: str) -> Iterator[dict]:
         t_kernel = median_time(kernel, q, k, v, pos, pos, repeats=FLAGS.repeats)
         t_base = median_time(baseline, q, k, v, pos, repeats=FLAGS.repeats)
         del q, k, v
-        yield dict(seq=t, kernel_ms=1e3 * t_kernel, kernel_tflops=tflop / t_kernel, baseline=baseline_name,
-                   baseline_ms=1e3 * t_base, baseline_tflops=tflop / t_base)
+        yield dict(
+            seq=t,
+            kernel_ms=1e3 * t_kernel,
+            kernel_tflops=tflop / t_kernel,
+            baseline=baseline_name,
+            baseline_ms=1e3 * t_base,
+            baseline_tflops=tflop / t_base,
+        )
 
 
 def copy_bandwidth(mib: int) -> float:
@@ -100,13 +110,21 @@ def bench_decode(impl: str, batch: int, kv_len: int, copy_mib: int) -> dict:
     k_cache, v_cache = random(4, (num_blocks * bs, kvh, d)), random(5, (num_blocks * bs, kvh, d))
     q = random(6, (batch, h, d))
     kv_lens = jnp.full((batch,), kv_len, jnp.int32)
-    fn = jax.jit(functools.partial(dispatch.paged_decode_attention, block_size=bs, num_splits=n,
-                                   implementation=impl))
+    fn = jax.jit(functools.partial(dispatch.paged_decode_attention, block_size=bs, num_splits=n, implementation=impl))
     seconds = median_time(fn, q, k_cache, v_cache, tables, kv_lens, repeats=FLAGS.repeats)
     kv_bytes = 2 * int(kv_lens.sum()) * kvh * d * jnp.dtype(DTYPE).itemsize
     copy = copy_bandwidth(copy_mib)
-    return dict(batch=batch, kv_len=kv_len, block_size=bs, num_splits=n, ms=1e3 * seconds, kv_bytes=kv_bytes,
-                gbps=kv_bytes / seconds / 1e9, copy_gbps=copy / 1e9, fraction_of_copy=kv_bytes / seconds / copy)
+    return dict(
+        batch=batch,
+        kv_len=kv_len,
+        block_size=bs,
+        num_splits=n,
+        ms=1e3 * seconds,
+        kv_bytes=kv_bytes,
+        gbps=kv_bytes / seconds / 1e9,
+        copy_gbps=copy / 1e9,
+        fraction_of_copy=kv_bytes / seconds / copy,
+    )
 
 
 def bench_ring(tokens: int, history: int) -> dict:
@@ -125,17 +143,25 @@ def bench_ring(tokens: int, history: int) -> dict:
     m = mesh.make_mesh(devices)
     shard = NamedSharding(m, P(mesh.SP))
     q_pos = history + layouts.permutation(tokens, p, "zigzag").astype(np.int32)  # device-major zigzag order
-    args = dict(q=random(7, (tokens, h, d)), k=random(8, (tokens, kvh, d)), v=random(9, (tokens, kvh, d)),
-                q_pos=q_pos, k_pos=q_pos, hist_k=random(10, (history, kvh, d)),
-                hist_v=random(11, (history, kvh, d)), hist_pos=np.arange(history, dtype=np.int32))
+    args = dict(
+        q=random(7, (tokens, h, d)),
+        k=random(8, (tokens, kvh, d)),
+        v=random(9, (tokens, kvh, d)),
+        q_pos=q_pos,
+        k_pos=q_pos,
+        hist_k=random(10, (history, kvh, d)),
+        hist_v=random(11, (history, kvh, d)),
+        hist_pos=np.arange(history, dtype=np.int32),
+    )
     args = {name: jax.device_put(a, shard) for name, a in args.items()}
 
     def step(args):
         return ring.ring_attention(**args, axis_size=p)
 
     # check_vma=False: a Pallas call inside shard_map has no varying-axes rule (it fails at trace time otherwise)
-    fn = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(mesh.SP),), out_specs=(P(mesh.SP), P(mesh.SP)),
-                               check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(step, mesh=m, in_specs=(P(mesh.SP),), out_specs=(P(mesh.SP), P(mesh.SP)), check_vma=False)
+    )
     seconds = median_time(fn, args, repeats=FLAGS.repeats)
     return dict(devices=p, tokens=tokens, history=history, ms=1e3 * seconds, step_ms=1e3 * seconds / p)
 
@@ -152,14 +178,27 @@ def main(argv):
         batch, kv_len, copy_mib = FLAGS.decode_batch, FLAGS.decode_kv_len, FLAGS.copy_mib
         ring_tokens, ring_history = FLAGS.ring_tokens, FLAGS.ring_history
     device = jax.devices()[0].device_kind
-    print(f"device: {device} ({jax.default_backend()}, {jax.device_count()} devices), jax {jax.__version__}, "
-          f"kernel implementation: {impl}")
+    print(
+        f"device: {device} ({jax.default_backend()}, {jax.device_count()} devices), jax {jax.__version__}, "
+        f"kernel implementation: {impl}"
+    )
     if not gpu_figures:
         print("NOTE: --smoke or no GPU: baseline is the jnp reference, not cuDNN; these are NOT GPU figures.")
 
-    results = dict(device=device, backend=jax.default_backend(), jax=jax.__version__, gpu_figures=gpu_figures,
-                   implementation=impl, heads=FLAGS.heads, kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim,
-                   block_q=FLAGS.block_q, block_k=FLAGS.block_k, repeats=FLAGS.repeats, chunk=[])
+    results = dict(
+        device=device,
+        backend=jax.default_backend(),
+        jax=jax.__version__,
+        gpu_figures=gpu_figures,
+        implementation=impl,
+        heads=FLAGS.heads,
+        kv_heads=FLAGS.kv_heads,
+        head_dim=FLAGS.head_dim,
+        block_q=FLAGS.block_q,
+        block_k=FLAGS.block_k,
+        repeats=FLAGS.repeats,
+        chunk=[],
+    )
 
     def save() -> None:  # after every measurement: a crash (or a GPU session's time limit) keeps what was measured
         if FLAGS.out:
@@ -186,15 +225,21 @@ def main(argv):
     print(f"\n(a) causal chunk attention, {FLAGS.heads}/{FLAGS.kv_heads} heads, head_dim {FLAGS.head_dim}, bf16")
     print(f"{'seq':>7} {'kernel ms':>10} {'TFLOP/s':>8} {'baseline':>14} {'ms':>10} {'TFLOP/s':>8}")
     for r in results["chunk"]:
-        print(f"{r['seq']:>7} {r['kernel_ms']:>10.3f} {r['kernel_tflops']:>8.2f} {r['baseline']:>14} "
-              f"{r['baseline_ms']:>10.3f} {r['baseline_tflops']:>8.2f}")
+        print(
+            f"{r['seq']:>7} {r['kernel_ms']:>10.3f} {r['kernel_tflops']:>8.2f} {r['baseline']:>14} "
+            f"{r['baseline_ms']:>10.3f} {r['baseline_tflops']:>8.2f}"
+        )
     if decode := results.get("decode"):
-        print(f"\n(b) paged decode: batch {decode['batch']} x {decode['kv_len']} tokens, block {decode['block_size']}, "
-              f"{decode['num_splits']} splits: {decode['ms']:.3f} ms, {decode['gbps']:.1f} GB/s of K/V, "
-              f"copy {decode['copy_gbps']:.1f} GB/s ({100 * decode['fraction_of_copy']:.1f}% of copy)")
+        print(
+            f"\n(b) paged decode: batch {decode['batch']} x {decode['kv_len']} tokens, block {decode['block_size']}, "
+            f"{decode['num_splits']} splits: {decode['ms']:.3f} ms, {decode['gbps']:.1f} GB/s of K/V, "
+            f"copy {decode['copy_gbps']:.1f} GB/s ({100 * decode['fraction_of_copy']:.1f}% of copy)"
+        )
     if (ring_result := results.get("ring")) and "skipped" not in ring_result:
-        print(f"\n(c) ring attention over {ring_result['devices']} device(s), {ring_result['tokens']} tokens after "
-              f"{ring_result['history']} history: {ring_result['ms']:.3f} ms, {ring_result['step_ms']:.3f} ms/step")
+        print(
+            f"\n(c) ring attention over {ring_result['devices']} device(s), {ring_result['tokens']} tokens after "
+            f"{ring_result['history']} history: {ring_result['ms']:.3f} ms, {ring_result['step_ms']:.3f} ms/step"
+        )
     for name in ("chunk", "decode", "ring"):
         if f"{name}_error" in results:
             print(f"\n({name}) failed: {results[f'{name}_error']}")

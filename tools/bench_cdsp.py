@@ -21,6 +21,7 @@ flags.DEFINE_integer("plans", 1000, "Plans timed per pool size.")
 flags.DEFINE_float("improvement_rate", 0.1, "The planner's improvement rate.")
 flags.DEFINE_bool("balancing", True, "Plan with cache balancing's cost (A100 network, LLaMA3-8B KV).")
 
+
 def model() -> TetrisPrefill:
     """Eq. (1) fitted to Tetris Table 1 (SP 1-16), extended to SP 32-128 as Table 1 goes from 8 to 16: the
     per-token terms halve per doubling, the constant grows by half."""
@@ -37,8 +38,7 @@ def main(argv):
     rng = np.random.default_rng(0)
     for size in (16, 32, 64, 128):
         balancing = Balancing.from_profile("a100_llama3_8b", per_node=8) if FLAGS.balancing else None
-        planner = CDSPPlanner(model(), Pool(size // 8, 8), improvement_rate=FLAGS.improvement_rate,
-                              balancing=balancing)
+        planner = CDSPPlanner(model(), Pool(size // 8, 8), improvement_rate=FLAGS.improvement_rate, balancing=balancing)
         times, chunks = [], []
         for _ in range(FLAGS.plans):
             tokens = int(np.exp(rng.uniform(np.log(4096), np.log(1 << 20))))
@@ -48,8 +48,10 @@ def main(argv):
             times.append(time.perf_counter() - t)
             chunks.append(len(plan.chunks))
         us = np.array(times) * 1e6
-        print(f"{size:4d} instances: p50 {np.percentile(us, 50):7.0f} us, p99 {np.percentile(us, 99):7.0f} us, "
-              f"mean chunks per plan {np.mean(chunks):.2f} (goal p99 <= 100 us, at worst <= 1 ms)")
+        print(
+            f"{size:4d} instances: p50 {np.percentile(us, 50):7.0f} us, p99 {np.percentile(us, 99):7.0f} us, "
+            f"mean chunks per plan {np.mean(chunks):.2f} (goal p99 <= 100 us, at worst <= 1 ms)"
+        )
 
 
 if __name__ == "__main__":

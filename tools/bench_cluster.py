@@ -42,8 +42,9 @@ flags.DEFINE_integer("partition_tokens", 512, "CSPS's sequence partition, tokens
 flags.DEFINE_integer("prefill_chunk", 256, "TetriInfer's fixed chunk, tokens.")
 flags.DEFINE_integer("requests", 16, "Requests in the trace.")
 flags.DEFINE_float("rate", 0.1, "Poisson arrival rate, requests/s.")
-flags.DEFINE_float("long_fraction", 0.3, "Share of long prompts (max_model_len/2 .. max_model_len - 64 tokens; "
-                   "the others 64-512).")
+flags.DEFINE_float(
+    "long_fraction", 0.3, "Share of long prompts (max_model_len/2 .. max_model_len - 64 tokens; the others 64-512)."
+)
 flags.DEFINE_integer("max_model_len", 2048, "Context length.")
 flags.DEFINE_integer("min_chunk", 256, "Smallest CDSP chunk, tokens.")
 flags.DEFINE_integer("seed", 0, "Trace seed.")
@@ -103,12 +104,21 @@ def measure(llm, policy: str):
         model = cluster.planner.model.model  # MeasuredCSPS's Eq. (1)
     else:  # TetriInfer plans nothing with a model: Eq. (1) at SP 1 measured on one instance, for the replay
         layout = llm.engine_config.parallel
-        path = pool_profile.default_path(llm.model_name, llm._dtype_name, "tetriinfer-sp1", layout.prefill_instances,
-                                         1, layout.tp, FLAGS.max_model_len, llm.engine_config.cache.key_block)
+        path = pool_profile.default_path(
+            llm.model_name,
+            llm._dtype_name,
+            "tetriinfer-sp1",
+            layout.prefill_instances,
+            1,
+            layout.tp,
+            FLAGS.max_model_len,
+            llm.engine_config.cache.key_block,
+        )
         model = pool_profile.load_or_measure(path, cluster.prefill, {1: (cluster.pool_ids[0],)}, FLAGS.max_model_len)
     runner = cluster.decoders[0].engine.runner
-    step = llm.cost or profile.load_or_measure(profile.default_path(llm.model_name, llm._dtype_name, runner), runner,
-                                               FLAGS.max_model_len)
+    step = llm.cost or profile.load_or_measure(
+        profile.default_path(llm.model_name, llm._dtype_name, runner), runner, FLAGS.max_model_len
+    )
     moved = [(t.tokens, t.landed - t.sent) for _, t in cluster.transfers]
     return json.loads(model.to_json()), step.to_dict(), Line.fit(*zip(*moved)) if moved else Line(0.0, 0.0)
 
@@ -119,8 +129,10 @@ def percentiles(values) -> tuple[float, float]:
 
 
 def table(out: pathlib.Path) -> None:
-    print(f"\n{'policy':<11} {'TTFT P50 live / sim (s)':>24} {'TTFT P99 live / sim':>20} "
-          f"{'TPOT P50 live / sim (ms)':>25} {'TPOT P99 live / sim':>20}")
+    print(
+        f"\n{'policy':<11} {'TTFT P50 live / sim (s)':>24} {'TTFT P99 live / sim':>20} "
+        f"{'TPOT P50 live / sim (ms)':>25} {'TPOT P99 live / sim':>20}"
+    )
     for policy in POLICIES:
         path = out / f"{policy}.json"
         if not path.exists():
@@ -159,8 +171,14 @@ def main(argv: list[str]) -> None:
         layout |= dict(node_size=FLAGS.node_size, partition_tokens=FLAGS.partition_tokens)
     if policy == "tetriinfer":
         layout |= dict(prefill_chunk=FLAGS.prefill_chunk)
-    llm = jaxserve.LLM(max_model_len=top, kv_cache_tokens=2 * top, max_num_seqs=4, max_num_batched_tokens=256,
-                       quick_start=False, **layout)  # the pool's model measured before serving: the replay reads it
+    llm = jaxserve.LLM(
+        max_model_len=top,
+        kv_cache_tokens=2 * top,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        quick_start=False,
+        **layout,
+    )  # the pool's model measured before serving: the replay reads it
     cluster = llm.engine
     live = serve(cluster, requests, rng)
     prefill_model, step_cost, transfer = measure(llm, policy)
@@ -178,29 +196,60 @@ def main(argv: list[str]) -> None:
         planner = dict(partition_tokens=cluster.planner.spt, sizes=list(cluster.planner.sizes))
     # the trace as it was submitted (the loop submits a little after each arrival)
     submitted = [(live["submitted"][k], p, o) for k, (_, p, o) in enumerate(requests)]
-    run = LiveRun(policy, FLAGS.prefill_instances, 0 if policy == "esp" else FLAGS.decode_instances,
-                  FLAGS.node_size, submitted, prefill_model, step_cost, transfer, first.kv_tokens,
-                  first.engine.max_num_seqs, top, planner, prefill_chunk=FLAGS.prefill_chunk)
+    run = LiveRun(
+        policy,
+        FLAGS.prefill_instances,
+        0 if policy == "esp" else FLAGS.decode_instances,
+        FLAGS.node_size,
+        submitted,
+        prefill_model,
+        step_cost,
+        transfer,
+        first.kv_tokens,
+        first.engine.max_num_seqs,
+        top,
+        planner,
+        prefill_chunk=FLAGS.prefill_chunk,
+    )
     sim = replay(run)
     sim_rows = {int(r["id"]): r for r in sim.table()}
     rows = []
     for k, (arrival, p, o) in enumerate(submitted):
         ttft = live["first"][k] - arrival
         tpot = (live["finished"][k] - live["first"][k]) / (o - 1) if o > 1 else None
-        rows.append(dict(arrival=arrival, prompt_len=p, output_len=o, live_ttft=ttft, live_tpot=tpot,
-                         sim_ttft=sim_rows[k]["ttft"], sim_tpot=sim_rows[k]["tpot"]))
+        rows.append(
+            dict(
+                arrival=arrival,
+                prompt_len=p,
+                output_len=o,
+                live_ttft=ttft,
+                live_tpot=tpot,
+                sim_ttft=sim_rows[k]["ttft"],
+                sim_tpot=sim_rows[k]["tpot"],
+            )
+        )
     device = f"{jax.devices()[0].device_kind} x {devices} (one process)"
-    (out / f"{policy}.json").write_text(json.dumps(dict(device=device, run=run.to_dict(), requests=rows,
-                                                        events=dict(cluster.events)), indent=1))
+    (out / f"{policy}.json").write_text(
+        json.dumps(dict(device=device, run=run.to_dict(), requests=rows, events=dict(cluster.events)), indent=1)
+    )
     pool = {d: i for i, d in enumerate(cluster.pool_ids)}
-    live_bars = [plots.Bar(live["index"][c.request_id], tuple(pool[d] for d in c.group), c.start - live["start"],
-                           c.end - live["start"]) for c in cluster.records]
+    live_bars = [
+        plots.Bar(
+            live["index"][c.request_id], tuple(pool[d] for d in c.group), c.start - live["start"], c.end - live["start"]
+        )
+        for c in cluster.records
+    ]
     sim_bars = [plots.Bar(int(ids[0]), tuple(group), start, end) for ids, group, start, end in sim.prefills]
-    plots.gantt({f"{policy} live (measured)": live_bars, f"{policy} simulated (measured costs)": sim_bars},
-                FLAGS.prefill_instances, str(out / f"{policy}_gantt.png"),
-                title=f"{len(requests)} requests at {FLAGS.rate}/s, {policy} ({device})")
-    print(f"{policy}: events {dict(cluster.events)}; KV transfer {1e3 * transfer.fixed:.2f} ms + "
-          f"{1e6 * transfer.per_token:.2f} us/token; wrote {out}/{policy}.json and {out}/{policy}_gantt.png")
+    plots.gantt(
+        {f"{policy} live (measured)": live_bars, f"{policy} simulated (measured costs)": sim_bars},
+        FLAGS.prefill_instances,
+        str(out / f"{policy}_gantt.png"),
+        title=f"{len(requests)} requests at {FLAGS.rate}/s, {policy} ({device})",
+    )
+    print(
+        f"{policy}: events {dict(cluster.events)}; KV transfer {1e3 * transfer.fixed:.2f} ms + "
+        f"{1e6 * transfer.per_token:.2f} us/token; wrote {out}/{policy}.json and {out}/{policy}_gantt.png"
+    )
     table(out)
 
 

@@ -48,8 +48,13 @@ CASES = [
 
 def main(argv: list[str]) -> None:
     del argv
-    llm = LLM(max_num_seqs=FLAGS.max_num_seqs, max_model_len=FLAGS.max_model_len, kv_cache_gib=FLAGS.kv_cache_gib,
-              cost_profile=FLAGS.cost_profile, warmup=True)
+    llm = LLM(
+        max_num_seqs=FLAGS.max_num_seqs,
+        max_model_len=FLAGS.max_model_len,
+        kv_cache_gib=FLAGS.kv_cache_gib,
+        cost_profile=FLAGS.cost_profile,
+        warmup=True,
+    )
     runner, cost = llm.engine.runner, llm.cost
     bs, nb = runner.block_size, runner.num_blocks
     rows_out = []
@@ -61,12 +66,21 @@ def main(argv: list[str]) -> None:
         live = median_time(lambda: runner.execute(rows), FLAGS.repeats)
         model = cost.batch_time(prefills, decodes)
         tokens = sum(n for n, _ in prefills) + len(decodes)
-        rows_out.append({"case": name, "bucket": list(runner.buckets.fit_step(tokens, len(rows))), "live_s": live,
-                         "model_s": model, "ratio": live / model})
+        rows_out.append(
+            {
+                "case": name,
+                "bucket": list(runner.buckets.fit_step(tokens, len(rows))),
+                "live_s": live,
+                "model_s": model,
+                "ratio": live / model,
+            }
+        )
     print(f"{'case':52s} {'bucket':>10s} {'live ms':>9s} {'model ms':>9s} {'live/model':>10s}")
     for r in rows_out:
-        print(f"{r['case']:52s} {str(tuple(r['bucket'])):>10s} {r['live_s'] * 1e3:9.1f} {r['model_s'] * 1e3:9.1f} "
-              f"{r['ratio']:10.2f}")
+        print(
+            f"{r['case']:52s} {str(tuple(r['bucket'])):>10s} {r['live_s'] * 1e3:9.1f} {r['model_s'] * 1e3:9.1f} "
+            f"{r['ratio']:10.2f}"
+        )
     ratios = np.array([r["ratio"] for r in rows_out])
     print(f"live/model: median {np.median(ratios):.2f}, range {ratios.min():.2f}-{ratios.max():.2f}")
     out = pathlib.Path(FLAGS.out)

@@ -67,23 +67,35 @@ def main(argv: list[str]) -> None:
     weight_bytes = 4 * (cfg.num_layers * layer + cfg.vocab_size * e)  # the layers and the logits' matrix
     jax_rate, torch_rate = matmul_rates(1, e, cfg.vocab_size, FLAGS.repeats)
     bandwidth = max(jax_rate, torch_rate) / 2 * 4  # one multiply-add per float32 weight read
-    results = {"model": FLAGS.model, "jax": jax.__version__, "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "weight_bytes": weight_bytes, "gemv_read_gb_s": bandwidth / 1e9,
-               "batch1_bound_tok_s": bandwidth / weight_bytes, "matmuls": []}
+    results = {
+        "model": FLAGS.model,
+        "jax": jax.__version__,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "weight_bytes": weight_bytes,
+        "gemv_read_gb_s": bandwidth / 1e9,
+        "batch1_bound_tok_s": bandwidth / weight_bytes,
+        "matmuls": [],
+    }
     print(f"jax {jax.__version__}, torch {torch.__version__} ({results['threads']} threads); {FLAGS.model}")
-    print(f"a one-row matmul reads {bandwidth / 1e9:.1f} GB/s; {weight_bytes / 1e6:.0f} MB of float32 weights a token: "
-          f"batch-1 decode at most {bandwidth / weight_bytes:.1f} tok/s")
+    print(
+        f"a one-row matmul reads {bandwidth / 1e9:.1f} GB/s; {weight_bytes / 1e6:.0f} MB of float32 weights a token: "
+        f"batch-1 decode at most {bandwidth / weight_bytes:.1f} tok/s"
+    )
     jax_read, torch_read = read_rates(weight_bytes, FLAGS.repeats)
     results |= {"sum_read_gb_s": {"jax": jax_read / 1e9, "torch": torch_read / 1e9}}
-    print(f"a sum over as many bytes reads {jax_read / 1e9:.1f} GB/s (JAX), {torch_read / 1e9:.1f} GB/s (PyTorch): "
-          f"at that rate batch-1 decode would reach {max(jax_read, torch_read) / weight_bytes:.1f} tok/s")
+    print(
+        f"a sum over as many bytes reads {jax_read / 1e9:.1f} GB/s (JAX), {torch_read / 1e9:.1f} GB/s (PyTorch): "
+        f"at that rate batch-1 decode would reach {max(jax_read, torch_read) / weight_bytes:.1f} tok/s"
+    )
     print(f"{'rows':>6} {'k':>6} {'n':>6} {'jax GFLOP/s':>12} {'torch GFLOP/s':>14} {'jax/torch':>10}")
     for m in (1, 16, 1024):
         for k, n in ((e, f), (f, e), (e, e)):
             jax_rate, torch_rate = matmul_rates(m, k, n, FLAGS.repeats)
             results["matmuls"].append(dict(rows=m, k=k, n=n, jax_gflops=jax_rate / 1e9, torch_gflops=torch_rate / 1e9))
-            print(f"{m:>6} {k:>6} {n:>6} {jax_rate / 1e9:>12.1f} {torch_rate / 1e9:>14.1f} "
-                  f"{jax_rate / torch_rate:>9.2f}x")
+            print(
+                f"{m:>6} {k:>6} {n:>6} {jax_rate / 1e9:>12.1f} {torch_rate / 1e9:>14.1f} {jax_rate / torch_rate:>9.2f}x"
+            )
     if FLAGS.out:
         with open(FLAGS.out, "w") as fh:
             json.dump(results, fh, indent=1)

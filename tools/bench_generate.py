@@ -46,20 +46,36 @@ flags.DEFINE_integer("repeats", 3, "Timed repetitions; the median is reported.")
 flags.DEFINE_string("out", None, "Optional JSON file for the results.")
 flags.DEFINE_bool("gpu", False, "jaxserve alone, in --dtype, for each of --gpu_models (absolute figures).")
 flags.DEFINE_string("dtype", "bfloat16", "--gpu: the serving dtype (float32 for a CPU's figures).")
-flags.DEFINE_string("tokenizer", None, "--gpu: a tokenizer folder used instead of the models' (a random: model's "
-                    "word tokenizer cannot drive --structured's grammar).")
+flags.DEFINE_string(
+    "tokenizer",
+    None,
+    "--gpu: a tokenizer folder used instead of the models' (a random: model's "
+    "word tokenizer cannot drive --structured's grammar).",
+)
 flags.DEFINE_list("gpu_models", ["random:llama3-8b", "smollm2-135m-instruct"], "Models for --gpu.")
 flags.DEFINE_integer("num_scheduler_steps", 1, "jaxserve's multi-step decode: most decode steps in one burst.")
-flags.DEFINE_bool("extras", False, "--gpu: each model also with penalties and logprobs on every request (the extra "
-                  "sampler), measured beside the plain one.")
-flags.DEFINE_bool("structured", False, "--gpu: each model also with a JSON schema on every request (structured "
-                  "output: a mask from the host each step), measured beside the plain one.")
+flags.DEFINE_bool(
+    "extras",
+    False,
+    "--gpu: each model also with penalties and logprobs on every request (the extra "
+    "sampler), measured beside the plain one.",
+)
+flags.DEFINE_bool(
+    "structured",
+    False,
+    "--gpu: each model also with a JSON schema on every request (structured "
+    "output: a mask from the host each step), measured beside the plain one.",
+)
 
 # what the extra sampler does for every row: history penalties, logit_bias and the top-5 logprobs
 EXTRAS = dict(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.3, logit_bias={0: -1.0}, logprobs=5)
 # a JSON schema no request completes in the tokens it is given: every row decodes all of them under a mask
-STRUCTURED = dict(structured_output={"json": {"type": "array", "items": {"type": "integer"}, "minItems": 10000},
-                                     "disable_any_whitespace": True})
+STRUCTURED = dict(
+    structured_output={
+        "json": {"type": "array", "items": {"type": "integer"}, "minItems": 10000},
+        "disable_any_whitespace": True,
+    }
+)
 
 
 def prompts(n: int, length: int, seed: int, vocab: int = 40000) -> list[list[int]]:
@@ -71,13 +87,29 @@ def prompts(n: int, length: int, seed: int, vocab: int = 40000) -> list[list[int
 class JaxServeSide:
     name = "jaxserve"
 
-    def __init__(self, model: str, batch: int, long_prompt: int, dtype: str = "float32", num_scheduler_steps: int = 1,
-                 llm: jaxserve.LLM | None = None, options: dict | None = None, tokenizer: str | None = None,
-                 **settings):
+    def __init__(
+        self,
+        model: str,
+        batch: int,
+        long_prompt: int,
+        dtype: str = "float32",
+        num_scheduler_steps: int = 1,
+        llm: jaxserve.LLM | None = None,
+        options: dict | None = None,
+        tokenizer: str | None = None,
+        **settings,
+    ):
         # no prefix caching: every repetition sends the same prompts, and transformers computes them each time
-        self.llm = llm or jaxserve.LLM(model, dtype=dtype, max_model_len=max(2048, 2 * long_prompt),
-                                       max_num_seqs=batch, enable_prefix_caching=False,
-                                       num_scheduler_steps=num_scheduler_steps, tokenizer=tokenizer, **settings)
+        self.llm = llm or jaxserve.LLM(
+            model,
+            dtype=dtype,
+            max_model_len=max(2048, 2 * long_prompt),
+            max_num_seqs=batch,
+            enable_prefix_caching=False,
+            num_scheduler_steps=num_scheduler_steps,
+            tokenizer=tokenizer,
+            **settings,
+        )
         self.options = options or {}
 
     def generate(self, batch: list[list[int]], n: int) -> None:
@@ -94,23 +126,33 @@ class TransformersSide:
 
         path = registry.resolve(model)
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
 
     def generate(self, batch: list[list[int]], n: int) -> None:
         import torch
 
         ids = torch.tensor(batch)
         with torch.no_grad():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False, pad_token_id=0)
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
         assert out.shape[1] == ids.shape[1] + n
 
 
-def measure(sides: list, batch: int, short: int, long: int, n: int, repeats: int,
-            vocab: int = 40000) -> dict[str, dict[str, float]]:
+def measure(
+    sides: list, batch: int, short: int, long: int, n: int, repeats: int, vocab: int = 40000
+) -> dict[str, dict[str, float]]:
     """Every metric for every side; the sides' repetitions interleave so background load hits both alike."""
-    decode = {"decode_tok_s_batch1": prompts(1, short, 0, vocab),
-              f"decode_tok_s_batch{batch}": prompts(batch, short, 1, vocab)}
+    decode = {
+        "decode_tok_s_batch1": prompts(1, short, 0, vocab),
+        f"decode_tok_s_batch{batch}": prompts(batch, short, 1, vocab),
+    }
     prefill_key, big = f"prefill_tok_s_{long}", prompts(1, long, 2, vocab)
     runs = [(key, p, tokens) for key, p in decode.items() for tokens in (1, n)] + [(prefill_key, big, 1)]
     times: dict[tuple[str, str, int], list[float]] = {}
@@ -135,11 +177,21 @@ def measure(sides: list, batch: int, short: int, long: int, n: int, repeats: int
 
 def gpu_table(f) -> dict[str, dict[str, float]]:
     """jaxserve's figures for each model, in --dtype, on this machine's first device."""
-    results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-               "num_scheduler_steps": f.num_scheduler_steps, "dtype": f.dtype}
+    results = {
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "num_scheduler_steps": f.num_scheduler_steps,
+        "dtype": f.dtype,
+    }
     for model in f.gpu_models:
-        side = JaxServeSide(model, f.batch, f.long_prompt, dtype=f.dtype, num_scheduler_steps=f.num_scheduler_steps,
-                            tokenizer=f.tokenizer)
+        side = JaxServeSide(
+            model,
+            f.batch,
+            f.long_prompt,
+            dtype=f.dtype,
+            num_scheduler_steps=f.num_scheduler_steps,
+            tokenizer=f.tokenizer,
+        )
         side.name = model
         sides = [side]
         # the same engine, every request with penalties and logprobs, or with a grammar
@@ -147,8 +199,17 @@ def gpu_table(f) -> dict[str, dict[str, float]]:
             if on:
                 sides.append(JaxServeSide(model, f.batch, f.long_prompt, llm=side.llm, options=options))
                 sides[-1].name = f"{model} {name}"
-        results.update(measure(sides, f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats,
-                               vocab=min(40000, side.llm.config.vocab_size)))
+        results.update(
+            measure(
+                sides,
+                f.batch,
+                f.short_prompt,
+                f.long_prompt,
+                f.decode_tokens,
+                f.repeats,
+                vocab=min(40000, side.llm.config.vocab_size),
+            )
+        )
         del side, sides
         if f.out:  # a crash in a later model keeps what was measured
             with open(f.out, "w") as fh:
@@ -170,8 +231,10 @@ def main(argv: list[str]) -> None:
     import torch
 
     print(f"torch {torch.__version__} threads {torch.get_num_threads()}; jax {jax.__version__} {jax.devices()}")
-    sides = [TransformersSide(f.model), JaxServeSide(f.model, f.batch, f.long_prompt,
-                                                     num_scheduler_steps=f.num_scheduler_steps)]
+    sides = [
+        TransformersSide(f.model),
+        JaxServeSide(f.model, f.batch, f.long_prompt, num_scheduler_steps=f.num_scheduler_steps),
+    ]
     results = measure(sides, f.batch, f.short_prompt, f.long_prompt, f.decode_tokens, f.repeats)
     hf_r, js_r = results["transformers"], results["jaxserve"]
     b1 = js_r["decode_tok_s_batch1"] / hf_r["decode_tok_s_batch1"]

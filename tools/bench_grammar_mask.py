@@ -181,9 +181,20 @@ CASES: list[tuple[str, dict | None, Any]] = [
                 "rating": {"type": ["number", "null"]},
             },
             required=[
-                "id", "title", "company", "location", "employment_type", "level", "department",
-                "salary", "posted_at", "experience_years", "skills", "description",
-                "contact_email", "is_active",
+                "id",
+                "title",
+                "company",
+                "location",
+                "employment_type",
+                "level",
+                "department",
+                "salary",
+                "posted_at",
+                "experience_years",
+                "skills",
+                "description",
+                "contact_email",
+                "is_active",
             ],
         ),
         {
@@ -217,11 +228,7 @@ CASES: list[tuple[str, dict | None, Any]] = [
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -301,9 +308,7 @@ class LLGuidance:
     def compile(self, schema):
         # No separate compiled artifact: schema -> grammar text -> LLMatcher (lexer built
         # lazily). The fresh matcher is kept as a per-schema template; requests deep_copy it.
-        g = self.ll.LLMatcher.grammar_from_json_schema(
-            {"type": "object"} if schema is None else schema
-        )
+        g = self.ll.LLMatcher.grammar_from_json_schema({"type": "object"} if schema is None else schema)
         m = self.ll.LLMatcher(self.lltok, g, log_level=0)
         if m.is_error():
             raise RuntimeError(m.get_error())
@@ -434,9 +439,14 @@ def bench_case(ad, schema, doc, tok, vocab_size, eos, reps, batch):
             ok, bad = False, "matcher did not accept termination"
     out.update(
         init_ms=statistics.median(inits),
-        fill_p50=statistics.median(fills), fill_p99=pct(fills, 0.99), fill_max=max(fills),
-        acc_p50=statistics.median(accepts), acc_p99=pct(accepts, 0.99),
-        ok=ok, why=bad, mean_allowed=statistics.mean(allowed_counts),
+        fill_p50=statistics.median(fills),
+        fill_p99=pct(fills, 0.99),
+        fill_max=max(fills),
+        acc_p50=statistics.median(accepts),
+        acc_p99=pct(accepts, 0.99),
+        ok=ok,
+        why=bad,
+        mean_allowed=statistics.mean(allowed_counts),
     )
 
     # batch: `batch` matchers in lockstep over the same document, one mask row each
@@ -455,8 +465,7 @@ def bench_case(ad, schema, doc, tok, vocab_size, eos, reps, batch):
             t3 = time.perf_counter_ns()
             bfill.append((t1 - t0) / 1e3)
             bacc.append((t3 - t2) / 1e3)
-    out.update(bfill_p50=statistics.median(bfill), bfill_p99=pct(bfill, 0.99),
-               bacc_p50=statistics.median(bacc))
+    out.update(bfill_p50=statistics.median(bfill), bfill_p99=pct(bfill, 0.99), bacc_p50=statistics.median(bacc))
     return out
 
 
@@ -486,17 +495,23 @@ def jax_check(vocab_size: int = 49152, batch: int = 16) -> None:
     t0 = time.perf_counter()
     for _ in range(n):
         apply_bitmask(x, b).block_until_ready()
-    print(f"jax apply_bitmask OK on {jax.devices()[0].platform}: "
-          f"{(time.perf_counter() - t0) / n * 1e6:.0f} us for [{batch},{vocab_size}]")
+    print(
+        f"jax apply_bitmask OK on {jax.devices()[0].platform}: "
+        f"{(time.perf_counter() - t0) / n * 1e6:.0f} us for [{batch},{vocab_size}]"
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tokenizer", action="append", default=[],
-                   help="tokenizer.json path (repeatable)")
-    p.add_argument("--eos", type=int, action="append", default=[],
-                   help="EOS id per tokenizer (default: stop_ids[0] of jaxserve_tokenizer.json "
-                        "beside it, else the tokenizer's </s>-like token)")
+    p.add_argument("--tokenizer", action="append", default=[], help="tokenizer.json path (repeatable)")
+    p.add_argument(
+        "--eos",
+        type=int,
+        action="append",
+        default=[],
+        help="EOS id per tokenizer (default: stop_ids[0] of jaxserve_tokenizer.json "
+        "beside it, else the tokenizer's </s>-like token)",
+    )
     p.add_argument("--libs", default="xgrammar,llguidance,outlines-core")
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--batch", type=int, default=16)
@@ -525,8 +540,7 @@ def main() -> None:
             eos = json.load(open(side))["stop_ids"][0] if os.path.exists(side) else 0
         label = f"{os.path.basename(os.path.dirname(path)).split('.')[0]} ({vocab_size})"
         for lib in a.libs.split(","):
-            mod = {"xgrammar": "xgrammar", "llguidance": "llguidance.numpy",
-                   "outlines-core": "outlines_core"}[lib]
+            mod = {"xgrammar": "xgrammar", "llguidance": "llguidance.numpy", "outlines-core": "outlines_core"}[lib]
             t0 = time.perf_counter()
             try:
                 __import__(mod)
@@ -541,10 +555,10 @@ def main() -> None:
                 lines.append(f"| {label} | {lib} | setup failed: {e} |")
                 continue
             setup_ms = (time.perf_counter() - t0) * 1e3
-            print(f"{lib}: import {import_ms:.0f} ms, tokenizer setup {setup_ms:.0f} ms",
-                  file=sys.stderr)
-            lines.append(f"| {label} | {lib} | import / tokenizer setup | | {import_ms:.0f} "
-                         f"/ {setup_ms:.0f} | | | | | | | |")
+            print(f"{lib}: import {import_ms:.0f} ms, tokenizer setup {setup_ms:.0f} ms", file=sys.stderr)
+            lines.append(
+                f"| {label} | {lib} | import / tokenizer setup | | {import_ms:.0f} / {setup_ms:.0f} | | | | | | | |"
+            )
             for name, schema, doc in CASES:
                 try:
                     r = bench_case(ad, schema, doc, tok, vocab_size, eos, a.reps, a.batch)

@@ -110,8 +110,9 @@ def instrument(llm: jaxserve.LLM) -> Timer:
     return timer
 
 
-def measure(llm: jaxserve.LLM, timer: Timer, device: FakeDevice, rows: int, tokens: int, overlap: bool,
-            burst: int = 1) -> dict[str, float]:
+def measure(
+    llm: jaxserve.LLM, timer: Timer, device: FakeDevice, rows: int, tokens: int, overlap: bool, burst: int = 1
+) -> dict[str, float]:
     engine = llm.engine
     engine.overlap, engine.scheduler.num_scheduler_steps = overlap, burst
     rng = np.random.default_rng(0)
@@ -125,8 +126,9 @@ def measure(llm: jaxserve.LLM, timer: Timer, device: FakeDevice, rows: int, toke
         outputs = engine.step()
         wall = time.perf_counter() - start
         per_row = max((len(o.new_token_ids) for o in outputs), default=1)  # a burst's steps
-        steps.append({**{p: timer.step.get(p, 0.0) / per_row for p in PHASES}, "wall": wall / per_row,
-                      "per_row": per_row})
+        steps.append(
+            {**{p: timer.step.get(p, 0.0) / per_row for p in PHASES}, "wall": wall / per_row, "per_row": per_row}
+        )
     decode = slice(3, -3)  # steady decode steps: after the prefill, before the last ones
     out = {p: statistics.median(s[p] for s in steps[decode]) * 1e6 for p in PHASES}
     out["wall"] = statistics.median(s["wall"] for s in steps[decode]) * 1e6
@@ -144,9 +146,16 @@ def main(argv: list[str]) -> None:
     results = {}
     for r in rows:
         burst = FLAGS.num_scheduler_steps
-        llm = jaxserve.LLM("random:tiny", max_model_len=512, kv_cache_tokens=4096, max_num_seqs=max(rows),
-                           max_num_batched_tokens=max(64, max(rows)), enable_prefix_caching=False, progress=False,
-                           num_scheduler_steps=burst)
+        llm = jaxserve.LLM(
+            "random:tiny",
+            max_model_len=512,
+            kv_cache_tokens=4096,
+            max_num_seqs=max(rows),
+            max_num_batched_tokens=max(64, max(rows)),
+            enable_prefix_caching=False,
+            progress=False,
+            num_scheduler_steps=burst,
+        )
         device = FakeDevice(llm.engine.runner, 0.0)
         timer = instrument(llm)
         measure(llm, timer, device, r, 12, overlap=True)  # compile what the measured runs use
@@ -156,8 +165,9 @@ def main(argv: list[str]) -> None:
         else:
             device.delay = float(FLAGS.delay_ms) / 1e3
         for overlap in (False, True):
-            results[f"batch{r}" + ("_overlap" if overlap else "")] = measure(llm, timer, device, r, FLAGS.tokens,
-                                                                            overlap)
+            results[f"batch{r}" + ("_overlap" if overlap else "")] = measure(
+                llm, timer, device, r, FLAGS.tokens, overlap
+            )
         if burst > 1:
             results[f"batch{r}_burst{burst}"] = measure(llm, timer, device, r, FLAGS.tokens, True, burst)
     keys = ("wall", "host", "delay", "critical_path", *PHASES)

@@ -33,17 +33,82 @@ flags.DEFINE_integer("seed", 0, "The trace's random draws.")
 flags.DEFINE_string("model", None, "The served model (default: jaxserve's default).")
 flags.DEFINE_string("out", "bench_out/length_predictor", "Folder for trace.jsonl and results.json.")
 
-TOPICS = ("volcanoes", "the Roman empire", "photosynthesis", "black holes", "the French revolution", "honey bees",
-          "the internet", "climate change", "chess", "the human heart", "coffee", "the Moon landing", "glaciers",
-          "electric cars", "the printing press", "jazz", "the Amazon rainforest", "vaccines", "bridges",
-          "the stock market", "dinosaurs", "the Olympic games", "rainbows", "submarines", "bread baking", "tigers",
-          "democracy", "earthquakes", "the violin", "solar panels", "ancient Egypt", "sleep", "octopuses",
-          "the Silk Road", "recycling", "lighthouses", "the immune system", "robots", "tea", "deserts")
-COUNTRIES = ("France", "Japan", "Brazil", "Canada", "Egypt", "India", "Kenya", "Norway", "Peru", "Spain", "Italy",
-             "Mexico", "Germany", "China", "Chile", "Greece", "Turkey", "Vietnam", "Poland", "Ghana")
-TASKS = ("reverses a string", "checks whether a number is prime", "merges two sorted lists", "counts the words in "
-         "a file", "computes the Fibonacci numbers", "parses a CSV line", "finds the largest element of a list",
-         "removes duplicates from a list", "converts Celsius to Fahrenheit", "validates an email address")
+TOPICS = (
+    "volcanoes",
+    "the Roman empire",
+    "photosynthesis",
+    "black holes",
+    "the French revolution",
+    "honey bees",
+    "the internet",
+    "climate change",
+    "chess",
+    "the human heart",
+    "coffee",
+    "the Moon landing",
+    "glaciers",
+    "electric cars",
+    "the printing press",
+    "jazz",
+    "the Amazon rainforest",
+    "vaccines",
+    "bridges",
+    "the stock market",
+    "dinosaurs",
+    "the Olympic games",
+    "rainbows",
+    "submarines",
+    "bread baking",
+    "tigers",
+    "democracy",
+    "earthquakes",
+    "the violin",
+    "solar panels",
+    "ancient Egypt",
+    "sleep",
+    "octopuses",
+    "the Silk Road",
+    "recycling",
+    "lighthouses",
+    "the immune system",
+    "robots",
+    "tea",
+    "deserts",
+)
+COUNTRIES = (
+    "France",
+    "Japan",
+    "Brazil",
+    "Canada",
+    "Egypt",
+    "India",
+    "Kenya",
+    "Norway",
+    "Peru",
+    "Spain",
+    "Italy",
+    "Mexico",
+    "Germany",
+    "China",
+    "Chile",
+    "Greece",
+    "Turkey",
+    "Vietnam",
+    "Poland",
+    "Ghana",
+)
+TASKS = (
+    "reverses a string",
+    "checks whether a number is prime",
+    "merges two sorted lists",
+    "counts the words in a file",
+    "computes the Fibonacci numbers",
+    "parses a CSV line",
+    "finds the largest element of a list",
+    "removes duplicates from a list",
+    "converts Celsius to Fahrenheit",
+    "validates an email address",
+)
 # (kind, template): each kind asks for answers of a typical length, whatever the prompt's own length
 TEMPLATES = (
     ("word", "Answer with one word only: what is the capital of {country}?"),
@@ -53,19 +118,31 @@ TEMPLATES = (
     ("list", "List five short facts about {topic}, one per line."),
     ("poem", "Write a short poem of four lines about {topic}."),
     ("summary", "Summarize the following notes in one sentence.\n\n{passage}"),
-    ("essay", "Write a long, detailed essay about {topic}: an introduction, at least four sections with headings, "
-              "and a conclusion."),
-    ("essay", "Explain {topic} to a student in depth. Cover its history, how it works, why it matters and open "
-              "questions, with examples for each."),
-    ("code", "Write a Python function that {task}. Then explain the code line by line and give three example "
-             "calls with their outputs."),
+    (
+        "essay",
+        "Write a long, detailed essay about {topic}: an introduction, at least four sections with headings, "
+        "and a conclusion.",
+    ),
+    (
+        "essay",
+        "Explain {topic} to a student in depth. Cover its history, how it works, why it matters and open "
+        "questions, with examples for each.",
+    ),
+    (
+        "code",
+        "Write a Python function that {task}. Then explain the code line by line and give three example "
+        "calls with their outputs.",
+    ),
 )
 
 
 def _passage(rng: np.random.Generator) -> str:
     topics = rng.choice(TOPICS, size=int(rng.integers(4, 12)))
-    return "\n".join(f"- {t.capitalize()} is a subject that many people find interesting, and there is a lot to "
-                     f"say about its history and its role today." for t in topics)
+    return "\n".join(
+        f"- {t.capitalize()} is a subject that many people find interesting, and there is a lot to "
+        f"say about its history and its role today."
+        for t in topics
+    )
 
 
 def make_prompts(n: int, seed: int) -> list[tuple[str, str]]:
@@ -74,8 +151,17 @@ def make_prompts(n: int, seed: int) -> list[tuple[str, str]]:
     out = []
     for _ in range(n):
         kind, template = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
-        out.append((kind, template.format(topic=rng.choice(TOPICS), country=rng.choice(COUNTRIES),
-                                          task=rng.choice(TASKS), passage=_passage(rng))))
+        out.append(
+            (
+                kind,
+                template.format(
+                    topic=rng.choice(TOPICS),
+                    country=rng.choice(COUNTRIES),
+                    task=rng.choice(TASKS),
+                    passage=_passage(rng),
+                ),
+            )
+        )
     return out
 
 
@@ -89,8 +175,11 @@ def read_trace(path: pathlib.Path, header: dict) -> list[dict] | None:
     try:
         lines = path.read_text().splitlines()
         rows = [json.loads(line) for line in lines[1:]]
-        ok = json.loads(lines[0]) == header and len(rows) == header["prompts"] and all(
-            isinstance(r.get("ids"), list) and isinstance(r.get("output_len"), int) for r in rows)
+        ok = (
+            json.loads(lines[0]) == header
+            and len(rows) == header["prompts"]
+            and all(isinstance(r.get("ids"), list) and isinstance(r.get("output_len"), int) for r in rows)
+        )
     except (OSError, ValueError, IndexError, AttributeError):
         return None
     return rows if ok else None
@@ -133,24 +222,43 @@ def evaluate(trace: list[dict], features) -> dict:
         return float(np.mean([o >= predictor.predict(p)[1] for p, o in zip(held, truth)]))
 
     kinds = sorted({r["kind"] for r in rows})
-    result = {"requests": len(rows), "train": cut, "held_out": len(held), "granularity": g,
-              "buckets_held_out": np.bincount(np.minimum(np.array(truth) // g, 7)).tolist(), "predictors": {}}
-    for name, predictor in (("prompt classifier", classifier), ("running mean", mean),
-                            ("prompt-length bands", band)):
-        per_kind = {k: accuracy(predictor, [p for p, r in zip(held, rows[cut:]) if r["kind"] == k],
-                                [o for o, r in zip(truth, rows[cut:]) if r["kind"] == k]) for k in kinds}
-        result["predictors"][name] = {"accuracy": accuracy(predictor, held, truth), "under": under(predictor),
-                                      "per_kind": per_kind}
+    result = {
+        "requests": len(rows),
+        "train": cut,
+        "held_out": len(held),
+        "granularity": g,
+        "buckets_held_out": np.bincount(np.minimum(np.array(truth) // g, 7)).tolist(),
+        "predictors": {},
+    }
+    for name, predictor in (("prompt classifier", classifier), ("running mean", mean), ("prompt-length bands", band)):
+        per_kind = {
+            k: accuracy(
+                predictor,
+                [p for p, r in zip(held, rows[cut:]) if r["kind"] == k],
+                [o for o, r in zip(truth, rows[cut:]) if r["kind"] == k],
+            )
+            for k in kinds
+        }
+        result["predictors"][name] = {
+            "accuracy": accuracy(predictor, held, truth),
+            "under": under(predictor),
+            "per_kind": per_kind,
+        }
     return result
 
 
 def table(result: dict) -> str:
     kinds = list(next(iter(result["predictors"].values()))["per_kind"])
-    lines = [f"| predictor | accuracy | decode past the range | {' | '.join(kinds)} |",
-             "|---|---:|---:|" + "---:|" * len(kinds)]
+    lines = [
+        f"| predictor | accuracy | decode past the range | {' | '.join(kinds)} |",
+        "|---|---:|---:|" + "---:|" * len(kinds),
+    ]
     for name, r in result["predictors"].items():
-        lines.append(f"| {name} | {r['accuracy']:.2f} | {r['under']:.2f} | "
-                     + " | ".join(f"{r['per_kind'][k]:.2f}" for k in kinds) + " |")
+        lines.append(
+            f"| {name} | {r['accuracy']:.2f} | {r['under']:.2f} | "
+            + " | ".join(f"{r['per_kind'][k]:.2f}" for k in kinds)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -163,17 +271,20 @@ def main(argv) -> None:
     model = FLAGS.model or registry.DEFAULT_MODEL
     out = pathlib.Path(FLAGS.out)
     prompts = make_prompts(FLAGS.prompts, FLAGS.seed)
-    trace = read_trace(out / "trace.jsonl", _header(model, prompts)) or build_trace(model, prompts,
-                                                                                    out / "trace.jsonl")
+    trace = read_trace(out / "trace.jsonl", _header(model, prompts)) or build_trace(model, prompts, out / "trace.jsonl")
     lengths = np.array([r["output_len"] for r in trace])
-    print(f"{len(trace)} requests; decode lengths: mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, "
-          f"{np.mean(lengths >= FLAGS.max_tokens):.0%} cut at --max_tokens={FLAGS.max_tokens}")
+    print(
+        f"{len(trace)} requests; decode lengths: mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, "
+        f"{np.mean(lengths >= FLAGS.max_tokens):.0%} cut at --max_tokens={FLAGS.max_tokens}"
+    )
     _, params, _ = load_weights(model, "float32")
     result = evaluate(trace, PromptFeatures(params))
     result |= {"model": model, "max_tokens": FLAGS.max_tokens}
     (out / "results.json").write_text(json.dumps(result, indent=1))
-    print(f"held out {result['held_out']} of {result['requests']}; {FLAGS.granularity}-token buckets; true buckets "
-          f"{result['buckets_held_out']}")
+    print(
+        f"held out {result['held_out']} of {result['requests']}; {FLAGS.granularity}-token buckets; true buckets "
+        f"{result['buckets_held_out']}"
+    )
     print(table(result))
 
 

@@ -29,10 +29,18 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["8192", "32768", "131072"], "Prompt lengths, tokens.")
-flags.DEFINE_list("layouts", ["one", "kvp8", "cdsp4"], "one: one device; kvp8: --kvp=8 on 8 devices; cdsp4: a "
-                  "CDSP pool of 4 instances and a decode instance of --decode_kvp=4.")
-flags.DEFINE_list("longest", ["cdsp4:32768"], "LAYOUT:TOKENS: the longest prompt a layout runs (one device at 128K "
-                  "takes over 10 minutes on 2 cores; the CDSP pool's 8 devices in one process share them).")
+flags.DEFINE_list(
+    "layouts",
+    ["one", "kvp8", "cdsp4"],
+    "one: one device; kvp8: --kvp=8 on 8 devices; cdsp4: a "
+    "CDSP pool of 4 instances and a decode instance of --decode_kvp=4.",
+)
+flags.DEFINE_list(
+    "longest",
+    ["cdsp4:32768"],
+    "LAYOUT:TOKENS: the longest prompt a layout runs (one device at 128K "
+    "takes over 10 minutes on 2 cores; the CDSP pool's 8 devices in one process share them).",
+)
 flags.DEFINE_integer("decode_tokens", 32, "Tokens generated after the prompt (decode speed over all but the first).")
 flags.DEFINE_integer("chunk", 2048, "--max_num_batched_tokens: the tokens of a prefill chunk (one engine's step).")
 flags.DEFINE_string("out", "bench_out/long_context", "Folder for results.json, table.md and prefill.png.")
@@ -46,23 +54,37 @@ MARGIN = 1024  # tokens of KV room past the prompt and its decode
 def _settings(layout: str, length: int) -> dict:
     context = length + FLAGS.decode_tokens + MARGIN
     # every program compiled first (and the engine's cost profile measured, once a machine): no compile is timed
-    common = dict(max_model_len=context, max_num_batched_tokens=FLAGS.chunk, max_num_seqs=4, warmup=True,
-                  quick_start=False, progress=False)
+    common = dict(
+        max_model_len=context,
+        max_num_batched_tokens=FLAGS.chunk,
+        max_num_seqs=4,
+        warmup=True,
+        quick_start=False,
+        progress=False,
+    )
     if layout == "one":
         return dict(common, kv_cache_tokens=context)
     if layout == "kvp8":
         return dict(common, kvp=8, kv_cache_tokens=-(-context // 8))
     per_device = -(-context // 4)  # a pool store and a decode set each hold a quarter of the context
     # Eq. (1) measured once, on the first (shortest) case's pool, and reused for the longer ones
-    return dict(common, prefill_instances=4, node_size=2, decode_instances=1, decode_kvp=4,
-                kv_cache_tokens=per_device, min_chunk=1024, prefill_profile=str(pathlib.Path(FLAGS.out) / "eq1.json"))
+    return dict(
+        common,
+        prefill_instances=4,
+        node_size=2,
+        decode_instances=1,
+        decode_kvp=4,
+        kv_cache_tokens=per_device,
+        min_chunk=1024,
+        prefill_profile=str(pathlib.Path(FLAGS.out) / "eq1.json"),
+    )
 
 
 def _kv_bytes_per_device(llm) -> dict[str, int]:
     """KV bytes allocated on each device: the engines' paged caches and the prefill pool's history stores."""
     engines = getattr(llm.engine, "decoders", None)
     arrays = []
-    for e in ([d.engine for d in engines] if engines is not None else [llm.engine]):
+    for e in [d.engine for d in engines] if engines is not None else [llm.engine]:
         arrays += list(e.runner.caches)
     if hasattr(llm.engine, "prefill"):
         arrays += [x for s in llm.engine.prefill.stores.values() for x in (s.k, s.v)]
@@ -90,17 +112,31 @@ def run_case(layout: str, length: int) -> dict:
             tokens += out.new_token_ids
     kv = _kv_bytes_per_device(llm)
     events = dict(getattr(llm.engine, "events", {}))
-    return {"layout": layout, "length": length, "start_s": built, "ttft_s": times[0],
-            "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None,
-            "tokens": tokens, "kv_bytes_per_device": kv, "kv_bytes_total": sum(kv.values()),
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "chunks": events.get("chunks", -(-length // FLAGS.chunk)), "events": events}
+    return {
+        "layout": layout,
+        "length": length,
+        "start_s": built,
+        "ttft_s": times[0],
+        "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None,
+        "tokens": tokens,
+        "kv_bytes_per_device": kv,
+        "kv_bytes_total": sum(kv.values()),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "chunks": events.get("chunks", -(-length // FLAGS.chunk)),
+        "events": events,
+    }
 
 
 def _spawn(layout: str, length: int) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES[layout]}")
-    cmd = [sys.executable, __file__, f"--child={layout}:{length}", f"--decode_tokens={FLAGS.decode_tokens}",
-           f"--chunk={FLAGS.chunk}", f"--out={FLAGS.out}"]
+    cmd = [
+        sys.executable,
+        __file__,
+        f"--child={layout}:{length}",
+        f"--decode_tokens={FLAGS.decode_tokens}",
+        f"--chunk={FLAGS.chunk}",
+        f"--out={FLAGS.out}",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{layout} at {length} tokens failed:\n{proc.stderr[-4000:]}")
@@ -116,8 +152,12 @@ def fit_prefill(rows: list[dict]) -> dict | None:
     x = np.array([[r["chunks"], r["length"] ** 2] for r in rows], float)
     y = np.array([r["ttft_s"] for r in rows])
     (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
-    return {"per_chunk_s": a, "per_token_pair_s": b, "worst_miss": float(np.max(np.abs(x @ [a, b] - y) / y)),
-            "quadratic_share_at_longest": b * rows[-1]["length"] ** 2 / rows[-1]["ttft_s"]}
+    return {
+        "per_chunk_s": a,
+        "per_token_pair_s": b,
+        "worst_miss": float(np.max(np.abs(x @ [a, b] - y) / y)),
+        "quadratic_share_at_longest": b * rows[-1]["length"] ** 2 / rows[-1]["ttft_s"],
+    }
 
 
 def simulated() -> list[dict]:
@@ -135,21 +175,38 @@ def simulated() -> list[dict]:
 
 
 def table(rows: list[dict], fits: dict, sim: list[dict]) -> str:
-    lines = ["| layout | tokens | prefill (TTFT) s | decode tok/s | KV MiB per device (max) | KV MiB total | "
-             "peak RSS GiB | greedy = one device |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| layout | tokens | prefill (TTFT) s | decode tok/s | KV MiB per device (max) | KV MiB total | "
+        "peak RSS GiB | greedy = one device |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     ref = {r["length"]: r["tokens"] for r in rows if r["layout"] == "one"}
     for r in rows:
-        same = ("(itself)" if r["layout"] == "one" else "-" if r["length"] not in ref
-                else "yes" if ref[r["length"]] == r["tokens"] else "NO")
-        lines.append(f"| {r['layout']} | {r['length']:,} | {r['ttft_s']:.1f} | {r['decode_tok_s'] or 0:.1f} | "
-                     f"{max(r['kv_bytes_per_device'].values()) / 2**20:.1f} | {r['kv_bytes_total'] / 2**20:.1f} | "
-                     f"{r['peak_rss_gib']:.2f} | {same} |")
-    lines += ["", "| layout | per chunk s | per token pair ns | worst miss | quadratic share at the longest |",
-              "|---|---:|---:|---:|---:|"]
+        same = (
+            "(itself)"
+            if r["layout"] == "one"
+            else "-"
+            if r["length"] not in ref
+            else "yes"
+            if ref[r["length"]] == r["tokens"]
+            else "NO"
+        )
+        lines.append(
+            f"| {r['layout']} | {r['length']:,} | {r['ttft_s']:.1f} | {r['decode_tok_s'] or 0:.1f} | "
+            f"{max(r['kv_bytes_per_device'].values()) / 2**20:.1f} | {r['kv_bytes_total'] / 2**20:.1f} | "
+            f"{r['peak_rss_gib']:.2f} | {same} |"
+        )
+    lines += [
+        "",
+        "| layout | per chunk s | per token pair ns | worst miss | quadratic share at the longest |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for layout, f in fits.items():
         if f:
-            lines.append(f"| {layout} | {f['per_chunk_s']:.3f} | {f['per_token_pair_s'] * 1e9:.3f} | "
-                         f"{f['worst_miss']:.0%} | {f['quadratic_share_at_longest']:.0%} |")
+            lines.append(
+                f"| {layout} | {f['per_chunk_s']:.3f} | {f['per_token_pair_s'] * 1e9:.3f} | "
+                f"{f['worst_miss']:.0%} | {f['quadratic_share_at_longest']:.0%} |"
+            )
     lines += ["", "| simulated: KVP workers | context | decode s/token | within 30 ms |", "|---:|---:|---:|---|"]
     for r in sim:
         meets = "yes" if r["meets_30ms"] else "no"
@@ -159,6 +216,7 @@ def table(rows: list[dict], fits: dict, sim: list[dict]) -> str:
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

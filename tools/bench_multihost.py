@@ -73,11 +73,16 @@ def _transfer() -> dict:
         shape = (tokens, *KV_TOKEN)
         here = src.process_index == jax.process_index()
         value = np.random.default_rng(0).standard_normal(shape, dtype=np.float32).astype(jnp.bfloat16)
-        x = jax.device_put(value, src) if here else processes.placeholder(shape, SingleDeviceSharding(src),
-                                                                          jnp.bfloat16)
+        x = (
+            jax.device_put(value, src)
+            if here
+            else processes.placeholder(shape, SingleDeviceSharding(src), jnp.bfloat16)
+        )
         for kind, dst in pairs.items():
+
             def round_trip(x):
                 return processes.move(processes.move(x, SingleDeviceSharding(dst)), SingleDeviceSharding(src))
+
             back = round_trip(x)  # compiles the pair programs
             jax.block_until_ready(back)
             start = time.perf_counter()
@@ -105,15 +110,20 @@ class Probe:
         import jax
 
         from jaxserve.sharding.processes import coordination_client
+
         if jax.process_index() != 0:
             coordination_client().key_value_set(f"bench/pong/{jax.process_index()}/{n}", str(self.calls))
 
 
 def _step_sized_plan(rng: np.random.Generator) -> dict:
     """What a decode step's call carries: 256 batched tokens, their positions and slots, four block tables."""
-    return dict(tokens=rng.integers(0, 49152, 256, dtype=np.int32), positions=np.arange(256, dtype=np.int32),
-                slots=rng.integers(0, 8192, 256, dtype=np.int32), tables=rng.integers(0, 512, (4, 64), np.int32),
-                requests=[f"req-{i}" for i in range(4)])
+    return dict(
+        tokens=rng.integers(0, 49152, 256, dtype=np.int32),
+        positions=np.arange(256, dtype=np.int32),
+        slots=rng.integers(0, 8192, 256, dtype=np.int32),
+        tables=rng.integers(0, 512, (4, 64), np.int32),
+        requests=[f"req-{i}" for i in range(4)],
+    )
 
 
 def _lockstep() -> dict:
@@ -144,17 +154,23 @@ def _lockstep() -> dict:
     pong(0)
     replay = time.perf_counter() - start
     n = leader.published - published - 1
-    per_call = dict(publish_ms=(leader.publish_seconds - seconds) / (n + 1) * 1e3,
-                    bytes=(leader.published_bytes - size) / (n + 1),
-                    replay_calls_per_s=n / replay)
+    per_call = dict(
+        publish_ms=(leader.publish_seconds - seconds) / (n + 1) * 1e3,
+        bytes=(leader.published_bytes - size) / (n + 1),
+        replay_calls_per_s=n / replay,
+    )
     pings = []
     for i in range(1, FLAGS.pings + 1):
         start = time.perf_counter()
         pong(i)
         pings.append(time.perf_counter() - start)
     leader.stop()
-    return dict(followers=len(followers), **per_call, round_trip_ms_median=float(np.median(pings)) * 1e3,
-                round_trip_ms_p90=float(np.percentile(pings, 90)) * 1e3)
+    return dict(
+        followers=len(followers),
+        **per_call,
+        round_trip_ms_median=float(np.median(pings)) * 1e3,
+        round_trip_ms_p90=float(np.percentile(pings, 90)) * 1e3,
+    )
 
 
 def _serve() -> dict:
@@ -169,8 +185,17 @@ def _serve() -> dict:
         return {}
     # `serve`'s cluster: the pool is devices 0-5 (with 4 per process, it spans two processes), decode on 6 and 7;
     # Eq. (1) measured on the pool by the first run and loaded by the next (both plan with the same one)
-    llm = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
-                       prefill_instances=6, node_size=2, decode_instances=2, min_chunk=256, progress=False)
+    llm = jaxserve.LLM(
+        max_model_len=1024,
+        kv_cache_tokens=2048,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        prefill_instances=6,
+        node_size=2,
+        decode_instances=2,
+        min_chunk=256,
+        progress=False,
+    )
     cluster, leader = llm.engine, llm.lockstep
     rng = np.random.default_rng(0)
     lengths = [900 if i % 2 == 0 else int(rng.integers(40, 200)) for i in range(FLAGS.requests)]
@@ -188,11 +213,21 @@ def _serve() -> dict:
                 bar.update(int(o.finished))
     wall = time.perf_counter() - start
     spanning = sum(len({d.process_index for d in jax.devices() if d.id in r.group}) > 1 for r in cluster.records)
-    result = dict(processes=jax.process_count(), prompt_tokens=sum(lengths), steps=steps, seconds=wall,
-                  chunks=len(cluster.records), chunks_spanning_processes=spanning, tokens=[got[r] for r in rids])
+    result = dict(
+        processes=jax.process_count(),
+        prompt_tokens=sum(lengths),
+        steps=steps,
+        seconds=wall,
+        chunks=len(cluster.records),
+        chunks_spanning_processes=spanning,
+        tokens=[got[r] for r in rids],
+    )
     if leader:
-        result.update(calls=leader.published - before[0], publish_seconds=leader.publish_seconds - before[1],
-                      bytes=leader.published_bytes - before[2])
+        result.update(
+            calls=leader.published - before[0],
+            publish_seconds=leader.publish_seconds - before[1],
+            bytes=leader.published_bytes - before[2],
+        )
     llm.close()
     return result
 
@@ -202,8 +237,9 @@ def worker() -> None:
 
     if FLAGS.num_processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{FLAGS.port}", num_processes=FLAGS.num_processes,
-                                   process_id=FLAGS.process_id)
+        jax.distributed.initialize(
+            f"127.0.0.1:{FLAGS.port}", num_processes=FLAGS.num_processes, process_id=FLAGS.process_id
+        )
     result = {"transfer": _transfer, "lockstep": _lockstep, "serve": _serve}[FLAGS.worker]()
     if jax.process_index() == 0:
         pathlib.Path(FLAGS.result).write_text(json.dumps(result))
@@ -222,13 +258,33 @@ def run_part(part: str, processes: int, devices: int, out: pathlib.Path) -> dict
     """Start the part's processes, wait for them, return process 0's result."""
     port, result = _free_port(), out / f"{part}-{processes}.json"
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    args = [a for a in sys.argv[1:] if not a.startswith(("--worker", "--process_id", "--num_processes", "--port",
-                                                         "--result"))]
-    procs = [subprocess.Popen(
-        ["timeout", "-k", "10", str(FLAGS.timeout), sys.executable, __file__, *args, f"--worker={part}",
-         f"--process_id={i}", f"--num_processes={processes}", f"--port={port}", f"--result={result}"],
-        env=env, stdout=subprocess.DEVNULL if i else None, stderr=(out / f"{part}-p{i}.log").open("w"))
-        for i in range(processes)]
+    args = [
+        a
+        for a in sys.argv[1:]
+        if not a.startswith(("--worker", "--process_id", "--num_processes", "--port", "--result"))
+    ]
+    procs = [
+        subprocess.Popen(
+            [
+                "timeout",
+                "-k",
+                "10",
+                str(FLAGS.timeout),
+                sys.executable,
+                __file__,
+                *args,
+                f"--worker={part}",
+                f"--process_id={i}",
+                f"--num_processes={processes}",
+                f"--port={port}",
+                f"--result={result}",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL if i else None,
+            stderr=(out / f"{part}-p{i}.log").open("w"),
+        )
+        for i in range(processes)
+    ]
     codes = [p.wait() for p in procs]
     if codes != [0] * processes:
         raise RuntimeError(f"{part}: exit codes {codes}; logs in {out}/{part}-p*.log")
@@ -237,6 +293,7 @@ def run_part(part: str, processes: int, devices: int, out: pathlib.Path) -> dict
 
 def plot(transfer: dict, path: pathlib.Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -244,8 +301,13 @@ def plot(transfer: dict, path: pathlib.Path) -> None:
     for kind in ("within a process", "across processes"):
         rows = [r for r in transfer["rows"] if r["kind"] == kind]
         ax.plot([r["mb"] for r in rows], [r["mb_per_s"] for r in rows], "o-", label=kind)
-    ax.set(xscale="log", yscale="log", xlabel="KV moved (MiB)", ylabel="MiB/s",
-           title="processes.move, one device to one device (CPU)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="KV moved (MiB)",
+        ylabel="MiB/s",
+        title="processes.move, one device to one device (CPU)",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -253,22 +315,29 @@ def plot(transfer: dict, path: pathlib.Path) -> None:
 
 def report(results: dict) -> None:
     if "transfer" in results:
-        print("\nKV transfer (one way, mean of round trips)\n| kind | MiB | tokens | ms | MiB/s |\n|---|---:|---:|---:|---:|")
+        print(
+            "\nKV transfer (one way, mean of round trips)\n"
+            "| kind | MiB | tokens | ms | MiB/s |\n|---|---:|---:|---:|---:|"
+        )
         for r in results["transfer"]["rows"]:
             print(f"| {r['kind']} | {r['mb']:.3g} | {r['tokens']} | {r['ms']:.2f} | {r['mb_per_s']:.0f} |")
     if "lockstep" in results:
         r = results["lockstep"]
-        print(f"\nlockstep, {r['followers']} follower(s): publish {r['publish_ms']:.3f} ms/call "
-              f"({r['bytes']:.0f} bytes), replay {r['replay_calls_per_s']:.0f} calls/s, round trip "
-              f"{r['round_trip_ms_median']:.2f} ms median ({r['round_trip_ms_p90']:.2f} p90)")
+        print(
+            f"\nlockstep, {r['followers']} follower(s): publish {r['publish_ms']:.3f} ms/call "
+            f"({r['bytes']:.0f} bytes), replay {r['replay_calls_per_s']:.0f} calls/s, round trip "
+            f"{r['round_trip_ms_median']:.2f} ms median ({r['round_trip_ms_p90']:.2f} p90)"
+        )
     if "serve" in results:
         many, one = results["serve"]["across processes"], results["serve"]["one process"]
-        print(f"\nserve {FLAGS.requests} requests: {many['seconds']:.1f} s across {many['processes']} processes vs "
-              f"{one['seconds']:.1f} s in one ({many['seconds'] / one['seconds']:.2f}x); steps {many['steps']} vs "
-              f"{one['steps']}; {many['chunks_spanning_processes']} of {many['chunks']} chunks on groups spanning "
-              f"processes; {many['calls']} calls published ({many['bytes'] / max(1, many['calls']):.0f} bytes "
-              f"each), {many['publish_seconds']:.2f} s publishing ({many['publish_seconds'] / many['seconds']:.1%} "
-              f"of the wall time); tokens equal: {results['serve']['tokens_equal']}")
+        print(
+            f"\nserve {FLAGS.requests} requests: {many['seconds']:.1f} s across {many['processes']} processes vs "
+            f"{one['seconds']:.1f} s in one ({many['seconds'] / one['seconds']:.2f}x); steps {many['steps']} vs "
+            f"{one['steps']}; {many['chunks_spanning_processes']} of {many['chunks']} chunks on groups spanning "
+            f"processes; {many['calls']} calls published ({many['bytes'] / max(1, many['calls']):.0f} bytes "
+            f"each), {many['publish_seconds']:.2f} s publishing ({many['publish_seconds'] / many['seconds']:.1%} "
+            f"of the wall time); tokens equal: {results['serve']['tokens_equal']}"
+        )
 
 
 def main(argv: list[str]) -> None:
@@ -285,8 +354,11 @@ def main(argv: list[str]) -> None:
                 raise ValueError("serve needs 8 devices in all (its layout uses devices 2-7)")
             many = run_part(part, n, per, out)
             one = run_part(part, 1, n * per, out)
-            results[part] = {"across processes": many, "one process": one,
-                             "tokens_equal": many.pop("tokens") == one.pop("tokens")}
+            results[part] = {
+                "across processes": many,
+                "one process": one,
+                "tokens_equal": many.pop("tokens") == one.pop("tokens"),
+            }
         else:
             results[part] = run_part(part, n, per, out)
             if part == "transfer":

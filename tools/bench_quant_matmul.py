@@ -42,6 +42,7 @@ def dequant(x, w: quantize.Quantized):
 def timed(fn, x, weights) -> float:
     """Median ms of one matmul: each call runs it over all `weights` in one program (distinct weights, so the
     cache holds none of them; one dispatch for many matmuls, so dispatch does not count)."""
+
     def chain(x, weights):
         return sum(fn(x, w).astype(jnp.float32).sum() for w in weights)
 
@@ -60,9 +61,11 @@ def main(argv: list[str]) -> None:
     dtype = jnp.dtype(FLAGS.dtype)
     key = jax.random.key(0)
     weight = jax.random.normal(key, (FLAGS.k, FLAGS.n), jnp.float32) * 0.02
-    variants = {"int8": {"dequant": dequant, "served": quantize.dense},
-                "fp8": {"dequant": dequant, "served": quantize.dense},
-                "int4": {"dequant": dequant, "served": quantize.dense}}
+    variants = {
+        "int8": {"dequant": dequant, "served": quantize.dense},
+        "fp8": {"dequant": dequant, "served": quantize.dense},
+        "int4": {"dequant": dequant, "served": quantize.dense},
+    }
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, weight {FLAGS.k} x {FLAGS.n}, {dtype.name}")
     print(f"{'method':<6}{'rows':>6}{'variant':>12}{'ms':>10}{'GB/s':>10}{'rel err':>10}")
     quantized = jax.jit(quantize._quantize_leaf, static_argnums=(1, 2))

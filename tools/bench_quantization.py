@@ -31,23 +31,41 @@ FLAGS.set_default("long_prompt", 512)
 
 # 20 prompts of real text: instructions, facts, code, lists, so greedy decoding is not degenerate
 TEXTS = [
-    "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "1, 2, 3, 4, 5,",
-    "Explain photosynthesis in one sentence.", "The three primary colors are", "Translate 'good morning' into "
-    "Spanish:", "Once upon a time, in a small village,", "What is the boiling point of water?",
-    "List three fruits that are red:", "import numpy as np\n# compute the mean of an array", "The largest planet in "
-    "the solar system is", "Give me a tip for learning to cook.", "Summer is my favourite season because",
-    "Q: What is 12 times 12?\nA:", "The Eiffel Tower was built in", "Describe a cat in five words.",
-    "SELECT name FROM users WHERE", "The opposite of hot is", "My favourite book is",
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "1, 2, 3, 4, 5,",
+    "Explain photosynthesis in one sentence.",
+    "The three primary colors are",
+    "Translate 'good morning' into Spanish:",
+    "Once upon a time, in a small village,",
+    "What is the boiling point of water?",
+    "List three fruits that are red:",
+    "import numpy as np\n# compute the mean of an array",
+    "The largest planet in the solar system is",
+    "Give me a tip for learning to cook.",
+    "Summer is my favourite season because",
+    "Q: What is 12 times 12?\nA:",
+    "The Eiffel Tower was built in",
+    "Describe a cat in five words.",
+    "SELECT name FROM users WHERE",
+    "The opposite of hot is",
+    "My favourite book is",
 ]
 
 
 def agreement(reference: list[list[int]], outputs: list[list[int]]) -> dict[str, float]:
     """Prompts whose tokens all equal the reference's, and the mean share matching before the first difference."""
+
     def prefix(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
     shares = [prefix(r, o) / max(len(r), 1) for r, o in zip(reference, outputs)]
-    return {"identical": sum(r == o for r, o in zip(reference, outputs)), "prompts": len(reference),
-            "matching_prefix": sum(shares) / len(shares)}
+    return {
+        "identical": sum(r == o for r, o in zip(reference, outputs)),
+        "prompts": len(reference),
+        "matching_prefix": sum(shares) / len(shares),
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -57,8 +75,14 @@ def main(argv: list[str]) -> None:
     sides = []
     for method in tqdm([None, *f.methods], desc="load"):
         # each engine's KV pool sized for the measurements: several engines share the device
-        side = JaxServeSide(f.model, f.batch, f.long_prompt, dtype=f.dtype, quantization=method,
-                            kv_cache_tokens=f.batch * max(2048, 2 * f.long_prompt))
+        side = JaxServeSide(
+            f.model,
+            f.batch,
+            f.long_prompt,
+            dtype=f.dtype,
+            quantization=method,
+            kv_cache_tokens=f.batch * max(2048, 2 * f.long_prompt),
+        )
         side.name = method or f.dtype
         sides.append(side)
     tokenizer = sides[0].llm.tokenizer
@@ -71,8 +95,12 @@ def main(argv: list[str]) -> None:
     full = quantize.nbytes(sides[0].llm._params)
     for side in sides:
         weights = quantize.nbytes(side.llm._params)
-        results[side.name] = {"weights_mib": weights / 2**20, "of_unquantized": weights / full,
-                              **agreement(outputs[sides[0].name], outputs[side.name]), **speed[side.name]}
+        results[side.name] = {
+            "weights_mib": weights / 2**20,
+            "of_unquantized": weights / full,
+            **agreement(outputs[sides[0].name], outputs[side.name]),
+            **speed[side.name],
+        }
     print(f"{results['device']}, jax {results['jax']}, {f.model}")
     keys = list(results[sides[0].name])
     print(f"{'':<10}" + "".join(f"{k:>24}" for k in keys))

@@ -37,9 +37,14 @@ def batch_formation() -> np.ndarray:
     --decodes requests decode per batch; only schedule() is timed."""
     rng = np.random.default_rng(0)
     cost = ProfileBatchCost("a100_llama3_8b", tp=8)
-    sched = ReplicaScheduler(make_policy(FLAGS.policy), cost, PackerConfig(iteration_budget=0.05, space_sharing=True),
-                             KVCacheManager.for_tokens(replica_kv_capacity(SimConfig(tp=8)), 16, False), slo=SLO(),
-                             max_num_seqs=FLAGS.decodes)
+    sched = ReplicaScheduler(
+        make_policy(FLAGS.policy),
+        cost,
+        PackerConfig(iteration_budget=0.05, space_sharing=True),
+        KVCacheManager.for_tokens(replica_kv_capacity(SimConfig(tp=8)), 16, False),
+        slo=SLO(),
+        max_num_seqs=FLAGS.decodes,
+    )
     ids = iter(range(10**9))
 
     def arrive(now: float) -> None:
@@ -59,20 +64,24 @@ def batch_formation() -> np.ndarray:
         sched.apply(plan, Outcome(now, tuple(plan.predicted_time for _ in plan.items), tokens))
         while len(sched.queue) < FLAGS.queued:
             arrive(now)
-    return np.array(times[FLAGS.warmup:])
+    return np.array(times[FLAGS.warmup :])
 
 
 def main(argv):
     del argv
     t = batch_formation() * 1e6
-    print(f"{FLAGS.policy} batch formation, {FLAGS.queued} queued prefills + up to {FLAGS.decodes} decodes: "
-          f"p50 {np.percentile(t, 50):.0f} us, p99 {np.percentile(t, 99):.0f} us (goal <= 200 us)")
+    print(
+        f"{FLAGS.policy} batch formation, {FLAGS.queued} queued prefills + up to {FLAGS.decodes} decodes: "
+        f"p50 {np.percentile(t, 50):.0f} us, p99 {np.percentile(t, 99):.0f} us (goal <= 200 us)"
+    )
     workload = run.make_workload("azure_conv", rate=None, requests=FLAGS.trace_requests)
     res = run.simulate(workload, run.config_for(FLAGS.policy, space_sharing=False), progress=True)
     s = res.summary()["all"]
-    print(f"simulated {len(workload)} Azure conv requests ({workload.rate:.2f} req/s as recorded) in "
-          f"{res.wall_seconds:.1f} s: {s['sim_requests_per_wall_s']:.0f} requests per wall-second "
-          f"({res.span:.0f} simulated seconds)")
+    print(
+        f"simulated {len(workload)} Azure conv requests ({workload.rate:.2f} req/s as recorded) in "
+        f"{res.wall_seconds:.1f} s: {s['sim_requests_per_wall_s']:.0f} requests per wall-second "
+        f"({res.span:.0f} simulated seconds)"
+    )
 
 
 if __name__ == "__main__":

@@ -45,9 +45,14 @@ flags.DEFINE_string("baseline", "", "A commit whose server is measured first, be
 
 API_KEY = "bench"
 METRICS = {  # aiperf summary tag -> statistics kept
-    "time_to_first_token": ("p50", "p99", "avg"), "inter_token_latency": ("p50", "p99", "avg"),
-    "request_latency": ("p50", "p99"), "request_throughput": ("avg",), "output_token_throughput": ("avg",),
-    "input_sequence_length": ("avg",), "output_sequence_length": ("avg",), "request_count": ("avg",),
+    "time_to_first_token": ("p50", "p99", "avg"),
+    "inter_token_latency": ("p50", "p99", "avg"),
+    "request_latency": ("p50", "p99"),
+    "request_throughput": ("avg",),
+    "output_token_throughput": ("avg",),
+    "input_sequence_length": ("avg",),
+    "output_sequence_length": ("avg",),
+    "request_count": ("avg",),
 }
 
 
@@ -61,37 +66,85 @@ def hf_tokenizer_dir(model: str, out: pathlib.Path) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(cached[-1], out / "tokenizer.json")
     specials = meta["special_tokens"]
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": meta["chat_template"],
-              "add_bos_token": meta["add_bos"], "model_max_length": 1 << 20,
-              **{k: specials[k] for k in ("bos_token", "eos_token") if k in specials}}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": meta["chat_template"],
+        "add_bos_token": meta["add_bos"],
+        "model_max_length": 1 << 20,
+        **{k: specials[k] for k in ("bos_token", "eos_token") if k in specials},
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
 
 
 def server_flags() -> list[str]:
-    return [f"--max_num_seqs={FLAGS.max_num_seqs}", "--max_model_len=2048", "--kv_cache_gib=0.5",
-            f"--api_key={API_KEY}"]
+    return [
+        f"--max_num_seqs={FLAGS.max_num_seqs}",
+        "--max_model_len=2048",
+        "--kv_cache_gib=0.5",
+        f"--api_key={API_KEY}",
+    ]
 
 
 def worktree(commit: str, where: pathlib.Path) -> pathlib.Path:
     """A checkout of `commit` with its gRPC stubs generated (they are build outputs, not in git)."""
     subprocess.run(["git", "worktree", "add", "--detach", str(where), commit], check=True, capture_output=True)
-    subprocess.run([sys.executable, "-c", "import pathlib; from jaxserve.server import protogen; "
-                    "protogen.generate(pathlib.Path('.'), pathlib.Path('.'))"], cwd=where, check=True,
-                   env={**os.environ, "PYTHONPATH": str(where)})
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import pathlib; from jaxserve.server import protogen; "
+            "protogen.generate(pathlib.Path('.'), pathlib.Path('.'))",
+        ],
+        cwd=where,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(where)},
+    )
     return where
 
 
 def run_aiperf(port: int, tokenizer: pathlib.Path, concurrency: int, out: pathlib.Path) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     # (aiperf 0.13 sends a local tokenizer path to the hub downloader when offline mode is set)
-    cmd = [FLAGS.aiperf, "profile", "--model", registry.DEFAULT_MODEL, "--tokenizer", str(tokenizer),
-           "--url", f"http://127.0.0.1:{port}", "--endpoint-type", "chat", "--streaming", "--api-key", API_KEY,
-           "--isl", str(FLAGS.isl), "--isl-stddev", "0", "--osl", str(FLAGS.osl), "--osl-stddev", "0",
-           "--extra-inputs", "ignore_eos:true", "--concurrency", str(concurrency),
-           "--warmup-request-count", str(concurrency), "--request-count", str(max(8, 3 * concurrency)),
-           "--random-seed", "0", "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry",
-           "--artifact-dir", str(out)]
+    cmd = [
+        FLAGS.aiperf,
+        "profile",
+        "--model",
+        registry.DEFAULT_MODEL,
+        "--tokenizer",
+        str(tokenizer),
+        "--url",
+        f"http://127.0.0.1:{port}",
+        "--endpoint-type",
+        "chat",
+        "--streaming",
+        "--api-key",
+        API_KEY,
+        "--isl",
+        str(FLAGS.isl),
+        "--isl-stddev",
+        "0",
+        "--osl",
+        str(FLAGS.osl),
+        "--osl-stddev",
+        "0",
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--concurrency",
+        str(concurrency),
+        "--warmup-request-count",
+        str(concurrency),
+        "--request-count",
+        str(max(8, 3 * concurrency)),
+        "--random-seed",
+        "0",
+        "--ui",
+        "none",
+        "--no-server-metrics",
+        "--no-gpu-telemetry",
+        "--artifact-dir",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     summary = json.loads((out / "profile_export_aiperf.json").read_text())
     return {f"{tag}_{stat}": summary[tag][stat] for tag, stats in METRICS.items() for stat in stats}
@@ -122,8 +175,13 @@ def measure(engine: str, pythonpath: str | None, tokenizer: pathlib.Path, tmp: p
     rows = []
     with ServerProcess(*server_flags(), pythonpath=pythonpath) as server:
         for c in tqdm([int(x) for x in FLAGS.concurrency], desc=f"{engine}: concurrency"):
-            rows.append({"engine": engine, "concurrency": c,
-                         **run_aiperf(server.http_port, tokenizer, c, tmp / f"{engine}-c{c}")})
+            rows.append(
+                {
+                    "engine": engine,
+                    "concurrency": c,
+                    **run_aiperf(server.http_port, tokenizer, c, tmp / f"{engine}-c{c}"),
+                }
+            )
     return rows
 
 
@@ -144,22 +202,38 @@ def main(argv: list[str]) -> None:
             finally:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=False)
         rows += measure("current", None, tokenizer, tmp)
-    print(f"{'engine':>8} {'conc':>4} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'e2e p50 s':>9} {'req/s':>6} "
-          f"{'out tok/s':>9}")
+    print(
+        f"{'engine':>8} {'conc':>4} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'e2e p50 s':>9} {'req/s':>6} "
+        f"{'out tok/s':>9}"
+    )
     for r in rows:
-        print(f"{r['engine']:>8} {r['concurrency']:>4} {r['time_to_first_token_p50']:>7.0f}/"
-              f"{r['time_to_first_token_p99']:<8.0f} {r['inter_token_latency_p50']:>7.1f}/"
-              f"{r['inter_token_latency_p99']:<7.1f} {r['request_latency_p50'] / 1e3:>9.2f} "
-              f"{r['request_throughput_avg']:>6.2f} {r['output_token_throughput_avg']:>9.1f}")
+        print(
+            f"{r['engine']:>8} {r['concurrency']:>4} {r['time_to_first_token_p50']:>7.0f}/"
+            f"{r['time_to_first_token_p99']:<8.0f} {r['inter_token_latency_p50']:>7.1f}/"
+            f"{r['inter_token_latency_p99']:<7.1f} {r['request_latency_p50'] / 1e3:>9.2f} "
+            f"{r['request_throughput_avg']:>6.2f} {r['output_token_throughput_avg']:>9.1f}"
+        )
     if FLAGS.baseline:
         base = {r["concurrency"]: r for r in rows if r["engine"] == FLAGS.baseline}
         for r in (r for r in rows if r["engine"] == "current"):
             b = base[r["concurrency"]]
-            print(f"concurrency {r['concurrency']}: p99 TTFT current / {FLAGS.baseline} = "
-                  f"{r['time_to_first_token_p99'] / b['time_to_first_token_p99']:.3f}; output tok/s "
-                  f"{r['output_token_throughput_avg'] / b['output_token_throughput_avg']:.2f}x")
-    (out / "serve.json").write_text(json.dumps({"isl": FLAGS.isl, "osl": FLAGS.osl, "max_num_seqs": FLAGS.max_num_seqs,
-                                                "baseline": FLAGS.baseline, "rows": rows}, indent=1))
+            print(
+                f"concurrency {r['concurrency']}: p99 TTFT current / {FLAGS.baseline} = "
+                f"{r['time_to_first_token_p99'] / b['time_to_first_token_p99']:.3f}; output tok/s "
+                f"{r['output_token_throughput_avg'] / b['output_token_throughput_avg']:.2f}x"
+            )
+    (out / "serve.json").write_text(
+        json.dumps(
+            {
+                "isl": FLAGS.isl,
+                "osl": FLAGS.osl,
+                "max_num_seqs": FLAGS.max_num_seqs,
+                "baseline": FLAGS.baseline,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     plot(rows, out / "serve_load.png")
     print(f"wrote {out}/serve.json and {out}/serve_load.png")
 

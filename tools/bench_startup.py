@@ -85,9 +85,15 @@ def main(argv: list[str]) -> None:
     if FLAGS.out:
         out = pathlib.Path(FLAGS.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "startup.json").write_text(json.dumps(
-            [dict(command=c, caches=k, seconds=round(s, 3), first_reply_seconds=r and round(r, 3))
-             for c, k, s, r in rows], indent=1))
+        (out / "startup.json").write_text(
+            json.dumps(
+                [
+                    dict(command=c, caches=k, seconds=round(s, 3), first_reply_seconds=r and round(r, 3))
+                    for c, k, s, r in rows
+                ],
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

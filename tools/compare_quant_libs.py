@@ -37,7 +37,9 @@ class Stack(nn.Module):
         for layer in range(LAYERS):
             for j, (k, n) in enumerate(SHAPES):
                 extra = {} if self.dot_general_cls is None else {"dot_general_cls": self.dot_general_cls}
-                y = nn.Dense(n, use_bias=False, name=f"l{layer}_{j}", **extra)(x if k == E else jnp.tile(x, (1, F // E)))
+                y = nn.Dense(n, use_bias=False, name=f"l{layer}_{j}", **extra)(
+                    x if k == E else jnp.tile(x, (1, F // E))
+                )
                 out = out + y[:, :4].sum()
         return out
 
@@ -79,10 +81,15 @@ def main():
     rngs = {"params": jax.random.key(1)}
     for bits in (8, 4):
         cfg = aqt_config.dot_general_make(lhs_bits=None, rhs_bits=bits)
-        mode = functools.partial(aqt_flax.AqtDotGeneral, cfg, lhs_quant_mode=aqt_flax.QuantMode.TRAIN,
-                                 rhs_freeze_mode=aqt_flax.FreezerMode.CALIBRATION_AND_VALUE)
+        mode = functools.partial(
+            aqt_flax.AqtDotGeneral,
+            cfg,
+            lhs_quant_mode=aqt_flax.QuantMode.TRAIN,
+            rhs_freeze_mode=aqt_flax.FreezerMode.CALIBRATION_AND_VALUE,
+        )
         _, converted = Stack(functools.partial(mode, rhs_quant_mode=aqt_flax.QuantMode.CONVERT)).apply(
-            params, x1, mutable=True, rngs=rngs)
+            params, x1, mutable=True, rngs=rngs
+        )
         serve = Stack(functools.partial(mode, rhs_quant_mode=aqt_flax.QuantMode.SERVE))
         served = {"aqt": converted["aqt"], "params": params["params"]}  # SERVE still reads nn.Dense's float kernel
         report(f"aqtp int{bits}", jax.jit(functools.partial(serve.apply, rngs=rngs)), served, x1, x16, ref)

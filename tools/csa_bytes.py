@@ -41,13 +41,15 @@ def row(p: int) -> list[str]:
     pos = jnp.arange(n, dtype=jnp.int32)
     mesh = make_mesh(jax.devices()[:p])
     empty = (jnp.zeros((0, h, d)), jnp.zeros((0, h, d)), jnp.zeros((0,), jnp.int32))  # no history
-    dense = sent(p, lambda *a: chunk_attention_sp(mesh, *a, strategy="ulysses", layout="contiguous"),
-                 q, k, v, pos, pos, *empty)["all-to-all"]
+    dense = sent(
+        p, lambda *a: chunk_attention_sp(mesh, *a, strategy="ulysses", layout="contiguous"), q, k, v, pos, pos, *empty
+    )["all-to-all"]
     cells = [str(p), f"{dense:,}"]
     for drop in map(float, FLAGS.drops):
         levels = csa.levels_for(p, drop)
-        got = sent(p, lambda *a: csa.csa_attention_sp(mesh, *a, levels=levels), q, k, v,
-                   jnp.ones((n, h))).get("collective-permute", 0)
+        got = sent(p, lambda *a: csa.csa_attention_sp(mesh, *a, levels=levels), q, k, v, jnp.ones((n, h))).get(
+            "collective-permute", 0
+        )
         model = csa_cost.comm_fraction(levels.spans, levels.drops, FLAGS.tokens, h, h)
         cells.append(f"{got:,} ({got / dense:.3g}x; model {model:.3g}x)")
     return cells

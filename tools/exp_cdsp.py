@@ -16,9 +16,14 @@ from jaxserve.lab.claims.cdsp import Options
 flags.DEFINE_integer("requests", Options.requests, "Requests per simulated run.")
 flags.DEFINE_list("traces", list(Options.traces), "Traces to run: long-context shapes or Azure.")
 flags.DEFINE_string("out", Options.out, "Where plots and cdsp.json (cdsp_70b.json) go.")
-flags.DEFINE_enum("model", Options.model, ["8b", "70b"], "8b: Tetris Table 1 on 16 TP-1 A100 instances; 70b: 8 TP-4 "
-                  "Llama-2-70B instances on H100 (the closest profile to Tetris's A100 70B), Eq. (1) fitted to "
-                  "ring-SP prefill times from the profile (sim/esp_cost.ESPCost).")
+flags.DEFINE_enum(
+    "model",
+    Options.model,
+    ["8b", "70b"],
+    "8b: Tetris Table 1 on 16 TP-1 A100 instances; 70b: 8 TP-4 "
+    "Llama-2-70B instances on H100 (the closest profile to Tetris's A100 70B), Eq. (1) fitted to "
+    "ring-SP prefill times from the profile (sim/esp_cost.ESPCost).",
+)
 
 
 def main(argv):

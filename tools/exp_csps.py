@@ -15,8 +15,9 @@ from jaxserve.lab.claims.csps import Options
 
 flags.DEFINE_integer("requests", Options.requests, "Requests per run.")
 flags.DEFINE_list("rates", list(Options.rates), "Poisson arrival rates, requests/s.")
-flags.DEFINE_integer("prefill_gpus", Options.prefill_gpus,
-                     "CSPS's prefill pool (whole nodes of 8); the rest of 64 decode.")
+flags.DEFINE_integer(
+    "prefill_gpus", Options.prefill_gpus, "CSPS's prefill pool (whole nodes of 8); the rest of 64 decode."
+)
 flags.DEFINE_integer("decode_tp", Options.decode_tp, "GPUs per CSPS decode instance.")
 flags.DEFINE_list("spts", list(Options.spts), "Most tokens of one SPT (the paper: 64K-128K), one CSPS each.")
 flags.DEFINE_float("cut", Options.cut, "CSA's share of attention pairs dropped (the paper: 28% less computation).")

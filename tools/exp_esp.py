@@ -16,14 +16,19 @@ from jaxserve.sim.workload import LONG_CONTEXT
 
 flags.DEFINE_integer("requests", Options.requests, "Requests per simulated run (capacity setting).")
 flags.DEFINE_enum("trace", Options.trace, sorted(LONG_CONTEXT), "Long-context prompt lengths (capacity setting).")
-flags.DEFINE_integer("max_output", Options.max_output,
-                     "Outputs are uniform in [64, max_output] tokens (capacity setting).")
+flags.DEFINE_integer(
+    "max_output", Options.max_output, "Outputs are uniform in [64, max_output] tokens (capacity setting)."
+)
 flags.DEFINE_integer("memory_requests", Options.memory_requests, "Requests per simulated run (memory setting).")
 flags.DEFINE_enum("memory_trace", Options.memory_trace, sorted(LONG_CONTEXT), "Prompt lengths (memory setting).")
-flags.DEFINE_integer("memory_max_output", Options.memory_max_output,
-                     "Outputs are uniform in [64, this] tokens (memory setting).")
-flags.DEFINE_float("memory_utilization", Options.memory_utilization, "GPU memory for weights + KV (memory "
-                   "setting): 0.35 leaves ~81K KV tokens per instance.")
+flags.DEFINE_integer(
+    "memory_max_output", Options.memory_max_output, "Outputs are uniform in [64, this] tokens (memory setting)."
+)
+flags.DEFINE_float(
+    "memory_utilization",
+    Options.memory_utilization,
+    "GPU memory for weights + KV (memory setting): 0.35 leaves ~81K KV tokens per instance.",
+)
 flags.DEFINE_list("memory_rates", list(Options.memory_rates), "Arrival rates, requests/s (memory setting).")
 flags.DEFINE_string("out", Options.out, "Where plots and esp.json go.")
 

@@ -15,8 +15,9 @@ from jaxserve.lab.claims.kvp import Options
 flags.DEFINE_integer("requests", Options.requests, "Requests per run of the Fig. 12 comparison.")
 flags.DEFINE_list("rates", list(Options.rates), "Arrival rates, requests/s.")
 flags.DEFINE_integer("long_tokens", Options.long_tokens, "Prompt length of the long requests.")
-flags.DEFINE_integer("kvp_tokens", Options.kvp_tokens,
-                     "Tokens of one sequence a KVP worker holds before the next joins.")
+flags.DEFINE_integer(
+    "kvp_tokens", Options.kvp_tokens, "Tokens of one sequence a KVP worker holds before the next joins."
+)
 flags.DEFINE_integer("seed", Options.seed, "Workload seed.")
 flags.DEFINE_string("out", Options.out, "Where kvp.json and the plots go.")
 

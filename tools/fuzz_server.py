@@ -36,8 +36,15 @@ flags.DEFINE_string("out", "docs/figures/fuzz.json", "Where the report goes.")
 
 KEY = "fuzz-key"
 MODEL = "smollm2-135m-instruct"
-SERVER_FLAGS = ("--max_model_len=1024", "--kv_cache_gib=0.25", "--max_num_seqs=8", "--max_queue=32",
-                f"--api_key={KEY}", "--max_request_bytes=4194304", "--request_read_timeout=10")
+SERVER_FLAGS = (
+    "--max_model_len=1024",
+    "--kv_cache_gib=0.25",
+    "--max_num_seqs=8",
+    "--max_queue=32",
+    f"--api_key={KEY}",
+    "--max_request_bytes=4194304",
+    "--request_read_timeout=10",
+)
 
 
 def rss_bytes(pid: int) -> int:
@@ -65,22 +72,47 @@ def main(_) -> None:
         rss_idle = rss_bytes(pid)
         # A warm-up round of the same mix (another seed): the pools and arenas a server fills on first use
         # (gRPC's above all) are its working size, not growth
-        fuzz(server.http_port, server.grpc_port, model=MODEL, key=KEY, n_http=FLAGS.warmup // 4 * 3,
-             n_grpc=FLAGS.warmup // 4, seed=FLAGS.seed + 1, workers=FLAGS.workers)
+        fuzz(
+            server.http_port,
+            server.grpc_port,
+            model=MODEL,
+            key=KEY,
+            n_http=FLAGS.warmup // 4 * 3,
+            n_grpc=FLAGS.warmup // 4,
+            seed=FLAGS.seed + 1,
+            workers=FLAGS.workers,
+        )
         settle(server)
         rss_start = rss_bytes(pid)
         with tqdm(total=FLAGS.http + FLAGS.grpc, desc="fuzz", unit="req") as bar:
-            report = fuzz(server.http_port, server.grpc_port, model=MODEL, key=KEY, n_http=FLAGS.http,
-                          n_grpc=FLAGS.grpc, seed=FLAGS.seed, workers=FLAGS.workers, progress=bar.update)
+            report = fuzz(
+                server.http_port,
+                server.grpc_port,
+                model=MODEL,
+                key=KEY,
+                n_http=FLAGS.http,
+                n_grpc=FLAGS.grpc,
+                seed=FLAGS.seed,
+                workers=FLAGS.workers,
+                progress=bar.update,
+            )
         settle(server)
         rss_end = rss_bytes(pid)
         kv_used = server.metrics()["jaxserve_kv_cache_blocks_used"]
         alive = server.proc.poll() is None
-        summary = {**report.summary(), "seed": FLAGS.seed, "workers": FLAGS.workers,
-                   "warmup_requests": FLAGS.warmup, "rss_idle_mib": round(rss_idle / 2**20, 1),
-                   "rss_start_mib": round(rss_start / 2**20, 1), "rss_end_mib": round(rss_end / 2**20, 1),
-                   "rss_growth": round(rss_end / rss_start - 1, 4), "kv_blocks_used_end": kv_used,
-                   "server_alive": alive, "server_flags": list(SERVER_FLAGS)}
+        summary = {
+            **report.summary(),
+            "seed": FLAGS.seed,
+            "workers": FLAGS.workers,
+            "warmup_requests": FLAGS.warmup,
+            "rss_idle_mib": round(rss_idle / 2**20, 1),
+            "rss_start_mib": round(rss_start / 2**20, 1),
+            "rss_end_mib": round(rss_end / 2**20, 1),
+            "rss_growth": round(rss_end / rss_start - 1, 4),
+            "kv_blocks_used_end": kv_used,
+            "server_alive": alive,
+            "server_flags": list(SERVER_FLAGS),
+        }
     checks = {
         "no failures (5xx, UNKNOWN/INTERNAL, dropped, misshaped, hangs)": not report.failures,
         "canary unchanged and never failed": report.canary_changed == 0 and not report.canary_errors,
@@ -92,8 +124,12 @@ def main(_) -> None:
     summary["checks"] = checks
     out = pathlib.Path(FLAGS.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"summary": summary, "failures": [vars(o) for o in report.failures],
-                               "canary_errors": report.canary_errors}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"summary": summary, "failures": [vars(o) for o in report.failures], "canary_errors": report.canary_errors},
+            indent=1,
+        )
+    )
     print(json.dumps(summary, indent=1))
     for o in report.failures[:20]:
         print(f"FAIL {o.interface} {o.kind} {o.status}: {o.failure}\n    {o.case}")

@@ -96,24 +96,31 @@ def ring_program(mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
     h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def body(q, k, v, q_pos, k_pos, hist_k, hist_v, hist_pos):
-        return ring.ring_attention(q, k, v, q_pos, k_pos, hist_k, hist_v, hist_pos, axis_size=n,
-                                   implementation="kernel")
+        return ring.ring_attention(
+            q, k, v, q_pos, k_pos, hist_k, hist_v, hist_pos, axis_size=n, implementation="kernel"
+        )
 
     spec = P(SP)
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 8, out_specs=(spec, spec), check_vma=False))
     arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))  # noqa: E731
     t, s = FLAGS.tokens, FLAGS.history
-    return step, (arg((t, h, d), jnp.bfloat16), arg((t, kvh, d), jnp.bfloat16), arg((t, kvh, d), jnp.bfloat16),
-                  arg((t,), jnp.int32), arg((t,), jnp.int32), arg((s, kvh, d), jnp.bfloat16),
-                  arg((s, kvh, d), jnp.bfloat16), arg((s,), jnp.int32))
+    return step, (
+        arg((t, h, d), jnp.bfloat16),
+        arg((t, kvh, d), jnp.bfloat16),
+        arg((t, kvh, d), jnp.bfloat16),
+        arg((t,), jnp.int32),
+        arg((t,), jnp.int32),
+        arg((s, kvh, d), jnp.bfloat16),
+        arg((s, kvh, d), jnp.bfloat16),
+        arg((s,), jnp.int32),
+    )
 
 
 def chunk_program(mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
     cfg = llama3_8b(FLAGS.layers)
     shapes = param_shapes(cfg, jnp.bfloat16)
     specs = jax.tree.map(lambda _: P(), shapes)  # tp = 1: every instance holds the whole model
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
-                          shapes)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())), shapes)
     key_block = 512
     step = sp_prefill.chunk_step(cfg, mesh, specs, key_block=key_block, dtype=jnp.bfloat16, implementation="kernel")
     n = mesh.shape[SP]
@@ -126,8 +133,15 @@ PROGRAMS = {"ring": ring_program, "chunk": chunk_program}
 
 DECODE_ROWS = (1, 16)
 BLOCK, KEY_BLOCK = 16, 256
-DECODE_BUCKETS = batch.Buckets.make(512, 16, 2048, BLOCK, KEY_BLOCK, num_scheduler_steps=8,  # 2,048-token context
-                                    min_decode_rows=2)  # as the engine builds them on a GPU
+DECODE_BUCKETS = batch.Buckets.make(
+    512,
+    16,
+    2048,
+    BLOCK,
+    KEY_BLOCK,
+    num_scheduler_steps=8,  # 2,048-token context
+    min_decode_rows=2,
+)  # as the engine builds them on a GPU
 MAX_ROWS = max(s.rows for s in DECODE_BUCKETS.programs())  # the runner's max_rows: every sampler's output
 
 
@@ -150,19 +164,22 @@ def decode_program(mesh: jax.sharding.Mesh, rows: int, shapes: Any, burst: bool 
     model = Llama(cfg, RaggedPagedBackend(bs, KEY_BLOCK, 1, "kernel"), jnp.bfloat16, unrolled=True)
     here = NamedSharding(mesh, P())
     on_gpu = lambda tree: jax.tree.map(  # noqa: E731
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), tree)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), tree
+    )
     params = on_gpu(shapes)
-    cache = jax.ShapeDtypeStruct((cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
-                                 sharding=here)
+    cache = jax.ShapeDtypeStruct(
+        (cfg.num_layers, 1025 * bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16, sharding=here
+    )
     shape = buckets.decode(buckets.fit_decode(rows))  # batch 1 runs in the engine's smallest decode program
     blob = on_gpu(batch.to_blob(batch.empty(buckets, shape, bs)))
     previous = on_gpu(np.zeros(MAX_ROWS, np.int32))  # the last step's sampled tokens, fed on the device
     if burst:
-        step = jax.jit(functools.partial(burst_packed(model, buckets, bs, MAX_ROWS), slots=None, shape=shape,
-                                         kind="greedy"), donate_argnums=(1,))
+        step = jax.jit(
+            functools.partial(burst_packed(model, buckets, bs, MAX_ROWS), slots=None, shape=shape, kind="greedy"),
+            donate_argnums=(1,),
+        )
     else:
-        step = jax.jit(functools.partial(forward_packed(model, buckets), shape=shape),
-                       donate_argnums=(1,))
+        step = jax.jit(functools.partial(forward_packed(model, buckets), shape=shape), donate_argnums=(1,))
     return step, (params, (cache, cache), blob, previous)
 
 
@@ -173,7 +190,10 @@ def sampler_program(mesh: jax.sharding.Mesh, rows: int, kind: str) -> tuple[Any,
     logits = jax.ShapeDtypeStruct((rows, llama3_8b(1).vocab_size), jnp.float32, sharding=here)
     arrays = batch.empty(DECODE_BUCKETS, DECODE_BUCKETS.decode(rows), BLOCK)
     sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), batch.sampling(arrays))
-    return jax.jit(functools.partial(sample_padded, slots=None, mask=None, kind=kind, size=MAX_ROWS)), (logits, sampling)
+    return jax.jit(functools.partial(sample_padded, slots=None, mask=None, kind=kind, size=MAX_ROWS)), (
+        logits,
+        sampling,
+    )
 
 
 def compile_decode(out: pathlib.Path, options: dict) -> bool:
@@ -181,8 +201,13 @@ def compile_decode(out: pathlib.Path, options: dict) -> bool:
     shapes, weights = decode_weights()
     # as the runner compiles every program of a block-quantized model
     options = options | (quantize.UNMERGED_DOTS if quantize.has_blocks(shapes) else {})
-    summary: dict[str, Any] = {"gpu": FLAGS.gpu, "layers": FLAGS.decode_layers, "jax": jax.__version__,
-                               "quantization": FLAGS.quantization, "compiler_options": options}
+    summary: dict[str, Any] = {
+        "gpu": FLAGS.gpu,
+        "layers": FLAGS.decode_layers,
+        "jax": jax.__version__,
+        "quantization": FLAGS.quantization,
+        "compiler_options": options,
+    }
     ok = True
     for rows in DECODE_ROWS:
         for name in ("decode", "burst"):
@@ -193,9 +218,11 @@ def compile_decode(out: pathlib.Path, options: dict) -> bool:
             (out / f"{name}_b{rows}.hlo").write_text(hlo)
             found = compiled.read_step(hlo, weights) | {"compile_seconds": round(seconds, 1)}
             summary[f"{name}_b{rows}"] = found
-            print(f"{name}_b{rows}: compiled in {seconds:.1f} s; {found['conditionals']} conditionals, "
-                  f"{found['whiles']} while loops, {len(found['weight_copies'])} weight copies, "
-                  f"{len(found['scatters_reading_weights'])} scatters reading a weight")
+            print(
+                f"{name}_b{rows}: compiled in {seconds:.1f} s; {found['conditionals']} conditionals, "
+                f"{found['whiles']} while loops, {len(found['weight_copies'])} weight copies, "
+                f"{len(found['scatters_reading_weights'])} scatters reading a weight"
+            )
             ok &= not (found["conditionals"] or found["weight_copies"] or found["scatters_reading_weights"])
         for kind in batch.SAMPLER_KINDS:
             step, args = sampler_program(mesh, rows, kind)
@@ -218,8 +245,15 @@ def main(argv: list[str]) -> None:
         return
     mesh = gpu_mesh(FLAGS.sp, FLAGS.gpu)
     options = xla_flags.compiler_options() if FLAGS.launcher_flags else {}
-    summary: dict[str, Any] = {"gpu": FLAGS.gpu, "sp": FLAGS.sp, "tokens": FLAGS.tokens, "history": FLAGS.history,
-                               "layers": FLAGS.layers, "jax": jax.__version__, "compiler_options": options}
+    summary: dict[str, Any] = {
+        "gpu": FLAGS.gpu,
+        "sp": FLAGS.sp,
+        "tokens": FLAGS.tokens,
+        "history": FLAGS.history,
+        "layers": FLAGS.layers,
+        "jax": jax.__version__,
+        "compiler_options": options,
+    }
     failed = False
     for name in FLAGS.programs:
         step, args = PROGRAMS[name](mesh)
@@ -228,11 +262,15 @@ def main(argv: list[str]) -> None:
         found = overlap.transfers(hlo)
         kv = [t for t in found if t.bytes >= KV_MIN_BYTES]
         summary[name] = [dataclasses.asdict(t) | {"overlapped": t.overlapped} for t in found]
-        print(f"{name}: {len(found)} collective-permutes, {len(kv)} of K/V size; "
-              f"{sum(t.overlapped for t in kv)} of those overlap attention")
+        print(
+            f"{name}: {len(found)} collective-permutes, {len(kv)} of K/V size; "
+            f"{sum(t.overlapped for t in kv)} of those overlap attention"
+        )
         for t in kv:
-            print(f"  {t.name:32s} {t.bytes / 2**20:8.2f} MiB  {'async' if t.asynchronous else 'sync '}  "
-                  f"kernels in flight: {t.kernels_in_flight}  ({t.computation})")
+            print(
+                f"  {t.name:32s} {t.bytes / 2**20:8.2f} MiB  {'async' if t.asynchronous else 'sync '}  "
+                f"kernels in flight: {t.kernels_in_flight}  ({t.computation})"
+            )
         failed |= not kv or not all(t.overlapped for t in kv)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if failed:

@@ -40,8 +40,9 @@ def main(argv) -> None:
     del argv
     eq1 = TetrisPrefill.from_json(pathlib.Path(FLAGS.prefill_profile).read_text())
     if FLAGS.prefill_instances % FLAGS.node_size:
-        raise app.UsageError(f"--prefill_instances={FLAGS.prefill_instances} is not whole nodes of "
-                             f"--node_size={FLAGS.node_size}")
+        raise app.UsageError(
+            f"--prefill_instances={FLAGS.prefill_instances} is not whole nodes of --node_size={FLAGS.node_size}"
+        )
     pool = Pool(FLAGS.prefill_instances // FLAGS.node_size, FLAGS.node_size)
     rates = sorted(float(r) for r in FLAGS.rates)
     best = []
@@ -49,7 +50,11 @@ def main(argv) -> None:
         best += profile_improvement_rates(
             lambda r: CDSPPlanner(eq1, pool, r, min_chunk=FLAGS.min_chunk),
             lambda x: make_workload(FLAGS.trace, x, FLAGS.requests, seed=FLAGS.seed, max_len=FLAGS.max_len),
-            pool.size, eq1.fastest, [rate], [float(c) for c in FLAGS.candidates]).improvement_rates
+            pool.size,
+            eq1.fastest,
+            [rate],
+            [float(c) for c in FLAGS.candidates],
+        ).improvement_rates
     table = RateTable(tuple(rates), tuple(best))
     pathlib.Path(FLAGS.out).write_text(table.to_json())
     for rate, best in zip(table.arrival_rates, table.improvement_rates):

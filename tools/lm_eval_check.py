@@ -50,28 +50,45 @@ sys.path.insert(0, str(REPO))
 from jaxserve.models import registry  # noqa: E402  (pure Python: no jax import)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("lm_eval", os.environ.get("LM_EVAL", "/work/lmeval-venv/bin/lm_eval"),
-                    "lm-eval's executable (its venv's python, next to it, writes --hf_dir). Default: $LM_EVAL.")
+flags.DEFINE_string(
+    "lm_eval",
+    os.environ.get("LM_EVAL", "/work/lmeval-venv/bin/lm_eval"),
+    "lm-eval's executable (its venv's python, next to it, writes --hf_dir). Default: $LM_EVAL.",
+)
 flags.DEFINE_string("model", registry.DEFAULT_MODEL, "The model jaxserve serves (registered name or .gguf file).")
-flags.DEFINE_bool("serve_hf_dir", False, "Serve --hf_dir instead of --model (the very safetensors `hf` loads: rules "
-                  "out a difference between jaxserve's and transformers' GGUF dequantization).")
-flags.DEFINE_string("hf_dir", "", "Hugging Face directory for `--model hf` and the tokenizer of both runs "
-                    "(default: ~/.cache/jaxserve/hf/<gguf stem>-float32, written from the GGUF if absent).")
+flags.DEFINE_bool(
+    "serve_hf_dir",
+    False,
+    "Serve --hf_dir instead of --model (the very safetensors `hf` loads: rules "
+    "out a difference between jaxserve's and transformers' GGUF dequantization).",
+)
+flags.DEFINE_string(
+    "hf_dir",
+    "",
+    "Hugging Face directory for `--model hf` and the tokenizer of both runs "
+    "(default: ~/.cache/jaxserve/hf/<gguf stem>-float32, written from the GGUF if absent).",
+)
 flags.DEFINE_string("base_url", "", "A running server's /v1/completions URL: no server is started.")
 flags.DEFINE_bool("skip_serve", False, "Start no server: use --base_url, or http://127.0.0.1:--port/v1/completions.")
 flags.DEFINE_integer("port", 8000, "The running server's HTTP port with --skip_serve and no --base_url.")
 flags.DEFINE_string("served_model_name", "", "The `model` field sent (default: the server's /v1/models id).")
 flags.DEFINE_string("api_key", "", "Key of the server (sent by lm-eval as OPENAI_API_KEY; also given to `serve`).")
-flags.DEFINE_list("serve_flags", ["--max_model_len=2048", "--kv_cache_gib=0.5", "--max_num_seqs=8"],
-                  "Extra `serve` flags (besides --model, --dtype=float32 and free ports).")
+flags.DEFINE_list(
+    "serve_flags",
+    ["--max_model_len=2048", "--kv_cache_gib=0.5", "--max_num_seqs=8"],
+    "Extra `serve` flags (besides --model, --dtype=float32 and free ports).",
+)
 flags.DEFINE_list("tasks", ["jaxserve_tiny", "jaxserve_tiny_gen"], "lm-eval tasks (from benchmarks/lm_eval_task).")
 flags.DEFINE_string("include_path", str(REPO / "benchmarks" / "lm_eval_task"), "lm-eval --include_path.")
 flags.DEFINE_integer("limit", 0, "lm-eval --limit (documents per task; 0: all).")
 flags.DEFINE_integer("batch_size", 1, "Prompts per /v1/completions request (local-completions batch_size).")
 flags.DEFINE_integer("num_concurrent", 1, "Concurrent requests (local-completions num_concurrent).")
 flags.DEFINE_integer("hf_batch_size", 8, "`--model hf` batch size.")
-flags.DEFINE_string("hf_samples", "", "Reuse this earlier `hf` output folder (its samples_*.jsonl) instead of "
-                    "running `--model hf` again.")
+flags.DEFINE_string(
+    "hf_samples",
+    "",
+    "Reuse this earlier `hf` output folder (its samples_*.jsonl) instead of running `--model hf` again.",
+)
 flags.DEFINE_float("tol", 1e-3, "Largest allowed absolute difference of a loglikelihood.")
 flags.DEFINE_bool("strict_gen", False, "Also fail (exit 1) when a greedy generation differs.")
 flags.DEFINE_string("out", "/tmp/lm_eval_check", "Output folder (local/, hf/, server.log).")
@@ -118,8 +135,7 @@ def hf_dir() -> pathlib.Path:
         raise SystemExit(f"{path} is not a Hugging Face directory, and {gguf} is no GGUF file to write it from")
     print(f"writing {path} from {gguf} (transformers, float32) ...", flush=True)
     shutil.rmtree(path.with_name(path.name + ".partial"), ignore_errors=True)
-    subprocess.run([str(lm_eval_python()), "-c", EXPORT_HF_DIR, str(gguf), str(path)], check=True,
-                   env=lm_eval_env())
+    subprocess.run([str(lm_eval_python()), "-c", EXPORT_HF_DIR, str(gguf), str(path)], check=True, env=lm_eval_env())
     return path
 
 
@@ -131,15 +147,30 @@ def lm_eval_env() -> dict[str, str]:
     return env
 
 
-def run_lm_eval(name: str, model: str, model_args: dict[str, str | int], batch_size: int,
-                extra: list[str]) -> pathlib.Path:
+def run_lm_eval(
+    name: str, model: str, model_args: dict[str, str | int], batch_size: int, extra: list[str]
+) -> pathlib.Path:
     """One lm_eval run into FLAGS.out/name (emptied first); its log is FLAGS.out/name.log. The output folder."""
     out = pathlib.Path(FLAGS.out) / name
     shutil.rmtree(out, ignore_errors=True)
     args = ",".join(f"{k}={v}" for k, v in model_args.items())
-    cmd = [FLAGS.lm_eval, "--model", model, "--model_args", args, "--include_path", FLAGS.include_path,
-           "--tasks", ",".join(FLAGS.tasks), "--batch_size", str(batch_size), "--output_path", str(out),
-           "--log_samples", *extra]
+    cmd = [
+        FLAGS.lm_eval,
+        "--model",
+        model,
+        "--model_args",
+        args,
+        "--include_path",
+        FLAGS.include_path,
+        "--tasks",
+        ",".join(FLAGS.tasks),
+        "--batch_size",
+        str(batch_size),
+        "--output_path",
+        str(out),
+        "--log_samples",
+        *extra,
+    ]
     if FLAGS.limit:
         cmd += ["--limit", str(FLAGS.limit)]
     log = pathlib.Path(FLAGS.out) / f"{name}.log"
@@ -147,8 +178,9 @@ def run_lm_eval(name: str, model: str, model_args: dict[str, str | int], batch_s
     start = time.monotonic()
     with open(log, "w") as f:
         # the task's data_files are relative to the repository root (benchmarks/lm_eval_task/*.yaml)
-        done = subprocess.run(cmd, cwd=REPO, env=lm_eval_env(), stdout=f, stderr=subprocess.STDOUT,
-                              timeout=FLAGS.lm_eval_timeout)
+        done = subprocess.run(
+            cmd, cwd=REPO, env=lm_eval_env(), stdout=f, stderr=subprocess.STDOUT, timeout=FLAGS.lm_eval_timeout
+        )
     print(f"[{name}] exit {done.returncode} after {time.monotonic() - start:.0f} s", flush=True)
     if done.returncode != 0:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
@@ -173,8 +205,11 @@ def read_run(out: pathlib.Path) -> tuple[dict[tuple, dict], dict[str, dict]]:
     results = sorted(out.rglob("results_*.json"))
     if results:
         for task, res in json.loads(results[-1].read_text())["results"].items():
-            metrics[task] = {k.split(",")[0]: v for k, v in res.items()
-                             if "," in k and "stderr" not in k and isinstance(v, (int, float))}
+            metrics[task] = {
+                k.split(",")[0]: v
+                for k, v in res.items()
+                if "," in k and "stderr" not in k and isinstance(v, (int, float))
+            }
     return items, metrics
 
 
@@ -204,15 +239,19 @@ def compare(local: dict[tuple, dict], hf: dict[tuple, dict]) -> tuple[int, int]:
     if diffs:
         worst = diffs[0]
         mean = sum(d[0] for d in diffs) / len(diffs)
-        print(f"loglikelihoods: {len(diffs)} compared, max |diff| {worst[0]:.3g} at {worst[1]} "
-              f"(local {worst[2]:.6f}, hf {worst[3]:.6f}), mean |diff| {mean:.3g}")
+        print(
+            f"loglikelihoods: {len(diffs)} compared, max |diff| {worst[0]:.3g} at {worst[1]} "
+            f"(local {worst[2]:.6f}, hf {worst[3]:.6f}), mean |diff| {mean:.3g}"
+        )
         over = [d for d in diffs if not d[0] <= FLAGS.tol]  # NaN counts as over
         for d, key, x, y in over[:20]:
             print(f"  {key}: local {x:.6f} hf {y:.6f} |diff| {d:.3g} > {FLAGS.tol}")
         bad_ll += len(over)
         if greedy_differs:
-            print(f"  note: is_greedy differs for {greedy_differs} requests (local-completions derives it from "
-                  "top_logprobs: check that they hold the top token's logprob, bit for bit)")
+            print(
+                f"  note: is_greedy differs for {greedy_differs} requests (local-completions derives it from "
+                "top_logprobs: check that they hold the top token's logprob, bit for bit)"
+            )
     gens = sum(isinstance(v["resp"], str) for v in hf.values())
     if gens:
         print(f"generations: {gens} compared, {bad_gen} differ")
@@ -229,9 +268,16 @@ def served_name(base_url: str) -> str:
 
 
 def run_local(base_url: str, tokenizer: pathlib.Path) -> pathlib.Path:
-    args = {"model": served_name(base_url), "base_url": base_url, "tokenizer": tokenizer,
-            "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": FLAGS.num_concurrent,
-            "max_retries": 1, "max_length": 2048}
+    args = {
+        "model": served_name(base_url),
+        "base_url": base_url,
+        "tokenizer": tokenizer,
+        "tokenizer_backend": "huggingface",
+        "tokenized_requests": True,
+        "num_concurrent": FLAGS.num_concurrent,
+        "max_retries": 1,
+        "max_length": 2048,
+    }
     return run_lm_eval("local", "local-completions", args, FLAGS.batch_size, [])
 
 
@@ -267,8 +313,9 @@ def main(argv: list[str]) -> int:
     if FLAGS.hf_samples:
         hf_out = pathlib.Path(FLAGS.hf_samples)
     else:
-        hf_out = run_lm_eval("hf", "hf", {"pretrained": tokenizer, "dtype": "float32"}, FLAGS.hf_batch_size,
-                             ["--device", "cpu"])
+        hf_out = run_lm_eval(
+            "hf", "hf", {"pretrained": tokenizer, "dtype": "float32"}, FLAGS.hf_batch_size, ["--device", "cpu"]
+        )
 
     local, local_metrics = read_run(local_out)
     hf, hf_metrics = read_run(hf_out)

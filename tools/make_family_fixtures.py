@@ -30,8 +30,21 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from jaxserve.models import registry  # noqa: E402
 from jaxserve.models.gguf_loader import GGUFFile  # noqa: E402
 from jaxserve.models.tokenizer import TextTokenizer  # noqa: E402
-from tiny_models import (CONVERSATIONS, DYNAMIC, DYNAMIC_POSITIONS, FAMILIES, PHI3_LONG_POSITIONS, PROMPT,  # noqa: E402
-                         SPM_TEXTS, YARN, YARN_CONFIGS, YARN_PROMPT, as_image_text, write_spm_gguf, write_tiny_model)
+from tiny_models import (  # noqa: E402
+    CONVERSATIONS,
+    DYNAMIC,
+    DYNAMIC_POSITIONS,
+    FAMILIES,
+    PHI3_LONG_POSITIONS,
+    PROMPT,
+    SPM_TEXTS,
+    YARN,
+    YARN_CONFIGS,
+    YARN_PROMPT,
+    as_image_text,
+    write_spm_gguf,
+    write_tiny_model,
+)
 
 OUT = ROOT / "tests" / "fixtures" / "families_reference.json"
 SPM_OUT = ROOT / "tests" / "fixtures" / "spm_reference.json"
@@ -43,12 +56,17 @@ def record(root: pathlib.Path, ids: list[int]) -> dict:
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
         top = lp.topk(5, -1)
-        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY, min_new_tokens=GREEDY, do_sample=False,
-                             pad_token_id=0)[0].tolist()
-        steps = torch.log_softmax(model(torch.tensor([out])).logits[0].double(), -1)[len(ids) - 1:-1].topk(2, -1)
-    return {"chosen": [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)],
-            "top_ids": top.indices[:-1].tolist(), "top": top.values[:-1].tolist(),
-            "greedy": out[len(ids):], "greedy_top2": steps.values.tolist()}
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=GREEDY, min_new_tokens=GREEDY, do_sample=False, pad_token_id=0
+        )[0].tolist()
+        steps = torch.log_softmax(model(torch.tensor([out])).logits[0].double(), -1)[len(ids) - 1 : -1].topk(2, -1)
+    return {
+        "chosen": [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)],
+        "top_ids": top.indices[:-1].tolist(),
+        "top": top.values[:-1].tolist(),
+        "greedy": out[len(ids) :],
+        "greedy_top2": steps.values.tolist(),
+    }
 
 
 def image_text(root: pathlib.Path, ids: list[int]) -> list[float]:
@@ -84,10 +102,15 @@ def record_spm() -> dict:
         with tempfile.TemporaryDirectory() as d:
             write_spm_gguf(pathlib.Path(d) / "spm.gguf", arch)
             theirs = transformers.AutoTokenizer.from_pretrained(d, gguf_file="spm.gguf")
-            out[arch] = [{"text": t, "ids": theirs.encode(t, add_special_tokens=False),
-                          "with_bos": theirs.encode(t)[:1] == [theirs.bos_token_id],
-                          "decoded": theirs.decode(theirs.encode(t, add_special_tokens=False), skip_special_tokens=True)}
-                         for t in SPM_TEXTS]
+            out[arch] = [
+                {
+                    "text": t,
+                    "ids": theirs.encode(t, add_special_tokens=False),
+                    "with_bos": theirs.encode(t)[:1] == [theirs.bos_token_id],
+                    "decoded": theirs.decode(theirs.encode(t, add_special_tokens=False), skip_special_tokens=True),
+                }
+                for t in SPM_TEXTS
+            ]
     return out
 
 
@@ -104,8 +127,9 @@ def main() -> None:
                 write_tiny_model(pathlib.Path(d), tokenizer, family=family, tied=tied, chat_template=template)
                 entry["tied" if tied else "untied"] = record(pathlib.Path(d), ids)
                 theirs = transformers.AutoTokenizer.from_pretrained(d)
-                entry["chat"] = [theirs.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                                 for c in CONVERSATIONS]
+                entry["chat"] = [
+                    theirs.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in CONVERSATIONS
+                ]
         if family == "phi3":  # RoPE's cos and sin past the original context (LongRoPE's long factors)
             with tempfile.TemporaryDirectory() as d:
                 write_tiny_model(pathlib.Path(d), tokenizer, family=family)

@@ -57,10 +57,19 @@ CHATS = [
 GREEDY_TOKENS = 32
 
 # A Llama-3.1-style rope scaling config; its inverse frequencies check jaxserve's rope-scaling code.
-LLAMA3_ROPE = {"hidden_size": 512, "num_attention_heads": 8, "max_position_embeddings": 131072,
-               "rope_theta": 500000.0,
-               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+LLAMA3_ROPE = {
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
 
 
 def llama3_inv_freq() -> list[float]:
@@ -106,7 +115,7 @@ def main() -> None:
                 do_sample=False,
                 eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.eos_token_id,
-            )[0, len(ids):].tolist()
+            )[0, len(ids) :].tolist()
             meta["greedy"].append({"ids": ids, "chat": is_chat, "tokens": out, "text": tok.decode(out)})
             print(f"prompt {i}: {len(ids)} tokens -> {tok.decode(out)!r}")
 

@@ -83,10 +83,22 @@ def profile_rows(llm: jaxserve.LLM, rows: int, out: pathlib.Path) -> dict:
             walls.append(time.perf_counter() - start)
     times, launches = kernel_times(out)
     busy = sum(times.values()) / FLAGS.steps / 1e3
-    top = [{"kernel": k, "ms_per_step": v / FLAGS.steps / 1e3, "launches_per_step": launches[k] / FLAGS.steps,
-            "share": v / max(sum(times.values()), 1e-9)} for k, v in times.most_common(FLAGS.top)]
-    return {"rows": rows, "wall_ms": statistics.median(walls) * 1e3, "busy_ms": busy,
-            "launches": sum(launches.values()) / FLAGS.steps, "top": top}
+    top = [
+        {
+            "kernel": k,
+            "ms_per_step": v / FLAGS.steps / 1e3,
+            "launches_per_step": launches[k] / FLAGS.steps,
+            "share": v / max(sum(times.values()), 1e-9),
+        }
+        for k, v in times.most_common(FLAGS.top)
+    ]
+    return {
+        "rows": rows,
+        "wall_ms": statistics.median(walls) * 1e3,
+        "busy_ms": busy,
+        "launches": sum(launches.values()) / FLAGS.steps,
+        "top": top,
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -95,18 +107,35 @@ def main(argv: list[str]) -> None:
     rows = [int(r) for r in FLAGS.rows]
     out = pathlib.Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    llm = jaxserve.LLM(FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization, max_num_seqs=max(rows),
-                       max_model_len=4 * FLAGS.context, enable_prefix_caching=False, progress=False)
-    summary = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": FLAGS.model,
-               "dtype": FLAGS.dtype, "context": FLAGS.context, "steps": []}
+    llm = jaxserve.LLM(
+        FLAGS.model,
+        dtype=FLAGS.dtype,
+        quantization=FLAGS.quantization,
+        max_num_seqs=max(rows),
+        max_model_len=4 * FLAGS.context,
+        enable_prefix_caching=False,
+        progress=False,
+    )
+    summary = {
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "model": FLAGS.model,
+        "dtype": FLAGS.dtype,
+        "context": FLAGS.context,
+        "steps": [],
+    }
     for r in rows:
         found = profile_rows(llm, r, out / f"b{r}")
         summary["steps"].append(found)
-        print(f"batch {r}: wall {found['wall_ms']:.2f} ms a step, device busy {found['busy_ms']:.2f} ms, "
-              f"{found['launches']:.0f} kernels")
+        print(
+            f"batch {r}: wall {found['wall_ms']:.2f} ms a step, device busy {found['busy_ms']:.2f} ms, "
+            f"{found['launches']:.0f} kernels"
+        )
         for k in found["top"]:
-            print(f"  {k['ms_per_step']:8.3f} ms  {100 * k['share']:5.1f}%  {k['launches_per_step']:6.1f}x  "
-                  f"{k['kernel'][:80]}")
+            print(
+                f"  {k['ms_per_step']:8.3f} ms  {100 * k['share']:5.1f}%  {k['launches_per_step']:6.1f}x  "
+                f"{k['kernel'][:80]}"
+            )
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 

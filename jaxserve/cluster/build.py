@@ -51,12 +51,16 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
     if devices_needed(layout) > available:
         tp = f", {layout.tp} devices each" if layout.tp > 1 else ""
         if layout.cluster_policy == "esp":
-            raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} "
-                             f"elastic instances{tp}); there are {available}")
+            raise ValueError(
+                f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} "
+                f"elastic instances{tp}); there are {available}"
+            )
         decode_tp = f", {layout.decoder_tp} devices each" if layout.decoder_tp > 1 else ""
-        raise ValueError(f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} prefill"
-                         f"{tp} + {layout.decode_instances} decode x {layout.decode_kvp}{decode_tp}); there are "
-                         f"{available}")
+        raise ValueError(
+            f"the layout needs {devices_needed(layout)} devices ({layout.prefill_instances} prefill"
+            f"{tp} + {layout.decode_instances} decode x {layout.decode_kvp}{decode_tp}); there are "
+            f"{available}"
+        )
 
 
 def pool_context(layout: ParallelConfig, store_tokens: int, key_block: int) -> int | None:
@@ -94,8 +98,9 @@ def warmup(cluster: ClusterEngine, max_tokens: int, progress: bool = True) -> No
     """Every warmup step now, before serving (the decode programs first, a thread per core)."""
     for d in cluster.decoders:
         d.engine.runner.warmup(d.engine.runner.programs(mixed=False), progress=progress)
-    for step in tqdm(warmup_steps(cluster, max_tokens), desc="compile the cluster's programs", unit="program",
-                     disable=not progress):
+    for step in tqdm(
+        warmup_steps(cluster, max_tokens), desc="compile the cluster's programs", unit="program", disable=not progress
+    ):
         step()
 
 
@@ -120,15 +125,28 @@ class Compiling:
         logging.info("%s: the %d steps done while idle", self.name, len(self.steps))
 
 
-def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.Device], int], Engine],
-          prefill_cost: TetrisPrefill | LoongServePrefill | pathlib.Path, *, capacity: int,
-          store_tokens: int | None = None, dtype=jnp.float32, kv_cache_dtype: str = "auto",
-          sizes: Sequence[int] | None = None,
-          dispatch: str = "freeness", key_block: int = 256, min_local: int = MIN_LOCAL,
-          devices: Sequence[jax.Device] | None = None, progress: bool = True,
-          predictor_file: pathlib.Path | None = None, defer: bool = False,
-          make_group: Callable[[list[Engine]], Engine] | None = None,
-          new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs)) -> ClusterEngine:
+def build(
+    cfg,
+    params,
+    layout: ParallelConfig,
+    make_engine: Callable[[list[jax.Device], int], Engine],
+    prefill_cost: TetrisPrefill | LoongServePrefill | pathlib.Path,
+    *,
+    capacity: int,
+    store_tokens: int | None = None,
+    dtype=jnp.float32,
+    kv_cache_dtype: str = "auto",
+    sizes: Sequence[int] | None = None,
+    dispatch: str = "freeness",
+    key_block: int = 256,
+    min_local: int = MIN_LOCAL,
+    devices: Sequence[jax.Device] | None = None,
+    progress: bool = True,
+    predictor_file: pathlib.Path | None = None,
+    defer: bool = False,
+    make_group: Callable[[list[Engine]], Engine] | None = None,
+    new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs),
+) -> ClusterEngine:
     """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool), csps (CSPS's planner:
     whole prompts on SP-NTP groups sized by --partition_tokens), tetriinfer (each pool
     instance its own PrefillBatchScheduler; power-of-two dispatch) or esp (the pool's instances decode too, an
@@ -152,20 +170,34 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
     # instance of its group takes an even share, at most what its decode pool holds (the batches are placed so),
     # and fills a power-of-two bucket
     held = min(capacity, store_tokens or capacity)
-    rows = {"tetriinfer": capacity + 2 * layout.prefill_chunk,
-            "esp": next_power_of_two(held)}.get(layout.cluster_policy, held)
+    rows = {"tetriinfer": capacity + 2 * layout.prefill_chunk, "esp": next_power_of_two(held)}.get(
+        layout.cluster_policy, held
+    )
     flips = bool(layout.flip_window)
     if flips:  # every instance may prefill and decode: a store and an engine on each
         first = (layout.prefill_instances + layout.decode_instances) * tp
-    sp = new(SPPrefill, cfg, params, devices[:first], capacity=rows, dtype=dtype, key_block=key_block,
-             min_local=min_local, tp=tp, sp_attention=layout.pool_sp_attention,
-             sparse_attention=layout.sparse_attention, kv_cache_dtype=kv_cache_dtype)
+    sp = new(
+        SPPrefill,
+        cfg,
+        params,
+        devices[:first],
+        capacity=rows,
+        dtype=dtype,
+        key_block=key_block,
+        min_local=min_local,
+        tp=tp,
+        sp_attention=layout.pool_sp_attention,
+        sparse_attention=layout.sparse_attention,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     if layout.cluster_policy == "esp" or flips:  # instances that decode on the pool's devices
-        engines = [make_engine(devices[i * tp:(i + 1) * tp], tp) for i in range(first // tp)]
+        engines = [make_engine(devices[i * tp : (i + 1) * tp], tp) for i in range(first // tp)]
     else:
         g = layout.decode_kvp * layout.decoder_tp
-        engines = [make_engine(devices[first + i * g:first + (i + 1) * g], layout.decoder_tp)
-                   for i in range(layout.decode_instances)]
+        engines = [
+            make_engine(devices[first + i * g : first + (i + 1) * g], layout.decoder_tp)
+            for i in range(layout.decode_instances)
+        ]
     features = PromptFeatures(params) if layout.length_predictor == "prompt" else None
     predictor = ObservedLengths() if features is None else KeptClassifier(predictor_file, features.dim)
     group = make_group(engines) if layout.cluster_policy == "esp" and make_group and len(engines) > 1 else None
@@ -183,11 +215,14 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         later.extend([pending] if pending is not None else [])
         return model
 
-    def pool_model(path: pathlib.Path, groups: dict[int, tuple[int, ...]], use: Callable[[Any], None],
-                   esp: bool = False):
+    def pool_model(
+        path: pathlib.Path, groups: dict[int, tuple[int, ...]], use: Callable[[Any], None], esp: bool = False
+    ):
         """The pool's prefill model in `path` (a prior until measured, with defer)."""
-        return now_or_later(lambda: pool_profile.load_or_measure(path, sp, groups, capacity, progress, esp=esp),
-                            lambda: pool_profile.load_or_later(path, sp, groups, capacity, use, esp=esp))
+        return now_or_later(
+            lambda: pool_profile.load_or_measure(path, sp, groups, capacity, progress, esp=esp),
+            lambda: pool_profile.load_or_later(path, sp, groups, capacity, use, esp=esp),
+        )
 
     def measuring(cluster: ClusterEngine) -> ClusterEngine:
         for pending in later:
@@ -195,11 +230,20 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         return cluster
 
     if layout.cluster_policy == "tetriinfer":
-        instances = [PrefillBatchScheduler(layout.prefill_chunk, layout.prefill_batch, layout.prefill_order, (d,))
-                     for d in pool_ids]
+        instances = [
+            PrefillBatchScheduler(layout.prefill_chunk, layout.prefill_batch, layout.prefill_order, (d,))
+            for d in pool_ids
+        ]
         flip = FlipPolicy(window=layout.flip_window, check_every=layout.flip_window / 12) if flips else None
-        scheduler = TetriInferPolicy(instances, pool_ids, len(decoders), "power_of_two", predictor, flip=flip,
-                                     prefilling=layout.prefill_instances)
+        scheduler = TetriInferPolicy(
+            instances,
+            pool_ids,
+            len(decoders),
+            "power_of_two",
+            predictor,
+            flip=flip,
+            prefilling=layout.prefill_instances,
+        )
         return TetriInferCluster(sp, scheduler, decoders, mover, features=features)
     if layout.cluster_policy == "esp":
         groups = aligned_groups(layout.prefill_instances)
@@ -212,10 +256,12 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
             prefill_cost = pool_model(prefill_cost, first_group, measured_batches, esp=True)
         knee = ESPScheduler.served_knee(prefill_cost, tp, capacity)
         esp = ESPScheduler(prefill_cost, tp, knee, None, 0.0, groups=groups)  # no bandwidth: no KV evacuated
-        scheduler = ESPPolicy(esp, pool_ids, "freeness", predictor, spread=group is not None,
-                              instance_context=engines[0].max_model_len)
+        scheduler = ESPPolicy(
+            esp, pool_ids, "freeness", predictor, spread=group is not None, instance_context=engines[0].max_model_len
+        )
         return measuring(ESPCluster(sp, scheduler, decoders, mover, features=features))
     if layout.cluster_policy == "csps":  # a prompt is one chunk with no history: Eq. (1) at h = 0 prices it
+
         def measured_csps(model: TetrisPrefill) -> None:
             planner.model = MeasuredCSPS(model)
 
@@ -224,15 +270,24 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
             groups = {s: tuple(devices[i * tp].id for i in range(s)) for s in sizes}  # each size's first group
             prefill_cost = pool_model(prefill_cost, groups, measured_csps)
         sizes = sizes or sorted(s for s in prefill_cost.coefficients if s <= layout.prefill_instances)
-        planner = CSPSPlanner(MeasuredCSPS(prefill_cost), pool_of(layout), layout.partition_tokens, sizes,
-                              stores=sp.room)
-        return measuring(ClusterEngine(sp, CDSPPolicy(planner, pool_ids, dispatch, predictor), decoders, mover,
-                                       features=features))
+        planner = CSPSPlanner(
+            MeasuredCSPS(prefill_cost), pool_of(layout), layout.partition_tokens, sizes, stores=sp.room
+        )
+        return measuring(
+            ClusterEngine(sp, CDSPPolicy(planner, pool_ids, dispatch, predictor), decoders, mover, features=features)
+        )
     plan_with = dict(model=prefill_cost, moves=None)  # a model given (not measured here): moves priced free
 
     def cdsp_planner(model: TetrisPrefill, moves: MeasuredBalancing | None) -> CDSPPlanner:
-        return CDSPPlanner(model, pool_of(layout), layout.improvement_rate, sizes=sizes, min_chunk=layout.min_chunk,
-                           balancing=moves, stores=sp.room)
+        return CDSPPlanner(
+            model,
+            pool_of(layout),
+            layout.improvement_rate,
+            sizes=sizes,
+            min_chunk=layout.min_chunk,
+            balancing=moves,
+            stores=sp.room,
+        )
 
     def replan(**measured) -> None:  # a measured model or move line in place of the prior's
         plan_with.update(measured)
@@ -253,8 +308,10 @@ def build(cfg, params, layout: ParallelConfig, make_engine: Callable[[list[jax.D
         if len(groups) > 1:  # a chunk may move its history onto a larger group: priced as measured (free until)
             plan_with["moves"] = now_or_later(
                 lambda: pool_profile.load_or_measure_moves(moves_file, sp, groups, capacity, pool.per_node, progress),
-                lambda: pool_profile.moves_or_later(moves_file, sp, groups, capacity, pool.per_node,
-                                                    lambda moves: replan(moves=moves)))
+                lambda: pool_profile.moves_or_later(
+                    moves_file, sp, groups, capacity, pool.per_node, lambda moves: replan(moves=moves)
+                ),
+            )
     planner = cdsp_planner(**plan_with)
     if layout.improvement_rates is not None:  # the user's own file: a bad one is refused, naming it
         planner = AdaptiveCDSP(planner, read_rate_table(pathlib.Path(layout.improvement_rates)))

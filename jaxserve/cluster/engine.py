@@ -102,14 +102,22 @@ class _Running:
 
 
 class ClusterEngine:
-    def __init__(self, prefill: SPPrefill, scheduler: ClusterPolicy, decoders: Sequence[LiveDecoder],
-                 mover: KVMover, *, clock: Callable[[], float] = time.monotonic,
-                 features: PromptFeatures | None = None):
+    def __init__(
+        self,
+        prefill: SPPrefill,
+        scheduler: ClusterPolicy,
+        decoders: Sequence[LiveDecoder],
+        mover: KVMover,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        features: PromptFeatures | None = None,
+    ):
         """features: what the length predictor reads of a prompt (None: its length alone)."""
         self.pool_ids = tuple(sorted(prefill.instances))
         if scheduler.pool_ids != self.pool_ids:
-            raise ValueError(f"the scheduler's pool is devices {scheduler.pool_ids}; the prefill pool's "
-                             f"{self.pool_ids}")
+            raise ValueError(
+                f"the scheduler's pool is devices {scheduler.pool_ids}; the prefill pool's {self.pool_ids}"
+            )
         if scheduler.predictor is None:
             raise ValueError("a live cluster predicts decode lengths (e.g. ObservedLengths); it cannot know them")
         self.prefill, self.scheduler, self.decoders = prefill, scheduler, list(decoders)
@@ -168,27 +176,45 @@ class ClusterEngine:
     # ---- the Engine interface -----------------------------------------------------------------------------
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         # the prefill instances draw the first token with temperature, top-k and top-p alone
-        if (params.uses_history or params.min_p > 0 or params.logprobs is not None
-                or params.structured_output is not None):
-            raise ValueError("penalties, logit_bias, min_tokens, min_p, logprobs, allowed_token_ids, bad_words and "
-                             "structured output are not supported with prefill instances yet (one engine serves "
-                             "them)")
+        if (
+            params.uses_history
+            or params.min_p > 0
+            or params.logprobs is not None
+            or params.structured_output is not None
+        ):
+            raise ValueError(
+                "penalties, logit_bias, min_tokens, min_p, logprobs, allowed_token_ids, bad_words and "
+                "structured output are not supported with prefill instances yet (one engine serves "
+                "them)"
+            )
         return self._front.check_request(prompt_ids, params)
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    ttft_slo: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        ttft_slo: float | None = None,
+    ) -> str:
         return self.enqueue(self.check_request(prompt_ids, params), params, request_id, ttft_slo)
 
-    def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                ttft_slo: float | None = None, after: str | None = None) -> str:
+    def enqueue(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        ttft_slo: float | None = None,
+        after: str | None = None,
+    ) -> str:
         """Plan the prompt's chunks and choose its decode instance now (ttft_slo and after: accepted for the
         interface; the CDSP planner minimises every prompt's TTFT, and siblings are prefilled each in turn)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")
         now = self._arrived(rid, len(ids))
-        arrival = self.scheduler.arrive(self.prompt_info(ids), now, dict(enumerate(self.decoders)),
-                                        params.max_tokens, request_id=rid)
+        arrival = self.scheduler.arrive(
+            self.prompt_info(ids), now, dict(enumerate(self.decoders)), params.max_tokens, request_id=rid
+        )
         decoder = self.decoders[arrival.dispatch.decoder]
         seed = decoder.engine.expect(ids, params, rid)
         self.scheduler.add(rid, arrival, now)
@@ -231,8 +257,11 @@ class ClusterEngine:
     @property
     def kv(self) -> KVTotals:
         kvs = [d.engine.kv for d in self.pools]
-        return KVTotals(sum(k.num_free for k in kvs), sum(k.capacity for k in kvs),
-                        PrefixCacheStats(sum(k.stats.query_tokens for k in kvs), sum(k.stats.hit_tokens for k in kvs)))
+        return KVTotals(
+            sum(k.num_free for k in kvs),
+            sum(k.capacity for k in kvs),
+            PrefixCacheStats(sum(k.stats.query_tokens for k in kvs), sum(k.stats.hit_tokens for k in kvs)),
+        )
 
     @property
     def num_preemptions(self) -> int:
@@ -312,8 +341,10 @@ class ClusterEngine:
     def _check_decoders_on_pool(self, policy: str) -> None:
         """Where the pool's instances decode too: decoders[k] must run on pool instance k."""
         if [d.engine.runner.device.id for d in self.pools] != list(self.pool_ids):
-            raise ValueError(f"{policy} instances prefill and decode: one decode engine per pool instance, on its "
-                             "devices, in pool order")
+            raise ValueError(
+                f"{policy} instances prefill and decode: one decode engine per pool instance, on its "
+                "devices, in pool order"
+            )
 
     def _paused(self, index: int) -> bool:
         """Whether decode instance `index` skips this step (its devices prefill, under ESP)."""
@@ -360,8 +391,9 @@ class ClusterEngine:
             if item.request_id in moves:
                 self.prefill.rebalance(item.request_id, moves[item.request_id].dst)
                 self.events["rebalances"] += 1
-            run = self.prefill.run_chunk(item.request_id, item.group, p.ids[item.start:item.end], item.history,
-                                         p.params, p.seed)
+            run = self.prefill.run_chunk(
+                item.request_id, item.group, p.ids[item.start : item.end], item.history, p.params, p.seed
+            )
             self._inflight.append(_Running(item, run, start))
             self.events["chunks"] += 1
         idle = self._inflight and not any(d.engine.has_work for d in self.decoders)  # wait a little for a chunk
@@ -371,8 +403,11 @@ class ClusterEngine:
             item, rid = f.item, f.item.request_id
             p, token, end = self._prefills[rid], f.run.token(), self.clock()
             booked_start, booked_end = self.scheduler.booked(item)
-            self.records.append(ChunkRecord(rid, item.chunk_index, item.group, item.tokens, item.history, f.start,
-                                            end, booked_start, booked_end))
+            self.records.append(
+                ChunkRecord(
+                    rid, item.chunk_index, item.group, item.tokens, item.history, f.start, end, booked_start, booked_end
+                )
+            )
             last = bool(self.scheduler.apply(item.group, (item,), Outcome(end, (), {rid: (token,)})))
             staged = self.mover.stage((rid, item.chunk_index), f.run.written)
             p.decoder.ledger.offer(Transfer(rid, item.chunk_index, last, staged, end))

@@ -79,8 +79,14 @@ class ESPCluster(ClusterEngine):
         groups = [tuple(self.pool_ids[k] for k in g) for g in elastic.aligned_groups(len(self.pool_ids))]
         return [(g, b) for g in groups for b in self.prefill.buckets(len(g), max_tokens)]
 
-    def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                ttft_slo: float | None = None, after: str | None = None) -> str:
+    def enqueue(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        ttft_slo: float | None = None,
+        after: str | None = None,
+    ) -> str:
         """Queue the prompt (ttft_slo and after: accepted for the interface; ESP admits in arrival order)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
@@ -93,12 +99,13 @@ class ESPCluster(ClusterEngine):
 
     @property
     def num_running(self) -> int:
-        return (sum(d.engine.num_running for d in self.decoders)
-                + sum(r.run is not None for b in self._batches for r in b.runs))
+        return sum(d.engine.num_running for d in self.decoders) + sum(
+            r.run is not None for b in self._batches for r in b.runs
+        )
 
     @property
     def pools(self) -> list[LiveDecoder]:
-        return self.decoders[:len(self.pool_ids)]
+        return self.decoders[: len(self.pool_ids)]
 
     def recover(self) -> None:
         """The group first: it sees a lost instance cache (its requests' KV) before that instance rebuilds it."""
@@ -131,8 +138,13 @@ class ESPCluster(ClusterEngine):
     # ---- prefill batches ------------------------------------------------------------------------------------
     def _pool(self) -> elastic.ElasticPool:
         """Every instance (a step's decodes have ended: all can prefill) and every decoding request."""
-        return elastic_pool(self.pools, self.group, lambda rid: self._generated.get(rid, 1),
-                            range(len(self.pool_ids)), self.decode_seconds)
+        return elastic_pool(
+            self.pools,
+            self.group,
+            lambda rid: self._generated.get(rid, 1),
+            range(len(self.pool_ids)),
+            self.decode_seconds,
+        )
 
     def _start(self, group: tuple[int, ...], items: tuple[WorkItem, ...], plan: ClusterPlan) -> None:
         """Run a batch's prompts one after another on its group, each decoding afterwards where its dispatch
@@ -171,8 +183,7 @@ class ESPCluster(ClusterEngine):
                     for unstarted, prompts in chunks[i:]:
                         self.scheduler.cancel(unstarted, prompts, dict(enumerate(self.decoders)))
                     raise
-        idle = self._batches and not any(d.engine.has_work and not self._paused(k)
-                                         for k, d in enumerate(self.decoders))
+        idle = self._batches and not any(d.engine.has_work and not self._paused(k) for k, d in enumerate(self.decoders))
         outputs = []
         for b in self._poll(lambda: [b for b in self._batches if b.ready()], WAIT if idle else 0.0):
             self._batches.remove(b)

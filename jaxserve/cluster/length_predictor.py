@@ -68,8 +68,9 @@ class KeptClassifier:
 
     def __init__(self, path: pathlib.Path | None, dim: int, save_every: int = 32):
         self.path, self.save_every, self._unsaved = path, save_every, 0
-        kept = None if path is None else profile.read_kept(path, lambda: PromptClassifier.from_json(
-            path.read_text(), dim))
+        kept = (
+            None if path is None else profile.read_kept(path, lambda: PromptClassifier.from_json(path.read_text(), dim))
+        )
         self.classifier = kept or PromptClassifier(dim)
 
     def predict(self, prompt: PromptInfo) -> tuple[int, int]:

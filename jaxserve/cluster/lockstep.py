@@ -171,6 +171,7 @@ class _Published:
         def call(*args, **kwargs):
             self._leader._publish(("call", self._name, attr, args, kwargs))
             return value(*_unwrap(args), **_unwrap(kwargs))
+
         return call
 
     def __setattr__(self, attr: str, value: Any) -> None:

@@ -36,14 +36,26 @@ class MultiMaster(ModelRunner):
             raise ValueError("a multi-master group needs at least two instances")
         for r in self.instances:
             if r.kvp != 1 or r.stages != 1 or r.tp != first.tp or r.num_blocks != first.num_blocks:
-                raise ValueError("multi-master instances hold one KV-parallel set each, no pipeline stages, the same "
-                                 f"tensor-parallel size and pool: got kvp {r.kvp}, {r.stages} stages, tp {r.tp}, "
-                                 f"{r.num_blocks} blocks beside tp {first.tp}, {first.num_blocks} blocks")
+                raise ValueError(
+                    "multi-master instances hold one KV-parallel set each, no pipeline stages, the same "
+                    f"tensor-parallel size and pool: got kvp {r.kvp}, {r.stages} stages, tp {r.tp}, "
+                    f"{r.num_blocks} blocks beside tp {first.tp}, {first.num_blocks} blocks"
+                )
         devices = [d for r in self.instances for d in r.devices]
         self._group_sharding = cache_sharding(make_mesh(devices, first.tp))
-        super().__init__(first.cfg, params, first.dtype, num_blocks=first.num_blocks * len(self.instances),
-                         block_size=first.block_size, buckets=buckets or first.buckets, key_block=first.key_block,
-                         devices=devices, tp=first.tp, kv_cache_dtype=first.kv_cache_dtype, caches=self._joined())
+        super().__init__(
+            first.cfg,
+            params,
+            first.dtype,
+            num_blocks=first.num_blocks * len(self.instances),
+            block_size=first.block_size,
+            buckets=buckets or first.buckets,
+            key_block=first.key_block,
+            devices=devices,
+            tp=first.tp,
+            kv_cache_dtype=first.kv_cache_dtype,
+            caches=self._joined(),
+        )
         self._part()
 
     def start(self, rows: Sequence[batch.Row], steps: int = 1, guided: bool = False) -> Pending | None:
@@ -81,8 +93,11 @@ class MultiMaster(ModelRunner):
         joined = []
         for i, first in enumerate(self.instances[0].caches):
             shape = (first.shape[0], first.shape[1] * len(self.instances), *first.shape[2:])
-            joined.append(jax.make_array_from_single_device_arrays(
-                shape, self._group_sharding, [_shard_on(r.caches[i], d) for r in self.instances for d in r.devices]))
+            joined.append(
+                jax.make_array_from_single_device_arrays(
+                    shape, self._group_sharding, [_shard_on(r.caches[i], d) for r in self.instances for d in r.devices]
+                )
+            )
         return tuple(joined)
 
     def _part(self) -> None:
@@ -93,9 +108,14 @@ class MultiMaster(ModelRunner):
             stage.caches = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=c.sharding) for c in stage.caches)
             return
         for r in self.instances:
-            r.caches = tuple(jax.make_array_from_single_device_arrays(
-                (c.shape[0], c.shape[1] // len(self.instances), *c.shape[2:]), r.cache_sharding,
-                [_shard_on(c, d) for d in r.devices]) for c in stage.caches)
+            r.caches = tuple(
+                jax.make_array_from_single_device_arrays(
+                    (c.shape[0], c.shape[1] // len(self.instances), *c.shape[2:]),
+                    r.cache_sharding,
+                    [_shard_on(c, d) for d in r.devices],
+                )
+                for c in stage.caches
+            )
         stage.caches = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=c.sharding) for c in stage.caches)
 
 

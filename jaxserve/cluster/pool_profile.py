@@ -54,8 +54,14 @@ class Measurement(Generic[T]):
     """A model fitted to timed points, measured one point at a time. Which point comes next may depend on the
     samples so far (a ladder of chunks stops growing once one takes BUDGET_S)."""
 
-    def __init__(self, name: str, points: Callable[[list], Iterator[Callable[[], Any]]], fit: Callable[[list], T],
-                 most: int, prepare: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        name: str,
+        points: Callable[[list], Iterator[Callable[[], Any]]],
+        fit: Callable[[list], T],
+        most: int,
+        prepare: Callable[[], None] = lambda: None,
+    ):
         """points(samples): the points, each a call that times one sample, chosen as the samples so far say;
         most: how many there are at most (the progress shown); fit: the model from the samples; prepare: what
         must be done before the first point (compiling the programs the points run: a timing must not include
@@ -108,26 +114,34 @@ class Later(Generic[T]):
         """Time the next point, logged with its seconds (the progress of a measurement no bar shows)."""
         start, taken = time.perf_counter(), len(self.measurement.samples)
         if not taken:
-            logging.warning("%s while idle: at most %d points of seconds each (each logged at INFO)", self.name,
-                            self.measurement.most)
+            logging.warning(
+                "%s while idle: at most %d points of seconds each (each logged at INFO)",
+                self.name,
+                self.measurement.most,
+            )
         self.measurement.step()
         took = time.perf_counter() - start
         self.seconds += took
         if len(self.measurement.samples) > taken:
-            logging.info("%s: point %d (of at most %d) took %.1f s", self.name, taken + 1, self.measurement.most,
-                         took)
+            logging.info("%s: point %d (of at most %d) took %.1f s", self.name, taken + 1, self.measurement.most, took)
 
     def finish(self) -> None:
         model = self.measurement.fit(self.measurement.samples)
         disk_cache.write_text(self.path, self.dumps(model))
         self.use(model)
         # warnings: the CLI shows them by default, and each is said once a pool
-        logging.warning("%s: measured in %d points, %.0f s (%s); the pool plans with it from now on", self.name,
-                        len(self.measurement.samples), self.seconds, self.path)
+        logging.warning(
+            "%s: measured in %d points, %.0f s (%s); the pool plans with it from now on",
+            self.name,
+            len(self.measurement.samples),
+            self.seconds,
+            self.path,
+        )
 
 
-def ladder(sp: SPPrefill, size: int, max_tokens: int, samples: list,
-           point: Callable[[int], Callable[[], Any]]) -> Iterator[Callable[[], Any]]:
+def ladder(
+    sp: SPPrefill, size: int, max_tokens: int, samples: list, point: Callable[[int], Callable[[], Any]]
+) -> Iterator[Callable[[], Any]]:
     """Chunks on `size` instances that fill their bucket, from the smallest up to max_tokens, one point each
     (point(tokens)); after three, the ladder stops at the first whose time (samples[-1]'s last field) passes
     BUDGET_S: the fit extrapolates to the longer ones."""
@@ -141,6 +155,7 @@ def time_chunk(sp: SPPrefill, group: Group, tokens: int, history: int, warm: boo
     """Seconds of a chunk of `tokens` after `history` tokens on `group` (the history assumed, not computed:
     SPPrefill.assume_history): one run past LONG_S, else the median of REPEATS, after a run dropped when `warm`
     (the program's first: it compiles nothing, the programs are built first, but warms caches)."""
+
     def once() -> float:
         sp.assume_history(_RID, group, history)
         try:
@@ -174,8 +189,9 @@ def time_move(sp: SPPrefill, held: Group, group: Group, history: int) -> tuple[i
     return moved, statistics.median(times[1:])
 
 
-def moves_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
-                      per_node: int) -> Measurement[MeasuredBalancing]:
+def moves_measurement(
+    sp: SPPrefill, groups: dict[int, Group], max_tokens: int, per_node: int
+) -> Measurement[MeasuredBalancing]:
     """The move's line from each pair of consecutive SP sizes whose groups nest (groups: size -> instance ids),
     at a short and at the longest history the smaller group holds."""
     sizes = sorted(groups)
@@ -185,8 +201,12 @@ def moves_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
             longest = min(max_tokens, sp.room.longest(small))
             work += [(small, large, h) for h in sorted({longest // 4, longest}) if h]
     points = [functools.partial(time_move, sp, groups[small], groups[large], h) for small, large, h in work]
-    return Measurement("measure cache balancing", lambda samples: points,
-                       lambda samples: MeasuredBalancing.fit(*zip(*samples), per_node=per_node), len(points))
+    return Measurement(
+        "measure cache balancing",
+        lambda samples: points,
+        lambda samples: MeasuredBalancing.fit(*zip(*samples), per_node=per_node),
+        len(points),
+    )
 
 
 def load_moves(path: pathlib.Path, per_node: int) -> MeasuredBalancing:
@@ -213,6 +233,7 @@ def eq1_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int) ->
             seconds = time_chunk(sp, groups[size], n, h, warm=(size, local) not in ran)
             ran.add((size, local))
             return size, (n, h), seconds
+
         return timed
 
     def points(samples: list) -> Iterator[Callable[[], tuple]]:
@@ -243,6 +264,7 @@ def batch_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int) 
             seconds = time_chunk(sp, groups[size], n, 0, warm=(size, local) not in ran)
             ran.add((size, local))
             return (size, sp.tp), (n, n * n), seconds
+
         return timed
 
     def points(samples: list) -> Iterator[Callable[[], tuple]]:
@@ -263,20 +285,31 @@ def prefill_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int
     return (batch_measurement if esp else eq1_measurement)(sp, groups, max_tokens)
 
 
-def default_path(model_name: str, dtype: str, policy: str, pool_size: int, node_size: int, tp: int, capacity: int,
-                 key_block: int) -> pathlib.Path:
+def default_path(
+    model_name: str, dtype: str, policy: str, pool_size: int, node_size: int, tp: int, capacity: int, key_block: int
+) -> pathlib.Path:
     """Per device kind, model, dtype, policy and pool shape (what the chunk programs and their timings depend on)."""
     shape = f"{policy}-p{pool_size}x{node_size}-tp{tp}-cap{capacity}-kb{key_block}"
     return profile.cache_file(model_name, dtype, shape, VERSION)
 
 
-def load_or_measure(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
-                    progress: bool = True, esp: bool = False) -> KeyedLinearModel:
+def load_or_measure(
+    path: pathlib.Path,
+    sp: SPPrefill,
+    groups: dict[int, Group],
+    max_tokens: int,
+    progress: bool = True,
+    esp: bool = False,
+) -> KeyedLinearModel:
     """The fit in `path` (Eq. (1), or with esp LoongServe's batch model), measured (and written there) first if
     the file does not exist."""
     kind = LoongServePrefill if esp else TetrisPrefill
-    return profile.cached(path, lambda: load(path, kind, keys_of(sp, groups, esp)),
-                          lambda: prefill_measurement(sp, groups, max_tokens, esp).run(progress), kind.to_json)
+    return profile.cached(
+        path,
+        lambda: load(path, kind, keys_of(sp, groups, esp)),
+        lambda: prefill_measurement(sp, groups, max_tokens, esp).run(progress),
+        kind.to_json,
+    )
 
 
 def keys_of(sp: SPPrefill, groups: dict[int, Group], esp: bool = False) -> set:
@@ -288,13 +321,20 @@ def load(path: pathlib.Path, kind: type[KeyedLinearModel], keys: set) -> KeyedLi
     """The fit in `path`, checked against the pool's SP sizes."""
     model = kind.from_json(path.read_text())
     if set(model.coefficients) != keys:
-        raise ValueError(f"the prefill profile {path} was fitted for {sorted(model.coefficients)}, not this "
-                         f"pool's {sorted(keys)}")
+        raise ValueError(
+            f"the prefill profile {path} was fitted for {sorted(model.coefficients)}, not this pool's {sorted(keys)}"
+        )
     return model
 
 
-def load_or_later(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
-                  use: Callable[[KeyedLinearModel], None], esp: bool = False) -> tuple[KeyedLinearModel, Later | None]:
+def load_or_later(
+    path: pathlib.Path,
+    sp: SPPrefill,
+    groups: dict[int, Group],
+    max_tokens: int,
+    use: Callable[[KeyedLinearModel], None],
+    esp: bool = False,
+) -> tuple[KeyedLinearModel, Later | None]:
     """The fit in `path`; with none there, the prior (sched/cost_models.py) and the Later that measures the
     pool's own while it idles, `use` taking it."""
     kind = LoongServePrefill if esp else TetrisPrefill
@@ -302,13 +342,22 @@ def load_or_later(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], m
     kept = profile.read_kept(path, lambda: load(path, kind, keys))
     if kept is not None:
         return kept, None
-    logging.warning("the prefill pool plans with a prior model (sched/cost_models.py: short prompts on the smallest "
-                    "group, long ones on the largest) until its own is measured, while it idles (%s)", path)
+    logging.warning(
+        "the prefill pool plans with a prior model (sched/cost_models.py: short prompts on the smallest "
+        "group, long ones on the largest) until its own is measured, while it idles (%s)",
+        path,
+    )
     return kind.prior(sorted(keys)), Later(prefill_measurement(sp, groups, max_tokens, esp), path, kind.to_json, use)
 
 
-def moves_or_later(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int, per_node: int,
-                   use: Callable[[MeasuredBalancing], None]) -> tuple[MeasuredBalancing | None, Later | None]:
+def moves_or_later(
+    path: pathlib.Path,
+    sp: SPPrefill,
+    groups: dict[int, Group],
+    max_tokens: int,
+    per_node: int,
+    use: Callable[[MeasuredBalancing], None],
+) -> tuple[MeasuredBalancing | None, Later | None]:
     """The move's line in `path`; with none there, None (moves priced free) and the Later that measures it."""
     kept = profile.read_kept(path, lambda: load_moves(path, per_node))
     if kept is not None:
@@ -316,8 +365,13 @@ def moves_or_later(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], 
     return None, Later(moves_measurement(sp, groups, max_tokens, per_node), path, dumps_moves, use)
 
 
-def load_or_measure_moves(path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int,
-                          per_node: int, progress: bool = True) -> MeasuredBalancing:
+def load_or_measure_moves(
+    path: pathlib.Path, sp: SPPrefill, groups: dict[int, Group], max_tokens: int, per_node: int, progress: bool = True
+) -> MeasuredBalancing:
     """The move's line in `path`, measured (and written there) first if the file does not exist."""
-    return profile.cached(path, lambda: load_moves(path, per_node),
-                          lambda: moves_measurement(sp, groups, max_tokens, per_node).run(progress), dumps_moves)
+    return profile.cached(
+        path,
+        lambda: load_moves(path, per_node),
+        lambda: moves_measurement(sp, groups, max_tokens, per_node).run(progress),
+        dumps_moves,
+    )

@@ -66,16 +66,23 @@ class TetriInferCluster(ClusterEngine):
         most = min(self.scheduler.instances[0].chunk, max_tokens)
         return [((d,), b) for d in self.pool_ids for b in self.prefill.buckets(1, most)]
 
-    def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                ttft_slo: float | None = None, after: str | None = None) -> str:
+    def enqueue(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        ttft_slo: float | None = None,
+        after: str | None = None,
+    ) -> str:
         """Queue the prompt on the least loaded prefill instance (ttft_slo and after: accepted for the
         interface)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")
         now = self._arrived(rid, len(ids))
-        self.scheduler.arrive(Request(rid, now, len(ids), params.max_tokens), self.prompt_info(ids), now,
-                              params.max_tokens)
+        self.scheduler.arrive(
+            Request(rid, now, len(ids), params.max_tokens), self.prompt_info(ids), now, params.max_tokens
+        )
         self._prompts[rid] = _Prompt(ids, params)
         self._owner[rid] = None  # its decode instance is chosen with its last piece
         return rid
@@ -104,7 +111,7 @@ class TetriInferCluster(ClusterEngine):
         for item in items:
             rid = item.request_id
             p = self._prompts[rid]
-            run = self.prefill.run_chunk(rid, group, p.ids[item.start:item.end], item.start, p.params, p.seed)
+            run = self.prefill.run_chunk(rid, group, p.ids[item.start : item.end], item.start, p.params, p.seed)
             lo, hi = run.written[instance]
             p.rows = (p.rows[0] if p.rows else lo, hi)
             if rid in ending:
@@ -149,8 +156,9 @@ class TetriInferCluster(ClusterEngine):
         tokens = {}
         for item, run in ran:
             p = self._prompts[item.request_id]
-            self.records.append(ChunkRecord(item.request_id, p.pieces, group, item.tokens, item.history,
-                                            chunk.start, end, None, None))
+            self.records.append(
+                ChunkRecord(item.request_id, p.pieces, group, item.tokens, item.history, chunk.start, end, None, None)
+            )
             p.pieces += 1
             if item.request_id in chunk.ending:
                 tokens[item.request_id] = (run.token(),)

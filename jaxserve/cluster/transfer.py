@@ -59,8 +59,15 @@ class KVMover:
     def _onto(self, pieces: list[tuple[jax.Array, jax.Array]], decoder: int) -> list[tuple[jax.Array, jax.Array]]:
         """A tensor-parallel instance's pieces are gathered on its first device first."""
         target = SingleDeviceSharding(self.runners[decoder].device)
-        gathered = lambda x: processes.move(x, SingleDeviceSharding(min(x.sharding.device_set,  # noqa: E731
-                                                                        key=lambda d: d.id)))
+        gathered = lambda x: processes.move(
+            x,
+            SingleDeviceSharding(
+                min(
+                    x.sharding.device_set,  # noqa: E731
+                    key=lambda d: d.id,
+                )
+            ),
+        )
         return [(processes.move(gathered(k), target), processes.move(gathered(v), target)) for k, v in pieces]
 
     def land(self, key: Key, decoder: int, table: Sequence[int], block_size: int) -> None:

@@ -43,13 +43,16 @@ class BadWords:
     def __init__(self, longer: Sequence[tuple[int, ...]], generated: Sequence[int] = ()):
         self.longer = list(longer)
         self._keep = max(len(s) for s in self.longer) - 1
-        self._tail: tuple[int, ...] = tuple(generated)[-self._keep:]
+        self._tail: tuple[int, ...] = tuple(generated)[-self._keep :]
 
     def consume_token(self, token: int) -> None:
-        self._tail = (*self._tail, token)[-self._keep:]
+        self._tail = (*self._tail, token)[-self._keep :]
 
     def banned(self) -> list[int]:
         """Tokens the next step may not sample: each sequence's last, where the tokens generated before it are
         its others (vLLM compares the generated tokens only, never the prompt)."""
-        return [s[-1] for s in self.longer
-                if len(self._tail) >= len(s) - 1 and self._tail[len(self._tail) - len(s) + 1:] == s[:-1]]
+        return [
+            s[-1]
+            for s in self.longer
+            if len(self._tail) >= len(s) - 1 and self._tail[len(self._tail) - len(s) + 1 :] == s[:-1]
+        ]

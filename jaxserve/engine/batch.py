@@ -46,29 +46,29 @@ class Row(NamedTuple):
 
 
 class StepArrays(NamedTuple):
-    token_ids: Int[np.ndarray, "t"]
-    feed: Int[np.ndarray, "t"]  # the previous step's row whose sampled token this token is, or -1
-    positions: Int[np.ndarray, "t"]
-    slots: Int[np.ndarray, "t"]  # where each token's K/V is written
+    token_ids: Int[np.ndarray, " t"]
+    feed: Int[np.ndarray, " t"]  # the previous step's row whose sampled token this token is, or -1
+    positions: Int[np.ndarray, " t"]
+    slots: Int[np.ndarray, " t"]  # where each token's K/V is written
     tables: Int[np.ndarray, "r w"]
-    decode_token: Int[np.ndarray, "r"]  # flat index of a decode row's token, t for other rows
+    decode_token: Int[np.ndarray, " r"]  # flat index of a decode row's token, t for other rows
     tile_tokens: Int[np.ndarray, "nt tq"]  # flat token indices per tile, t where padded
-    tile_row: Int[np.ndarray, "nt"]
-    logits_index: Int[np.ndarray, "r"]  # each row's last token
-    temperature: Float[np.ndarray, "r"]
-    top_k: Int[np.ndarray, "r"]
-    top_p: Float[np.ndarray, "r"]
-    seeds: UInt[np.ndarray, "r"]
-    counters: Int[np.ndarray, "r"]
-    limit: Int[np.ndarray, "r"]  # a burst's tokens per row (0: a padding row)
+    tile_row: Int[np.ndarray, " nt"]
+    logits_index: Int[np.ndarray, " r"]  # each row's last token
+    temperature: Float[np.ndarray, " r"]
+    top_k: Int[np.ndarray, " r"]
+    top_p: Float[np.ndarray, " r"]
+    seeds: UInt[np.ndarray, " r"]
+    counters: Int[np.ndarray, " r"]
+    limit: Int[np.ndarray, " r"]  # a burst's tokens per row (0: a padding row)
     stop_ids: Int[np.ndarray, "r s"]  # a burst's stop tokens per row, -1 where unused
-    min_p: Float[np.ndarray, "r"]
-    slot: Int[np.ndarray, "r"]
-    presence: Float[np.ndarray, "r"]
-    frequency: Float[np.ndarray, "r"]
-    repetition: Float[np.ndarray, "r"]
-    min_tokens: Int[np.ndarray, "r"]
-    logprobs: Int[np.ndarray, "r"]  # top logprobs asked for, -1: none (read by the host alone)
+    min_p: Float[np.ndarray, " r"]
+    slot: Int[np.ndarray, " r"]
+    presence: Float[np.ndarray, " r"]
+    frequency: Float[np.ndarray, " r"]
+    repetition: Float[np.ndarray, " r"]
+    min_tokens: Int[np.ndarray, " r"]
+    logprobs: Int[np.ndarray, " r"]  # top logprobs asked for, -1: none (read by the host alone)
 
 
 STOP_SLOTS = 8  # stop tokens a burst's row checks on the device; the host checks them all (and stop strings)
@@ -82,9 +82,20 @@ class Buckets(StepShapes):
     burst_steps: int = 1  # the most decode steps one multi-step decode runs (1: none)
 
     @classmethod
-    def make(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
-             key_block: int, tile: int = 32, min_tokens: int = 16, min_rows: int | None = None,
-             max_prefills: int = 8, num_scheduler_steps: int = 1, min_decode_rows: int = 1) -> Buckets:
+    def make(
+        cls,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        key_block: int,
+        tile: int = 32,
+        min_tokens: int = 16,
+        min_rows: int | None = None,
+        max_prefills: int = 8,
+        num_scheduler_steps: int = 1,
+        min_decode_rows: int = 1,
+    ) -> Buckets:
         """Decode programs for min_decode_rows, 2 min_decode_rows, ... rows up to max_num_seqs (at least one
         program); mixed programs for min_tokens, 2 min_tokens,
         ... tokens up to max_num_batched_tokens, and min_rows, 2 min_rows, ... rows (default: max_num_seqs alone).
@@ -93,8 +104,10 @@ class Buckets(StepShapes):
         bucket means fewer programs to compile. num_scheduler_steps > 1: multi-step decodes of up to that many
         steps (a burst program per decode row bucket)."""
         if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} must be >= max_num_seqs "
-                             f"{max_num_seqs}: a step decodes every running request")
+            raise ValueError(
+                f"max_num_batched_tokens {max_num_batched_tokens} must be >= max_num_seqs "
+                f"{max_num_seqs}: a step decodes every running request"
+            )
         if key_block % block_size:
             raise ValueError(f"key_block {key_block} must be a multiple of block_size {block_size}")
         if max_prefills < 1:
@@ -103,11 +116,15 @@ class Buckets(StepShapes):
             raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
         per_key_block = key_block // block_size
         blocks = -(-max_model_len // block_size)
-        return cls(powers_of_two(min_tokens, max_num_batched_tokens), powers_of_two(min_rows or max_num_seqs,
-                                                                                    max_num_seqs),
-                   tile, min(max_prefills, max_num_seqs), powers_of_two(min_decode_rows, max_num_seqs),
-                   -(-blocks // per_key_block) * per_key_block,
-                   num_scheduler_steps)
+        return cls(
+            powers_of_two(min_tokens, max_num_batched_tokens),
+            powers_of_two(min_rows or max_num_seqs, max_num_seqs),
+            tile,
+            min(max_prefills, max_num_seqs),
+            powers_of_two(min_decode_rows, max_num_seqs),
+            -(-blocks // per_key_block) * per_key_block,
+            num_scheduler_steps,
+        )
 
     def programs(self) -> list[Shape]:
         """Every program serving can run: the decode programs, then the mixed ones."""
@@ -129,15 +146,30 @@ def empty(buckets: Buckets, shape: Shape, block_size: int) -> StepArrays:
     with it; pack fills one in."""
     t, r, nt = shape
     return StepArrays(
-        token_ids=np.zeros(t, np.int32), feed=np.full(t, -1, np.int32), positions=np.zeros(t, np.int32),
+        token_ids=np.zeros(t, np.int32),
+        feed=np.full(t, -1, np.int32),
+        positions=np.zeros(t, np.int32),
         slots=np.full(t, SCRATCH_BLOCK * block_size, np.int32),
-        tables=np.full((r, buckets.width), SCRATCH_BLOCK, np.int32), decode_token=np.full(r, t, np.int32),
-        tile_tokens=np.full((nt, buckets.tile), t, np.int32), tile_row=np.zeros(nt, np.int32),
-        logits_index=np.zeros(r, np.int32), temperature=np.zeros(r, np.float32), top_k=np.zeros(r, np.int32),
-        top_p=np.ones(r, np.float32), seeds=np.zeros(r, np.uint32), counters=np.zeros(r, np.int32),
-        limit=np.zeros(r, np.int32), stop_ids=np.full((r, STOP_SLOTS), -1, np.int32), min_p=np.zeros(r, np.float32),
-        slot=np.full(r, -1, np.int32), presence=np.zeros(r, np.float32), frequency=np.zeros(r, np.float32),
-        repetition=np.ones(r, np.float32), min_tokens=np.zeros(r, np.int32), logprobs=np.full(r, -1, np.int32))
+        tables=np.full((r, buckets.width), SCRATCH_BLOCK, np.int32),
+        decode_token=np.full(r, t, np.int32),
+        tile_tokens=np.full((nt, buckets.tile), t, np.int32),
+        tile_row=np.zeros(nt, np.int32),
+        logits_index=np.zeros(r, np.int32),
+        temperature=np.zeros(r, np.float32),
+        top_k=np.zeros(r, np.int32),
+        top_p=np.ones(r, np.float32),
+        seeds=np.zeros(r, np.uint32),
+        counters=np.zeros(r, np.int32),
+        limit=np.zeros(r, np.int32),
+        stop_ids=np.full((r, STOP_SLOTS), -1, np.int32),
+        min_p=np.zeros(r, np.float32),
+        slot=np.full(r, -1, np.int32),
+        presence=np.zeros(r, np.float32),
+        frequency=np.zeros(r, np.float32),
+        repetition=np.ones(r, np.float32),
+        min_tokens=np.zeros(r, np.int32),
+        logprobs=np.full(r, -1, np.int32),
+    )
 
 
 class BadRow(ValueError):
@@ -173,9 +205,9 @@ def _write_row(a: StepArrays, i: int, r: Row, at: int, tile: int, buckets: Bucke
     tq = buckets.tile
     pos = np.arange(r.start, r.start + n)
     table = np.asarray(r.block_table, np.int32)
-    a.token_ids[at:at + n] = r.tokens
-    a.positions[at:at + n] = pos
-    a.slots[at:at + n] = table[pos // block_size] * block_size + pos % block_size
+    a.token_ids[at : at + n] = r.tokens
+    a.positions[at : at + n] = pos
+    a.slots[at : at + n] = table[pos // block_size] * block_size + pos % block_size
     used = min(len(table), buckets.width)  # a table may hold blocks granted beyond this step
     a.tables[i, :used] = table[:used]
     if n == 1:
@@ -184,7 +216,7 @@ def _write_row(a: StepArrays, i: int, r: Row, at: int, tile: int, buckets: Bucke
     else:
         for lo in range(0, n, tq):
             hi = min(lo + tq, n)
-            a.tile_tokens[tile, :hi - lo] = np.arange(at + lo, at + hi)
+            a.tile_tokens[tile, : hi - lo] = np.arange(at + lo, at + hi)
             a.tile_row[tile] = i
             tile += 1
     a.logits_index[i] = at + n - 1
@@ -197,11 +229,11 @@ def _write_row(a: StepArrays, i: int, r: Row, at: int, tile: int, buckets: Bucke
     a.logprobs[i] = -1 if p.logprobs is None else p.logprobs
     a.limit[i] = r.steps
     stops = list(r.stop_ids)[:STOP_SLOTS]
-    a.stop_ids[i, :len(stops)] = stops
+    a.stop_ids[i, : len(stops)] = stops
     return tile
 
 
-def to_blob(a: StepArrays) -> Int[np.ndarray, "n"]:
+def to_blob(a: StepArrays) -> Int[np.ndarray, " n"]:
     """Every array of the step end to end in one int32 array (floats bit for bit): one transfer to the device."""
     return np.concatenate([np.ascontiguousarray(x).reshape(-1).view(np.int32) for x in a])
 
@@ -210,7 +242,7 @@ def from_blob(blob, shape: Shape, buckets: Buckets) -> StepArrays:
     """to_blob undone, for numpy or (inside the compiled step) jax arrays."""
     fields, at = [], 0
     for like in empty(buckets, shape, block_size=1):  # each field's dims and dtype
-        fields.append(blob[at:at + like.size].reshape(like.shape).view(like.dtype))
+        fields.append(blob[at : at + like.size].reshape(like.shape).view(like.dtype))
         at += like.size
     return StepArrays(*fields)
 
@@ -221,8 +253,19 @@ def shape_of(a: StepArrays) -> Shape:
 
 def sampling(a: StepArrays) -> Sampling:
     """The sampler's inputs."""
-    return Sampling(a.temperature, a.top_k, a.top_p, a.seeds, a.counters, a.min_p, a.slot, a.presence, a.frequency,
-                    a.repetition, a.min_tokens)
+    return Sampling(
+        a.temperature,
+        a.top_k,
+        a.top_p,
+        a.seeds,
+        a.counters,
+        a.min_p,
+        a.slot,
+        a.presence,
+        a.frequency,
+        a.repetition,
+        a.min_tokens,
+    )
 
 
 def sampler_kind(a: StepArrays) -> str:

@@ -30,12 +30,17 @@ def read_step(hlo: str, weights: Sequence[tuple[int, ...]]) -> dict[str, Any]:
     sizes = {math.prod(s) for s in weights}
     ops: collections.Counter[str] = collections.Counter()
     copies, scatters = [], []
-    blocks = {m.group(1): block for block in re.split(r"\n(?=%|ENTRY)", hlo)
-              if (m := re.match(r"(?:ENTRY )?%([\w.\-]+)", block))}
+    blocks = {
+        m.group(1): block
+        for block in re.split(r"\n(?=%|ENTRY)", hlo)
+        if (m := re.match(r"(?:ENTRY )?%([\w.\-]+)", block))
+    }
     for name, block in blocks.items():
         if name in fused:
-            if " scatter(" in block and any(squeeze(int(d) for d in dims.split(",") if d) in shapes
-                                            for dims in re.findall(r"\w+\[([\d,]*)\]\S* parameter\(", block)):
+            if " scatter(" in block and any(
+                squeeze(int(d) for d in dims.split(",") if d) in shapes
+                for dims in re.findall(r"\w+\[([\d,]*)\]\S* parameter\(", block)
+            ):
                 scatters.append(name)
             continue
         for line in block.splitlines()[1:]:
@@ -48,5 +53,10 @@ def read_step(hlo: str, weights: Sequence[tuple[int, ...]]) -> dict[str, Any]:
             written = dims in shapes or (array and array.group(1) in FLOATS and math.prod(dims) in sizes)
             if written and m.group(3) not in ("parameter", "bitcast", "get-tuple-element"):
                 copies.append(f"{m.group(1)}: {m.group(3)} {m.group(2)}")
-    return {"conditionals": ops["conditional"], "whiles": ops["while"], "weight_copies": copies,
-            "scatters_reading_weights": scatters, "instructions": sum(ops.values())}
+    return {
+        "conditionals": ops["conditional"],
+        "whiles": ops["while"],
+        "weight_copies": copies,
+        "scatters_reading_weights": scatters,
+        "instructions": sum(ops.values()),
+    }

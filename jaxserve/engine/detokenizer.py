@@ -25,8 +25,10 @@ class IncrementalDetokenizer:
 
     def _pending(self) -> tuple[str, str]:
         skip = self.skip_special_tokens
-        return (self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=skip),
-                self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=skip))
+        return (
+            self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=skip),
+            self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=skip),
+        )
 
     def push(self, token: int) -> str:
         """The text that `token` completes ('' while a character is still incomplete)."""
@@ -35,10 +37,10 @@ class IncrementalDetokenizer:
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character decodes as U+FFFD), at the end of a request."""
         before, after = self._pending()
         self.prefix = self.read = len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]

@@ -58,8 +58,10 @@ class TokenLogprob(NamedTuple):
 
 def token_logprobs(tokens: Sequence[int], lp: Logprobs, k: int) -> list[TokenLogprob]:
     """Each token's entry from its row of lp (numpy, row i for tokens[i]), with the k most likely."""
-    return [TokenLogprob(t, float(lp.chosen[i]), tuple(zip(lp.top_ids[i, :k].tolist(), lp.top[i, :k].tolist())))
-            for i, t in enumerate(tokens)]
+    return [
+        TokenLogprob(t, float(lp.chosen[i]), tuple(zip(lp.top_ids[i, :k].tolist(), lp.top[i, :k].tolist())))
+        for i, t in enumerate(tokens)
+    ]
 
 
 @dataclasses.dataclass
@@ -79,8 +81,15 @@ class RequestOutput:
     @classmethod
     def failed(cls, request_id: str, error: str, cached_tokens: int = 0) -> RequestOutput:
         """The request ended with an error, producing nothing more."""
-        return cls(request_id, new_token_ids=[], new_text="", finished=True, finish_reason=FinishReason.ERROR,
-                   cached_tokens=cached_tokens, error=error)
+        return cls(
+            request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            cached_tokens=cached_tokens,
+            error=error,
+        )
 
 
 class StepFailed(RuntimeError):
@@ -131,14 +140,24 @@ class _Step:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, scheduler: ReplicaScheduler, tokenizer: TextTokenizer, *,
-                 max_model_len: int, clock: Callable[[], float] = time.monotonic, overlap: bool = True):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: ReplicaScheduler,
+        tokenizer: TextTokenizer,
+        *,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+        overlap: bool = True,
+    ):
         """overlap: dispatch each step before reading the last one's tokens (False: one step at a time)."""
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         if max_model_len > scheduler.kv_capacity:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the KV cache's {scheduler.kv_capacity} "
-                             "tokens; give it more blocks")
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the KV cache's {scheduler.kv_capacity} "
+                "tokens; give it more blocks"
+            )
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.kv = scheduler.kv
         self.max_model_len = max_model_len
@@ -170,25 +189,42 @@ class Engine:
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.runner.cfg.vocab_size
-        for name, given in (("prompt token ids", ids), ("logit_bias token ids", [t for t, _ in params.logit_bias]),
-                            ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, given in (
+            ("prompt token ids", ids),
+            ("logit_bias token ids", [t for t, _ in params.logit_bias]),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
             bad = sorted({t for t in given if not 0 <= t < vocab})
             if bad:  # vLLM's words: "out of vocabulary"
                 raise ValueError(f"{name} must be in [0, {vocab}): {excerpt(bad, 40)} out of vocabulary")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                             f"(prompt plus at least one generated token; the KV pool: {self.kv.describe()})")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                f"(prompt plus at least one generated token; the KV pool: {self.kv.describe()})"
+            )
         bad_words.sequences(params.bad_words, self.tokenizer, vocab)
         if params.structured_output is not None:
             self.grammars.compiled(params.structured_output)  # compiled (and kept) now: a bad grammar is refused
         return ids
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    ttft_slo: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        ttft_slo: float | None = None,
+    ) -> str:
         return self.enqueue(self.check_request(prompt_ids, params), params, request_id, ttft_slo)
 
-    def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                ttft_slo: float | None = None, generated: int = 0, after: str | None = None) -> str:
+    def enqueue(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        ttft_slo: float | None = None,
+        generated: int = 0,
+        after: str | None = None,
+    ) -> str:
         """Queue a request whose prompt and params check_request already passed (checking is O(prompt), so a
         caller that checked first does not pay for a long prompt twice). ttft_slo: seconds to the first token,
         the deadline the deadline-aware policies (edf, lrs, lars) rank by; None takes the scheduler's SLO.
@@ -197,8 +233,9 @@ class Engine:
         resumes where it stopped, and its draws go on from that token index. after: a sibling of that
         request (the same prompt: n > 1), held back until it has its first token, so that its prompt is
         prefilled once and the sibling finds it in the prefix cache."""
-        live = self._new_live(ids, params, request_id if request_id is not None else f"req-{next(self._ids)}",
-                              generated)
+        live = self._new_live(
+            ids, params, request_id if request_id is not None else f"req-{next(self._ids)}", generated
+        )
         r = live.sched
         if ttft_slo is not None:
             r.ttft_deadline = r.arrival + ttft_slo
@@ -218,27 +255,37 @@ class Engine:
     def _new_live(self, ids: list[int], params: SamplingParams, request_id: str, generated: int = 0) -> _Live:
         """The engine's side of a new request (its seed: the params' or a random one), kept in _live. With
         `generated`, the text and stop state are replayed over those last ids as _append made them."""
-        prompt = ids[:len(ids) - generated]
+        prompt = ids[: len(ids) - generated]
         words = bad_words.sequences(params.bad_words, self.tokenizer, self.runner.cfg.vocab_size)
         longer = [w for w in words if len(w) > 1]
-        r = sched_request.Request(request_id, self.clock(), len(prompt),
-                                  min(params.max_tokens, self.max_model_len - len(prompt)), token_ids=list(ids),
-                                  single_step=params.structured_output is not None or bool(longer),
-                                  generated=generated)
+        r = sched_request.Request(
+            request_id,
+            self.clock(),
+            len(prompt),
+            min(params.max_tokens, self.max_model_len - len(prompt)),
+            token_ids=list(ids),
+            single_step=params.structured_output is not None or bool(longer),
+            generated=generated,
+        )
         if generated:  # as a preempted request: its KV recomputed, its tokens' count (the sampler's) goes on
             r.preempt()
         seed = params.draw_seed() if params.seed is not None else self._seed_rng.getrandbits(32)
         matcher = None
         if params.structured_output is not None:  # before the request is held: a grammar that fails leaves nothing
             matcher = self.grammars.matcher(params.structured_output)
-            if not matcher.consume_tokens(ids[len(prompt):]):
+            if not matcher.consume_tokens(ids[len(prompt) :]):
                 raise ValueError(f"request {request_id}: its grammar refuses the tokens it generated")
         live = self._live[request_id] = _Live(
-            r, params, seed, IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens),
+            r,
+            params,
+            seed,
+            IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens),
             StopMatcher(params.stop),
-            matcher=matcher, bad_words=bad_words.BadWords(longer, ids[len(prompt):]) if longer else None,
-            never=tuple(w[0] for w in words if len(w) == 1))
-        for token in ids[len(prompt):]:
+            matcher=matcher,
+            bad_words=bad_words.BadWords(longer, ids[len(prompt) :]) if longer else None,
+            never=tuple(w[0] for w in words if len(w) == 1),
+        )
+        for token in ids[len(prompt) :]:
             new = live.detokenizer.push(token)
             live.text += new
             live.stops.feed(new)
@@ -385,8 +432,10 @@ class Engine:
         while True:
             try:
                 rows = [self._row(i, feeds, plan.steps > 1) for i in step.items]
-                guided = [live if live.guided and self.scheduler.yields_token(i) else None
-                          for i, live in zip(step.items, step.lives)]
+                guided = [
+                    live if live.guided and self.scheduler.yields_token(i) else None
+                    for i, live in zip(step.items, step.lives)
+                ]
                 step.guided = guided if any(g is not None for g in guided) else []
                 step.tokens = self.runner.start(rows, steps=plan.steps, guided=bool(step.guided)) if rows else None
                 if step.guided and previous is None:  # no step in flight: the guides are up to date
@@ -405,11 +454,14 @@ class Engine:
         words its tokens would complete. Each guide has taken its request's tokens up to this step's (the device
         ran the step's forward meanwhile); a request that ended since gets no mask (its row's token is dropped).
         A failure ends the step's requests, told in this step's outputs."""
-        guided = [g if g is not None and self._live.get(i.request_id) is g else None
-                  for i, g in zip(step.items, step.guided)]
+        guided = [
+            g if g is not None and self._live.get(i.request_id) is g else None for i, g in zip(step.items, step.guided)
+        ]
         try:
-            masks = self.grammars.masks([None if g is None else g.matcher for g in guided],
-                                        [g.bad_words.banned() if g is not None and g.bad_words else () for g in guided])
+            masks = self.grammars.masks(
+                [None if g is None else g.matcher for g in guided],
+                [g.bad_words.banned() if g is not None and g.bad_words else () for g in guided],
+            )
             step.tokens = self.runner.sample_guided(masks)
             step.guided = []
             return step
@@ -435,8 +487,11 @@ class Engine:
         outputs, tokens, stopped = [], {}, set()
         # the Plan as it ran, less the requests that ended since it was dispatched (a stop found one step late
         # drops their tokens; a request id used again names another request)
-        ran = [(n, item) for n, (item, live) in enumerate(zip(step.items, step.lives))
-               if self._live.get(item.request_id) is live]
+        ran = [
+            (n, item)
+            for n, (item, live) in enumerate(zip(step.items, step.lives))
+            if self._live.get(item.request_id) is live
+        ]
         plan = dataclasses.replace(step.plan, items=tuple(item for _, item in ran))
         for n, item in ran:
             if not self.scheduler.yields_token(item):
@@ -444,8 +499,11 @@ class Engine:
             live = self._live[item.request_id]
             count = item.tokens if item.phase is Phase.DECODE else 1
             try:
-                out = self._take(live, [int(t) for t in sampled[:count, n]],
-                                 None if logprobs is None else Logprobs(*(x[:count, n] for x in logprobs)))
+                out = self._take(
+                    live,
+                    [int(t) for t in sampled[:count, n]],
+                    None if logprobs is None else Logprobs(*(x[:count, n] for x in logprobs)),
+                )
             except Exception as e:  # noqa: BLE001 - e.g. detokenizing: this request's own work
                 logging.exception("request %s failed after its step", item.request_id)
                 outputs.append(self._error(item.request_id, f"turning its token into text failed: {e}"))
@@ -487,12 +545,31 @@ class Engine:
             steps, stops = item.tokens, tuple(dict.fromkeys((*eos, *p.stop_token_ids)))
         slot = self._slot(live) if self.scheduler.yields_token(item) else -1
         if item.start < len(r.token_ids):
-            tokens = r.token_ids[item.start:item.start + (1 if burst else item.tokens)]
-            return Row(tokens=tokens, start=item.start, block_table=table, params=live.params, seed=live.seed,
-                       counter=r.generated, steps=steps, stop_ids=stops, slot=slot)
+            tokens = r.token_ids[item.start : item.start + (1 if burst else item.tokens)]
+            return Row(
+                tokens=tokens,
+                start=item.start,
+                block_table=table,
+                params=live.params,
+                seed=live.seed,
+                counter=r.generated,
+                steps=steps,
+                stop_ids=stops,
+                slot=slot,
+            )
         flying = item.start - len(r.token_ids) + 1
-        return Row(tokens=(0,), start=item.start, block_table=table, params=live.params, seed=live.seed,
-                   counter=r.generated + flying, feed=feeds[item.request_id], steps=steps, stop_ids=stops, slot=slot)
+        return Row(
+            tokens=(0,),
+            start=item.start,
+            block_table=table,
+            params=live.params,
+            seed=live.seed,
+            counter=r.generated + flying,
+            feed=feeds[item.request_id],
+            steps=steps,
+            stop_ids=stops,
+            slot=slot,
+        )
 
     def _slot(self, live: _Live) -> int:
         """The request's sampling slot (-1 if its params need none), set from its history when it takes one: at
@@ -504,8 +581,14 @@ class Engine:
             r, p = live.sched, live.params
             slot = self._free_slots.pop()
             banned = (*self.tokenizer.stop_ids, *p.stop_token_ids)
-            self.runner.set_slot(slot, r.token_ids[:r.prompt_len], r.token_ids[r.prompt_len:],
-                                 (*p.logit_bias, *((t, -math.inf) for t in live.never)), banned, p.allowed_token_ids)
+            self.runner.set_slot(
+                slot,
+                r.token_ids[: r.prompt_len],
+                r.token_ids[r.prompt_len :],
+                (*p.logit_bias, *((t, -math.inf) for t in live.never)),
+                banned,
+                p.allowed_token_ids,
+            )
             live.slot = slot
         return live.slot
 
@@ -547,9 +630,13 @@ class Engine:
                 break
         last = outs[-1]
         k = live.params.logprobs
-        kept = None if k is None or logprobs is None else token_logprobs(tokens[:len(outs)], logprobs, k)
-        return dataclasses.replace(last, new_token_ids=[o.new_token_ids[0] for o in outs],
-                                   new_text="".join(o.new_text for o in outs), logprobs=kept)
+        kept = None if k is None or logprobs is None else token_logprobs(tokens[: len(outs)], logprobs, k)
+        return dataclasses.replace(
+            last,
+            new_token_ids=[o.new_token_ids[0] for o in outs],
+            new_text="".join(o.new_text for o in outs),
+            logprobs=kept,
+        )
 
     def _append(self, live: _Live, token: int, ahead: int = 0) -> RequestOutput:
         """One new token; `ahead`: tokens of the same step before it."""
@@ -559,8 +646,9 @@ class Engine:
             raise ValueError(f"token {token}: {grammar_error(live.matcher.get_error())}")
         if live.bad_words is not None:
             live.bad_words.consume_token(token)
-        stop_token = generated >= p.min_tokens and (token in p.stop_token_ids or (token in self.tokenizer.stop_ids
-                                                                                   and not p.ignore_eos))
+        stop_token = generated >= p.min_tokens and (
+            token in p.stop_token_ids or (token in self.tokenizer.stop_ids and not p.ignore_eos)
+        )
         new = "" if stop_token else live.detokenizer.push(token)  # as vLLM: a stop token's text is never output
         live.text += new
         text = live.text
@@ -569,7 +657,7 @@ class Engine:
             stop_at = None
         reason = stop = None
         if stop_at is not None:
-            stop = text[stop_at:live.stops.seen]  # the string that matched (the matcher stopped at its end)
+            stop = text[stop_at : live.stops.seen]  # the string that matched (the matcher stopped at its end)
             text = text[:stop_at]
             reason = FinishReason.STOP
         elif stop_token:
@@ -579,10 +667,17 @@ class Engine:
         elif generated >= r.output_len:
             reason = FinishReason.LENGTH
         if reason is None:  # hold back any tail that may begin a stop string
-            text = text[:max(len(text) - live.stops.held, live.emitted_chars)]
+            text = text[: max(len(text) - live.stops.held, live.emitted_chars)]
         elif stop_at is None:
             text = live.text = live.text + live.detokenizer.flush()
-        delta = text[live.emitted_chars:]
+        delta = text[live.emitted_chars :]
         live.emitted_chars = len(text)
-        return RequestOutput(r.id, new_token_ids=[token], new_text=delta, finished=reason is not None,
-                             finish_reason=reason, cached_tokens=r.cached_tokens, stop=stop)
+        return RequestOutput(
+            r.id,
+            new_token_ids=[token],
+            new_text=delta,
+            finished=reason is not None,
+            finish_reason=reason,
+            cached_tokens=r.cached_tokens,
+            stop=stop,
+        )

@@ -49,8 +49,9 @@ class Grammars:
         if self._lltok is None and self._lltok_error is None:
             eos = sorted(self._tokenizer.stop_ids)  # all of them: a grammar may end with the turn's end (<|im_end|>)
             try:
-                self._lltok = llguidance.LLTokenizer(self._tokenizer.tokenizer.to_str(), n_vocab=self.vocab_size,
-                                                     eos_token=eos or None)
+                self._lltok = llguidance.LLTokenizer(
+                    self._tokenizer.tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=eos or None
+                )
             except Exception as e:  # noqa: BLE001 - e.g. the random models' word tokenizer
                 self._lltok_error = f"this model's tokenizer cannot drive a grammar ({e})"
         if self._lltok is None:
@@ -78,8 +79,9 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def masks(self, matchers: Sequence[llguidance.LLMatcher | None],
-              banned: Sequence[Sequence[int]] = ()) -> Int[np.ndarray, "r w"]:
+    def masks(
+        self, matchers: Sequence[llguidance.LLMatcher | None], banned: Sequence[Sequence[int]] = ()
+    ) -> Int[np.ndarray, "r w"]:
         """A step's masks: row i's from matchers[i], every token where it has none or its matcher is done (a
         stopped request's surplus row); then the tokens of banned[i] cleared."""
         mask = everything(len(matchers), self.vocab_size)

@@ -29,12 +29,23 @@ class ServingEngine(Protocol):
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt's ids, checked against the model and the cache (ValueError names the problem)."""
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    ttft_slo: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        ttft_slo: float | None = None,
+    ) -> str:
         """check_request, then enqueue."""
 
-    def enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                ttft_slo: float | None = None, after: str | None = None) -> str:
+    def enqueue(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        ttft_slo: float | None = None,
+        after: str | None = None,
+    ) -> str:
         """Take a checked request; its id. after: a live request with the same prompt (a sibling, n > 1) whose
         prefill it may wait for, to share its KV."""
 

@@ -34,20 +34,24 @@ class Budget:
 
     def describe(self, tokens: int, utilization: float) -> str:
         g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
-        return (f"KV pool: {tokens} tokens ({g(self.kv)} a device) = gpu_memory_utilization {utilization} of the "
-                f"device's memory ({g(self.limit)}) less {g(self.held)} in use, {g(self.weights)} of weights and "
-                f"{g(self.activations)} for a step's activations")
+        return (
+            f"KV pool: {tokens} tokens ({g(self.kv)} a device) = gpu_memory_utilization {utilization} of the "
+            f"device's memory ({g(self.limit)}) less {g(self.held)} in use, {g(self.weights)} of weights and "
+            f"{g(self.activations)} for a step's activations"
+        )
 
 
-def activation_bytes(cfg: LlamaConfig, tokens: int, rows: int, key_block: int, dtype_bytes: int,
-                     tp: int = 1, quantized: bool = False) -> int:
+def activation_bytes(
+    cfg: LlamaConfig, tokens: int, rows: int, key_block: int, dtype_bytes: int, tp: int = 1, quantized: bool = False
+) -> int:
     """An upper bound of a step's working memory: every intermediate of one layer for `tokens` tokens held at
     once (with quantized weights, the MLP's three kernels dequantized too, where XLA does not fuse that into the
     matmul), a tile of attention scores, and the sampler's float32 logits (three copies: logits, softmax, sort) and
     its slots (engine/sampling.py: four [rows, vocab] arrays); twice that, for what XLA's buffer assignment adds."""
     heads, kv_heads = cfg.num_heads // tp, max(cfg.num_kv_heads // tp, 1)
-    per_token = (4 * cfg.hidden_size + 2 * heads * cfg.head_dim + 2 * kv_heads * cfg.head_dim
-                 + 3 * cfg.intermediate_size // tp)
+    per_token = (
+        4 * cfg.hidden_size + 2 * heads * cfg.head_dim + 2 * kv_heads * cfg.head_dim + 3 * cfg.intermediate_size // tp
+    )
     layer = tokens * per_token * max(dtype_bytes, 4)
     if quantized:
         layer += 3 * cfg.hidden_size * cfg.intermediate_size // tp * dtype_bytes

@@ -38,15 +38,15 @@ class RaggedPagedMetadata(AttentionMetadata):
     """What RaggedPagedBackend reads: a flat ragged batch of t tokens in r rows (batch.StepArrays), in the
     group's global block numbers."""
 
-    slots: Int[Array, "t"]
+    slots: Int[Array, " t"]
     """Where each token's K/V is written (padding: the scratch block)."""
     tables: Int[Array, "r w"]
     """Each row's block table."""
-    decode_token: Int[Array, "r"]
+    decode_token: Int[Array, " r"]
     """The flat index of a decode row's token; t for other rows."""
     tile_tokens: Int[Array, "nt tq"]
     """Each attention tile's flat token indices; t where padded."""
-    tile_row: Int[Array, "nt"]
+    tile_row: Int[Array, " nt"]
     """The row each tile's tokens belong to."""
     page_pos: Int[Array, "r w"] | None = None
     """Each table entry's first key position, where a KV-parallel device lists its own blocks first
@@ -83,11 +83,21 @@ class RaggedPagedBackend:
         layers, slots_per_layer = k_all.shape[:2]
         flat = (layers * slots_per_layer, *k_all.shape[2:])
         tables = jnp.where(tables >= 0, tables + layer * (slots_per_layer // self.block_size), -1)
-        out, lse = ragged_paged_attention(q[0], positions[0], k_all.reshape(flat), v_all.reshape(flat), tables,
-                                          metadata.decode_token, metadata.tile_tokens, metadata.tile_row,
-                                          block_size=self.block_size,
-                                          key_block=self.key_block, window=self.window, page_pos=metadata.page_pos,
-                                          implementation=self.implementation)
+        out, lse = ragged_paged_attention(
+            q[0],
+            positions[0],
+            k_all.reshape(flat),
+            v_all.reshape(flat),
+            tables,
+            metadata.decode_token,
+            metadata.tile_tokens,
+            metadata.tile_row,
+            block_size=self.block_size,
+            key_block=self.key_block,
+            window=self.window,
+            page_pos=metadata.page_pos,
+            implementation=self.implementation,
+        )
         if self.kvp > 1:
             out, _ = merge_gathered(out, lse, SP)
         return out[None], (k_all, v_all)
@@ -116,8 +126,9 @@ def cache_dtype(dtype: jnp.dtype, platform: str, requested: str = "auto") -> jnp
     return jnp.dtype(jnp.float32) if platform == "cpu" else jnp.dtype(dtype)
 
 
-def allocate_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, tp: int = 1,
-                    layers: int | None = None) -> Caches:
+def allocate_caches(
+    cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, tp: int = 1, layers: int | None = None
+) -> Caches:
     """Zeroed (k_all, v_all), each [layers, num_blocks * block_size, kvh, d]: kvh counts the KV heads of
     all tp devices (repeated heads once per device that holds them); layers: a pipeline stage's (default all)."""
     shape = (layers or cfg.num_layers, num_blocks * block_size, cfg.split(tp).cache_heads, cfg.head_dim)

@@ -64,8 +64,13 @@ def synthetic_row(n: int, history: int, first_block: int, block_size: int, num_b
     return Row(np.ones(n, np.int32).tolist(), history, blocks, _DRAWN, 0, 0)
 
 
-def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress: bool = True,
-            stop: Callable[[], bool] = lambda: False) -> EngineStepCost:
+def measure(
+    runner: ModelRunner,
+    max_model_len: int,
+    repeats: int = 3,
+    progress: bool = True,
+    stop: Callable[[], bool] = lambda: False,
+) -> EngineStepCost:
     """stop: asked before each run of a step; True ends the measurement with Interrupted (a request waits)."""
     bs, nb, buckets, key_block = runner.block_size, runner.num_blocks, runner.buckets, runner.key_block
     shapes, decode_rows = buckets.shapes(), buckets.decode_rows
@@ -77,8 +82,10 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
     kv = max(min(longest, (nb - 1) // rows * bs), 1)  # per decode row, in blocks of its own
     per_row = -(-kv // bs)
     blocks = lambda span: -(-span // key_block)  # noqa: E731 - the attention's loop trip count
-    with tqdm(total=len(shapes) + len(decode_rows) + 5, desc="profile the step", unit="step",
-              disable=not progress) as bar:
+    with tqdm(
+        total=len(shapes) + len(decode_rows) + 5, desc="profile the step", unit="step", disable=not progress
+    ) as bar:
+
         def timed(run: Callable[[], object]) -> float:
             t = median_time(run, repeats, stop)
             bar.update()
@@ -107,21 +114,41 @@ def measure(runner: ModelRunner, max_model_len: int, repeats: int = 3, progress:
         # decode rows: all short, all long, one long beside short ones (the others then read padding blocks);
         # per row fixed + per block of its own context + per padding block, solved from the three
         kvs = ([1] * rows, [kv] * rows, [kv] + [1] * (rows - 1))
-        times = [step([synthetic_row(1, k - 1, 1 + i * per_row, bs, nb) for i, k in enumerate(ks)]) - decode_base[-1]
-                 for ks in kvs]
+        times = [
+            step([synthetic_row(1, k - 1, 1 + i * per_row, bs, nb) for i, k in enumerate(ks)]) - decode_base[-1]
+            for ks in kvs
+        ]
         own = [sum(ks) / key_block for ks in kvs]
         terms = np.array([[rows, o, rows * blocks(max(ks)) - o] for ks, o in zip(kvs, own)])
         decode_fixed, decode_block, decode_pad_block = np.maximum(np.linalg.lstsq(terms, times, rcond=None)[0], 0.0)
-    return EngineStepCost(_shapes(buckets), key_block, base, decode_base, tile_fixed, tile_block, float(decode_fixed),
-                          float(decode_block), float(decode_pad_block))
+    return EngineStepCost(
+        _shapes(buckets),
+        key_block,
+        base,
+        decode_base,
+        tile_fixed,
+        tile_block,
+        float(decode_fixed),
+        float(decode_block),
+        float(decode_pad_block),
+    )
 
 
 def unmeasured(runner: ModelRunner) -> EngineStepCost:
     """A cost model that prices every step at zero, for an engine started without measuring one: its steps are
     bounded by tokens alone (the packer's budget must then be unbounded)."""
     b = runner.buckets
-    return EngineStepCost(_shapes(b), runner.key_block, [[0.0] * len(b.rows) for _ in b.tokens],
-                          [0.0] * len(b.decode_rows), 0.0, 0.0, 0.0, 0.0, 0.0)
+    return EngineStepCost(
+        _shapes(b),
+        runner.key_block,
+        [[0.0] * len(b.rows) for _ in b.tokens],
+        [0.0] * len(b.decode_rows),
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    )
 
 
 def _shapes(b: batch.Buckets) -> StepShapes:
@@ -138,10 +165,13 @@ def cache_file(model_name: str, dtype: str, shape: str, version: int) -> pathlib
 
 def default_path(model_name: str, dtype: str, runner: ModelRunner) -> pathlib.Path:
     b = runner.buckets
-    shape = (f"t{b.tokens[-1]}-r{b.rows[-1]}-p{b.max_prefills}-w{b.width}-tile{b.tile}-bs{runner.block_size}"
-             f"-kb{runner.key_block}"
-             f"-tp{runner.tp}" + (f"-pp{runner.stages}" if runner.stages > 1 else "")
-             + (f"-kvp{runner.kvp}" if runner.kvp > 1 else ""))
+    shape = (
+        f"t{b.tokens[-1]}-r{b.rows[-1]}-p{b.max_prefills}-w{b.width}-tile{b.tile}-bs{runner.block_size}"
+        f"-kb{runner.key_block}"
+        f"-tp{runner.tp}"
+        + (f"-pp{runner.stages}" if runner.stages > 1 else "")
+        + (f"-kvp{runner.kvp}" if runner.kvp > 1 else "")
+    )
     return cache_file(model_name, dtype, shape, VERSION)
 
 
@@ -150,17 +180,27 @@ def load(path: pathlib.Path, runner: ModelRunner) -> EngineStepCost:
     cost = EngineStepCost.from_dict(json.loads(path.read_text()))
     b = runner.buckets
     if cost.shapes != _shapes(b) or cost.key_block != runner.key_block:
-        raise ValueError(f"the cost profile {path} was measured for other step shapes ({cost.shapes}, key block "
-                         f"{cost.key_block}) than this engine's ({_shapes(b)}, key block {runner.key_block})")
+        raise ValueError(
+            f"the cost profile {path} was measured for other step shapes ({cost.shapes}, key block "
+            f"{cost.key_block}) than this engine's ({_shapes(b)}, key block {runner.key_block})"
+        )
     return cost
 
 
-def load_or_measure(path: pathlib.Path, runner: ModelRunner, max_model_len: int, progress: bool = True,
-                    stop: Callable[[], bool] = lambda: False) -> EngineStepCost:
+def load_or_measure(
+    path: pathlib.Path,
+    runner: ModelRunner,
+    max_model_len: int,
+    progress: bool = True,
+    stop: Callable[[], bool] = lambda: False,
+) -> EngineStepCost:
     """The profile in `path`, measured (and written there) first if the file does not exist. stop: as measure's."""
-    return cached(path, lambda: load(path, runner),
-                  lambda: measure(runner, max_model_len, progress=progress, stop=stop),
-                  lambda cost: json.dumps(cost.to_dict(), indent=1))
+    return cached(
+        path,
+        lambda: load(path, runner),
+        lambda: measure(runner, max_model_len, progress=progress, stop=stop),
+        lambda cost: json.dumps(cost.to_dict(), indent=1),
+    )
 
 
 def read_kept(path: pathlib.Path, read: Callable[[], T]) -> T | None:

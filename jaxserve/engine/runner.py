@@ -8,13 +8,13 @@ dispatch the next step first: a decode whose token is still in flight names its 
 Forwards are keyed by their shape (batch.Shape: a decode program per row bucket, a mixed one per (tokens, rows)
 bucket), samplers by their rows and kind (batch.sampler_kind: argmax alone when every row is greedy, a draw, or a
 draw cut by top-k / top-p; the host picks), plain or extra (batch.extra: penalties, logit_bias and min_tokens from
-per-request slots on the device, which the extra sampler updates, and logprobs). A multi-step decode (a burst: `steps` decode steps in one device loop,
-each step's sampled tokens fed to the next) is one program with its sampler inside, keyed by rows and the sampler's
-kind (Burst); its steps are a loop bound on the device, so any count up to the configured most runs in the same
-program. `warmup` compiles every program a configuration uses before the first request (in parallel threads: XLA
-compiles outside the GIL), and nothing compiles while serving; or a program compiles the first time a step needs it
-(`generate` starts at once). Nothing in them branches on the device but a burst's loop, which ends on a device
-value (on a GPU its predicate reaches the host once a step: a small sync, once per token, not per layer).
+per-request slots on the device, which the extra sampler updates, and logprobs). A multi-step decode (a burst: `steps`
+decode steps in one device loop, each step's sampled tokens fed to the next) is one program with its sampler inside,
+keyed by rows and the sampler's kind (Burst); its steps are a loop bound on the device, so any count up to the
+configured most runs in the same program. `warmup` compiles every program a configuration uses before the first request
+(in parallel threads: XLA compiles outside the GIL), and nothing compiles while serving; or a program compiles the first
+time a step needs it (`generate` starts at once). Nothing in them branches on the device but a burst's loop, which ends
+on a device value (on a GPU its predicate reaches the host once a step: a small sync, once per token, not per layer).
 
 The layers run unrolled over per-layer weights (models/llama.py), so each GEMM reads its weights in place. A
 layer scan's dynamic slice copies every layer's weights out of the stacked arrays first: on a GPU more than half
@@ -67,13 +67,13 @@ from jaxserve.sched.kv_manager import SCRATCH_BLOCK
 from jaxserve.sharding.mesh import SP, TP, make_mesh
 
 
-def forward(model: Llama, params: Any, caches: Any, a: batch.StepArrays,
-            inputs: Int[Array, "m"] | Float[Array, "t e"]) -> tuple[Float[Array, "r v"] | Float[Array, "t e"], Any]:
+def forward(
+    model: Llama, params: Any, caches: Any, a: batch.StepArrays, inputs: Int[Array, " m"] | Float[Array, "t e"]
+) -> tuple[Float[Array, "r v"] | Float[Array, "t e"], Any]:
     """The model over the flat batch, writing its K/V into the caches: the logits of each row's last token.
     inputs: the last step's sampled tokens, which the tokens marked in `a.feed` are; on a pipeline stage after the
     first, the previous stage's hidden states (and a stage before the last returns its own)."""
-    metadata = model.backend.local(RaggedPagedMetadata(a.slots, a.tables, a.decode_token, a.tile_tokens,
-                                                        a.tile_row))
+    metadata = model.backend.local(RaggedPagedMetadata(a.slots, a.tables, a.decode_token, a.tile_tokens, a.tile_row))
     if model.layers is None or model.layers[0] == 0:
         inputs = jnp.where(a.feed >= 0, inputs[jnp.maximum(a.feed, 0)], a.token_ids)
     out, caches = model.apply(params, inputs[None], a.positions[None], caches, metadata, a.logits_index[None])
@@ -85,6 +85,7 @@ def forward_packed(model: Llama, buckets: batch.Buckets, spread: Callable | None
     sampler's inputs). The step's arrays arrive as one blob (batch.to_blob: one transfer), and the sampler takes
     its inputs from here, already on the device. spread: wraps the per-device part for several devices (a
     shard_map); None on one."""
+
     def one(params, caches, arrays, previous):
         logits, caches = forward(model, params, caches, arrays, previous)
         return logits, caches, batch.sampling(arrays)
@@ -97,10 +98,18 @@ def forward_packed(model: Llama, buckets: batch.Buckets, spread: Callable | None
     return step
 
 
-def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous: Int[Array, "m"],
-          slots: Slots | None, *, size: int, kind: str, block_size: int) -> tuple[Any, Int[Array, "n r"],
-                                                                                  Int[Array, "r"], Slots | None,
-                                                                                  Logprobs | None]:
+def burst(
+    model: Llama,
+    params: Any,
+    caches: Any,
+    a: batch.StepArrays,
+    previous: Int[Array, " m"],
+    slots: Slots | None,
+    *,
+    size: int,
+    kind: str,
+    block_size: int,
+) -> tuple[Any, Int[Array, "n r"], Int[Array, " r"], Slots | None, Logprobs | None]:
     """Decode steps of a decode program's rows in one loop on the device, each step sampling the token the next
     feeds, until every row is done: a row stops after `a.limit` tokens (at most `size`) or at one of its
     `a.stop_ids` (sampled, or fed to it), and from then on writes to the scratch block at its first position
@@ -112,16 +121,30 @@ def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous:
     first = jnp.where(a.feed >= 0, previous[jnp.maximum(a.feed, 0)], a.token_ids)  # row i's token is token i
     no_feed = jnp.full_like(a.feed, -1)
     stops = lambda token: jnp.any(token[:, None] == a.stop_ids, axis=-1)  # noqa: E731
-    logprobs = None if slots is None else Logprobs(jnp.zeros((size, r)), jnp.zeros((size, r, MAX_LOGPROBS)),
-                                                   jnp.zeros((size, r, MAX_LOGPROBS), jnp.int32))
+    logprobs = (
+        None
+        if slots is None
+        else Logprobs(
+            jnp.zeros((size, r)), jnp.zeros((size, r, MAX_LOGPROBS)), jnp.zeros((size, r, MAX_LOGPROBS), jnp.int32)
+        )
+    )
 
     def one(carry):
         j, caches, token, live, out, slots, logprobs = carry
         positions = jnp.where(live, a.positions + j, a.positions)
-        slots_at = jnp.where(live, a.tables[rows, positions // block_size] * block_size + positions % block_size,
-                             SCRATCH_BLOCK * block_size)
-        step = a._replace(token_ids=token, feed=no_feed, positions=positions, slots=slots_at, counters=a.counters + j,
-                          slot=jnp.where(live, a.slot, -1))
+        slots_at = jnp.where(
+            live,
+            a.tables[rows, positions // block_size] * block_size + positions % block_size,
+            SCRATCH_BLOCK * block_size,
+        )
+        step = a._replace(
+            token_ids=token,
+            feed=no_feed,
+            positions=positions,
+            slots=slots_at,
+            counters=a.counters + j,
+            slot=jnp.where(live, a.slot, -1),
+        )
         logits, caches = forward(model, params, caches, step, previous)
         new, slots, lp = sample_step(logits, batch.sampling(step), slots, kind=kind)
         if lp is not None:
@@ -131,35 +154,51 @@ def burst(model: Llama, params: Any, caches: Any, a: batch.StepArrays, previous:
         return j + 1, caches, token, live, out.at[j].set(new), slots, logprobs
 
     # a row fed a stop token (one in flight when this burst was planned) belongs to a finished request
-    start = (jnp.int32(0), caches, first, (a.limit > 0) & ~stops(first), jnp.zeros((size, r), jnp.int32), slots,
-             logprobs)
+    start = (
+        jnp.int32(0),
+        caches,
+        first,
+        (a.limit > 0) & ~stops(first),
+        jnp.zeros((size, r), jnp.int32),
+        slots,
+        logprobs,
+    )
     _, caches, last, _, out, slots, logprobs = jax.lax.while_loop(lambda c: jnp.any(c[3]), one, start)
     return caches, out, last, slots, logprobs
 
 
-def burst_packed(model: Llama, buckets: batch.Buckets, block_size: int, size: int,
-                 spread: Callable | None = None) -> Callable:
+def burst_packed(
+    model: Llama, buckets: batch.Buckets, block_size: int, size: int, spread: Callable | None = None
+) -> Callable:
     """What the runner compiles for a burst: (params, caches, blob, previous, slots, shape, kind) -> (caches,
     tokens [buckets.burst_steps, size], last tokens [size], slots, logprobs), rows padded with zeros to `size` as
     the samplers' are."""
+
     def one(params, caches, arrays, previous, slots, kind):
-        return burst(model, params, caches, arrays, previous, slots, size=buckets.burst_steps, kind=kind,
-                     block_size=block_size)
+        return burst(
+            model, params, caches, arrays, previous, slots, size=buckets.burst_steps, kind=kind, block_size=block_size
+        )
 
     def step(params, caches, blob, previous, slots, shape, kind):
         run = functools.partial(one, kind=kind)
         if spread is not None:
             run = spread(run)
-        caches, out, last, slots, logprobs = run(params, caches, batch.from_blob(blob, shape, buckets), previous,
-                                                 slots)
+        caches, out, last, slots, logprobs = run(params, caches, batch.from_blob(blob, shape, buckets), previous, slots)
         pad = size - last.shape[0]
         return caches, jnp.pad(out, ((0, 0), (0, pad))), jnp.pad(last, (0, pad)), slots, logprobs
 
     return step
 
 
-def sample_padded(logits: Float[Array, "r v"], sampling: Sampling, slots: Slots | None, mask: Int[Array, "r w"] | None,
-                  *, kind: str, size: int) -> tuple[Int[Array, "m"], Slots | None, Logprobs | None]:
+def sample_padded(
+    logits: Float[Array, "r v"],
+    sampling: Sampling,
+    slots: Slots | None,
+    mask: Int[Array, "r w"] | None,
+    *,
+    kind: str,
+    size: int,
+) -> tuple[Int[Array, " m"], Slots | None, Logprobs | None]:
     """`sample_step`, its tokens padded with zeros to `size` rows: every sampler's output can feed every
     forward."""
     tokens, slots, logprobs = sample_step(logits, sampling, slots, mask, kind=kind)
@@ -213,7 +252,7 @@ class Pending(NamedTuple):
     tokens: processes.Later | processes.Here
     logprobs: Logprobs | None = None  # of Later | Here
 
-    def value(self) -> Int[np.ndarray, "m"]:
+    def value(self) -> Int[np.ndarray, " m"]:
         """Every row's token (padding included, up to the runner's `max_rows`), waiting for the step."""
         return self.tokens.value()
 
@@ -268,10 +307,25 @@ def cache_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 
 class ModelRunner:
-    def __init__(self, cfg: LlamaConfig, params: Any, dtype: jnp.dtype, *, num_blocks: int, block_size: int,
-                 buckets: batch.Buckets, key_block: int, devices: Sequence[jax.Device] | None = None, tp: int = 1,
-                 stages: int = 1, attention: Implementation | None = None, kv_cache_dtype: str = "auto",
-                 caches: Any = None, placed: bool = True, compiled: Mapping[Program, Any] | None = None):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        params: Any,
+        dtype: jnp.dtype,
+        *,
+        num_blocks: int,
+        block_size: int,
+        buckets: batch.Buckets,
+        key_block: int,
+        devices: Sequence[jax.Device] | None = None,
+        tp: int = 1,
+        stages: int = 1,
+        attention: Implementation | None = None,
+        kv_cache_dtype: str = "auto",
+        caches: Any = None,
+        placed: bool = True,
+        compiled: Mapping[Program, Any] | None = None,
+    ):
         """devices: where the weights, the cache and the step run (default: JAX's first tp x stages devices),
         consecutive runs of tp devices tensor-parallel; several such runs form a KV-parallel group holding the
         num_blocks blocks between them. stages: pipeline stages, each an equal consecutive share of the devices
@@ -283,18 +337,20 @@ class ModelRunner:
         runner that only compiles (`compiled_programs`, e.g. a fail-over's engine prepared while another serves),
         never steps. compiled: such a runner's programs, taken as compiled (the same devices, settings and
         buckets)."""
-        self.devices = list(devices or jax.devices()[:tp * stages])
+        self.devices = list(devices or jax.devices()[: tp * stages])
         if len(self.devices) % (tp * stages):
-            raise ValueError(f"{len(self.devices)} devices do not form {stages} pipeline stages of tensor-parallel "
-                             f"sets of {tp}")
+            raise ValueError(
+                f"{len(self.devices)} devices do not form {stages} pipeline stages of tensor-parallel sets of {tp}"
+            )
         per_stage = len(self.devices) // stages
         self.device, self.tp, kvp = self.devices[0], tp, per_stage // tp
         self.share = cfg.split(tp)
         if num_blocks % kvp:
             raise ValueError(f"{num_blocks} KV blocks do not split over a KV-parallel group of {kvp} device sets")
         if stages > 1 and buckets.burst_steps > 1:
-            raise ValueError("multi-step decode runs on one pipeline stage: num_scheduler_steps must be 1 with "
-                             "pipeline stages")
+            raise ValueError(
+                "multi-step decode runs on one pipeline stage: num_scheduler_steps must be 1 with pipeline stages"
+            )
         self.cfg, self.dtype = cfg, dtype
         self.num_blocks, self.block_size, self.buckets, self.key_block = num_blocks, block_size, buckets, key_block
         backend = RaggedPagedBackend(block_size, key_block, kvp, attention, cfg.uniform_window)
@@ -310,7 +366,7 @@ class ModelRunner:
         self.max_rows = max(s.rows for s in buckets.programs())
         self._stages = []
         for k, layers in enumerate(stage_layers(cfg.num_layers, stages)):
-            devices = self.devices[k * per_stage:(k + 1) * per_stage]
+            devices = self.devices[k * per_stage : (k + 1) * per_stage]
             stage = _Stage(devices, layers, make_mesh(devices, tp), {})
             own = params if stages == 1 else stage_params(params, cfg, layers)
             stage.loops[self.unrolled] = self._loop(own, backend, stage, self.unrolled)
@@ -320,12 +376,14 @@ class ModelRunner:
         # and it compiles in a fraction of the time: those scan over a second, stacked copy of the weights, placed
         # when a mixed program is first needed (a decode instance never needs one); a pipeline's stages unroll all
         self.scan_mixed = self.cpu and stages == 1 and self.unrolled and not cfg.per_layer
-        self._stacked = (functools.partial(self._loop, params, backend, self._stages[0], False)
-                         if self.scan_mixed else None)
+        self._stacked = (
+            functools.partial(self._loop, params, backend, self._stages[0], False) if self.scan_mixed else None
+        )
         self.params = self._stages[0].loops[self.unrolled].params  # the first stage's
         self._replicated = self._stages[-1].replicated  # where the sampler runs and its tokens are
-        self._sample = jax.jit(sample_padded, static_argnames=("kind", "size"), donate_argnames=("slots",),
-                               out_shardings=self._replicated)
+        self._sample = jax.jit(
+            sample_padded, static_argnames=("kind", "size"), donate_argnames=("slots",), out_shardings=self._replicated
+        )
         self._set_slot = jax.jit(set_slot, donate_argnums=(0,), out_shardings=self._replicated)
         self._slots: Slots | None = None  # allocated when a request first needs one (set_slot)
         self._everything: dict[int, jax.Array] = {}  # masks allowing every token, by rows
@@ -355,10 +413,13 @@ class ModelRunner:
         """Serve from other (k, v) arrays of the same shapes, in cache_sharding (a runner without pipeline stages:
         a multi-master group joining its instances' caches, cluster/multi_master.py)."""
         (stage,) = self._one_stage("other cache arrays")
-        if any(new.shape != old.shape or new.sharding != stage.cache_sharding
-               for new, old in zip(caches, stage.caches)):
-            raise ValueError(f"cache arrays of shapes {[c.shape for c in caches]} for a runner of "
-                             f"{[c.shape for c in stage.caches]} in {stage.cache_sharding}")
+        if any(
+            new.shape != old.shape or new.sharding != stage.cache_sharding for new, old in zip(caches, stage.caches)
+        ):
+            raise ValueError(
+                f"cache arrays of shapes {[c.shape for c in caches]} for a runner of "
+                f"{[c.shape for c in stage.caches]} in {stage.cache_sharding}"
+            )
         stage.caches = tuple(caches)
 
     @property
@@ -374,26 +435,41 @@ class ModelRunner:
     def _loop(self, params: Any, backend: RaggedPagedBackend, stage: _Stage, unrolled: bool) -> _Loop:
         """The forward of the stage's layers unrolled (per-layer weights) or scanned (stacked weights), its
         weights placed."""
-        params, specs = tensor_parallel.shard_params(unstack_layers(params) if unrolled else params, self.cfg,
-                                                     self.tp)
+        params, specs = tensor_parallel.shard_params(unstack_layers(params) if unrolled else params, self.cfg, self.tp)
         mesh, layers = stage.mesh, stage.layers if len(self.devices) > len(stage.devices) else None
         model = Llama(self.cfg, backend, self.dtype, TP if self.tp > 1 else None, unrolled=unrolled, layers=layers)
 
         spread = spread_burst = None
         if len(stage.devices) > 1:  # every device runs the same batch: inputs replicated, weights and cache split
             cache = P(None, SP, TP)
-            spread = functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, cache, P(), P()),
-                                       out_specs=(P(), cache, P()), check_vma=False)
-            spread_burst = functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, cache, P(), P(), P()),
-                                             out_specs=(cache, P(), P(), P(), P()), check_vma=False)
+            spread = functools.partial(
+                jax.shard_map,
+                mesh=mesh,
+                in_specs=(specs, cache, P(), P()),
+                out_specs=(P(), cache, P()),
+                check_vma=False,
+            )
+            spread_burst = functools.partial(
+                jax.shard_map,
+                mesh=mesh,
+                in_specs=(specs, cache, P(), P(), P()),
+                out_specs=(cache, P(), P(), P(), P()),
+                check_vma=False,
+            )
         step = forward_packed(model, self.buckets, spread)
         multi = burst_packed(model, self.buckets, self.block_size, self.max_rows, spread_burst)
         shardings = tensor_parallel.shardings(mesh, specs)
-        placed = (jax.device_put(params, shardings) if self.placed else
-                  jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings))
-        return _Loop(placed, model,
-                     jax.jit(step, donate_argnums=(1,), static_argnames=("shape",)),
-                     jax.jit(multi, donate_argnums=(1, 4), static_argnames=("shape", "kind")))
+        placed = (
+            jax.device_put(params, shardings)
+            if self.placed
+            else jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+        )
+        return _Loop(
+            placed,
+            model,
+            jax.jit(step, donate_argnums=(1,), static_argnames=("shape",)),
+            jax.jit(multi, donate_argnums=(1, 4), static_argnames=("shape", "kind")),
+        )
 
     def _loop_of(self, stage: _Stage, shape: batch.Shape) -> _Loop:
         unrolled = self.unrolled and (shape.tiles == 0 or not self.scan_mixed)
@@ -405,23 +481,32 @@ class ModelRunner:
     def programs(self, mixed: bool = True) -> list[Program]:
         """Every program serving can run (without `mixed`: what decodes alone run): the forwards, then the
         sampler of each kind for each of their row counts, then the bursts."""
-        return [*_with_samplers([s for s in self.buckets.programs() if mixed or s.tiles == 0]), *self._bursts(),
-                SlotWrite()]
+        return [
+            *_with_samplers([s for s in self.buckets.programs() if mixed or s.tiles == 0]),
+            *self._bursts(),
+            SlotWrite(),
+        ]
 
     def _bursts(self) -> list[Burst]:
         """The multi-step decode programs (none unless Buckets.burst_steps > 1), greedy first."""
         b = self.buckets
-        return [Burst(r, kind, x) for x in (False, True) for kind in batch.SAMPLER_KINDS
-                for r in b.decode_rows] if b.burst_steps > 1 else []
+        return (
+            [Burst(r, kind, x) for x in (False, True) for kind in batch.SAMPLER_KINDS for r in b.decode_rows]
+            if b.burst_steps > 1
+            else []
+        )
 
-    def warmup(self, programs: Sequence[Program] | None = None, *, progress: bool = True,
-               threads: int | None = None) -> None:
+    def warmup(
+        self, programs: Sequence[Program] | None = None, *, progress: bool = True, threads: int | None = None
+    ) -> None:
         """Compile (or load from the persistent cache) `programs` (default: every one serving can run), `threads`
         at a time (default: one per CPU core)."""
         todo = [p for p in (self.programs() if programs is None else programs) if p not in self._programs]
         threads = threads or os.cpu_count() or 1
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
-                tqdm(total=len(todo), desc="compile step programs", unit="program", disable=not progress) as bar:
+        with (
+            concurrent.futures.ThreadPoolExecutor(threads) as pool,
+            tqdm(total=len(todo), desc="compile step programs", unit="program", disable=not progress) as bar,
+        ):
             for done in concurrent.futures.as_completed([pool.submit(self._program, p) for p in todo]):
                 done.result()
                 bar.update()
@@ -431,8 +516,14 @@ class ModelRunner:
         and (with `mixed`; a cluster's decode instance gets its prompts as KV) chunks of up to FIRST_TOKENS tokens
         (a short prompt), and their plain samplers."""
         b = self.buckets
-        return _with_samplers([s for s in b.programs() if s.rows <= b.rows[0] and (
-            s.tiles == 0 or mixed and s.tokens <= max(FIRST_TOKENS, b.tokens[0]))], extra=(False,))
+        return _with_samplers(
+            [
+                s
+                for s in b.programs()
+                if s.rows <= b.rows[0] and (s.tiles == 0 or mixed and s.tokens <= max(FIRST_TOKENS, b.tokens[0]))
+            ],
+            extra=(False,),
+        )
 
     def later_programs(self, first: Sequence[Program] | None = None) -> list[Program]:
         """The rest of programs() after `first` (default: first_programs()), fewest tokens and rows first, each
@@ -443,8 +534,9 @@ class ModelRunner:
         extra = [p for p in _with_samplers(list(self.buckets.programs())) if isinstance(p, Sampler) and p.extra]
         return [p for p in dict.fromkeys(later + extra) if p not in first] + self._bursts() + [SlotWrite()]
 
-    def compile_in_background(self, programs: Sequence[Program],
-                              stop: threading.Event | None = None) -> concurrent.futures.Future:
+    def compile_in_background(
+        self, programs: Sequence[Program], stop: threading.Event | None = None
+    ) -> concurrent.futures.Future:
         """Compile `programs` in a daemon thread, in order, one at a time (the step thread keeps a core). A step
         that needs one first waits for its compile, or compiles it itself if it has not started. Resolves when
         all are, or once `stop` is set, after the one compiling then."""
@@ -483,8 +575,7 @@ class ModelRunner:
         with lock:
             if program not in self._programs:
                 stages = self._stages if isinstance(program, batch.Shape) else self._stages[-1:]
-                compiled = tuple(self._compile(self._trace(program, self._abstract, stage=s).lower())
-                                 for s in stages)
+                compiled = tuple(self._compile(self._trace(program, self._abstract, stage=s).lower()) for s in stages)
                 with self._lock:
                     self._programs[program] = compiled
         return self._programs[program]
@@ -504,8 +595,9 @@ class ModelRunner:
     def _abstract(self, tree: Any) -> Any:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
-    def _trace(self, program: Program, abstract, kv_dtype: jnp.dtype | None = None,
-               stage: _Stage | None = None) -> jax.stages.Traced:
+    def _trace(
+        self, program: Program, abstract, kv_dtype: jnp.dtype | None = None, stage: _Stage | None = None
+    ) -> jax.stages.Traced:
         """program traced on `stage` (a forward's; the first by default), for shapes `abstract` gives."""
         kv_dtype, stage = kv_dtype or self.kv_dtype, stage or self._stages[0]
         caches = jax.tree.map(lambda x: abstract(x).update(dtype=kv_dtype), stage.caches)
@@ -518,22 +610,36 @@ class ModelRunner:
             sampling = batch.sampling(batch.empty(self.buckets, self.buckets.decode(program.rows), self.block_size))
             replicated = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated)  # noqa: E731
             logits = replicated(jax.ShapeDtypeStruct((program.rows, self.cfg.vocab_size), np.float32))
-            mask = (abstract(replicated(jax.ShapeDtypeStruct((program.rows, grammar.words(self.cfg.vocab_size)),
-                                                             np.int32))) if program.extra else None)
-            return self._sample.trace(abstract(logits), abstract(jax.tree.map(replicated, sampling)), slots, mask,
-                                      kind=program.kind, size=self.max_rows)
+            mask = (
+                abstract(replicated(jax.ShapeDtypeStruct((program.rows, grammar.words(self.cfg.vocab_size)), np.int32)))
+                if program.extra
+                else None
+            )
+            return self._sample.trace(
+                abstract(logits),
+                abstract(jax.tree.map(replicated, sampling)),
+                slots,
+                mask,
+                kind=program.kind,
+                size=self.max_rows,
+            )
         if isinstance(program, Burst):
             loop, shape = stage.loops[self.unrolled], self.buckets.decode(program.rows)
             blob = batch.to_blob(batch.empty(self.buckets, shape, self.block_size))
-            return loop.burst.trace(abstract(loop.params), caches, blob, abstract(self._previous), slots,
-                                    shape=shape, kind=program.kind)
+            return loop.burst.trace(
+                abstract(loop.params), caches, blob, abstract(self._previous), slots, shape=shape, kind=program.kind
+            )
         loop, empty = self._loop_of(stage, program), batch.empty(self.buckets, program, self.block_size)
         if stage.layers[0] == 0:  # the last step's tokens
-            inputs = abstract(jax.ShapeDtypeStruct(self._previous.shape, self._previous.dtype,
-                                                   sharding=stage.replicated))
+            inputs = abstract(
+                jax.ShapeDtypeStruct(self._previous.shape, self._previous.dtype, sharding=stage.replicated)
+            )
         else:  # the previous stage's hidden states
-            inputs = abstract(jax.ShapeDtypeStruct((len(empty.token_ids), self.cfg.hidden_size), self.dtype,
-                                                   sharding=stage.replicated))
+            inputs = abstract(
+                jax.ShapeDtypeStruct(
+                    (len(empty.token_ids), self.cfg.hidden_size), self.dtype, sharding=stage.replicated
+                )
+            )
         return loop.step.trace(abstract(loop.params), caches, batch.to_blob(empty), inputs, shape=program)
 
     def lower(self, program: Program, platforms: Sequence[str] | None = None) -> jax.stages.Lowered:
@@ -564,8 +670,10 @@ class ModelRunner:
         if steps == 1:
             return self.dispatch(arrays)
         if not 1 < steps <= self.buckets.burst_steps or any(len(r.tokens) != 1 or r.steps > steps for r in rows):
-            raise ValueError(f"a multi-step decode of {steps} steps (at most {self.buckets.burst_steps}) runs "
-                             "decodes of at most that many tokens")
+            raise ValueError(
+                f"a multi-step decode of {steps} steps (at most {self.buckets.burst_steps}) runs "
+                "decodes of at most that many tokens"
+            )
         return self.dispatch_burst(arrays)
 
     def execute_arrays(self, arrays: batch.StepArrays) -> np.ndarray:
@@ -627,7 +735,12 @@ class ModelRunner:
         extra = batch.extra(arrays)
         (program,) = self._program(Burst(shape.rows, batch.sampler_kind(arrays), extra))
         stage.caches, out, self._previous, slots, logprobs = program(
-            stage.loops[self.unrolled].params, stage.caches, batch.to_blob(arrays), self._previous, self._slots_for(extra))
+            stage.loops[self.unrolled].params,
+            stage.caches,
+            batch.to_blob(arrays),
+            self._previous,
+            self._slots_for(extra),
+        )
         return self._pending(out, slots, logprobs)
 
     def _slots_for(self, extra: bool) -> Slots | None:
@@ -639,12 +752,19 @@ class ModelRunner:
     def _pending(self, tokens: jax.Array, slots: Slots | None, logprobs: Logprobs | None) -> Pending:
         if slots is not None:
             self._slots = slots
-        return Pending(processes.read_later(tokens),
-                       None if logprobs is None else Logprobs(*map(processes.read_later, logprobs)))
+        return Pending(
+            processes.read_later(tokens), None if logprobs is None else Logprobs(*map(processes.read_later, logprobs))
+        )
 
-    def set_slot(self, slot: int, prompt: Sequence[int], generated: Sequence[int],
-                 bias: Sequence[tuple[int, float]], banned: Sequence[int],
-                 allowed: Sequence[int] | None = None) -> None:
+    def set_slot(
+        self,
+        slot: int,
+        prompt: Sequence[int],
+        generated: Sequence[int],
+        bias: Sequence[tuple[int, float]],
+        banned: Sequence[int],
+        allowed: Sequence[int] | None = None,
+    ) -> None:
         """Fill sampling slot `slot` for a request (before its first step that uses it): its prompt's tokens,
         the counts of the tokens it generated so far, its logit_bias (-inf bans a token), the tokens min_tokens
         holds back, and with `allowed` the only tokens it may sample (the others' bias is -inf). Runs after the
@@ -652,8 +772,12 @@ class ModelRunner:
         if not 0 <= slot < self.max_rows:
             raise ValueError(f"sampling slot {slot} is not in [0, {self.max_rows})")
         v = self.cfg.vocab_size
-        row = Slots(np.bincount(np.asarray(generated, np.int64), minlength=v)[None].astype(np.int32),
-                    np.zeros((1, v), bool), np.zeros((1, v), np.float32), np.zeros((1, v), bool))
+        row = Slots(
+            np.bincount(np.asarray(generated, np.int64), minlength=v)[None].astype(np.int32),
+            np.zeros((1, v), bool),
+            np.zeros((1, v), np.float32),
+            np.zeros((1, v), bool),
+        )
         row.prompt[0, np.asarray(prompt, np.int64)] = True
         if allowed is not None:
             row.bias[0] = -np.inf
@@ -666,13 +790,16 @@ class ModelRunner:
 
     def _slot_shapes(self) -> Slots:
         v, n = self.cfg.vocab_size, self.max_rows
-        return Slots(*(jax.ShapeDtypeStruct((n, v), d, sharding=self._replicated)
-                       for d in (jnp.int32, jnp.bool_, jnp.float32, jnp.bool_)))
+        return Slots(
+            *(
+                jax.ShapeDtypeStruct((n, v), d, sharding=self._replicated)
+                for d in (jnp.int32, jnp.bool_, jnp.float32, jnp.bool_)
+            )
+        )
 
     def _no_slots(self) -> Slots:
         """Every sampling slot empty: one per row the step programs hold (from the host: nothing to compile)."""
-        return jax.device_put(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), self._slot_shapes()),
-                              self._replicated)
+        return jax.device_put(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), self._slot_shapes()), self._replicated)
 
     def warmup_land(self, max_rows: int) -> None:
         """Compile what `land` runs for pieces of up to max_rows rows (powers of two, as rows.pieces cuts them),
@@ -682,8 +809,9 @@ class ModelRunner:
         sizes = [1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows]
         kvp, bs = len(self.devices) // self.tp, self.block_size
         for n in sizes:
-            k = jax.device_put(np.zeros((self.cfg.num_layers, n, self.cfg.num_kv_heads, self.cfg.head_dim),
-                                        self.dtype), self.device)
+            k = jax.device_put(
+                np.zeros((self.cfg.num_layers, n, self.cfg.num_kv_heads, self.cfg.head_dim), self.dtype), self.device
+            )
             splits = [(d, n) for d in range(kvp)] + [(i % kvp, m) for i, m in enumerate(sizes) if m < n and kvp > 1]
             for d, m in splits:  # m rows to rank d's scratch block (global block d), the rest to the next's
                 self.land(k, k, np.where(np.arange(n) < m, d, (d + 1) % kvp) * bs)
@@ -707,17 +835,23 @@ class ModelRunner:
             # a power-of-two count (one small program per size): padding repeats the last row, written twice
             idx = np.concatenate([idx, np.full((1 << (len(idx) - 1).bit_length()) - len(idx), idx[-1])])
             picked = rows.select(k_rows, v_rows, idx)
-            for j, device in enumerate(self.devices[d * tp:(d + 1) * tp]):
-                heads = (tensor_parallel.heads_of(*picked, self.share.kv_start(j), size=self.share.kv_heads)
-                         if tp > 1 else picked)  # this device's heads only
+            for j, device in enumerate(self.devices[d * tp : (d + 1) * tp]):
+                heads = (
+                    tensor_parallel.heads_of(*picked, self.share.kv_start(j), size=self.share.kv_heads)
+                    if tp > 1
+                    else picked
+                )  # this device's heads only
                 k_own, v_own = (processes.move(x, SingleDeviceSharding(device)) for x in heads)
                 if processes.is_local(device):
-                    shards[0][device], shards[1][device] = rows.scatter(shards[0][device], shards[1][device], k_own,
-                                                                        v_own, local[idx])
-        stage.caches = tuple(jax.make_array_from_single_device_arrays(c.shape, stage.cache_sharding,
-                                                                      [s[d] for d in self.devices if d in s],
-                                                                      dtype=c.dtype)
-                             for c, s in zip(stage.caches, shards))
+                    shards[0][device], shards[1][device] = rows.scatter(
+                        shards[0][device], shards[1][device], k_own, v_own, local[idx]
+                    )
+        stage.caches = tuple(
+            jax.make_array_from_single_device_arrays(
+                c.shape, stage.cache_sharding, [s[d] for d in self.devices if d in s], dtype=c.dtype
+            )
+            for c, s in zip(stage.caches, shards)
+        )
 
     def _one_stage(self, what: str) -> list[_Stage]:
         if self.stages > 1:
@@ -740,13 +874,15 @@ class ModelRunner:
             self._waiting = None
             self._slots = None  # every request's slot is set again before it next samples
 
-    def _no_tokens(self, sharding: NamedSharding | None = None) -> Int[Array, "m"]:
+    def _no_tokens(self, sharding: NamedSharding | None = None) -> Int[Array, " m"]:
         """What a forward reads as the previous step's tokens when none ran or no row feeds from them: zeros where
         the sampler's tokens are (or on `sharding`: the first stage's, for steps that feed on nothing)."""
         return jax.device_put(np.zeros(self.max_rows, np.int32), sharding or self._replicated)
 
     def _allocate(self, stage: _Stage):
         layers = stage.layers[1] - stage.layers[0]
-        zeros = jax.jit(lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.kv_dtype, self.tp,
-                                                layers), out_shardings=stage.cache_sharding)
+        zeros = jax.jit(
+            lambda: allocate_caches(self.cfg, self.num_blocks, self.block_size, self.kv_dtype, self.tp, layers),
+            out_shardings=stage.cache_sharding,
+        )
         return zeros() if self.placed else jax.eval_shape(zeros)

@@ -22,17 +22,17 @@ MAX_LOGPROBS = 20  # top logprobs a row may ask for (OpenAI's limit)
 class Sampling(NamedTuple):
     """Each row's sampling parameters, as the step's arrays hold them."""
 
-    temperature: Float[Array, "r"]
-    top_k: Int[Array, "r"]
-    top_p: Float[Array, "r"]
-    seeds: Int[Array, "r"]
-    counters: Int[Array, "r"]
-    min_p: Float[Array, "r"]
-    slot: Int[Array, "r"]  # the request's slot (-1: none, or a token the request does not keep)
-    presence: Float[Array, "r"]
-    frequency: Float[Array, "r"]
-    repetition: Float[Array, "r"]
-    min_tokens: Int[Array, "r"]  # the slot's banned tokens are held back while counters < min_tokens
+    temperature: Float[Array, " r"]
+    top_k: Int[Array, " r"]
+    top_p: Float[Array, " r"]
+    seeds: Int[Array, " r"]
+    counters: Int[Array, " r"]
+    min_p: Float[Array, " r"]
+    slot: Int[Array, " r"]  # the request's slot (-1: none, or a token the request does not keep)
+    presence: Float[Array, " r"]
+    frequency: Float[Array, " r"]
+    repetition: Float[Array, " r"]
+    min_tokens: Int[Array, " r"]  # the slot's banned tokens are held back while counters < min_tokens
 
 
 class Slots(NamedTuple):
@@ -45,13 +45,14 @@ class Slots(NamedTuple):
 
 
 class Logprobs(NamedTuple):
-    chosen: Float[Array, "r"]
+    chosen: Float[Array, " r"]
     top: Float[Array, "r k"]  # the MAX_LOGPROBS highest, best first
     top_ids: Int[Array, "r k"]
 
 
-def sample_step(logits: Float[Array, "r v"], p: Sampling, slots: Slots | None, mask: Int[Array, "r w"] | None = None,
-                *, kind: str) -> tuple[Int[Array, "r"], Slots | None, Logprobs | None]:
+def sample_step(
+    logits: Float[Array, "r v"], p: Sampling, slots: Slots | None, mask: Int[Array, "r w"] | None = None, *, kind: str
+) -> tuple[Int[Array, " r"], Slots | None, Logprobs | None]:
     """One token per row by `kind` (batch.SAMPLER_KINDS: argmax alone when every row is greedy; a draw, cut by
     top-k / top-p or not). With `slots` (the extra sampler): penalties, logit_bias and min_tokens first, then
     the `mask`, the kept tokens counted into their slots, and the logprobs."""
@@ -63,8 +64,7 @@ def sample_step(logits: Float[Array, "r v"], p: Sampling, slots: Slots | None, m
     if kind == "greedy":
         tokens = argmax(logits)
     else:
-        tokens = sample(logits, p.temperature, p.top_k, p.top_p, p.seeds, p.counters, cut=kind == "cut",
-                        min_p=p.min_p)
+        tokens = sample(logits, p.temperature, p.top_k, p.top_p, p.seeds, p.counters, cut=kind == "cut", min_p=p.min_p)
     if slots is None:
         return tokens, None, None
     counts = slots.counts.at[jnp.maximum(p.slot, 0), tokens].add((p.slot >= 0).astype(slots.counts.dtype))
@@ -94,7 +94,7 @@ def allowed(logits: Float[Array, "r v"], mask: Int[Array, "r w"]) -> Float[Array
     return jnp.where(bits != 0, logits, -jnp.inf)
 
 
-def logprobs_of(logits: Float[Array, "r v"], tokens: Int[Array, "r"]) -> Logprobs:
+def logprobs_of(logits: Float[Array, "r v"], tokens: Int[Array, " r"]) -> Logprobs:
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
     return Logprobs(jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top, ids.astype(jnp.int32))
@@ -102,15 +102,15 @@ def logprobs_of(logits: Float[Array, "r v"], tokens: Int[Array, "r"]) -> Logprob
 
 def sample(
     logits: Float[Array, "b v"],
-    temperature: Float[Array, "b"],
-    top_k: Int[Array, "b"],
-    top_p: Float[Array, "b"],
-    seeds: Int[Array, "b"],
-    counters: Int[Array, "b"],
+    temperature: Float[Array, " b"],
+    top_k: Int[Array, " b"],
+    top_p: Float[Array, " b"],
+    seeds: Int[Array, " b"],
+    counters: Int[Array, " b"],
     *,
     cut: bool,
-    min_p: Float[Array, "b"] | None = None,
-) -> Int[Array, "b"]:
+    min_p: Float[Array, " b"] | None = None,
+) -> Int[Array, " b"]:
     """One token per row. A row's randomness depends only on (seed, counter), never on its batch neighbours.
 
     Nothing branches on the device (a branch makes a GPU wait for the host): every row's greedy and drawn tokens
@@ -131,7 +131,7 @@ def sample(
 BLOCK = 256
 
 
-def argmax(logits: Float[Array, "b v"]) -> Int[Array, "b"]:
+def argmax(logits: Float[Array, "b v"]) -> Int[Array, " b"]:
     """jnp.argmax over the last axis (the first of equal maxima; the first NaN, unless a +inf comes before it), in
     two levels: the best block of BLOCK tokens, then the best token in it. XLA's CPU backend runs a one-level
     argmax over SmolLM2's 49,152 tokens at 16 rows in 1.8 ms, these two levels in 0.16 ms."""
@@ -144,7 +144,7 @@ def argmax(logits: Float[Array, "b v"]) -> Int[Array, "b"]:
     return (best * BLOCK + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
 
 
-def gumbel_max(scaled: Float[Array, "b v"], keys: Key[Array, "b"]) -> Int[Array, "b"]:
+def gumbel_max(scaled: Float[Array, "b v"], keys: Key[Array, " b"]) -> Int[Array, " b"]:
     """Per row, token i with probability softmax(scaled)_i: the argmax of scaled plus Gumbel noise, in two levels.
     A block of BLOCK tokens is drawn by its log-mass (logsumexp) plus one Gumbel number per block, then a
     token inside it by its logit plus one per token: exact up to float32 Gumbel numbers (mode "high": their
@@ -161,12 +161,13 @@ def gumbel_max(scaled: Float[Array, "b v"], keys: Key[Array, "b"]) -> Int[Array,
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (nb,), jnp.float32, mode="high"))(pick)
     j = jnp.argmax(jax.nn.logsumexp(blocks, axis=-1) + noise, axis=-1)
     inside = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [b, BLOCK]
-    k = jnp.argmax(inside + jax.vmap(lambda k: jax.random.gumbel(k, (BLOCK,), jnp.float32, mode="high"))(inner),
-                   axis=-1)
+    k = jnp.argmax(
+        inside + jax.vmap(lambda k: jax.random.gumbel(k, (BLOCK,), jnp.float32, mode="high"))(inner), axis=-1
+    )
     return (j * BLOCK + k).astype(jnp.int32)
 
 
-def _cut(scaled: Float[Array, "b v"], top_k: Int[Array, "b"], top_p: Float[Array, "b"]) -> Float[Array, "b v"]:
+def _cut(scaled: Float[Array, "b v"], top_k: Int[Array, " b"], top_p: Float[Array, " b"]) -> Float[Array, "b v"]:
     """-inf outside each row's top-k and top-p nucleus (no cut where top_k is 0 and top_p is 1)."""
     vocab = scaled.shape[-1]
     desc = -jnp.sort(-scaled, axis=-1)

@@ -1,5 +1,5 @@
-"""Scoring: the logits (or logprobs) of every prompt position in one pass, outside the serving path (it touches no KV block,
-so it never competes with requests for the cache; it compiles per prompt-length bucket, which serving never
+"""Scoring: the logits (or logprobs) of every prompt position in one pass, outside the serving path (it touches no KV
+block, so it never competes with requests for the cache; it compiles per prompt-length bucket, which serving never
 does)."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _layout(cfg: LlamaConfig, params: Any) -> tuple[Any, bool]:
 def prompt_logits(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int]) -> np.ndarray:
     """Logits [len(ids), vocab] (float32); params stacked or per layer (models/llama.py)."""
     params, unrolled = _layout(cfg, params)
-    return np.asarray(_forward(cfg, dtype, unrolled)(params, *_padded(ids)))[:len(ids)]
+    return np.asarray(_forward(cfg, dtype, unrolled)(params, *_padded(ids)))[: len(ids)]
 
 
 def prompt_logprobs(cfg: LlamaConfig, params: Any, dtype: Any, ids: Sequence[int]) -> tuple[Logprobs, np.ndarray]:

@@ -58,7 +58,7 @@ class Store:
     owner: str | None = None
 
     def valid_rows(self) -> np.ndarray:
-        return np.flatnonzero(self.pos[:self.fill] != NO_POSITION)
+        return np.flatnonzero(self.pos[: self.fill] != NO_POSITION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +81,23 @@ def next_power_of_two(n: int) -> int:
 
 
 class SPPrefill:
-    def __init__(self, cfg: LlamaConfig, params: Any, devices: Sequence[jax.Device], *, capacity: int,
-                 dtype=jnp.float32, key_block: int = 256, min_local: int = 16, layout: layouts.Layout = "zigzag",
-                 implementation: Implementation | None = None, tp: int = 1, sp_attention: SPAttention = "ring",
-                 sparse_attention: float | None = None, kv_cache_dtype: str = "auto"):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        params: Any,
+        devices: Sequence[jax.Device],
+        *,
+        capacity: int,
+        dtype=jnp.float32,
+        key_block: int = 256,
+        min_local: int = 16,
+        layout: layouts.Layout = "zigzag",
+        implementation: Implementation | None = None,
+        tp: int = 1,
+        sp_attention: SPAttention = "ring",
+        sparse_attention: float | None = None,
+        kv_cache_dtype: str = "auto",
+    ):
         """devices: the pool, consecutive runs of tp devices forming one (tensor-parallel) instance; capacity:
         history rows each instance's store holds (rounded up to key blocks); min_local: the smallest
         per-instance chunk bucket; sp_attention, sparse_attention: the chunk's attention (module docstring;
@@ -95,12 +108,16 @@ class SPPrefill:
         if sp_attention not in SP_ATTENTION:
             raise ValueError(f"sp_attention must be one of {SP_ATTENTION}, got {sp_attention!r}")
         if sparse_attention is not None and (sp_attention != "sp_ntp" or not 0 <= sparse_attention <= 1):
-            raise ValueError("sparse_attention (CSA's drop ratio, in [0, 1]) needs sp_attention='sp_ntp', got "
-                             f"{sparse_attention!r} with {sp_attention!r}")
+            raise ValueError(
+                "sparse_attention (CSA's drop ratio, in [0, 1]) needs sp_attention='sp_ntp', got "
+                f"{sparse_attention!r} with {sp_attention!r}"
+            )
         if cfg.sliding_window or cfg.per_layer:
-            raise ValueError(f"the prefill pool's sequence-parallel attention has no sliding window (the model's is "
-                             f"{cfg.sliding_window} tokens, or differs by layer): serve this model without prefill "
-                             "instances")
+            raise ValueError(
+                f"the prefill pool's sequence-parallel attention has no sliding window (the model's is "
+                f"{cfg.sliding_window} tokens, or differs by layer): serve this model without prefill "
+                "instances"
+            )
         self.sp_attention, self.sparse_attention = sp_attention, sparse_attention
         layout = "contiguous" if sparse_attention is not None else layout
         self.cfg, self.dtype, self.key_block, self.layout, self.tp = cfg, dtype, key_block, layout, tp
@@ -108,7 +125,7 @@ class SPPrefill:
         self.min_local, self.implementation = max(min_local, 2), implementation
         self.cap = -(-capacity // key_block) * key_block
         self.room = Stores(self.cap, self.min_local)  # what the planner places chunks by
-        self.instances = {devices[i].id: tuple(devices[i:i + tp]) for i in range(0, len(devices), tp)}
+        self.instances = {devices[i].id: tuple(devices[i : i + tp]) for i in range(0, len(devices), tp)}
         params, self._specs = tensor_parallel.shard_params(params, cfg, tp)
         self.share = cfg.split(tp)
         self._params = {}
@@ -117,8 +134,9 @@ class SPPrefill:
         for i, devs in self.instances.items():
             mesh = make_mesh(devs, tp)
             self._params[i] = jax.device_put(params, tensor_parallel.shardings(mesh, self._specs))
-            zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype),
-                            out_shardings=NamedSharding(mesh, P(None, None, TP)))
+            zeros = jax.jit(
+                lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=NamedSharding(mesh, P(None, None, TP))
+            )
             self.stores[i] = Store(zeros(), zeros(), np.full(self.cap, NO_POSITION, np.int32))
         self._steps: dict[tuple[Group, int], Any] = {}
         self._group_params: dict[Group, Any] = {}
@@ -157,26 +175,38 @@ class SPPrefill:
         if group not in self._group_params:
             self._group_params[group] = jax.tree.map(
                 lambda sharding, *xs: jax.make_array_from_single_device_arrays(
-                    xs[0].shape, sharding, [s.data for x in xs for s in x.addressable_shards], dtype=xs[0].dtype),
-                tensor_parallel.shardings(self._mesh(group), self._specs), *(self._params[i] for i in group),
-                is_leaf=lambda x: isinstance(x, NamedSharding))
+                    xs[0].shape, sharding, [s.data for x in xs for s in x.addressable_shards], dtype=xs[0].dtype
+                ),
+                tensor_parallel.shardings(self._mesh(group), self._specs),
+                *(self._params[i] for i in group),
+                is_leaf=lambda x: isinstance(x, NamedSharding),
+            )
         return self._group_params[group]
 
     def _compile(self, group: Group, local: int) -> Any:
         mesh = self._mesh(group)
-        step = chunk_step(self.cfg, mesh, self._specs, key_block=self.key_block, dtype=self.dtype,
-                          implementation=self.implementation, backend=self.backend(len(group)))
+        step = chunk_step(
+            self.cfg,
+            mesh,
+            self._specs,
+            key_block=self.key_block,
+            dtype=self.dtype,
+            implementation=self.implementation,
+            backend=self.backend(len(group)),
+        )
         if not processes.local_devices(mesh.devices.flat):
             return step  # another host's group: JAX skips its calls here (nothing to compile)
         layers, *rest = self.stores[group[0]].k.shape
-        return step.lower(self._mesh_params(group), *chunk_args(mesh, local, self.cap, (layers, *rest),
-                                                                 self.kv_dtype)).compile()
+        return step.lower(
+            self._mesh_params(group), *chunk_args(mesh, local, self.cap, (layers, *rest), self.kv_dtype)
+        ).compile()
 
     def backend(self, sp: int) -> StoreRingBackend | StoreUlyssesBackend | csa.StoreCSABackend:
         """The chunk's attention over a group of sp instances."""
         if self.sparse_attention is not None:
-            return csa.StoreCSABackend(csa.levels_for(sp, self.sparse_attention), self.key_block,
-                                       implementation=self.implementation)
+            return csa.StoreCSABackend(
+                csa.levels_for(sp, self.sparse_attention), self.key_block, implementation=self.implementation
+            )
         kind = StoreUlyssesBackend if self.sp_attention == "sp_ntp" else StoreRingBackend
         return kind(sp, self.key_block, implementation=self.implementation)
 
@@ -194,8 +224,10 @@ class SPPrefill:
         for i in group:
             s = self.stores[i]
             if s.owner not in (None, request_id):
-                raise RuntimeError(f"instance {i} still holds request {s.owner}'s history; {request_id} cannot "
-                                   "use it (the planner books an instance for one request at a time)")
+                raise RuntimeError(
+                    f"instance {i} still holds request {s.owner}'s history; {request_id} cannot "
+                    "use it (the planner books an instance for one request at a time)"
+                )
             s.owner = request_id
 
     def assume_history(self, request_id: str, group: Group, history: int) -> None:
@@ -217,8 +249,9 @@ class SPPrefill:
                 s.owner, s.fill = None, 0
                 s.pos[:] = NO_POSITION
 
-    def run_chunk(self, request_id: str, group: Group, tokens: Sequence[int], start: int,
-                  params: SamplingParams, seed: int) -> ChunkRun:
+    def run_chunk(
+        self, request_id: str, group: Group, tokens: Sequence[int], start: int, params: SamplingParams, seed: int
+    ) -> ChunkRun:
         """Dispatch the chunk of `tokens` at positions start.. on `group` (whose stores hold all of the request's
         history; rebalance first when the group grew). Returns without waiting for the devices."""
         p, n = len(group), len(tokens)
@@ -239,8 +272,10 @@ class SPPrefill:
         stores = [self.stores[i] for i in group]
         for i, s in zip(group, stores):
             if s.fill + local > self.cap:
-                raise RuntimeError(f"instance {i}'s history store cannot take a chunk of {local} rows after the "
-                                   f"{s.fill} it holds ({self.cap} rows; the planner places chunks within them)")
+                raise RuntimeError(
+                    f"instance {i}'s history store cannot take a chunk of {local} rows after the "
+                    f"{s.fill} it holds ({self.cap} rows; the planner places chunks within them)"
+                )
         sharding = NamedSharding(self._mesh(group), P(SP))
         put = lambda x: jax.device_put(x, sharding)  # noqa: E731
         fill = np.array([s.fill for s in stores], np.int32)
@@ -251,26 +286,45 @@ class SPPrefill:
         rep = lambda x, dtype: np.full(p, x, dtype)  # noqa: E731
         layers, *rest = stores[0].k.shape
         kv_sharding = NamedSharding(self._mesh(group), P(SP, None, TP))
-        kv = [jax.make_array_from_single_device_arrays((p * layers, *rest), kv_sharding,
-                                                       [shard.data for x in xs for shard in x.addressable_shards],
-                                                       dtype=self.kv_dtype)
-              for xs in ([s.k for s in stores], [s.v for s in stores])]
+        kv = [
+            jax.make_array_from_single_device_arrays(
+                (p * layers, *rest),
+                kv_sharding,
+                [shard.data for x in xs for shard in x.addressable_shards],
+                dtype=self.kv_dtype,
+            )
+            for xs in ([s.k for s in stores], [s.v for s in stores])
+        ]
         processes.meet(self._mesh(group).devices.flat)
         out, k2, v2 = self.program(group, local)(
-            self._mesh_params(group), put(ids), put(q_pos), put(k_pos), put(np.concatenate([s.pos for s in stores])),
-            put(fill), put(blocks), put(last), put(rep(params.temperature, np.float32)),
-            put(rep(params.top_k, np.int32)), put(rep(params.top_p, np.float32)), put(rep(seed, np.uint32)),
-            put(rep(0, np.int32)), *kv)
+            self._mesh_params(group),
+            put(ids),
+            put(q_pos),
+            put(k_pos),
+            put(np.concatenate([s.pos for s in stores])),
+            put(fill),
+            put(blocks),
+            put(last),
+            put(rep(params.temperature, np.float32)),
+            put(rep(params.top_k, np.int32)),
+            put(rep(params.top_p, np.float32)),
+            put(rep(seed, np.uint32)),
+            put(rep(0, np.int32)),
+            *kv,
+        )
         new_k = {s.device: s.data for s in k2.addressable_shards}
         new_v = {s.device: s.data for s in v2.addressable_shards}
         written = {}
         for j, (i, s) in enumerate(zip(group, stores)):
             own = lambda new, old: jax.make_array_from_single_device_arrays(  # noqa: E731
-                old.shape, old.sharding, [new[d] for d in self.instances[i] if d in new],  # this process's
-                dtype=old.dtype)
+                old.shape,
+                old.sharding,
+                [new[d] for d in self.instances[i] if d in new],  # this process's
+                dtype=old.dtype,
+            )
             s.k, s.v = own(new_k, s.k), own(new_v, s.v)
-            mine = k_pos[j * local:(j + 1) * local]
-            s.pos[s.fill:s.fill + local] = mine
+            mine = k_pos[j * local : (j + 1) * local]
+            s.pos[s.fill : s.fill + local] = mine
             # each layout gives a device its valid rows first: the padding after them is free for the next write
             valid = int(np.count_nonzero(mine != NO_POSITION))
             kept = valid if (mine[valid:] == NO_POSITION).all() else local
@@ -311,7 +365,7 @@ class SPPrefill:
             k, v = rows.take(src.k, src.v, at, size=size)
             k, v = processes.move(k, dst.k.sharding), processes.move(v, dst.v.sharding)
             dst.k, dst.v = rows.put(dst.k, dst.v, k, v, dst.fill)
-            dst.pos[dst.fill:dst.fill + size] = src.pos[at:at + size]
+            dst.pos[dst.fill : dst.fill + size] = src.pos[at : at + size]
             dst.fill += size
 
     def rows_of(self, instance: int, lo: int, hi: int) -> list[tuple[jax.Array, jax.Array, np.ndarray]]:
@@ -322,7 +376,7 @@ class SPPrefill:
         out = []
         for a, b in rows.runs(lo + np.flatnonzero(s.pos[lo:hi] != NO_POSITION)):
             for at, size in rows.pieces(a, b):
-                out.append((*self.take(instance, at, size), s.pos[at:at + size].copy()))
+                out.append((*self.take(instance, at, size), s.pos[at : at + size].copy()))
         return out
 
     def take(self, instance: int, at: int, size: int) -> tuple[jax.Array, jax.Array]:
@@ -333,26 +387,51 @@ class SPPrefill:
         return tensor_parallel.model_heads(k, v, repeat=repeat) if repeat > 1 else (k, v)
 
 
-def chunk_step(cfg: LlamaConfig, mesh: Mesh, specs: Any, *, key_block: int, dtype,
-               implementation: Implementation | None = None, backend: Any = None) -> Any:
+def chunk_step(
+    cfg: LlamaConfig,
+    mesh: Mesh,
+    specs: Any,
+    *,
+    key_block: int,
+    dtype,
+    implementation: Implementation | None = None,
+    backend: Any = None,
+) -> Any:
     """The jitted chunk step of the model over `mesh` (sp x tp): `backend`'s attention (default the ring) inside
     `shard_map`, the stores donated. specs: the parameters' PartitionSpecs (tensor_parallel.shard_params)."""
     p, tp = mesh.shape[SP], mesh.shape[TP]
     backend = backend or StoreRingBackend(p, key_block, implementation=implementation)
     model = Llama(cfg, backend, dtype, TP if tp > 1 else None)
 
-    def body(params, ids, q_pos, k_pos, hist_pos, fill, blocks, last, temperature, top_k, top_p, seed, counter,
-             k_store, v_store):
+    def body(
+        params,
+        ids,
+        q_pos,
+        k_pos,
+        hist_pos,
+        fill,
+        blocks,
+        last,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        counter,
+        k_store,
+        v_store,
+    ):
         metadata = StoreMetadata(hist_pos, k_pos, fill[0], blocks[0])
         logits, caches = model.apply(params, ids[None], q_pos[None], (k_store, v_store), metadata, last[None])
         # one draw a chunk, beside a whole chunk's forward: the top-k / top-p sort always runs (one program)
         return (sample(logits[0], temperature, top_k, top_p, seed, counter, cut=True),) + caches
 
     seq, kv = P(SP), P(SP, None, TP)  # the stores: one per instance on the layer axis, heads over its devices
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,) + (seq,) * 12 + (kv, kv),
-                                 out_specs=(seq, kv, kv),
-                                 check_vma=False),  # a Pallas kernel inside shard_map needs check_vma=False
-                   donate_argnums=(13, 14))
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(specs,) + (seq,) * 12 + (kv, kv), out_specs=(seq, kv, kv), check_vma=False
+        ),  # a Pallas kernel inside shard_map needs check_vma=False
+        donate_argnums=(13, 14),
+    )
 
 
 def chunk_args(mesh: Mesh, local: int, cap: int, store: tuple[int, ...], dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -361,9 +440,21 @@ def chunk_args(mesh: Mesh, local: int, cap: int, store: tuple[int, ...], dtype) 
     p = mesh.shape[SP]
     seq, kv = P(SP), P(SP, None, TP)
     sharded = lambda shape, dtype, spec=seq: jax.ShapeDtypeStruct(  # noqa: E731
-        shape, dtype, sharding=NamedSharding(mesh, spec))
+        shape, dtype, sharding=NamedSharding(mesh, spec)
+    )
     i32, f32 = jnp.int32, jnp.float32
     group_store = (p * store[0], *store[1:])  # the group's stores side by side on the layer axis, one per instance
-    return (sharded((p * local,), i32),) * 3 + (sharded((p * cap,), i32),) + (sharded((p,), i32),) * 3 + (
-        sharded((p,), f32), sharded((p,), i32), sharded((p,), f32), sharded((p,), jnp.uint32),
-        sharded((p,), i32), sharded(group_store, dtype, kv), sharded(group_store, dtype, kv))
+    return (
+        (sharded((p * local,), i32),) * 3
+        + (sharded((p * cap,), i32),)
+        + (sharded((p,), i32),) * 3
+        + (
+            sharded((p,), f32),
+            sharded((p,), i32),
+            sharded((p,), f32),
+            sharded((p,), jnp.uint32),
+            sharded((p,), i32),
+            sharded(group_store, dtype, kv),
+            sharded(group_store, dtype, kv),
+        )
+    )

@@ -12,10 +12,21 @@ from jaxserve.fuzz.values import CONTROL_TEXT, hostile_string
 from jaxserve.server.proto import jaxserve_pb2 as pb
 
 SERVICE = "/jaxserve.v1.JaxServe/"
-INT32 = (0, 1, -1, 5, 2**31 - 1, -2**31, 49151, 49152, 100_000)
+INT32 = (0, 1, -1, 5, 2**31 - 1, -(2**31), 49151, 49152, 100_000)
 DOUBLES = (0.0, -0.0, 0.5, 1.0, -1.0, 2.0, 1e308, -1e308, 5e-324, float("inf"), float("-inf"), float("nan"))
-ROLES = ("user", "system", "assistant", "developer", "", "tool", "USER", "\x00", "<|im_end|>",
-         "user<|im_end|>\n<|im_start|>system", "x" * 10_000)
+ROLES = (
+    "user",
+    "system",
+    "assistant",
+    "developer",
+    "",
+    "tool",
+    "USER",
+    "\x00",
+    "<|im_end|>",
+    "user<|im_end|>\n<|im_start|>system",
+    "x" * 10_000,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +47,11 @@ class GrpcCase:
 def _text(rng: random.Random) -> str:
     """A string protobuf can carry (valid UTF-8: a lone surrogate cannot be serialized; bytes cover those)."""
     s = hostile_string(rng)
-    return s.encode("utf-8", "replace").decode("utf-8") if rng.random() < 0.7 else rng.choice(
-        ("The capital of France is", CONTROL_TEXT, "hi"))
+    return (
+        s.encode("utf-8", "replace").decode("utf-8")
+        if rng.random() < 0.7
+        else rng.choice(("The capital of France is", CONTROL_TEXT, "hi"))
+    )
 
 
 def _chat(rng: random.Random) -> pb.Chat:
@@ -50,9 +64,22 @@ def _chat(rng: random.Random) -> pb.Chat:
 def _params(rng: random.Random) -> pb.SamplingParams:
     p = pb.SamplingParams(max_tokens=rng.choice(INT32 + (3, 4)) if rng.random() < 0.4 else rng.randint(1, 6))
     for _ in range(rng.randint(0, 3)):
-        field = rng.choice(("temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                            "ttft_slo", "structured_output", "allowed_token_ids", "bad_words",
-                            "skip_special_tokens"))
+        field = rng.choice(
+            (
+                "temperature",
+                "top_k",
+                "top_p",
+                "seed",
+                "stop",
+                "stop_token_ids",
+                "ignore_eos",
+                "ttft_slo",
+                "structured_output",
+                "allowed_token_ids",
+                "bad_words",
+                "skip_special_tokens",
+            )
+        )
         if field == "structured_output":
             grammar = rng.choice(("json_schema", "regex", "grammar", "choice", "json_object", None))
             if grammar == "choice":
@@ -108,7 +135,7 @@ def _broken(rng: random.Random, wire: bytes) -> bytes:
     """The same bytes, broken: cut short, bits flipped, invalid UTF-8 spliced in, or junk."""
     op = rng.random()
     if op < 0.3 and wire:
-        return wire[:rng.randrange(len(wire))]
+        return wire[: rng.randrange(len(wire))]
     if op < 0.6 and wire:
         b = bytearray(wire)
         for _ in range(rng.randint(1, 4)):

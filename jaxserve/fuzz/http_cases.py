@@ -11,18 +11,57 @@ from typing import Any
 
 from jaxserve.fuzz.values import CONTROL_TEXT, NUMBERS, hostile_string, hostile_value, nested
 
-COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                     "stop_token_ids", "ignore_eos", "ttft_slo", "stream", "stream_options", "user", "n",
-                     "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "echo", "logprobs",
-                     "suffix", "best_of", "response_format", "structured_outputs", "guided_json", "guided_regex",
-                     "guided_choice", "guided_grammar",
-                     # vLLM's and SGLang's extensions, honoured or refused by name
-                     "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "truncate_prompt_tokens",
-                     "regex", "use_beam_search", "allowed_token_ids", "bad_words", "skip_special_tokens",
-                     "request_id")
+COMPLETION_FIELDS = (
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "ttft_slo",
+    "stream",
+    "stream_options",
+    "user",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_tokens",
+    "echo",
+    "logprobs",
+    "suffix",
+    "best_of",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    # vLLM's and SGLang's extensions, honoured or refused by name
+    "prompt_logprobs",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    "truncate_prompt_tokens",
+    "regex",
+    "use_beam_search",
+    "allowed_token_ids",
+    "bad_words",
+    "skip_special_tokens",
+    "request_id",
+)
 CHAT_FIELDS = tuple(f for f in COMPLETION_FIELDS if f not in ("prompt", "echo", "suffix", "best_of")) + (
-    "messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "add_generation_prompt",
-    "continue_final_message")
+    "messages",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "top_logprobs",
+    "add_generation_prompt",
+    "continue_final_message",
+)
 PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time", "List three colors:", "2 + 2 =")
 
 
@@ -38,8 +77,9 @@ class HttpCase:
         return text if len(text) <= most else f"{text[:most]}... ({len(text)} bytes)"
 
 
-def request(method: str, path: str, body: bytes = b"", key: str | None = None,
-            headers: dict[str, str | None] | None = None) -> bytes:
+def request(
+    method: str, path: str, body: bytes = b"", key: str | None = None, headers: dict[str, str | None] | None = None
+) -> bytes:
     """An HTTP/1.1 request as bytes; Content-Length is the body's unless `headers` sets it (None: leave it out)."""
     h: dict[str, str | None] = {"Host": "fuzz", "Content-Type": "application/json", "Content-Length": str(len(body))}
     if key is not None:
@@ -56,8 +96,13 @@ def _json(obj: Any) -> bytes:
 
 
 def _base(rng: random.Random, chat: bool, model: str) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": rng.randint(1, 6), "temperature": rng.choice((0, 0.7)),
-                            "seed": rng.randint(0, 100), "stream": rng.random() < 0.3}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": rng.randint(1, 6),
+        "temperature": rng.choice((0, 0.7)),
+        "seed": rng.randint(0, 100),
+        "stream": rng.random() < 0.3,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
     else:
@@ -66,30 +111,34 @@ def _base(rng: random.Random, chat: bool, model: str) -> dict[str, Any]:
 
 
 def _mutate_prompt(rng: random.Random) -> Any:
-    return rng.choice((
-        lambda: [rng.randint(0, 49151) for _ in range(rng.choice((1, 5, 100)))],
-        lambda: [rng.choice((-1, 49152, 2**31, 2**63, True, 1.5, None, "7")) for _ in range(3)],
-        lambda: [rng.choice(PROMPTS) for _ in range(rng.choice((0, 2, 41, 500)))],
-        lambda: [[1, 2], [3, [4]]],
-        lambda: [[], "x"],
-        lambda: CONTROL_TEXT,
-        lambda: hostile_string(rng),
-        lambda: "word " * rng.choice((2000, 20_000)),  # more tokens than the context holds
-    ))()
+    return rng.choice(
+        (
+            lambda: [rng.randint(0, 49151) for _ in range(rng.choice((1, 5, 100)))],
+            lambda: [rng.choice((-1, 49152, 2**31, 2**63, True, 1.5, None, "7")) for _ in range(3)],
+            lambda: [rng.choice(PROMPTS) for _ in range(rng.choice((0, 2, 41, 500)))],
+            lambda: [[1, 2], [3, [4]]],
+            lambda: [[], "x"],
+            lambda: CONTROL_TEXT,
+            lambda: hostile_string(rng),
+            lambda: "word " * rng.choice((2000, 20_000)),  # more tokens than the context holds
+        )
+    )()
 
 
 def _mutate_messages(rng: random.Random) -> Any:
     message = {"role": "user", "content": rng.choice(PROMPTS)}
-    return rng.choice((
-        lambda: [{**message, "role": hostile_value(rng)}],
-        lambda: [{**message, "content": hostile_value(rng)}],
-        lambda: [{"role": "user"}],
-        lambda: [{"role": r, "content": CONTROL_TEXT} for r in ("system", "developer", "user", "assistant")],
-        lambda: [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]}],
-        lambda: [message] * rng.choice((0, 300)),
-        lambda: [hostile_value(rng)],
-        lambda: hostile_value(rng),
-    ))()
+    return rng.choice(
+        (
+            lambda: [{**message, "role": hostile_value(rng)}],
+            lambda: [{**message, "content": hostile_value(rng)}],
+            lambda: [{"role": "user"}],
+            lambda: [{"role": r, "content": CONTROL_TEXT} for r in ("system", "developer", "user", "assistant")],
+            lambda: [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]}],
+            lambda: [message] * rng.choice((0, 300)),
+            lambda: [hostile_value(rng)],
+            lambda: hostile_value(rng),
+        )
+    )()
 
 
 def _field_case(rng: random.Random, chat: bool, model: str, key: str | None) -> HttpCase:
@@ -115,12 +164,28 @@ def _field_case(rng: random.Random, chat: bool, model: str, key: str | None) -> 
 
 
 RAW_BODIES: tuple[bytes, ...] = (
-    b"", b"{", b"}", b"null", b"[]", b'"x"', b"0", b"{}", b'{"model": }', b'{"model": "m",}', b"\x00\x01\x02",
-    b'{"model": "\xff\xfe", "prompt": "x"}', b'{"model": "m", "prompt": "\xed\xa0\x80"}',  # bad UTF-8, CESU-8
-    b"\xef\xbb\xbf{}", nested(100_000).encode(), nested(100_000, "{\"a\":", "}").encode()[:300_000],
+    b"",
+    b"{",
+    b"}",
+    b"null",
+    b"[]",
+    b'"x"',
+    b"0",
+    b"{}",
+    b'{"model": }',
+    b'{"model": "m",}',
+    b"\x00\x01\x02",
+    b'{"model": "\xff\xfe", "prompt": "x"}',
+    b'{"model": "m", "prompt": "\xed\xa0\x80"}',  # bad UTF-8, CESU-8
+    b"\xef\xbb\xbf{}",
+    nested(100_000).encode(),
+    nested(100_000, '{"a":', "}").encode()[:300_000],
     b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
-    b'{"model": "m", "prompt": "x", "temperature": 1e999999}', b'{"model": "m", "model": 1, "prompt": "x"}',
-    b'{"model": "m", /* comment */ "prompt": "x"}', b"model=m&prompt=x", b"\x1f\x8b\x08\x00garbage",
+    b'{"model": "m", "prompt": "x", "temperature": 1e999999}',
+    b'{"model": "m", "model": 1, "prompt": "x"}',
+    b'{"model": "m", /* comment */ "prompt": "x"}',
+    b"model=m&prompt=x",
+    b"\x1f\x8b\x08\x00garbage",
     b'{"prompt": "' + b"a" * 3_000_000 + b'"}',  # a body far beyond any context
 )
 
@@ -149,7 +214,10 @@ def _protocol_case(rng: random.Random, model: str, key: str | None) -> HttpCase:
         (False, request("POST", "/v1/completions", good, key, {"Content-Length": "-5"})),
         (False, request("POST", "/v1/completions", good, key, {"Content-Length": "abc"})),
         (True, request("POST", "/v1/completions", good, key, {"Content-Length": str(len(good) - 3)})),
-        (True, request("POST", "/v1/completions", chunked, key, {"Content-Length": None, "Transfer-Encoding": "chunked"})),
+        (
+            True,
+            request("POST", "/v1/completions", chunked, key, {"Content-Length": None, "Transfer-Encoding": "chunked"}),
+        ),
         (False, request("POST", "/v1/completions", chunked, key, {"Transfer-Encoding": "chunked"})),
         (True, request("POST", "/v1/completions", good, key, {"Expect": "100-continue"})),
         (True, request("GET", "/health", b"") + request("GET", "/v1/models", b"", key)),  # pipelined

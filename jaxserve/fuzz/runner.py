@@ -51,7 +51,7 @@ def _error_problem(body: bytes) -> str | None:
 def _sse_server_error(body: bytes) -> bool:
     """An SSE `error` event with a 5xx code inside a 200 stream."""
     for line in body.split(b"\n"):
-        if line.startswith(b"data: {\"error\""):
+        if line.startswith(b'data: {"error"'):
             try:
                 if int(json.loads(line[6:])["error"]["code"]) >= 500:
                     return True
@@ -127,8 +127,16 @@ class Canary:
     the largest gap between two of its tokens."""
 
     def __init__(self, port: int, model: str, key: str | None, max_tokens: int = 32):
-        body = json.dumps({"model": model, "prompt": "The history of the Roman Empire began", "max_tokens": max_tokens,
-                           "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+        body = json.dumps(
+            {
+                "model": model,
+                "prompt": "The history of the Roman Empire began",
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
         self._request = request("POST", "/v1/completions", body, key)
         self.port = port
         self.texts: list[str] = []
@@ -208,16 +216,33 @@ class FuzzReport:
         return {k: dict(sorted(v.items())) for k, v in table.items()}
 
     def summary(self) -> dict[str, Any]:
-        return {"http_requests": self.count("http"), "grpc_calls": self.count("grpc"),
-                "failures": len(self.failures), "statuses": self.statuses(),
-                "canary_runs": len(self.canary_texts), "canary_changed": self.canary_changed,
-                "canary_errors": len(self.canary_errors), "canary_max_gap_s": round(self.canary_max_gap_s, 3),
-                "canary_p99_gap_s": round(self.canary_p99_gap_s, 3), "seconds": round(self.seconds, 1)}
+        return {
+            "http_requests": self.count("http"),
+            "grpc_calls": self.count("grpc"),
+            "failures": len(self.failures),
+            "statuses": self.statuses(),
+            "canary_runs": len(self.canary_texts),
+            "canary_changed": self.canary_changed,
+            "canary_errors": len(self.canary_errors),
+            "canary_max_gap_s": round(self.canary_max_gap_s, 3),
+            "canary_p99_gap_s": round(self.canary_p99_gap_s, 3),
+            "seconds": round(self.seconds, 1),
+        }
 
 
-def fuzz(http_port: int, grpc_port: int, *, model: str, key: str | None, n_http: int, n_grpc: int, seed: int = 0,
-         workers: int = 8, timeout: float = 120.0,
-         progress: Callable[[int], None] | None = None) -> FuzzReport:
+def fuzz(
+    http_port: int,
+    grpc_port: int,
+    *,
+    model: str,
+    key: str | None,
+    n_http: int,
+    n_grpc: int,
+    seed: int = 0,
+    workers: int = 8,
+    timeout: float = 120.0,
+    progress: Callable[[int], None] | None = None,
+) -> FuzzReport:
     """Run n_http + n_grpc hostile requests (mixed, `workers` at a time) against the server with a canary
     stream beside them. `progress(k)` is called as each request ends."""
     rng = random.Random(seed)
@@ -243,5 +268,12 @@ def fuzz(http_port: int, grpc_port: int, *, model: str, key: str | None, n_http:
         canary.stop()
         channel.close()
     gaps = sorted(canary.gaps) or [0.0]
-    return FuzzReport(outcomes, expected, canary.texts, canary.errors, gaps[-1], gaps[int(0.99 * (len(gaps) - 1))],
-                      time.monotonic() - start)
+    return FuzzReport(
+        outcomes,
+        expected,
+        canary.texts,
+        canary.errors,
+        gaps[-1],
+        gaps[int(0.99 * (len(gaps) - 1))],
+        time.monotonic() - start,
+    )

@@ -97,9 +97,15 @@ class ESPSimulator:
         self.capacity = c.kv_tokens or kv_capacity(c.profile, c.tp, c.memory_utilization)
         model = self.cost.fit(c.instances, c.tp)
         self.scheduler = ESPScheduler(
-            model, c.tp, knee=self.cost.prefill([c.knee_tokens], 1),
-            migration_bandwidth=self.cost.migration_bandwidth, kv_bytes_per_token=self.cost.shard_bytes,
-            output_estimate=c.output_estimate, max_sp=c.max_sp, max_overtakes=c.max_overtakes)
+            model,
+            c.tp,
+            knee=self.cost.prefill([c.knee_tokens], 1),
+            migration_bandwidth=self.cost.migration_bandwidth,
+            kv_bytes_per_token=self.cost.shard_bytes,
+            output_estimate=c.output_estimate,
+            max_sp=c.max_sp,
+            max_overtakes=c.max_overtakes,
+        )
 
     def run(self, workload: Workload, progress: bool = True) -> Results:
         return _Run(self, workload, progress).results()
@@ -112,10 +118,14 @@ class _Run:
         self.requests, self.rejected = [], []
         # arrivals wait in it (a preempted request comes back to recompute); its elastic planner is the simulator's;
         # decode lengths are predicted as live: the running mean of finished requests, from the configured prior
-        self.scheduler = ESPPolicy(sim.scheduler, range(self.cfg.instances),
-                                   predictor=ObservedLengths(prior=self.cfg.output_estimate),
-                                   spread=True, weigh_pauses=self.cfg.decode_preemption,
-                                   scale_up=self.cfg.scale_up)
+        self.scheduler = ESPPolicy(
+            sim.scheduler,
+            range(self.cfg.instances),
+            predictor=ObservedLengths(prior=self.cfg.output_estimate),
+            spread=True,
+            weigh_pauses=self.cfg.decode_preemption,
+            scale_up=self.cfg.scale_up,
+        )
         self.origin: dict[str, Request] = {}  # request id -> the workload's request, while it waits or prefills
         self.prefilling: list[_Prefilling] = []
         self.prefills: list[tuple[tuple[str, ...], tuple[int, ...], float, float]] = []  # every batch as run
@@ -133,8 +143,9 @@ class _Run:
 
     def _build(self, workload: Workload) -> None:
         cfg = self.cfg
-        for k, (t, p, o) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist(),
-                                          workload.output_lens.tolist())):
+        for k, (t, p, o) in enumerate(
+            zip(workload.arrivals.tolist(), workload.prompt_lens.tolist(), workload.output_lens.tolist())
+        ):
             r = Request(str(k), t, p, o, tpot_slo=cfg.slo.tpot_slo)
             # one deadline whatever the variant: the fastest prefill the whole pool could give it
             r.ttft_deadline = t + cfg.slo.ttft(self.cost.fastest_prefill(p, cfg.instances))
@@ -192,8 +203,12 @@ class _Run:
             generated = [d.request.generated for d in self.decoding.values()]
             for e in self.instances:  # what a prefill taking it pauses (allocation's cost without evacuation)
                 e.generated = tuple(d.request.generated for d in self.decoding.values() if e.id in d.shards)
-            pool = ElasticPool(instances=self.instances, available=self._idle(), generated=generated,
-                               step_time=self.step_sum / max(self.step_count, 1))
+            pool = ElasticPool(
+                instances=self.instances,
+                available=self._idle(),
+                generated=generated,
+                step_time=self.step_sum / max(self.step_count, 1),
+            )
             plan = self.scheduler.plan(now, pool)
             if not plan.items:
                 break
@@ -284,8 +299,11 @@ class _Run:
     def _start_steps(self, now: float, idle: set[int]) -> None:
         """One decode step for every request whose instances are all idle (growing a full one first), run as
         independent steps per connected group of instances (requests sharing an instance step together)."""
-        stepping = [d for d in list(self.decoding.values())
-                    if d.ready_at <= now and idle.issuperset(d.shards) and self._room_for_one(d, now, idle)]
+        stepping = [
+            d
+            for d in list(self.decoding.values())
+            if d.ready_at <= now and idle.issuperset(d.shards) and self._room_for_one(d, now, idle)
+        ]
         stepping = [d for d in stepping if d.ready_at <= now]  # a whole-KV move started this instant waits
         parent = {i: i for d in stepping for i in d.shards}
 
@@ -374,10 +392,21 @@ class _Run:
     def results(self) -> Results:
         done = [r for r in self.requests if r.finished]
         span = (max(r.finished_at for r in done) - self.requests[0].arrival) if done else 0.0
-        config = self.cfg.label() | {"preemptions": self.preemptions, "scale_ups": self.scale_ups,
-                                     "migrations": self.migrations, "evacuations": self.evacuations,
-                                     "decode_pauses": self.decode_pauses,
-                                     "kv_capacity_per_instance": self.sim.capacity,
-                                     "kv_held_at_end": sum(e.kv_used for e in self.instances)}
-        return Results(self.requests, self.rejected, span, time.perf_counter() - self.wall, config,
-                       prefills=self.prefills, decoders=self.decoders)
+        config = self.cfg.label() | {
+            "preemptions": self.preemptions,
+            "scale_ups": self.scale_ups,
+            "migrations": self.migrations,
+            "evacuations": self.evacuations,
+            "decode_pauses": self.decode_pauses,
+            "kv_capacity_per_instance": self.sim.capacity,
+            "kv_held_at_end": sum(e.kv_used for e in self.instances),
+        }
+        return Results(
+            self.requests,
+            self.rejected,
+            span,
+            time.perf_counter() - self.wall,
+            config,
+            prefills=self.prefills,
+            decoders=self.decoders,
+        )

@@ -15,8 +15,15 @@ from typing import Any
 
 from jaxserve.lab.claims import cdsp, csps, esp, kvp, policies, tetriinfer, tetris_tbt
 
-EXPERIMENTS: dict[str, ModuleType] = {"cdsp": cdsp, "csps": csps, "esp": esp, "kvp": kvp, "policies": policies,
-                                      "tetriinfer": tetriinfer, "tetris_tbt": tetris_tbt}
+EXPERIMENTS: dict[str, ModuleType] = {
+    "cdsp": cdsp,
+    "csps": csps,
+    "esp": esp,
+    "kvp": kvp,
+    "policies": policies,
+    "tetriinfer": tetriinfer,
+    "tetris_tbt": tetris_tbt,
+}
 
 
 def option_names(name: str) -> tuple[str, ...]:

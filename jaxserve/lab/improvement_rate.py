@@ -17,16 +17,23 @@ from jaxserve.sim.workload import Workload
 IMPROVEMENT_RATES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75)
 
 
-def profile_improvement_rates(make_planner: Callable[[float], Planner], workload_at: Callable[[float], Workload],
-                              pool_size: int, best_latency: Callable[[int], float], arrival_rates: Sequence[float],
-                              candidates: Sequence[float] = IMPROVEMENT_RATES, executor: Executor | None = None
-                              ) -> RateTable:
+def profile_improvement_rates(
+    make_planner: Callable[[float], Planner],
+    workload_at: Callable[[float], Workload],
+    pool_size: int,
+    best_latency: Callable[[int], float],
+    arrival_rates: Sequence[float],
+    candidates: Sequence[float] = IMPROVEMENT_RATES,
+    executor: Executor | None = None,
+) -> RateTable:
     """Tetris's offline profiler: at each arrival rate, the improvement rate with the lowest mean TTFT.
     make_planner(improvement_rate) builds a fresh planner; workload_at(rate) samples the length distribution."""
     best = []
     for rate in arrival_rates:
         workload = workload_at(rate)
-        ttft = {r: run_pool(make_planner(r), workload, pool_size, best_latency, executor=executor).ttft.mean()
-                for r in candidates}
+        ttft = {
+            r: run_pool(make_planner(r), workload, pool_size, best_latency, executor=executor).ttft.mean()
+            for r in candidates
+        }
         best.append(min(candidates, key=ttft.__getitem__))
     return RateTable(tuple(arrival_rates), tuple(best))

@@ -32,9 +32,16 @@ class AttentionBackend(Protocol[M]):
     arrays shared by all layers.
     """
 
-    def __call__(self, q: Float[Array, "b t h d"], k: Float[Array, "b t kvh d"], v: Float[Array, "b t kvh d"],
-                 positions: Int[Array, "b t"], caches: Caches, layer: Int[Array, ""], metadata: M
-                 ) -> tuple[Float[Array, "b t h d"], Caches]: ...
+    def __call__(
+        self,
+        q: Float[Array, "b t h d"],
+        k: Float[Array, "b t kvh d"],
+        v: Float[Array, "b t kvh d"],
+        positions: Int[Array, "b t"],
+        caches: Caches,
+        layer: Int[Array, ""],
+        metadata: M,
+    ) -> tuple[Float[Array, "b t h d"], Caches]: ...
 
 
 @jax.tree_util.register_dataclass
@@ -42,7 +49,7 @@ class AttentionBackend(Protocol[M]):
 class DenseCausalMetadata(AttentionMetadata):
     """What DenseCausalBackend reads."""
 
-    key_positions: Int[Array, "t"]
+    key_positions: Int[Array, " t"]
     """Each key's position: queries at or after it see it (padding: a position past every query)."""
 
 

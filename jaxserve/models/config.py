@@ -50,8 +50,9 @@ class LongRoPE:
     attention_factor: float
 
     @classmethod
-    def make(cls, short: list[float], long: list[float], original: int, context: int,
-             attention_factor: float | None = None) -> "LongRoPE":
+    def make(
+        cls, short: list[float], long: list[float], original: int, context: int, attention_factor: float | None = None
+    ) -> "LongRoPE":
         """With the attention factor the paper suggests (transformers' and llama.cpp's) unless given."""
         scale = context / original
         if attention_factor is None:
@@ -79,15 +80,32 @@ class YaRN:
     truncate: bool = True  # the ramp's ends rounded out to whole dimensions (transformers' default)
 
     @classmethod
-    def make(cls, factor: float, original: int, attention_factor: float | None = None, mscale: float | None = None,
-             mscale_all_dim: float | None = None, beta_fast: float | None = None, beta_slow: float | None = None,
-             truncate: bool = True) -> "YaRN":
+    def make(
+        cls,
+        factor: float,
+        original: int,
+        attention_factor: float | None = None,
+        mscale: float | None = None,
+        mscale_all_dim: float | None = None,
+        beta_fast: float | None = None,
+        beta_slow: float | None = None,
+        truncate: bool = True,
+    ) -> "YaRN":
         """With transformers' defaults for what is not given (DeepSeek's mscale / mscale_all_dim pair included)."""
         if attention_factor is None:
-            attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-                                if mscale and mscale_all_dim else yarn_mscale(factor))
-        return cls(float(factor), int(original), float(attention_factor), float(beta_fast or 32.0),
-                   float(beta_slow or 1.0), bool(truncate))
+            attention_factor = (
+                yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                if mscale and mscale_all_dim
+                else yarn_mscale(factor)
+            )
+        return cls(
+            float(factor),
+            int(original),
+            float(attention_factor),
+            float(beta_fast or 32.0),
+            float(beta_slow or 1.0),
+            bool(truncate),
+        )
 
     def scale(self, inv: np.ndarray, theta: float) -> np.ndarray:
         """inv (head_dim // 2 RoPE inverse frequencies of base theta), interpolated as YaRN does."""
@@ -95,6 +113,7 @@ class YaRN:
 
         def dimension(turns: float) -> float:  # the dimension whose frequency turns this often over the context
             return dim * math.log(self.original_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
         low, high = dimension(self.beta_fast), dimension(self.beta_slow)
         if self.truncate:
             low, high = math.floor(low), math.ceil(high)
@@ -148,23 +167,34 @@ class LlamaConfig:
         kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
         context = int(cfg.get("max_position_embeddings", 2048))
         theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        original = ((scaling or {}).get("original_max_position_embeddings")
-                    or cfg.get("original_max_position_embeddings"))
+        original = (scaling or {}).get("original_max_position_embeddings") or cfg.get(
+            "original_max_position_embeddings"
+        )
         if kind in ("longrope", "su"):
-            long_rope = LongRoPE.make(scaling["short_factor"], scaling["long_factor"], original, context,
-                                      scaling.get("attention_factor"))
+            long_rope = LongRoPE.make(
+                scaling["short_factor"], scaling["long_factor"], original, context, scaling.get("attention_factor")
+            )
         elif kind == "yarn":
             original = int(original or context)
             factor = float(scaling.get("factor") or context / original)
-            yarn = YaRN.make(factor, original, scaling.get("attention_factor"), scaling.get("mscale"),
-                             scaling.get("mscale_all_dim"), scaling.get("beta_fast"), scaling.get("beta_slow"),
-                             scaling.get("truncate", True))
+            yarn = YaRN.make(
+                factor,
+                original,
+                scaling.get("attention_factor"),
+                scaling.get("mscale"),
+                scaling.get("mscale_all_dim"),
+                scaling.get("beta_fast"),
+                scaling.get("beta_slow"),
+                scaling.get("truncate", True),
+            )
             context = max(context, int(original * factor))  # Qwen2.5 keeps 32,768 here and its original (vLLM's rule)
         elif kind == "dynamic":
             # dynamic NTK as vLLM serves it: the base fixed where transformers puts it for the stretched context
             # (factor x positions), so a position's rotation never depends on the sequence's length
-            factor, d = float(scaling["factor"]), int(cfg.get("head_dim") or int(cfg["hidden_size"]) //
-                                                      int(cfg["num_attention_heads"]))
+            factor, d = (
+                float(scaling["factor"]),
+                int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])),
+            )
             theta *= (factor * factor - (factor - 1)) ** (d / (d - 2))
             context = int(context * factor)
         elif scaling:
@@ -216,8 +246,11 @@ class LlamaConfig:
             raise ValueError(f"unsupported Gemma 3 activation {cfg['hidden_activation']!r}")
         layers = int(cfg.get("num_hidden_layers", 26))
         types = cfg.get("layer_types")
-        sliding = (tuple(i for i, t in enumerate(types) if t == "sliding_attention") if types else
-                   gemma3_sliding(layers, int(cfg.get("sliding_window_pattern", GEMMA3_PATTERN))))
+        sliding = (
+            tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+            if types
+            else gemma3_sliding(layers, int(cfg.get("sliding_window_pattern", GEMMA3_PATTERN)))
+        )
         rope = cfg.get("rope_parameters") or {}
         full = dict(rope.get("full_attention") or {})
         scaling = cfg.get("rope_scaling") or full
@@ -244,19 +277,30 @@ class LlamaConfig:
             sliding_window=int(window) if window and window < context else None,
         )
         local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
-        return base.gemma3(sliding, float(local_theta), float(cfg.get("query_pre_attn_scalar", 256)),
-                           cfg.get("final_logit_softcapping"))
+        return base.gemma3(
+            sliding,
+            float(local_theta),
+            float(cfg.get("query_pre_attn_scalar", 256)),
+            cfg.get("final_logit_softcapping"),
+        )
 
-    def gemma3(self, sliding: tuple[int, ...], local_theta: float, query_scale: float,
-               softcap: float | None) -> "LlamaConfig":
+    def gemma3(
+        self, sliding: tuple[int, ...], local_theta: float, query_scale: float, softcap: float | None
+    ) -> "LlamaConfig":
         """This config as Gemma 3's (both loaders' last step): its norms, q/k norms, embedding scale and GeGLU;
         the `sliding` layers with sliding_window and RoPE base local_theta (none: every layer global)."""
         return dataclasses.replace(
-            self, window_layers=sliding if 0 < len(sliding) < self.num_layers else None,
+            self,
+            window_layers=sliding if 0 < len(sliding) < self.num_layers else None,
             sliding_window=self.sliding_window if sliding else None,
-            rope_local_theta=local_theta if sliding else None, query_scale=query_scale,
+            rope_local_theta=local_theta if sliding else None,
+            query_scale=query_scale,
             final_logit_softcap=float(softcap) if softcap else None,
-            gemma_norms=True, qk_norm=True, embed_scale=True, activation="gelu_tanh")
+            gemma_norms=True,
+            qk_norm=True,
+            embed_scale=True,
+            activation="gelu_tanh",
+        )
 
     def local(self, layer: int) -> bool:
         """Is `layer` a sliding one (its window, and RoPE from rope_local_theta when set)?"""
@@ -287,8 +331,12 @@ class LlamaConfig:
                 raw[key] = tuple(raw[key])
         if raw.get("long_rope") is not None:
             long = raw["long_rope"]
-            raw["long_rope"] = LongRoPE(tuple(long["short_factor"]), tuple(long["long_factor"]),
-                                        long["original_context"], long["attention_factor"])
+            raw["long_rope"] = LongRoPE(
+                tuple(long["short_factor"]),
+                tuple(long["long_factor"]),
+                long["original_context"],
+                long["attention_factor"],
+            )
         if raw.get("yarn") is not None:
             raw["yarn"] = YaRN(**raw["yarn"])
         return cls(**raw)
@@ -305,13 +353,15 @@ class LlamaConfig:
         if tp < 1:
             raise ValueError(f"tp must be a positive integer, got {tp}")
         kvh = self.num_kv_heads
-        problems = [f"{n} {what}" for n, what in ((self.num_heads, "attention heads"),
-                                                  (self.intermediate_size, "MLP features")) if n % tp]
+        problems = [
+            f"{n} {what}"
+            for n, what in ((self.num_heads, "attention heads"), (self.intermediate_size, "MLP features"))
+            if n % tp
+        ]
         if kvh % tp and tp % kvh:
             problems.append(f"{kvh} KV heads (nor is tp a multiple of them)")
         if problems:
-            raise ValueError(f"tensor parallelism over {tp} devices does not divide the model's "
-                             + ", ".join(problems))
+            raise ValueError(f"tensor parallelism over {tp} devices does not divide the model's " + ", ".join(problems))
         repeat = max(tp // kvh, 1)
         return TPShape(tp, self.num_heads // tp, kvh * repeat // tp, repeat, self.intermediate_size // tp)
 
@@ -354,7 +404,17 @@ def gemma3_sliding(layers: int, pattern: int = GEMMA3_PATTERN) -> tuple[int, ...
 def llama3_8b(num_layers: int = 32) -> LlamaConfig:
     """Meta-Llama-3.1-8B's shapes (its config.json), for benchmarks and GPU compiles with random weights; fewer
     layers keep a compile short without changing any layer."""
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=num_layers,
-                       num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
-                       rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192),
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=num_layers,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=(8.0, 1.0, 4.0, 8192),
+        tie_word_embeddings=False,
+    )

@@ -88,14 +88,16 @@ class GGUFFile:
         values, scale, offset, qtype = KEPT[t.tensor_type](raw)
         rows = t.data.shape[:-1]
         lead = (*rows, scale.size // int(np.prod(rows)))  # the blocks of each row
-        return Quantized(values.reshape(*rows, -1), scale.reshape(lead),
-                         None if offset is None else offset.reshape(lead), qtype)
+        return Quantized(
+            values.reshape(*rows, -1), scale.reshape(lead), None if offset is None else offset.reshape(lead), qtype
+        )
 
     def config(self) -> LlamaConfig:
         arch = self.field("general.architecture")
         if arch not in ARCHITECTURES:
-            raise ValueError(f"{self.path}: unsupported GGUF architecture {arch!r} (served: "
-                             f"{', '.join(ARCHITECTURES)})")
+            raise ValueError(
+                f"{self.path}: unsupported GGUF architecture {arch!r} (served: {', '.join(ARCHITECTURES)})"
+            )
         p = f"{arch}."
         if (self.field(p + "expert_count") or 0) > 0:
             raise ValueError(f"{self.path}: mixture-of-experts GGUF models are not supported")
@@ -103,8 +105,7 @@ class GGUFFile:
         factor = float(self.field(p + "rope.scaling.factor", 1.0))
         linear = scaling == "linear" or (scaling is None and factor != 1.0)  # llama.cpp's default type is linear
         if scaling not in (None, "none", "linear", "yarn") and not self.has_tensor("rope_freqs.weight"):
-            raise ValueError(f"{self.path}: unsupported rope scaling {scaling!r} (linear, yarn and Llama-3 "
-                             "rope_freqs)")
+            raise ValueError(f"{self.path}: unsupported rope scaling {scaling!r} (linear, yarn and Llama-3 rope_freqs)")
         heads = int(self.field(p + "attention.head_count"))
         hidden = int(self.field(p + "embedding_length"))
         head_dim = int(self.field(p + "attention.key_length", self.field(p + "rope.dimension_count", hidden // heads)))
@@ -120,16 +121,23 @@ class GGUFFile:
         context = int(self.field(p + "context_length"))
         long_rope = None
         if self.has_tensor("rope_factors_long.weight"):  # Phi-3's 128K variants, as llama.cpp's converter writes them
-            long_rope = LongRoPE.make(self.tensor("rope_factors_short.weight").reshape(-1).tolist(),
-                                      self.tensor("rope_factors_long.weight").reshape(-1).tolist(),
-                                      int(self.field(p + "rope.scaling.original_context_length")), context,
-                                      self.field(p + "rope.scaling.attn_factor"))
+            long_rope = LongRoPE.make(
+                self.tensor("rope_factors_short.weight").reshape(-1).tolist(),
+                self.tensor("rope_factors_long.weight").reshape(-1).tolist(),
+                int(self.field(p + "rope.scaling.original_context_length")),
+                context,
+                self.field(p + "rope.scaling.attn_factor"),
+            )
         yarn = None
         if scaling == "yarn":  # llama.cpp multiplies its own attention scale by yarn_attn_factor
             original = int(self.field(p + "rope.scaling.original_context_length", context))
-            yarn = YaRN.make(factor, original, yarn_mscale(factor) * float(self.field(
-                p + "rope.scaling.yarn_attn_factor", 1.0)), beta_fast=self.field(p + "rope.scaling.yarn_beta_fast"),
-                beta_slow=self.field(p + "rope.scaling.yarn_beta_slow"))
+            yarn = YaRN.make(
+                factor,
+                original,
+                yarn_mscale(factor) * float(self.field(p + "rope.scaling.yarn_attn_factor", 1.0)),
+                beta_fast=self.field(p + "rope.scaling.yarn_beta_fast"),
+                beta_slow=self.field(p + "rope.scaling.yarn_beta_slow"),
+            )
             context = max(context, int(original * factor))
         layers = int(self.field(p + "block_count"))
         window = self.field(p + "attention.sliding_window")
@@ -161,13 +169,21 @@ class GGUFFile:
         62-layer 27B, unless the file gives attention.scale."""
         p = "gemma3."
         pattern = self.field(p + "attention.sliding_window_pattern")
-        sliding = (tuple(i for i, s in enumerate(pattern) if s) if isinstance(pattern, list)
-                   else gemma3_sliding(layers)) if window else ()
+        sliding = (
+            (tuple(i for i, s in enumerate(pattern) if s) if isinstance(pattern, list) else gemma3_sliding(layers))
+            if window
+            else ()
+        )
         scale = self.field(p + "attention.scale")
-        query_scale = (float(scale) ** -2 if scale else
-                       cfg.hidden_size / cfg.num_heads if layers == 62 else float(cfg.head_dim))
-        return cfg.gemma3(sliding, float(self.field(p + "rope.freq_base_swa", 10000.0)), query_scale,
-                          self.field(p + "final_logit_softcapping"))
+        query_scale = (
+            float(scale) ** -2 if scale else cfg.hidden_size / cfg.num_heads if layers == 62 else float(cfg.head_dim)
+        )
+        return cfg.gemma3(
+            sliding,
+            float(self.field(p + "rope.freq_base_swa", 10000.0)),
+            query_scale,
+            self.field(p + "final_logit_softcapping"),
+        )
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -226,8 +242,12 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
 
 def _q2_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * q - dmin * m_j, q 2-bit, sc_j and m_j 4-bit
     d, dmin = _f16(raw[:, 80:82]).astype(np.float32)[:, None], _f16(raw[:, 82:84]).astype(np.float32)[:, None]
-    return (_fields(raw[:, 16:80], 2, 2).astype(np.int8), d * (raw[:, :16] & 0x0F), -dmin * (raw[:, :16] >> 4),
-            jnp.int8)
+    return (
+        _fields(raw[:, 16:80], 2, 2).astype(np.int8),
+        d * (raw[:, :16] & 0x0F),
+        -dmin * (raw[:, :16] >> 4),
+        jnp.int8,
+    )
 
 
 def _q3_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * q, q 3-bit (-4..3; its high bit set means no -4), sc_j 6-bit
@@ -245,8 +265,18 @@ def _q6_k(raw):  # 16 blocks of 16 per 256: (d * sc_j) * (q - 32), q 6-bit (low 
 
 
 _T = gguf.GGMLQuantizationType
-KEPT = {_T.Q8_0: _q8_0, _T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q4_K: _q4_k, _T.Q5_0: _q5_0, _T.Q5_1: _q5_1,
-        _T.Q5_K: _q5_k, _T.Q6_K: _q6_k, _T.Q2_K: _q2_k, _T.Q3_K: _q3_k}
+KEPT = {
+    _T.Q8_0: _q8_0,
+    _T.Q4_0: _q4_0,
+    _T.Q4_1: _q4_1,
+    _T.Q4_K: _q4_k,
+    _T.Q5_0: _q5_0,
+    _T.Q5_1: _q5_1,
+    _T.Q5_K: _q5_k,
+    _T.Q6_K: _q6_k,
+    _T.Q2_K: _q2_k,
+    _T.Q3_K: _q3_k,
+}
 MIXED_BLOCK = 16  # the block of a weight whose layers differ in type: the smallest of KEPT's
 
 
@@ -257,8 +287,7 @@ def mixed_layout(q: Quantized) -> Quantized:
     values = np.asarray(q.values)
     repeat = values.shape[-1] // MIXED_BLOCK // q.scale.shape[-1]
     scale = np.repeat(np.asarray(q.scale, np.float32), repeat, axis=-1)
-    offset = (np.zeros_like(scale) if q.offset is None else
-              np.repeat(np.asarray(q.offset, np.float32), repeat, axis=-1))
+    offset = np.zeros_like(scale) if q.offset is None else np.repeat(np.asarray(q.offset, np.float32), repeat, axis=-1)
     return Quantized(values.astype(np.int8), scale, offset, jnp.int8)
 
 

@@ -1,5 +1,5 @@
-"""Load a Hugging Face Llama-family directory (Llama, Qwen2 / Qwen2.5, Qwen3 (dense), Mistral, Phi-3, Gemma 3's text models):
-config.json and *.safetensors files."""
+"""Load a Hugging Face Llama-family directory (Llama, Qwen2 / Qwen2.5, Qwen3 (dense), Mistral, Phi-3, Gemma 3's text
+models): config.json and *.safetensors files."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ def load_hf_dir(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
     if image_text:  # whose logits transformers does not soft-cap (Gemma3ForConditionalGeneration)
         raw = {**raw.get("text_config", {}), "model_type": "gemma3_text", "final_logit_softcapping": None}
     if raw.get("model_type", "llama") not in MODEL_TYPES and "LlamaForCausalLM" not in archs:
-        raise ValueError(f"{root}: unsupported model_type {raw.get('model_type')!r} (served: "
-                         f"{', '.join(MODEL_TYPES)})")
+        raise ValueError(f"{root}: unsupported model_type {raw.get('model_type')!r} (served: {', '.join(MODEL_TYPES)})")
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise ValueError(f"{root}: Llama variants with attention/MLP biases are not supported")
     cfg = LlamaConfig.from_hf(raw)
@@ -56,8 +55,11 @@ def _text_tower(name: str, where: dict[str, pathlib.Path]) -> str:
     """Where an image-text checkpoint keeps the text model's tensor `name`: under language_model.model (the hub's
     files) or model.language_model (as transformers 5 saves them); lm_head under language_model too."""
     inner = name.removeprefix("model.")
-    candidates = [f"model.language_model.{inner}", f"language_model.model.{inner}"] if inner != name else [
-        name, f"language_model.{name}"]
+    candidates = (
+        [f"model.language_model.{inner}", f"language_model.model.{inner}"]
+        if inner != name
+        else [name, f"language_model.{name}"]
+    )
     return next((c for c in candidates if c in where), name)
 
 
@@ -65,9 +67,13 @@ def phi3_split(cfg: LlamaConfig, fused: Callable[[str], np.ndarray]) -> Callable
     """Phi-3's tensors by Llama's names: its qkv_proj holds q, k and v's rows, its gate_up_proj gate's then up's
     (each array of a GGUF file's quantized blocks split alike)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    rows = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, q + kv), "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
-            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size, 2 * cfg.intermediate_size)}
+    rows = {
+        "q_proj": ("qkv_proj", 0, q),
+        "k_proj": ("qkv_proj", q, q + kv),
+        "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
+        "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+        "up_proj": ("gate_up_proj", cfg.intermediate_size, 2 * cfg.intermediate_size),
+    }
 
     def tensor(name: str) -> np.ndarray:
         parts = name.split(".")
@@ -75,4 +81,5 @@ def phi3_split(cfg: LlamaConfig, fused: Callable[[str], np.ndarray]) -> Callable
             source, lo, hi = rows[parts[-2]]
             return jax.tree.map(lambda w: w[lo:hi], fused(".".join([*parts[:-2], source, parts[-1]])))
         return fused(name)
+
     return tensor

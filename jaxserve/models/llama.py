@@ -34,8 +34,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxserve.models.attention import (AttentionBackend, AttentionMetadata, Caches, DenseCausalBackend,
-                                       DenseCausalMetadata)
+from jaxserve.models.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    Caches,
+    DenseCausalBackend,
+    DenseCausalMetadata,
+)
 from jaxserve.models import quantize
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.quantize import Quantized
@@ -57,8 +62,9 @@ class RMSNorm(nn.Module):
         return weight * normed.astype(self.dtype)
 
 
-def rope_cos_sin(cfg: LlamaConfig, positions: Int[Array, "b t"], local: bool = False
-                 ) -> tuple[Float[Array, "b t d"], Float[Array, "b t d"]]:
+def rope_cos_sin(
+    cfg: LlamaConfig, positions: Int[Array, "b t"], local: bool = False
+) -> tuple[Float[Array, "b t d"], Float[Array, "b t d"]]:
     """RoPE's cos and sin at each position: a sliding layer's with `local` (LlamaConfig.inv_freq); with LongRoPE,
     a position past the original context by the long factors; times LongRoPE's or YaRN's attention factor."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(local))
@@ -72,7 +78,9 @@ def rope_cos_sin(cfg: LlamaConfig, positions: Int[Array, "b t"], local: bool = F
     return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
-def apply_rope(x: Float[Array, "b t h d"], cos: Float[Array, "b t d"], sin: Float[Array, "b t d"]) -> Float[Array, "b t h d"]:
+def apply_rope(
+    x: Float[Array, "b t h d"], cos: Float[Array, "b t d"], sin: Float[Array, "b t d"]
+) -> Float[Array, "b t h d"]:
     """Rotate-half RoPE (Hugging Face convention), computed in float32."""
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
@@ -187,12 +195,14 @@ class DecoderLayer(nn.Module):
         eps, gemma = self.cfg.rms_norm_eps, self.cfg.gemma_norms
         norm = functools.partial(RMSNorm, eps, self.dtype, gemma)
         attn, caches = Attention(self.cfg, self.dtype, self.backend, self.tp_axis, name="self_attn")(
-            norm(name="input_layernorm")(x), cos, sin, positions, caches, layer, metadata)
+            norm(name="input_layernorm")(x), cos, sin, positions, caches, layer, metadata
+        )
         if gemma:  # Gemma norms each block's output too, and names the MLP's input norm pre_feedforward
             attn = norm(name="post_attention_layernorm")(attn)
         x = x + attn
         mlp = MLP(self.cfg, self.dtype, self.tp_axis, name="mlp")(
-            norm(name="pre_feedforward_layernorm" if gemma else "post_attention_layernorm")(x))
+            norm(name="pre_feedforward_layernorm" if gemma else "post_attention_layernorm")(x)
+        )
         if gemma:
             mlp = norm(name="post_feedforward_layernorm")(mlp)
         return (x + mlp, caches), None
@@ -200,8 +210,12 @@ class DecoderLayer(nn.Module):
 
 # Parameters stacked on axis 0 (one slice per layer, each initialised with its own rng); the layer index is
 # the scanned input; cos/sin/positions/metadata are the same for every layer.
-ScannedLayers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast))
+ScannedLayers = nn.scan(
+    DecoderLayer,
+    variable_axes={"params": 0},
+    split_rngs={"params": True},
+    in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+)
 
 
 def is_stacked(params: Any) -> bool:
@@ -265,14 +279,16 @@ class Llama(nn.Module):
             local = rope_cos_sin(cfg, positions, local=True) if cfg.rope_local_theta is not None else (cos, sin)
             for i in range(first, last):
                 layer = DecoderLayer(cfg, self.dtype, self._backend(i), self.tp_axis, name=f"layers_{i}")
-                (x, caches), _ = layer((x, caches), i - first, *(local if cfg.local(i) else (cos, sin)), positions,
-                                       metadata)
+                (x, caches), _ = layer(
+                    (x, caches), i - first, *(local if cfg.local(i) else (cos, sin)), positions, metadata
+                )
         else:
             if (cfg.per_layer or cfg.rope_local_theta is not None) and not self.is_initializing():
                 raise ValueError("layers that differ in window or RoPE base (Gemma 3) run unrolled")
             layers = ScannedLayers(cfg, self.dtype, self.backend, self.tp_axis, name="layers")
-            (x, caches), _ = layers((x, caches), jnp.arange(last - first, dtype=jnp.int32), cos, sin, positions,
-                                    metadata)
+            (x, caches), _ = layers(
+                (x, caches), jnp.arange(last - first, dtype=jnp.int32), cos, sin, positions, metadata
+            )
         if last < cfg.num_layers:
             return x, caches
         if logits_index is not None:
@@ -292,8 +308,10 @@ class Llama(nn.Module):
         if not self.cfg.per_layer:
             return self.backend
         if not hasattr(self.backend, "window"):
-            raise ValueError(f"{type(self.backend).__name__} has no sliding window: it cannot serve layers whose "
-                             "windows differ (Gemma 3)")
+            raise ValueError(
+                f"{type(self.backend).__name__} has no sliding window: it cannot serve layers whose "
+                "windows differ (Gemma 3)"
+            )
         return dataclasses.replace(self.backend, window=self.cfg.layer_window(layer))
 
 

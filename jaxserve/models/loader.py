@@ -32,6 +32,7 @@ def resolve_dtype(name: str) -> str:
         return name
     return "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
 
+
 _CONVERTED_FORMAT = 5  # bump when what _load saves changes, so old caches are not misread
 T = TypeVar("T")
 
@@ -68,15 +69,19 @@ def _load_gguf_blocks(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, An
     from jaxserve.models.gguf_loader import load_gguf
 
     cfg, host_params, gguf_file = _read_source(source, lambda: load_gguf(source, keep_quantized=True))
-    params = jax.tree.map(lambda x: quantize.on_device(x, DTYPES[dtype]), host_params,
-                          is_leaf=lambda x: isinstance(x, quantize.Quantized))
+    params = jax.tree.map(
+        lambda x: quantize.on_device(x, DTYPES[dtype]), host_params, is_leaf=lambda x: isinstance(x, quantize.Quantized)
+    )
     return cfg, params, TextTokenizer.from_gguf(gguf_file)
 
 
 def _converted_dir(source: pathlib.Path, dtype: str) -> pathlib.Path:
     """Cache folder for converted weights, keyed by the identity of every source file that shapes it."""
-    files = [source] if source.is_file() else sorted(
-        f for pattern in ("*.safetensors", "*.json", "*.jinja") for f in source.glob(pattern))
+    files = (
+        [source]
+        if source.is_file()
+        else sorted(f for pattern in ("*.safetensors", "*.json", "*.jinja") for f in source.glob(pattern))
+    )
     ident = "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
     digest = hashlib.sha256(f"{_CONVERTED_FORMAT}|{ident}|{dtype}".encode()).hexdigest()[:16]
     return registry.cache_dir() / "converted" / f"{source.stem}-{dtype}-{digest}"
@@ -115,8 +120,9 @@ def _restore(ckpt_dir: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, Text
         try:
             cfg = LlamaConfig.from_json((ckpt_dir / "config.json").read_text())
             here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # each process restores its own copy
-            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here),
-                                    param_shapes(cfg, DTYPES[dtype]))
+            abstract = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), param_shapes(cfg, DTYPES[dtype])
+            )
             params = ocp.StandardCheckpointer().restore(ckpt_dir / "params", abstract)
             return cfg, params, TextTokenizer.load(ckpt_dir)
         except Exception as e:  # noqa: BLE001 - a damaged file raises from deep in orbax or a parser

@@ -110,8 +110,12 @@ def _matmul(x: Float[Array, "... k"], w: Array | Quantized, contracted: int) -> 
         return (y * jnp.squeeze(w.scale, contracted).astype(jnp.float32)).astype(x.dtype)
     rows, block = math.prod(x.shape[:-1]), x.shape[-1] // w.scale.shape[contracted]
     if not w.packed and rows * 4 < block * x.dtype.itemsize:  # float32 sums per block: fewer bytes than a copy
-        y = jax.lax.platform_dependent(x, w, cpu=functools.partial(_dequantized, contracted=contracted),
-                                       default=functools.partial(_by_block, contracted=contracted))
+        y = jax.lax.platform_dependent(
+            x,
+            w,
+            cpu=functools.partial(_dequantized, contracted=contracted),
+            default=functools.partial(_by_block, contracted=contracted),
+        )
     else:
         y = _dequantized(x, w, contracted)
     if w.offset is not None:  # sum_k x_k * offset[block(k), n]: each block's x summed, times its offset
@@ -136,12 +140,14 @@ def _by_block(x: Float[Array, "... k"], w: Quantized, contracted: int) -> Float[
     values, blocks = w.unpacked().astype(x.dtype), w.scale.shape[contracted]
     xb = x.reshape(*x.shape[:-1], blocks, x.shape[-1] // blocks)
     if contracted == 0:  # a kernel [k, n]
-        y = jnp.einsum("...bk,bkn->...bn", xb, values.reshape(blocks, -1, values.shape[-1]),
-                       preferred_element_type=jnp.float32)
+        y = jnp.einsum(
+            "...bk,bkn->...bn", xb, values.reshape(blocks, -1, values.shape[-1]), preferred_element_type=jnp.float32
+        )
         scale = w.scale
     else:  # a table [n, k]
-        y = jnp.einsum("...bk,nbk->...bn", xb, values.reshape(values.shape[0], blocks, -1),
-                       preferred_element_type=jnp.float32)
+        y = jnp.einsum(
+            "...bk,nbk->...bn", xb, values.reshape(values.shape[0], blocks, -1), preferred_element_type=jnp.float32
+        )
         scale = w.scale.T
     return (y * scale.astype(jnp.float32)).sum(-2)  # [..., blocks, n] -> [..., n]
 
@@ -195,8 +201,9 @@ def int4_block(n: int) -> int:
     (128 as GPTQ and AWQ; 96 for SmolLM2's 576)."""
     block = next((b for b in range(MAX_BLOCK, 0, -32) if n % b == 0), None)
     if block is None:
-        raise ValueError(f"int4 quantizes blocks of a multiple of 32 along a weight's input axis; {n} features "
-                         "have none")
+        raise ValueError(
+            f"int4 quantizes blocks of a multiple of 32 along a weight's input axis; {n} features have none"
+        )
     return block
 
 
@@ -212,9 +219,10 @@ def _quantize_leaf(x: Array, method: str, contracted: int) -> Quantized:
     n = x.shape[contracted]
     block = int4_block(n)
     if x.shape[-1] % 2:
-        raise ValueError(f"int4 packs pairs of values along a weight's last axis; a weight of shape {x.shape} has "
-                         "an odd one")
-    blocks = x.reshape(*x.shape[:contracted], n // block, block, *x.shape[contracted + 1:]).astype(jnp.float32)
+        raise ValueError(
+            f"int4 packs pairs of values along a weight's last axis; a weight of shape {x.shape} has an odd one"
+        )
+    blocks = x.reshape(*x.shape[:contracted], n // block, block, *x.shape[contracted + 1 :]).astype(jnp.float32)
     low = blocks.min(contracted + 1, keepdims=True)
     scale = (blocks.max(contracted + 1, keepdims=True) - low) / 15
     scale = jnp.where(scale > 0, scale, 1.0).astype(SCALE_DTYPE)  # a constant block: any scale holds it

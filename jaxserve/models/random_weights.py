@@ -22,8 +22,17 @@ PREFIX = "random:"
 SHAPES: dict[str, Callable[[], LlamaConfig]] = {
     "llama3-8b": llama3_8b,
     # small enough for a CPU test of the same path
-    "tiny": lambda: LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                                num_kv_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False),
+    "tiny": lambda: LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
     # the same, its positions reaching 1M tokens: long-context tests and tools/bench_long_context.py
     "tiny-1m": lambda: dataclasses.replace(SHAPES["tiny"](), max_position_embeddings=1 << 20),
 }
@@ -35,7 +44,7 @@ def is_random(model: str) -> bool:
 
 
 def config(model: str) -> LlamaConfig:
-    shape = model[len(PREFIX):]
+    shape = model[len(PREFIX) :]
     if shape not in SHAPES:
         raise ValueError(f"unknown random model {model!r}; one of {[PREFIX + s for s in SHAPES]}")
     return SHAPES[shape]()
@@ -47,8 +56,10 @@ def load(model: str, dtype: jnp.dtype, seed: int = 0) -> tuple[LlamaConfig, Any,
     shapes = param_shapes(cfg, dtype)
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    params = [_draw(key, leaf.shape, leaf.dtype, any("norm" in str(getattr(k, "key", "")) for k in path))
-              for (path, leaf), key in zip(leaves, keys)]
+    params = [
+        _draw(key, leaf.shape, leaf.dtype, any("norm" in str(getattr(k, "key", "")) for k in path))
+        for (path, leaf), key in zip(leaves, keys)
+    ]
     return cfg, jax.tree_util.tree_unflatten(tree, params), id_tokenizer(cfg.vocab_size)
 
 

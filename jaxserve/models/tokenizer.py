@@ -26,8 +26,19 @@ _GGUF_USER_DEFINED = 4
 END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
 
 # llama.cpp pre-tokenizer names -> the splits they perform before byte-level BPE (the names transformers maps).
-_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-               "jina-v5-nano", "dbrx", "smaug-bpe"}
+_LLAMA3_PRE = {
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+    "jina-v5-nano",
+    "dbrx",
+    "smaug-bpe",
+}
 _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
@@ -61,16 +72,23 @@ _GPT4O_REGEX = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_SPLITS = {**{p: _LLAMA3_REGEX for p in _LLAMA3_PRE}, **{p: _QWEN2_REGEX for p in _QWEN2_PRE},
-           **{p: _GPT4O_REGEX for p in _GPT4O_PRE}, "qwen35": _QWEN35_REGEX, "tekken": _TEKKEN_REGEX}
+_SPLITS = {
+    **{p: _LLAMA3_REGEX for p in _LLAMA3_PRE},
+    **{p: _QWEN2_REGEX for p in _QWEN2_PRE},
+    **{p: _GPT4O_REGEX for p in _GPT4O_PRE},
+    "qwen35": _QWEN35_REGEX,
+    "tekken": _TEKKEN_REGEX,
+}
 
 
 def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     if pre in _SPLITS:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":  # every digit is its own pre-token
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -90,8 +108,11 @@ def _sentencepiece(tokens: list[str], scores: Sequence[float], arch: str) -> Tok
         tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
         scores = [-float(i) for i in range(len(tokens))]
     ids = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=ids, merges=_sentencepiece_merges(ids, dict(zip(tokens, scores))),
-                               fuse_unk=True, byte_fallback=True))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=ids, merges=_sentencepiece_merges(ids, dict(zip(tokens, scores))), fuse_unk=True, byte_fallback=True
+        )
+    )
     strip = [decoders.Strip(content=" ", left=1)]
     if arch == "phi3":
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
@@ -121,8 +142,16 @@ class TextTokenizer:
     stop_ids: every token that ends generation (EOS, end-of-turn, generation_config's list).
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, bos_id: int | None, stop_ids: Sequence[int], add_bos: bool,
-                 chat_template: str | None, special_tokens: dict[str, str]):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        bos_id: int | None,
+        stop_ids: Sequence[int],
+        add_bos: bool,
+        chat_template: str | None,
+        special_tokens: dict[str, str],
+    ):
         self.tokenizer = tokenizer
         self.bos_id = bos_id
         self.stop_ids = frozenset(stop_ids)
@@ -142,31 +171,54 @@ class TextTokenizer:
         types: list[int] = f.field("tokenizer.ggml.token_type")
         if kind == "llama":
             tok = _sentencepiece(tokens, f.field("tokenizer.ggml.scores"), f.field("general.architecture"))
-            tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, ty in zip(tokens, types) if ty in (_GGUF_UNKNOWN, _GGUF_CONTROL)])
-            tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _GGUF_USER_DEFINED])
+            tok.add_special_tokens(
+                [
+                    AddedToken(t, special=True, normalized=False)
+                    for t, ty in zip(tokens, types)
+                    if ty in (_GGUF_UNKNOWN, _GGUF_CONTROL)
+                ]
+            )
+            tok.add_tokens(
+                [
+                    AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types)
+                    if ty == _GGUF_USER_DEFINED
+                ]
+            )
         else:
             merges = [tuple(m.split(" ", 1)) for m in f.field("tokenizer.ggml.merges")]
             pre = f.field("tokenizer.ggml.pre")
-            tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
-                                       byte_fallback=False, ignore_merges=pre in _LLAMA3_PRE))
+            tok = Tokenizer(
+                models.BPE(
+                    vocab={t: i for i, t in enumerate(tokens)},
+                    merges=merges,
+                    fuse_unk=False,
+                    byte_fallback=False,
+                    ignore_merges=pre in _LLAMA3_PRE,
+                )
+            )
             tok.pre_tokenizer = _gguf_pre_tokenizer(pre)
             tok.decoder = decoders.ByteLevel()
             specials = [t for t, ty in zip(tokens, types) if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)]
             tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
         bos = f.field("tokenizer.ggml.bos_token_id")
         eos = int(f.field("tokenizer.ggml.eos_token_id"))
-        stop = {eos} | {int(i) for key in ("eot_token_id", "eom_token_id")
-                        if (i := f.field(f"tokenizer.ggml.{key}")) is not None}
+        stop = {eos} | {
+            int(i) for key in ("eot_token_id", "eom_token_id") if (i := f.field(f"tokenizer.ggml.{key}")) is not None
+        }
         stop |= {i for i, t in enumerate(tokens) if t in END_OF_TURN}  # as llama.cpp, where the file names none
         names = {"eos_token": tokens[eos]}
         if bos is not None:
             names["bos_token"] = tokens[int(bos)]
         # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
-        return cls(tok, bos_id=None if bos is None else int(bos), stop_ids=sorted(stop),
-                   add_bos=bool(f.field("tokenizer.ggml.add_bos_token", kind == "llama")),
-                   chat_template=f.field("tokenizer.chat_template"), special_tokens=names)
+        return cls(
+            tok,
+            bos_id=None if bos is None else int(bos),
+            stop_ids=sorted(stop),
+            add_bos=bool(f.field("tokenizer.ggml.add_bos_token", kind == "llama")),
+            chat_template=f.field("tokenizer.chat_template"),
+            special_tokens=names,
+        )
 
     @classmethod
     def from_hf_dir(cls, root: str | pathlib.Path) -> "TextTokenizer":
@@ -192,14 +244,25 @@ class TextTokenizer:
         if template is None and (root / "chat_template.jinja").is_file():
             template = (root / "chat_template.jinja").read_text()
         # tokenizer.json's post-processor adds BOS where the model wants it; add_bos covers files without one.
-        return cls(tok, bos_id=None if bos is None else tok.token_to_id(bos), stop_ids=sorted(stop),
-                   add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template, special_tokens=names)
+        return cls(
+            tok,
+            bos_id=None if bos is None else tok.token_to_id(bos),
+            stop_ids=sorted(stop),
+            add_bos=bool(cfg.get("add_bos_token", False)),
+            chat_template=template,
+            special_tokens=names,
+        )
 
     def save(self, root: pathlib.Path) -> None:
         """Write tokenizer.json + jaxserve_tokenizer.json, so a later start needs neither GGUF nor HF files."""
         self.tokenizer.save(str(root / "tokenizer.json"))
-        meta = {"bos_id": self.bos_id, "stop_ids": sorted(self.stop_ids), "add_bos": self.add_bos,
-                "chat_template": self.chat_template, "special_tokens": self.special_tokens}
+        meta = {
+            "bos_id": self.bos_id,
+            "stop_ids": sorted(self.stop_ids),
+            "add_bos": self.add_bos,
+            "chat_template": self.chat_template,
+            "special_tokens": self.special_tokens,
+        }
         (root / "jaxserve_tokenizer.json").write_text(json.dumps(meta))
 
     @classmethod
@@ -216,8 +279,13 @@ class TextTokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[dict[str, Any]] | None = None, continue_final_message: bool = False) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         """Token ids of a conversation rendered by the chat template (which carries its own BOS); the arguments
         are apply_chat_template's. Control tokens come from the template only: text in a message that spells one
         is encoded as the plain text it is, so no content can forge a turn (e.g. end the user's turn and open a
@@ -255,13 +323,15 @@ class TextTokenizer:
             if isinstance(x, (list, tuple)):
                 return type(x)(walk(v) for v in x)
             return x
+
         return (tree if pattern is None else walk(tree)), originals
 
     @functools.cached_property
     def _special_pattern(self) -> re.Pattern | None:
         """The control tokens' texts, longest first (the tokenizer matches leftmost-longest), as one group."""
-        texts = sorted((t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special),
-                       key=len, reverse=True)
+        texts = sorted(
+            (t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special), key=len, reverse=True
+        )
         return re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
 
     @functools.cached_property
@@ -279,15 +349,19 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: Sequence[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+    ) -> str:
         """The conversation as the template renders it (transformers' arguments: messages, tools,
         add_generation_prompt and the special tokens); a message may carry tool_calls and tool_call_id too.
         continue_final_message: the text ends inside the last message, after its content (a prefilled reply the
         model continues), as transformers cuts it."""
         if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message continues the last message: it needs add_generation_prompt "
-                             "false")
+            raise ValueError("continue_final_message continues the last message: it needs add_generation_prompt false")
         if not self.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         for i, m in enumerate(messages):
@@ -296,7 +370,8 @@ class TextTokenizer:
         extra = {} if tools is None else {"tools": list(tools)}
         try:
             text = _compile(self.chat_template).render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **extra, **self.special_tokens)
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **extra, **self.special_tokens
+            )
         except jinja2.TemplateError as e:  # e.g. the template's own raise_exception("roles must alternate")
             raise ValueError(f"chat template rejected the messages: {e}") from e
         return _cut_after_final(text, messages[-1]["content"]) if continue_final_message and messages else text
@@ -306,11 +381,12 @@ def _cut_after_final(text: str, final: str) -> str:
     """The rendered text up to the end of the last message's content (transformers' continue_final_message: the
     content's trailing spaces kept where the template kept them)."""
     if not final.strip() or final.strip() not in text:
-        raise ValueError("continue_final_message: the chat template does not render the last message's content "
-                         "as it is")
+        raise ValueError(
+            "continue_final_message: the chat template does not render the last message's content as it is"
+        )
     at = text.rindex(final.strip())
     keep = len(final.lstrip()) if text[at:].strip() == final.strip() else len(final.strip())
-    return text[:at + keep]
+    return text[: at + keep]
 
 
 class _Originals(list):
@@ -341,8 +417,9 @@ _TEMPLATES: dict[str, jinja2.Template] = {}
 def _compile(source: str) -> jinja2.Template:
     # The same sandboxed environment settings Hugging Face uses for chat templates.
     if source not in _TEMPLATES:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                          extensions=[jinja2.ext.loopcontrols])
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         _TEMPLATES[source] = env.from_string(source)

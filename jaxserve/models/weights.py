@@ -28,8 +28,10 @@ def params_from_hf(cfg: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> dic
     def tensor(name: str) -> np.ndarray:
         w = read(name)
         if isinstance(w, np.ndarray) and not np.isfinite(w).all():
-            raise ValueError(f"tensor {name} holds {int(np.size(w) - np.isfinite(w).sum())} values that are not "
-                             "finite (NaN or infinity): the file is damaged")
+            raise ValueError(
+                f"tensor {name} holds {int(np.size(w) - np.isfinite(w).sum())} values that are not "
+                "finite (NaN or infinity): the file is damaged"
+            )
         return w
 
     def linear(name: str, bias: bool = False) -> dict[str, Any]:
@@ -52,7 +54,9 @@ def params_from_hf(cfg: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> dic
         if cfg.qk_norm:
             tree["self_attn"] |= {n: norm(f"{prefix}.self_attn.{n}.weight") for n in ("q_norm", "k_norm")}
         if cfg.gemma_norms:
-            tree |= {n: norm(f"{prefix}.{n}.weight") for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
+            tree |= {
+                n: norm(f"{prefix}.{n}.weight") for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+            }
         return tree
 
     params: dict[str, Any] = {"embed_tokens": {"embedding": tensor("model.embed_tokens.weight")}}

@@ -24,8 +24,20 @@ from jaxserve.pallas_kernels import reference
 from jaxserve.pallas_kernels.reference import NO_POSITION
 
 
-def _kernel(visible_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int,
-            scale: float, window: int | None):
+def _kernel(
+    visible_ref,
+    q_pos_ref,
+    k_pos_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    *,
+    block_k: int,
+    scale: float,
+    window: int | None,
+):
     q = q_ref[...]  # [block_q, d]
     q_pos = q_pos_ref[...]
     count = jnp.sum((visible_ref[...] >= 0).astype(jnp.int32))  # visible blocks, listed first (-1 after)
@@ -42,8 +54,9 @@ def _kernel(visible_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_r
     lse_ref[...] = lse
 
 
-def visible_blocks(q_pos: Int[Array, "t"], k_pos: Int[Array, "s"], block_q: int, block_k: int,
-                   width: int) -> Int[Array, "nq width"]:
+def visible_blocks(
+    q_pos: Int[Array, " t"], k_pos: Int[Array, " s"], block_q: int, block_k: int, width: int
+) -> Int[Array, "nq width"]:
     """Per query block, the key blocks it can see (smallest key position <= its largest query position) in
     increasing order, then -1 up to `width` columns."""
     q_last = q_pos.reshape(-1, block_q).max(axis=1)
@@ -60,8 +73,8 @@ def chunk_attention(
     q: Float[Array, "t h d"],
     k: Float[Array, "s kvh d"],
     v: Float[Array, "s kvh d"],
-    q_pos: Int[Array, "t"],
-    k_pos: Int[Array, "s"],
+    q_pos: Int[Array, " t"],
+    k_pos: Int[Array, " s"],
     window: int | None = None,
     *,
     block_q: int = 128,

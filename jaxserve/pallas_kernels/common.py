@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-Carry = tuple[Float[Array, "r d"], Float[Array, "r"], Float[Array, "r"]]  # unnormalised output, running max, sum
+Carry = tuple[Float[Array, "r d"], Float[Array, " r"], Float[Array, " r"]]  # unnormalised output, running max, sum
 
 
 def tile(n: int, block: int, minimum: int = 16) -> int:
@@ -99,8 +99,11 @@ def scores(q: Float[Array, "r d"], k: Float[Array, "c d"], scale: float) -> Floa
 
 
 def init_carry(rows: int, d: int) -> Carry:
-    return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    return (
+        jnp.zeros((rows, d), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
 
 
 def online_softmax(carry: Carry, s: Float[Array, "r c"], v: Float[Array, "c d"]) -> Carry:
@@ -116,7 +119,7 @@ def online_softmax(carry: Carry, s: Float[Array, "r c"], v: Float[Array, "c d"])
     return alpha[:, None] * acc + pv, m_new, alpha * l + jnp.sum(p, axis=1)
 
 
-def finish(carry: Carry) -> tuple[Float[Array, "r d"], Float[Array, "r"]]:
+def finish(carry: Carry) -> tuple[Float[Array, "r d"], Float[Array, " r"]]:
     """Normalised output and natural log-sum-exp; rows that saw no key get 0 and -inf (the reference's
     convention)."""
     acc, m, l = carry

@@ -27,8 +27,7 @@ from jaxtyping import Array, Float, Int
 from jaxserve.pallas_kernels import common
 
 
-def _kernel(kv_len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_size: int, pages: int,
-            scale: float):
+def _kernel(kv_len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_size: int, pages: int, scale: float):
     per_split = table_ref.shape[0]
     kv_len = kv_len_ref[0]
     first = pl.program_id(2) * per_split  # first block-table column of this split
@@ -59,7 +58,7 @@ def paged_decode_attention(
     k_cache: Float[Array, "slots kvh d"],
     v_cache: Float[Array, "slots kvh d"],
     block_tables: Int[Array, "b nblk"],
-    kv_lens: Int[Array, "b"],
+    kv_lens: Int[Array, " b"],
     *,
     block_size: int,
     num_splits: int,
@@ -103,7 +102,6 @@ def paged_decode_attention(
         compiler_params=common.gpu_params(d_pad, interpret, stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(b, num_splits, per_split), q, k_cache,
-      v_cache)
+    )(kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(b, num_splits, per_split), q, k_cache, v_cache)
     o = o[:, :, :, :group, :d].reshape(b, num_splits, h, d)
     return o, lse[:, :, :, :group].reshape(b, num_splits, h)

@@ -35,8 +35,8 @@ def chunk_attention(
     q: Float[Array, "t h d"],
     k: Float[Array, "s kvh d"],
     v: Float[Array, "s kvh d"],
-    q_pos: Int[Array, "t"],
-    k_pos: Int[Array, "s"],
+    q_pos: Int[Array, " t"],
+    k_pos: Int[Array, " s"],
     window: int | None = None,
     *,
     implementation: Implementation | None = None,
@@ -53,7 +53,7 @@ def paged_decode_attention(
     k_cache: Float[Array, "slots kvh d"],
     v_cache: Float[Array, "slots kvh d"],
     block_tables: Int[Array, "b nblk"],
-    kv_lens: Int[Array, "b"],
+    kv_lens: Int[Array, " b"],
     *,
     block_size: int,
     num_splits: int,
@@ -63,9 +63,19 @@ def paged_decode_attention(
     impl = resolve(implementation)
     if impl == "reference":
         return reference.paged_decode_attention(
-            q, k_cache, v_cache, block_tables, kv_lens, block_size=block_size, num_splits=num_splits)
-    return decode_kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, kv_lens, block_size=block_size,
-                                                num_splits=num_splits, interpret=impl == "interpret", **tiles)
+            q, k_cache, v_cache, block_tables, kv_lens, block_size=block_size, num_splits=num_splits
+        )
+    return decode_kernel.paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        kv_lens,
+        block_size=block_size,
+        num_splits=num_splits,
+        interpret=impl == "interpret",
+        **tiles,
+    )
 
 
 def tiled_paged_attention(
@@ -83,11 +93,29 @@ def tiled_paged_attention(
 ) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
     impl = resolve(implementation)
     if impl == "reference":
-        return reference.tiled_paged_attention(q, q_pos, k_cache, v_cache, tables, block_size=block_size,
-                                               key_block=key_block, window=window, page_pos=page_pos)
-    return tiled_kernel.tiled_paged_attention(q, q_pos, k_cache, v_cache, tables, block_size=block_size,
-                                              key_block=key_block, window=window, page_pos=page_pos,
-                                              interpret=impl == "interpret")
+        return reference.tiled_paged_attention(
+            q,
+            q_pos,
+            k_cache,
+            v_cache,
+            tables,
+            block_size=block_size,
+            key_block=key_block,
+            window=window,
+            page_pos=page_pos,
+        )
+    return tiled_kernel.tiled_paged_attention(
+        q,
+        q_pos,
+        k_cache,
+        v_cache,
+        tables,
+        block_size=block_size,
+        key_block=key_block,
+        window=window,
+        page_pos=page_pos,
+        interpret=impl == "interpret",
+    )
 
 
 def merge_attention(

@@ -18,19 +18,23 @@ def pages_in_order(tables: Int[Array, "b nblk"], block_size: int) -> Int[Array, 
     return jnp.broadcast_to(jnp.arange(tables.shape[1], dtype=jnp.int32) * block_size, tables.shape)
 
 
-def held_pages(tables: Int[Array, "b nblk"], held: Bool[Array, "b nblk"], block_size: int,
-               no_position: int) -> tuple[Int[Array, "b nblk"], Int[Array, "b nblk"]]:
+def held_pages(
+    tables: Int[Array, "b nblk"], held: Bool[Array, "b nblk"], block_size: int, no_position: int
+) -> tuple[Int[Array, "b nblk"], Int[Array, "b nblk"]]:
     """The entries of each block table that `held` marks, first and in order, the rest -1; and each entry's first
     key position (`no_position` for the rest): a KV-parallel device's own share of its tables, as
     reference.tiled_paged_attention reads them (page_pos)."""
     order = jnp.argsort(~held, axis=1, stable=True)
     mine = jnp.take_along_axis(held, order, axis=1)
-    return (jnp.where(mine, jnp.take_along_axis(tables, order, axis=1), -1),
-            jnp.where(mine, order * block_size, no_position).astype(jnp.int32))
+    return (
+        jnp.where(mine, jnp.take_along_axis(tables, order, axis=1), -1),
+        jnp.where(mine, order * block_size, no_position).astype(jnp.int32),
+    )
 
 
-def walk_bounds(q_pos: Int[Array, "n t"], page_pos: Int[Array, "n w"], block_size: int, window: int | None
-                ) -> tuple[Int[Array, "n"], Int[Array, "n"], Int[Array, "n"]]:
+def walk_bounds(
+    q_pos: Int[Array, "n t"], page_pos: Int[Array, "n w"], block_size: int, window: int | None
+) -> tuple[Int[Array, " n"], Int[Array, " n"], Int[Array, " n"]]:
     """Per row of queries (q_pos -1 where padded), as counts of its table's leading entries (which hold increasing
     positions, page_pos): those wholly before its earliest query's window (0 without a window: where a walk over
     its keys starts), those wholly before its earliest query (every query sees their keys, the window aside), and
@@ -40,6 +44,7 @@ def walk_bounds(q_pos: Int[Array, "n t"], page_pos: Int[Array, "n w"], block_siz
 
     def below(limit):  # the entries whose keys all lie below limit
         return jnp.sum(page_pos + block_size <= limit, axis=1).astype(jnp.int32)
+
     start = jnp.zeros(q_pos.shape[0], jnp.int32) if window is None else below(earliest - window + 1)
     return start, below(earliest), below(last + block_size)
 
@@ -56,7 +61,7 @@ def paged_attention(
     v_cache: Float[Array, "slots kvh d"],
     block_tables: Int[Array, "b nblk"],
     q_positions: Int[Array, "b t"],
-    kv_lens: Int[Array, "b"],
+    kv_lens: Int[Array, " b"],
     *,
     block_size: int,
 ) -> Float[Array, "b t h d"]:

@@ -26,13 +26,13 @@ from jaxserve.pallas_kernels import dispatch
 
 def ragged_paged_attention(
     q: Float[Array, "t h d"],
-    positions: Int[Array, "t"],
+    positions: Int[Array, " t"],
     k_cache: Float[Array, "slots kvh d"],
     v_cache: Float[Array, "slots kvh d"],
     tables: Int[Array, "r w"],
-    decode_token: Int[Array, "r"],
+    decode_token: Int[Array, " r"],
     tile_tokens: Int[Array, "nt tq"],
-    tile_row: Int[Array, "nt"],
+    tile_row: Int[Array, " nt"],
     *,
     block_size: int,
     key_block: int,
@@ -53,12 +53,20 @@ def ragged_paged_attention(
 
     # Nothing branches on the device: padding (position -1) sees no key, and the attention runs no key block
     # for it. A decode program has no tiles at all (a static shape).
-    def attend(idx: Int[Array, "n tq"], rows: Int[Array, "n"]):
+    def attend(idx: Int[Array, "n tq"], rows: Int[Array, " n"]):
         pos = jnp.where(idx < t, jnp.take(positions, idx, mode="clip"), -1)
-        return dispatch.tiled_paged_attention(jnp.take(q, idx, axis=0, mode="clip"), pos, k_cache, v_cache,
-                                              tables[rows], block_size=block_size, key_block=key_block,
-                                              window=window, page_pos=None if page_pos is None else page_pos[rows],
-                                              implementation=implementation)
+        return dispatch.tiled_paged_attention(
+            jnp.take(q, idx, axis=0, mode="clip"),
+            pos,
+            k_cache,
+            v_cache,
+            tables[rows],
+            block_size=block_size,
+            key_block=key_block,
+            window=window,
+            page_pos=None if page_pos is None else page_pos[rows],
+            implementation=implementation,
+        )
 
     out, lse = jnp.zeros_like(q), jnp.full((t, h), -jnp.inf, jnp.float32)
     if tile_tokens.shape[0]:

@@ -31,8 +31,8 @@ def chunk_attention(
     q: Float[Array, "t h d"],
     k: Float[Array, "s kvh d"],
     v: Float[Array, "s kvh d"],
-    q_pos: Int[Array, "t"],
-    k_pos: Int[Array, "s"],
+    q_pos: Int[Array, " t"],
+    k_pos: Int[Array, " s"],
     window: int | None = None,
     key_step: int | None = None,
 ) -> tuple[Float[Array, "t h d"], Float[Array, "t h"]]:
@@ -92,7 +92,7 @@ def paged_decode_attention(
     k_cache: Float[Array, "slots kvh d"],
     v_cache: Float[Array, "slots kvh d"],
     block_tables: Int[Array, "b nblk"],
-    kv_lens: Int[Array, "b"],
+    kv_lens: Int[Array, " b"],
     *,
     block_size: int,
     num_splits: int,
@@ -164,6 +164,7 @@ def tiled_paged_attention(
         """Pages a loop step reads: the most (a multiple of unit, dividing the width) within `keys` keys."""
         keys = max(keys, unit * block_size)
         return max(p for p in range(unit, width + 1, unit) if width % p == 0 and p * block_size <= keys)
+
     edge = pages_for(TILE_KEYS if tq > 1 else ONE_ROW_KEYS if n == 1 else DECODE_KEYS)
     # [n, kvh, g*tq, d]: each KV head's query group and tokens as one matrix (row r is token r % tq)
     qg = (q.astype(jnp.float32) * d**-0.5).reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
@@ -182,20 +183,29 @@ def tiled_paged_attention(
         group = max(k for k in range(1, TILE_GROUP + 1) if n % k == 0)
 
         def one_group(i, state):
-            rows = [jax.lax.dynamic_slice_in_dim(x, i * group, group)
-                    for x in (qg, rows_pos, tables, page_pos, bounds, has_query)]
+            rows = [
+                jax.lax.dynamic_slice_in_dim(x, i * group, group)
+                for x in (qg, rows_pos, tables, page_pos, bounds, has_query)
+            ]
             carry, first = loops.history(*rows)
-            return ([jax.lax.dynamic_update_slice_in_dim(x, y, i * group, 0) for x, y in zip(state[0], carry)],
-                    jax.lax.dynamic_update_slice_in_dim(state[1], jnp.full(group, first), i * group, 0))
+            return (
+                [jax.lax.dynamic_update_slice_in_dim(x, y, i * group, 0) for x, y in zip(state[0], carry)],
+                jax.lax.dynamic_update_slice_in_dim(state[1], jnp.full(group, first), i * group, 0),
+            )
 
-        history, first = jax.lax.fori_loop(0, n // group, one_group,
-                                           (_Loops.empty(n, kvh, g * tq, d), jnp.zeros(n, jnp.int32)))
+        history, first = jax.lax.fori_loop(
+            0, n // group, one_group, (_Loops.empty(n, kvh, g * tq, d), jnp.zeros(n, jnp.int32))
+        )
 
         def one_tile(i, out):  # reads `history`, writes `out`: no buffer both read and written in the loop
-            mine = [jax.lax.dynamic_slice_in_dim(x, i, 1)
-                    for x in (qg, rows_pos, tables, page_pos, bounds, has_query, *history)]
-            return [jax.lax.dynamic_update_slice_in_dim(x, y, i, 0)
-                    for x, y in zip(out, loops.edge(*mine[:6], first[i], mine[6:]))]
+            mine = [
+                jax.lax.dynamic_slice_in_dim(x, i, 1)
+                for x in (qg, rows_pos, tables, page_pos, bounds, has_query, *history)
+            ]
+            return [
+                jax.lax.dynamic_update_slice_in_dim(x, y, i, 0)
+                for x, y in zip(out, loops.edge(*mine[:6], first[i], mine[6:]))
+            ]
 
         m, l, acc = jax.lax.fori_loop(0, n, one_tile, _Loops.empty(n, kvh, g * tq, d))
     seen = l > 0
@@ -205,7 +215,7 @@ def tiled_paged_attention(
     return out.astype(q.dtype), lse.reshape(n, kvh, g, tq).transpose(0, 3, 1, 2).reshape(n, tq, h)
 
 
-def _fewest(entries: Int[Array, "n"], has_query: Bool[Array, "n"]) -> Int[Array, ""]:
+def _fewest(entries: Int[Array, " n"], has_query: Bool[Array, " n"]) -> Int[Array, ""]:
     """The fewest entries over the rows with a query (0 without one)."""
     return jnp.where(jnp.any(has_query), jnp.min(jnp.where(has_query, entries, entries.max())), 0)
 
@@ -225,8 +235,11 @@ class _Loops:
     @staticmethod
     def empty(n: int, kvh: int, r: int, d: int) -> list[Array]:
         """The carry before any key: running max, sum and unnormalised output."""
-        return [jnp.full((n, kvh, r), _NEG, jnp.float32), jnp.zeros((n, kvh, r), jnp.float32),
-                jnp.zeros((n, kvh, r, d), jnp.float32)]
+        return [
+            jnp.full((n, kvh, r), _NEG, jnp.float32),
+            jnp.zeros((n, kvh, r), jnp.float32),
+            jnp.zeros((n, kvh, r, d), jnp.float32),
+        ]
 
     def history(self, qg, rows_pos, tables, page_pos, bounds, has_query) -> tuple[list[Array], Int[Array, ""]]:
         """The carry over the whole history steps below each row's earliest query (from the first entry any query
@@ -235,16 +248,26 @@ class _Loops:
         start = _fewest(bounds[:, 0], has_query) // self.pages
         split = jnp.maximum(_fewest(bounds[:, 1], has_query) // self.pages, start)
         empty = self.empty(n, kvh, r, d)
-        carry = jax.lax.cond(split > start,
-                             lambda: self._loop(qg, rows_pos, tables, page_pos, self.pages, start, split, empty),
-                             lambda: empty)
+        carry = jax.lax.cond(
+            split > start,
+            lambda: self._loop(qg, rows_pos, tables, page_pos, self.pages, start, split, empty),
+            lambda: empty,
+        )
         return carry, split * (self.pages // self.edge_pages)
 
     def edge(self, qg, rows_pos, tables, page_pos, bounds, has_query, first, carry) -> list[Array]:
         """The carry after the edge steps from `first` to each row's last query (none for a row without one)."""
         first = jnp.maximum(first, _fewest(bounds[:, 0], has_query) // self.edge_pages)
-        return self._loop(qg, rows_pos, tables, page_pos, self.edge_pages, first,
-                          (jnp.max(bounds[:, 2]) + self.edge_pages - 1) // self.edge_pages, carry)
+        return self._loop(
+            qg,
+            rows_pos,
+            tables,
+            page_pos,
+            self.edge_pages,
+            first,
+            (jnp.max(bounds[:, 2]) + self.edge_pages - 1) // self.edge_pages,
+            carry,
+        )
 
     def _loop(self, qg, rows_pos, tables, page_pos, pages: int, lo, hi, carry) -> list[Array]:
         """The carry after the steps [lo, hi) of `pages` entries each."""
@@ -256,10 +279,13 @@ class _Loops:
             m, l, acc = carry
             blk = jax.lax.dynamic_slice_in_dim(tables, j * pages, pages, axis=1)  # [n, pages]
             here = jnp.repeat(blk >= 0, block_size, axis=1)[:, None, None, :]  # [n, 1, 1, kb]
-            k_pos = (jax.lax.dynamic_slice_in_dim(page_pos, j * pages, pages, axis=1)[:, :, None]
-                     + jnp.arange(block_size)).reshape(n, 1, 1, key_block)
-            k, v = (c[jnp.maximum(blk, 0)].reshape(n, key_block, kvh, d).astype(jnp.float32)
-                    for c in (self.k_pages, self.v_pages))
+            k_pos = (
+                jax.lax.dynamic_slice_in_dim(page_pos, j * pages, pages, axis=1)[:, :, None] + jnp.arange(block_size)
+            ).reshape(n, 1, 1, key_block)
+            k, v = (
+                c[jnp.maximum(blk, 0)].reshape(n, key_block, kvh, d).astype(jnp.float32)
+                for c in (self.k_pages, self.v_pages)
+            )
             s = jnp.einsum("nhrd,nkhd->nhrk", qg, k)  # [n, kvh, r, kb]
             seen = visible(k_pos, rows_pos, self.window) & here
             s = jnp.where(seen, s, _NEG)

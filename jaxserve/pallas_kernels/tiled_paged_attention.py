@@ -41,8 +41,23 @@ def context_splits(programs: int, key_blocks: int, cores: int, most: int = MAX_S
     return max(1, min(cores // max(programs, 1), key_blocks, most))
 
 
-def _kernel(pos_ref, table_ref, page_pos_ref, entries_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-            block_size: int, key_block: int, scale: float, splits: int, window: int | None):
+def _kernel(
+    pos_ref,
+    table_ref,
+    page_pos_ref,
+    entries_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    *,
+    block_size: int,
+    key_block: int,
+    scale: float,
+    splits: int,
+    window: int | None,
+):
     pages = key_block // block_size
     q = q_ref[...]  # [rows, d]: the group's heads x the tile's tokens
     pos = pos_ref[...]  # [rows]; -1: padding
@@ -58,8 +73,9 @@ def _kernel(pos_ref, table_ref, page_pos_ref, entries_ref, q_ref, k_ref, v_ref, 
         blocks = table_ref[pl.ds(pl.multiple_of(j * pages, pages), pages)]  # [pages]; -1: held elsewhere
         slots = (jnp.maximum(blocks, 0)[:, None] * block_size + offsets[None, :]).reshape(key_block)
         here = jnp.broadcast_to((blocks >= 0)[:, None], (pages, block_size)).reshape(key_block)
-        key_pos = (page_pos_ref[pl.ds(pl.multiple_of(j * pages, pages), pages)][:, None] + offsets[None, :]
-                   ).reshape(key_block)
+        key_pos = (page_pos_ref[pl.ds(pl.multiple_of(j * pages, pages), pages)][:, None] + offsets[None, :]).reshape(
+            key_block
+        )
         s = common.scores(q, k_ref[slots, :].astype(q.dtype), scale)  # the cache may be narrower
         s = jnp.where(reference.visible(key_pos[None, :], pos[:, None], window) & here[None, :], s, -jnp.inf)
         return common.online_softmax(carry, s, v_ref[slots, :].astype(q.dtype))
@@ -91,11 +107,14 @@ def tiled_paged_attention(
     kvh = k_cache.shape[1]
     g = h // kvh
     if key_block % block_size or tables.shape[1] % (key_block // block_size):
-        raise ValueError(f"key_block {key_block} must be whole pages of {block_size}, and the table width "
-                         f"{tables.shape[1]} whole key blocks")
+        raise ValueError(
+            f"key_block {key_block} must be whole pages of {block_size}, and the table width "
+            f"{tables.shape[1]} whole key blocks"
+        )
     if splits is None:
-        splits = 1 if interpret else context_splits(n * kvh, tables.shape[1] * block_size // key_block,
-                                                    common.gpu_cores())
+        splits = (
+            1 if interpret else context_splits(n * kvh, tables.shape[1] * block_size // key_block, common.gpu_cores())
+        )
     rows, d_pad = max(16, pl.next_power_of_2(g * tq)), pl.next_power_of_2(d)  # Triton: power-of-two dots >= 16
     # [n, kvh, g*tq, d]: row r is group member r // tq, token r % tq (as the reference)
     qg = q.reshape(n, tq, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tq, d)
@@ -110,8 +129,9 @@ def tiled_paged_attention(
     entries = jnp.stack([start, end], axis=1)
     cache_spec = pl.BlockSpec((k_cache.shape[0], None, d_pad), lambda i, kh, j: (0, kh, 0))
     o, lse = pl.pallas_call(
-        functools.partial(_kernel, block_size=block_size, key_block=key_block, scale=d**-0.5, splits=splits,
-                          window=window),
+        functools.partial(
+            _kernel, block_size=block_size, key_block=key_block, scale=d**-0.5, splits=splits, window=window
+        ),
         grid=(n, kvh, splits),
         in_specs=[
             pl.BlockSpec((None, rows), lambda i, kh, j: (i, 0)),
@@ -141,5 +161,5 @@ def tiled_paged_attention(
         # a batch-1 step's 4.7 ms on an H200)
         o, lse = reference.merge_attention(o, lse)
         o = o.astype(q.dtype)
-    o = o[:, :, :g * tq, :d].reshape(n, kvh, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(n, tq, h, d)
-    return o, lse[:, :, :g * tq].reshape(n, kvh, g, tq).transpose(0, 3, 1, 2).reshape(n, tq, h)
+    o = o[:, :, : g * tq, :d].reshape(n, kvh, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(n, tq, h, d)
+    return o, lse[:, :, : g * tq].reshape(n, kvh, g, tq).transpose(0, 3, 1, 2).reshape(n, tq, h)

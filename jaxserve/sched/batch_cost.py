@@ -45,18 +45,29 @@ class BatchCost(abc.ABC):
     def add_prefill(self, state: BatchState, n: int, h: int) -> BatchState:
         """`state` with a chunk of n tokens after h cached ones."""
         # built directly, not by dataclasses.replace: the packer calls this in its inner loop
-        return BatchState(state.tokens + n, state.rows + 1, state.attention + self.chunk_attention(n, h),
-                          state.prefills + 1, state.decode_span, state.decode_kv,
-                          state.exchanged + self.chunk_kvp_rows(n, h + n))
+        return BatchState(
+            state.tokens + n,
+            state.rows + 1,
+            state.attention + self.chunk_attention(n, h),
+            state.prefills + 1,
+            state.decode_span,
+            state.decode_kv,
+            state.exchanged + self.chunk_kvp_rows(n, h + n),
+        )
 
     def add_decodes(self, state: BatchState, kvs: Sequence[int]) -> BatchState:
         """`state` with one decode token per entry of kvs, each over that many cached tokens."""
         if not kvs:
             return state
-        return BatchState(state.tokens + len(kvs), state.rows + len(kvs),
-                          state.attention + self.decodes_attention(kvs), state.prefills,
-                          max(state.decode_span, max(kvs)), state.decode_kv + sum(kvs),
-                          state.exchanged + self.decodes_kvp_rows(kvs))
+        return BatchState(
+            state.tokens + len(kvs),
+            state.rows + len(kvs),
+            state.attention + self.decodes_attention(kvs),
+            state.prefills,
+            max(state.decode_span, max(kvs)),
+            state.decode_kv + sum(kvs),
+            state.exchanged + self.decodes_kvp_rows(kvs),
+        )
 
     def chunk_attention(self, n: int, h: int) -> float:
         """What a chunk adds to BatchState.attention (additive models; others price the spans)."""
@@ -80,7 +91,6 @@ class BatchCost(abc.ABC):
         for n, h in prefills:
             state = self.add_prefill(state, n, h)
         return self.time(state)
-
 
     def burst_steps(self, rows: Sequence[tuple[int, int]]) -> Iterator[float]:
         """The times of a multi-step decode's steps, one after another: every row (start, tokens) runs in each
@@ -185,9 +195,18 @@ class EngineStepCost(BatchCost):
     `decode_pad_block` per block past it (a padding block: the scratch block, read again and again, costs less
     than a block of real keys), padding rows included."""
 
-    def __init__(self, shapes: StepShapes, key_block: int, base: Sequence[Sequence[float]],
-                 decode_base: Sequence[float], tile_fixed: float, tile_block: float, decode_fixed: float,
-                 decode_block: float, decode_pad_block: float):
+    def __init__(
+        self,
+        shapes: StepShapes,
+        key_block: int,
+        base: Sequence[Sequence[float]],
+        decode_base: Sequence[float],
+        tile_fixed: float,
+        tile_block: float,
+        decode_fixed: float,
+        decode_block: float,
+        decode_pad_block: float,
+    ):
         if [len(row) for row in base] != [len(shapes.rows)] * len(shapes.tokens):
             raise ValueError("need one measured base time per (token bucket, row bucket)")
         if len(decode_base) != len(shapes.decode_rows):
@@ -229,16 +248,35 @@ class EngineStepCost(BatchCost):
         if not state.decode_span:
             return 0.0
         own = state.decode_kv / self.key_block
-        return (r * self.decode_fixed + self.decode_block * own
-                + self.decode_pad_block * (r * self._blocks(state.decode_span) - own))
+        return (
+            r * self.decode_fixed
+            + self.decode_block * own
+            + self.decode_pad_block * (r * self._blocks(state.decode_span) - own)
+        )
 
     def to_dict(self) -> dict:
-        return {"shapes": self.shapes.to_dict(), "key_block": self.key_block, "base": self.base,
-                "decode_base": self.decode_base, "tile_fixed": self.tile_fixed, "tile_block": self.tile_block,
-                "decode_fixed": self.decode_fixed, "decode_block": self.decode_block,
-                "decode_pad_block": self.decode_pad_block}
+        return {
+            "shapes": self.shapes.to_dict(),
+            "key_block": self.key_block,
+            "base": self.base,
+            "decode_base": self.decode_base,
+            "tile_fixed": self.tile_fixed,
+            "tile_block": self.tile_block,
+            "decode_fixed": self.decode_fixed,
+            "decode_block": self.decode_block,
+            "decode_pad_block": self.decode_pad_block,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineStepCost:
-        return cls(StepShapes.from_dict(d["shapes"]), d["key_block"], d["base"], d["decode_base"], d["tile_fixed"],
-                   d["tile_block"], d["decode_fixed"], d["decode_block"], d["decode_pad_block"])
+        return cls(
+            StepShapes.from_dict(d["shapes"]),
+            d["key_block"],
+            d["base"],
+            d["decode_base"],
+            d["tile_fixed"],
+            d["tile_block"],
+            d["decode_fixed"],
+            d["decode_block"],
+            d["decode_pad_block"],
+        )

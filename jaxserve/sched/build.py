@@ -21,9 +21,17 @@ def full_step_time(cost: BatchCost, config: SchedulerConfig, max_model_len: int)
     return cost.batch_time([(max(config.max_num_batched_tokens - decodes, 1), 0)], [max_model_len] * decodes)
 
 
-def packer_config(config: SchedulerConfig, cost: BatchCost, *, max_model_len: int | None = None,
-                  chunk_align: int = 32, max_prefills: int | None = None, measured: bool = True,
-                  long_threshold: int | None = None, stages: int = 1) -> PackerConfig:
+def packer_config(
+    config: SchedulerConfig,
+    cost: BatchCost,
+    *,
+    max_model_len: int | None = None,
+    chunk_align: int = 32,
+    max_prefills: int | None = None,
+    measured: bool = True,
+    long_threshold: int | None = None,
+    stages: int = 1,
+) -> PackerConfig:
     """The packer's settings. Without a measured cost model and without an iteration_budget, the token budget
     alone bounds a step (as in vLLM). Each of `stages` pipeline stages gets its share of the budget, so the time
     between tokens stays near the budget however deep the pipeline. A prompt of long_threshold tokens or more
@@ -31,20 +39,42 @@ def packer_config(config: SchedulerConfig, cost: BatchCost, *, max_model_len: in
     budget = config.iteration_budget
     if budget is None:
         budget = full_step_time(cost, config, max_model_len) if measured else math.inf
-    return PackerConfig(iteration_budget=budget / stages, multi_prefill=config.multi_prefill,
-                        space_sharing=config.space_sharing, chunk_align=chunk_align,
-                        max_num_batched_tokens=config.max_num_batched_tokens, max_prefills=max_prefills,
-                        long_threshold=long_threshold or max(max_model_len // 4, 2 * chunk_align))
+    return PackerConfig(
+        iteration_budget=budget / stages,
+        multi_prefill=config.multi_prefill,
+        space_sharing=config.space_sharing,
+        chunk_align=chunk_align,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_prefills=max_prefills,
+        long_threshold=long_threshold or max(max_model_len // 4, 2 * chunk_align),
+    )
 
 
-def replica_scheduler(config: SchedulerConfig, cost: BatchCost, kv: KVCacheManager, packer: PackerConfig, *,
-                      group: tuple[int, ...] = (0,), prefill_cache: PrefillTimeCache | None = None,
-                      num_scheduler_steps: int | None = None, admission: str = "greedy",
-                      **policy_args) -> ReplicaScheduler:
+def replica_scheduler(
+    config: SchedulerConfig,
+    cost: BatchCost,
+    kv: KVCacheManager,
+    packer: PackerConfig,
+    *,
+    group: tuple[int, ...] = (0,),
+    prefill_cache: PrefillTimeCache | None = None,
+    num_scheduler_steps: int | None = None,
+    admission: str = "greedy",
+    **policy_args,
+) -> ReplicaScheduler:
     """A replica's scheduler: the config's policy, SLO and batch limits over this cost model and KV pool.
     num_scheduler_steps: the bursts the executor can run (default: the config's). admission: of requests
     prefilled elsewhere (a cluster's decode instance)."""
     steps = config.num_scheduler_steps if num_scheduler_steps is None else num_scheduler_steps
-    return ReplicaScheduler(make_policy(config.policy, **policy_args), cost, packer, kv, group, config.slo,
-                            max_num_seqs=config.max_num_seqs, prefill_cache=prefill_cache, num_scheduler_steps=steps,
-                            admission=admission)
+    return ReplicaScheduler(
+        make_policy(config.policy, **policy_args),
+        cost,
+        packer,
+        kv,
+        group,
+        config.slo,
+        max_num_seqs=config.max_num_seqs,
+        prefill_cache=prefill_cache,
+        num_scheduler_steps=steps,
+        admission=admission,
+    )

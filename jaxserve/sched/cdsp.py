@@ -75,6 +75,8 @@ class Pool:
 
 
 Coef = tuple[float, float, float, float]  # Eq. (1)'s c0..c3 for one SP size
+
+
 def planner_groups(pool: Pool, sizes: Sequence[int]) -> list[tuple[int, ...]]:
     """Every group (as sorted instance ids) the CDSP planner can give a chunk: groups of a multiple of the node
     size are unions of whole nodes (its node-aware extension), others any instances of that size."""
@@ -120,8 +122,10 @@ class Stores:
         while done < tokens:
             n = min(tokens - done, self.largest(sp, done))
             if n < 1:
-                raise ValueError(f"a prompt of {tokens} tokens does not fit the prefill pool: {sp} instances hold "
-                                 f"{self.longest(sp)} tokens at most ({self.rows} history rows each)")
+                raise ValueError(
+                    f"a prompt of {tokens} tokens does not fit the prefill pool: {sp} instances hold "
+                    f"{self.longest(sp)} tokens at most ({self.rows} history rows each)"
+                )
             chunks.append(n)
             done += n
         return chunks
@@ -173,8 +177,10 @@ class Balancing:
     _coef: dict[str, tuple[float, float]] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        coef = {link: (float(self.link.coef(link)[0]), float(self.link.coef(link)[1]))
-                for link in ("intra_node", "inter_node")}
+        coef = {
+            link: (float(self.link.coef(link)[0]), float(self.link.coef(link)[1]))
+            for link in ("intra_node", "inter_node")
+        }
         object.__setattr__(self, "_coef", coef)
 
     @classmethod
@@ -182,15 +188,16 @@ class Balancing:
         """From a built-in GPU profile: its send/recv timings and its model's KV size. Each GPU of a TP-`tp`
         instance moves its own shard: an instance's move is 1/tp of the bytes per link."""
         shape = model_shape(profile)
-        return cls(network(PROFILES[profile][0]), shape.kv_bytes_per_token() / shape.layers / tp, shape.layers,
-                   per_node)
+        return cls(
+            network(PROFILES[profile][0]), shape.kv_bytes_per_token() / shape.layers / tp, shape.layers, per_node
+        )
 
     def seconds(self, held: Sequence[int], group: Sequence[int], h: int) -> float:
         """Moving h history tokens from `held` onto `group`, which extends it (held's instances first), summed
         over layers; 0 when nothing moves."""
         k = self.per_node
         nodes = {i // k for i in held}
-        return self.move(len(held), len(group), h, any(i // k not in nodes for i in group[len(held):]))
+        return self.move(len(held), len(group), h, any(i // k not in nodes for i in group[len(held) :]))
 
     def move(self, s0: int, s1: int, h: int, inter_node: bool) -> float:
         """seconds() from the group sizes and whether the larger one reaches a node the smaller one is not on."""
@@ -266,9 +273,17 @@ def _chunks_for(coef: Coef, h: int, start: float, ends: Sequence[float], balance
 
 
 class CDSPPlanner:
-    def __init__(self, model: TetrisPrefill, pool: Pool, improvement_rate: float = 0.1,
-                 sizes: Sequence[int] | None = None, min_chunk: int = 1024, chunking: bool = True,
-                 balancing: Balancing | MeasuredBalancing | None = None, stores: Stores | None = None):
+    def __init__(
+        self,
+        model: TetrisPrefill,
+        pool: Pool,
+        improvement_rate: float = 0.1,
+        sizes: Sequence[int] | None = None,
+        min_chunk: int = 1024,
+        chunking: bool = True,
+        balancing: Balancing | MeasuredBalancing | None = None,
+        stores: Stores | None = None,
+    ):
         """sizes: candidate SP sizes (default: the fitted powers of two that fit the pool); min_chunk: a chunk
         smaller than this is not worth its own step; chunking=False gives request-level SP (Algorithm 2 only);
         balancing: the cost of spreading history onto a larger group (default: free); stores: the instances'
@@ -327,8 +342,9 @@ class CDSPPlanner:
         return _Booking(self.pool, q, self._node_base)
 
     # -- Algorithm 2 -----------------------------------------------------------------------------------------
-    def _single_chunk(self, tokens: int, book: "_Booking", prev: "_Group | None" = None, h: int = 0,
-                      held: "_Group | None" = None) -> tuple[float, "_Group"]:
+    def _single_chunk(
+        self, tokens: int, book: "_Booking", prev: "_Group | None" = None, h: int = 0, held: "_Group | None" = None
+    ) -> tuple[float, "_Group"]:
         """The TTFT and group of `tokens` as one chunk after h history tokens held by `held`, on a group extending
         `prev` (default: none)."""
         prev, held = prev or book.root, held or book.root
@@ -381,8 +397,9 @@ class CDSPPlanner:
             done += n
         return ChunkPlan(tuple(chunks))
 
-    def _chains(self, tokens: int, book: "_Booking", groups: list["_Group"], coefs: list[Coef],
-                bound: float) -> tuple[float, tuple[Step, ...]] | None:
+    def _chains(
+        self, tokens: int, book: "_Booking", groups: list["_Group"], coefs: list[Coef], bound: float
+    ) -> tuple[float, tuple[Step, ...]] | None:
         """The TTFT and steps of the best plan that beats `bound` with chunks on the nested groups G_1 < G_2 < ...
         (a _Booking.chain; coefs[i]: Eq. (1) at G_i's size). Algorithm 1's recursion over (current, next) SP
         pairs, evaluated as a dynamic programme: a chunk on G_j runs from when G_j is ready until a larger G_i is
@@ -413,7 +430,7 @@ class CDSPPlanner:
             if self.balancing is not None and not self.balancing.hidden:  # the move first, then the chunk
                 start, balance = start + balance, 0.0
             room = self.stores.largest(groups[j].sp, h) if self.stores is not None else math.inf
-            for i, n in enumerate(_chunks_for(coef, h, start, ready[j + 1:], balance), j + 1):
+            for i, n in enumerate(_chunks_for(coef, h, start, ready[j + 1 :], balance), j + 1):
                 n = min(n, room)
                 if min_chunk <= n < tokens - h and (done[i] is None or h + n > done[i]):
                     done[i], back[i] = h + n, j

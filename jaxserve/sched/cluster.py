@@ -40,11 +40,18 @@ from jaxserve.sched.cdsp import Chunk, ChunkPlan
 from jaxserve.sched import decode_ledger
 from jaxserve.sched.decode_dispatch import HEAVY_DECODE, LengthPredictor, PromptInfo, by_freeness, power_of_two
 from jaxserve.sched.decode_ledger import DecodeSide
-from jaxserve.sched.esp import (ElasticInstance, ElasticPool, ESPBatch, ESPScheduler, RunningDecodes, isolated_room,
-                                keeper, predicted_growth)
+from jaxserve.sched.esp import (
+    ElasticInstance,
+    ElasticPool,
+    ESPBatch,
+    ESPScheduler,
+    RunningDecodes,
+    isolated_room,
+    keeper,
+    predicted_growth,
+)
 from jaxserve.sched.flip import Flip, FlipController, FlipPolicy
-from jaxserve.sched.plan import (ClusterPlan, Dispatch, KVMove, MoveKind, Outcome, Phase, Plan, RoleChange,
-                                 WorkItem)
+from jaxserve.sched.plan import ClusterPlan, Dispatch, KVMove, MoveKind, Outcome, Phase, Plan, RoleChange, WorkItem
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler, least_queued
 from jaxserve.sched.request import Request
 
@@ -79,8 +86,13 @@ class _Prefill:
 
 
 class ClusterPolicy:
-    def __init__(self, pool_ids: Sequence[int], dispatch: str = "freeness", predictor: LengthPredictor | None = None,
-                 seed: int = 0):
+    def __init__(
+        self,
+        pool_ids: Sequence[int],
+        dispatch: str = "freeness",
+        predictor: LengthPredictor | None = None,
+        seed: int = 0,
+    ):
         """pool_ids: the device id of each pool slot. dispatch: freeness or power_of_two. predictor: decode
         lengths (None: the caller's limit, the simulator's oracle). seed: power of two's sampling."""
         if dispatch not in ("freeness", "power_of_two"):
@@ -105,8 +117,14 @@ class ClusterPolicy:
         hi = self.predictor.predict(prompt)[1]
         return hi if limit is None else min(hi, limit)
 
-    def dispatch(self, prompt: PromptInfo, decoders: Mapping[int, DecodeSide], request_id: str,
-                 limit: int | None = None, admits: Callable[[Dispatch], bool] | None = None) -> Dispatch | None:
+    def dispatch(
+        self,
+        prompt: PromptInfo,
+        decoders: Mapping[int, DecodeSide],
+        request_id: str,
+        limit: int | None = None,
+        admits: Callable[[Dispatch], bool] | None = None,
+    ) -> Dispatch | None:
         """The decode instance for a prompt, among `decoders` (by their index in the cluster): by freeness
         (virtual usage counted in the loads), or power of two over the instances with room for prompt plus
         predicted decode. Unless `admits` refuses it (None is returned then), it is promised there (`promise`)."""
@@ -139,17 +157,29 @@ class ClusterPolicy:
 
 
 class CDSPPolicy(ClusterPolicy):
-    def __init__(self, planner: Planner, pool_ids: Sequence[int], dispatch: str = "freeness",
-                 predictor: LengthPredictor | None = None, seed: int = 0):
+    def __init__(
+        self,
+        planner: Planner,
+        pool_ids: Sequence[int],
+        dispatch: str = "freeness",
+        predictor: LengthPredictor | None = None,
+        seed: int = 0,
+    ):
         super().__init__(pool_ids, dispatch, predictor, seed)
         self.planner = planner
         self._prefills: dict[str, _Prefill] = {}
         self._moved = np.zeros(len(self.pool_ids))  # how far chunks' ends have moved each slot's bookings
 
-    def arrive(self, prompt: PromptInfo, now: float, decoders: Mapping[int, DecodeSide] | None = None,
-               limit: int | None = None, admits: Callable[[Dispatch], bool] | None = None,
-               retime: Callable[[ChunkPlan, np.ndarray], ChunkPlan] | None = None,
-               request_id: str | None = None) -> Arrival | None:
+    def arrive(
+        self,
+        prompt: PromptInfo,
+        now: float,
+        decoders: Mapping[int, DecodeSide] | None = None,
+        limit: int | None = None,
+        admits: Callable[[Dispatch], bool] | None = None,
+        retime: Callable[[ChunkPlan, np.ndarray], ChunkPlan] | None = None,
+        request_id: str | None = None,
+    ) -> Arrival | None:
         """The arrival decision: the planner sees the time, the decode instance is chosen (if `decoders`), and,
         unless `admits` refuses it (None is returned then), the chunks are planned and booked. retime: times
         the plan's chunks otherwise before booking (the simulator's executor). As `dispatch` otherwise."""
@@ -175,8 +205,9 @@ class CDSPPolicy(ClusterPolicy):
         """Run an admitted arrival's chunks (their groups become device ids, in id order)."""
         if request_id in self._prefills:
             raise ValueError(f"request id {request_id} is already in use")
-        chunks = tuple(dataclasses.replace(c, group=tuple(sorted(self.pool_ids[i] for i in c.group)))
-                       for c in arrival.plan.chunks)
+        chunks = tuple(
+            dataclasses.replace(c, group=tuple(sorted(self.pool_ids[i] for i in c.group))) for c in arrival.plan.chunks
+        )
         self._prefills[request_id] = _Prefill(request_id, chunks, now, moved=self._moved.copy())
 
     def plan(self, now: float, decoders: Mapping[int, DecodeSide] | None = None) -> ClusterPlan:
@@ -187,17 +218,36 @@ class CDSPPolicy(ClusterPolicy):
         even shares, Stores). now and decoders: read by other policies (CDSP decides at arrival)."""
         del now, decoders
         taken = {d for p in self._prefills.values() if p.started > p.done for d in p.chunks[p.done].group}
-        unstarted = sorted(((p.arrival + c.start, p.arrival, k, p) for p in self._prefills.values()
-                            for k, c in enumerate(p.chunks) if k >= p.started), key=lambda x: x[:3])
+        unstarted = sorted(
+            (
+                (p.arrival + c.start, p.arrival, k, p)
+                for p in self._prefills.values()
+                for k, c in enumerate(p.chunks)
+                if k >= p.started
+            ),
+            key=lambda x: x[:3],
+        )
         items, moves = [], []
         for _, _, k, p in unstarted:
             c = p.chunks[k]
             if k == p.done and not set(c.group) & taken:
                 if p.group:
-                    moves.append(KVMove(request_id=p.request_id, src=p.group, dst=c.group, tokens=c.history,
-                                        kind=MoveKind.REBALANCE))
-                items.append(WorkItem(request_id=p.request_id, start=c.history, end=c.history + c.tokens,
-                                      phase=Phase.PREFILL, group=c.group, chunk_index=p.done, history=c.history))
+                    moves.append(
+                        KVMove(
+                            request_id=p.request_id, src=p.group, dst=c.group, tokens=c.history, kind=MoveKind.REBALANCE
+                        )
+                    )
+                items.append(
+                    WorkItem(
+                        request_id=p.request_id,
+                        start=c.history,
+                        end=c.history + c.tokens,
+                        phase=Phase.PREFILL,
+                        group=c.group,
+                        chunk_index=p.done,
+                        history=c.history,
+                    )
+                )
                 p.started += 1
                 p.group = c.group
             taken |= set(c.group)
@@ -235,9 +285,17 @@ class CDSPPolicy(ClusterPolicy):
 
 
 class TetriInferPolicy(ClusterPolicy):
-    def __init__(self, instances: Sequence[PrefillBatchScheduler], pool_ids: Sequence[int], decoders: int,
-                 dispatch: str = "freeness", predictor: LengthPredictor | None = None, seed: int = 0,
-                 flip: FlipPolicy | None = None, prefilling: int | None = None):
+    def __init__(
+        self,
+        instances: Sequence[PrefillBatchScheduler],
+        pool_ids: Sequence[int],
+        decoders: int,
+        dispatch: str = "freeness",
+        predictor: LengthPredictor | None = None,
+        seed: int = 0,
+        flip: FlipPolicy | None = None,
+        prefilling: int | None = None,
+    ):
         """instances: one prefill scheduler per pool slot, in pool order. decoders: how many decode instances.
         flip: instances flip between roles; then decode instance k is pool instance k, and the first `prefilling`
         instances start in the prefill role, the others in the decode role."""
@@ -250,8 +308,10 @@ class TetriInferPolicy(ClusterPolicy):
             self.prefilling, self.decoding = set(range(n)), set(range(decoders))
         else:
             if decoders != n or prefilling is None or not 0 < prefilling < n:
-                raise ValueError(f"flipping instances prefill and decode: {n} of each, some in each role; got "
-                                 f"{decoders} decode instances, {prefilling} prefilling")
+                raise ValueError(
+                    f"flipping instances prefill and decode: {n} of each, some in each role; got "
+                    f"{decoders} decode instances, {prefilling} prefilling"
+                )
             self.prefilling, self.decoding = set(range(prefilling)), set(range(prefilling, n))
         self.flips = FlipController(flip) if flip is not None else None  # units: instance indices
         self._next_check = -math.inf
@@ -281,7 +341,8 @@ class TetriInferPolicy(ClusterPolicy):
                 if instance.yields_token(item):
                     prompt, limit = self._limits[item.request_id]
                     dispatch[item.request_id] = self.dispatch(
-                        prompt, {i: decoders[i] for i in sorted(self.decoding)}, item.request_id, limit)
+                        prompt, {i: decoders[i] for i in sorted(self.decoding)}, item.request_id, limit
+                    )
                 items.append(item)
         return ClusterPlan(items=tuple(items), dispatch=dispatch, roles=roles)
 
@@ -308,12 +369,14 @@ class TetriInferPolicy(ClusterPolicy):
         time): a prefill instance drains its queue, a decode instance what was dispatched to it."""
         self._next_check = now + self.flips.policy.check_every
         changes = []
-        for kind, k in self.flips.finish(lambda k: not self._prefill_load(k),
-                                         lambda k: not decoders[k].ledger.heavy):
+        for kind, k in self.flips.finish(lambda k: not self._prefill_load(k), lambda k: not decoders[k].ledger.heavy):
             (self.decoding if kind is Flip.TO_DECODE else self.prefilling).add(k)
             changes.append(RoleChange(flip=kind, unit=k, done=True))
-        started = self.flips.start(now, {k: self._prefill_load(k) for k in sorted(self.prefilling)},
-                                   {k: decode_ledger.busy(decoders[k]) for k in sorted(self.decoding)})
+        started = self.flips.start(
+            now,
+            {k: self._prefill_load(k) for k in sorted(self.prefilling)},
+            {k: decode_ledger.busy(decoders[k]) for k in sorted(self.decoding)},
+        )
         if started is not None:  # no new prompts (its queue drains), or no new dispatches (its requests finish)
             kind, k = started
             (self.prefilling if kind is Flip.TO_DECODE else self.decoding).discard(k)
@@ -331,12 +394,18 @@ class TetriInferPolicy(ClusterPolicy):
         super().finish(request_id, generated)
 
 
-def elastic_pool(instances: Sequence[DecodeSide], group: DecodeSide | None, generated: Callable[[str], int],
-                 available: Collection[int], step_time: float) -> ElasticPool:
+def elastic_pool(
+    instances: Sequence[DecodeSide],
+    group: DecodeSide | None,
+    generated: Callable[[str], int],
+    available: Collection[int],
+    step_time: float,
+) -> ElasticPool:
     """The pool as ESPPolicy reads it, from the decode sides of its instances (instances[k]: instance k's) and of
     the multi-master group over them (its KV a SpreadKV; None: no group): each instance's KV in use, promised KV
     included (a dispatched prompt's, and a spread prompt's share placed there to land), and the tokens each request
     decoding there (its KV landed) has generated so far, generated(request id)."""
+
     def decoding(side: DecodeSide) -> list[int]:
         return [generated(rid) for rid in side.ledger.heavy if rid not in side.ledger.incoming]
 
@@ -348,8 +417,9 @@ def elastic_pool(instances: Sequence[DecodeSide], group: DecodeSide | None, gene
         used = tokens - decode_ledger.load(side).free_slots + placed
         views.append(ElasticInstance(k, tokens, used, tuple(decoding(side))))
     sides = [*instances, *([group] if group is not None else [])]
-    return ElasticPool(instances=views, available=available, generated=[g for d in sides for g in decoding(d)],
-                       step_time=step_time)
+    return ElasticPool(
+        instances=views, available=available, generated=[g for d in sides for g in decoding(d)], step_time=step_time
+    )
 
 
 def averaged_step(average: float, seconds: float) -> float:
@@ -374,9 +444,19 @@ class Growth:
 
 
 class ESPPolicy(ClusterPolicy):
-    def __init__(self, elastic: ESPScheduler, pool_ids: Sequence[int], dispatch: str = "freeness",
-                 predictor: LengthPredictor | None = None, seed: int = 0, *, spread: bool = False,
-                 instance_context: int | None = None, weigh_pauses: bool = True, scale_up: bool = True):
+    def __init__(
+        self,
+        elastic: ESPScheduler,
+        pool_ids: Sequence[int],
+        dispatch: str = "freeness",
+        predictor: LengthPredictor | None = None,
+        seed: int = 0,
+        *,
+        spread: bool = False,
+        instance_context: int | None = None,
+        weigh_pauses: bool = True,
+        scale_up: bool = True,
+    ):
         """spread: a prompt's KV stays where scale-down keeps it (`ESPScheduler.scale_down`): one instance
         decodes it if it keeps it all and (instance_context: the longest context one instance's engine serves;
         None: any) its context fits there, else the multi-master group (decoder index len(pool_ids)). Otherwise
@@ -428,12 +508,20 @@ class ESPPolicy(ClusterPolicy):
                 request, prompt = self._waiting.pop(r.id)
                 dispatch[r.id] = self._dispatch(request, prompt, kept[r.id], decoders)
                 self._running[slots].append((request, prompt, dispatch[r.id].decoder))
-                items.append(WorkItem(request_id=r.id, start=0, end=r.prefill_target, phase=Phase.PREFILL,
-                                      group=tuple(self.pool_ids[k] for k in slots)))
+                items.append(
+                    WorkItem(
+                        request_id=r.id,
+                        start=0,
+                        end=r.prefill_target,
+                        phase=Phase.PREFILL,
+                        group=tuple(self.pool_ids[k] for k in slots),
+                    )
+                )
         return ClusterPlan(items=tuple(items), dispatch=dispatch)
 
-    def evacuate(self, taken: Collection[int], free: Sequence[ElasticInstance],
-                 decoding: Mapping[str, Mapping[int, int]]) -> tuple[list[KVMove], set[str]]:
+    def evacuate(
+        self, taken: Collection[int], free: Sequence[ElasticInstance], decoding: Mapping[str, Mapping[int, int]]
+    ) -> tuple[list[KVMove], set[str]]:
         """A prefill takes the `taken` instances (LoongServe: a busy instance's decode KV moves away first, what
         allocation weighs with the link's bandwidth): each decoding request's share there (decoding: request id
         -> instance -> tokens) moves to the instance of `free` with the most room that holds none of its KV;
@@ -451,8 +539,7 @@ class ESPPolicy(ClusterPolicy):
                 target = max(fits, key=lambda k: room[k])
                 room[target] -= shards[i]
                 held.add(target)
-                moves.append(KVMove(request_id=rid, src=(i,), dst=(target,), tokens=shards[i],
-                                    kind=MoveKind.MIGRATE))
+                moves.append(KVMove(request_id=rid, src=(i,), dst=(target,), tokens=shards[i], kind=MoveKind.MIGRATE))
         return moves, paused
 
     def grow(self, shards: Mapping[int, int], generated: int, instances: Sequence[ElasticInstance]) -> Growth:
@@ -470,8 +557,9 @@ class ESPPolicy(ClusterPolicy):
                 return Growth(kind=GrowthKind.SCALE_UP, instance=grown)
         else:
             need = sum(shards.values()) + max(self._estimate() - generated, 1)
-            target = max((e for e in candidates if e.id not in shards and e.free >= need), default=None,
-                         key=lambda e: e.free)
+            target = max(
+                (e for e in candidates if e.id not in shards and e.free >= need), default=None, key=lambda e: e.free
+            )
             if target is not None:
                 return Growth(kind=GrowthKind.MIGRATE, instance=target.id)
         return Growth(kind=GrowthKind.PREEMPT, instance=None)
@@ -496,8 +584,9 @@ class ESPPolicy(ClusterPolicy):
             out[r.id] = {e.id: r.prefill_target}
         return out
 
-    def _dispatch(self, request: Request, prompt: PromptInfo, shards: dict[int, int],
-                  decoders: Mapping[int, DecodeSide] | None) -> Dispatch:
+    def _dispatch(
+        self, request: Request, prompt: PromptInfo, shards: dict[int, int], decoders: Mapping[int, DecodeSide] | None
+    ) -> Dispatch:
         (one, *more) = shards
         alone = self.instance_context is None or request.prompt_len + request.output_len <= self.instance_context
         decoder = one if not more and (alone or not self.spread) else len(self.pool_ids)
@@ -506,8 +595,9 @@ class ESPPolicy(ClusterPolicy):
             self.promise(decoders[decoder], prompt, request.id, hi)
         return Dispatch(decoder=decoder, predicted=hi, heavy=hi > HEAVY_DECODE, shards=shards)
 
-    def cancel(self, group: tuple[int, ...], items: Sequence[WorkItem],
-               decoders: Mapping[int, DecodeSide] | None = None) -> None:
+    def cancel(
+        self, group: tuple[int, ...], items: Sequence[WorkItem], decoders: Mapping[int, DecodeSide] | None = None
+    ) -> None:
         """A batch the executor could not start: its prompts wait again, at the head in order, and their decode
         promises (on `decoders`) are taken back."""
         del items  # a batch is cancelled whole

@@ -38,8 +38,9 @@ class KeyedLinearModel:
     coefficients: dict[Any, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def fit(cls, samples: Iterable[tuple[Any, Sequence[float], float]],
-            weight: Callable[[float], float] | None = None) -> "KeyedLinearModel":
+    def fit(
+        cls, samples: Iterable[tuple[Any, Sequence[float], float]], weight: Callable[[float], float] | None = None
+    ) -> "KeyedLinearModel":
         """samples: (key, feature inputs, measured seconds). weight(t) defaults to 1 / t."""
         grouped: dict[Any, list[tuple[Sequence[float], float]]] = {}
         for key, x, t in samples:
@@ -62,8 +63,9 @@ class KeyedLinearModel:
         return self.coefficients[key]
 
     def to_json(self) -> str:
-        return json.dumps({"kind": self.kind,
-                           "coefficients": [[_key_out(k), c.tolist()] for k, c in self.coefficients.items()]})
+        return json.dumps(
+            {"kind": self.kind, "coefficients": [[_key_out(k), c.tolist()] for k, c in self.coefficients.items()]}
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "KeyedLinearModel":

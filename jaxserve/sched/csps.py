@@ -82,8 +82,14 @@ class CSPSPrefill:
             raise ValueError(f"SP-NTP splits {shape.heads} heads: no more than {shape.heads} GPUs, got {sp}")
         attention = self._cost.prefill_attention(tokens, 0) / sp
         comm = self._cost.layers * sp_layout.layer_seconds(
-            "sp_ntp", tokens, shape.hidden, sp, False, network(PROFILES[self.profile][0]),
-            "intra_node" if sp <= self.per_node else "inter_node")
+            "sp_ntp",
+            tokens,
+            shape.hidden,
+            sp,
+            False,
+            network(PROFILES[self.profile][0]),
+            "intra_node" if sp <= self.per_node else "inter_node",
+        )
         if self.cut and sp > 1:
             spans, drops = self.spans(sp), self.drops(sp, t)
             attention *= csa_cost.attention_fraction(spans, drops, t)
@@ -112,8 +118,14 @@ class CSPSPlanner:
     for groups up to a node, runs of whole nodes beyond): its SPTs are at most `spt` tokens, on at most the
     largest of `sizes` (CSPSPrefill: the model's query heads; live: the sizes measured)."""
 
-    def __init__(self, model: PromptSeconds, pool: Pool, spt: int = 131072, sizes: Sequence[int] | None = None,
-                 stores: Stores | None = None):
+    def __init__(
+        self,
+        model: PromptSeconds,
+        pool: Pool,
+        spt: int = 131072,
+        sizes: Sequence[int] | None = None,
+        stores: Stores | None = None,
+    ):
         """sizes: the group sizes, powers of two (default: every one the pool holds, and the model's query heads
         for a CSPSPrefill). stores: the instances' history stores, which hold a prompt's SPTs (default:
         unbounded)."""
@@ -123,17 +135,26 @@ class CSPSPlanner:
             most = min(pool.size, model_shape(model.profile).heads if isinstance(model, CSPSPrefill) else pool.size)
             sizes = [1 << i for i in range(most.bit_length())]
         self.sizes = sorted(sizes)
-        bad = [s for s in self.sizes if s & (s - 1) or s > pool.size or (s > pool.per_node and s % pool.per_node)
-               or (s < pool.per_node and pool.per_node % s)]
+        bad = [
+            s
+            for s in self.sizes
+            if s & (s - 1)
+            or s > pool.size
+            or (s > pool.per_node and s % pool.per_node)
+            or (s < pool.per_node and pool.per_node % s)
+        ]
         if not self.sizes or bad:
-            raise ValueError(f"CSPS's groups are powers of two in whole nodes of {pool.per_node} (or within one), "
-                             f"at most the pool's {pool.size}: got {list(sizes)}")
+            raise ValueError(
+                f"CSPS's groups are powers of two in whole nodes of {pool.per_node} (or within one), "
+                f"at most the pool's {pool.size}: got {list(sizes)}"
+            )
         self.model, self.pool, self.spt, self.stores = model, pool, spt, stores
 
     def sp_for(self, tokens: int) -> int:
         """The fewest instances whose SPTs (and stores) hold the prompt; the largest size if none does."""
-        fits = [s for s in self.sizes if s * self.spt >= tokens and (self.stores is None or
-                                                                     self.stores.fits(s, tokens, 0))]
+        fits = [
+            s for s in self.sizes if s * self.spt >= tokens and (self.stores is None or self.stores.fits(s, tokens, 0))
+        ]
         return fits[0] if fits else self.sizes[-1]
 
     def longest(self) -> int | None:

@@ -48,8 +48,9 @@ class BucketPredictor:
     buckets: tuple[int, ...]  # predicted bucket per band (len(band_edges) + 1 bands)
 
     @classmethod
-    def fit(cls, prompt_lens: Sequence[int], output_lens: Sequence[int], granularity: int = 200,
-            bands: int = 16) -> "BucketPredictor":
+    def fit(
+        cls, prompt_lens: Sequence[int], output_lens: Sequence[int], granularity: int = 200, bands: int = 16
+    ) -> "BucketPredictor":
         if granularity < 1:
             raise ValueError(f"granularity must be >= 1, got {granularity}")
         p, o = np.asarray(prompt_lens), np.asarray(output_lens)
@@ -59,8 +60,10 @@ class BucketPredictor:
         band = np.searchsorted(edges, p, side="right")
         bucket = o // granularity
         overall = int(np.bincount(bucket).argmax())
-        per_band = tuple(int(np.bincount(bucket[band == b]).argmax()) if np.any(band == b) else overall
-                         for b in range(len(edges) + 1))
+        per_band = tuple(
+            int(np.bincount(bucket[band == b]).argmax()) if np.any(band == b) else overall
+            for b in range(len(edges) + 1)
+        )
         return cls(granularity, edges, per_band)
 
     def predict(self, prompt: PromptInfo) -> tuple[int, int]:

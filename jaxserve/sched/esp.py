@@ -91,9 +91,18 @@ class ESPBatch:
 
 
 class ESPScheduler:
-    def __init__(self, model: LoongServePrefill, tp: int, knee: float, migration_bandwidth: float | None,
-                 kv_bytes_per_token: float, output_estimate: int = 1024, max_sp: int | None = None,
-                 max_overtakes: int = 0, groups: Sequence[Sequence[int]] | None = None):
+    def __init__(
+        self,
+        model: LoongServePrefill,
+        tp: int,
+        knee: float,
+        migration_bandwidth: float | None,
+        kv_bytes_per_token: float,
+        output_estimate: int = 1024,
+        max_sp: int | None = None,
+        max_overtakes: int = 0,
+        groups: Sequence[Sequence[int]] | None = None,
+    ):
         """knee: seconds per prefill iteration past which admitting more stops paying (profiled);
         migration_bandwidth: bytes/s of one link (None: a busy instance's decodes pause, their KV stays);
         kv_bytes_per_token: the bytes of a token's KV that one link carries (an instance's GPUs move their TP
@@ -141,8 +150,13 @@ class ESPScheduler:
         return r.prefill_target + min(self.output_estimate, r.output_len - r.generated)
 
     # -- admission -------------------------------------------------------------------------------------------
-    def admit(self, pending: Sequence[Request], instances: Sequence[ElasticInstance], growth: int = 0,
-              decodes: RunningDecodes | None = None) -> list[Request]:
+    def admit(
+        self,
+        pending: Sequence[Request],
+        instances: Sequence[ElasticInstance],
+        growth: int = 0,
+        decodes: RunningDecodes | None = None,
+    ) -> list[Request]:
         """growth: tokens the requests already decoding are predicted to add before they finish; decodes: those
         requests (None: requests past the isolated memory take decode slots without weighing it, the ablation)."""
         capacity = sum(e.kv_capacity for e in instances)
@@ -257,8 +271,13 @@ class ESPScheduler:
             i, k = j, l
         return out[::-1]
 
-    def plan(self, pending: Sequence[Request], instances: Sequence[ElasticInstance], growth: int = 0,
-             decodes: RunningDecodes | None = None) -> list[ESPBatch]:
+    def plan(
+        self,
+        pending: Sequence[Request],
+        instances: Sequence[ElasticInstance],
+        growth: int = 0,
+        decodes: RunningDecodes | None = None,
+    ) -> list[ESPBatch]:
         """One scheduling round: admit, allocate, batch. Admission checks memory over the whole pool; when the
         allocated instances' free memory cannot hold every admitted request, the latest admitted wait."""
         admitted = self.admit(pending, instances, growth, decodes)

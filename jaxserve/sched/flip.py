@@ -79,8 +79,9 @@ class FlipController:
         self.leaving: Hashable | None = None  # a decode unit draining before it prefills
         self._windows: dict[tuple[str, Hashable], LoadWindow] = {}
 
-    def finish(self, prefill_drained: Callable[[Hashable], bool],
-               decode_drained: Callable[[Hashable], bool]) -> list[tuple[Flip, Hashable]]:
+    def finish(
+        self, prefill_drained: Callable[[Hashable], bool], decode_drained: Callable[[Hashable], bool]
+    ) -> list[tuple[Flip, Hashable]]:
         """The flips done now that their unit has drained: (TO_DECODE, unit) and (TO_PREFILL, unit)."""
         done = []
         if self.joining is not None and prefill_drained(self.joining):
@@ -93,8 +94,9 @@ class FlipController:
             self.leaving = None
         return done
 
-    def start(self, now: float, prefill: dict[Hashable, float],
-              decode: dict[Hashable, float]) -> tuple[Flip, Hashable] | None:
+    def start(
+        self, now: float, prefill: dict[Hashable, float], decode: dict[Hashable, float]
+    ) -> tuple[Flip, Hashable] | None:
         """prefill / decode: each unit's load now, by unit (in the order the policy should see them). The flip
         started, (TO_DECODE, a prefill unit) or (TO_PREFILL, a decode unit), or None."""
         for role, loads in (("prefill", prefill), ("decode", decode)):
@@ -102,8 +104,10 @@ class FlipController:
                 self._window(role, unit).add(now, load)
         if self.joining is not None or self.leaving is not None:
             return None
-        choice = self.policy.choose([self._window("prefill", u).mean(now) for u in prefill],
-                                    [self._window("decode", u).mean(now) for u in decode])
+        choice = self.policy.choose(
+            [self._window("prefill", u).mean(now) for u in prefill],
+            [self._window("decode", u).mean(now) for u in decode],
+        )
         if choice is None:
             return None
         kind, i = choice

@@ -29,7 +29,8 @@ class RateTable:
         if not self.arrival_rates or len(self.arrival_rates) != len(self.improvement_rates):
             raise ValueError("a rate table needs one improvement rate per arrival rate, and at least one")
         if list(self.arrival_rates) != sorted(self.arrival_rates) or not all(
-                0 <= r < float("inf") for r in self.arrival_rates):
+            0 <= r < float("inf") for r in self.arrival_rates
+        ):
             raise ValueError("arrival rates must be ascending, finite and >= 0")
         if not all(0 <= r < 1 for r in self.improvement_rates):
             raise ValueError(f"improvement rates must be in [0, 1), got {self.improvement_rates}")

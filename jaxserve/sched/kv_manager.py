@@ -63,19 +63,31 @@ class KVCacheManager(BlockTables):
     """Paged KV blocks owned by the scheduler: reference counts, prefix hashes over full blocks, LRU eviction of
     free-but-cached blocks (vLLM's design)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, scratch_blocks: int = 1,
-                 kvp_tokens: int | None = None, sliding_window: int | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        scratch_blocks: int = 1,
+        kvp_tokens: int | None = None,
+        sliding_window: int | None = None,
+    ):
         """scratch_blocks: blocks 0..scratch_blocks-1 are never handed out (one per device set of a KV-parallel
         group, whose block b lives on set b % group). kvp_tokens: a request's tokens on one set before the next
         set's blocks (whole blocks; None: its blocks alternate sets). sliding_window: the model's (blocks that
         leave it are released on commit)."""
         if scratch_blocks < 1 or num_blocks <= scratch_blocks or block_size < 1:
-            raise ValueError(f"need num_blocks > scratch_blocks >= 1 and block_size >= 1, got {num_blocks}, "
-                             f"{scratch_blocks} and {block_size}")
-        if kvp_tokens is not None and (kvp_tokens < block_size or kvp_tokens % block_size
-                                       or num_blocks % scratch_blocks):
-            raise ValueError(f"kvp_tokens ({kvp_tokens}) must be whole KV blocks of {block_size} tokens, and the "
-                             f"{num_blocks} blocks split evenly over the {scratch_blocks} KV-parallel sets")
+            raise ValueError(
+                f"need num_blocks > scratch_blocks >= 1 and block_size >= 1, got {num_blocks}, "
+                f"{scratch_blocks} and {block_size}"
+            )
+        if kvp_tokens is not None and (
+            kvp_tokens < block_size or kvp_tokens % block_size or num_blocks % scratch_blocks
+        ):
+            raise ValueError(
+                f"kvp_tokens ({kvp_tokens}) must be whole KV blocks of {block_size} tokens, and the "
+                f"{num_blocks} blocks split evenly over the {scratch_blocks} KV-parallel sets"
+            )
         self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
         self.scratch_blocks, self.sliding_window = scratch_blocks, sliding_window
         self.stats = PrefixCacheStats()
@@ -89,7 +101,8 @@ class KVCacheManager(BlockTables):
         self._per_set = kvp_tokens // block_size if kvp_tokens is not None else 0  # a request's blocks on one set
         self._free: list[collections.OrderedDict[int, None]] = [
             collections.OrderedDict.fromkeys(range(scratch_blocks + k, num_blocks, self._sets))
-            for k in range(self._sets)]
+            for k in range(self._sets)
+        ]
         self._first_set: dict[str, int] = {}  # with kvp_tokens: the set holding each request's first blocks
         self._tables: dict[str, list[int]] = {}
         self._chains: dict[str, list[bytes]] = {}  # hashes of each table's committed full blocks, in order
@@ -128,7 +141,7 @@ class KVCacheManager(BlockTables):
             return 0
         bs, chain, hits = self.block_size, [], []
         for i in range(min(max_tokens, len(token_ids)) // bs):
-            h = _block_hash(chain[-1] if chain else _SEED, token_ids[i * bs:(i + 1) * bs])
+            h = _block_hash(chain[-1] if chain else _SEED, token_ids[i * bs : (i + 1) * bs])
             block = self._cached.get(h)
             if block is None:
                 break
@@ -174,8 +187,11 @@ class KVCacheManager(BlockTables):
         if rid not in self._first_set:
             table = self._tables.get(rid, [])
             live = next((i for i, b in enumerate(table) if b != RELEASED), None)  # from its first live block
-            self._first_set[rid] = ((table[live] - live // self._per_set) % self._sets if live is not None else
-                                    max(range(self._sets), key=lambda j: (len(self._free[j]), -j)))
+            self._first_set[rid] = (
+                (table[live] - live // self._per_set) % self._sets
+                if live is not None
+                else max(range(self._sets), key=lambda j: (len(self._free[j]), -j))
+            )
         want = (self._first_set[rid] + k // self._per_set) % self._sets
         return next(j % self._sets for j in range(want, want + self._sets) if self._free[j % self._sets])
 
@@ -190,7 +206,7 @@ class KVCacheManager(BlockTables):
         if full > len(table):
             raise ValueError(f"request {rid}: {num_computed} computed tokens but only {len(table)} blocks")
         for i in range(len(chain), full if self.enable_prefix_caching else 0):
-            h = _block_hash(chain[-1] if chain else _SEED, token_ids[i * bs:(i + 1) * bs])
+            h = _block_hash(chain[-1] if chain else _SEED, token_ids[i * bs : (i + 1) * bs])
             chain.append(h)
             if h not in self._cached and table[i] != RELEASED:
                 self._cached[h], self._hash[table[i]] = table[i], h

@@ -22,13 +22,16 @@ _EPS = 1e-6
 
 
 class PromptClassifier:
-    def __init__(self, dim: int, granularity: int = 200, buckets: int = 8, warm: int = 32, lr: float = 0.2,
-                 l2: float = 1e-4):
+    def __init__(
+        self, dim: int, granularity: int = 200, buckets: int = 8, warm: int = 32, lr: float = 0.2, l2: float = 1e-4
+    ):
         """dim: the prompt features' size. Buckets of `granularity` tokens, the last open-ended (a longer decode
         counts in it). warm: finished requests before the classifier answers."""
         if dim < 1 or granularity < 1 or buckets < 2 or warm < 0 or not lr > 0 or l2 < 0:
-            raise ValueError(f"need dim >= 1, granularity >= 1, buckets >= 2, warm >= 0, lr > 0, l2 >= 0; got "
-                             f"{dim}, {granularity}, {buckets}, {warm}, {lr}, {l2}")
+            raise ValueError(
+                f"need dim >= 1, granularity >= 1, buckets >= 2, warm >= 0, lr > 0, l2 >= 0; got "
+                f"{dim}, {granularity}, {buckets}, {warm}, {lr}, {l2}"
+            )
         self.dim, self.granularity, self.buckets, self.warm, self.lr, self.l2 = dim, granularity, buckets, warm, lr, l2
         width = dim + 2  # the features, log prompt length, a bias
         self.weights = np.zeros((buckets, width))
@@ -76,11 +79,22 @@ class PromptClassifier:
 
     # ---- state -------------------------------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps({"dim": self.dim, "granularity": self.granularity, "buckets": self.buckets,
-                           "warm": self.warm, "lr": self.lr, "l2": self.l2, "seen": self.seen,
-                           "weights": self.weights.tolist(), "squares": self.squares.tolist(),
-                           "mean": self.mean.tolist(), "m2": self.m2.tolist(),
-                           "observed": [self.fallback.total, self.fallback.count]})
+        return json.dumps(
+            {
+                "dim": self.dim,
+                "granularity": self.granularity,
+                "buckets": self.buckets,
+                "warm": self.warm,
+                "lr": self.lr,
+                "l2": self.l2,
+                "seen": self.seen,
+                "weights": self.weights.tolist(),
+                "squares": self.squares.tolist(),
+                "mean": self.mean.tolist(),
+                "m2": self.m2.tolist(),
+                "observed": [self.fallback.total, self.fallback.count],
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str, dim: int) -> PromptClassifier:
@@ -90,8 +104,12 @@ class PromptClassifier:
             raise ValueError(f"the saved predictor reads {raw.get('dim')} features; this model gives {dim}")
         c = cls(dim, raw["granularity"], raw["buckets"], raw["warm"], raw["lr"], raw["l2"])
         width = dim + 2
-        for name, shape in (("weights", (c.buckets, width)), ("squares", (c.buckets, width)), ("mean", (width - 1,)),
-                            ("m2", (width - 1,))):
+        for name, shape in (
+            ("weights", (c.buckets, width)),
+            ("squares", (c.buckets, width)),
+            ("mean", (width - 1,)),
+            ("m2", (width - 1,)),
+        ):
             value = np.asarray(raw[name], np.float64)
             if value.shape != shape or not np.all(np.isfinite(value)):
                 raise ValueError(f"the saved predictor's {name} is not {shape} finite numbers")

@@ -46,8 +46,14 @@ class PrefillTimeCache:
     whole chunks before l plus its own shorter last chunk, timed exactly (a short prompt pays a whole
     iteration's fixed cost, not a pro-rated share of the first chunk). Remaining work is a difference."""
 
-    def __init__(self, cost: BatchCost, iteration_budget: float, max_len: int = 1 << 20, align: int = 1,
-                 max_chunk_tokens: int = 1 << 20):
+    def __init__(
+        self,
+        cost: BatchCost,
+        iteration_budget: float,
+        max_len: int = 1 << 20,
+        align: int = 1,
+        max_chunk_tokens: int = 1 << 20,
+    ):
         self.cost, self.max_len = cost, max_len
         self._points, self._times = [0], [0.0]  # chunk boundaries and the time to reach each
         done, elapsed = 0, 0.0
@@ -64,8 +70,9 @@ class PrefillTimeCache:
     @classmethod
     def for_packer(cls, cost: BatchCost, packer: PackerConfig) -> PrefillTimeCache:
         """Prefill times under this packer's budget, chunk alignment and step size."""
-        return cls(cost, packer.iteration_budget, align=packer.chunk_align,
-                   max_chunk_tokens=packer.max_num_batched_tokens)
+        return cls(
+            cost, packer.iteration_budget, align=packer.chunk_align, max_chunk_tokens=packer.max_num_batched_tokens
+        )
 
     def __call__(self, tokens: int) -> float:
         if tokens >= self.max_len:
@@ -106,9 +113,16 @@ class Room(Protocol):
     def take(self, r: Request, n: int) -> None: ...
 
 
-def pack(cost: BatchCost, config: PackerConfig, decodes: Sequence[Request], prefills: Iterable[Request],
-         relative_slack: Callable[[Request], float], more_waiting: Callable[[Request], bool],
-         smallest_chunk: int | None = None, room: Room | None = None) -> tuple[list[tuple[Request, int]], BatchState]:
+def pack(
+    cost: BatchCost,
+    config: PackerConfig,
+    decodes: Sequence[Request],
+    prefills: Iterable[Request],
+    relative_slack: Callable[[Request], float],
+    more_waiting: Callable[[Request], bool],
+    smallest_chunk: int | None = None,
+    room: Room | None = None,
+) -> tuple[list[tuple[Request, int]], BatchState]:
     """Algorithms 1 and 2. `prefills` come in priority order; more_waiting(r) tells whether any prefill ranks
     after r (a long prefill yields budget only when someone could use it); smallest_chunk: the fewest tokens any
     of them could take (default chunk_align), below which looking further is pointless; room: the KV memory a

@@ -93,8 +93,16 @@ class PrefillBatchScheduler:
         items, room = [], self.chunk
         for r in self.scheduled:  # in order; everything but the last piece is a whole remaining prompt
             n = min(r.prompt_len - r.planned, room)
-            items.append(WorkItem(request_id=r.id, start=r.planned, end=r.planned + n, phase=Phase.PREFILL,
-                                  group=self.group, history=r.planned))
+            items.append(
+                WorkItem(
+                    request_id=r.id,
+                    start=r.planned,
+                    end=r.planned + n,
+                    phase=Phase.PREFILL,
+                    group=self.group,
+                    history=r.planned,
+                )
+            )
             r.planned += n
             room -= n
             if not room:

@@ -28,8 +28,17 @@ import numpy as np
 from jaxserve.sched.batch_cost import AdditiveBatchCost, PiecewiseLinear
 from jaxserve.sched.cost_models import LinkModel
 
-_LINEAR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
-               "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+_LINEAR_OPS = (
+    "input_layernorm",
+    "attn_pre_proj",
+    "attn_rope",
+    "attn_post_proj",
+    "post_attention_layernorm",
+    "mlp_up_proj",
+    "mlp_act",
+    "mlp_down_proj",
+    "add",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +107,15 @@ def _read(name: str) -> list[dict[str, str]]:
 def model_shape(profile: str) -> ModelShape:
     _, file, layers = _profile(profile)
     row = _read(file)[0]
-    return ModelShape(profile.split("_", 1)[1], layers, int(row["n_head"]), int(row["n_kv_head"]),
-                      int(row["n_embd"]), int(row["n_expanded_embd"]), int(row["vocab_size"]))
+    return ModelShape(
+        profile.split("_", 1)[1],
+        layers,
+        int(row["n_head"]),
+        int(row["n_kv_head"]),
+        int(row["n_embd"]),
+        int(row["n_expanded_embd"]),
+        int(row["vocab_size"]),
+    )
 
 
 def _profile(profile: str) -> tuple[str, str, int]:
@@ -115,8 +131,10 @@ def linear_ops_per_layer(profile: str, tp: int) -> PiecewiseLinear:
     rows = [r for r in _read(file) if int(r["num_tensor_parallel_workers"]) == tp]
     if not rows:
         raise ValueError(f"profile {profile} has no TP={tp} measurements")
-    curve = PiecewiseLinear([int(r["num_tokens"]) for r in rows],
-                            [sum(float(r[f"time_stats.{op}.median"]) for op in _LINEAR_OPS) / 1e3 for r in rows])
+    curve = PiecewiseLinear(
+        [int(r["num_tokens"]) for r in rows],
+        [sum(float(r[f"time_stats.{op}.median"]) for op in _LINEAR_OPS) / 1e3 for r in rows],
+    )
     # measurement noise makes a few points dip below smaller batches; more tokens never take less time, and
     # the packer's bisection relies on that
     return PiecewiseLinear(curve.xs, np.maximum.accumulate(curve.ys).tolist())
@@ -125,12 +143,16 @@ def linear_ops_per_layer(profile: str, tp: int) -> PiecewiseLinear:
 @functools.cache
 def all_reduce(gpu: str, workers: int) -> PiecewiseLinear:
     """Seconds for an all-reduce inside one node, by message bytes."""
-    rows = [r for r in _read(f"net_{gpu}_dgx_all_reduce.csv")
-            if int(r["num_workers"]) == workers and int(r["devices_per_node"]) == workers]
+    rows = [
+        r
+        for r in _read(f"net_{gpu}_dgx_all_reduce.csv")
+        if int(r["num_workers"]) == workers and int(r["devices_per_node"]) == workers
+    ]
     if not rows:
         raise ValueError(f"no {gpu} all-reduce measurements for {workers} workers in one node")
-    return PiecewiseLinear([int(r["size"]) for r in rows],
-                           [float(r["time_stats.all_reduce.median"]) / 1e3 for r in rows])
+    return PiecewiseLinear(
+        [int(r["size"]) for r in rows], [float(r["time_stats.all_reduce.median"]) / 1e3 for r in rows]
+    )
 
 
 @functools.cache
@@ -199,8 +221,12 @@ TETRIS_TABLE1 = {
 
 def tetris_table1_samples() -> list[tuple[int, tuple[int, int], float]]:
     """Table 1 as cost-model samples: (SP size, (prompt tokens, history 0), seconds)."""
-    return [(sp, (k * 1024, 0), t) for sp, row in TETRIS_TABLE1.items()
-            for k, t in zip(TETRIS_TABLE1_K, row) if t is not None]
+    return [
+        (sp, (k * 1024, 0), t)
+        for sp, row in TETRIS_TABLE1.items()
+        for k, t in zip(TETRIS_TABLE1_K, row)
+        if t is not None
+    ]
 
 
 def _with_all_reduce(linear: PiecewiseLinear, gpu: str, tp: int, hidden: int, layers: int) -> PiecewiseLinear:
@@ -226,8 +252,9 @@ class ProfileBatchCost(AdditiveBatchCost):
     context, each attends over its share, and the partial outputs merge by their log-sum-exp: attention costs the
     largest share, plus one inter-node exchange per layer for the batch's split rows (linear ops run once)."""
 
-    def __init__(self, profile: str = "a100_llama3_8b", tp: int = 1, stages: int = 1, kvp: int = 1,
-                 kvp_tokens: int | None = None):
+    def __init__(
+        self, profile: str = "a100_llama3_8b", tp: int = 1, stages: int = 1, kvp: int = 1, kvp_tokens: int | None = None
+    ):
         gpu_name, _, layers = _profile(profile)
         if layers % stages:
             raise ValueError(f"{layers} layers do not split into {stages} pipeline stages")
@@ -235,8 +262,7 @@ class ProfileBatchCost(AdditiveBatchCost):
             raise ValueError(f"kvp must be >= 1, got {kvp}")
         self.gpu, self.shape, self.tp = GPUS[gpu_name], model_shape(profile), tp
         self.layers = layers // stages
-        self._linear = _with_all_reduce(linear_ops_per_layer(profile, tp), gpu_name, tp, self.shape.hidden,
-                                        self.layers)
+        self._linear = _with_all_reduce(linear_ops_per_layer(profile, tp), gpu_name, tp, self.shape.hidden, self.layers)
         s = self.shape
         self._flops_per_pair = 4.0 * s.head_dim * s.heads / tp  # QK^T and PV, per (query, key) pair
         self._kv_bytes_per_token = 2.0 * 2 * s.kv_heads * s.head_dim / tp  # K and V, bf16, one layer
@@ -269,13 +295,15 @@ class ProfileBatchCost(AdditiveBatchCost):
         history = max(h - earlier, 0)
         pairs = n * max(history + (n + 1) / 2, min(earlier, self.kvp_tokens))  # causal within the chunk
         reads = max(history + n, min(earlier, self.kvp_tokens))
-        return self.layers * max(self._compute(pairs * self._flops_per_pair),
-                                 reads * self._kv_bytes_per_token / self._byte_rate)
+        return self.layers * max(
+            self._compute(pairs * self._flops_per_pair), reads * self._kv_bytes_per_token / self._byte_rate
+        )
 
     def decode_attention(self, kv: int) -> float:
         kv = self._share(kv) if self.kvp > 1 else kv
-        return self.layers * max(self._compute(kv * self._flops_per_pair),
-                                 kv * self._kv_bytes_per_token / self._byte_rate)
+        return self.layers * max(
+            self._compute(kv * self._flops_per_pair), kv * self._kv_bytes_per_token / self._byte_rate
+        )
 
     def _compute(self, flops: float) -> float:
         """Seconds of one layer's attention math on one GPU."""

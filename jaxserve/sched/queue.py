@@ -13,8 +13,10 @@ class PrefillQueue:
         self.requests: list[Request] = []
         self._slot: dict[str, int] = {}
         self._next_seq = 0
-        self._arrays = {name: np.zeros(capacity) for name in ("seq", "deadline", "prompt_len", "left",
-                                                              "total_work", "remaining_work", "admitted")}
+        self._arrays = {
+            name: np.zeros(capacity)
+            for name in ("seq", "deadline", "prompt_len", "left", "total_work", "remaining_work", "admitted")
+        }
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -28,8 +30,9 @@ class PrefillQueue:
     def column(self, name: str) -> np.ndarray:
         return self._arrays[name][: len(self.requests)]
 
-    def add(self, request: Request, total_work: float, remaining_work: float | None = None,
-            seq: int | None = None) -> int:
+    def add(
+        self, request: Request, total_work: float, remaining_work: float | None = None, seq: int | None = None
+    ) -> int:
         """Queue a request; seq: its place in arrival order (a preempted request keeps its own). Returns seq."""
         if request.id in self._slot:
             raise ValueError(f"request {request.id} is already queued")

@@ -51,14 +51,23 @@ from jaxserve.config import DECODE_ADMISSION, SLO
 
 
 DECODING = RequestStatus.DECODING
-RESUMED_SEQ = -2**40  # arrival places of resumed requests: before every newcomer's (from 0)
+RESUMED_SEQ = -(2**40)  # arrival places of resumed requests: before every newcomer's (from 0)
 
 
 class ReplicaScheduler:
-    def __init__(self, policy: Policy, cost: BatchCost, packer: PackerConfig, kv: KVCacheManager,
-                 group: tuple[int, ...] = (0,), slo: SLO | None = None, max_num_seqs: int = 256,
-                 prefill_cache: PrefillTimeCache | None = None, num_scheduler_steps: int = 1,
-                 admission: str = "greedy"):
+    def __init__(
+        self,
+        policy: Policy,
+        cost: BatchCost,
+        packer: PackerConfig,
+        kv: KVCacheManager,
+        group: tuple[int, ...] = (0,),
+        slo: SLO | None = None,
+        max_num_seqs: int = 256,
+        prefill_cache: PrefillTimeCache | None = None,
+        num_scheduler_steps: int = 1,
+        admission: str = "greedy",
+    ):
         if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
         if admission not in DECODE_ADMISSION:
@@ -230,8 +239,11 @@ class ReplicaScheduler:
 
         def could_admit(r: Request) -> bool:
             """Room for a newcomer's first (smallest) chunk, before any prefix hit."""
-            return (not preempted and len(self.running) < self.max_num_seqs and
-                    self.kv.num_free >= self.kv.blocks_for(min(smallest, r.prefill_target)))
+            return (
+                not preempted
+                and len(self.running) < self.max_num_seqs
+                and self.kv.num_free >= self.kv.blocks_for(min(smallest, r.prefill_target))
+            )
 
         def admitted(r: Request) -> bool:
             """Admit a newcomer tentatively: take its prefix hits, then check its first chunk has room."""
@@ -253,7 +265,7 @@ class ReplicaScheduler:
                 r = queued[i]
                 if r.id not in self.running:
                     if not admitted(r):
-                        rest = order[k + 1:]
+                        rest = order[k + 1 :]
                         for j in rest[self.queue.column("admitted")[rest] > 0]:
                             yield queued[j]
                         return
@@ -274,17 +286,27 @@ class ReplicaScheduler:
             return r is not last
 
         room = _Room(self.kv, grants)
-        chunks, state = pack(self.cost, self.packer, decodes, candidates(),
-                             relative_slack=lambda r: float(slack[self.queue.index(r)]),
-                             more_waiting=more_waiting, smallest_chunk=smallest, room=room)
+        chunks, state = pack(
+            self.cost,
+            self.packer,
+            decodes,
+            candidates(),
+            relative_slack=lambda r: float(slack[self.queue.index(r)]),
+            more_waiting=more_waiting,
+            smallest_chunk=smallest,
+            room=room,
+        )
         if not chunks:
             # The top request's smallest chunk overruns the budget (a huge history, or decodes fill it): run it
             # anyway, or a long prefill would stall for as long as anything decodes.
             first = next(candidates(), None)
             if first is not None and not decodes:
                 self._make_room(first, grants, preempted, tentative)
-            n = 0 if first is None else min(self.packer.chunk_align, first.prefill_target - first.planned,
-                                            room.limit(first))
+            n = (
+                0
+                if first is None
+                else min(self.packer.chunk_align, first.prefill_target - first.planned, room.limit(first))
+            )
             if n > 0:
                 room.take(first, n)
                 chunks = [(first, n)]
@@ -302,11 +324,22 @@ class ReplicaScheduler:
             # with every token cached (they decode from the next Plan, which grants only their new blocks)
             return Plan((), blocks=blocks, preempted=tuple(preempted)) if preempted or blocks else None
         group, decode = self.group, Phase.DECODE
-        items = [WorkItem(request_id=r.id, start=kv, end=kv + 1, phase=decode, group=group, history=kv)
-                 for r in decodes for kv in (self._next_position(r),)]
+        items = [
+            WorkItem(request_id=r.id, start=kv, end=kv + 1, phase=decode, group=group, history=kv)
+            for r in decodes
+            for kv in (self._next_position(r),)
+        ]
         for r, n in chunks:
-            items.append(WorkItem(request_id=r.id, start=r.planned, end=r.planned + n, phase=Phase.PREFILL,
-                                  group=group, history=r.planned))
+            items.append(
+                WorkItem(
+                    request_id=r.id,
+                    start=r.planned,
+                    end=r.planned + n,
+                    phase=Phase.PREFILL,
+                    group=group,
+                    history=r.planned,
+                )
+            )
             r.planned += n
             if r.planned < r.prefill_target:
                 self.queue.set_remaining(r, self.prefill_time.remaining(r.prefill_target, r.planned))
@@ -353,15 +386,21 @@ class ReplicaScheduler:
     def _burst(self, grants: dict[str, list[int]], lagged: bool) -> Plan | None:
         """A multi-step decode Plan of every decode that may run, or None where a plain Plan serves as well (a
         burst of one step) or better (a decode that needs a block not free: the plain path may preempt)."""
-        rows = [(r, self._next_position(r), left) for r in self.decoding
-                for left in (self._tokens_left(r, lagged),) if left > 0]
+        rows = [
+            (r, self._next_position(r), left)
+            for r in self.decoding
+            for left in (self._tokens_left(r, lagged),)
+            if left > 0
+        ]
         if not rows or any(r.single_step for r, _, _ in rows):
             return None
         free, most = self.kv.num_free, min(self.num_scheduler_steps, max(left for _, _, left in rows))
 
         def need(k: int) -> int:
-            return sum(max(self.kv.blocks_for(start + min(k, left)) - self.kv.num_blocks_held(r.id), 0)
-                       for r, start, left in rows)
+            return sum(
+                max(self.kv.blocks_for(start + min(k, left)) - self.kv.num_blocks_held(r.id), 0)
+                for r, start, left in rows
+            )
 
         steps, time = 0, 0.0
         for t in self.cost.burst_steps([(start, left) for _, start, left in rows]):
@@ -377,20 +416,30 @@ class ReplicaScheduler:
             assert new is not None, "need() counted these blocks free"
             if new:
                 grants[r.id] = new
-            items.append(WorkItem(request_id=r.id, start=start, end=start + n, phase=Phase.DECODE, group=self.group,
-                                  history=start))
+            items.append(
+                WorkItem(
+                    request_id=r.id, start=start, end=start + n, phase=Phase.DECODE, group=self.group, history=start
+                )
+            )
             self.decode_in_flight.setdefault(r.id, []).append(n)
         return Plan(tuple(items), predicted_time=time, blocks=_granted(grants), steps=steps)
 
-    def _make_room(self, first: Request, grants: dict[str, list[int]], preempted: list[str],
-                   tentative: list[Request]) -> None:
+    def _make_room(
+        self, first: Request, grants: dict[str, list[int]], preempted: list[str], tentative: list[Request]
+    ) -> None:
         """Nothing decodes and `first` (the top request) has no block for its next chunk: the blocks are all held
         by requests halfway through their prefills, none of which could ever finish. Preempt the most recently
         admitted of them (all rank below `first`; none with work in flight) until first's next chunk fits."""
         need = self.kv.blocks_for(first.planned + min(self.packer.chunk_align, first.prefill_target - first.planned))
         while self.kv.num_free + self.kv.num_blocks_held(first.id) < need:
-            victim = next((v for v in reversed(self.running.values())
-                           if v is not first and v not in tentative and not self._in_flight(v)), None)
+            victim = next(
+                (
+                    v
+                    for v in reversed(self.running.values())
+                    if v is not first and v not in tentative and not self._in_flight(v)
+                ),
+                None,
+            )
             if victim is None:
                 return
             self._preempt(victim, grants, preempted)

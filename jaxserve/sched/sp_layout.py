@@ -20,8 +20,9 @@ from jaxserve.sched.cost_models import LinkModel
 Layout = Literal["sp_ntp", "sp_tp"]
 
 
-def layer_bytes(layout: Layout, tokens: int, hidden: int, gpus: int, tensor_parallel: bool,
-                dtype_bytes: int = 2) -> float:
+def layer_bytes(
+    layout: Layout, tokens: int, hidden: int, gpus: int, tensor_parallel: bool, dtype_bytes: int = 2
+) -> float:
     """Bytes the group moves for one layer of a `tokens`-token prompt (d = hidden, N = gpus)."""
     n, d, length = gpus, hidden, tokens
     if n < 2:
@@ -40,8 +41,9 @@ def choose(tokens: int, hidden: int, gpus: int, tensor_parallel: bool) -> Layout
     return "sp_ntp" if ntp < tp else "sp_tp"
 
 
-def layer_seconds(layout: Layout, tokens: int, hidden: int, gpus: int, tensor_parallel: bool, link: LinkModel,
-                  link_name: str) -> float:
+def layer_seconds(
+    layout: Layout, tokens: int, hidden: int, gpus: int, tensor_parallel: bool, link: LinkModel, link_name: str
+) -> float:
     """One layer's communication: every GPU sends its 1 / gpus of the bytes at once over `link_name`."""
     if gpus < 2:
         return 0.0

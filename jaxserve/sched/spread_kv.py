@@ -32,8 +32,9 @@ class SpreadKV(BlockTables):
         """instances: each elastic instance's manager (one KV-parallel set each, the same block size)."""
         self.instances = list(instances)
         self.block_size = self.instances[0].block_size
-        if len(self.instances) < 2 or any(m.block_size != self.block_size or m.scratch_blocks != 1
-                                          for m in self.instances):
+        if len(self.instances) < 2 or any(
+            m.block_size != self.block_size or m.scratch_blocks != 1 for m in self.instances
+        ):
             raise ValueError("a spread pool joins two or more instances' pools of one set each and one block size")
         self.stats = PrefixCacheStats()  # never hit: prefix caching is off
         self.scale_ups = 0  # times a decoding request grew onto another instance
@@ -73,8 +74,12 @@ class SpreadKV(BlockTables):
 
     def promised(self, instance: int) -> int:
         """Tokens placed on an instance and not allocated there yet (a prompt whose KV has not landed)."""
-        return sum(self.block_size for rid, plan in self._planned.items()
-                   for k, i in enumerate(plan) if i == instance and k >= self.num_blocks_held(rid))
+        return sum(
+            self.block_size
+            for rid, plan in self._planned.items()
+            for k, i in enumerate(plan)
+            if i == instance and k >= self.num_blocks_held(rid)
+        )
 
     def match_prefix(self, rid: str, token_ids: Sequence[int], max_tokens: int) -> int:
         if self._tables.get(rid):
@@ -114,8 +119,10 @@ class SpreadKV(BlockTables):
             return plan[k]
         if held and self.instances[last := next(reversed(held))].num_free:
             return last
-        views = [ElasticInstance(i, m.capacity * self.block_size, (m.capacity - m.num_free) * self.block_size)
-                 for i, m in enumerate(self.instances)]
+        views = [
+            ElasticInstance(i, m.capacity * self.block_size, (m.capacity - m.num_free) * self.block_size)
+            for i, m in enumerate(self.instances)
+        ]
         grown = ESPScheduler.scale_up({i: n * self.block_size for i, n in held.items()}, views)
         return grown if grown is not None else max(held, key=lambda i: self.instances[i].num_free)
 

@@ -53,8 +53,10 @@ class StepShapes:
         r = self.rows[i] if i < len(self.rows) else None
         j = bisect.bisect_left(self.tokens, max(tokens, r or 0))
         if r is None or j == len(self.tokens):
-            raise ValueError(f"a step of {tokens} tokens in {rows} rows exceeds the largest bucket "
-                             f"({self.tokens[-1]} tokens, {self.rows[-1]} rows)")
+            raise ValueError(
+                f"a step of {tokens} tokens in {rows} rows exceeds the largest bucket "
+                f"({self.tokens[-1]} tokens, {self.rows[-1]} rows)"
+            )
         return self.tokens[j], r
 
     def to_dict(self) -> dict:

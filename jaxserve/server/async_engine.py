@@ -56,13 +56,17 @@ def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, d
     (None: the whole rest of the context), capped by the room left."""
     room = max_model_len - prompt_len
     if room < 1:
-        raise ValueError(f"prompt has {prompt_len} tokens; the context holds {max_model_len} "
-                         "(prompt plus at least one generated token)")
+        raise ValueError(
+            f"prompt has {prompt_len} tokens; the context holds {max_model_len} "
+            "(prompt plus at least one generated token)"
+        )
     if requested is None:
         return room if default is None else min(default, room)
     if isinstance(requested, int) and not isinstance(requested, bool) and requested > room:
-        raise ValueError(f"max_tokens {requested} does not fit: the prompt has {prompt_len} tokens and the "
-                         f"context holds {max_model_len}, leaving {room}")
+        raise ValueError(
+            f"max_tokens {requested} does not fit: the prompt has {prompt_len} tokens and the "
+            f"context holds {max_model_len}, leaving {room}"
+        )
     return requested  # a bad type or value is named by SamplingParams' validation
 
 
@@ -76,8 +80,15 @@ class RequestStream:
     """One request's outputs, as an async iterator. Closing it before the end aborts the request and frees its
     KV blocks; use it as `async with` so that a cancelled handler closes it."""
 
-    def __init__(self, server: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 ttft_slo: float | None = None, after: str | None = None):
+    def __init__(
+        self,
+        server: AsyncEngine,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        ttft_slo: float | None = None,
+        after: str | None = None,
+    ):
         self.request_id = request_id
         self.after = after  # a sibling's request id, whose prefill this one waits for (Engine.enqueue)
         self.prompt_ids = prompt_ids
@@ -172,9 +183,17 @@ class AsyncEngine:
     """Runs a ServingEngine (one replica's or a cluster's) in its own thread for asyncio servers. Capacity: the
     engine's running batch (max_num_seqs) plus `max_queue` waiting requests; beyond that `submit` raises QueueFull."""
 
-    def __init__(self, engine: ServingEngine, *, max_queue: int, metrics: ServerMetrics | None = None,
-                 stall_timeout: float = 60.0, lost: Callable[[], str | None] = lambda: None,
-                 fallback: Callable[[], Engine] | None = None, loss_grace: float = 30.0):
+    def __init__(
+        self,
+        engine: ServingEngine,
+        *,
+        max_queue: int,
+        metrics: ServerMetrics | None = None,
+        stall_timeout: float = 60.0,
+        lost: Callable[[], str | None] = lambda: None,
+        fallback: Callable[[], Engine] | None = None,
+        loss_grace: float = 30.0,
+    ):
         """stall_timeout: seconds the engine thread may go without coming round its loop while requests are
         open before health says it is stalled (a watchdog: one step or one request's work stuck for everyone).
         lost: why a process the engine needs is gone, or None (LLM.lost; checked from the event loop, which a
@@ -220,8 +239,9 @@ class AsyncEngine:
         self._start_thread()
 
     def _start_thread(self) -> None:
-        self._threads.append(threading.Thread(target=self._run, args=(self._generation,), name="jaxserve-engine",
-                                              daemon=True))
+        self._threads.append(
+            threading.Thread(target=self._run, args=(self._generation,), name="jaxserve-engine", daemon=True)
+        )
         self._threads[-1].start()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -265,8 +285,7 @@ class AsyncEngine:
     def stalled(self) -> bool:
         """Requests are open and the engine thread has made no progress for stall_timeout seconds (not idle:
         a request submitted to an idle thread is picked up at once)."""
-        return (bool(self._open) and not self._waiting
-                and time.monotonic() - self._alive_at > self.stall_timeout)
+        return bool(self._open) and not self._waiting and time.monotonic() - self._alive_at > self.stall_timeout
 
     @property
     def healthy(self) -> bool:
@@ -303,8 +322,10 @@ class AsyncEngine:
             engine = self._fallback()
         except Exception as e:  # noqa: BLE001 - nothing left to serve with
             logging.exception("the fallback engine could not be built")
-            self._loop.call_soon_threadsafe(self._give_up, ProcessGone(f"the server lost a process of its "
-                                                                       f"cluster ({self.lost}) and cannot go on: {e}"))
+            self._loop.call_soon_threadsafe(
+                self._give_up,
+                ProcessGone(f"the server lost a process of its cluster ({self.lost}) and cannot go on: {e}"),
+            )
             return
         with self._lock:
             self.capacity += engine.max_num_seqs - self.engine.max_num_seqs  # the same queue beyond its batch
@@ -312,30 +333,44 @@ class AsyncEngine:
             self._events, self._prefix, self._preemptions = {}, (0, 0), 0  # its counts start from zero
             for rid, live in list(self._live.items()):  # the scheduler puts those with tokens first
                 stream = live.stream
-                engine.enqueue(stream.prompt_ids + live.tokens, stream.params, request_id=rid,
-                               ttft_slo=stream.ttft_slo, generated=len(live.tokens))
+                engine.enqueue(
+                    stream.prompt_ids + live.tokens,
+                    stream.params,
+                    request_id=rid,
+                    ttft_slo=stream.ttft_slo,
+                    generated=len(live.tokens),
+                )
             self.failed_over = True
             self._start_thread()
-        logging.warning("serving on the fallback engine after losing a process (%s); %d requests resumed",
-                        self.lost, len(self._live))
+        logging.warning(
+            "serving on the fallback engine after losing a process (%s); %d requests resumed",
+            self.lost,
+            len(self._live),
+        )
 
     # ---- requests (event-loop side) -------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, ttft_slo: float | None = None,
-               after: RequestStream | None = None) -> RequestStream:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        ttft_slo: float | None = None,
+        after: RequestStream | None = None,
+    ) -> RequestStream:
         """Queue a request; ValueError names what is wrong with it, QueueFull / ShuttingDown refuse it.
         ttft_slo: seconds to its first token (the deadline edf / lrs / lars rank by); None: the server's SLO.
         after: a sibling of the same prompt whose prefill it waits for (Engine.enqueue)."""
         if not self.accepting:
             raise ShuttingDown(NOT_ACCEPTING)
         ids = self.engine.check_request(prompt_ids, params)  # reads only the model's fixed config
-        if ttft_slo is not None and not (isinstance(ttft_slo, (int, float)) and not isinstance(ttft_slo, bool)
-                                         and 0 < ttft_slo < float("inf")):
+        if ttft_slo is not None and not (
+            isinstance(ttft_slo, (int, float)) and not isinstance(ttft_slo, bool) and 0 < ttft_slo < float("inf")
+        ):
             raise ValueError(f"ttft_slo must be a positive number of seconds, got {ttft_slo!r}")
         if len(self._open) >= self.capacity:
-            raise QueueFull(f"the server is at capacity ({len(self._open)} requests running or queued); "
-                            "retry later")
-        stream = RequestStream(self, f"req-{next(self._ids)}", ids, params, ttft_slo,
-                               None if after is None else after.request_id)
+            raise QueueFull(f"the server is at capacity ({len(self._open)} requests running or queued); retry later")
+        stream = RequestStream(
+            self, f"req-{next(self._ids)}", ids, params, ttft_slo, None if after is None else after.request_id
+        )
         self._open[stream.request_id] = stream
         self._command("add", stream)
         return stream
@@ -435,8 +470,9 @@ class AsyncEngine:
             if kind == "stop":
                 return False
             if kind == "add":  # submit checked the request
-                self.engine.enqueue(arg.prompt_ids, arg.params, request_id=arg.request_id, ttft_slo=arg.ttft_slo,
-                                    after=arg.after)
+                self.engine.enqueue(
+                    arg.prompt_ids, arg.params, request_id=arg.request_id, ttft_slo=arg.ttft_slo, after=arg.after
+                )
                 self._live[arg.request_id] = _Live(arg)
                 self.metrics.prompt_tokens.inc(len(arg.prompt_ids))
             elif kind == "abort" and self._live.pop(arg, None) is not None:

@@ -10,9 +10,15 @@ import hmac
 from typing import Any, Sequence
 
 from jaxserve.sampling_params import SamplingParams, excerpt
-from jaxserve.server.async_engine import AsyncEngine, EngineFailed, ProcessGone, QueueFull, RequestStream, \
-    ShuttingDown, \
-    fit_max_tokens
+from jaxserve.server.async_engine import (
+    AsyncEngine,
+    EngineFailed,
+    ProcessGone,
+    QueueFull,
+    RequestStream,
+    ShuttingDown,
+    fit_max_tokens,
+)
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -70,11 +76,14 @@ class Frontend:
         self.llm = llm
         self.engine = engine
         self.model_name = model_name
-        if api_key is not None and not (api_key and api_key.isascii() and api_key.isprintable()
-                                        and api_key == api_key.strip()):
+        if api_key is not None and not (
+            api_key and api_key.isascii() and api_key.isprintable() and api_key == api_key.strip()
+        ):
             # HTTP headers carry bytes a server may read as latin-1, gRPC metadata only printable ASCII
-            raise ValueError("the API key must be printable ASCII, without spaces at its ends: no client could "
-                             "send another the same way over HTTP and gRPC")
+            raise ValueError(
+                "the API key must be printable ASCII, without spaces at its ends: no client could "
+                "send another the same way over HTTP and gRPC"
+            )
         self._api_key = api_key
 
     def release(self) -> None:
@@ -115,8 +124,10 @@ class Frontend:
         if not isinstance(text, str):
             raise ValueError(f"{what} must be a string")
         if len(text) > self.max_text_chars:
-            raise ValueError(f"{what} has {len(text)} characters; no text over {self.max_text_chars} fits the "
-                             f"context of {self.max_model_len} tokens")
+            raise ValueError(
+                f"{what} has {len(text)} characters; no text over {self.max_text_chars} fits the "
+                f"context of {self.max_model_len} tokens"
+            )
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -140,8 +151,9 @@ class Frontend:
                 raise ValueError(f"tokens[{i}] = {excerpt(t)} is not a token id (0 to {vocab - 1})")
         return await asyncio.to_thread(self.llm.tokenizer.decode, ids, skip_special_tokens)
 
-    async def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                          **rendering: bool) -> list[int]:
+    async def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None, **rendering: bool
+    ) -> list[int]:
         """Token ids of a conversation, with the tools the template offers (tool_calls.plan); only the chat
         template adds control tokens. Roles are OpenAI's ("developer" is the newer name of "system").
         rendering: LLM.chat_prompt's add_generation_prompt and continue_final_message."""
@@ -156,8 +168,10 @@ class Frontend:
             chars += len(content)
             checked.append({**m, "role": ROLES[role], "content": content})
         if chars > self.max_text_chars:
-            raise ValueError(f"messages have {chars} characters; no text over {self.max_text_chars} fits the "
-                             f"context of {self.max_model_len} tokens")
+            raise ValueError(
+                f"messages have {chars} characters; no text over {self.max_text_chars} fits the "
+                f"context of {self.max_model_len} tokens"
+            )
         return await asyncio.to_thread(functools.partial(self.llm.chat_prompt, checked, tools, **rendering))
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[Any]:
@@ -174,26 +188,33 @@ class Frontend:
     def check_batch(self, n: int) -> None:
         """A batch of n prompts is queued whole or not at all: one larger than the server's capacity never is."""
         if n > self.engine.capacity:
-            raise ValueError(f"a batch of {n} prompts can never be admitted: this server holds at most "
-                             f"{self.engine.capacity} requests at once")
+            raise ValueError(
+                f"a batch of {n} prompts can never be admitted: this server holds at most "
+                f"{self.engine.capacity} requests at once"
+            )
 
-    def params(self, prompt_ids: list[int], *, max_tokens: int | None, default_max_tokens: int | None,
-               **sampling: Any) -> SamplingParams:
+    def params(
+        self, prompt_ids: list[int], *, max_tokens: int | None, default_max_tokens: int | None, **sampling: Any
+    ) -> SamplingParams:
         """A request's sampling params. default_max_tokens applies when max_tokens is unset (None: the rest of the
         context). ValueError names a bad one."""
         return SamplingParams(
             max_tokens=fit_max_tokens(max_tokens, len(prompt_ids), self.max_model_len, default_max_tokens),
-            **{k: v for k, v in sampling.items() if v is not None})
+            **{k: v for k, v in sampling.items() if v is not None},
+        )
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams,
-               ttft_slo: float | None = None) -> list[RequestStream]:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, ttft_slo: float | None = None
+    ) -> list[RequestStream]:
         """Queue a request: a stream per sample (SamplingParams.siblings; the later ones wait for the first's
         prefill, to share it), all or none. ttft_slo: seconds to the first token (None: the server's SLO).
         Raises one of REFUSED."""
         first, *rest = params.siblings()
         if len(rest) + 1 > self.engine.capacity:
-            raise ValueError(f"{len(rest) + 1} samples of one prompt can never be admitted: this server holds at "
-                             f"most {self.engine.capacity} requests at once")
+            raise ValueError(
+                f"{len(rest) + 1} samples of one prompt can never be admitted: this server holds at "
+                f"most {self.engine.capacity} requests at once"
+            )
         streams = [self.engine.submit(prompt_ids, first, ttft_slo)]
         try:
             for p in rest:

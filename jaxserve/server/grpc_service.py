@@ -52,8 +52,9 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             return list(request.token_ids.ids)
         raise ValueError("the request has no prompt: set text, token_ids or chat")
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             self._authorize(context)
             _check_parsed(request)
@@ -61,18 +62,29 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             f.check_model(request.model)
             ids = await self._prompt_ids(request.WhichOneof("prompt"), request)
             params = f.params(
-                ids, max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
-                default_max_tokens=_DEFAULT_MAX_TOKENS, temperature=p.temperature, top_k=p.top_k,
-                top_p=p.top_p if p.HasField("top_p") else None, seed=p.seed if p.HasField("seed") else None,
-                stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                ids,
+                max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+                default_max_tokens=_DEFAULT_MAX_TOKENS,
+                temperature=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p if p.HasField("top_p") else None,
+                seed=p.seed if p.HasField("seed") else None,
+                stop=tuple(p.stop),
+                stop_token_ids=tuple(p.stop_token_ids),
+                ignore_eos=p.ignore_eos,
                 presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty,
                 repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
-                min_p=p.min_p, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
-                logprobs=p.logprobs if p.HasField("logprobs") else None, n=p.n or 1,
+                min_p=p.min_p,
+                logit_bias=dict(p.logit_bias),
+                min_tokens=p.min_tokens,
+                logprobs=p.logprobs if p.HasField("logprobs") else None,
+                n=p.n or 1,
                 structured_output=_structured_output(p.structured_output) if p.HasField("structured_output") else None,
-                allowed_token_ids=tuple(p.allowed_token_ids) or None, bad_words=tuple(p.bad_words),
-                skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else None)
+                allowed_token_ids=tuple(p.allowed_token_ids) or None,
+                bad_words=tuple(p.bad_words),
+                skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else None,
+            )
             scored = await f.prompt_logprobs(ids, p.prompt_logprobs) if p.HasField("prompt_logprobs") else None
             streams = f.submit(ids, params, p.ttft_slo if p.HasField("ttft_slo") else None)
         except REFUSED as e:
@@ -82,9 +94,13 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             try:
                 async for i, out in outputs:
                     stream = streams[i]
-                    reply = pb.GenerateResponse(request_id=stream.request_id, token_ids=out.new_token_ids,
-                                                text=out.new_text, index=i,
-                                                logprobs=[_token_logprob(x) for x in out.logprobs or ()])
+                    reply = pb.GenerateResponse(
+                        request_id=stream.request_id,
+                        token_ids=out.new_token_ids,
+                        text=out.new_text,
+                        index=i,
+                        logprobs=[_token_logprob(x) for x in out.logprobs or ()],
+                    )
                     if scored is not None:  # the prompt's, once
                         reply.prompt_logprobs.extend(_token_logprob(x) for x in scored[1:])
                         scored = None
@@ -109,16 +125,18 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             await self._refuse(context, e)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.frontend.max_model_len)
 
-    async def ListModels(self, request: pb.ListModelsRequest,
-                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
         try:
             self._authorize(context)
             _check_parsed(request)
         except REFUSED as e:
             await self._refuse(context, e)
         f = self.frontend
-        return pb.ListModelsResponse(models=[pb.ModelInfo(id=f.model_name, max_model_len=f.max_model_len,
-                                                          vocab_size=f.vocab_size)])
+        return pb.ListModelsResponse(
+            models=[pb.ModelInfo(id=f.model_name, max_model_len=f.max_model_len, vocab_size=f.vocab_size)]
+        )
 
 
 class _Malformed:
@@ -160,9 +178,12 @@ def _lenient(message: type) -> Callable[[bytes], object]:
             return _Malformed(f"the request is not a valid protobuf message of its type ({excerpt(str(e))})")
         unknown = unknown_fields(parsed)
         if unknown:
-            return _Malformed(f"{', '.join(unknown[:4])}: not part of this server's API (protos/jaxserve.proto); "
-                              "refused rather than ignored")
+            return _Malformed(
+                f"{', '.join(unknown[:4])}: not part of this server's API (protos/jaxserve.proto); "
+                "refused rather than ignored"
+            )
         return parsed
+
     return parse
 
 
@@ -171,9 +192,11 @@ def _add_servicer(servicer: JaxServeServicer, server: grpc.aio.Server) -> None:
     handlers = {}
     for m in pb.DESCRIPTOR.services_by_name["JaxServe"].methods:
         make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[m.name] = make(getattr(servicer, m.name),
-                                request_deserializer=_lenient(getattr(pb, m.input_type.name)),
-                                response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+        handlers[m.name] = make(
+            getattr(servicer, m.name),
+            request_deserializer=_lenient(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
@@ -202,12 +225,17 @@ def _structured_output(s: pb.StructuredOutput) -> dict[str, Any]:
     kind = s.WhichOneof("kind")
     if kind is None:
         raise ValueError("structured_output needs one of json_schema, json_object, regex, choice and grammar")
-    value = {"json_schema": lambda: {"json": s.json_schema}, "json_object": lambda: {"json_object": s.json_object},
-             "regex": lambda: {"regex": s.regex}, "choice": lambda: {"choice": list(s.choice.options)},
-             "grammar": lambda: {"grammar": s.grammar}}[kind]()
+    value = {
+        "json_schema": lambda: {"json": s.json_schema},
+        "json_object": lambda: {"json_object": s.json_object},
+        "regex": lambda: {"regex": s.regex},
+        "choice": lambda: {"choice": list(s.choice.options)},
+        "grammar": lambda: {"grammar": s.grammar},
+    }[kind]()
     return value | {"disable_any_whitespace": s.disable_any_whitespace}
 
 
 def _token_logprob(x: TokenLogprob) -> pb.TokenLogprob:
-    return pb.TokenLogprob(token_id=x.token, logprob=x.logprob,
-                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in x.top])
+    return pb.TokenLogprob(
+        token_id=x.token, logprob=x.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in x.top]
+    )

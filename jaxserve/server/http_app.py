@@ -34,8 +34,14 @@ from jaxserve.engine.engine import TokenLogprob
 from jaxserve.server.async_engine import NOT_ACCEPTING, RequestStream, ShuttingDown, merged
 from jaxserve.server.frontend import REFUSED, Frontend, ReadTimeout, TooLarge, Unauthenticated, excerpt, refusal
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ReplyOptions, \
-    TokenizeRequest, rendering
+from jaxserve.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ReplyOptions,
+    TokenizeRequest,
+    rendering,
+)
 
 OPEN_PATHS = ("/health", "/metrics")  # served without the API key
 
@@ -75,8 +81,11 @@ class _RequestId:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"x-request-id", b"")
-        rid = given if 0 < len(given) <= 128 and given.isascii() and given.decode().isprintable() \
+        rid = (
+            given
+            if 0 < len(given) <= 128 and given.isascii() and given.decode().isprintable()
             else uuid.uuid4().hex.encode()
+        )
 
         async def with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -110,8 +119,11 @@ class _ReadBody:
                 await asyncio.wait((receiving, closing), timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
                 if not receiving.done():
                     receiving.cancel()
-                    error = ShuttingDown(NOT_ACCEPTING) if closing.done() \
+                    error = (
+                        ShuttingDown(NOT_ACCEPTING)
+                        if closing.done()
                         else ReadTimeout(f"the request body did not arrive within {self.timeout:g} s")
+                    )
                     await self._answer(error, scope, receive, send)
                     return
                 message = receiving.result()
@@ -147,8 +159,9 @@ class _ReadBody:
 def _refuse(frontend: Frontend, error: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
     r = refusal(error)
     frontend.engine.metrics.errors.labels(r.reason).inc()
-    return JSONResponse(_error_body(str(error), r.error_type, r.http_status), status_code=r.http_status,
-                        headers=headers)
+    return JSONResponse(
+        _error_body(str(error), r.error_type, r.http_status), status_code=r.http_status, headers=headers
+    )
 
 
 def _validation_message(error: RequestValidationError, most: int = 5) -> str:
@@ -179,9 +192,16 @@ class _Reply:
     """Builds one request's reply: the JSON object or the SSE chunks, in completion or chat form, with logprobs
     when asked (OpenAI's legacy shape for completions, its `content` list for chat)."""
 
-    def __init__(self, frontend: Frontend, submitted: tuple[list[RequestStream], list], chat: bool,
-                 options: ReplyOptions, echo: list[_Echo] | None = None, tools: tool_calls.ToolPlan | None = None,
-                 prompt_logprobs: list[list[dict | None]] | None = None):
+    def __init__(
+        self,
+        frontend: Frontend,
+        submitted: tuple[list[RequestStream], list],
+        chat: bool,
+        options: ReplyOptions,
+        echo: list[_Echo] | None = None,
+        tools: tool_calls.ToolPlan | None = None,
+        prompt_logprobs: list[list[dict | None]] | None = None,
+    ):
         """submitted: _submit_all's streams and groups; options: what the reply shows beside the text; echo: each
         prompt's; tools: how the model writes tool calls and whether it must (None where no calls are read);
         prompt_logprobs: each prompt's in vLLM's shape (_vllm_prompt_logprobs), where asked."""
@@ -192,11 +212,15 @@ class _Reply:
         self.logprobs = options.logprobs
         # each stream's prompt echo
         self.echo = None if echo is None else [e for e, (group, _) in zip(echo, self.groups) for _ in group]
-        self.prompt_logprobs = None if prompt_logprobs is None else [
-            lps for lps, (group, _) in zip(prompt_logprobs, self.groups) for _ in group]
+        self.prompt_logprobs = (
+            None
+            if prompt_logprobs is None
+            else [lps for lps, (group, _) in zip(prompt_logprobs, self.groups) for _ in group]
+        )
         # each choice's text and calls
-        self.readers = [tool_calls.Reader(tools.format, tools.forced) if tools else tool_calls.Reader(None)
-                        for _ in self.streams]
+        self.readers = [
+            tool_calls.Reader(tools.format, tools.forced) if tools else tool_calls.Reader(None) for _ in self.streams
+        ]
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -209,12 +233,17 @@ class _Reply:
         # how a token is named: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids)
         name = (lambda t: f"token_id:{t}") if self.options.tokens_as_ids else text  # noqa: E731
         if self.chat:
+
             def entry(token: int, logprob: float) -> dict[str, Any]:
                 return {"token": name(token), "logprob": logprob, "bytes": list(text(token).encode())}
-            return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
-                                for x in lps], "refusal": None}
-        pairs = [*zip(echo.ids, echo.logprobs), *((x.token, x) for x in lps)] if echo else [(x.token, x)
-                                                                                             for x in lps]
+
+            return {
+                "content": [
+                    {**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]} for x in lps
+                ],
+                "refusal": None,
+            }
+        pairs = [*zip(echo.ids, echo.logprobs), *((x.token, x) for x in lps)] if echo else [(x.token, x) for x in lps]
         tokens = [text(t) for t, _ in pairs]
         starts = np.cumsum([0, *map(len, tokens)])[:-1]
         if echo:  # the completion's tokens start where the prompt's text ends; a prompt's token texts can be
@@ -222,11 +251,14 @@ class _Reply:
             n = len(echo.ids)
             starts[:n] = np.minimum(starts[:n], len(echo.text))
             starts[n:] += len(echo.text) - sum(map(len, tokens[:n]))
-        return {"tokens": [name(t) for t, _ in pairs],
-                "token_logprobs": [None if x is None else x.logprob for _, x in pairs],
-                "top_logprobs": [None if x is None else {name(t): v for t, v in (*x.top, (x.token, x.logprob))}
-                                 for _, x in pairs],
-                "text_offset": (starts + offset).tolist()}
+        return {
+            "tokens": [name(t) for t, _ in pairs],
+            "token_logprobs": [None if x is None else x.logprob for _, x in pairs],
+            "top_logprobs": [
+                None if x is None else {name(t): v for t, v in (*x.top, (x.token, x.logprob))} for _, x in pairs
+            ],
+            "text_offset": (starts + offset).tolist(),
+        }
 
     def _envelope(self, obj: str, **fields: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.frontend.model_name, **fields}
@@ -235,8 +267,12 @@ class _Reply:
         prompt = sum(len(self.streams[group[0]].prompt_ids) for group, _ in self.groups)  # once per prompt
         completion = sum(s.num_generated for s in self.streams)
         cached = sum(s.cached_tokens for s in self.streams)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     async def whole(self, request: Request) -> JSONResponse:
         """Wait for every request to finish; a client that leaves first has its requests aborted."""
@@ -288,10 +324,17 @@ class _Reply:
                     body = {"message": message}
                 else:
                     body = {"text": echo.text + text if echo else text}
-                choices.append({"index": len(choices), **body, "logprobs": self._logprobs(logprobs[i], echo=echo),
-                                "finish_reason": reason, "matched_stop": stops[i],
-                                **self._token_ids(i, ids[i], prompt=True),
-                                **self._choice_prompt_logprobs(i)})
+                choices.append(
+                    {
+                        "index": len(choices),
+                        **body,
+                        "logprobs": self._logprobs(logprobs[i], echo=echo),
+                        "finish_reason": reason,
+                        "matched_stop": stops[i],
+                        **self._token_ids(i, ids[i], prompt=True),
+                        **self._choice_prompt_logprobs(i),
+                    }
+                )
         obj = "chat.completion" if self.chat else "text_completion"
         return JSONResponse(self._envelope(obj, choices=choices, usage=self._usage(), **self._chat_prompt_ids()))
 
@@ -307,20 +350,29 @@ class _Reply:
         choices)."""
         if not self.chat:
             return {}
-        return (({"prompt_token_ids": self.streams[0].prompt_ids} if self.options.token_ids else {})
-                | ({"prompt_logprobs": self.prompt_logprobs[0]} if self.prompt_logprobs else {}))
+        return ({"prompt_token_ids": self.streams[0].prompt_ids} if self.options.token_ids else {}) | (
+            {"prompt_logprobs": self.prompt_logprobs[0]} if self.prompt_logprobs else {}
+        )
 
     def _choice_prompt_logprobs(self, i: int) -> dict[str, Any]:
         """A completion choice's prompt logprobs (vLLM's prompt_logprobs), where asked."""
         return {"prompt_logprobs": self.prompt_logprobs[i]} if self.prompt_logprobs and not self.chat else {}
 
     def streaming(self) -> StreamingResponse:
-        return StreamingResponse(self._events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(self._events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    def _chunk(self, i: int, text: str | None, reason: str | None, role: bool = False,
-               logprobs: dict | None = None, calls: list[dict[str, Any]] | None = None,
-               ids: list[int] = (), first: bool = False, stop: str | int | None = None) -> str:
+    def _chunk(
+        self,
+        i: int,
+        text: str | None,
+        reason: str | None,
+        role: bool = False,
+        logprobs: dict | None = None,
+        calls: list[dict[str, Any]] | None = None,
+        ids: list[int] = (),
+        first: bool = False,
+        stop: str | int | None = None,
+    ) -> str:
         """One choice's chunk; ids: its new token ids, first: its first chunk (where prompt ids go); stop: with
         the reason, what stopped it (SGLang's matched_stop)."""
         usage = {"usage": self._usage()} if self.options.continuous_usage else {}
@@ -329,14 +381,30 @@ class _Reply:
             delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
             if calls:  # the tool calls' pieces (tool_calls.Reader.deltas)
                 delta["tool_calls"] = calls
-            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason, **ended,
-                      **self._token_ids(i, list(ids), prompt=False)}
-            body = self._envelope("chat.completion.chunk", choices=[choice], **usage,
-                                  **(self._chat_prompt_ids() if role and i == 0 else {}))
+            choice = {
+                "index": i,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": reason,
+                **ended,
+                **self._token_ids(i, list(ids), prompt=False),
+            }
+            body = self._envelope(
+                "chat.completion.chunk",
+                choices=[choice],
+                **usage,
+                **(self._chat_prompt_ids() if role and i == 0 else {}),
+            )
         else:
-            choice = {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason, **ended,
-                      **self._token_ids(i, list(ids), prompt=first), **(self._choice_prompt_logprobs(i) if first
-                                                                         else {})}
+            choice = {
+                "index": i,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": reason,
+                **ended,
+                **self._token_ids(i, list(ids), prompt=first),
+                **(self._choice_prompt_logprobs(i) if first else {}),
+            }
             body = self._envelope("text_completion", choices=[choice], **usage)
         return _sse(body)
 
@@ -362,8 +430,16 @@ class _Reply:
                             reason = "tool_calls" if is_calls else reason
                     if text or calls or out.logprobs or reason or (self.options.token_ids and out.new_token_ids):
                         logprobs = self._logprobs(out.logprobs or [], offsets[i])
-                        yield self._chunk(i, text or None, reason, logprobs=logprobs, calls=calls,
-                                          ids=out.new_token_ids, first=not started[i], stop=out.stop)
+                        yield self._chunk(
+                            i,
+                            text or None,
+                            reason,
+                            logprobs=logprobs,
+                            calls=calls,
+                            ids=out.new_token_ids,
+                            first=not started[i],
+                            stop=out.stop,
+                        )
                         offsets[i], started[i] = offsets[i] + len(text), True
         except REFUSED as e:  # e.g. the server shut down mid-stream: say so in the stream, then end it
             r = refusal(e)
@@ -380,24 +456,45 @@ def _scores(frontend: Frontend, echo: list[_Echo], options: ReplyOptions) -> JSO
     """A completion of max_tokens 0 with echo: each prompt and its logprobs, nothing generated (nothing queued)."""
     reply = _Reply(frontend, ([], []), chat=False, options=options)
     prompt = sum(len(e.ids) for e in echo)
-    choices = [{"index": i, "text": e.text, "logprobs": reply._logprobs([], echo=e), "finish_reason": "length",
-                "matched_stop": None,
-                **({"prompt_token_ids": e.ids, "token_ids": []} if options.token_ids else {})}
-               for i, e in enumerate(echo)]
-    return JSONResponse(reply._envelope("text_completion", choices=choices, usage={
-        "prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt,
-        "prompt_tokens_details": {"cached_tokens": 0}}))
+    choices = [
+        {
+            "index": i,
+            "text": e.text,
+            "logprobs": reply._logprobs([], echo=e),
+            "finish_reason": "length",
+            "matched_stop": None,
+            **({"prompt_token_ids": e.ids, "token_ids": []} if options.token_ids else {}),
+        }
+        for i, e in enumerate(echo)
+    ]
+    return JSONResponse(
+        reply._envelope(
+            "text_completion",
+            choices=choices,
+            usage={
+                "prompt_tokens": prompt,
+                "completion_tokens": 0,
+                "total_tokens": prompt,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+        )
+    )
 
 
 def _vllm_prompt_logprobs(frontend: Frontend, scored: list[TokenLogprob | None], k: int) -> list[dict | None]:
     """A prompt's logprobs in vLLM's shape: per token None (the first) or {token id: {logprob, rank,
     decoded_token}}, the prompt's token first, then the k most likely."""
+
     def entry(logprob: float, rank: int, token: int) -> dict[str, Any]:
         return {"logprob": logprob, "rank": rank, "decoded_token": frontend.token_text(token)}
 
-    return [None if x is None else {str(x.token): entry(x.logprob, x.rank, x.token)}
-            | {str(t): entry(v, r, t) for r, (t, v) in enumerate(x.top[:k], start=1) if t != x.token}
-            for x in scored]
+    return [
+        None
+        if x is None
+        else {str(x.token): entry(x.logprob, x.rank, x.token)}
+        | {str(t): entry(v, r, t) for r, (t, v) in enumerate(x.top[:k], start=1) if t != x.token}
+        for x in scored
+    ]
 
 
 async def _scored(frontend: Frontend, prompts: list[list[int]], k: int | None) -> list[list[dict | None]] | None:
@@ -411,8 +508,9 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def _submit_all(frontend: Frontend, prompts: list[list[int]], default_max_tokens: int | None,
-                sampling: dict[str, Any]) -> tuple[list[RequestStream], list[tuple[list[int], SamplingParams]]]:
+def _submit_all(
+    frontend: Frontend, prompts: list[list[int]], default_max_tokens: int | None, sampling: dict[str, Any]
+) -> tuple[list[RequestStream], list[tuple[list[int], SamplingParams]]]:
     """Queue every prompt's samples, or none: if one is refused, the ones already queued are withdrawn. The
     streams (each prompt's samples together), and each prompt's streams (indices) and params."""
     ttft_slo = sampling.pop("ttft_slo", None)
@@ -431,8 +529,9 @@ def _submit_all(frontend: Frontend, prompts: list[list[int]], default_max_tokens
     return streams, groups
 
 
-def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_timeout: float = 30.0,
-                   allowed_origins: Sequence[str] = ()) -> FastAPI:
+def build_http_app(
+    frontend: Frontend, max_body_bytes: int = 32 << 20, read_timeout: float = 30.0, allowed_origins: Sequence[str] = ()
+) -> FastAPI:
     """max_body_bytes: the largest request body read (413 past it); read_timeout: seconds a client may take
     between two pieces of its body (408 past it); allowed_origins: the origins whose browser pages may call the
     API (CORS; "*": any)."""
@@ -442,8 +541,9 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
     app.add_middleware(_RequireApiKey, frontend=frontend)
     app.add_middleware(_RequestId)  # outside the key check and the body limit: their refusals carry it too
     if allowed_origins:  # outermost: a preflight (which carries no key) is answered, and refusals carry CORS headers
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
     started = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -455,8 +555,11 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
         # e.g. a body FastAPI cannot parse, an unknown path or method: OpenAI's error shape all the same
         frontend.engine.metrics.errors.labels("invalid" if error.status_code < 500 else "internal").inc()
         error_type = "invalid_request_error" if error.status_code < 500 else "server_error"
-        return JSONResponse(_error_body(str(error.detail), error_type, error.status_code),
-                            status_code=error.status_code, headers=getattr(error, "headers", None))
+        return JSONResponse(
+            _error_body(str(error.detail), error_type, error.status_code),
+            status_code=error.status_code,
+            headers=getattr(error, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, error: Exception) -> JSONResponse:
@@ -479,16 +582,28 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
         if body.echo:
             # a prompt of token ids (or a truncated one) echoes as their text, control tokens included (as logprobs
             # list them)
-            echo = [_Echo(p if isinstance(p, str) and len(ids) == len(whole) else
-                          await frontend.decode(ids, skip_special_tokens=False), ids,
-                          None if body.logprobs is None else await frontend.prompt_logprobs(ids, body.logprobs))
-                    for p, whole, ids in zip(body.prompts(), given, prompts)]
+            echo = [
+                _Echo(
+                    p
+                    if isinstance(p, str) and len(ids) == len(whole)
+                    else await frontend.decode(ids, skip_special_tokens=False),
+                    ids,
+                    None if body.logprobs is None else await frontend.prompt_logprobs(ids, body.logprobs),
+                )
+                for p, whole, ids in zip(body.prompts(), given, prompts)
+            ]
         if scores_only:
             return _scores(frontend, echo, body.reply_options())
         scored = await _scored(frontend, prompts, body.prompt_logprobs_k())  # before anything is queued
         # 16: OpenAI's default max_tokens for completions
-        reply = _Reply(frontend, _submit_all(frontend, prompts, 16, sampling), chat=False,
-                       options=body.reply_options(), echo=echo, prompt_logprobs=scored)
+        reply = _Reply(
+            frontend,
+            _submit_all(frontend, prompts, 16, sampling),
+            chat=False,
+            options=body.reply_options(),
+            echo=echo,
+            prompt_logprobs=scored,
+        )
         return reply.streaming() if body.stream else await reply.whole(request)
 
     @app.post("/v1/chat/completions")
@@ -506,9 +621,15 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
         prompt = body.truncated(prompt, frontend.max_model_len)
         scored = await _scored(frontend, [prompt], body.prompt_logprobs_k())  # before anything is queued
         echoed = body.echoed()
-        reply = _Reply(frontend, _submit_all(frontend, [prompt], None, sampling), chat=True,
-                       options=body.reply_options(), tools=tools, prompt_logprobs=scored,
-                       echo=None if echoed is None else [_Echo(echoed, [], None)])
+        reply = _Reply(
+            frontend,
+            _submit_all(frontend, [prompt], None, sampling),
+            chat=True,
+            options=body.reply_options(),
+            tools=tools,
+            prompt_logprobs=scored,
+            echo=None if echoed is None else [_Echo(echoed, [], None)],
+        )
         return reply.streaming() if body.stream else await reply.whole(request)
 
     @app.post("/tokenize")
@@ -533,8 +654,13 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
         return {"prompt": await frontend.decode(body.tokens)}
 
     def card() -> dict[str, Any]:
-        return {"id": frontend.model_name, "object": "model", "created": started, "owned_by": "jaxserve",
-                "max_model_len": frontend.max_model_len}
+        return {
+            "id": frontend.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "jaxserve",
+            "max_model_len": frontend.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -555,8 +681,9 @@ def build_http_app(frontend: Frontend, max_body_bytes: int = 32 << 20, read_time
         ok = engine.accepting and engine.healthy
         # degraded: serving on what remained after a lost process
         status = ("degraded" if engine.failed_over else "ok") if ok else "unavailable"
-        return JSONResponse({"status": status} | ({"lost": engine.lost} if engine.lost else {}),
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": status} | ({"lost": engine.lost} if engine.lost else {}), status_code=200 if ok else 503
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:

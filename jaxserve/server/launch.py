@@ -43,8 +43,14 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 class Server:
-    def __init__(self, llm: Any, server: ServerConfig | None = None, *,
-                 heartbeat_timeout: float = DistributedConfig.heartbeat_timeout, **settings: Any):
+    def __init__(
+        self,
+        llm: Any,
+        server: ServerConfig | None = None,
+        *,
+        heartbeat_timeout: float = DistributedConfig.heartbeat_timeout,
+        **settings: Any,
+    ):
         """llm: a jaxserve.LLM, from then on driven by this server only. server: its ServerConfig; settings: any
         of its fields by name, over it (e.g. grpc_port=0: a free port). heartbeat_timeout: across processes,
         seconds without a follower's heartbeat before it counts as gone: the server fails over to an engine on
@@ -57,14 +63,22 @@ class Server:
             except Exception:  # noqa: BLE001 - a fail-over then compiles its programs itself
                 logging.exception("the fail-over engine's programs cannot be prepared")
         self.host, self.drain_timeout = cfg.host, cfg.drain_timeout
-        self._http_limits = {"max_body_bytes": cfg.max_request_bytes, "read_timeout": cfg.request_read_timeout,
-                             "allowed_origins": cfg.allowed_origins}
-        self.engine = AsyncEngine(llm.engine, max_queue=cfg.max_queue, stall_timeout=cfg.stall_timeout,
-                                  lost=lambda: llm.lost(heartbeat_timeout),
-                                  fallback=llm.fail_over if llm.lockstep is not None else None,
-                                  loss_grace=heartbeat_timeout + 5.0)
-        self.frontend = Frontend(llm, self.engine, model_name=cfg.served_model_name or llm.model_name,
-                                 api_key=cfg.api_key)
+        self._http_limits = {
+            "max_body_bytes": cfg.max_request_bytes,
+            "read_timeout": cfg.request_read_timeout,
+            "allowed_origins": cfg.allowed_origins,
+        }
+        self.engine = AsyncEngine(
+            llm.engine,
+            max_queue=cfg.max_queue,
+            stall_timeout=cfg.stall_timeout,
+            lost=lambda: llm.lost(heartbeat_timeout),
+            fallback=llm.fail_over if llm.lockstep is not None else None,
+            loss_grace=heartbeat_timeout + 5.0,
+        )
+        self.frontend = Frontend(
+            llm, self.engine, model_name=cfg.served_model_name or llm.model_name, api_key=cfg.api_key
+        )
         self.engine.metrics.name_model(self.frontend.model_name)
         self._grpc_port, self._http_port = cfg.grpc_port, cfg.http_port
         self.grpc_port = self.http_port = None  # the bound ports, once started
@@ -78,8 +92,12 @@ class Server:
         sock = _listening_socket(self.host, self._http_port)
         self.http_port = sock.getsockname()[1]
         slow_headers = self.engine.metrics.errors.labels("read_timeout").inc
-        config = uvicorn.Config(build_http_app(self.frontend, **self._http_limits), log_level="warning", lifespan="off",
-                                http=header_deadline_protocol(self._http_limits["read_timeout"], slow_headers))
+        config = uvicorn.Config(
+            build_http_app(self.frontend, **self._http_limits),
+            log_level="warning",
+            lifespan="off",
+            http=header_deadline_protocol(self._http_limits["read_timeout"], slow_headers),
+        )
         self._http = _Uvicorn(config)
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
         while not self._http.started:
@@ -151,8 +169,11 @@ class Server:
         try:
             await set_serving(self._health, False)
             if not await self.engine.wait_idle(left() - end):
-                self.engine.abort_all(ShuttingDown(
-                    f"the server shut down before this request finished (drain timeout {self.drain_timeout:g} s)"))
+                self.engine.abort_all(
+                    ShuttingDown(
+                        f"the server shut down before this request finished (drain timeout {self.drain_timeout:g} s)"
+                    )
+                )
                 await self.engine.wait_idle(left() - end / 2)  # let the handlers send that status
             # uvicorn notices should_exit within 0.1 s and waits 0.1 s more before its graceful wait
             self._http.config.timeout_graceful_shutdown = max(left() - end / 8 - 0.25, 0.0)
@@ -169,8 +190,11 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         f = self.frontend
-        print(f"jaxserve: serving {f.model_name} (context {f.max_model_len}); gRPC on {self.host}:{self.grpc_port}, "
-              f"HTTP on http://{self.host}:{self.http_port}", flush=True)
+        print(
+            f"jaxserve: serving {f.model_name} (context {f.max_model_len}); gRPC on {self.host}:{self.grpc_port}, "
+            f"HTTP on http://{self.host}:{self.http_port}",
+            flush=True,
+        )
         await self.wait_stopped()
         print("jaxserve: stopped", file=sys.stderr, flush=True)
 
@@ -178,8 +202,8 @@ class Server:
 class BackgroundServer:
     """A Server on its own event loop in a background thread, for notebooks and tests:
 
-        with BackgroundServer(llm, grpc_port=0, http_port=0) as s:
-            openai.OpenAI(base_url=f"http://127.0.0.1:{s.server.http_port}/v1", api_key="-")
+    with BackgroundServer(llm, grpc_port=0, http_port=0) as s:
+        openai.OpenAI(base_url=f"http://127.0.0.1:{s.server.http_port}/v1", api_key="-")
     """
 
     def __init__(self, llm: Any, **server_args: Any):
@@ -201,8 +225,10 @@ class BackgroundServer:
 
     def call(self, fn: Any, *args: Any) -> Any:
         """Run fn(*args) on the server's loop and return its result (for a look at state from another thread)."""
+
         async def run() -> Any:
             return fn(*args)
+
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
 
     def __enter__(self) -> BackgroundServer:

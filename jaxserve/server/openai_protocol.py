@@ -49,18 +49,36 @@ class ReplyOptions(NamedTuple):
 # vLLM's and SGLang's request fields that jaxserve does not implement, with the values that mean "off": refused by
 # name when set otherwise, never ignored (the rest of their fields are honoured, see _SamplingRequest)
 PEER_FIELDS_OFF: dict[str, tuple] = {
-    "use_beam_search": (False,), "length_penalty": (1.0,), "include_stop_str_in_output": (False,),
-    "spaces_between_special_tokens": (True,), "logprob_token_ids": (), "truncation_side": ("left",),
-    "priority": (0,), "kv_transfer_params": (), "vllm_xargs": (), "structural_tag": (), "chat_template": (),
-    "chat_template_kwargs": (), "documents": (), "mm_processor_kwargs": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "return_hidden_states": (False,), "stop_regex": (), "ebnf": (),
-    "json_schema": (), "no_stop_trim": (False,), "lora_path": (), "session_params": (),
-    "custom_logit_processor": (), "custom_params": (), "return_text_in_logprobs": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "include_stop_str_in_output": (False,),
+    "spaces_between_special_tokens": (True,),
+    "logprob_token_ids": (),
+    "truncation_side": ("left",),
+    "priority": (0,),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "structural_tag": (),
+    "chat_template": (),
+    "chat_template_kwargs": (),
+    "documents": (),
+    "mm_processor_kwargs": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "return_hidden_states": (False,),
+    "stop_regex": (),
+    "ebnf": (),
+    "json_schema": (),
+    "no_stop_trim": (False,),
+    "lora_path": (),
+    "session_params": (),
+    "custom_logit_processor": (),
+    "custom_params": (),
+    "return_text_in_logprobs": (),
 }
 
 
 class _SamplingRequest(_Strict):
-
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0  # OpenAI's default
@@ -138,14 +156,30 @@ class _SamplingRequest(_Strict):
             value = getattr(self, name)
             if value not in (None, {}, []) and value not in off:
                 raise ValueError(f"{name}={excerpt(value)} is not supported by jaxserve")
-        return dict(max_tokens=self._max_tokens(), temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                    ignore_eos=self.ignore_eos, ttft_slo=self.ttft_slo, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                    min_p=self.min_p, min_tokens=self.min_tokens, logit_bias=self._logit_bias(),
-                    logprobs=self._logprobs(), n=self.n, best_of=self._best_of(),
-                    structured_output=self._structured_output(), allowed_token_ids=self.allowed_token_ids,
-                    bad_words=self.bad_words, skip_special_tokens=self.skip_special_tokens)
+        return dict(
+            max_tokens=self._max_tokens(),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            ttft_slo=self.ttft_slo,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            logit_bias=self._logit_bias(),
+            logprobs=self._logprobs(),
+            n=self.n,
+            best_of=self._best_of(),
+            structured_output=self._structured_output(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
     def _off_values(self) -> dict[str, Any]:
         """Options jaxserve does not implement, with the values that mean "off"."""
@@ -153,8 +187,13 @@ class _SamplingRequest(_Strict):
 
     def reply_options(self) -> ReplyOptions:
         usage = self.stream_options or StreamOptions()
-        return ReplyOptions(usage.include_usage, usage.continuous_usage_stats, self._logprobs(),
-                            self.return_token_ids, self.return_tokens_as_token_ids)
+        return ReplyOptions(
+            usage.include_usage,
+            usage.continuous_usage_stats,
+            self._logprobs(),
+            self.return_token_ids,
+            self.return_tokens_as_token_ids,
+        )
 
     def prompt_logprobs_k(self) -> int | None:
         """How many most likely tokens each prompt position lists (vLLM's prompt_logprobs), or None."""
@@ -176,14 +215,19 @@ class _SamplingRequest(_Strict):
 
     def _structured_output(self) -> dict[str, Any] | None:
         """The grammar asked for, as StructuredOutput's fields (None: free text)."""
-        given = {name: value for name, value in (
-            ("response_format", self._response_format()), ("structured_outputs", self.structured_outputs),
-            ("guided_json", None if self.guided_json is None else {"json": self.guided_json}),
-            ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
-            ("regex", None if self.regex is None else {"regex": self.regex}),
-            ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
-            ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}))
-            if value is not None}
+        given = {
+            name: value
+            for name, value in (
+                ("response_format", self._response_format()),
+                ("structured_outputs", self.structured_outputs),
+                ("guided_json", None if self.guided_json is None else {"json": self.guided_json}),
+                ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
+                ("regex", None if self.regex is None else {"regex": self.regex}),
+                ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
+                ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}),
+            )
+            if value is not None
+        }
         if len(given) > 1:
             raise ValueError(f"give at most one of {sorted(given)}: each sets the output's grammar")
         return next(iter(given.values()), None)
@@ -199,8 +243,9 @@ class _SamplingRequest(_Strict):
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
             return {"json": spec["schema"]}
-        raise ValueError(f"response_format type must be text, json_object or json_schema, got "
-                         f"{excerpt(rf.get('type'))}")
+        raise ValueError(
+            f"response_format type must be text, json_object or json_schema, got {excerpt(rf.get('type'))}"
+        )
 
     def _best_of(self) -> int | None:
         return None
@@ -337,11 +382,23 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool = False  # not implemented: the template writes the control tokens
 
     def _off_values(self) -> dict[str, Any]:
-        return {**super()._off_values(), "functions": (), "function_call": ("none",),
-                "audio": (), "modalities": (["text"],), "prediction": (),
-                "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
-                "store": (False,), "service_tier": ("auto", "default"), "prompt_cache_retention": ("in_memory",),
-                "prompt_cache_options": (), "add_special_tokens": (False,)}
+        return {
+            **super()._off_values(),
+            "functions": (),
+            "function_call": ("none",),
+            "audio": (),
+            "modalities": (["text"],),
+            "prediction": (),
+            "reasoning_effort": (),
+            "verbosity": (),
+            "web_search_options": (),
+            "moderation": (),
+            "store": (False,),
+            "service_tier": ("auto", "default"),
+            "prompt_cache_retention": ("in_memory",),
+            "prompt_cache_options": (),
+            "add_special_tokens": (False,),
+        }
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -360,11 +417,12 @@ class ChatCompletionRequest(_SamplingRequest):
             return None
         tools = tool_calls.parse_tools(self.tools or [])
         choice = tool_calls.parse_choice(self.tool_choice, tools)
-        plan = tool_calls.plan([m.as_dict() for m in self.messages], tools, choice, template,
-                               self.parallel_tool_calls)
+        plan = tool_calls.plan([m.as_dict() for m in self.messages], tools, choice, template, self.parallel_tool_calls)
         if plan.structured_output is not None and self._structured_output() is not None:
-            raise ValueError("tools hold the output to their calls: give no response_format or guided fields "
-                             "with them (or tool_choice none)")
+            raise ValueError(
+                "tools hold the output to their calls: give no response_format or guided fields "
+                "with them (or tool_choice none)"
+            )
         return plan
 
     def _logprobs(self) -> int | None:
@@ -395,12 +453,15 @@ class TokenizeRequest(_Exact):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.messages is not None and self.add_special_tokens:
-            raise ValueError("add_special_tokens=true is not supported with messages: the chat template writes "
-                             "the control tokens")
-        if self.prompt is not None and (self.tools is not None or not self.add_generation_prompt
-                                        or self.continue_final_message):
-            raise ValueError("tools, add_generation_prompt and continue_final_message apply to messages, not to a "
-                             "prompt")
+            raise ValueError(
+                "add_special_tokens=true is not supported with messages: the chat template writes the control tokens"
+            )
+        if self.prompt is not None and (
+            self.tools is not None or not self.add_generation_prompt or self.continue_final_message
+        ):
+            raise ValueError(
+                "tools, add_generation_prompt and continue_final_message apply to messages, not to a prompt"
+            )
 
     def tool_plan(self, template: str | None) -> tool_calls.ToolPlan | None:
         """The tools as a chat request with tool_choice auto renders them (None without tools)."""

@@ -23,9 +23,15 @@ def generate(repo_root: pathlib.Path, out_root: pathlib.Path) -> list[pathlib.Pa
     protos = sorted((repo_root / "protos").glob("*.proto"))
     well_known = importlib.resources.files("grpc_tools") / "_proto"
     # Mapping protos/ onto the package path makes the generated imports `from jaxserve.server.proto import ...`.
-    args = ["grpc_tools.protoc", f"--proto_path={PACKAGE_DIR}={repo_root / 'protos'}", f"--proto_path={well_known}",
-            f"--python_out={out_root}", f"--pyi_out={out_root}", f"--grpc_python_out={out_root}",
-            *map(str, protos)]
+    args = [
+        "grpc_tools.protoc",
+        f"--proto_path={PACKAGE_DIR}={repo_root / 'protos'}",
+        f"--proto_path={well_known}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        *map(str, protos),
+    ]
     (out_root / PACKAGE_DIR).mkdir(parents=True, exist_ok=True)
     if protoc.main(args) != 0:
         raise RuntimeError(f"grpc_tools.protoc failed on {[p.name for p in protos]}")
@@ -36,6 +42,9 @@ def stale(repo_root: pathlib.Path) -> list[str]:
     """Names of the stubs in the source tree that differ from freshly generated ones (or are missing)."""
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(repo_root, pathlib.Path(tmp))
-        return [f.name for f in fresh
-                if not (repo_root / PACKAGE_DIR / f.name).exists()
-                or (repo_root / PACKAGE_DIR / f.name).read_bytes() != f.read_bytes()]
+        return [
+            f.name
+            for f in fresh
+            if not (repo_root / PACKAGE_DIR / f.name).exists()
+            or (repo_root / PACKAGE_DIR / f.name).read_bytes() != f.read_bytes()
+        ]

@@ -30,8 +30,13 @@ class ServerProcess:
         env = dict(os.environ)
         if pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--grpc_port=0", "--http_port=0",
-                                      *flags], stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve", "serve", "--grpc_port=0", "--http_port=0", *flags],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
         line = self.proc.stdout.readline()
         match = _LISTENING.search(line)
         if not match:
@@ -43,8 +48,9 @@ class ServerProcess:
     def metrics(self) -> dict[str, float]:
         """The server's /metrics samples without labels (gauges, counters, histogram sums), by name."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=30).read().decode()
-        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-                if not s.labels}
+        return {
+            s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples if not s.labels
+        }
 
     def log(self) -> str:
         """What the server has written to stderr so far."""

@@ -34,11 +34,11 @@ def chunk_attention_sp(
     q: Float[Array, "n h d"],
     k: Float[Array, "n kvh d"],
     v: Float[Array, "n kvh d"],
-    q_pos: Int[Array, "n"],
-    k_pos: Int[Array, "n"],
+    q_pos: Int[Array, " n"],
+    k_pos: Int[Array, " n"],
     hist_k: Float[Array, "pc kvh d"],
     hist_v: Float[Array, "pc kvh d"],
-    hist_pos: Int[Array, "pc"],
+    hist_pos: Int[Array, " pc"],
     *,
     strategy: Strategy = "ring",
     layout: layouts.Layout = "zigzag",
@@ -47,8 +47,9 @@ def chunk_attention_sp(
     """implementation: the attention kernel's (pallas_kernels.dispatch); default the backend's choice."""
     p = sp_size(mesh)
     perm = layouts.permutation(q.shape[0], p, layout)
-    local = functools.partial(ring_attention if strategy == "ring" else ulysses_attention, axis_size=p,
-                              implementation=implementation)
+    local = functools.partial(
+        ring_attention if strategy == "ring" else ulysses_attention, axis_size=p, implementation=implementation
+    )
 
     def body(*args):
         out = local(*args)
@@ -57,6 +58,9 @@ def chunk_attention_sp(
     seq = P(SP)
     # check_vma=False: a Pallas kernel inside shard_map has no varying-axes rule (trace-time error otherwise)
     out = jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 8, out_specs=seq, check_vma=False)(
-        *(jax.lax.with_sharding_constraint(x, NamedSharding(mesh, seq))
-          for x in (q[perm], k[perm], v[perm], q_pos[perm], k_pos[perm], hist_k, hist_v, hist_pos)))
+        *(
+            jax.lax.with_sharding_constraint(x, NamedSharding(mesh, seq))
+            for x in (q[perm], k[perm], v[perm], q_pos[perm], k_pos[perm], hist_k, hist_v, hist_pos)
+        )
+    )
     return out[jnp.asarray(layouts.inverse(perm))]

@@ -129,8 +129,9 @@ def csa_reference(
 
 def _ring_perms(levels: Levels, v: int) -> list[list[tuple[int, int]]]:
     """One ppermute per offset o: partition j - o sends to j when j - o lies in j's level-v ring."""
-    perms = [[(j - o, j) for j in range(o, levels.sp) if levels.level(j - o, j) == v]
-             for o in range(1, levels.spans[v])]
+    perms = [
+        [(j - o, j) for j in range(o, levels.sp) if levels.level(j - o, j) == v] for o in range(1, levels.spans[v])
+    ]
     return [perm for perm in perms if perm]
 
 
@@ -138,8 +139,8 @@ def csa_partials(
     q: Float[Array, "t h d"],
     k: Float[Array, "t kvh d"],
     v: Float[Array, "t kvh d"],
-    q_pos: Int[Array, "t"],
-    k_pos: Int[Array, "t"],
+    q_pos: Int[Array, " t"],
+    k_pos: Int[Array, " t"],
     importance: Float[Array, "t kvh"],
     *,
     levels: Levels,
@@ -179,14 +180,16 @@ def csa_attention(
 ) -> Float[Array, "t h d"]:
     """Inside `shard_map` over `axis_name` (size levels.sp): this partition's queries, CSA output."""
     pos = jnp.arange(q.shape[0], dtype=jnp.int32)
-    partials = csa_partials(q, k, v, pos, pos, importance, levels=levels, axis_name=axis_name,
-                            implementation=implementation)
+    partials = csa_partials(
+        q, k, v, pos, pos, importance, levels=levels, axis_name=axis_name, implementation=implementation
+    )
     out, _ = merge_attention(jnp.stack([o for o, _ in partials]), jnp.stack([lse for _, lse in partials]))
     return out.astype(q.dtype)  # Eq. (5)
 
 
-def own_importance(q: Float[Array, "t h d"], k: Float[Array, "t kvh d"], q_pos: Int[Array, "t"],
-                   k_pos: Int[Array, "t"]) -> Float[Array, "t kvh"]:
+def own_importance(
+    q: Float[Array, "t h d"], k: Float[Array, "t kvh d"], q_pos: Int[Array, " t"], k_pos: Int[Array, " t"]
+) -> Float[Array, "t kvh"]:
     """Attention each key of this partition receives from the partition's own queries (`importance_from_probs`
     of this layer's level-0 scores). The paper ranks by the previous layer's scores; this layer's own are at
     hand without carrying anything between layers."""
@@ -224,13 +227,25 @@ class StoreCSABackend:
     def __call__(self, q, k, v, positions, caches, layer, metadata: StoreMetadata):
         k_store, v_store = caches
         kw = dict(axis_name=self.axis_name, implementation=self.implementation)
-        history = stored_history_attention(q[0], positions[0], k_store, v_store, metadata.hist_pos, layer,
-                                           metadata.blocks, key_block=self.key_block, **kw)
+        history = stored_history_attention(
+            q[0],
+            positions[0],
+            k_store,
+            v_store,
+            metadata.hist_pos,
+            layer,
+            metadata.blocks,
+            key_block=self.key_block,
+            **kw,
+        )
         importance = own_importance(q[0], k[0], positions[0], metadata.k_pos)
-        partials = [history, *csa_partials(q[0], k[0], v[0], positions[0], metadata.k_pos, importance,
-                                           levels=self.levels, **kw)]
-        out, _ = merge_attention(jnp.stack([o.astype(jnp.float32) for o, _ in partials]),
-                                 jnp.stack([lse for _, lse in partials]))
+        partials = [
+            history,
+            *csa_partials(q[0], k[0], v[0], positions[0], metadata.k_pos, importance, levels=self.levels, **kw),
+        ]
+        out, _ = merge_attention(
+            jnp.stack([o.astype(jnp.float32) for o, _ in partials]), jnp.stack([lse for _, lse in partials])
+        )
         return out[None].astype(q.dtype), write_store(caches, k, v, layer, metadata.fill)
 
 
@@ -252,7 +267,8 @@ def csa_attention_sp(
     body = functools.partial(csa_attention, levels=levels, implementation=implementation)
     # check_vma=False: a Pallas kernel inside shard_map has no varying-axes rule (as sharding/attention.py)
     return jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 4, out_specs=seq, check_vma=False)(
-        *(jax.lax.with_sharding_constraint(x, NamedSharding(mesh, seq)) for x in (q, k, v, importance)))
+        *(jax.lax.with_sharding_constraint(x, NamedSharding(mesh, seq)) for x in (q, k, v, importance))
+    )
 
 
 def received_tokens(levels: Levels, t: int) -> list[int]:

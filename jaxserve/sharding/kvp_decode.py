@@ -19,14 +19,14 @@ def kv_parallel_decode(
     k_cache: Float[Array, "slots kvh d"],
     v_cache: Float[Array, "slots kvh d"],
     block_tables: Int[Array, "b nblk"],
-    kv_lens: Int[Array, "b"],
+    kv_lens: Int[Array, " b"],
     *,
     block_size: int,
     axis_name: str = SP,
     implementation: kernels.Implementation | None = None,
 ) -> Float[Array, "b h d"]:
     """q is the same on every device; the cache, block tables and kv_lens describe this device's shard."""
-    o, lse = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, kv_lens,
-                                            block_size=block_size, num_splits=1,
-                                            implementation=implementation)
+    o, lse = kernels.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, kv_lens, block_size=block_size, num_splits=1, implementation=implementation
+    )
     return merge_gathered(o[:, 0], lse[:, 0], axis_name)[0]

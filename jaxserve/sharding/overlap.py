@@ -76,13 +76,21 @@ def transfers(hlo: str) -> list[HloTransfer]:
                 found.append(HloTransfer(name, comp, array_bytes(shape), False, 0))
             if op != "collective-permute-start":
                 continue
-            done = next(j for j in range(i + 1, len(instructions))
-                        if instructions[j][2] == "collective-permute-done" and f"%{name}" in instructions[j][3])
-            found.append(HloTransfer(name, comp, array_bytes(shape), '"is_sync":true' not in rest,
-                                     sum(count(r) for _, _, _, r in instructions[i + 1:done])))
+            done = next(
+                j
+                for j in range(i + 1, len(instructions))
+                if instructions[j][2] == "collective-permute-done" and f"%{name}" in instructions[j][3]
+            )
+            found.append(
+                HloTransfer(
+                    name,
+                    comp,
+                    array_bytes(shape),
+                    '"is_sync":true' not in rest,
+                    sum(count(r) for _, _, _, r in instructions[i + 1 : done]),
+                )
+            )
     return found
-
-
 
 
 def collective_bytes(hlo: str, devices: int) -> dict[str, int]:

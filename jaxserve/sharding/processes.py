@@ -36,6 +36,7 @@ class ProcessLost(RuntimeError):
 def coordination_client():
     """jax.distributed's client of the coordination service (its key-value store and barriers)."""
     from jax._src import distributed  # private; as jax-llm-examples uses it
+
     return distributed.global_state.client
 
 
@@ -66,11 +67,14 @@ def meet(devices: Sequence[jax.Device]) -> None:
         return
     _met.add(ids)
     try:
-        coordination_client().wait_at_barrier(f"jaxserve/meet/{'-'.join(map(str, sorted(ids)))}",
-                                              int(MEET_TIMEOUT_S * 1000), owners)
+        coordination_client().wait_at_barrier(
+            f"jaxserve/meet/{'-'.join(map(str, sorted(ids)))}", int(MEET_TIMEOUT_S * 1000), owners
+        )
     except Exception as e:  # noqa: BLE001 (the barrier timed out, or the coordination service is gone)
-        raise ProcessLost(f"processes {owners} did not all reach their first program on devices "
-                          f"{sorted(ids)} within {MEET_TIMEOUT_S:.0f} s ({e})") from e
+        raise ProcessLost(
+            f"processes {owners} did not all reach their first program on devices "
+            f"{sorted(ids)} within {MEET_TIMEOUT_S:.0f} s ({e})"
+        ) from e
 
 
 def _shard_devices(shape: tuple[int, ...], sharding: Sharding) -> dict[tuple, list[jax.Device]]:
@@ -85,8 +89,11 @@ def _shard_devices(shape: tuple[int, ...], sharding: Sharding) -> dict[tuple, li
 def _pair_program(src: jax.Device, dst: jax.Device):
     """src's block to dst, a program only their two processes run."""
     mesh = Mesh(np.array([src, dst]), ("pair",))
-    return NamedSharding(mesh, P("pair")), jax.jit(jax.shard_map(
-        lambda x: jax.lax.ppermute(x, "pair", [(0, 1)]), mesh=mesh, in_specs=P("pair"), out_specs=P("pair")))
+    return NamedSharding(mesh, P("pair")), jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.ppermute(x, "pair", [(0, 1)]), mesh=mesh, in_specs=P("pair"), out_specs=P("pair")
+        )
+    )
 
 
 def _send(block: jax.Array | None, src: jax.Device, dst: jax.Device, shape, dtype) -> jax.Array | None:
@@ -97,8 +104,7 @@ def _send(block: jax.Array | None, src: jax.Device, dst: jax.Device, shape, dtyp
         return jax.device_put(block, dst)
     meet((src, dst))
     sharding, program = _pair_program(src, dst)
-    here = [jax.device_put(block[None], src)] if is_local(src) else [
-        jax.device_put(np.zeros((1, *shape), dtype), dst)]
+    here = [jax.device_put(block[None], src)] if is_local(src) else [jax.device_put(np.zeros((1, *shape), dtype), dst)]
     out = program(jax.make_array_from_single_device_arrays((2, *shape), sharding, here, dtype=dtype))
     return out.addressable_shards[0].data[0] if is_local(dst) else None
 
@@ -116,8 +122,12 @@ def move(x: jax.Array, sharding: Sharding) -> jax.Array:
         raise ValueError(f"a move between processes keeps the shard shapes; {x.sharding} -> {sharding} does not")
     held = {s.device: s.data for s in x.addressable_shards}
     shape = x.sharding.shard_shape(x.shape)
-    shards = [got for index, targets in dst.items() for target in targets
-              if (got := _send(held.get(src[index][0]), src[index][0], target, shape, x.dtype)) is not None]
+    shards = [
+        got
+        for index, targets in dst.items()
+        for target in targets
+        if (got := _send(held.get(src[index][0]), src[index][0], target, shape, x.dtype)) is not None
+    ]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards, dtype=x.dtype)
 
 
@@ -127,8 +137,11 @@ _reads = itertools.count()  # every process reads in the same order, so the n-th
 
 def _holder(x: jax.Array, index: int | None) -> jax.Device:
     """The device (lowest id) holding element `index` of x's first axis (all of x, when None)."""
-    holders = [d for d, idx in x.sharding.devices_indices_map(x.shape).items()
-               if index is None or index in range(*idx[0].indices(x.shape[0]))]
+    holders = [
+        d
+        for d, idx in x.sharding.devices_indices_map(x.shape).items()
+        if index is None or index in range(*idx[0].indices(x.shape[0]))
+    ]
     return min(holders, key=lambda d: d.id)
 
 
@@ -188,8 +201,9 @@ class Later:
             try:
                 raw = coordination_client().blocking_key_value_get_bytes(self._key, int(timeout * 1000))
             except Exception as e:
-                raise ProcessLost(f"process {self._holder.process_index} did not publish a result within "
-                                  f"{timeout:.0f} s ({e})") from e
+                raise ProcessLost(
+                    f"process {self._holder.process_index} did not publish a result within {timeout:.0f} s ({e})"
+                ) from e
             self._value = pickle.loads(raw)
             coordination_client().key_value_delete(self._key)
         return self._value

@@ -55,14 +55,14 @@ def moved_tokens(counts: Sequence[int], devices: int | None = None) -> int:
 def rebalance(
     k: Float[Array, "cap kvh d"],
     v: Float[Array, "cap kvh d"],
-    pos: Int[Array, "cap"],
-    dest: Int[Array, "cap"],
-    at: Int[Array, "cap"],
+    pos: Int[Array, " cap"],
+    dest: Int[Array, " cap"],
+    at: Int[Array, " cap"],
     *,
     share: int,
     axis_size: int,
     axis_name: str = SP,
-) -> tuple[Float[Array, "q kvh d"], Float[Array, "q kvh d"], Int[Array, "q"]]:
+) -> tuple[Float[Array, "q kvh d"], Float[Array, "q kvh d"], Int[Array, " q"]]:
     """This device's balanced share: `share` slots, padding at position NO_POSITION.
 
     k/v/pos: this device's buffer; dest/at: this device's rows of `plan`.
@@ -78,5 +78,8 @@ def rebalance(
     )
     # Each slot of the share is filled by at most one source device: the one whose position is valid.
     valid = (recv_pos != NO_POSITION)[..., None, None]
-    return (jnp.sum(jnp.where(valid, recv_k, 0), axis=0), jnp.sum(jnp.where(valid, recv_v, 0), axis=0),
-            jnp.min(recv_pos, axis=0))
+    return (
+        jnp.sum(jnp.where(valid, recv_k, 0), axis=0),
+        jnp.sum(jnp.where(valid, recv_v, 0), axis=0),
+        jnp.min(recv_pos, axis=0),
+    )

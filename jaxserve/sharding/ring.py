@@ -30,21 +30,27 @@ def merge_two(o_a, lse_a, o_b, lse_b, implementation: kernels.Implementation | N
     return kernels.merge_attention(jnp.stack([o_a, o_b]), jnp.stack([lse_a, lse_b]), implementation=implementation)
 
 
-def history_attention(q, q_pos, hist_k, hist_v, hist_pos, *, axis_name: str = SP,
-                      implementation: kernels.Implementation | None = None):
+def history_attention(
+    q, q_pos, hist_k, hist_v, hist_pos, *, axis_name: str = SP, implementation: kernels.Implementation | None = None
+):
     """This device's queries over every device's history shard: (o [t, h, d], lse [t, h])."""
-    o, lse = kernels.chunk_attention(jax.lax.all_gather(q, axis_name, tiled=True), hist_k, hist_v,
-                                     jax.lax.all_gather(q_pos, axis_name, tiled=True), hist_pos,
-                                     implementation=implementation)
+    o, lse = kernels.chunk_attention(
+        jax.lax.all_gather(q, axis_name, tiled=True),
+        hist_k,
+        hist_v,
+        jax.lax.all_gather(q_pos, axis_name, tiled=True),
+        hist_pos,
+        implementation=implementation,
+    )
     return merge_scatter(o, lse, axis_name)
 
 
 def stored_history_attention(
     q: Float[Array, "t h d"],
-    q_pos: Int[Array, "t"],
+    q_pos: Int[Array, " t"],
     k_store: Float[Array, "layers cap kvh d"],
     v_store: Float[Array, "layers cap kvh d"],
-    hist_pos: Int[Array, "cap"],
+    hist_pos: Int[Array, " cap"],
     layer: Int[Array, ""],
     blocks: Int[Array, ""],
     *,
@@ -68,9 +74,14 @@ def stored_history_attention(
     return merge_scatter(o, lse, axis_name)
 
 
-def store_block(k_store: Float[Array, "layers cap kvh d"], v_store: Float[Array, "layers cap kvh d"],
-                hist_pos: Int[Array, "cap"], layer: Int[Array, ""], i: Int[Array, ""], key_block: int
-                ) -> tuple[Float[Array, "kb kvh d"], Float[Array, "kb kvh d"], Int[Array, "kb"]]:
+def store_block(
+    k_store: Float[Array, "layers cap kvh d"],
+    v_store: Float[Array, "layers cap kvh d"],
+    hist_pos: Int[Array, " cap"],
+    layer: Int[Array, ""],
+    i: Int[Array, ""],
+    key_block: int,
+) -> tuple[Float[Array, "kb kvh d"], Float[Array, "kb kvh d"], Int[Array, " kb"]]:
     """Key block i of `layer` in a store: its K, V and positions."""
     at = i * key_block
     kvh, d = k_store.shape[2:]
@@ -78,8 +89,19 @@ def store_block(k_store: Float[Array, "layers cap kvh d"], v_store: Float[Array,
     return ks, vs, jax.lax.dynamic_slice_in_dim(hist_pos, at, key_block)
 
 
-def chunk_ring(o, lse, q, k, v, q_pos, k_pos, *, axis_size: int, axis_name: str = SP,
-               implementation: kernels.Implementation | None = None):
+def chunk_ring(
+    o,
+    lse,
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    *,
+    axis_size: int,
+    axis_name: str = SP,
+    implementation: kernels.Implementation | None = None,
+):
     """Merge into (o, lse) this device's queries over the whole chunk's K/V, whose shards circulate the ring.
 
     One transfer per step, overlapped with that step's attention: K and V travel stacked as one buffer (the key
@@ -108,11 +130,11 @@ def ring_attention(
     q: Float[Array, "t h d"],
     k: Float[Array, "t kvh d"],
     v: Float[Array, "t kvh d"],
-    q_pos: Int[Array, "t"],
-    k_pos: Int[Array, "t"],
+    q_pos: Int[Array, " t"],
+    k_pos: Int[Array, " t"],
     hist_k: Float[Array, "n kvh d"],
     hist_v: Float[Array, "n kvh d"],
-    hist_pos: Int[Array, "n"],
+    hist_pos: Int[Array, " n"],
     *,
     axis_size: int,
     axis_name: str = SP,
@@ -123,8 +145,9 @@ def ring_attention(
     Padding: queries at position -1, chunk keys and history entries at NO_POSITION.
     """
     o, lse = history_attention(q, q_pos, hist_k, hist_v, hist_pos, axis_name=axis_name, implementation=implementation)
-    return chunk_ring(o, lse, q, k, v, q_pos, k_pos, axis_size=axis_size, axis_name=axis_name,
-                      implementation=implementation)
+    return chunk_ring(
+        o, lse, q, k, v, q_pos, k_pos, axis_size=axis_size, axis_name=axis_name, implementation=implementation
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -132,9 +155,9 @@ def ring_attention(
 class StoreMetadata(AttentionMetadata):
     """What a store backend (ring, SP-NTP or CSA) reads on one device of the group."""
 
-    hist_pos: Int[Array, "cap"]
+    hist_pos: Int[Array, " cap"]
     """The store's row positions; NO_POSITION where empty."""
-    k_pos: Int[Array, "t"]
+    k_pos: Int[Array, " t"]
     """This shard's key positions."""
     fill: Int[Array, ""]
     """The store row where this shard's K/V goes."""
@@ -159,14 +182,24 @@ class StoreRingBackend:
     def __call__(self, q, k, v, positions, caches, layer, metadata: StoreMetadata):
         k_store, v_store = caches
         kw = dict(axis_name=self.axis_name, implementation=self.implementation)
-        o, lse = stored_history_attention(q[0], positions[0], k_store, v_store, metadata.hist_pos, layer,
-                                          metadata.blocks, key_block=self.key_block, **kw)
+        o, lse = stored_history_attention(
+            q[0],
+            positions[0],
+            k_store,
+            v_store,
+            metadata.hist_pos,
+            layer,
+            metadata.blocks,
+            key_block=self.key_block,
+            **kw,
+        )
         o, _ = chunk_ring(o, lse, q[0], k[0], v[0], positions[0], metadata.k_pos, axis_size=self.axis_size, **kw)
         return o[None].astype(q.dtype), write_store(caches, k, v, layer, metadata.fill)
 
 
-def write_store(caches, k: Float[Array, "1 t kvh d"], v: Float[Array, "1 t kvh d"], layer: Int[Array, ""],
-                fill: Int[Array, ""]):
+def write_store(
+    caches, k: Float[Array, "1 t kvh d"], v: Float[Array, "1 t kvh d"], layer: Int[Array, ""], fill: Int[Array, ""]
+):
     """The store (k_store, v_store) with this shard's K/V of `layer` at rows [fill, fill + t)."""
     at = (layer, fill, 0, 0)
     return tuple(jax.lax.dynamic_update_slice(store, x.astype(store.dtype), at) for store, x in zip(caches, (k, v)))

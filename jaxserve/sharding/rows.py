@@ -47,21 +47,31 @@ def as_cache(x: Array, dtype: jnp.dtype) -> Array:
 
 
 @jax.jit
-def select(k: Float[Array, "layers n kvh d"], v: Float[Array, "layers n kvh d"], idx: Int[Array, "m"]):
+def select(k: Float[Array, "layers n kvh d"], v: Float[Array, "layers n kvh d"], idx: Int[Array, " m"]):
     """Rows `idx` of every layer (on the rows' device)."""
     return k[:, idx], v[:, idx]
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
-def put(k: Float[Array, "layers cap kvh d"], v: Float[Array, "layers cap kvh d"],
-        k_rows: Float[Array, "layers n kvh d"], v_rows: Float[Array, "layers n kvh d"], at: Int[Array, ""]):
+def put(
+    k: Float[Array, "layers cap kvh d"],
+    v: Float[Array, "layers cap kvh d"],
+    k_rows: Float[Array, "layers n kvh d"],
+    v_rows: Float[Array, "layers n kvh d"],
+    at: Int[Array, ""],
+):
     """The rows written at [at, at + n) of every layer, in place."""
     paste = lambda x, rows: jax.lax.dynamic_update_slice_in_dim(x, as_cache(rows, x.dtype), at, axis=1)  # noqa: E731
     return paste(k, k_rows), paste(v, v_rows)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
-def scatter(k: Float[Array, "layers slots kvh d"], v: Float[Array, "layers slots kvh d"],
-            k_rows: Float[Array, "layers n kvh d"], v_rows: Float[Array, "layers n kvh d"], slots: Int[Array, "n"]):
+def scatter(
+    k: Float[Array, "layers slots kvh d"],
+    v: Float[Array, "layers slots kvh d"],
+    k_rows: Float[Array, "layers n kvh d"],
+    v_rows: Float[Array, "layers n kvh d"],
+    slots: Int[Array, " n"],
+):
     """The rows written at `slots` (a paged cache's token slots) of every layer, in place."""
     return k.at[:, slots].set(as_cache(k_rows, k.dtype)), v.at[:, slots].set(as_cache(v_rows, v.dtype))

@@ -24,10 +24,10 @@ def sp_tp_attention(
     wk: Float[Array, "e kd"],
     wv: Float[Array, "e kd"],
     wo: Float[Array, "hd e"],
-    q_pos: Int[Array, "t"],
+    q_pos: Int[Array, " t"],
     hist_k: Float[Array, "n kvh d"],
     hist_v: Float[Array, "n kvh d"],
-    hist_pos: Int[Array, "n"],
+    hist_pos: Int[Array, " n"],
     *,
     head_dim: int,
     rope: Rope | None = None,
@@ -42,7 +42,8 @@ def sp_tp_attention(
     v = (x_all @ wv).reshape(t, -1, head_dim)
     if rope is not None:
         q, k = rope(q, pos), rope(k, pos)
-    o, _ = kernels.chunk_attention(q, jnp.concatenate([hist_k, k]), jnp.concatenate([hist_v, v]), pos,
-                                   jnp.concatenate([hist_pos, pos]))
+    o, _ = kernels.chunk_attention(
+        q, jnp.concatenate([hist_k, k]), jnp.concatenate([hist_v, v]), pos, jnp.concatenate([hist_pos, pos])
+    )
     partial = o.reshape(t, -1).astype(x.dtype) @ wo
     return jax.lax.psum_scatter(partial, axis_name, scatter_dimension=0, tiled=True), k, v

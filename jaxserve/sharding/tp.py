@@ -42,7 +42,8 @@ def shard_params(params: Any, cfg: LlamaConfig, tp: int) -> tuple[Any, Any]:
             width = cols // cfg.num_kv_heads  # head_dim; half that for 4-bit values packed in bytes
             heads = x.reshape(*lead, cfg.num_kv_heads, 1, width)
             x = jnp.broadcast_to(heads, (*lead, cfg.num_kv_heads, shape.kv_repeat, width)).reshape(
-                *lead, cols * shape.kv_repeat)
+                *lead, cols * shape.kv_repeat
+            )
         if bias:
             return x, P(*(None,) * (x.ndim - 1), TP)
         lead = (None,) * (x.ndim - 2)
@@ -53,8 +54,7 @@ def shard_params(params: Any, cfg: LlamaConfig, tp: int) -> tuple[Any, Any]:
 
     pairs = jax.tree_util.tree_map_with_path(arrange, params)
     is_pair = lambda p: isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], P)  # noqa: E731
-    return (jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
-            jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
+    return (jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair), jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
 
 
 def shardings(mesh: Mesh, specs: Any) -> Any:
@@ -64,8 +64,7 @@ def shardings(mesh: Mesh, specs: Any) -> Any:
 
 
 @functools.partial(jax.jit, static_argnames="size")
-def heads_of(k: Float[Array, "layers n kvh d"], v: Float[Array, "layers n kvh d"], start: Int[Array, ""], *,
-             size: int):
+def heads_of(k: Float[Array, "layers n kvh d"], v: Float[Array, "layers n kvh d"], start: Int[Array, ""], *, size: int):
     """The KV heads [start, start + size) of rows in the model's head layout (one program per size)."""
     cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)  # noqa: E731
     return cut(k), cut(v)

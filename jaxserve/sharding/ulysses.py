@@ -41,11 +41,11 @@ def ulysses_attention(
     q: Float[Array, "t h d"],
     k: Float[Array, "t kvh d"],
     v: Float[Array, "t kvh d"],
-    q_pos: Int[Array, "t"],
-    k_pos: Int[Array, "t"],
+    q_pos: Int[Array, " t"],
+    k_pos: Int[Array, " t"],
     hist_k: Float[Array, "n kvh d"],
     hist_v: Float[Array, "n kvh d"],
-    hist_pos: Int[Array, "n"],
+    hist_pos: Int[Array, " n"],
     *,
     axis_size: int,
     axis_name: str = SP,
@@ -58,9 +58,14 @@ def ulysses_attention(
     values = jnp.repeat(jnp.concatenate([hist_v, v]), rep, axis=1)
     key_pos = jax.lax.all_gather(jnp.concatenate([hist_pos, k_pos]), axis_name, tiled=True)
     all_q_pos = jax.lax.all_gather(q_pos, axis_name, tiled=True)
-    o, _ = kernels.chunk_attention(_seq_to_heads(q, axis_name), _seq_to_heads(keys, axis_name),
-                                   _seq_to_heads(values, axis_name), all_q_pos, key_pos,
-                                   implementation=implementation)
+    o, _ = kernels.chunk_attention(
+        _seq_to_heads(q, axis_name),
+        _seq_to_heads(keys, axis_name),
+        _seq_to_heads(values, axis_name),
+        all_q_pos,
+        key_pos,
+        implementation=implementation,
+    )
     return jax.lax.all_to_all(o, axis_name, split_axis=0, concat_axis=1, tiled=True)
 
 
@@ -88,7 +93,7 @@ class HeadSplit:
         return _seq_to_heads(_pad_heads(jnp.repeat(k, self.repeat, axis=1), self.kv_heads), axis_name)
 
     def outputs(self, o: Float[Array, "pt hp d"], axis_name: str) -> Float[Array, "t h d"]:
-        return jax.lax.all_to_all(o, axis_name, split_axis=0, concat_axis=1, tiled=True)[:, :self.h]
+        return jax.lax.all_to_all(o, axis_name, split_axis=0, concat_axis=1, tiled=True)[:, : self.h]
 
 
 def _f32(partial: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -123,9 +128,16 @@ class StoreUlyssesBackend:
         q_pos = jax.lax.all_gather(positions[0], ax, tiled=True)
 
         def attend(keys, values, k_pos):  # every query of the chunk, this device's heads
-            return _f32(kernels.chunk_attention(q_heads, split.keys(keys, ax), split.keys(values, ax), q_pos,
-                                                jax.lax.all_gather(k_pos, ax, tiled=True),
-                                                implementation=self.implementation))
+            return _f32(
+                kernels.chunk_attention(
+                    q_heads,
+                    split.keys(keys, ax),
+                    split.keys(values, ax),
+                    q_pos,
+                    jax.lax.all_gather(k_pos, ax, tiled=True),
+                    implementation=self.implementation,
+                )
+            )
 
         def block(i, carry):
             held = attend(*store_block(k_store, v_store, metadata.hist_pos, layer, i, kb))

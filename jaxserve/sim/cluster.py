@@ -44,25 +44,33 @@ def pool_eq1(profile: str, tp: int, pool: Pool) -> TetrisPrefill:
     inter-node once a group outgrows a node), at Tetris's Table 1 lengths."""
     cost = ESPCost(profile, tp)
     sizes = [s for s in (1 << i for i in range(pool.size.bit_length())) if s <= pool.size]
-    return TetrisPrefill.fit([(sp, (k * 1024, 0), cost.prefill([k * 1024], sp, "intra_node" if sp <= pool.per_node
-                                                                else "inter_node"))
-                              for sp in sizes for k in TETRIS_TABLE1_K])
+    return TetrisPrefill.fit(
+        [
+            (sp, (k * 1024, 0), cost.prefill([k * 1024], sp, "intra_node" if sp <= pool.per_node else "inter_node"))
+            for sp in sizes
+            for k in TETRIS_TABLE1_K
+        ]
+    )
 
 
 def check(layout: ParallelConfig) -> None:
     """ValueError naming what a simulated cluster does not model."""
     if not layout.prefill_instances:
         raise ValueError("a simulated cluster needs --prefill_instances")
-    unmodelled = [f"--{name}={getattr(layout, name)}" for name, default in
-                  (("decode_kvp", 1), ("sp_attention", "ring"), ("length_predictor", "mean"))
-                  if getattr(layout, name) != default]
+    unmodelled = [
+        f"--{name}={getattr(layout, name)}"
+        for name, default in (("decode_kvp", 1), ("sp_attention", "ring"), ("length_predictor", "mean"))
+        if getattr(layout, name) != default
+    ]
     if layout.sparse_attention is not None:
         unmodelled.append(f"--sparse_attention={layout.sparse_attention}")
     if unmodelled:
-        raise ValueError(f"{', '.join(unmodelled)}: not simulated (a trace has no prompt text, and the simulator "
-                         f"models neither KV-parallel decode instances, nor SP-NTP in a CDSP pool, nor CSA's drop "
-                         f"ratio; --cluster_policy=csps simulates dense SP-NTP); leave "
-                         f"{'it' if len(unmodelled) == 1 else 'them'} out")
+        raise ValueError(
+            f"{', '.join(unmodelled)}: not simulated (a trace has no prompt text, and the simulator "
+            f"models neither KV-parallel decode instances, nor SP-NTP in a CDSP pool, nor CSA's drop "
+            f"ratio; --cluster_policy=csps simulates dense SP-NTP); leave "
+            f"{'it' if len(unmodelled) == 1 else 'them'} out"
+        )
 
 
 def simulate_cluster(workload: Workload, layout: ParallelConfig, profile: str, progress: bool = True) -> Results:
@@ -70,25 +78,45 @@ def simulate_cluster(workload: Workload, layout: ParallelConfig, profile: str, p
     check(layout)
     if layout.cluster_policy == "esp":
         return _elastic(workload, layout, profile, progress)
-    decode = dict(decode_instances=layout.decode_instances, decode_tp=layout.decoder_tp, profile=profile,
-                  recv_backends=layout.receive_buffers, admission=layout.decode_admission)
+    decode = dict(
+        decode_instances=layout.decode_instances,
+        decode_tp=layout.decoder_tp,
+        profile=profile,
+        recv_backends=layout.receive_buffers,
+        admission=layout.decode_admission,
+    )
     if layout.cluster_policy == "tetriinfer":
-        flip = (FlipPolicy(window=layout.flip_window, check_every=layout.flip_window / 12)
-                if layout.flip_window else None)
-        cfg = DisaggConfig(prefill="tetriinfer", prefill_instances=layout.prefill_instances, prefill_tp=layout.tp,
-                           prefill_chunk=layout.prefill_chunk, prefill_batch=layout.prefill_batch,
-                           prefill_order=layout.prefill_order, dispatch="power_of_two", flip=flip, **decode)
+        flip = (
+            FlipPolicy(window=layout.flip_window, check_every=layout.flip_window / 12) if layout.flip_window else None
+        )
+        cfg = DisaggConfig(
+            prefill="tetriinfer",
+            prefill_instances=layout.prefill_instances,
+            prefill_tp=layout.tp,
+            prefill_chunk=layout.prefill_chunk,
+            prefill_batch=layout.prefill_batch,
+            prefill_order=layout.prefill_order,
+            dispatch="power_of_two",
+            flip=flip,
+            **decode,
+        )
         cost = ProfileBatchCost(profile, layout.tp)
         return DisaggSimulator(None, lambda n: cost.batch_time([(n, 0)]), cfg, ObservedLengths()).run(
-            workload, progress)
+            workload, progress
+        )
     pool = Pool(layout.prefill_instances // layout.node_size, layout.node_size)
     cfg = DisaggConfig(prefill_instances=pool.size, **decode)
     if layout.cluster_policy == "csps":
         csps = CSPSPlanner(CSPSPrefill(profile, pool.per_node, cut=0.0), pool, layout.partition_tokens)
         return DisaggSimulator(csps, csps.fastest, cfg, ObservedLengths()).run(workload, progress)
     eq1 = pool_eq1(profile, layout.tp, pool)
-    planner = CDSPPlanner(eq1, pool, layout.improvement_rate, min_chunk=layout.min_chunk,
-                          balancing=Balancing.from_profile(profile, pool.per_node, layout.tp))
+    planner = CDSPPlanner(
+        eq1,
+        pool,
+        layout.improvement_rate,
+        min_chunk=layout.min_chunk,
+        balancing=Balancing.from_profile(profile, pool.per_node, layout.tp),
+    )
     if layout.improvement_rates is not None:
         planner = AdaptiveCDSP(planner, read_rate_table(pathlib.Path(layout.improvement_rates)))
     return DisaggSimulator(planner, eq1.fastest, cfg, ObservedLengths()).run(workload, progress)
@@ -103,10 +131,22 @@ def _elastic(workload: Workload, layout: ParallelConfig, profile: str, progress:
     cost = ESPCost(profile, tp)
     elastic = ESPScheduler(cost.fit(n, tp), tp, cost.prefill([KNEE_TOKENS], 1), None, 0.0, groups=aligned_groups(n))
     link, kv_bytes = network(PROFILES[profile][0]), model_shape(profile).kv_bytes_per_token()
-    costs = Costs(decode=ProfileBatchCost(profile, tp), prefill=None, decode_kv_capacity=kv_capacity(profile, tp),
-                  transfer=lambda tokens, senders: link.predict("intra_node", tokens * kv_bytes / senders),
-                  batch=lambda lengths, sp: cost.prefill(list(lengths), sp, cost.link_of(range(sp))))
-    cfg = DisaggConfig(prefill="esp", prefill_instances=n, decode_tp=tp, profile=profile,
-                       recv_backends=layout.receive_buffers, admission=layout.decode_admission, spread=n > 1)
-    return DisaggSimulator(elastic, lambda tokens: cost.fastest_prefill(tokens, n), cfg, ObservedLengths(),
-                           costs).run(workload, progress)
+    costs = Costs(
+        decode=ProfileBatchCost(profile, tp),
+        prefill=None,
+        decode_kv_capacity=kv_capacity(profile, tp),
+        transfer=lambda tokens, senders: link.predict("intra_node", tokens * kv_bytes / senders),
+        batch=lambda lengths, sp: cost.prefill(list(lengths), sp, cost.link_of(range(sp))),
+    )
+    cfg = DisaggConfig(
+        prefill="esp",
+        prefill_instances=n,
+        decode_tp=tp,
+        profile=profile,
+        recv_backends=layout.receive_buffers,
+        admission=layout.decode_admission,
+        spread=n > 1,
+    )
+    return DisaggSimulator(elastic, lambda tokens: cost.fastest_prefill(tokens, n), cfg, ObservedLengths(), costs).run(
+        workload, progress
+    )

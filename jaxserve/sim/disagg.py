@@ -129,10 +129,12 @@ def profile_costs(config: DisaggConfig) -> Costs:
     """The costs of `config`'s GPU profile: measured operators and the inter-node link."""
     link = network(PROFILES[config.profile][0])
     kv_bytes = model_shape(config.profile).kv_bytes_per_token()
-    return Costs(decode=ProfileBatchCost(config.profile, config.decode_tp),
-                 prefill=ProfileBatchCost(config.profile, config.prefill_tp),
-                 transfer=lambda tokens, senders: link.predict("inter_node", tokens * kv_bytes / senders),
-                 decode_kv_capacity=config.decode_kv_capacity())
+    return Costs(
+        decode=ProfileBatchCost(config.profile, config.decode_tp),
+        prefill=ProfileBatchCost(config.profile, config.prefill_tp),
+        transfer=lambda tokens, senders: link.predict("inter_node", tokens * kv_bytes / senders),
+        decode_kv_capacity=config.decode_kv_capacity(),
+    )
 
 
 class SimulatedDecoder:
@@ -144,10 +146,14 @@ class SimulatedDecoder:
         kv = kv or KVCacheManager.for_tokens(costs.decode_kv_capacity, BLOCK_SIZE, enable_prefix_caching=False)
         # the live engine's defaults: its iteration budget a full step (every decode at the longest context)
         scheduler = SchedulerConfig(policy="fcfs", max_num_seqs=costs.max_num_seqs)
-        self.scheduler = replica_scheduler(scheduler, costs.decode, kv,
-                                           packer_config(scheduler, costs.decode,
-                                                         max_model_len=kv.capacity * kv.block_size),
-                                           group=(index,), admission=ADMISSIONS[config.admission])
+        self.scheduler = replica_scheduler(
+            scheduler,
+            costs.decode,
+            kv,
+            packer_config(scheduler, costs.decode, max_model_len=kv.capacity * kv.block_size),
+            group=(index,),
+            admission=ADMISSIONS[config.admission],
+        )
         self.ledger = DecodeLedger(config.recv_backends)
         self.seconds: dict[tuple[str, int], float] = {}  # each offered transfer's time on the link
         self.arrived: set[tuple[str, int]] = set()  # sent transfers whose KV is in a receive buffer
@@ -160,9 +166,14 @@ class SimulatedDecoder:
 
 
 class DisaggSimulator:
-    def __init__(self, planner: Planner | ESPScheduler | None, best_latency: Callable[[int], float],
-                 config: DisaggConfig = DisaggConfig(), predictor: LengthPredictor | None = None,
-                 costs: Costs | None = None):
+    def __init__(
+        self,
+        planner: Planner | ESPScheduler | None,
+        best_latency: Callable[[int], float],
+        config: DisaggConfig = DisaggConfig(),
+        predictor: LengthPredictor | None = None,
+        costs: Costs | None = None,
+    ):
         """planner: the pool's (an ESPScheduler for ESP's instances; None with TetriInfer's prefill instances);
         best_latency(tokens): a prompt's fastest isolated prefill, which its TTFT deadline scales with;
         predictor: decode-length ranges for power-of-two dispatch; costs: what the executor charges (None:
@@ -170,21 +181,27 @@ class DisaggSimulator:
         if config.prefill not in ("pool", "tetriinfer", "esp"):
             raise ValueError(f"prefill must be pool, tetriinfer or esp, got {config.prefill!r}")
         if (config.prefill == "tetriinfer") == (planner is not None):
-            raise ValueError("a prefill pool needs a planner (ESP's instances: an ESPScheduler); TetriInfer's prefill "
-                             "instances take none")
+            raise ValueError(
+                "a prefill pool needs a planner (ESP's instances: an ESPScheduler); TetriInfer's prefill "
+                "instances take none"
+            )
         if config.prefill == "esp" and (costs is None or costs.batch is None or config.flip is not None):
             raise ValueError("ESP's instances need a batch cost (Costs.batch) and take no flips")
         if config.prefill == "tetriinfer" and config.flip is not None and config.decode_tp != config.prefill_tp:
-            raise ValueError(f"flipping TetriInfer instances prefill and decode on their own GPUs: decode_tp "
-                             f"({config.decode_tp}) must be prefill_tp ({config.prefill_tp})")
+            raise ValueError(
+                f"flipping TetriInfer instances prefill and decode on their own GPUs: decode_tp "
+                f"({config.decode_tp}) must be prefill_tp ({config.prefill_tp})"
+            )
         if config.dispatch not in ("freeness", "power_of_two"):
             raise ValueError(f"dispatch must be freeness or power_of_two, got {config.dispatch!r}")
         if config.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {config.admission!r}")
-        if (config.dispatch == "power_of_two" or config.admission in ("reserve_static", "reserve_dynamic")) \
-                and predictor is None:
-            raise ValueError(f"{config.dispatch} dispatch with {config.admission} admission needs a decode-length "
-                             "predictor")
+        if (
+            config.dispatch == "power_of_two" or config.admission in ("reserve_static", "reserve_dynamic")
+        ) and predictor is None:
+            raise ValueError(
+                f"{config.dispatch} dispatch with {config.admission} admission needs a decode-length predictor"
+            )
         self.planner, self.best_latency, self.config, self.predictor = planner, best_latency, config, predictor
         self.costs = costs or profile_costs(config)
 
@@ -219,23 +236,41 @@ class _Run:
         n = cfg.prefill_instances
         if self._esp:  # its instances decode: decode instance k is instance k
             context = sim.costs.decode_kv_capacity * (n if cfg.spread else 1)
-            self.scheduler = ESPPolicy(sim.planner, range(n), cfg.dispatch, sim.predictor, cfg.seed,
-                                       spread=cfg.spread, instance_context=sim.costs.decode_kv_capacity)
+            self.scheduler = ESPPolicy(
+                sim.planner,
+                range(n),
+                cfg.dispatch,
+                sim.predictor,
+                cfg.seed,
+                spread=cfg.spread,
+                instance_context=sim.costs.decode_kv_capacity,
+            )
             decoder_slots = [()] * n
         elif self._tetriinfer:  # with flips every instance prefills and decodes, one role at a time
             n = cfg.prefill_instances + (cfg.decode_instances if cfg.flip else 0)
-            instances = [PrefillBatchScheduler(cfg.prefill_chunk, cfg.prefill_batch, cfg.prefill_order, (i,))
-                         for i in range(n)]
+            instances = [
+                PrefillBatchScheduler(cfg.prefill_chunk, cfg.prefill_batch, cfg.prefill_order, (i,)) for i in range(n)
+            ]
             decoders = n if cfg.flip else cfg.decode_instances
-            self.scheduler = TetriInferPolicy(instances, range(n), decoders, cfg.dispatch, sim.predictor, cfg.seed,
-                                              flip=cfg.flip, prefilling=cfg.prefill_instances if cfg.flip else None)
+            self.scheduler = TetriInferPolicy(
+                instances,
+                range(n),
+                decoders,
+                cfg.dispatch,
+                sim.predictor,
+                cfg.seed,
+                flip=cfg.flip,
+                prefilling=cfg.prefill_instances if cfg.flip else None,
+            )
             decoder_slots = [()] * decoders
         else:
             slots = cfg.prefill_instances + (cfg.decode_instances * cfg.decode_tp if cfg.flip else 0)
             pool_size = getattr(getattr(sim.planner, "pool", None), "size", None)  # (a planner may name none)
             if pool_size is not None and pool_size != slots:
-                raise ValueError(f"the planner's pool has {pool_size} instances; this cluster has {slots} GPU slots "
-                                 "for it (prefill instances, plus the decode instances' GPUs when flips are on)")
+                raise ValueError(
+                    f"the planner's pool has {pool_size} instances; this cluster has {slots} GPU slots "
+                    "for it (prefill instances, plus the decode instances' GPUs when flips are on)"
+                )
             self.scheduler = CDSPPolicy(sim.planner, range(slots), cfg.dispatch, sim.predictor, cfg.seed)
             firsts = [cfg.prefill_instances + i * cfg.decode_tp for i in range(cfg.decode_instances)]
             decoder_slots = [tuple(range(f, f + cfg.decode_tp)) if cfg.flip else () for f in firsts]
@@ -258,8 +293,9 @@ class _Run:
         self.flips: list[tuple[float, str]] = []
         self.events: list[tuple[float, int, int, str, object]] = []  # (time, order, seq, kind, payload)
         self.seq = itertools.count()
-        for i, (t, p, o) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist(),
-                                          workload.output_lens.tolist())):
+        for i, (t, p, o) in enumerate(
+            zip(workload.arrivals.tolist(), workload.prompt_lens.tolist(), workload.output_lens.tolist())
+        ):
             self._push(t, 2, "arrive", Request(str(i), t, p, o))
         if cfg.flip and len(workload):
             self._push(float(workload.arrivals[0]), 3, "check", None)
@@ -329,21 +365,32 @@ class _Run:
         # work, here per GPU (an instance idle from then on is recycled)
         prefill_tp = self.cfg.prefill_tp if self._tetriinfer else 1
         if self._esp:  # an instance's GPUs prefill and decode
-            gpu_seconds = self.cfg.decode_tp * sum(max(f - first, d.last_end - first, 0.0)
-                                                   for f, d in zip(self.free_at.tolist(), self.decoders))
+            gpu_seconds = self.cfg.decode_tp * sum(
+                max(f - first, d.last_end - first, 0.0) for f, d in zip(self.free_at.tolist(), self.decoders)
+            )
         elif self._tetriinfer and self.cfg.flip:  # an instance's GPUs serve both its roles
-            gpu_seconds = prefill_tp * sum(max(f - first, d.last_end - first, 0.0)
-                                           for f, d in zip(self.free_at.tolist(), self.decoders))
+            gpu_seconds = prefill_tp * sum(
+                max(f - first, d.last_end - first, 0.0) for f, d in zip(self.free_at.tolist(), self.decoders)
+            )
         else:
-            gpu_seconds = (prefill_tp * float(np.maximum(self.free_at - first, 0.0).sum())
-                           + sum(self.cfg.decode_tp * max(d.last_end - first, 0.0)
-                                 for d in self.decoders + self.retired))
-        return Results(reqs, self.rejected, span=max(last - first, 1e-9),
-                       wall_seconds=time.perf_counter() - started,
-                       config=dataclasses.asdict(self.cfg) | {"workload": self.workload.name,
-                                                              "requests": len(self.workload),
-                                                              "flips": self.flips, "gpu_seconds": gpu_seconds},
-                       prefills=self.prefills, decoders=self.decoders_of)
+            gpu_seconds = prefill_tp * float(np.maximum(self.free_at - first, 0.0).sum()) + sum(
+                self.cfg.decode_tp * max(d.last_end - first, 0.0) for d in self.decoders + self.retired
+            )
+        return Results(
+            reqs,
+            self.rejected,
+            span=max(last - first, 1e-9),
+            wall_seconds=time.perf_counter() - started,
+            config=dataclasses.asdict(self.cfg)
+            | {
+                "workload": self.workload.name,
+                "requests": len(self.workload),
+                "flips": self.flips,
+                "gpu_seconds": gpu_seconds,
+            },
+            prefills=self.prefills,
+            decoders=self.decoders_of,
+        )
 
     def _expect(self, dec: SimulatedDecoder, r: Request, chosen: Dispatch) -> None:
         """r was dispatched to dec (the policy promised its KV there): its admission reserves for the predicted
@@ -382,9 +429,14 @@ class _Run:
             return
         active = {d.index: d for d in self._open()}
         fits = lambda chosen: r.prompt_len + r.output_len <= active[chosen.decoder].scheduler.kv_capacity  # noqa: E731
-        arrival = self.scheduler.arrive(PromptInfo(r.prompt_len), t, active,
-                                        None if sim.predictor is not None else r.output_len, admits=fits,
-                                        request_id=r.id)
+        arrival = self.scheduler.arrive(
+            PromptInfo(r.prompt_len),
+            t,
+            active,
+            None if sim.predictor is not None else r.output_len,
+            admits=fits,
+            request_id=r.id,
+        )
         if arrival is None:
             self.scheduler.finish(r.id, 0)
             self.rejected.append(r)
@@ -410,8 +462,9 @@ class _Run:
         if self._esp:
             self.scheduler.arrive(r, PromptInfo(r.prompt_len))
         else:
-            self.scheduler.arrive(r, PromptInfo(r.prompt_len), t,
-                                  None if self.sim.predictor is not None else r.output_len)
+            self.scheduler.arrive(
+                r, PromptInfo(r.prompt_len), t, None if self.sim.predictor is not None else r.output_len
+            )
         self._push(t, 4, "prefill", None)  # after every arrival at t: simultaneous ones share a scheduling batch
 
     def _prefill(self, now: float) -> None:
@@ -441,8 +494,9 @@ class _Run:
         decoders = {d.index: d for d in self.decoders}
         n = self.cfg.prefill_instances
         while True:
-            pool = elastic_pool(self.decoders[:n], self.group, lambda rid: self._served[rid].generated, range(n),
-                                self.decode_seconds)
+            pool = elastic_pool(
+                self.decoders[:n], self.group, lambda rid: self._served[rid].generated, range(n), self.decode_seconds
+            )
             plan = self.scheduler.plan(now, pool, decoders)
             if not plan.items:
                 return
@@ -475,8 +529,7 @@ class _Run:
         for item in items if not (self._tetriinfer or self._esp) else ():
             r, last = self._by_id[item.request_id], item.request_id in done
             if r.output_len > 1:  # else its first token ends it: nothing goes to its decode instance
-                self._offer(self._decoder[r.id], Transfer(r.id, item.chunk_index, last, item.tokens, now),
-                            len(group))
+                self._offer(self._decoder[r.id], Transfer(r.id, item.chunk_index, last, item.tokens, now), len(group))
         for rid in done:
             r, dec = self._by_id.pop(rid), self._decoder.pop(rid)
             if not self._tetriinfer:  # a TetriInfer prompt's token came through its instance's scheduler
@@ -489,8 +542,9 @@ class _Run:
                 self.scheduler.finish(r.id, r.generated)
                 self._done(1)
             elif self._tetriinfer or self._esp:  # the whole prompt
-                self._offer(dec, Transfer(r.id, 0, True, r.prompt_len, now),
-                            len(group) if self._esp else self.cfg.prefill_tp)
+                self._offer(
+                    dec, Transfer(r.id, 0, True, r.prompt_len, now), len(group) if self._esp else self.cfg.prefill_tp
+                )
         self._prefill(now)
         if self._esp:  # the batch's instances decode again
             for dec in self.decoders:
@@ -527,8 +581,9 @@ class _Run:
         instance with nothing left gives its GPUs to the pool), sample loads, and start the next flip."""
         decoders = {d.index: d for d in self.decoders}
 
-        for kind, unit in self.flipper.finish(lambda slots: self.free_at[list(slots)].max() <= now,
-                                              lambda i: not decoders[i].ledger.heavy):  # nothing dispatched left
+        for kind, unit in self.flipper.finish(
+            lambda slots: self.free_at[list(slots)].max() <= now, lambda i: not decoders[i].ledger.heavy
+        ):  # nothing dispatched left
             if kind is Flip.TO_DECODE:
                 self._new_decoder(unit)
             else:
@@ -540,8 +595,9 @@ class _Run:
             self.flips.append((now, kind.value))
         tp = self.cfg.decode_tp
         slices = [tuple(range(a, a + tp)) for a in range(0, len(self.free_at), tp)]
-        prefill = {sl: float(np.mean(self.free_at[list(sl)] > now)) for sl in slices
-                   if not self.unavailable[list(sl)].any()}
+        prefill = {
+            sl: float(np.mean(self.free_at[list(sl)] > now)) for sl in slices if not self.unavailable[list(sl)].any()
+        }
         started = self.flipper.start(now, prefill, {d.index: decode_ledger.busy(d) for d in self._open()})
         if started is not None and started[0] is Flip.TO_DECODE:
             self.unavailable[list(started[1])] = True  # no new chunks; booked ones finish

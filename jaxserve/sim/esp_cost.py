@@ -60,8 +60,11 @@ class ESPCost:
         """One instance's part of a decode step: linear ops for the `mastered` requests it runs the query of,
         attention over the KV it holds of each request (`held`, tokens), and the query exchange for the `spread`
         requests whose KV spans several instances."""
-        return ((self.batch.linear_ops(mastered) if mastered else 0.0)
-                + sum(self.batch.decode_attention(t) for t in held) + (self.exchange(spread) if spread else 0.0))
+        return (
+            (self.batch.linear_ops(mastered) if mastered else 0.0)
+            + sum(self.batch.decode_attention(t) for t in held)
+            + (self.exchange(spread) if spread else 0.0)
+        )
 
     def fit(self, max_sp: int, tp: int) -> LoongServePrefill:
         """LoongServe's model a + b sum(l) + c sum(l^2), fitted per SP size to this profile's prefill times."""

@@ -45,8 +45,14 @@ def summarize(requests: Sequence[Request], span: float) -> dict[str, float]:
     out: dict[str, float] = {"requests": len(requests), "finished": len(done)}
     out |= _percentiles([r.first_token_at - r.arrival for r in done], "ttft")
     # TTFT as a fraction of the request's own deadline: comparable across prompt lengths (Medha Fig. 13)
-    out |= _percentiles([(r.first_token_at - r.arrival) / (r.ttft_deadline - r.arrival) for r in done
-                         if math.isfinite(r.ttft_deadline) and r.ttft_deadline > r.arrival], "ttft_norm")
+    out |= _percentiles(
+        [
+            (r.first_token_at - r.arrival) / (r.ttft_deadline - r.arrival)
+            for r in done
+            if math.isfinite(r.ttft_deadline) and r.ttft_deadline > r.arrival
+        ],
+        "ttft_norm",
+    )
     out |= _percentiles([g for r in done for g in r.token_gaps], "tbt")
     out |= _percentiles([tpot(r) for r in done if r.generated > 1], "tpot")
     out |= _percentiles([r.finished_at - r.arrival for r in done], "e2e")
@@ -86,11 +92,20 @@ class Results:
 
     def table(self) -> list[dict]:
         """One row per request: a notebook can hand it to pandas.DataFrame."""
-        return [{"id": r.id, "arrival": r.arrival, "prompt_len": r.prompt_len, "output_len": r.output_len,
-                 "ttft": None if r.first_token_at is None else r.first_token_at - r.arrival,
-                 "e2e": None if r.finished_at is None else r.finished_at - r.arrival,
-                 "tpot": tpot(r), "deadline": r.ttft_deadline - r.arrival, "met_slo": met_slo(r)}
-                for r in self.requests]
+        return [
+            {
+                "id": r.id,
+                "arrival": r.arrival,
+                "prompt_len": r.prompt_len,
+                "output_len": r.output_len,
+                "ttft": None if r.first_token_at is None else r.first_token_at - r.arrival,
+                "e2e": None if r.finished_at is None else r.finished_at - r.arrival,
+                "tpot": tpot(r),
+                "deadline": r.ttft_deadline - r.arrival,
+                "met_slo": met_slo(r),
+            }
+            for r in self.requests
+        ]
 
     def to_json(self, path: str) -> None:
         with open(path, "w") as f:

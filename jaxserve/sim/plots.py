@@ -16,8 +16,12 @@ def ttft_cdf(runs: Mapping[str, Results], path: str, which: str = "short", title
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
     for label, res in runs.items():
-        ttft = [r.first_token_at - r.arrival for r in res.requests if r.first_token_at is not None and
-                (which == "all" or (r.prompt_len >= res.long_threshold) == (which == "long"))]
+        ttft = [
+            r.first_token_at - r.arrival
+            for r in res.requests
+            if r.first_token_at is not None
+            and (which == "all" or (r.prompt_len >= res.long_threshold) == (which == "long"))
+        ]
         if ttft:
             x = np.sort(ttft)
             ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=label)
@@ -31,8 +35,9 @@ def ttft_cdf(runs: Mapping[str, Results], path: str, which: str = "short", title
     fig.savefig(path, dpi=120)
 
 
-def metric_vs_load(rows: Sequence[Mapping], path: str, metric: str, ylabel: str, title: str = "",
-                   log: bool = True) -> None:
+def metric_vs_load(
+    rows: Sequence[Mapping], path: str, metric: str, ylabel: str, title: str = "", log: bool = True
+) -> None:
     """rows: {'label', 'rate', metric}: one line per label across arrival rates."""
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
@@ -68,8 +73,13 @@ def gantt(panels: Mapping[str, Sequence[Bar]], devices: int, path: str, title: s
     for ax, (label, bars) in zip(axes, panels.items()):
         for b in bars:
             for i in b.group:
-                ax.broken_barh([(b.start, b.end - b.start)], (i - 0.4, 0.8), color=colors[b.request % 10],
-                               edgecolor="black", linewidth=0.3)
+                ax.broken_barh(
+                    [(b.start, b.end - b.start)],
+                    (i - 0.4, 0.8),
+                    color=colors[b.request % 10],
+                    edgecolor="black",
+                    linewidth=0.3,
+                )
             ax.text((b.start + b.end) / 2, min(b.group), str(b.request), ha="center", va="center", fontsize=6)
         ax.set_title(label)
         ax.set_xlabel("seconds from the first arrival")

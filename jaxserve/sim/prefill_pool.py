@@ -35,9 +35,14 @@ class PoolRun:
 
     def summary(self) -> dict[str, float]:
         p = np.percentile(self.ttft, [50, 90, 99])
-        return {"ttft_p50": float(p[0]), "ttft_p90": float(p[1]), "ttft_p99": float(p[2]),
-                "ttft_mean": float(self.ttft.mean()), "slo_attainment": self.slo_attainment,
-                "chunks_mean": float(self.chunks.mean())}
+        return {
+            "ttft_p50": float(p[0]),
+            "ttft_p90": float(p[1]),
+            "ttft_p99": float(p[2]),
+            "ttft_mean": float(self.ttft.mean()),
+            "slo_attainment": self.slo_attainment,
+            "chunks_mean": float(self.chunks.mean()),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +70,14 @@ class Executor:
 SUSTAINABLE = SLO(ttft_slo=0.0, ttft_factor=25.0)
 
 
-def run_pool(planner: Planner, workload: Workload, pool_size: int, best_latency: Callable[[int], float],
-             slo: SLO = SUSTAINABLE, executor: Executor | None = None) -> PoolRun:
+def run_pool(
+    planner: Planner,
+    workload: Workload,
+    pool_size: int,
+    best_latency: Callable[[int], float],
+    slo: SLO = SUSTAINABLE,
+    executor: Executor | None = None,
+) -> PoolRun:
     """best_latency(tokens): the prompt's fastest isolated prefill, which its TTFT deadline scales with. The
     cluster scheduler's arrival decision plans and books each prompt (the planner sees every arrival time first).
     executor: times the chunks (default: as planned)."""
@@ -85,11 +96,20 @@ def run_pool(planner: Planner, workload: Workload, pool_size: int, best_latency:
     return PoolRun(ttft, deadline, chunks, busy, span, plans)
 
 
-def max_sustainable_rate(make_planner: Callable[[], Planner], workload_at: Callable[[float], Workload],
-                         pool_size: int, best_latency: Callable[[int], float], lo: float, hi: float,
-                         target: float = 0.9, iterations: int = 10, slo: SLO = SUSTAINABLE,
-                         executor: Executor | None = None) -> float:
+def max_sustainable_rate(
+    make_planner: Callable[[], Planner],
+    workload_at: Callable[[float], Workload],
+    pool_size: int,
+    best_latency: Callable[[int], float],
+    lo: float,
+    hi: float,
+    target: float = 0.9,
+    iterations: int = 10,
+    slo: SLO = SUSTAINABLE,
+    executor: Executor | None = None,
+) -> float:
     """Highest arrival rate in [lo, hi] with SLO attainment >= target."""
+
     def ok(rate: float) -> bool:
         run = run_pool(make_planner(), workload_at(rate), pool_size, best_latency, slo, executor)
         return run.slo_attainment >= target

@@ -103,12 +103,23 @@ def replay(run: LiveRun, progress: bool = False) -> Results:
     """The run's trace through the simulator of its policy, with its measured costs."""
     step = EngineStepCost.from_dict(run.step_cost)
     workload = run.workload()
-    costs = Costs(decode=step, prefill=None, transfer=lambda tokens, senders: run.transfer(tokens),
-                  decode_kv_capacity=run.kv_tokens, max_num_seqs=run.max_num_seqs)
+    costs = Costs(
+        decode=step,
+        prefill=None,
+        transfer=lambda tokens, senders: run.transfer(tokens),
+        decode_kv_capacity=run.kv_tokens,
+        max_num_seqs=run.max_num_seqs,
+    )
     if run.policy == "esp":  # as cluster/build.py makes it
         model = LoongServePrefill.from_json(json.dumps(run.prefill_model))
-        elastic = ESPScheduler(model, 1, ESPScheduler.served_knee(model, 1, run.max_model_len), None, 0.0,
-                               groups=aligned_groups(run.prefill_instances))
+        elastic = ESPScheduler(
+            model,
+            1,
+            ESPScheduler.served_knee(model, 1, run.max_model_len),
+            None,
+            0.0,
+            groups=aligned_groups(run.prefill_instances),
+        )
         costs = dataclasses.replace(costs, batch=lambda lengths, sp: model.predict(sp, 1, lengths))
         cfg = DisaggConfig(prefill="esp", prefill_instances=run.prefill_instances, decode_tp=1, admission="greedy")
         best = lambda tokens: min(model.predict(sp, 1, [tokens]) for sp, _ in model.coefficients)  # noqa: E731
@@ -116,26 +127,46 @@ def replay(run: LiveRun, progress: bool = False) -> Results:
     eq1 = TetrisPrefill.from_json(json.dumps(run.prefill_model))
     if run.policy == "tetriinfer":
         costs = dataclasses.replace(costs, prefill=TetrisBatchCost(eq1, 1))
-        cfg = DisaggConfig(prefill="tetriinfer", prefill_instances=run.prefill_instances,
-                           prefill_chunk=run.prefill_chunk, prefill_batch=run.prefill_batch,
-                           prefill_order=run.prefill_order, decode_instances=run.decode_instances, decode_tp=1,
-                           dispatch="power_of_two", admission="greedy")  # the live decode instances' admission
+        cfg = DisaggConfig(
+            prefill="tetriinfer",
+            prefill_instances=run.prefill_instances,
+            prefill_chunk=run.prefill_chunk,
+            prefill_batch=run.prefill_batch,
+            prefill_order=run.prefill_order,
+            decode_instances=run.decode_instances,
+            decode_tp=1,
+            dispatch="power_of_two",
+            admission="greedy",
+        )  # the live decode instances' admission
         sim = DisaggSimulator(None, eq1.fastest, cfg, ObservedLengths(), costs)
     elif run.policy == "csps":
         pool = Pool(run.prefill_instances // run.node_size, run.node_size)
         planner = CSPSPlanner(MeasuredCSPS(eq1), pool, run.planner["partition_tokens"], run.planner["sizes"])
-        cfg = DisaggConfig(prefill_instances=run.prefill_instances, decode_instances=run.decode_instances,
-                           decode_tp=1, admission="greedy")
+        cfg = DisaggConfig(
+            prefill_instances=run.prefill_instances,
+            decode_instances=run.decode_instances,
+            decode_tp=1,
+            admission="greedy",
+        )
         sim = DisaggSimulator(planner, planner.fastest, cfg, ObservedLengths(), costs)
     else:
         pool = Pool(run.prefill_instances // run.node_size, run.node_size)
         moves = run.planner.get("balancing")  # the live pool's measured move, if it had one
-        planner = CDSPPlanner(eq1, pool, run.planner["improvement_rate"], sizes=run.planner["sizes"],
-                              min_chunk=run.planner["min_chunk"],
-                              balancing=MeasuredBalancing(**moves) if moves is not None else None)
+        planner = CDSPPlanner(
+            eq1,
+            pool,
+            run.planner["improvement_rate"],
+            sizes=run.planner["sizes"],
+            min_chunk=run.planner["min_chunk"],
+            balancing=MeasuredBalancing(**moves) if moves is not None else None,
+        )
         if "improvement_rates" in run.planner:  # --improvement_rates: the load picks the rate, as live
             planner = AdaptiveCDSP(planner, RateTable(**run.planner["improvement_rates"]))
-        cfg = DisaggConfig(prefill_instances=run.prefill_instances, decode_instances=run.decode_instances,
-                           decode_tp=1, admission="greedy")
+        cfg = DisaggConfig(
+            prefill_instances=run.prefill_instances,
+            decode_instances=run.decode_instances,
+            decode_tp=1,
+            admission="greedy",
+        )
         sim = DisaggSimulator(planner, eq1.fastest, cfg, ObservedLengths(), costs)
     return sim.run(workload, progress)

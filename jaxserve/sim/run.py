@@ -15,9 +15,16 @@ from jaxserve.sim.workload import TRACES, Workload, load_trace, read_trace_file,
 WORKLOADS = TRACES + ("mix",)
 
 
-def make_workload(trace: str, rate: float | None, requests: int | None = None, seed: int = 0,
-                  long_fraction: float = 0.05, max_len: int | None = None, arrival: str = "poisson",
-                  cv: float = 1.0) -> Workload:
+def make_workload(
+    trace: str,
+    rate: float | None,
+    requests: int | None = None,
+    seed: int = 0,
+    long_fraction: float = 0.05,
+    max_len: int | None = None,
+    arrival: str = "poisson",
+    cv: float = 1.0,
+) -> Workload:
     """A packaged trace or a trace file (CSV or JSON Lines: workload.read_trace_file), rescaled to `rate` when
     given, or 'mix': short requests from Azure conv plus `long_fraction` long ones of 128K-1M tokens, arriving
     as a Poisson or gamma (coefficient of variation `cv`) process."""
@@ -42,8 +49,14 @@ def config_for(policy: str = "lars", **settings: Any) -> SimConfig:
     return replace(SimConfig(), policy=policy, **settings)
 
 
-def max_sustainable_rate(config: SimConfig, workload_at: Callable[[float], Workload], lo: float, hi: float,
-                         target: float = 0.9, iterations: int = 8) -> tuple[float, list[dict]]:
+def max_sustainable_rate(
+    config: SimConfig,
+    workload_at: Callable[[float], Workload],
+    lo: float,
+    hi: float,
+    target: float = 0.9,
+    iterations: int = 8,
+) -> tuple[float, list[dict]]:
     """Highest arrival rate in [lo, hi] whose SLO attainment stays >= target, by geometric bisection (attainment
     falls as load rises). Returns the rate and every probe (rate, attainment)."""
     probes = []

@@ -44,22 +44,33 @@ def replica_kv_capacity(config: SimConfig) -> int:
 def stage_packer(config: SimConfig, cost: BatchCost) -> PackerConfig:
     """A token passes every stage once per iteration: each stage gets 1/stages of the iteration budget, so time
     between tokens stays near the budget however deep the pipeline."""
-    return packer_config(config.scheduler, cost, chunk_align=config.chunk_align, max_prefills=config.max_prefills,
-                         long_threshold=config.long_threshold, stages=config.instance.stages)
+    return packer_config(
+        config.scheduler,
+        cost,
+        chunk_align=config.chunk_align,
+        max_prefills=config.max_prefills,
+        long_threshold=config.long_threshold,
+        stages=config.instance.stages,
+    )
 
 
 def step_seconds(cost: BatchCost, plan: Plan) -> float:
     """A Plan's time on the cost model: a burst of decode steps, or one step of chunks and decodes."""
     if plan.steps > 1:
         return cost.burst_time([(i.start, i.tokens) for i in plan.items], plan.steps)
-    return cost.batch_time([(i.tokens, i.history) for i in plan.items if i.phase is Phase.PREFILL],
-                           [i.history for i in plan.items if i.phase is Phase.DECODE])
+    return cost.batch_time(
+        [(i.tokens, i.history) for i in plan.items if i.phase is Phase.PREFILL],
+        [i.history for i in plan.items if i.phase is Phase.DECODE],
+    )
 
 
 def step_tokens(scheduler: ReplicaScheduler, plan: Plan) -> dict[str, tuple[int, ...]]:
     """The tokens a Plan's items yield (placeholders: the simulator counts tokens)."""
-    return {i.request_id: (PLACEHOLDER_TOKEN,) * (i.tokens if i.phase is Phase.DECODE else 1)
-            for i in plan.items if scheduler.yields_token(i)}
+    return {
+        i.request_id: (PLACEHOLDER_TOKEN,) * (i.tokens if i.phase is Phase.DECODE else 1)
+        for i in plan.items
+        if scheduler.yields_token(i)
+    }
 
 
 class Replica:
@@ -67,8 +78,15 @@ class Replica:
         sjf = config.scheduler.policy in ("sjf", "ljf")
         group = tuple(range(index * config.gpus_per_replica, (index + 1) * config.gpus_per_replica))
         kv = KVCacheManager.for_tokens(replica_kv_capacity(config), config.block_size, enable_prefix_caching=False)
-        self.scheduler = replica_scheduler(config.scheduler, cost, kv, packer, group=group,
-                                           prefill_cache=cache, **({"batch": config.sjf_batch} if sjf else {}))
+        self.scheduler = replica_scheduler(
+            config.scheduler,
+            cost,
+            kv,
+            packer,
+            group=group,
+            prefill_cache=cache,
+            **({"batch": config.sjf_batch} if sjf else {}),
+        )
         self.cost, self.stages, self.time_scale = cost, config.instance.stages, config.time_scale
         self.stage_free_at = 0.0
         # between stages (a node each) a batch's activations cross the inter-node link, each TP rank sending its
@@ -103,12 +121,15 @@ class Simulator:
 
     def run(self, workload: Workload, progress: bool = True, max_time: float | None = None) -> Results:
         """Replay a workload; deadlines come from the config's SLO."""
-        requests = [Request(str(i), float(t), int(p), int(o)) for i, (t, p, o) in
-                    enumerate(zip(workload.arrivals, workload.prompt_lens, workload.output_lens))]
+        requests = [
+            Request(str(i), float(t), int(p), int(o))
+            for i, (t, p, o) in enumerate(zip(workload.arrivals, workload.prompt_lens, workload.output_lens))
+        ]
         return self.run_requests(requests, workload.name, progress, max_time)
 
-    def run_requests(self, requests: list[Request], name: str = "requests", progress: bool = True,
-                     max_time: float | None = None) -> Results:
+    def run_requests(
+        self, requests: list[Request], name: str = "requests", progress: bool = True, max_time: float | None = None
+    ) -> Results:
         """Replay requests as given (a request with a finite ttft_deadline keeps it)."""
         cfg = self.config
         replicas = [Replica(i, cfg, self.cost, self.packer, self.cache) for i in range(cfg.replicas)]
@@ -122,11 +143,18 @@ class Simulator:
         rejected, accepted, rr = [], [], itertools.cycle(range(len(replicas)))
         choose: Callable[[], Replica] = (
             (lambda: min(replicas, key=lambda x: (x.scheduler.outstanding_work(), len(x.scheduler.requests))))
-            if cfg.dispatch == "least_work" else (lambda: replicas[next(rr)]))
+            if cfg.dispatch == "least_work"
+            else (lambda: replicas[next(rr)])
+        )
         started = time.perf_counter()
         now = 0.0
-        bar = tqdm(total=len(requests), desc=f"simulate {cfg.scheduler.policy}", unit="req", disable=not progress,
-                   mininterval=0.5)
+        bar = tqdm(
+            total=len(requests),
+            desc=f"simulate {cfg.scheduler.policy}",
+            unit="req",
+            disable=not progress,
+            mininterval=0.5,
+        )
         ready: dict[int, Replica] = {}  # replicas to offer a batch once every event at `now` is in
 
         def launch(rep: Replica) -> None:
@@ -165,6 +193,11 @@ class Simulator:
         bar.close()
         first = requests[0].arrival if requests else 0.0
         last = max((r.finished_at for r in accepted if r.finished_at is not None), default=first)
-        return Results(accepted, rejected, span=max(last - first, 1e-9), wall_seconds=time.perf_counter() - started,
-                       config=dataclasses.asdict(cfg) | {"workload": name, "requests": len(requests)},
-                       long_threshold=cfg.long_threshold)
+        return Results(
+            accepted,
+            rejected,
+            span=max(last - first, 1e-9),
+            wall_seconds=time.perf_counter() - started,
+            config=dataclasses.asdict(cfg) | {"workload": name, "requests": len(requests)},
+            long_threshold=cfg.long_threshold,
+        )

@@ -33,8 +33,7 @@ ARRIVALS = ("poisson", "gamma")
 
 # a trace file's columns, under the names common trace formats give them (Azure's, Vidur's, Splitwise's, ...)
 ARRIVAL_COLUMNS = ("arrival", "arrival_time", "arrived_at", "timestamp")
-PROMPT_COLUMNS = ("prompt_tokens", "prompt_len", "input_tokens", "input_length", "num_prefill_tokens",
-                  "contexttokens")
+PROMPT_COLUMNS = ("prompt_tokens", "prompt_len", "input_tokens", "input_length", "num_prefill_tokens", "contexttokens")
 OUTPUT_COLUMNS = ("output_tokens", "output_len", "output_length", "num_decode_tokens", "generatedtokens")
 
 
@@ -139,8 +138,16 @@ def load_trace(
     return _select(name, *_read_trace(name), rate=rate, seed=seed, limit=limit, max_len=max_len)
 
 
-def _select(name: str, arrivals: np.ndarray | None, prompt_lens: np.ndarray, output_lens: np.ndarray,
-            rate: float | None, seed: int, limit: int | None, max_len: int | None) -> Workload:
+def _select(
+    name: str,
+    arrivals: np.ndarray | None,
+    prompt_lens: np.ndarray,
+    output_lens: np.ndarray,
+    rate: float | None,
+    seed: int,
+    limit: int | None,
+    max_len: int | None,
+) -> Workload:
     """load_trace's choice of requests, arrivals and rate, over a trace's columns."""
     if rate is not None:
         _check_rate(rate)
@@ -163,8 +170,13 @@ def _select(name: str, arrivals: np.ndarray | None, prompt_lens: np.ndarray, out
     return workload
 
 
-def read_trace_file(path: str | pathlib.Path, rate: float | None = None, seed: int = 0, limit: int | None = None,
-                    max_len: int | None = None) -> Workload:
+def read_trace_file(
+    path: str | pathlib.Path,
+    rate: float | None = None,
+    seed: int = 0,
+    limit: int | None = None,
+    max_len: int | None = None,
+) -> Workload:
     """A user's trace: CSV with a header row, or JSON Lines (one object a request; `.jsonl` or `.json`), each
     request's prompt and output tokens and, optionally, its arrival (seconds, or an ISO 8601 time). Columns go by
     the names in ARRIVAL_COLUMNS, PROMPT_COLUMNS and OUTPUT_COLUMNS (any case). Arrivals count from the first;
@@ -186,12 +198,16 @@ def read_trace_file(path: str | pathlib.Path, rate: float | None = None, seed: i
     def column(names: tuple[str, ...], required: bool) -> str | None:
         found = next((columns[n] for n in names if n in columns), None)
         if found is None and required:
-            raise ValueError(f"{path}:{first_line}: no column of {' / '.join(names)}; it has "
-                             f"{', '.join(first) or 'none'}")
+            raise ValueError(
+                f"{path}:{first_line}: no column of {' / '.join(names)}; it has {', '.join(first) or 'none'}"
+            )
         return found
 
-    arrival, prompt, output = (column(ARRIVAL_COLUMNS, False), column(PROMPT_COLUMNS, True),
-                               column(OUTPUT_COLUMNS, True))
+    arrival, prompt, output = (
+        column(ARRIVAL_COLUMNS, False),
+        column(PROMPT_COLUMNS, True),
+        column(OUTPUT_COLUMNS, True),
+    )
     times, prompts, outputs = [], [], []
     for line, row in rows:
         prompts.append(_tokens(path, line, row, prompt))
@@ -204,14 +220,14 @@ def read_trace_file(path: str | pathlib.Path, rate: float | None = None, seed: i
         if len(kinds) > 1:  # no common origin
             raise ValueError(f"{path}: arrivals mix {' and '.join(sorted(kinds))} times")
         start = min(times)
-        arrivals = np.array([(t - start).total_seconds() if isinstance(t, datetime.datetime) else t - start
-                             for t in times], np.float64)
+        arrivals = np.array(
+            [(t - start).total_seconds() if isinstance(t, datetime.datetime) else t - start for t in times], np.float64
+        )
     prompt_lens, output_lens = np.array(prompts, np.int64), np.array(outputs, np.int64)
     if arrivals is not None:
         order = np.argsort(arrivals, kind="stable")
         arrivals, prompt_lens, output_lens = arrivals[order], prompt_lens[order], output_lens[order]
-    return _select(path.stem, arrivals, prompt_lens, output_lens, rate=rate, seed=seed, limit=limit,
-                   max_len=max_len)
+    return _select(path.stem, arrivals, prompt_lens, output_lens, rate=rate, seed=seed, limit=limit, max_len=max_len)
 
 
 def _csv_rows(path: pathlib.Path, text: str):

@@ -3,8 +3,8 @@
 XLA_FLAGS=--xla_force_host_platform_device_count=12 (the flag must be set before JAX starts).
 
 The model is a small one of random weights with SmolLM2's tokenizer (tests/tiny_models.py; 4 layers, 6 query
-and 3 KV heads, 192 MLP features, so it splits over 3 tensor-parallel devices and 2 pipeline stages): what these tests check is
-the layouts and the cluster's decisions, against one device running the same model, and a small model compiles
+and 3 KV heads, 192 MLP features, so it splits over 3 tensor-parallel devices and 2 pipeline stages): what these tests
+check is the layouts and the cluster's decisions, against one device running the same model, and a small model compiles
 and runs their many programs in a fraction of SmolLM2's time. SmolLM2 itself runs here where its file matters
 (its Q4_1 blocks, test_llm_layouts.py) and in the single-device tests."""
 
@@ -67,8 +67,14 @@ def model(tmp_path_factory, smollm2) -> str:
 @pytest.fixture(scope="session")
 def llm(devices, model):
     """The model in float32 with a small batch; its engine (on device 0) is the single-device reference."""
-    return jaxserve.LLM(model, max_model_len=MAX_MODEL_LEN, kv_cache_tokens=2 * MAX_MODEL_LEN, max_num_seqs=4,
-                        max_num_batched_tokens=256, progress=False)
+    return jaxserve.LLM(
+        model,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_tokens=2 * MAX_MODEL_LEN,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        progress=False,
+    )
 
 
 def engine_maker(llm):
@@ -91,10 +97,23 @@ def eq1_model() -> TetrisPrefill:
 
 
 def make_cluster(llm, devices, decode_instances: int = 1, receive_buffers: int = 4, warm: bool = True):
-    layout = ParallelConfig(prefill_instances=8, decode_instances=decode_instances, node_size=2,
-                            receive_buffers=receive_buffers, min_chunk=256)
-    cluster = build(llm.config, llm._params, layout, engine_maker(llm), eq1_model(),
-                    capacity=MAX_MODEL_LEN, min_local=128, devices=devices)
+    layout = ParallelConfig(
+        prefill_instances=8,
+        decode_instances=decode_instances,
+        node_size=2,
+        receive_buffers=receive_buffers,
+        min_chunk=256,
+    )
+    cluster = build(
+        llm.config,
+        llm._params,
+        layout,
+        engine_maker(llm),
+        eq1_model(),
+        capacity=MAX_MODEL_LEN,
+        min_local=128,
+        devices=devices,
+    )
     if warm:
         warmup(cluster, MAX_MODEL_LEN, progress=False)
     return cluster
@@ -151,6 +170,7 @@ def serve(clustered, prompts: list[list[int]], max_tokens: int) -> tuple[list[st
     del s
     gc.collect()
     assert engine() is None, "a stopped server still holds its engine (and the model's device buffers)"
-    events = {m[1]: float(m[2]) for m in re.finditer(r'^jaxserve_cluster_events_total\{event="(\w+)"\} (\S+)$',
-                                                      metrics, re.M)}
+    events = {
+        m[1]: float(m[2]) for m in re.finditer(r'^jaxserve_cluster_events_total\{event="(\w+)"\} (\S+)$', metrics, re.M)
+    }
     return texts, events

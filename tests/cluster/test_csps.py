@@ -31,11 +31,19 @@ def test_whole_prompts_on_the_fewest_instances_equal_one_device_and_replay_to_th
     decode capacity, the simulator makes the same plans: the same group for every prompt and the same decode
     instance. max_tokens is the length predictor's prior, so the cap the simulator does not know changes no
     promise."""
-    layout = ParallelConfig(prefill_instances=4, decode_instances=2, cluster_policy="csps",
-                            partition_tokens=PARTITION)
+    layout = ParallelConfig(prefill_instances=4, decode_instances=2, cluster_policy="csps", partition_tokens=PARTITION)
     eq1 = TetrisPrefill({s: np.array([0.01 * s, 4e-4 / s, 2e-7 / s, 1e-7 / s]) for s in (1, 2, 4)})
-    cluster = build(llm.config, llm._params, layout, engine_maker(llm), eq1, capacity=MAX_MODEL_LEN,
-                    min_local=128, devices=devices[:6], progress=False)
+    cluster = build(
+        llm.config,
+        llm._params,
+        layout,
+        engine_maker(llm),
+        eq1,
+        capacity=MAX_MODEL_LEN,
+        min_local=128,
+        devices=devices[:6],
+        progress=False,
+    )
     assert isinstance(cluster.planner, CSPSPlanner)
     assert type(cluster.prefill.backend(2)).__name__ == "StoreUlyssesBackend"
     lengths = [3000, 1500, 700, 300, 1200]
@@ -58,14 +66,24 @@ def test_whole_prompts_on_the_fewest_instances_equal_one_device_and_replay_to_th
     step = decoder.engine.scheduler.cost.to_dict()  # priced a millisecond a program: every plan is made at arrival
     step["base"] = [[1e-3] * len(row) for row in step["base"]]
     step["decode_base"] = [1e-3] * len(step["decode_base"])
-    live_run = LiveRun("csps", 4, 2, cluster.planner.pool.per_node,
-                       [(t - first, n, len(out)) for (_, t, n), out in zip(arrivals, outputs)],
-                       json.loads(eq1.to_json()), step, Line(0.0, 0.0), decoder.kv_tokens,
-                       decoder.engine.max_num_seqs, MAX_MODEL_LEN,
-                       dict(partition_tokens=PARTITION, sizes=list(cluster.planner.sizes)))
+    live_run = LiveRun(
+        "csps",
+        4,
+        2,
+        cluster.planner.pool.per_node,
+        [(t - first, n, len(out)) for (_, t, n), out in zip(arrivals, outputs)],
+        json.loads(eq1.to_json()),
+        step,
+        Line(0.0, 0.0),
+        decoder.kv_tokens,
+        decoder.engine.max_num_seqs,
+        MAX_MODEL_LEN,
+        dict(partition_tokens=PARTITION, sizes=list(cluster.planner.sizes)),
+    )
     sim = replay(LiveRun.from_dict(json.loads(json.dumps(live_run.to_dict()))))
-    assert {ids: tuple(sorted(g)) for ids, g, _, _ in sim.prefills} == {(str(k),): groups[rid]
-                                                                         for k, rid in enumerate(rids)}
+    assert {ids: tuple(sorted(g)) for ids, g, _, _ in sim.prefills} == {
+        (str(k),): groups[rid] for k, rid in enumerate(rids)
+    }
     for k, rid in enumerate(rids):
         (live_decoder,) = {d for d, t in cluster.transfers if t.request_id == rid}
         assert live_decoder == sim.decoders[str(k)], k
@@ -77,9 +95,19 @@ def test_llm_serves_through_csps_by_its_flag(model, llm, tmp_path):
     follows a pool through that), and generation through the cluster gives the single-device engine's greedy
     tokens, on the prior's plans and, once the cluster has measured its own while idle, on the measured one's."""
     path = tmp_path / "eq1.json"
-    clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4,
-                             max_num_batched_tokens=256, prefill_instances=4, decode_instances=1,
-                             cluster_policy="csps", partition_tokens=256, prefill_profile=str(path), progress=False)
+    clustered = jaxserve.LLM(
+        model,
+        max_model_len=1024,
+        kv_cache_tokens=1024,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        prefill_instances=4,
+        decode_instances=1,
+        cluster_policy="csps",
+        partition_tokens=256,
+        prefill_profile=str(path),
+        progress=False,
+    )
     cluster = clustered.engine
     assert isinstance(cluster, ClusterEngine) and isinstance(cluster.planner, CSPSPlanner)
     assert cluster.planner.model.model.to_json() == TetrisPrefill.prior([1, 2, 4]).to_json() and cluster.has_deferred

@@ -41,8 +41,17 @@ def test_elastic_batches_scale_up_and_down_and_equal_one_device(llm, devices):
     instances' KV moves to it). A second wave arrives while the first decodes: the instances it prefills on pause
     their decodes. Every prompt gets the single-device engine's greedy tokens."""
     layout = ParallelConfig(prefill_instances=4, cluster_policy="esp")
-    cluster = build(llm.config, llm._params, layout, engine_maker(llm), batch_model(),
-                    capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
+    cluster = build(
+        llm.config,
+        llm._params,
+        layout,
+        engine_maker(llm),
+        batch_model(),
+        capacity=MAX_MODEL_LEN,
+        min_local=64,
+        devices=devices[:4],
+        progress=False,
+    )
     assert isinstance(cluster, ESPCluster) and isinstance(cluster, ServingEngine)
     lengths = [3000, 300, 40, 700, 90]
     ids = [prompt(llm, n, 40 + k) for k, n in enumerate(lengths)]
@@ -91,9 +100,19 @@ def test_llm_serves_through_esp_by_its_flag(model, llm, tmp_path):
     events in /metrics. Its context is its two instances' pools together: the 900-token prompt decodes over
     both."""
     batches, steps = tmp_path / "esp.json", tmp_path / "step.json"
-    clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=512, max_num_seqs=4,
-                             max_num_batched_tokens=256, prefill_instances=2, cluster_policy="esp", warmup=True,
-                             prefill_profile=str(batches), cost_profile=str(steps), progress=False)
+    clustered = jaxserve.LLM(
+        model,
+        max_model_len=1024,
+        kv_cache_tokens=512,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        prefill_instances=2,
+        cluster_policy="esp",
+        warmup=True,
+        prefill_profile=str(batches),
+        cost_profile=str(steps),
+        progress=False,
+    )
     cluster = clustered.engine
     assert isinstance(cluster, ESPCluster) and clustered.max_model_len == 1024
     assert cluster.prefill.num_programs == 0 and isinstance(cluster._idle[0], Compiling)
@@ -112,8 +131,10 @@ def test_llm_serves_through_esp_by_its_flag(model, llm, tmp_path):
     want = llm.generate(ids, GREEDY)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-        else None)
+        lambda event, secs, **kw: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
     assert [c.token_ids for c in clustered.generate(ids, GREEDY)] == [c.token_ids for c in want]
     assert compiles == []
     texts, events = serve(clustered, ids, GREEDY.max_tokens)  # `serve` over the same cluster
@@ -129,10 +150,26 @@ def test_a_request_whose_kv_outgrows_one_instance_decodes_over_several(llm, devi
     it decodes on one instance's own engine. Both get the single-device engine's greedy tokens."""
     small = 256
     layout = ParallelConfig(prefill_instances=4, cluster_policy="esp")
-    make = lambda ds, tp: llm.make_engine(ds, progress=False, tp=tp, kv_cache_tokens=small,  # noqa: E731
-                                          max_model_len=small)
-    cluster = build(llm.config, llm._params, layout, make, batch_model(), capacity=4 * small, store_tokens=small,
-                    min_local=64, devices=devices[:4], progress=False, make_group=llm.make_spread_engine)
+    make = lambda ds, tp: llm.make_engine(
+        ds,
+        progress=False,
+        tp=tp,
+        kv_cache_tokens=small,  # noqa: E731
+        max_model_len=small,
+    )
+    cluster = build(
+        llm.config,
+        llm._params,
+        layout,
+        make,
+        batch_model(),
+        capacity=4 * small,
+        store_tokens=small,
+        min_local=64,
+        devices=devices[:4],
+        progress=False,
+        make_group=llm.make_spread_engine,
+    )
     assert cluster.max_model_len == 4 * small and cluster.group is not None
     long, short = SamplingParams(max_tokens=100, ignore_eos=True), SamplingParams(max_tokens=12, ignore_eos=True)
     ids = [prompt(llm, 400, 80), prompt(llm, 50, 81)]
@@ -165,8 +202,17 @@ def test_the_simulator_makes_the_live_clusters_esp_plans(llm, devices):
 
     layout = ParallelConfig(prefill_instances=4, cluster_policy="esp")
     model = batch_model()
-    cluster = build(llm.config, llm._params, layout, engine_maker(llm), model,
-                    capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
+    cluster = build(
+        llm.config,
+        llm._params,
+        layout,
+        engine_maker(llm),
+        model,
+        capacity=MAX_MODEL_LEN,
+        min_local=64,
+        devices=devices[:4],
+        progress=False,
+    )
     lengths = [700, 90, 400, 150, 2600, 40, 520, 1300]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     rids = [cluster.add_request(prompt(llm, n, 90 + k), params) for k, n in enumerate(lengths)]
@@ -182,11 +228,22 @@ def test_the_simulator_makes_the_live_clusters_esp_plans(llm, devices):
     step["base"] = [[1e-3] * len(row) for row in step["base"]]  # simulated steps a millisecond a program
     step["decode_base"] = [1e-3] * len(step["decode_base"])
     first = cluster.arrivals[0][1]
-    live_run = LiveRun("esp", 4, 0, 1, [(t - first, n, params.max_tokens) for _, t, n in cluster.arrivals],
-                       json.loads(model.to_json()), step, Line(0.0, 0.0), cluster.decoders[0].kv_tokens,
-                       cluster.decoders[0].engine.max_num_seqs, MAX_MODEL_LEN)
+    live_run = LiveRun(
+        "esp",
+        4,
+        0,
+        1,
+        [(t - first, n, params.max_tokens) for _, t, n in cluster.arrivals],
+        json.loads(model.to_json()),
+        step,
+        Line(0.0, 0.0),
+        cluster.decoders[0].kv_tokens,
+        cluster.decoders[0].engine.max_num_seqs,
+        MAX_MODEL_LEN,
+    )
     sim = replay(live_run)
     assert [(tuple(ids), group) for (_, group), ids in batches.items()] == [
-        (ids, group) for ids, group, _, _ in sim.prefills]
+        (ids, group) for ids, group, _, _ in sim.prefills
+    ]
     assert {str(rids.index(t.request_id)): i for i, t in cluster.transfers} == sim.decoders
     assert len(batches) > 1 and max(len(group) for _, group in batches) > 1  # batches side by side, one scaled up

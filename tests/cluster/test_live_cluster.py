@@ -70,7 +70,7 @@ def test_the_simulator_makes_the_live_clusters_plans(llm, cluster):
     requests = [(prompt(llm, n, 40 + i), SamplingParams(max_tokens=320)) for i, n in enumerate(lengths)]
     before = len(cluster.records)
     outputs = run(cluster, requests)
-    arrivals = list(cluster.arrivals)[-len(requests):]
+    arrivals = list(cluster.arrivals)[-len(requests) :]
     first = arrivals[0][1]
     planner, decoder = cluster.planner, cluster.decoders[0]
     # the engine's steps were never measured here (priced at zero): the simulated ones a millisecond a program,
@@ -78,12 +78,20 @@ def test_the_simulator_makes_the_live_clusters_plans(llm, cluster):
     step = decoder.engine.scheduler.cost.to_dict()
     step["base"] = [[1e-3] * len(row) for row in step["base"]]
     step["decode_base"] = [1e-3] * len(step["decode_base"])
-    live_run = LiveRun("cdsp", len(cluster.pool_ids), len(cluster.decoders), planner.pool.per_node,
-                       [(t - first, n, len(out)) for (_, t, n), out in zip(arrivals, outputs)],
-                       json.loads(planner.model.to_json()), step, Line(0.0, 0.0),
-                       decoder.kv_tokens, decoder.engine.max_num_seqs, MAX_MODEL_LEN,
-                       dict(improvement_rate=planner.improvement_rate, sizes=list(planner.sizes),
-                            min_chunk=planner.min_chunk))
+    live_run = LiveRun(
+        "cdsp",
+        len(cluster.pool_ids),
+        len(cluster.decoders),
+        planner.pool.per_node,
+        [(t - first, n, len(out)) for (_, t, n), out in zip(arrivals, outputs)],
+        json.loads(planner.model.to_json()),
+        step,
+        Line(0.0, 0.0),
+        decoder.kv_tokens,
+        decoder.engine.max_num_seqs,
+        MAX_MODEL_LEN,
+        dict(improvement_rate=planner.improvement_rate, sizes=list(planner.sizes), min_chunk=planner.min_chunk),
+    )
     sim = replay(live_run)
     slot = cluster.pool_ids.index
     for k, (rid, _, _) in enumerate(arrivals):
@@ -116,10 +124,12 @@ def test_kv_parallel_decode_group_equals_one_device(llm, devices, cluster, long_
     ids, want = long_prompt
     per_device = MAX_MODEL_LEN // kvp
     assert per_device < len(ids)
-    engine = llm.make_engine(devices[8:8 + kvp], progress=False, kv_cache_tokens=per_device)
+    engine = llm.make_engine(devices[8 : 8 + kvp], progress=False, kv_cache_tokens=per_device)
     group = one_decoder(cluster, engine, receive_buffers=4)
     assert prefill_over_2_4_8(group, ids) == want
-    held = [np.count_nonzero(np.asarray(s.data).any(axis=(0, 2, 3))) for s in engine.runner.caches[0].addressable_shards]
+    held = [
+        np.count_nonzero(np.asarray(s.data).any(axis=(0, 2, 3))) for s in engine.runner.caches[0].addressable_shards
+    ]
     assert len(held) == kvp and min(held) >= len(ids) // kvp - 16  # about a 1/kvp share each
 
 
@@ -164,11 +174,15 @@ def test_no_compilation_after_warmup_across_varied_requests(llm, cluster):
     size, no compile."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-        else None)
+        lambda event, secs, **kw: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
     rng = np.random.default_rng(1)
-    requests = [(prompt(llm, int(n), i), SamplingParams(max_tokens=4))
-                for i, n in enumerate([3000, *rng.integers(100, 1500, 5)])]
+    requests = [
+        (prompt(llm, int(n), i), SamplingParams(max_tokens=4))
+        for i, n in enumerate([3000, *rng.integers(100, 1500, 5)])
+    ]
     before = len(cluster.records)
     for k, (ids, params) in enumerate(requests):  # the long one grows over 2 -> 4 -> 8, the others vary
         busy(cluster, GROWING if k == 0 else {i: float(rng.uniform(0, 0.4)) for i in range(8)})
@@ -184,8 +198,18 @@ def test_a_cluster_plans_with_a_prior_until_it_measures_its_pool_while_idle(llm,
     from then on. After the warm-up, measuring and serving compile nothing."""
     path, context = tmp_path / "eq1.json", 1024
     layout = ParallelConfig(prefill_instances=4, decode_instances=1, node_size=2, min_chunk=256)
-    cluster = build(llm.config, llm._params, layout, engine_maker(llm), path, capacity=context, min_local=64,
-                    devices=devices[:5], progress=False, defer=True)
+    cluster = build(
+        llm.config,
+        llm._params,
+        layout,
+        engine_maker(llm),
+        path,
+        capacity=context,
+        min_local=64,
+        devices=devices[:5],
+        progress=False,
+        defer=True,
+    )
     prior = TetrisPrefill.prior([2, 4])
     assert cluster.planner.model.to_json() == prior.to_json() and cluster.has_deferred and not path.exists()
     warmup(cluster, context, progress=False)
@@ -193,8 +217,10 @@ def test_a_cluster_plans_with_a_prior_until_it_measures_its_pool_while_idle(llm,
     (want,) = [c.token_ids for c in llm.generate([ids], GREEDY)]  # (the reference engine compiles its own)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-        else None)
+        lambda event, secs, **kw: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
     assert run(cluster, [(ids, GREEDY)]) == [want]  # served on the prior's plan
 
     cluster.add_request(ids, GREEDY)

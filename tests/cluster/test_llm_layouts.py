@@ -30,10 +30,24 @@ def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(model, llm, tmp_
     a table (--improvement_rates): the first arrivals, at once, read as a high rate."""
     path, rates = tmp_path / "eq1.json", tmp_path / "rates.json"
     rates.write_text(RateTable((0.0, 1.0), (0.3, 0.05)).to_json())
-    clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=1024, max_num_seqs=4,
-                             max_num_batched_tokens=256, tp=3, prefill_instances=2, decode_instances=1, decode_kvp=2,
-                             min_chunk=256, sp_attention="sp_ntp", sparse_attention=0.0, prefill_profile=str(path),
-                             improvement_rates=str(rates), quick_start=False, progress=False)
+    clustered = jaxserve.LLM(
+        model,
+        max_model_len=1024,
+        kv_cache_tokens=1024,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        tp=3,
+        prefill_instances=2,
+        decode_instances=1,
+        decode_kvp=2,
+        min_chunk=256,
+        sp_attention="sp_ntp",
+        sparse_attention=0.0,
+        prefill_profile=str(path),
+        improvement_rates=str(rates),
+        quick_start=False,
+        progress=False,
+    )
     adaptive = clustered.engine.planner
     assert isinstance(adaptive, AdaptiveCDSP) and adaptive.planner.improvement_rate == 0.3  # no load seen yet
     assert type(clustered.engine.prefill.backend(2)).__name__ == "StoreCSABackend"
@@ -56,8 +70,15 @@ def test_llm_with_a_layout_serves_through_a_cluster_it_profiled(model, llm, tmp_
 def test_llm_on_one_tensor_parallel_instance_equals_one_device(model, llm):
     """LLM(tp=3) without a cluster layout: one engine whose step runs on 3 devices, each with a third of every
     layer's heads and MLP and of the KV cache's heads, gives the single-device engine's greedy tokens."""
-    tp = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
-                      tp=3, progress=False)
+    tp = jaxserve.LLM(
+        model,
+        max_model_len=1024,
+        kv_cache_tokens=2048,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        tp=3,
+        progress=False,
+    )
     runner = tp.engine.runner
     assert len(runner.devices) == 3 and runner.caches[0].shape[2] == 3
     assert {s.data.shape[2] for s in runner.caches[0].addressable_shards} == {1}  # one KV head per device
@@ -66,15 +87,15 @@ def test_llm_on_one_tensor_parallel_instance_equals_one_device(model, llm):
     assert [c.token_ids for c in tp.generate(ids, GREEDY)] == want
 
 
-
 def test_quantized_weights_split_over_tensor_parallel_devices(model, smollm2, llm):
     """LLM(tp=3) with weights kept quantized, each device holding its share of the values, scales and offsets:
     SmolLM2's Q4_1 blocks (4-bit values packed in bytes, split by columns; offsets per block, split with rows) and
     int8 (one scale per column, whole on every device for the row-split projections). The GGUF blocks give the
     float32 engine's greedy tokens (SmolLM2's, converted from the same file); int8 gives its own single-device
     greedy tokens."""
-    settings = dict(max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256,
-                    progress=False)
+    settings = dict(
+        max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256, progress=False
+    )
     ids = [prompt(llm, 300, 11), prompt(llm, 40, 12)]
     kept, full = (jaxserve.LLM(smollm2, **settings, **extra) for extra in (dict(quantization="gguf", tp=3), {}))
     assert [c.token_ids for c in kept.generate(ids, GREEDY)] == [c.token_ids for c in full.generate(ids, GREEDY)]
@@ -88,8 +109,18 @@ def test_llm_on_pipeline_stages_of_kv_parallel_sets_equals_one_device(model, llm
     2 stages, each stage's KV over 2 sets of 3 tensor-parallel devices, a request filling 256 tokens on one set
     before the next joins (the long prompt's second set joins mid-prefill). The single-device engine's greedy
     tokens for a prompt many chunks long and short ones beside it."""
-    pipe = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=128,
-                        tp=3, stages=2, kvp=2, kvp_tokens=256, progress=False)
+    pipe = jaxserve.LLM(
+        model,
+        max_model_len=1024,
+        kv_cache_tokens=2048,
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
+        tp=3,
+        stages=2,
+        kvp=2,
+        kvp_tokens=256,
+        progress=False,
+    )
     runner = pipe.engine.runner
     assert (runner.stages, runner.kvp, runner.tp, len(runner.devices)) == (2, 2, 3, 12)
     assert [c[0].shape[0] for c in runner.stage_caches] == [LAYERS // 2] * 2

@@ -28,9 +28,20 @@ def test_a_prompt_past_one_store_prefills_over_the_pool_and_decodes_over_the_set
     path = tmp_path / "eq1.json"
     eq1 = eq1_model()
     path.write_text(type(eq1)({s: c for s, c in eq1.coefficients.items() if s <= 4}).to_json())
-    llm = jaxserve.LLM("random:tiny-1m", prefill_instances=4, node_size=2, decode_instances=1, decode_kvp=4,
-                       kv_cache_tokens=PER_DEVICE, max_model_len=8192, min_chunk=256, max_num_batched_tokens=256,
-                       prefill_profile=str(path), quick_start=False, progress=False)  # the moves measured now
+    llm = jaxserve.LLM(
+        "random:tiny-1m",
+        prefill_instances=4,
+        node_size=2,
+        decode_instances=1,
+        decode_kvp=4,
+        kv_cache_tokens=PER_DEVICE,
+        max_model_len=8192,
+        min_chunk=256,
+        max_num_batched_tokens=256,
+        prefill_profile=str(path),
+        quick_start=False,
+        progress=False,
+    )  # the moves measured now
     cluster = llm.engine
     assert llm.max_model_len == 4 * PER_DEVICE and cluster.prefill.cap == PER_DEVICE
     # the history's move onto a larger group was timed on this pool and is priced ahead of the chunk (kept beside
@@ -50,6 +61,7 @@ def test_a_prompt_past_one_store_prefills_over_the_pool_and_decodes_over_the_set
         out = run(request_id, group, *args)
         fills.append([cluster.prefill.stores[i].fill for i in group])
         return out
+
     cluster.prefill.run_chunk = watched
     rid = cluster.add_request(ids, GREEDY)
     tokens, table = [], None

@@ -26,10 +26,25 @@ def test_prefill_instances_with_sjf_batches_and_whole_kv_transfer_equal_one_devi
     prompt fills instance 0 (3 chunks), the five short ones queue on instance 1, which runs them shortest first
     within its scheduling batch, merging several into one chunk; each prompt's KV moves in one transfer once its
     prompt is done; every prompt gets the single-device engine's greedy tokens."""
-    layout = ParallelConfig(prefill_instances=2, decode_instances=2, cluster_policy="tetriinfer", prefill_chunk=512,
-                            prefill_batch=8, prefill_order="sjf")
-    cluster = build(llm.config, llm._params, layout, engine_maker(llm), None,
-                    capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
+    layout = ParallelConfig(
+        prefill_instances=2,
+        decode_instances=2,
+        cluster_policy="tetriinfer",
+        prefill_chunk=512,
+        prefill_batch=8,
+        prefill_order="sjf",
+    )
+    cluster = build(
+        llm.config,
+        llm._params,
+        layout,
+        engine_maker(llm),
+        None,
+        capacity=MAX_MODEL_LEN,
+        min_local=64,
+        devices=devices[:4],
+        progress=False,
+    )
     assert isinstance(cluster, TetriInferCluster) and isinstance(cluster, ServingEngine)
     lengths = [1300, 300, 40, 700, 120, 90]
     ids = [prompt(llm, n, 20 + k) for k, n in enumerate(lengths)]
@@ -58,10 +73,20 @@ def test_llm_serves_through_tetriinfer_by_its_flag(model, llm):
     more rows of the history store than max_model_len, padded to power-of-two buckets. The prefill instances
     are one device each, the decode instance three tensor-parallel devices (--decode_tp, Tetris's TP 1 prefill
     and TP 8 decode): each whole-KV transfer lands split over its heads."""
-    clustered = jaxserve.LLM(model, max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4,
-                             max_num_batched_tokens=256, prefill_instances=2, decode_instances=1, decode_tp=3,
-                             cluster_policy="tetriinfer", prefill_chunk=256, length_predictor="prompt",
-                             progress=False)
+    clustered = jaxserve.LLM(
+        model,
+        max_model_len=1024,
+        kv_cache_tokens=2048,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        prefill_instances=2,
+        decode_instances=1,
+        decode_tp=3,
+        cluster_policy="tetriinfer",
+        prefill_chunk=256,
+        length_predictor="prompt",
+        progress=False,
+    )
     assert isinstance(clustered.engine, TetriInferCluster)
     decode = clustered.engine.decoders[0].engine.runner
     assert decode.tp == 3 and len(decode.devices) == 3
@@ -94,10 +119,20 @@ def test_instances_flip_to_decode_and_back_to_prefill_as_the_load_shifts(llm, de
     prefill side idles: a prefill instance drains and turns decode instance. Then eight long prompts queue on the
     one prefill instance left while the decode side idles: a decode instance turns prefill instance, and the next
     prompt prefills there (the emptiest queue). Every prompt gets the single-device engine's greedy tokens."""
-    layout = ParallelConfig(prefill_instances=2, decode_instances=2, cluster_policy="tetriinfer", prefill_chunk=256,
-                            flip_window=0.2)
-    cluster = build(llm.config, llm._params, layout, engine_maker(llm), None,
-                    capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:4], progress=False)
+    layout = ParallelConfig(
+        prefill_instances=2, decode_instances=2, cluster_policy="tetriinfer", prefill_chunk=256, flip_window=0.2
+    )
+    cluster = build(
+        llm.config,
+        llm._params,
+        layout,
+        engine_maker(llm),
+        None,
+        capacity=MAX_MODEL_LEN,
+        min_local=64,
+        devices=devices[:4],
+        progress=False,
+    )
     warmup(cluster, 1024, progress=False)
     assert cluster.scheduler.prefilling == {0, 1} and cluster.scheduler.decoding == {2, 3}
     decode_heavy = SamplingParams(max_tokens=120)
@@ -123,8 +158,11 @@ def test_instances_flip_to_decode_and_back_to_prefill_as_the_load_shifts(llm, de
     step_until(cluster, tokens, lambda: False)
     assert [r.group for r in cluster.records if r.request_id == last] == [(cluster.pool_ids[new],)]
 
-    want = ([c.token_ids for c in llm.generate(first, decode_heavy)]
-            + [c.token_ids for c in llm.generate(second, one_token)] + [llm.generate([third], GREEDY)[0].token_ids])
+    want = (
+        [c.token_ids for c in llm.generate(first, decode_heavy)]
+        + [c.token_ids for c in llm.generate(second, one_token)]
+        + [llm.generate([third], GREEDY)[0].token_ids]
+    )
     assert [tokens[r] for r in rids + later + [last]] == want
     assert not cluster.has_unfinished()
 
@@ -137,10 +175,25 @@ def test_the_simulator_makes_the_live_clusters_tetriinfer_plans(llm, devices):
     prior is every promise on both sides; then they are aborted."""
     from jaxserve.sim.replay import Line, LiveRun, replay
 
-    layout = ParallelConfig(prefill_instances=1, decode_instances=2, cluster_policy="tetriinfer", prefill_chunk=256,
-                            prefill_batch=8, prefill_order="sjf")
-    cluster = build(llm.config, llm._params, layout, engine_maker(llm), None,
-                    capacity=MAX_MODEL_LEN, min_local=64, devices=devices[:3], progress=False)
+    layout = ParallelConfig(
+        prefill_instances=1,
+        decode_instances=2,
+        cluster_policy="tetriinfer",
+        prefill_chunk=256,
+        prefill_batch=8,
+        prefill_order="sjf",
+    )
+    cluster = build(
+        llm.config,
+        llm._params,
+        layout,
+        engine_maker(llm),
+        None,
+        capacity=MAX_MODEL_LEN,
+        min_local=64,
+        devices=devices[:3],
+        progress=False,
+    )
     warmup(cluster, 1024, progress=False)
     lengths = [700, 90, 400, 150, 260, 40, 520]
     params = SamplingParams(max_tokens=2000, ignore_eos=True)
@@ -160,10 +213,22 @@ def test_the_simulator_makes_the_live_clusters_tetriinfer_plans(llm, devices):
     step["base"] = [[cluster.decode_seconds] * len(row) for row in step["base"]]
     step["decode_base"] = [cluster.decode_seconds] * len(step["decode_base"])
     first = cluster.arrivals[0][1]
-    live_run = LiveRun("tetriinfer", 1, 2, 1, [(t - first, n, params.max_tokens) for _, t, n in cluster.arrivals],
-                       json.loads(TetrisPrefill({1: np.array([0.0, seconds / 256, 0.0, 0.0])}).to_json()), step,
-                       Line(0.0, 0.0), cluster.decoders[0].kv_tokens, cluster.decoders[0].engine.max_num_seqs,
-                       MAX_MODEL_LEN, prefill_chunk=256, prefill_batch=8, prefill_order="sjf")
+    live_run = LiveRun(
+        "tetriinfer",
+        1,
+        2,
+        1,
+        [(t - first, n, params.max_tokens) for _, t, n in cluster.arrivals],
+        json.loads(TetrisPrefill({1: np.array([0.0, seconds / 256, 0.0, 0.0])}).to_json()),
+        step,
+        Line(0.0, 0.0),
+        cluster.decoders[0].kv_tokens,
+        cluster.decoders[0].engine.max_num_seqs,
+        MAX_MODEL_LEN,
+        prefill_chunk=256,
+        prefill_batch=8,
+        prefill_order="sjf",
+    )
     sim = replay(live_run)
     assert [tuple(ids) for ids in chunks.values()] == [ids for ids, _, _, _ in sim.prefills]
     assert {str(rids.index(t.request_id)): i for i, t in cluster.transfers} == sim.decoders

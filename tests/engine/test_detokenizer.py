@@ -7,12 +7,15 @@ import pytest
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 
 
-@pytest.mark.parametrize("text", [
-    "Unicode: café, naïve, 東京, emoji 🙂🎉 and ümlauts.",
-    "def f(x):\n    return x ** 2  # square",
-    "<|im_start|>assistant\nHello<|im_end|> after",
-    "   spaces   and\ttabs\n\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Unicode: café, naïve, 東京, emoji 🙂🎉 and ümlauts.",
+        "def f(x):\n    return x ** 2  # square",
+        "<|im_start|>assistant\nHello<|im_end|> after",
+        "   spaces   and\ttabs\n\n",
+    ],
+)
 @pytest.mark.parametrize("prompt", ["", "Some prompt context:"])
 def test_deltas_concatenate_to_the_full_decode(llm, text, prompt):
     prompt_ids = llm.tokenizer.encode(prompt)

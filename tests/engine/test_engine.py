@@ -57,8 +57,9 @@ def step_tokens(llm, tokens: int, enable_prefix_caching: bool = True):
     """At most `tokens` tokens per step (prefill chunks of a few tokens), optionally without prefix caching."""
     sched = llm.engine.scheduler
     packer, caching = sched.packer, sched.kv.enable_prefix_caching
-    sched.packer = dataclasses.replace(packer, max_num_batched_tokens=tokens,
-                                       chunk_align=min(tokens, packer.chunk_align))
+    sched.packer = dataclasses.replace(
+        packer, max_num_batched_tokens=tokens, chunk_align=min(tokens, packer.chunk_align)
+    )
     sched.kv.enable_prefix_caching = enable_prefix_caching
     try:
         yield
@@ -101,9 +102,9 @@ def test_batched_chunked_equals_one_at_a_time(llm, one_at_a_time, chunk, enable_
     assert (llm.engine.kv.stats.hit_tokens > hits) == enable_prefix_caching
 
 
-
 def test_the_engine_is_the_serving_interface_the_front_ends_drive(llm):
     assert isinstance(llm.engine, ServingEngine)
+
 
 def test_requests_join_and_leave_between_steps(llm, one_at_a_time):
     """Requests arrive while others decode; every output is still the one-at-a-time output."""
@@ -128,8 +129,14 @@ def test_preemption_under_memory_pressure_keeps_outputs():
     """A KV pool far smaller than the batch needs: requests are preempted, recomputed, and outputs unchanged;
     also with multi-step decodes between the preemptions (a burst never preempts: it runs when the blocks are
     free)."""
-    small = jaxserve.LLM(max_model_len=96, kv_cache_tokens=160, block_size=16, max_num_seqs=4,
-                         max_num_batched_tokens=32, num_scheduler_steps=4)
+    small = jaxserve.LLM(
+        max_model_len=96,
+        kv_cache_tokens=160,
+        block_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_scheduler_steps=4,
+    )
     params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=t, seed=7) for t in (0.0, 0.9, 0.0, 0.9)]
     # two that read their history from a slot set again after each preemption
     params[2] = dataclasses.replace(params[2], repetition_penalty=1.4, frequency_penalty=0.5)
@@ -187,11 +194,13 @@ def test_overlapped_steps_and_bursts_match_one_step_at_a_time(llm, reference):
     eos = next(c for c in reference["greedy"] if c["chat"] and c["tokens"][-1] in llm.tokenizer.stop_ids)
     long = " ".join(PROMPTS)  # several KV blocks: its prefix is cached after the first run
     text = llm.generate(long, SamplingParams(max_tokens=24, ignore_eos=True))[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
-    requests = [(eos["ids"], SamplingParams(max_tokens=64)),
-                (long, SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,))),
-                (long, SamplingParams(max_tokens=9, ignore_eos=True)),
-                *zip(PROMPTS[2:7], MIXED[2:7])]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    requests = [
+        (eos["ids"], SamplingParams(max_tokens=64)),
+        (long, SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,))),
+        (long, SamplingParams(max_tokens=9, ignore_eos=True)),
+        *zip(PROMPTS[2:7], MIXED[2:7]),
+    ]
     requests = [(llm.tokenizer.encode(p) if isinstance(p, str) else p, sp) for p, sp in requests]
     engine = llm.engine
     runs = {}
@@ -207,14 +216,21 @@ def test_overlapped_steps_and_bursts_match_one_step_at_a_time(llm, reference):
     for run in (lagged, burst):
         for i in sync:
             assert [t for o in run[i] for t in o.new_token_ids] == [t for o in sync[i] for t in o.new_token_ids]
-            assert_same_logprobs(*([x for o in r[i] for x in o.logprobs or ()] if requests[i][1].logprobs is not None
-                                   else None for r in (run, sync)))
+            assert_same_logprobs(
+                *(
+                    [x for o in r[i] for x in o.logprobs or ()] if requests[i][1].logprobs is not None else None
+                    for r in (run, sync)
+                )
+            )
             assert "".join(o.new_text for o in run[i]) == "".join(o.new_text for o in sync[i])
             assert run[i][-1].finish_reason == sync[i][-1].finish_reason and run[i][-1].finished
             assert all(not o.finished for o in run[i][:-1])
-    assert [sync[0][-1].finish_reason, sync[1][-1].finish_reason, sync[2][-1].finish_reason] == ["stop", "stop",
-                                                                                                 "length"]
-    assert "".join(o.new_text for o in sync[1]) == text[:text.find(stop)]
+    assert [sync[0][-1].finish_reason, sync[1][-1].finish_reason, sync[2][-1].finish_reason] == [
+        "stop",
+        "stop",
+        "length",
+    ]
+    assert "".join(o.new_text for o in sync[1]) == text[: text.find(stop)]
     tokens = {i: sum(len(o.new_token_ids) for o in sync[i]) for i in sync}
     for i, rid in ((0, "0"), (1, "1"), (2, "2")):  # one token comes from the prefill, the others from decodes
         assert sync_rows[f"overlapFalse-1-{rid}"] == tokens[i] - 1
@@ -234,9 +250,14 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
     assert a.token_ids != c.token_ids
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(max_tokens=32, temperature=0.8, seed=1234, ignore_eos=True),
-                                SamplingParams(max_tokens=32, temperature=0.8, seed=1234, ignore_eos=True,
-                                               presence_penalty=0.5)], ids=["plain", "penalty"])
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SamplingParams(max_tokens=32, temperature=0.8, seed=1234, ignore_eos=True),
+        SamplingParams(max_tokens=32, temperature=0.8, seed=1234, ignore_eos=True, presence_penalty=0.5),
+    ],
+    ids=["plain", "penalty"],
+)
 def test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch(llm, sp):
     """README, `seed`: the same seeded request alone and beside 1, 3 and 15 others (greedy and sampled, other
     lengths) draws the same tokens. The logits differ in their last bits between batch shapes; the draw does not
@@ -245,8 +266,12 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch(llm, sp):
     alone = llm.generate(prompt, sp)[0].token_ids
     rng = np.random.default_rng(0)
     for others in (1, 3, 15):
-        params = [SamplingParams(max_tokens=int(rng.integers(8, 60)), ignore_eos=True, seed=i,
-                                 temperature=float(rng.choice([0.0, 1.0]))) for i in range(others)]
+        params = [
+            SamplingParams(
+                max_tokens=int(rng.integers(8, 60)), ignore_eos=True, seed=i, temperature=float(rng.choice([0.0, 1.0]))
+            )
+            for i in range(others)
+        ]
         outs = llm.generate([prompt] + [PROMPTS[i % len(PROMPTS)] for i in range(others)], [sp] + params)
         assert outs[0].token_ids == alone, f"beside {others}"
 
@@ -261,7 +286,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy(llm):
 def test_stop_string_truncates_and_stream_matches(llm):
     p = "Count: 1, 2, 3, 4,"
     full = llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0]
-    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 2]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
     out = llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)))[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.find(stop)]
@@ -328,6 +353,7 @@ def test_a_request_that_cannot_be_packed_fails_alone(llm, field, value, cause):
 def test_finished_requests_leave_nothing_behind(llm):
     """A server runs for months: once a request ends (finished or aborted), no scheduler or engine structure
     keeps it (the scheduler used to list every finished request, prompt and output ids included)."""
+
     def alive() -> int:
         gc.collect()
         return sum(isinstance(o, SchedRequest) for o in gc.get_objects())
@@ -392,8 +418,9 @@ def test_prompt_logits_predict_what_greedy_generation_takes(llm):
 def test_no_compiles_while_serving_after_warm_up():
     """64 varied requests (prompt lengths 1-900, greedy and sampled, top-k/top-p, penalties, logprobs, chunked and
     batched) after the start-up warm-up (serve's; small buckets, to compile few programs): XLA compiles nothing."""
-    llm = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=4, max_num_batched_tokens=64,
-                       warmup=True, progress=False)
+    llm = jaxserve.LLM(
+        max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=4, max_num_batched_tokens=64, warmup=True, progress=False
+    )
     llm.engine.runner.warmup(progress=False)  # returns once the quick start's background compiles are done too
     compiles = []
 
@@ -403,14 +430,25 @@ def test_no_compiles_while_serving_after_warm_up():
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, llm.config.vocab_size, int(n)).tolist()
-               for n in np.concatenate([rng.integers(1, 40, 48), rng.integers(40, 900, 16)])]
-    params = [SamplingParams(max_tokens=int(rng.integers(1, 4)), ignore_eos=True,
-                             temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])),
-                             top_p=float(rng.choice([1.0, 0.9])), seed=i,
-                             # a third with penalties, logprobs or both: the extra samplers
-                             repetition_penalty=1.2 if i % 6 == 1 else 1.0, logprobs=2 if i % 6 in (2, 3) else None,
-                             min_p=0.1 if i % 6 == 3 else 0.0) for i in range(len(prompts))]
+    prompts = [
+        rng.integers(1, llm.config.vocab_size, int(n)).tolist()
+        for n in np.concatenate([rng.integers(1, 40, 48), rng.integers(40, 900, 16)])
+    ]
+    params = [
+        SamplingParams(
+            max_tokens=int(rng.integers(1, 4)),
+            ignore_eos=True,
+            temperature=float(rng.choice([0.0, 0.8])),
+            top_k=int(rng.choice([0, 5])),
+            top_p=float(rng.choice([1.0, 0.9])),
+            seed=i,
+            # a third with penalties, logprobs or both: the extra samplers
+            repetition_penalty=1.2 if i % 6 == 1 else 1.0,
+            logprobs=2 if i % 6 in (2, 3) else None,
+            min_p=0.1 if i % 6 == 3 else 0.0,
+        )
+        for i in range(len(prompts))
+    ]
     try:
         outs = llm.generate(prompts, params)
     finally:

@@ -79,15 +79,34 @@ class CheckingRunner:
         return types.SimpleNamespace(value=lambda: tokens, logprobs_value=lambda: None)
 
 
-def make_engine(runner, *, num_blocks: int, max_model_len: int, max_num_seqs: int = 4, step_tokens: int = 64,
-                policy: str = "fcfs", enable_prefix_caching: bool = True, overlap: bool = True,
-                num_scheduler_steps: int = 1) -> Engine:
-    cost = EngineStepCost(StepShapes((16, 1 << 20), (4,), 32, 4, (1, 2, 4, 8)), 256, [[0.01], [0.02]],
-                          [0.005] * 4, 1e-7, 1e-7, 1e-7, 1e-7, 1e-7)
+def make_engine(
+    runner,
+    *,
+    num_blocks: int,
+    max_model_len: int,
+    max_num_seqs: int = 4,
+    step_tokens: int = 64,
+    policy: str = "fcfs",
+    enable_prefix_caching: bool = True,
+    overlap: bool = True,
+    num_scheduler_steps: int = 1,
+) -> Engine:
+    cost = EngineStepCost(
+        StepShapes((16, 1 << 20), (4,), 32, 4, (1, 2, 4, 8)),
+        256,
+        [[0.01], [0.02]],
+        [0.005] * 4,
+        1e-7,
+        1e-7,
+        1e-7,
+        1e-7,
+        1e-7,
+    )
     packer = PackerConfig(iteration_budget=1.0, chunk_align=min(8, step_tokens), max_num_batched_tokens=step_tokens)
     kv = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=enable_prefix_caching)
-    scheduler = ReplicaScheduler(make_policy(policy), cost, packer, kv, max_num_seqs=max_num_seqs,
-                                 num_scheduler_steps=num_scheduler_steps)
+    scheduler = ReplicaScheduler(
+        make_policy(policy), cost, packer, kv, max_num_seqs=max_num_seqs, num_scheduler_steps=num_scheduler_steps
+    )
     return Engine(runner, scheduler, FakeTokenizer(), max_model_len=max_model_len, overlap=overlap)
 
 
@@ -133,18 +152,24 @@ def run_random_workload(trial: int, overlap: bool, steps: int = 1) -> Engine:
     capacity_tokens = max_model_len + rng.choice([0, 7, 60, 400])
     runner = CheckingRunner(bs)
     max_num_seqs = rng.choice([1, 3, 8])
-    engine = make_engine(runner, num_blocks=-(-capacity_tokens // bs) + 1, max_model_len=max_model_len,
-                         max_num_seqs=max_num_seqs, step_tokens=rng.choice([8, 16, 64]) + max_num_seqs,
-                         policy=rng.choice(["fcfs", "lars", "edf", "sjf"]), enable_prefix_caching=rng.random() < 0.8,
-                         overlap=overlap, num_scheduler_steps=steps)
+    engine = make_engine(
+        runner,
+        num_blocks=-(-capacity_tokens // bs) + 1,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        step_tokens=rng.choice([8, 16, 64]) + max_num_seqs,
+        policy=rng.choice(["fcfs", "lars", "edf", "sjf"]),
+        enable_prefix_caching=rng.random() < 0.8,
+        overlap=overlap,
+        num_scheduler_steps=steps,
+    )
     engine.bursts = engine.stopped_mid_burst = 0
     start = runner.start
 
     def counted(rows, steps=1, guided=False):  # bursts run, and rows that sample EOS in one
         engine.bursts += steps > 1
         pending = start(rows, steps, guided)
-        engine.stopped_mid_burst += steps > 1 and sum(
-            EOS in pending.value()[:r.steps, n] for n, r in enumerate(rows))
+        engine.stopped_mid_burst += steps > 1 and sum(EOS in pending.value()[: r.steps, n] for n, r in enumerate(rows))
         return pending
 
     runner.start = counted
@@ -157,9 +182,9 @@ def run_random_workload(trial: int, overlap: bool, steps: int = 1) -> Engine:
     for step in range(5000):
         while arrivals and arrivals[0] <= step:
             arrivals.pop(0)
-            prompt = rng.choice(prefixes)[:rng.randrange(0, max_model_len)]
-            prompt = (prompt + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, max_model_len))])
-            prompt = prompt[:rng.randrange(1, max_model_len)]
+            prompt = rng.choice(prefixes)[: rng.randrange(0, max_model_len)]
+            prompt = prompt + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, max_model_len))]
+            prompt = prompt[: rng.randrange(1, max_model_len)]
             sp = SamplingParams(max_tokens=rng.randrange(1, 30), seed=len(requests) + 100 * trial)
             runner.expected[sp.seed] = prompt + expected_output(prompt, sp, max_model_len)
             rid = engine.add_request(prompt, sp)

@@ -58,8 +58,13 @@ def _run(tmp_path: pathlib.Path, *flags: str) -> dict:
     plugin = pathlib.Path(sys.prefix) / "cuda-compiler"
     if not plugin.is_dir():
         pytest.fail(f"{plugin} is missing: tools/install.sh installs JAX's CUDA plugin there for this test")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools/gpu_compile.py"), f"--out={tmp_path}", *flags],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools/gpu_compile.py"), f"--out={tmp_path}", *flags],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
     return json.loads((tmp_path / "summary.json").read_text())
 

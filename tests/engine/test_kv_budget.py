@@ -17,8 +17,9 @@ GIB = 2**30
 
 
 def test_an_accelerators_pool_is_its_share_less_weights_and_activations():
-    device = types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 80 * GIB,
-                                                                         "bytes_in_use": 17 * GIB})
+    device = types.SimpleNamespace(
+        platform="gpu", memory_stats=lambda: {"bytes_limit": 80 * GIB, "bytes_in_use": 17 * GIB}
+    )
     act = kv_budget.activation_bytes(llama3_8b(), 512, 16, 256, 2)
     b = kv_budget.budget(device, 0.9, weights=8 * GIB, activations=act)  # tp=2: the runner holds half here
     # the loaded weights (in use now) stay while the runner places its copy and the pool: both count

@@ -21,8 +21,15 @@ def warm():
     """An LLM started as serve starts it (every program compiled, the profile measured), with small buckets."""
     import jaxserve
 
-    return jaxserve.LLM(max_model_len=512, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=64,
-                        warmup=True, quick_start=False, progress=False)
+    return jaxserve.LLM(
+        max_model_len=512,
+        kv_cache_tokens=2048,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        warmup=True,
+        quick_start=False,
+        progress=False,
+    )
 
 
 def test_the_measured_profile_prices_steps_and_round_trips(warm, tmp_path):
@@ -34,13 +41,17 @@ def test_the_measured_profile_prices_steps_and_round_trips(warm, tmp_path):
     assert all(t > 0 for row in cost.base for t in row) and all(t > 0 for t in cost.decode_base)
     # decodes alone run in the decode program of their rows
     assert cost.batch_time([], [10, 20]) == pytest.approx(
-        cost.decode_base[1] + 2 * cost.decode_fixed + cost.decode_block * 30 / cost.key_block
-        + cost.decode_pad_block * (2 - 30 / cost.key_block))
+        cost.decode_base[1]
+        + 2 * cost.decode_fixed
+        + cost.decode_block * 30 / cost.key_block
+        + cost.decode_pad_block * (2 - 30 / cost.key_block)
+    )
     assert min(cost.tile_fixed, cost.tile_block, cost.decode_fixed, cost.decode_block, cost.decode_pad_block) >= 0
     # a batch is priced by the program that runs it: the smallest bucket that holds it
     t, r = b.fit(b.tokens[0] + 1, 1)
     assert cost.batch_time([(b.tokens[0] + 1, 0)]) == pytest.approx(
-        cost.base[b.tokens.index(t)][b.rows.index(r)] + cost.tile_fixed + cost.tile_block)  # one tile, one block
+        cost.base[b.tokens.index(t)][b.rows.index(r)] + cost.tile_fixed + cost.tile_block
+    )  # one tile, one block
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(cost.to_dict()))
     loaded = profile.load_or_measure(path, llm.engine.runner, llm.max_model_len, progress=False)
@@ -56,9 +67,21 @@ def test_profile_step_tool_reports_a_decode_steps_kernels(tmp_path):
     """tools/profile_step.py (the GPU decode-step profile) runs on this CPU with a tiny random model: every row
     count gets a wall time, a busy time and its top kernels, which account for no more than the busy time."""
     tool = pathlib.Path(__file__).parents[2] / "tools" / "profile_step.py"
-    done = subprocess.run([sys.executable, str(tool), "--model=random:tiny", "--dtype=float32", "--rows=1,4",
-                           "--context=64", "--steps=3", f"--out={tmp_path}"], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(tool),
+            "--model=random:tiny",
+            "--dtype=float32",
+            "--rows=1,4",
+            "--context=64",
+            "--steps=3",
+            f"--out={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [s["rows"] for s in summary["steps"]] == [1, 4]
@@ -73,8 +96,12 @@ def test_the_device_never_waits_for_the_host(tmp_path):
     that bound (the check can fail). Every phase of the step is accounted."""
     tool = pathlib.Path(__file__).parents[2] / "tools" / "bench_host.py"
     out = tmp_path / "host.json"
-    done = subprocess.run([sys.executable, str(tool), "--rows=16", "--tokens=40", "--delay_ms=5", f"--out={out}"],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(tool), "--rows=16", "--tokens=40", "--delay_ms=5", f"--out={out}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(out.read_text())
     sync, overlap = results["batch16"], results["batch16_overlap"]
@@ -90,12 +117,20 @@ def test_bench_startup_tool_times_generate_and_serve_from_fresh_caches(tmp_path)
     """tools/bench_startup.py (start-up as a new user meets it) runs generate and serve from fresh caches and
     again, with a tiny random model."""
     tool = pathlib.Path(__file__).parents[2] / "tools" / "bench_startup.py"
-    done = subprocess.run([sys.executable, str(tool), "--model=random:tiny", "--runs=1", f"--out={tmp_path}"],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(tool), "--model=random:tiny", "--runs=1", f"--out={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads((tmp_path / "startup.json").read_text())
-    assert [(r["command"], r["caches"]) for r in rows] == [("generate", "as installed"), ("generate", "run 2"),
-                                                           ("serve", "as installed"), ("serve", "run 2")]
+    assert [(r["command"], r["caches"]) for r in rows] == [
+        ("generate", "as installed"),
+        ("generate", "run 2"),
+        ("serve", "as installed"),
+        ("serve", "run 2"),
+    ]
     assert all(r["seconds"] > 0 for r in rows)
     assert all(r["first_reply_seconds"] > 0 for r in rows if r["command"] == "serve")
 
@@ -108,9 +143,17 @@ def test_a_quick_start_serves_at_once_then_measures_its_profile_when_idle(tmp_pa
     from jaxserve import SamplingParams
 
     path = tmp_path / "profile.json"
-    llm = jaxserve.LLM("random:tiny", max_model_len=256, kv_cache_tokens=2048, max_num_seqs=8,
-                       max_num_batched_tokens=256, warmup=True, quick_start=True, cost_profile=str(path),
-                       progress=False)
+    llm = jaxserve.LLM(
+        "random:tiny",
+        max_model_len=256,
+        kv_cache_tokens=2048,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        warmup=True,
+        quick_start=True,
+        cost_profile=str(path),
+        progress=False,
+    )
     engine, runner = llm.engine, llm.engine.runner
     assert all(runner.is_compiled(p) for p in runner.first_programs())
     assert len(runner.first_programs()) < len(runner.programs())
@@ -144,9 +187,17 @@ def test_a_quick_started_server_measures_its_profile_while_idle_and_answers_mean
     from jaxserve.server.launch import BackgroundServer
 
     path = tmp_path / "profile.json"
-    llm = jaxserve.LLM("random:tiny", max_model_len=256, kv_cache_tokens=2048, max_num_seqs=8,
-                       max_num_batched_tokens=256, warmup=True, quick_start=True, cost_profile=str(path),
-                       progress=False)
+    llm = jaxserve.LLM(
+        "random:tiny",
+        max_model_len=256,
+        kv_cache_tokens=2048,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        warmup=True,
+        quick_start=True,
+        cost_profile=str(path),
+        progress=False,
+    )
     with BackgroundServer(llm, grpc_port=0, http_port=0) as s:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.server.http_port}/v1", api_key="-", max_retries=0)
         engine = s.server.engine.engine

@@ -8,8 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampling import BLOCK, MAX_LOGPROBS, Sampling, Slots, adjust, argmax, gumbel_max, logprobs_of, \
-    sample, sample_step
+from jaxserve.engine.sampling import (
+    BLOCK,
+    MAX_LOGPROBS,
+    Sampling,
+    Slots,
+    adjust,
+    argmax,
+    gumbel_max,
+    logprobs_of,
+    sample,
+    sample_step,
+)
 from jaxserve.sampling_params import SamplingParams
 
 V = 64
@@ -18,9 +28,17 @@ V = 64
 def draw(logits, temperature=1.0, top_k=0, top_p=1.0, n=2000, seed=0):
     b = n
     rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (b, V))
-    return np.asarray(sample(rows, jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k, jnp.int32),
-                             jnp.full((b,), top_p, jnp.float32), jnp.full((b,), seed, jnp.uint32),
-                             jnp.arange(b, dtype=jnp.int32), cut=top_k > 0 or top_p < 1.0))
+    return np.asarray(
+        sample(
+            rows,
+            jnp.full((b,), temperature, jnp.float32),
+            jnp.full((b,), top_k, jnp.int32),
+            jnp.full((b,), top_p, jnp.float32),
+            jnp.full((b,), seed, jnp.uint32),
+            jnp.arange(b, dtype=jnp.int32),
+            cut=top_k > 0 or top_p < 1.0,
+        )
+    )
 
 
 @pytest.fixture
@@ -32,8 +50,9 @@ def test_greedy_rows_take_the_argmax(logits):
     assert (draw(logits, temperature=0.0, n=8) == logits.argmax()).all()
     rows = jnp.asarray(np.random.default_rng(1).standard_normal((5, V)), jnp.float32)
     zeros = jnp.zeros((5,), jnp.float32)
-    got = sample(rows, zeros, jnp.zeros(5, jnp.int32), jnp.ones(5), jnp.zeros(5, jnp.uint32),
-                 jnp.zeros(5, jnp.int32), cut=False)
+    got = sample(
+        rows, zeros, jnp.zeros(5, jnp.int32), jnp.ones(5), jnp.zeros(5, jnp.uint32), jnp.zeros(5, jnp.int32), cut=False
+    )
     assert (np.asarray(got) == np.asarray(rows).argmax(-1)).all()
 
 
@@ -82,7 +101,7 @@ def test_the_two_level_argmax_is_numpys(vocab):
     rng = np.random.default_rng(vocab)
     rows = rng.standard_normal((6, vocab)).astype(np.float32)
     rows[1] = np.round(rows[1])  # many ties at the top
-    rows[2, vocab // 2:] = rows[2].max() + 1  # a tie across blocks
+    rows[2, vocab // 2 :] = rows[2].max() + 1  # a tie across blocks
     rows[3, vocab // 3] = np.nan
     rows[4] = -np.inf
     rows[5, -1] = 100.0  # the best in the padded block
@@ -96,7 +115,7 @@ def test_the_two_level_gumbel_draw_follows_the_softmax_and_never_draws_minus_inf
     n = 20000
     logits = np.random.default_rng(vocab).standard_normal(vocab).astype(np.float32) * 2
     logits[:3] = -np.inf
-    logits[BLOCK: 2 * BLOCK] = -np.inf
+    logits[BLOCK : 2 * BLOCK] = -np.inf
     p = np.exp(logits - logits.max())
     p /= p.sum()
     keys = jax.vmap(lambda c: jax.random.fold_in(jax.random.key(5), c))(jnp.arange(n))
@@ -127,22 +146,52 @@ def test_seed_and_counter_determine_the_draw(logits):
     assert (a == b).all() and (a != c).any()
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=-3), dict(max_tokens=2.5),
-                                    dict(temperature=-0.1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.01),
-                                    dict(seed=2**63), dict(seed=-2**63 - 1), dict(seed=1.5), dict(stop=("",)),
-                                    dict(stop_token_ids=(-2,)),
-                                    # hostile input: each once passed and hurt the batch or the engine thread
-                                    dict(top_k=2**31), dict(temperature=float("inf")), dict(temperature=float("nan")),
-                                    dict(top_p=float("nan")), dict(max_tokens=True), dict(temperature=True),
-                                    dict(top_k=True), dict(seed=False), dict(stop_token_ids=(True,)),
-                                    dict(stop=("x" * 1025,)), dict(stop=tuple("x" * (i + 1) for i in range(65))),
-                                    dict(stop_token_ids=tuple(range(1025))),
-                                    dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
-                                    dict(repetition_penalty=0), dict(repetition_penalty=float("inf")),
-                                    dict(min_p=-0.1), dict(min_p=1.5), dict(logit_bias={1: 101}),
-                                    dict(logit_bias={"1": 1.0}), dict(logit_bias={-1: 1.0}), dict(logit_bias=[(1, 1), (1, 2)]),
-                                    dict(logit_bias=5), dict(min_tokens=-1), dict(max_tokens=4, min_tokens=5),
-                                    dict(logprobs=-1), dict(logprobs=21), dict(logprobs=True)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_tokens=0),
+        dict(max_tokens=-3),
+        dict(max_tokens=2.5),
+        dict(temperature=-0.1),
+        dict(top_k=-2),
+        dict(top_p=0),
+        dict(top_p=1.01),
+        dict(seed=2**63),
+        dict(seed=-(2**63) - 1),
+        dict(seed=1.5),
+        dict(stop=("",)),
+        dict(stop_token_ids=(-2,)),
+        # hostile input: each once passed and hurt the batch or the engine thread
+        dict(top_k=2**31),
+        dict(temperature=float("inf")),
+        dict(temperature=float("nan")),
+        dict(top_p=float("nan")),
+        dict(max_tokens=True),
+        dict(temperature=True),
+        dict(top_k=True),
+        dict(seed=False),
+        dict(stop_token_ids=(True,)),
+        dict(stop=("x" * 1025,)),
+        dict(stop=tuple("x" * (i + 1) for i in range(65))),
+        dict(stop_token_ids=tuple(range(1025))),
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-2.1),
+        dict(repetition_penalty=0),
+        dict(repetition_penalty=float("inf")),
+        dict(min_p=-0.1),
+        dict(min_p=1.5),
+        dict(logit_bias={1: 101}),
+        dict(logit_bias={"1": 1.0}),
+        dict(logit_bias={-1: 1.0}),
+        dict(logit_bias=[(1, 1), (1, 2)]),
+        dict(logit_bias=5),
+        dict(min_tokens=-1),
+        dict(max_tokens=4, min_tokens=5),
+        dict(logprobs=-1),
+        dict(logprobs=21),
+        dict(logprobs=True),
+    ],
+)
 def test_invalid_sampling_params_are_rejected(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
@@ -155,26 +204,37 @@ def test_vllm_spellings_are_normalised():
 
 
 def test_logit_bias_accepts_a_dict_or_pairs():
-    assert SamplingParams(logit_bias={5: 1.0, 2: -3}).logit_bias == SamplingParams(logit_bias=[[5, 1.0], [2, -3]]).logit_bias
+    assert (
+        SamplingParams(logit_bias={5: 1.0, 2: -3}).logit_bias
+        == SamplingParams(logit_bias=[[5, 1.0], [2, -3]]).logit_bias
+    )
     assert not SamplingParams().uses_history and SamplingParams(min_tokens=1).uses_history
 
 
 def _rows(rng, r, v, slot):
     """Random per-row parameters: presence, frequency, repetition penalties, min_tokens and counters."""
-    return Sampling(temperature=jnp.zeros(r), top_k=jnp.zeros(r, jnp.int32), top_p=jnp.ones(r),
-                    seeds=jnp.zeros(r, jnp.uint32), counters=jnp.asarray(rng.integers(0, 6, r), jnp.int32),
-                    min_p=jnp.zeros(r), slot=jnp.asarray(slot, jnp.int32),
-                    presence=jnp.asarray(rng.uniform(-2, 2, r), jnp.float32),
-                    frequency=jnp.asarray(rng.uniform(-2, 2, r), jnp.float32),
-                    repetition=jnp.asarray(rng.uniform(0.5, 2.0, r), jnp.float32),
-                    min_tokens=jnp.asarray(rng.integers(0, 6, r), jnp.int32))
+    return Sampling(
+        temperature=jnp.zeros(r),
+        top_k=jnp.zeros(r, jnp.int32),
+        top_p=jnp.ones(r),
+        seeds=jnp.zeros(r, jnp.uint32),
+        counters=jnp.asarray(rng.integers(0, 6, r), jnp.int32),
+        min_p=jnp.zeros(r),
+        slot=jnp.asarray(slot, jnp.int32),
+        presence=jnp.asarray(rng.uniform(-2, 2, r), jnp.float32),
+        frequency=jnp.asarray(rng.uniform(-2, 2, r), jnp.float32),
+        repetition=jnp.asarray(rng.uniform(0.5, 2.0, r), jnp.float32),
+        min_tokens=jnp.asarray(rng.integers(0, 6, r), jnp.int32),
+    )
 
 
 def _slots(rng, s, v):
-    return Slots(counts=jnp.asarray(rng.integers(0, 3, (s, v)) * (rng.random((s, v)) < 0.3), jnp.int32),
-                 prompt=jnp.asarray(rng.random((s, v)) < 0.2), bias=jnp.asarray(
-                     np.where(rng.random((s, v)) < 0.1, rng.uniform(-100, 100, (s, v)), 0), jnp.float32),
-                 banned=jnp.asarray(rng.random((s, v)) < 0.05))
+    return Slots(
+        counts=jnp.asarray(rng.integers(0, 3, (s, v)) * (rng.random((s, v)) < 0.3), jnp.int32),
+        prompt=jnp.asarray(rng.random((s, v)) < 0.2),
+        bias=jnp.asarray(np.where(rng.random((s, v)) < 0.1, rng.uniform(-100, 100, (s, v)), 0), jnp.float32),
+        banned=jnp.asarray(rng.random((s, v)) < 0.05),
+    )
 
 
 def _adjust_reference(logits, p, slots):
@@ -218,12 +278,20 @@ def test_penalties_bias_and_min_tokens_match_numpy(r, v):
 
 def test_min_tokens_holds_back_the_banned_tokens_until_counted():
     v = 32
-    slots = Slots(jnp.zeros((1, v), jnp.int32), jnp.zeros((1, v), bool), jnp.zeros((1, v)),
-                  jnp.zeros((1, v), bool).at[0, 7].set(True))
+    slots = Slots(
+        jnp.zeros((1, v), jnp.int32),
+        jnp.zeros((1, v), bool),
+        jnp.zeros((1, v)),
+        jnp.zeros((1, v), bool).at[0, 7].set(True),
+    )
     logits = jnp.zeros((2, v)).at[:, 7].set(10.0)
     p = _rows(np.random.default_rng(0), 2, v, [0, 0])._replace(
-        counters=jnp.asarray([2, 3]), min_tokens=jnp.asarray([3, 3]), presence=jnp.zeros(2), frequency=jnp.zeros(2),
-        repetition=jnp.ones(2))
+        counters=jnp.asarray([2, 3]),
+        min_tokens=jnp.asarray([3, 3]),
+        presence=jnp.zeros(2),
+        frequency=jnp.zeros(2),
+        repetition=jnp.ones(2),
+    )
     tokens, _, _ = sample_step(logits, p, slots, kind="greedy")
     assert int(tokens[0]) != 7 and int(tokens[1]) == 7  # the 3rd token may not be EOS; the 4th may
 
@@ -260,7 +328,17 @@ def test_logprobs_are_the_log_softmax_and_its_top():
 def test_min_p_draws_only_tokens_within_its_ratio_of_the_best(logits):
     b = 2000
     rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (b, V))
-    got = np.asarray(sample(rows, jnp.full((b,), 1.0), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32),
-                            jnp.arange(b, dtype=jnp.int32), cut=False, min_p=jnp.full((b,), 0.2)))
+    got = np.asarray(
+        sample(
+            rows,
+            jnp.full((b,), 1.0),
+            jnp.zeros(b, jnp.int32),
+            jnp.ones(b),
+            jnp.zeros(b, jnp.uint32),
+            jnp.arange(b, dtype=jnp.int32),
+            cut=False,
+            min_p=jnp.full((b,), 0.2),
+        )
+    )
     p = np.exp(logits - logits.max())
     assert set(got) == set(np.flatnonzero(p >= 0.2))

@@ -23,8 +23,11 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def test_logprobs_equal_transformers(llm, reference):
     """The first generated token's logprob and top 20 after each fixture position equal the log-softmax of
     transformers' logits there."""
-    cases = [(p["ids"][:pos + 1], logits) for p, all_logits in zip(reference["prefill"], reference["logits"])
-             for pos, logits in zip(p["positions"], all_logits)]
+    cases = [
+        (p["ids"][: pos + 1], logits)
+        for p, all_logits in zip(reference["prefill"], reference["logits"])
+        for pos, logits in zip(p["positions"], all_logits)
+    ]
     outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=1, logprobs=20, ignore_eos=True))
     for (ids, logits), out in zip(cases, outs):
         want = log_softmax(logits)
@@ -51,11 +54,14 @@ def _penalized(logits, prompt, out, p: SamplingParams) -> np.ndarray:
     return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=1.6),
-    SamplingParams(max_tokens=10, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.7),
-    SamplingParams(max_tokens=10, ignore_eos=True, presence_penalty=-1.0, logit_bias={11: 3.0, 28: -5.0}),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=1.6),
+        SamplingParams(max_tokens=10, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.7),
+        SamplingParams(max_tokens=10, ignore_eos=True, presence_penalty=-1.0, logit_bias={11: 3.0, 28: -5.0}),
+    ],
+)
 def test_greedy_penalties_follow_a_numpy_replay(llm, params):
     """Each greedy token is the argmax of the penalized logits of its position (the scoring pass's logits, the
     penalties applied in numpy over the prompt and the tokens before it), and the penalties change the output."""
@@ -74,11 +80,13 @@ def test_greedy_penalties_follow_a_numpy_replay(llm, params):
 def test_logit_bias_forces_and_forbids_tokens(llm):
     prompt = "The capital of France is"
     plain = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
-    forbidden = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True,
-                                                    logit_bias={plain[0]: -100}))[0].token_ids
+    forbidden = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True, logit_bias={plain[0]: -100}))[
+        0
+    ].token_ids
     assert forbidden[0] != plain[0] and plain[0] not in forbidden
-    forced = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=0,
-                                                 logit_bias={42: 100}))[0].token_ids
+    forced = llm.generate(
+        prompt, SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=0, logit_bias={42: 100})
+    )[0].token_ids
     assert forced == [42] * 4
 
 
@@ -86,8 +94,9 @@ def test_allowed_token_ids_confine_draws_and_greedy_picks_the_best_allowed(llm):
     prompt = llm.tokenizer.encode("The capital of France is")
     plain = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     allowed = sorted({*plain[1:], 11, 28, 42, 1000})  # not the greedy first token
-    drawn = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=3,
-                                                allowed_token_ids=allowed))[0].token_ids
+    drawn = llm.generate(
+        prompt, SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=3, allowed_token_ids=allowed)
+    )[0].token_ids
     assert set(drawn) <= set(allowed)
     greedy = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, allowed_token_ids=allowed))[0]
     logits = llm.prompt_logits(prompt + greedy.token_ids[:-1])
@@ -104,7 +113,7 @@ def test_allowed_token_ids_confine_draws_and_greedy_picks_the_best_allowed(llm):
 
 def _contains(seq: list[int], sub: tuple[int, ...]) -> int:
     """Where sub first starts in seq (-1: nowhere)."""
-    return next((i for i in range(len(seq) - len(sub) + 1) if tuple(seq[i:i + len(sub)]) == sub), -1)
+    return next((i for i in range(len(seq) - len(sub) + 1) if tuple(seq[i : i + len(sub)]) == sub), -1)
 
 
 def test_bad_words_never_appear_and_the_reply_is_unchanged_before_them(llm):
@@ -116,16 +125,25 @@ def test_bad_words_never_appear_and_the_reply_is_unchanged_before_them(llm):
     prompt = "Write one sentence about the history of Paris."
     plain = llm.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0]
     vocab = llm.engine.runner.cfg.vocab_size
-    found = [(w, s, at) for w in plain.text.split() for s in bad_words.sequences([w], llm.tokenizer, vocab)
-             if len(s) > 1 and (at := _contains(plain.token_ids, s)) >= 0]
+    found = [
+        (w, s, at)
+        for w in plain.text.split()
+        for s in bad_words.sequences([w], llm.tokenizer, vocab)
+        if len(s) > 1 and (at := _contains(plain.token_ids, s)) >= 0
+    ]
     word, seq, at = found[0]
-    single = next(w for w in plain.text.split()
-                  if {len(s) for s in bad_words.sequences([w], llm.tokenizer, vocab)} == {1})
+    single = next(
+        w for w in plain.text.split() if {len(s) for s in bad_words.sequences([w], llm.tokenizer, vocab)} == {1}
+    )
     other = SamplingParams(max_tokens=24, ignore_eos=True)
     banned, one, beside = llm.generate(
         [prompt, prompt, "The capital of France is"],
-        [SamplingParams(max_tokens=24, ignore_eos=True, bad_words=[word]),
-         SamplingParams(max_tokens=24, ignore_eos=True, bad_words=[single]), other])
+        [
+            SamplingParams(max_tokens=24, ignore_eos=True, bad_words=[word]),
+            SamplingParams(max_tokens=24, ignore_eos=True, bad_words=[single]),
+            other,
+        ],
+    )
     cut = at + len(seq) - 1
     assert banned.token_ids[:cut] == plain.token_ids[:cut] and banned.token_ids[cut] != seq[-1]
     for reply, w in ((banned, word), (one, single)):
@@ -157,9 +175,8 @@ def test_control_tokens_text_is_kept_on_request_and_a_stop_tokens_never(llm):
     assert llm.generate("Hi", SamplingParams(**forced, skip_special_tokens=False))[0].text == "<|im_start|>" * 3
     ref = llm.generate(PROMPT_TEXT, SamplingParams(max_tokens=8, ignore_eos=True))[0]
     i = next(i for i in range(2, 8) if ref.token_ids[i] not in ref.token_ids[:i])  # its first time
-    out = llm.generate(PROMPT_TEXT, SamplingParams(max_tokens=8, ignore_eos=True,
-                                                   stop_token_ids=[ref.token_ids[i]]))[0]
-    assert out.token_ids == ref.token_ids[:i + 1] and out.finish_reason == "stop"
+    out = llm.generate(PROMPT_TEXT, SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[ref.token_ids[i]]))[0]
+    assert out.token_ids == ref.token_ids[: i + 1] and out.finish_reason == "stop"
     assert out.text == llm.tokenizer.decode(ref.token_ids[:i])
 
 
@@ -169,21 +186,23 @@ def test_min_tokens_holds_back_eos_and_stop_tokens(llm, reference):
     case = next(c for c in reference["greedy"] if c["chat"] and c["tokens"][-1] in llm.tokenizer.stop_ids)
     n = len(case["tokens"])
     out = llm.generate(case["ids"], SamplingParams(max_tokens=n + 8, min_tokens=n + 3))[0]
-    assert out.token_ids[:n - 1] == case["tokens"][:n - 1]
+    assert out.token_ids[: n - 1] == case["tokens"][: n - 1]
     assert len(out.token_ids) > n + 3 or out.finish_reason == "length"
-    assert not set(out.token_ids[:n + 3]) & set(llm.tokenizer.stop_ids)
+    assert not set(out.token_ids[: n + 3]) & set(llm.tokenizer.stop_ids)
     stop = case["tokens"][n // 2]  # a stop token id it generates early: held back alike
-    out = llm.generate(case["ids"], SamplingParams(max_tokens=n, min_tokens=n - 2, stop_token_ids=[stop],
-                                                   ignore_eos=True))[0]
-    assert stop not in out.token_ids[:n - 2]
+    out = llm.generate(
+        case["ids"], SamplingParams(max_tokens=n, min_tokens=n - 2, stop_token_ids=[stop], ignore_eos=True)
+    )[0]
+    assert stop not in out.token_ids[: n - 2]
 
 
 def test_n_samples_prefill_the_prompt_once_and_equal_their_seeds_alone(llm):
     """n=4 with seed s: the samples of seeds s .. s + 3 alone; the 3 later ones wait for the first's prefill and
     find its full blocks in the prefix cache."""
     prompt = llm.tokenizer.encode("Write one sentence about the sea, the wind and the gulls above the waves. " * 3)
-    alone = [llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=40 + i))[0].token_ids
-             for i in range(4)]
+    alone = [
+        llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=40 + i))[0].token_ids for i in range(4)
+    ]
     llm.engine.kv.reset_prefix_cache()
     hits = llm.engine.kv.stats.hit_tokens
     outs = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=40, n=4))
@@ -195,8 +214,9 @@ def test_n_samples_prefill_the_prompt_once_and_equal_their_seeds_alone(llm):
 def test_best_of_keeps_the_samples_of_the_highest_total_logprob(llm):
     prompt = "Name a fruit:"
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=2, best_of=5)
-    alone = [llm.generate(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=7 + i, logprobs=0))[0]
-             for i in range(5)]
+    alone = [
+        llm.generate(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=7 + i, logprobs=0))[0] for i in range(5)
+    ]
     totals = [sum(x.logprob for x in c.logprobs) for c in alone]
     want = [alone[i].token_ids for i in np.argsort(totals)[::-1][:2]]
     outs = llm.generate(prompt, params)

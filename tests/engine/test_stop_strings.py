@@ -30,7 +30,7 @@ def test_streamed_matches_equal_a_search_of_the_whole_text(seed):
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
     m, fed, found = StopMatcher(stops), "", None
     while len(fed) < len(text) and found is None:  # pieces of any size, as a detokenizer gives them
-        piece = text[len(fed):len(fed) + rng.randint(0, 4)]
+        piece = text[len(fed) : len(fed) + rng.randint(0, 4)]
         found = m.feed(piece)
         fed += piece
         if found is None:

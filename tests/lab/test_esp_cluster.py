@@ -22,8 +22,12 @@ NVLINK = network("h100")
 
 def workload(prompts, outputs, gap=0.0, arrivals=None):
     n = len(prompts)
-    return Workload(np.arange(n) * gap if arrivals is None else np.array(arrivals, float), np.array(prompts),
-                    np.array(outputs), "test")
+    return Workload(
+        np.arange(n) * gap if arrivals is None else np.array(arrivals, float),
+        np.array(prompts),
+        np.array(outputs),
+        "test",
+    )
 
 
 def check_complete(res, w):
@@ -85,9 +89,17 @@ def test_requests_that_can_never_fit_are_rejected_not_stuck():
     check_complete(res, w)
 
 
-@pytest.mark.parametrize("cfg", [ESPConfig(), ESPConfig(multi_master=False), ESPConfig(proactive=False),
-                                 ESPConfig(max_sp=1, scale_up=False), ESPConfig(**TIGHT),
-                                 ESPConfig(decode_preemption=False, **TIGHT)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ESPConfig(),
+        ESPConfig(multi_master=False),
+        ESPConfig(proactive=False),
+        ESPConfig(max_sp=1, scale_up=False),
+        ESPConfig(**TIGHT),
+        ESPConfig(decode_preemption=False, **TIGHT),
+    ],
+)
 def test_traces_complete_under_load_for_every_variant(cfg):
     w = long_context("short", 60, 0.5, output=(64, 2048))
     res = ESPSimulator(cfg).run(w, progress=False)
@@ -191,8 +203,9 @@ def test_a_prefill_pauses_a_young_decode_only_when_the_ablation_takes_its_slots_
     # the average output (64, the prior) is behind A: waiting saves no time, pausing costs the prefill per token
     assert b.first_token_at > a.finished_at
     assert res.config["decode_pauses"] == 0 and max(a.token_gaps) < b_prefill
-    unweighed = ESPSimulator(ESPConfig(output_estimate=64, decode_preemption=False, **PAUSE)).run(A_THEN_B,
-                                                                                                 progress=False)
+    unweighed = ESPSimulator(ESPConfig(output_estimate=64, decode_preemption=False, **PAUSE)).run(
+        A_THEN_B, progress=False
+    )
     a, b = unweighed.requests
     assert b.first_token_at == pytest.approx(1.0 + b_prefill, rel=0.05)
     assert unweighed.config["decode_pauses"] == 1 and max(a.token_gaps) >= b_prefill
@@ -206,8 +219,11 @@ def test_a_prefill_pauses_a_decode_once_waiting_for_it_costs_more():
     taken at once."""
     res = ESPSimulator(ESPConfig(output_estimate=2048, **PAUSE)).run(A_THEN_B, progress=False)
     a, b = res.requests
-    at_once = ESPSimulator(ESPConfig(output_estimate=2048, decode_preemption=False, **PAUSE)).run(
-        A_THEN_B, progress=False).requests[1]
+    at_once = (
+        ESPSimulator(ESPConfig(output_estimate=2048, decode_preemption=False, **PAUSE))
+        .run(A_THEN_B, progress=False)
+        .requests[1]
+    )
     assert at_once.first_token_at + 1.0 < b.first_token_at < a.finished_at
     assert res.config["decode_pauses"] == 1
     check_complete(res, A_THEN_B)

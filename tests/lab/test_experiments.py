@@ -16,8 +16,9 @@ from jaxserve.lab import experiments
 TOOLS = pathlib.Path(__file__).parents[2] / "tools"
 
 
-@pytest.mark.parametrize("name, options", [(name, {}) for name in sorted(experiments.EXPERIMENTS)]
-                         + [("cdsp", {"model": "70b"})])
+@pytest.mark.parametrize(
+    "name, options", [(name, {}) for name in sorted(experiments.EXPERIMENTS)] + [("cdsp", {"model": "70b"})]
+)
 def test_experiment_runs_and_writes_its_results(name, options, tmp_path):
     results = experiments.run(name, tiny=True, out=str(tmp_path), **options)
     (written,) = tmp_path.glob("*.json")
@@ -27,8 +28,19 @@ def test_experiment_runs_and_writes_its_results(name, options, tmp_path):
 
 def test_a_command_line_runs_its_experiment_from_its_flags(tmp_path):
     cli, registry = tmp_path / "cli", tmp_path / "registry"
-    done = subprocess.run([sys.executable, str(TOOLS / "exp_tetris_tbt.py"), "--requests=15", "--traces=short",
-                           "--rates=1", f"--out={cli}"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(TOOLS / "exp_tetris_tbt.py"),
+            "--requests=15",
+            "--traces=short",
+            "--rates=1",
+            f"--out={cli}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     experiments.run("tetris_tbt", tiny=True, out=str(registry))
     assert (cli / "tetris_tbt.json").read_text() == (registry / "tetris_tbt.json").read_text()
@@ -42,8 +54,21 @@ def test_the_improvement_rate_tool_writes_a_table_the_live_flag_reads(tmp_path):
 
     eq1, out = tmp_path / "eq1.json", tmp_path / "rates.json"
     eq1.write_text(TetrisPrefill.fit(tetris_table1_samples()).to_json())
-    subprocess.run([sys.executable, str(TOOLS / "improvement_rates.py"), f"--prefill_profile={eq1}",
-                    "--prefill_instances=16", "--node_size=8", "--trace=azure_code", "--requests=60",
-                    "--rates=0.2,5", "--candidates=0.05,0.5", f"--out={out}"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(TOOLS / "improvement_rates.py"),
+            f"--prefill_profile={eq1}",
+            "--prefill_instances=16",
+            "--node_size=8",
+            "--trace=azure_code",
+            "--requests=60",
+            "--rates=0.2,5",
+            "--candidates=0.05,0.5",
+            f"--out={out}",
+        ],
+        check=True,
+        capture_output=True,
+    )
     table = read_rate_table(out)
     assert table.arrival_rates == (0.2, 5.0) and set(table.improvement_rates) <= {0.05, 0.5}

@@ -21,20 +21,35 @@ best = MODEL.fastest
 
 
 def test_offline_profile_prefers_expansion_at_light_load_and_restraint_under_load():
-    table = profile_improvement_rates(lambda r: CDSPPlanner(MODEL, POOL, r), lambda rate: long_context(
-        "short", 300, rate, seed=1), POOL.size, best, arrival_rates=[0.2, 5.0], candidates=(0.05, 0.5))
+    table = profile_improvement_rates(
+        lambda r: CDSPPlanner(MODEL, POOL, r),
+        lambda rate: long_context("short", 300, rate, seed=1),
+        POOL.size,
+        best,
+        arrival_rates=[0.2, 5.0],
+        candidates=(0.05, 0.5),
+    )
     assert table.improvement_rates == (0.05, 0.5)
 
 
 def test_cdsp_sustains_more_load_than_the_best_fixed_sp():
     """The issue's bar, on the Medium trace: >= 20% more max sustainable load than fixed SP 8 or 16."""
+
     def workload_at(rate):
         return long_context("medium", 300, rate, seed=0)
 
-    table = profile_improvement_rates(lambda r: CDSPPlanner(MODEL, POOL, r), lambda rate: long_context(
-        "medium", 300, rate, seed=1), POOL.size, best, arrival_rates=[0.5, 1.0, 2.0, 4.0])
-    cdsp = max_sustainable_rate(lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL), table), workload_at, POOL.size,
-                                best, 0.1, 20.0)
-    fixed = max(max_sustainable_rate(lambda sp=sp: FixedSPPlanner(MODEL, POOL, sp), workload_at, POOL.size, best,
-                                     0.1, 20.0) for sp in (8, 16))
+    table = profile_improvement_rates(
+        lambda r: CDSPPlanner(MODEL, POOL, r),
+        lambda rate: long_context("medium", 300, rate, seed=1),
+        POOL.size,
+        best,
+        arrival_rates=[0.5, 1.0, 2.0, 4.0],
+    )
+    cdsp = max_sustainable_rate(
+        lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL), table), workload_at, POOL.size, best, 0.1, 20.0
+    )
+    fixed = max(
+        max_sustainable_rate(lambda sp=sp: FixedSPPlanner(MODEL, POOL, sp), workload_at, POOL.size, best, 0.1, 20.0)
+        for sp in (8, 16)
+    )
     assert cdsp >= 1.2 * fixed

@@ -21,9 +21,16 @@ from jaxserve.models import loader
 from tiny_models import gguf_tensors, smollm2_tokenizer, write_gguf, write_tiny_model
 
 TEXT = "The capital of France is"
-GGUF_META = {"embedding_length": 64, "feed_forward_length": 128, "block_count": 2, "attention.head_count": 4,
-             "attention.head_count_kv": 2, "context_length": 4096, "rope.freq_base": 10000.0,
-             "attention.layer_norm_rms_epsilon": 1e-5}
+GGUF_META = {
+    "embedding_length": 64,
+    "feed_forward_length": 128,
+    "block_count": 2,
+    "attention.head_count": 4,
+    "attention.head_count_kv": 2,
+    "context_length": 4096,
+    "rope.freq_base": 10000.0,
+    "attention.layer_norm_rms_epsilon": 1e-5,
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +66,13 @@ def largest(folder: pathlib.Path) -> pathlib.Path:
 
 
 def truncate(path: pathlib.Path) -> None:
-    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 def flip(path: pathlib.Path, at: float = 0.5) -> None:
     data = bytearray(path.read_bytes())
     i = int(len(data) * at)
-    data[i:i + 64] = bytes(b ^ 0x5A for b in data[i:i + 64])
+    data[i : i + 64] = bytes(b ^ 0x5A for b in data[i : i + 64])
     path.write_bytes(bytes(data))
 
 
@@ -210,8 +217,9 @@ def test_serving_from_a_cache_that_cannot_be_written_gives_the_same_text(model, 
     assert blocker.is_file()
 
 
-def test_the_second_start_after_every_cache_is_damaged_serves_the_same_text(model, tmp_path, monkeypatch,
-                                                                            own_xla_cache):
+def test_the_second_start_after_every_cache_is_damaged_serves_the_same_text(
+    model, tmp_path, monkeypatch, own_xla_cache
+):
     """The converted weights, the cost profiles and the compiled programs all damaged: the next start serves
     what the first did, and so does the one after."""
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))

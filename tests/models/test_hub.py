@@ -50,10 +50,13 @@ def test_a_hub_id_serves_the_cached_snapshot_offline(offline):
     assert by_id.generate("Hello there", params)[0].token_ids == by_path.generate("Hello there", params)[0].token_ids
 
 
-@pytest.mark.parametrize("model, message", [
-    ("acme/missing", "not in the hub cache"),
-    ("acme/tiny@v9", "not in the hub cache"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("acme/missing", "not in the hub cache"),
+        ("acme/tiny@v9", "not in the hub cache"),
+    ],
+)
 def test_a_model_the_cache_lacks_offline_is_refused_by_name(offline, model, message):
     with pytest.raises(ValueError, match=message):
         jaxserve.LLM(model, progress=False)

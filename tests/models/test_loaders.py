@@ -23,7 +23,10 @@ def export_hf_dir(llm: jaxserve.LLM, root: pathlib.Path, tied: bool) -> None:
     """Write llm's weights, config and tokenizer as a Hugging Face Llama directory (untied: lm_head copied)."""
     cfg = llm.config
     params = llm.engine.runner.params["params"]
-    tensors = {"model.embed_tokens.weight": params["embed_tokens"]["embedding"], "model.norm.weight": params["norm"]["weight"]}
+    tensors = {
+        "model.embed_tokens.weight": params["embed_tokens"]["embedding"],
+        "model.norm.weight": params["norm"]["weight"],
+    }
     for i in range(cfg.num_layers):
         layer = params[f"layers_{i}"]  # the runner holds each layer's parameters apart (models/llama.py)
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -33,17 +36,34 @@ def export_hf_dir(llm: jaxserve.LLM, root: pathlib.Path, tied: bool) -> None:
                 tensors[f"model.layers.{i}.{block}.{name}.weight"] = np.asarray(lin["kernel"]).T
     if not tied:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    save_file({k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()},
-              str(root / "model.safetensors"))
-    (root / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": tied}))
+    save_file(
+        {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()},
+        str(root / "model.safetensors"),
+    )
+    (root / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size,
+                "num_hidden_layers": cfg.num_layers,
+                "num_attention_heads": cfg.num_heads,
+                "num_key_value_heads": cfg.num_kv_heads,
+                "max_position_embeddings": cfg.max_position_embeddings,
+                "rms_norm_eps": cfg.rms_norm_eps,
+                "rope_theta": cfg.rope_theta,
+                "tie_word_embeddings": tied,
+            }
+        )
+    )
     llm.tokenizer.tokenizer.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": llm.tokenizer.special_tokens["eos_token"], "chat_template": llm.tokenizer.chat_template}))
+    (root / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"eos_token": llm.tokenizer.special_tokens["eos_token"], "chat_template": llm.tokenizer.chat_template}
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +132,9 @@ def test_llama_cpp_rope_freq_factors_equal_llama3_scaling(reference):
     plain = dataclasses.replace(scaled, rope_scaling=None)
     # llama.cpp's GGUF converter stores the scaling as divisors of the unscaled frequencies.
     factors = tuple(float(x) for x in plain.inv_freq().astype(np.float64) / np.asarray(case["inv_freq"]))
-    np.testing.assert_allclose(dataclasses.replace(plain, rope_freq_factors=factors).inv_freq(), case["inv_freq"],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        dataclasses.replace(plain, rope_freq_factors=factors).inv_freq(), case["inv_freq"], rtol=1e-6
+    )
 
 
 def test_registry_resolution(tmp_path, private_cache, monkeypatch):

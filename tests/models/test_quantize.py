@@ -25,8 +25,13 @@ def _weights(seed: int, layers: int, k: int, n: int, vocab: int) -> dict:
     kernel[..., 1] *= 20
     kernel[0, :32, 2] = 0.25
     table = rng.normal(0, 1.0, (vocab, k)).astype(np.float32)
-    return {"params": {"proj": {"kernel": jnp.asarray(kernel)}, "embed_tokens": {"embedding": jnp.asarray(table)},
-                       "norm": {"weight": jnp.asarray(rng.normal(1, 0.1, k).astype(np.float32))}}}
+    return {
+        "params": {
+            "proj": {"kernel": jnp.asarray(kernel)},
+            "embed_tokens": {"embedding": jnp.asarray(table)},
+            "norm": {"weight": jnp.asarray(rng.normal(1, 0.1, k).astype(np.float32))},
+        }
+    }
 
 
 def _step(w: np.ndarray, q: quantize.Quantized) -> np.ndarray:
@@ -39,8 +44,9 @@ def _step(w: np.ndarray, q: quantize.Quantized) -> np.ndarray:
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("layers,k,n", [(1, 64, 96), (3, 128, 32)])
-def test_quantized_weights_are_within_a_step_and_multiply_as_their_dequantized_values(method, layers, k, n,
-                                                                                        monkeypatch):
+def test_quantized_weights_are_within_a_step_and_multiply_as_their_dequantized_values(
+    method, layers, k, n, monkeypatch
+):
     monkeypatch.setattr(quantize, "CPU_ROWS", 16)  # a CPU's LM head in pieces: 40 rows in 4 of 10
     params = _weights(layers * k + n, layers, k, n, vocab=40)
     q = quantize.quantize_params(params, method)["params"]
@@ -86,7 +92,7 @@ def test_int4_in_bfloat16_rounds_once():
     x = rng.normal(0.5, 1.0, (8, 4096)).astype(np.float32)
     exact = x.astype(np.float64) @ np.asarray(kernel.dequantize(jnp.float32), np.float64)
     got = np.asarray(jax.jit(quantize.dense)(jnp.asarray(x, jnp.bfloat16), kernel), np.float64)
-    assert np.sqrt(np.mean((got - exact) ** 2) / np.mean(exact ** 2)) < 0.03
+    assert np.sqrt(np.mean((got - exact) ** 2) / np.mean(exact**2)) < 0.03
 
 
 def test_int4_kv_heads_repeat_for_tensor_parallelism():
@@ -95,8 +101,16 @@ def test_int4_kv_heads_repeat_for_tensor_parallelism():
     from jaxserve.models.config import LlamaConfig
     from jaxserve.sharding import tp as tensor_parallel
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
-                      num_kv_heads=1, head_dim=16, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     w = jnp.asarray(np.random.default_rng(4).normal(0, 0.1, (1, 64, 16)), jnp.float32)
     q = quantize.quantize_params({"params": {"layers": {"self_attn": {"k_proj": {"kernel": w}}}}}, "int4")
     kernel = q["params"]["layers"]["self_attn"]["k_proj"]["kernel"]
@@ -114,8 +128,9 @@ def test_int4_blocks_are_the_largest_multiple_of_32_up_to_128_that_divides_the_i
 
 
 @pytest.mark.parametrize("contracted", [0, 1])
-@pytest.mark.parametrize("k,block,qtype", [(256, 128, jnp.int4), (192, 96, jnp.int4), (128, 32, jnp.int8),
-                                           (64, 16, jnp.int8)])
+@pytest.mark.parametrize(
+    "k,block,qtype", [(256, 128, jnp.int4), (192, 96, jnp.int4), (128, 32, jnp.int8), (64, 16, jnp.int8)]
+)
 def test_a_gemm_per_block_equals_the_dequantized_gemm(contracted, k, block, qtype):
     """_by_block (one GEMM per block, each scaled after: what a GPU runs at few rows) and _dequantized (the weight
     dequantized first) against float64 on random values and scales (offsets are added by their caller), for a
@@ -124,8 +139,11 @@ def test_a_gemm_per_block_equals_the_dequantized_gemm(contracted, k, block, qtyp
     n, blocks = 48, k // block
     shape, scale_shape = ((k, n), (blocks, n)) if contracted == 0 else ((n, k), (n, blocks))
     low, high = (-8, 8) if qtype == jnp.int4 else (-128, 128)
-    w = quantize.Quantized(jnp.asarray(rng.integers(low, high, shape), qtype),
-                           jnp.asarray(rng.uniform(0.01, 0.1, scale_shape), jnp.float16), qtype=qtype)
+    w = quantize.Quantized(
+        jnp.asarray(rng.integers(low, high, shape), qtype),
+        jnp.asarray(rng.uniform(0.01, 0.1, scale_shape), jnp.float16),
+        qtype=qtype,
+    )
     weight = np.asarray(w.dequantize(jnp.float32), np.float64)
     weight = weight if contracted == 0 else weight.T  # [k, n]
     x = rng.normal(0.3, 1.0, (3, k)).astype(np.float32)
@@ -141,9 +159,12 @@ def test_an_accelerator_keeps_4bit_values_as_signed_int4_that_dequantize_the_sam
     file's Q4_1, Q4_K) become signed, their offset moved by 8 scales. Either way the weight is the same."""
     rng = np.random.default_rng(5)
     low = 0 if qtype == jnp.uint4 else -8
-    q = quantize.Quantized(rng.integers(low, low + 16, (64, 32)).astype(np.int8),
-                           rng.uniform(0.01, 0.1, (2, 32)).astype(np.float16),
-                           rng.normal(0, 0.1, (2, 32)).astype(np.float16) if offset else None, qtype)
+    q = quantize.Quantized(
+        rng.integers(low, low + 16, (64, 32)).astype(np.int8),
+        rng.uniform(0.01, 0.1, (2, 32)).astype(np.float16),
+        rng.normal(0, 0.1, (2, 32)).astype(np.float16) if offset else None,
+        qtype,
+    )
     on_cpu = quantize.on_device(q, jnp.float32)
     assert on_cpu.packed and on_cpu.values.dtype == jnp.uint8 and on_cpu.values.shape == (64, 16)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -152,7 +173,9 @@ def test_an_accelerator_keeps_4bit_values_as_signed_int4_that_dequantize_the_sam
     assert quantize.nbytes(native.values) == quantize.nbytes(on_cpu.values) == 64 * 16  # XLA packs int4 on a GPU
     want = np.asarray(on_cpu.dequantize(jnp.float32))
     # the same sums in another order: float32 rounding of weights of at most about 1.6
-    np.testing.assert_allclose(np.asarray(native.dequantize(jnp.float32)), want, rtol=0, atol=4 * 2**-23 * np.abs(want).max())
+    np.testing.assert_allclose(
+        np.asarray(native.dequantize(jnp.float32)), want, rtol=0, atol=4 * 2**-23 * np.abs(want).max()
+    )
 
 
 def _raw_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng) -> np.ndarray:
@@ -163,9 +186,9 @@ def _raw_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng) -> 
     halves = 2 if qtype.name in ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K") else 1
     scales = rng.uniform(-0.05, 0.05, (raw.shape[0], halves)).astype(np.float16).view(np.uint8)
     if qtype.name in ("Q2_K", "Q3_K", "Q6_K"):
-        raw[:, -2 * halves:] = scales.reshape(raw.shape[0], -1)
+        raw[:, -2 * halves :] = scales.reshape(raw.shape[0], -1)
     else:
-        raw[:, :2 * halves] = scales.reshape(raw.shape[0], -1)
+        raw[:, : 2 * halves] = scales.reshape(raw.shape[0], -1)
     return raw.reshape(rows, cols // block * size)
 
 
@@ -188,8 +211,9 @@ def test_gguf_blocks_kept_equal_the_gguf_packages_dequantization(qtype, tmp_path
     kernel = quantize.on_device(jax.tree.map(lambda a: np.ascontiguousarray(a.T), f.blocks("w")), jnp.float32)
     x = rng.normal(0, 1, (3, cols)).astype(np.float32)
     got = np.asarray(quantize.dense(jnp.asarray(x), kernel))
-    np.testing.assert_array_less(np.abs(got - x @ want.T.astype(np.float64)),
-                                 1e-5 * (np.abs(x) @ np.abs(want.T)) + 1e-6)
+    np.testing.assert_array_less(
+        np.abs(got - x @ want.T.astype(np.float64)), 1e-5 * (np.abs(x) @ np.abs(want.T)) + 1e-6
+    )
 
 
 @pytest.mark.parametrize("first", ["Q4_K", "Q5_K"])
@@ -200,12 +224,23 @@ def test_layers_stored_in_different_types_stack_in_one_layout(tmp_path, first):
     rng = np.random.default_rng(7)
     hidden, ffn, heads, kv_heads, head_dim = 256, 512, 4, 2, 64
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
-    for key, value in {"embedding_length": hidden, "feed_forward_length": ffn, "block_count": 2,
-                       "attention.head_count": heads, "attention.head_count_kv": kv_heads, "context_length": 512,
-                       "vocab_size": 64}.items():
+    for key, value in {
+        "embedding_length": hidden,
+        "feed_forward_length": ffn,
+        "block_count": 2,
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv_heads,
+        "context_length": 512,
+        "vocab_size": 64,
+    }.items():
         writer.add_uint32(f"llama.{key}", value)
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
-              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden)}
+    shapes = {
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv_heads * head_dim, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (ffn, hidden),
+        "ffn_up": (ffn, hidden),
+    }
     mixed = {"attn_v": (kv_heads * head_dim, hidden), "ffn_down": (hidden, ffn)}
     writer.add_tensor("token_embd.weight", rng.normal(0, 0.02, (64, hidden)).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
@@ -232,8 +267,9 @@ def test_layers_stored_in_different_types_stack_in_one_layout(tmp_path, first):
         x = rng.normal(0, 1, (3, want.shape[1])).astype(np.float32)
         for i in range(2):
             got = np.asarray(quantize.dense(jnp.asarray(x), jax.tree.map(lambda a: a[i], w)))  # noqa: B023
-            np.testing.assert_array_less(np.abs(got - x @ want[i].astype(np.float64)),
-                                         1e-5 * (np.abs(x) @ np.abs(want[i])) + 1e-6)
+            np.testing.assert_array_less(
+                np.abs(got - x @ want[i].astype(np.float64)), 1e-5 * (np.abs(x) @ np.abs(want[i])) + 1e-6
+            )
     assert not isinstance(layers["self_attn"]["q_proj"]["kernel"], quantize.Quantized)  # float32 stays float
 
 

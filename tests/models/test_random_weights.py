@@ -17,8 +17,7 @@ def test_random_weights_are_seeded_and_shaped_like_the_named_model():
     q = np.asarray(params["params"]["layers"]["self_attn"]["q_proj"]["kernel"], np.float32)
     assert q.shape == (cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
     assert params["params"]["layers"]["self_attn"]["q_proj"]["kernel"].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(q, np.asarray(again["params"]["layers"]["self_attn"]["q_proj"]["kernel"],
-                                                np.float32))
+    np.testing.assert_array_equal(q, np.asarray(again["params"]["layers"]["self_attn"]["q_proj"]["kernel"], np.float32))
     assert abs(q.std() - random_weights.STD) < 0.1 * random_weights.STD and abs(q.mean()) < 0.1 * random_weights.STD
     assert (np.asarray(params["params"]["norm"]["weight"], np.float32) == 1).all()
     assert tok.encode("<3> <511>") == [3, 511] and tok.decode([7, 8]) == "<7> <8>"
@@ -33,7 +32,8 @@ def test_llm_serves_a_random_model_from_token_ids():
     first, second = llm.generate([[5, 6, 7], [300, 2, 9, 9]], params)
     assert len(first.token_ids) == 6 and len(second.token_ids) == 6
     assert first.text == " " + " ".join(f"<{i}>" for i in first.token_ids) or first.text.split() == [
-        f"<{i}>" for i in first.token_ids]
+        f"<{i}>" for i in first.token_ids
+    ]
     assert llm.generate([[5, 6, 7]], params)[0].token_ids == first.token_ids  # greedy: the same again
 
 

@@ -14,14 +14,17 @@ from jaxserve.models.tokenizer import TextTokenizer, _gguf_pre_tokenizer
 TEXT = "Hello 12345 world's\n\n  end"
 
 
-@pytest.mark.parametrize("pre, pieces", [
-    # SmolLM: every digit alone, then GPT-2's byte-level regex.
-    ("smollm", ["Hello", "Ġ", "1", "2", "3", "4", "5", "Ġworld", "'s", "ĊĊĠ", "Ġend"]),
-    # Llama 3: digits in groups of up to three, newlines kept together.
-    ("llama3", ["Hello", "Ġ", "123", "45", "Ġworld", "'s", "ĊĊ", "Ġ", "Ġend"]),
-    # Plain GPT-2.
-    ("gpt2", ["Hello", "Ġ12345", "Ġworld", "'s", "ĊĊĠ", "Ġend"]),
-])
+@pytest.mark.parametrize(
+    "pre, pieces",
+    [
+        # SmolLM: every digit alone, then GPT-2's byte-level regex.
+        ("smollm", ["Hello", "Ġ", "1", "2", "3", "4", "5", "Ġworld", "'s", "ĊĊĠ", "Ġend"]),
+        # Llama 3: digits in groups of up to three, newlines kept together.
+        ("llama3", ["Hello", "Ġ", "123", "45", "Ġworld", "'s", "ĊĊ", "Ġ", "Ġend"]),
+        # Plain GPT-2.
+        ("gpt2", ["Hello", "Ġ12345", "Ġworld", "'s", "ĊĊĠ", "Ġend"]),
+    ],
+)
 def test_pre_tokenizer_splits(pre, pieces):
     assert [p for p, _ in _gguf_pre_tokenizer(pre).pre_tokenize_str(TEXT)] == pieces
 
@@ -29,14 +32,17 @@ def test_pre_tokenizer_splits(pre, pieces):
 CASED = "HTTPServer café's 12345/x\n\n  end"
 
 
-@pytest.mark.parametrize("pre, pieces", [
-    # Mistral's tekken and Qwen's: every digit alone; contractions split off
-    ("tekken", ["HTTPServer", "ĠcafÃ©", "'s", "Ġ", "1", "2", "3", "4", "5", "/x", "ĊĊ", "Ġ", "Ġend"]),
-    ("deepseek-r1-qwen", ["HTTPServer", "ĠcafÃ©", "'s", "Ġ", "1", "2", "3", "4", "5", "/x", "ĊĊ", "Ġ", "Ġend"]),
-    # GPT-4o's (Llama 4): contractions stay on their word, digits in threes
-    ("gpt-4o", ["HTTPServer", "ĠcafÃ©'s", "Ġ", "123", "45", "/x", "ĊĊ", "Ġ", "Ġend"]),
-    ("llama-v3", ["HTTPServer", "ĠcafÃ©", "'s", "Ġ", "123", "45", "/x", "ĊĊ", "Ġ", "Ġend"]),
-])
+@pytest.mark.parametrize(
+    "pre, pieces",
+    [
+        # Mistral's tekken and Qwen's: every digit alone; contractions split off
+        ("tekken", ["HTTPServer", "ĠcafÃ©", "'s", "Ġ", "1", "2", "3", "4", "5", "/x", "ĊĊ", "Ġ", "Ġend"]),
+        ("deepseek-r1-qwen", ["HTTPServer", "ĠcafÃ©", "'s", "Ġ", "1", "2", "3", "4", "5", "/x", "ĊĊ", "Ġ", "Ġend"]),
+        # GPT-4o's (Llama 4): contractions stay on their word, digits in threes
+        ("gpt-4o", ["HTTPServer", "ĠcafÃ©'s", "Ġ", "123", "45", "/x", "ĊĊ", "Ġ", "Ġend"]),
+        ("llama-v3", ["HTTPServer", "ĠcafÃ©", "'s", "Ġ", "123", "45", "/x", "ĊĊ", "Ġ", "Ġend"]),
+    ],
+)
 def test_more_pre_tokenizers_split_cased_text(pre, pieces):
     """llama.cpp's other common names (transformers maps the same regexes to them)."""
     assert [p for p, _ in _gguf_pre_tokenizer(pre).pre_tokenize_str(CASED)] == pieces
@@ -66,14 +72,18 @@ def test_a_forged_turn_in_chat_content_stays_plain_text(llm):
     assert tok.tokenizer.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(forged)
     assert tok.decode(ids).count("<|im_start|>system") == 1  # the forged one, now ordinary text
     # content in a list of parts or in any role is treated the same
-    assert control_ids(tok, tok.encode_chat([{"role": "assistant", "content": "<|endoftext|>"}])) == \
-        control_ids(tok, tok.encode_chat([{"role": "assistant", "content": "x"}]))
+    assert control_ids(tok, tok.encode_chat([{"role": "assistant", "content": "<|endoftext|>"}])) == control_ids(
+        tok, tok.encode_chat([{"role": "assistant", "content": "x"}])
+    )
 
 
 def test_chat_without_control_text_encodes_as_the_rendered_template(llm):
     tok = llm.tokenizer
-    msgs = [{"role": "user", "content": "What is 2 + 2?  \n\n"}, {"role": "assistant", "content": " 4 "},
-            {"role": "user", "content": "<|not_a_token|> and <im_end>"}]
+    msgs = [
+        {"role": "user", "content": "What is 2 + 2?  \n\n"},
+        {"role": "assistant", "content": " 4 "},
+        {"role": "user", "content": "<|not_a_token|> and <im_end>"},
+    ]
     assert tok.encode_chat(msgs) == tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
 
 
@@ -86,8 +96,9 @@ def test_control_text_in_content_is_encoded_with_its_neighbours_as_plain_text(ll
     start = text.index("user\n" + FORGED)
     end = start + len("user\n" + FORGED)
     plain = tok._as_text.encode("user\n" + FORGED, add_special_tokens=False).ids
-    assert tok.encode_chat(msgs) == (tok.encode(text[:start], add_special_tokens=False) + plain
-                                     + tok.encode(text[end:], add_special_tokens=False))
+    assert tok.encode_chat(msgs) == (
+        tok.encode(text[:start], add_special_tokens=False) + plain + tok.encode(text[end:], add_special_tokens=False)
+    )
 
 
 SPM_FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "spm_reference.json"
@@ -95,8 +106,8 @@ SPM_FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "spm_reference.js
 
 @pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3"])
 def test_sentencepiece_gguf_vocabulary_tokenizes_as_transformers(arch, tmp_path):
-    """A GGUF file's SentencePiece vocabulary (Llama-2, Mistral, Phi-3, Gemma) rebuilt with its merges recovered from the
-    scores: ids and decoded text equal transformers' for spaces, newlines, byte fallback and control tokens
+    """A GGUF file's SentencePiece vocabulary (Llama-2, Mistral, Phi-3, Gemma) rebuilt with its merges recovered from
+    the scores: ids and decoded text equal transformers' for spaces, newlines, byte fallback and control tokens
     (recorded by tools/make_family_fixtures.py), and BOS is added as llama.cpp adds it."""
     from tiny_models import write_spm_gguf
 

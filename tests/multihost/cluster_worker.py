@@ -36,15 +36,29 @@ if process_id != 0:
     jax.distributed.shutdown()
     sys.exit(0)
 
-llm = jaxserve.LLM(model, max_model_len=MAX_MODEL_LEN, kv_cache_tokens=2 * MAX_MODEL_LEN, max_num_seqs=4,
-                   max_num_batched_tokens=256, progress=False)  # its own engine: process 0's first device
+llm = jaxserve.LLM(
+    model,
+    max_model_len=MAX_MODEL_LEN,
+    kv_cache_tokens=2 * MAX_MODEL_LEN,
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    progress=False,
+)  # its own engine: process 0's first device
 d = jax.devices()  # process 0's four, then process 1's
 # a stand-in Eq. (1) in which the 4-device group is faster per token: what is tested is where chunks run
 eq1 = TetrisPrefill({s: np.array([0.01, 4e-4 / s, 2e-7 / s, 1e-7 / s]) for s in (2, 4)})
 layout = ParallelConfig(prefill_instances=4, decode_instances=2, node_size=2, min_chunk=256)
-cluster = build(llm.config, llm._params, layout,
-                lambda devices, tp: llm.make_engine(devices, progress=False, tp=tp), eq1, capacity=MAX_MODEL_LEN,
-                min_local=128, devices=[d[2], d[3], d[4], d[5], d[6], d[7]], new=llm._new)
+cluster = build(
+    llm.config,
+    llm._params,
+    layout,
+    lambda devices, tp: llm.make_engine(devices, progress=False, tp=tp),
+    eq1,
+    capacity=MAX_MODEL_LEN,
+    min_local=128,
+    devices=[d[2], d[3], d[4], d[5], d[6], d[7]],
+    new=llm._new,
+)
 warmup(cluster, MAX_MODEL_LEN, progress=False)
 
 rng = np.random.default_rng(0)
@@ -57,11 +71,21 @@ while cluster.has_unfinished():
     for o in cluster.step():
         assert o.error is None, o.error
         got[o.request_id] += o.new_token_ids
-out.write_text(json.dumps(dict(
-    want=want, got=[got[r] for r in rids],
-    chunks=[dict(request=rids.index(r.request_id), processes=sorted({d.process_index for d in jax.devices()
-                                                                     if d.id in r.group}))
-            for r in cluster.records],
-    decode_processes=[sorted({x.process_index for x in dec.engine.runner.devices}) for dec in cluster.decoders])))
+out.write_text(
+    json.dumps(
+        dict(
+            want=want,
+            got=[got[r] for r in rids],
+            chunks=[
+                dict(
+                    request=rids.index(r.request_id),
+                    processes=sorted({d.process_index for d in jax.devices() if d.id in r.group}),
+                )
+                for r in cluster.records
+            ],
+            decode_processes=[sorted({x.process_index for x in dec.engine.runner.devices}) for dec in cluster.decoders],
+        )
+    )
+)
 llm.close()
 jax.distributed.shutdown()

@@ -25,16 +25,21 @@ from jaxserve.engine.runner import ModelRunner
 from jaxserve.models.config import LlamaConfig
 from jaxserve.models.llama import init_params
 
-from jaxserve.pallas_kernels import (chunk_attention, common, decode_attention, dispatch, merge, reference,
-                                    tiled_paged_attention)
+from jaxserve.pallas_kernels import (
+    chunk_attention,
+    common,
+    decode_attention,
+    dispatch,
+    merge,
+    reference,
+    tiled_paged_attention,
+)
 from jaxserve.pallas_kernels.reference import NO_POSITION
 from kernel_check import IMPL, TOL
 
 
-
 def random_qkv(rng, t, s, h, kvh, d):
-    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in
-               ((t, h, d), (s, kvh, d), (s, kvh, d)))
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((t, h, d), (s, kvh, d), (s, kvh, d)))
     return q, k, v
 
 
@@ -130,8 +135,8 @@ def test_chunk_kernel_visits_exactly_the_key_blocks_a_query_block_can_see():
     listed = np.asarray(chunk_attention.visible_blocks(jnp.asarray(q_pos), jnp.asarray(k_pos), 32, 16, 16))
     assert listed.shape == (3, 16)
     for qb, row in enumerate(listed):
-        want = [kb for kb in range(8) if k_pos[kb * 16:(kb + 1) * 16].min() <= q_pos[qb * 32:(qb + 1) * 32].max()]
-        assert list(row[:len(want)]) == want and (row[len(want):] == -1).all()
+        want = [kb for kb in range(8) if k_pos[kb * 16 : (kb + 1) * 16].min() <= q_pos[qb * 32 : (qb + 1) * 32].max()]
+        assert list(row[: len(want)]) == want and (row[len(want) :] == -1).all()
 
 
 def decode_case(rng, h, kvh, d, block_size, nblk, kv_lens):
@@ -145,8 +150,12 @@ def decode_case(rng, h, kvh, d, block_size, nblk, kv_lens):
 
 @pytest.mark.parametrize(
     "h, kvh, d, block_size, nblk, num_splits, kv_lens, key_block",
-    [(6, 2, 16, 8, 8, 4, [1, 17, 64, 0, 37], 8), (6, 2, 16, 8, 8, 4, [1, 17, 64, 0, 37], 16),
-     (4, 4, 32, 16, 4, 2, [50, 3], 128), (8, 2, 32, 16, 16, 2, [1, 70, 200, 256, 0, 129], 64)],
+    [
+        (6, 2, 16, 8, 8, 4, [1, 17, 64, 0, 37], 8),
+        (6, 2, 16, 8, 8, 4, [1, 17, 64, 0, 37], 16),
+        (4, 4, 32, 16, 4, 2, [50, 3], 128),
+        (8, 2, 32, 16, 16, 2, [1, 70, 200, 256, 0, 129], 64),
+    ],
     ids=["gqa3-4splits-1page", "gqa3-4splits-2pages", "mha-2splits", "gqa4-2splits-4pages"],
 )
 def test_paged_decode(h, kvh, d, block_size, nblk, num_splits, kv_lens, key_block):
@@ -189,24 +198,38 @@ def test_merge_with_empty_partials(shape):
 
 def test_kernels_lower_to_triton_for_cuda():
     """Without a GPU, lowering for CUDA still runs the Pallas -> Triton lowering: tile sizes, supported ops."""
-    f32, bf16, i32, fp8 = (functools.partial(jax.ShapeDtypeStruct, dtype=t)
-                           for t in (jnp.float32, jnp.bfloat16, jnp.int32, jnp.float8_e4m3fn))
+    f32, bf16, i32, fp8 = (
+        functools.partial(jax.ShapeDtypeStruct, dtype=t)
+        for t in (jnp.float32, jnp.bfloat16, jnp.int32, jnp.float8_e4m3fn)
+    )
     cases = [
-        (chunk_attention.chunk_attention, (bf16((100, 9, 64)), bf16((300, 3, 64)), bf16((300, 3, 64)), i32((100,)),
-                                           i32((300,)))),
-        (functools.partial(decode_attention.paged_decode_attention, block_size=16, num_splits=4),
-         (bf16((3, 32, 80)), bf16((4096, 8, 80)), bf16((4096, 8, 80)), i32((3, 16)), i32((3,)))),
+        (
+            chunk_attention.chunk_attention,
+            (bf16((100, 9, 64)), bf16((300, 3, 64)), bf16((300, 3, 64)), i32((100,)), i32((300,))),
+        ),
+        (
+            functools.partial(decode_attention.paged_decode_attention, block_size=16, num_splits=4),
+            (bf16((3, 32, 80)), bf16((4096, 8, 80)), bf16((4096, 8, 80)), i32((3, 16)), i32((3,))),
+        ),
         (merge.merge_attention, (f32((3, 5, 32, 128)), f32((3, 5, 32)))),
-        (functools.partial(tiled_paged_attention.tiled_paged_attention, block_size=16, key_block=128),
-         (bf16((8, 16, 32, 128)), i32((8, 16)), bf16((4096, 8, 128)), bf16((4096, 8, 128)), i32((8, 32)))),
+        (
+            functools.partial(tiled_paged_attention.tiled_paged_attention, block_size=16, key_block=128),
+            (bf16((8, 16, 32, 128)), i32((8, 16)), bf16((4096, 8, 128)), bf16((4096, 8, 128)), i32((8, 32))),
+        ),
         # with a sliding window (its mask and its first key block)
-        (functools.partial(chunk_attention.chunk_attention, window=50),
-         (bf16((100, 9, 64)), bf16((300, 3, 64)), bf16((300, 3, 64)), i32((100,)), i32((300,)))),
-        (functools.partial(tiled_paged_attention.tiled_paged_attention, block_size=16, key_block=128, window=300),
-         (bf16((8, 16, 32, 128)), i32((8, 16)), bf16((4096, 8, 128)), bf16((4096, 8, 128)), i32((8, 32)))),
+        (
+            functools.partial(chunk_attention.chunk_attention, window=50),
+            (bf16((100, 9, 64)), bf16((300, 3, 64)), bf16((300, 3, 64)), i32((100,)), i32((300,))),
+        ),
+        (
+            functools.partial(tiled_paged_attention.tiled_paged_attention, block_size=16, key_block=128, window=300),
+            (bf16((8, 16, 32, 128)), i32((8, 16)), bf16((4096, 8, 128)), bf16((4096, 8, 128)), i32((8, 32))),
+        ),
         # an fp8 cache (--kv_cache_dtype=fp8) under bfloat16 queries
-        (functools.partial(tiled_paged_attention.tiled_paged_attention, block_size=16, key_block=128),
-         (bf16((8, 16, 32, 128)), i32((8, 16)), fp8((4096, 8, 128)), fp8((4096, 8, 128)), i32((8, 32)))),
+        (
+            functools.partial(tiled_paged_attention.tiled_paged_attention, block_size=16, key_block=128),
+            (bf16((8, 16, 32, 128)), i32((8, 16)), fp8((4096, 8, 128)), fp8((4096, 8, 128)), i32((8, 32))),
+        ),
     ]
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for fn, args in cases:
@@ -218,14 +241,25 @@ def test_kernels_lower_to_triton_for_cuda():
 def test_serving_step_lowers_for_cuda_with_the_kernel():
     """The engine's whole step (a Llama-shaped model in bfloat16, GQA 4:1, head_dim 128) lowered for CUDA from this
     machine: its attention is the Triton kernel, for a decode-only bucket and a mixed one."""
-    cfg = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4,
-                      num_kv_heads=1, head_dim=128, max_position_embeddings=4096, rope_theta=500000.0,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
     params = init_params(cfg, jax.random.key(0))
-    buckets = batch.Buckets.make(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=4096, block_size=16,
-                                 key_block=256)
-    runner = ModelRunner(cfg, params, jnp.bfloat16, num_blocks=64, block_size=16, buckets=buckets, key_block=256,
-                         attention="kernel")
+    buckets = batch.Buckets.make(
+        max_num_batched_tokens=256, max_num_seqs=8, max_model_len=4096, block_size=16, key_block=256
+    )
+    runner = ModelRunner(
+        cfg, params, jnp.bfloat16, num_blocks=64, block_size=16, buckets=buckets, key_block=256, attention="kernel"
+    )
     for shape in (buckets.decode(8), buckets.mixed(*buckets.fit(256, 8))):
         hlo = runner.lower(shape, platforms=["cuda"]).as_text()
         assert "__gpu$xla.gpu.triton" in hlo and "tiled_paged_attention" in hlo
@@ -237,6 +271,7 @@ def test_pipelining_depth_fits_shared_memory():
     assert common.pipeline_stages(stage_bytes=2 * 256 * 128 * bf16, fixed_bytes=128 * 128 * bf16) == 1
     # the decode kernel's default: key blocks of 128 beside a 16-row group
     assert common.pipeline_stages(stage_bytes=2 * 128 * 128 * bf16, fixed_bytes=16 * 128 * bf16) == 2
+
 
 def test_dispatch_defaults_and_rejects_unknown():
     assert dispatch.resolve(None) == ("kernel" if jax.default_backend() == "gpu" else "reference")
@@ -250,8 +285,9 @@ def test_bench_attention_smoke_writes_every_part(tmp_path):
     tool = pathlib.Path(__file__).parents[2] / "tools" / "bench_attention.py"
     # on a GPU this process holds most of its memory already (JAX preallocates): the child allocates as it goes
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    proc = subprocess.run([sys.executable, str(tool), "--smoke", f"--out={out}"], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(tool), "--smoke", f"--out={out}"], capture_output=True, text=True, timeout=600, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert [r["seq"] for r in results["chunk"]] == [256]

@@ -44,11 +44,24 @@ def test_paged_attention_matches_dense(heads, kv_heads, block_size, new_tokens, 
     q = rng.standard_normal((b, new_tokens, heads, d)).astype(np.float32)
     positions = np.array([[h + t for t in range(new_tokens)] for h in histories], np.int32)
 
-    got = np.asarray(paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache),
-                                     jnp.asarray(tables, jnp.int32), jnp.asarray(positions),
-                                     jnp.asarray(kv_lens, jnp.int32), block_size=block_size))
+    got = np.asarray(
+        paged_attention(
+            jnp.asarray(q),
+            jnp.asarray(k_cache),
+            jnp.asarray(v_cache),
+            jnp.asarray(tables, jnp.int32),
+            jnp.asarray(positions),
+            jnp.asarray(kv_lens, jnp.int32),
+            block_size=block_size,
+        )
+    )
     for i in range(b):
         slots = (tables[i][:, None] * block_size + np.arange(block_size)).reshape(-1)
-        ref = dense_reference(q[i].astype(np.float64), k_cache[slots].astype(np.float64),
-                              v_cache[slots].astype(np.float64), positions[i], kv_lens[i])
+        ref = dense_reference(
+            q[i].astype(np.float64),
+            k_cache[slots].astype(np.float64),
+            v_cache[slots].astype(np.float64),
+            positions[i],
+            kv_lens[i],
+        )
         np.testing.assert_allclose(got[i, : valid[i]], ref[: valid[i]], rtol=1e-5, atol=1e-5)

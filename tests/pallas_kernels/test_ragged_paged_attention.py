@@ -1,6 +1,7 @@
 """Ragged paged attention (the engine's flat batch: decodes and prefill chunks of many requests in one token
 axis) against plain causal attention per request, on random data packed by the engine's own batch.pack: the
-jnp reference and the Pallas kernel (interpret mode; compiled through Triton on a GPU: tests/pallas_kernels/kernel_check.py)."""
+jnp reference and the Pallas kernel (interpret mode; compiled through Triton on a GPU:
+tests/pallas_kernels/kernel_check.py)."""
 
 from __future__ import annotations
 
@@ -27,27 +28,40 @@ from test_paged_attention import dense_reference
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (9, 3)])
 # the reference at every tiling; the kernel (slow in interpret mode) at the GPU-like one: pages of 16, two per key
 # block, chunks in tiles of 8
-@pytest.mark.parametrize("block_size, key_block, tile, implementation", [
-    (4, 8, 4, "reference"), (16, 32, 8, "reference"), (8, 64, 32, "reference"), (16, 32, 8, IMPL)])
-@pytest.mark.parametrize("rows", [
-    [(0, 1)],  # one decode at position 0
-    [(5, 1), (37, 1), (0, 9)],  # two decodes and a prompt
-    [(3, 20), (0, 1), (48, 13), (100, 1), (0, 33)],  # chunks with histories, decodes, uneven lengths
-])
-def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_block, tile, rows, implementation,
-                                              window=None):
+@pytest.mark.parametrize(
+    "block_size, key_block, tile, implementation",
+    [(4, 8, 4, "reference"), (16, 32, 8, "reference"), (8, 64, 32, "reference"), (16, 32, 8, IMPL)],
+)
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [(0, 1)],  # one decode at position 0
+        [(5, 1), (37, 1), (0, 9)],  # two decodes and a prompt
+        [(3, 20), (0, 1), (48, 13), (100, 1), (0, 33)],  # chunks with histories, decodes, uneven lengths
+    ],
+)
+def test_ragged_paged_attention_matches_dense(
+    heads, kv_heads, block_size, key_block, tile, rows, implementation, window=None
+):
     rng = np.random.default_rng(heads * 1000 + block_size * 10 + len(rows))
     d = 16
     kv_lens = [h + n for h, n in rows]
     max_len = max(kv_lens)
-    buckets = batch.Buckets.make(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=max_len,
-                                 block_size=block_size, key_block=key_block, tile=tile, min_tokens=8)
+    buckets = batch.Buckets.make(
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+        max_model_len=max_len,
+        block_size=block_size,
+        key_block=key_block,
+        tile=tile,
+        min_tokens=8,
+    )
     nblk = [-(-n // block_size) for n in kv_lens]
     num_blocks = sum(nblk) + 5
     perm = rng.permutation(np.arange(1, num_blocks))  # blocks scattered over the pool
     tables, at = [], 0
     for k in nblk:
-        tables.append(perm[at:at + k].tolist())
+        tables.append(perm[at : at + k].tolist())
         at += k
     k_cache = rng.standard_normal((num_blocks * block_size, kv_heads, d)).astype(np.float32)
     v_cache = rng.standard_normal((num_blocks * block_size, kv_heads, d)).astype(np.float32)
@@ -56,18 +70,32 @@ def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_b
     q = rng.standard_normal((len(a.token_ids), heads, d)).astype(np.float32)
 
     # one program per view (the tables change, not their shapes)
-    attend = jax.jit(lambda tables, page_pos=None: ragged_paged_attention(
-        jnp.asarray(q), jnp.asarray(a.positions), jnp.asarray(k_cache), jnp.asarray(v_cache), tables,
-        jnp.asarray(a.decode_token), jnp.asarray(a.tile_tokens), jnp.asarray(a.tile_row),
-        block_size=block_size, key_block=key_block, window=window, page_pos=page_pos, implementation=implementation))
+    attend = jax.jit(
+        lambda tables, page_pos=None: ragged_paged_attention(
+            jnp.asarray(q),
+            jnp.asarray(a.positions),
+            jnp.asarray(k_cache),
+            jnp.asarray(v_cache),
+            tables,
+            jnp.asarray(a.decode_token),
+            jnp.asarray(a.tile_tokens),
+            jnp.asarray(a.tile_row),
+            block_size=block_size,
+            key_block=key_block,
+            window=window,
+            page_pos=page_pos,
+            implementation=implementation,
+        )
+    )
     got, lse = (np.asarray(x) for x in attend(a.tables))
     # a KV-parallel group's view: each of 3 devices sees the blocks b % 3 == i, either as they lie (the others -1)
     # or its own first with their positions (held_pages: what the engine passes); the partials merged by their
     # log-sum-exp are the whole attention again
     held = [(a.tables >= 0) & (a.tables % 3 == i) for i in range(3)]
-    for view in (lambda i: attend(np.where(held[i], a.tables, -1)),
-                 lambda i: attend(*held_pages(jnp.asarray(a.tables), jnp.asarray(held[i]), block_size,
-                                              reference.NO_POSITION))):
+    for view in (
+        lambda i: attend(np.where(held[i], a.tables, -1)),
+        lambda i: attend(*held_pages(jnp.asarray(a.tables), jnp.asarray(held[i]), block_size, reference.NO_POSITION)),
+    ):
         parts = [view(i) for i in range(3)]
         merged, merged_lse = merge_attention(jnp.stack([o for o, _ in parts]), jnp.stack([s for _, s in parts]))
         np.testing.assert_allclose(merged, got, **TOL)
@@ -75,9 +103,15 @@ def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_b
     start = 0
     for (h, n), table, kv_len in zip(rows, tables, kv_lens):
         slots = (np.asarray(table)[:, None] * block_size + np.arange(block_size)).reshape(-1)
-        ref = dense_reference(q[start:start + n].astype(np.float64), k_cache[slots].astype(np.float64),
-                              v_cache[slots].astype(np.float64), np.arange(h, h + n), kv_len, window)
-        np.testing.assert_allclose(got[start:start + n], ref, **TOL)
+        ref = dense_reference(
+            q[start : start + n].astype(np.float64),
+            k_cache[slots].astype(np.float64),
+            v_cache[slots].astype(np.float64),
+            np.arange(h, h + n),
+            kv_len,
+            window,
+        )
+        np.testing.assert_allclose(got[start : start + n], ref, **TOL)
         start += n
     assert not got[start:].any() and np.isneginf(lse[start:]).all()  # batch padding attends nothing
 
@@ -86,8 +120,9 @@ def test_ragged_paged_attention_matches_dense(heads, kv_heads, block_size, key_b
 @pytest.mark.parametrize("window", [3, 11, 40])
 @pytest.mark.parametrize("implementation", ["reference", IMPL])
 def test_a_sliding_window_matches_dense(window, implementation):
-    test_ragged_paged_attention_matches_dense(6, 2, 16, 32, 8, [(3, 20), (0, 1), (48, 13), (100, 1), (0, 33)],
-                                              implementation, window=window)
+    test_ragged_paged_attention_matches_dense(
+        6, 2, 16, 32, 8, [(3, 20), (0, 1), (48, 13), (100, 1), (0, 33)], implementation, window=window
+    )
 
 
 # a lone decode row reads reference.ONE_ROW_KEYS keys a loop step, more rows DECODE_KEYS: positions at, before and
@@ -104,13 +139,26 @@ def test_decode_rows_match_dense_across_the_loop_steps(position, window, rows):
     k_cache, v_cache = (rng.standard_normal((num_blocks * bs, kvh, d)).astype(np.float32) for _ in range(2))
     q = rng.standard_normal((rows, 1, h, d)).astype(np.float32)
     pos = np.array([[position - 5 * i] for i in range(rows)]).clip(0)
-    got, _ = reference.tiled_paged_attention(jnp.asarray(q), jnp.asarray(pos), jnp.asarray(k_cache),
-                                             jnp.asarray(v_cache), jnp.asarray(tables), block_size=bs,
-                                             key_block=256, window=window)
+    got, _ = reference.tiled_paged_attention(
+        jnp.asarray(q),
+        jnp.asarray(pos),
+        jnp.asarray(k_cache),
+        jnp.asarray(v_cache),
+        jnp.asarray(tables),
+        block_size=bs,
+        key_block=256,
+        window=window,
+    )
     for i in range(rows):
         slots = (tables[i][:, None] * bs + np.arange(bs)).reshape(-1)
-        want = dense_reference(q[i].astype(np.float64), k_cache[slots].astype(np.float64),
-                               v_cache[slots].astype(np.float64), pos[i], pos[i, 0] + 1, window)
+        want = dense_reference(
+            q[i].astype(np.float64),
+            k_cache[slots].astype(np.float64),
+            v_cache[slots].astype(np.float64),
+            pos[i],
+            pos[i, 0] + 1,
+            window,
+        )
         np.testing.assert_allclose(np.asarray(got[i]), want, **TOL)
 
 
@@ -143,18 +191,36 @@ def test_long_histories_match_dense_across_both_loops(history_keys, sets, window
     for i, s in enumerate(starts):
         pos[i] = s + np.arange(tq)
     tile_tables = tables[requests + [0] * (n - len(starts))]
-    attend = jax.jit(lambda tables, page_pos: reference.tiled_paged_attention(
-        jnp.asarray(q), jnp.asarray(pos), jnp.asarray(k_cache), jnp.asarray(v_cache), tables, block_size=bs,
-        key_block=256, window=window, page_pos=page_pos))
-    parts = [attend(*held_pages(jnp.asarray(tile_tables), jnp.asarray(tile_tables % sets == i), bs,
-                                reference.NO_POSITION)) for i in range(sets)]
+    attend = jax.jit(
+        lambda tables, page_pos: reference.tiled_paged_attention(
+            jnp.asarray(q),
+            jnp.asarray(pos),
+            jnp.asarray(k_cache),
+            jnp.asarray(v_cache),
+            tables,
+            block_size=bs,
+            key_block=256,
+            window=window,
+            page_pos=page_pos,
+        )
+    )
+    parts = [
+        attend(*held_pages(jnp.asarray(tile_tables), jnp.asarray(tile_tables % sets == i), bs, reference.NO_POSITION))
+        for i in range(sets)
+    ]
     got = merge_attention(jnp.stack([o for o, _ in parts]), jnp.stack([s for _, s in parts]))[0]
     for i in range(len(starts)):
         slots = (tile_tables[i][:, None] * bs + np.arange(bs)).reshape(-1)
-        want = dense_reference(q[i].astype(np.float64), k_cache[slots].astype(np.float64),
-                               v_cache[slots].astype(np.float64), pos[i], pos[i, -1] + 1, window)
+        want = dense_reference(
+            q[i].astype(np.float64),
+            k_cache[slots].astype(np.float64),
+            v_cache[slots].astype(np.float64),
+            pos[i],
+            pos[i, -1] + 1,
+            window,
+        )
         np.testing.assert_allclose(np.asarray(got[i]), want, **TOL)
-    assert not np.asarray(got[len(starts):]).any()  # the padding tile attends nothing
+    assert not np.asarray(got[len(starts) :]).any()  # the padding tile attends nothing
 
 
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
@@ -164,12 +230,13 @@ def test_kernel_reads_a_narrower_cache_as_the_reference(cache_dtype):
     n, heads, kv_heads, d, block_size, key_block = 3, 6, 2, 16, 8, 16
     q = jnp.asarray(rng.standard_normal((n, 4, heads, d)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((40 * block_size, kv_heads, d)), cache_dtype) for _ in range(2))
-    tables = jnp.asarray(rng.permutation(40)[:n * 8].reshape(n, 8), jnp.int32)
+    tables = jnp.asarray(rng.permutation(40)[: n * 8].reshape(n, 8), jnp.int32)
     q_pos = jnp.asarray([[0, 1, 2, 3], [30, 31, 32, 33], [60, 61, -1, -1]], jnp.int32)
     args = (q, q_pos, k, v, tables)
     want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block)
-    got, got_lse = dispatch.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
-                                                  implementation=IMPL)
+    got, got_lse = dispatch.tiled_paged_attention(
+        *args, block_size=block_size, key_block=key_block, implementation=IMPL
+    )
     np.testing.assert_allclose(got, want, **TOL)
     np.testing.assert_allclose(got_lse, want_lse, **TOL)
 
@@ -183,18 +250,18 @@ def test_kernel_in_bfloat16_matches_the_reference():
     slots = 40 * block_size
     q = jnp.asarray(rng.standard_normal((n, tq, heads, d)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((slots, kv_heads, d)), jnp.bfloat16) for _ in range(2))
-    tables = jnp.asarray(rng.permutation(40)[:n * 8].reshape(n, 8), jnp.int32).at[2, 1].set(-1)
+    tables = jnp.asarray(rng.permutation(40)[: n * 8].reshape(n, 8), jnp.int32).at[2, 1].set(-1)
     starts = np.array([0, 17, 60, 100, 3])  # tiles at different depths; the last one mostly padding
     q_pos = np.where(np.arange(tq) < np.array([8, 8, 5, 8, 1])[:, None], starts[:, None] + np.arange(tq), -1)
     args = (q, jnp.asarray(q_pos, jnp.int32), k, v, tables)
     want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block)
-    got, got_lse = dispatch.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
-                                                  implementation=IMPL)
+    got, got_lse = dispatch.tiled_paged_attention(
+        *args, block_size=block_size, key_block=key_block, implementation=IMPL
+    )
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=2e-2)
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-4)
     assert np.isneginf(np.asarray(got_lse)[q_pos < 0]).all() and not np.asarray(got, np.float32)[q_pos < 0].any()
-
 
 
 def test_kernel_at_the_engines_gpu_shape():
@@ -207,16 +274,18 @@ def test_kernel_at_the_engines_gpu_shape():
     pages = 100  # the pool; each request's table holds 32 of them
     q = jnp.asarray(rng.standard_normal((n, tq, heads, d)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((pages * block_size, kv_heads, d)), jnp.bfloat16) for _ in range(2))
-    tables = jnp.asarray(rng.permutation(pages)[:n * 32].reshape(n, 32), jnp.int32)  # 512 tokens each, scattered
+    tables = jnp.asarray(rng.permutation(pages)[: n * 32].reshape(n, 32), jnp.int32)  # 512 tokens each, scattered
     starts = np.array([0, 200, 470])  # one, two and three key blocks deep
     q_pos = jnp.asarray(starts[:, None] + np.arange(tq), jnp.int32)
     args = (q, q_pos, k, v, tables)
     want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block)
-    got, got_lse = dispatch.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
-                                                  implementation=IMPL)
+    got, got_lse = dispatch.tiled_paged_attention(
+        *args, block_size=block_size, key_block=key_block, implementation=IMPL
+    )
     # bf16 outputs of magnitude ~1, rounded once on each side (2^-8 relative): as the bfloat16 test above
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=2e-2)
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-4)
+
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("window", [None, 20])
@@ -230,13 +299,13 @@ def test_kernel_split_along_the_context_matches_the_reference(splits, window):
     pool = 100
     q = jnp.asarray(rng.standard_normal((n, 1, heads, d)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((pool * block_size, kv_heads, d)), jnp.float32) for _ in range(2))
-    tables = jnp.asarray(rng.permutation(pool)[:n * width].reshape(n, width), jnp.int32).at[3, 2].set(-1)
+    tables = jnp.asarray(rng.permutation(pool)[: n * width].reshape(n, width), jnp.int32).at[3, 2].set(-1)
     q_pos = jnp.asarray([[5], [40], [127], [70], [-1]], jnp.int32)
     args = (q, q_pos, k, v, tables)
-    want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
-                                                     window=window)
-    got, got_lse = tiled_kernel.tiled_paged_attention(*args, block_size=block_size, key_block=key_block,
-                                                      window=window, splits=splits, interpret=IMPL == "interpret")
+    want, want_lse = reference.tiled_paged_attention(*args, block_size=block_size, key_block=key_block, window=window)
+    got, got_lse = tiled_kernel.tiled_paged_attention(
+        *args, block_size=block_size, key_block=key_block, window=window, splits=splits, interpret=IMPL == "interpret"
+    )
     np.testing.assert_allclose(got, want, **TOL)
     np.testing.assert_allclose(got_lse, want_lse, **TOL)
     assert not np.asarray(got)[4].any() and np.isneginf(np.asarray(got_lse)[4]).all()
@@ -251,11 +320,13 @@ def test_context_splits_fill_the_sms_and_stop_at_the_table():
 
 def test_buckets_bound_the_programs_and_refuse_what_does_not_fit():
     # one row bucket by default (an accelerator's); a CPU asks for rows from 4
-    b = batch.Buckets.make(max_num_batched_tokens=512, max_num_seqs=16, max_model_len=2048, block_size=16,
-                           key_block=256)
+    b = batch.Buckets.make(
+        max_num_batched_tokens=512, max_num_seqs=16, max_model_len=2048, block_size=16, key_block=256
+    )
     assert b.rows == (16,) and b.decode_rows == (1, 2, 4, 8, 16) and len(b.programs()) == 5 + 6
-    b = batch.Buckets.make(max_num_batched_tokens=512, max_num_seqs=16, max_model_len=2048, block_size=16,
-                           key_block=256, min_rows=4)
+    b = batch.Buckets.make(
+        max_num_batched_tokens=512, max_num_seqs=16, max_model_len=2048, block_size=16, key_block=256, min_rows=4
+    )
     assert b.tokens == (16, 32, 64, 128, 256, 512) and b.rows == (4, 8, 16) and b.width == 128
     assert len(b.shapes()) == 18
     assert b.fit(1, 1) == (16, 4) and b.fit(17, 5) == (32, 8) and b.fit(512, 16) == (512, 16)
@@ -284,9 +355,14 @@ def test_a_step_travels_as_one_blob_and_comes_back_bit_for_bit():
     b = batch.Buckets.make(512, 16, 2048, 16, 256, min_rows=4, max_prefills=2)
     rng = np.random.default_rng(0)
     params = [SamplingParams(temperature=0.7, top_p=0.93, top_k=5), SamplingParams(), SamplingParams(top_p=0.5)]
-    rows = [batch.Row(rng.integers(0, 500, n).tolist(), start, list(range(1, 9)), p, int(seed), c, feed)
-            for n, start, p, seed, c, feed in [(17, 3, params[0], 2**32 - 1, 4, -1), (1, 40, params[1], 7, 9, 2),
-                                               (9, 0, params[2], 2**31 + 5, 0, -1)]]
+    rows = [
+        batch.Row(rng.integers(0, 500, n).tolist(), start, list(range(1, 9)), p, int(seed), c, feed)
+        for n, start, p, seed, c, feed in [
+            (17, 3, params[0], 2**32 - 1, 4, -1),
+            (1, 40, params[1], 7, 9, 2),
+            (9, 0, params[2], 2**31 + 5, 0, -1),
+        ]
+    ]
     packed = batch.pack(rows, b, 16)
     blob = batch.to_blob(packed)
     assert blob.dtype == np.int32 and blob.ndim == 1

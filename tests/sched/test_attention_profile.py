@@ -56,8 +56,10 @@ def test_h100_prefill_attention_is_the_measured_kernel_for_its_flops(profile, tp
             assert expected == cost.layers * m(flops)
 
 
-@pytest.mark.parametrize("profile,tp,kvp", [("h100_llama2_70b", 8, 1), ("h100_llama2_70b", 8, 4),
-                                            ("h100_llama2_7b", 1, 1), ("h100_llama2_7b", 2, 1)])
+@pytest.mark.parametrize(
+    "profile,tp,kvp",
+    [("h100_llama2_70b", 8, 1), ("h100_llama2_70b", 8, 4), ("h100_llama2_7b", 1, 1), ("h100_llama2_7b", 2, 1)],
+)
 def test_more_tokens_never_take_less_time(profile, tp, kvp):
     cost = ProfileBatchCost(profile, tp=tp, kvp=kvp, kvp_tokens=256 * K if kvp > 1 else None)
     ns = sorted({1, 7, 64, 300, 1000} | {2**k for k in range(4, 21)} | {3 * 2**k for k in range(4, 19)})

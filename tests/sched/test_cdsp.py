@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-from jaxserve.sched.cdsp import (Balancing, CDSPPlanner, FixedSPPlanner, MeasuredBalancing, Pool, Stores, _chunks_for,
-                                 chunk_seconds)
+from jaxserve.sched.cdsp import (
+    Balancing,
+    CDSPPlanner,
+    FixedSPPlanner,
+    MeasuredBalancing,
+    Pool,
+    Stores,
+    _chunks_for,
+    chunk_seconds,
+)
 from jaxserve.sched.profiles import network, tetris_table1_samples
 
 
@@ -97,8 +105,9 @@ def test_plans_are_consistent_on_random_queues(seed):
     for c in plan.chunks:
         assert c.group[: len(prev)] == prev and len(set(c.group)) == c.sp  # each group extends the last
         assert c.history == h and c.start >= t - 1e-9  # in order, after the previous chunk
-        assert c.start == pytest.approx(queues[list(c.group)].max() if not prev else max(
-            queues[list(c.group)].max(), t))
+        assert c.start == pytest.approx(
+            queues[list(c.group)].max() if not prev else max(queues[list(c.group)].max(), t)
+        )
         assert c.end == pytest.approx(c.start + MODEL.predict(c.sp, c.tokens, c.history))
         prev, h, t = c.group, h + c.tokens, c.end
     single = CDSPPlanner(MODEL, pool, improvement_rate=rate, chunking=False).plan(tokens, queues)
@@ -116,7 +125,7 @@ def test_the_rest_of_a_prompt_may_take_a_larger_group_than_the_first_choice():
     assert plan.chunks[-1].sp == 16 and plan.ttft < 0.7 * 22.78
     h, prev = 0, ()
     for c in plan.chunks:  # the same bookkeeping as every plan: groups extend, chunks follow each other
-        assert c.group[:len(prev)] == prev and c.history == h
+        assert c.group[: len(prev)] == prev and c.history == h
         h, prev = h + c.tokens, c.group
 
 
@@ -266,8 +275,11 @@ def test_every_planned_chunk_fits_the_stores_of_its_group(seed):
         assert c.start >= end - 1e-12 and c.end > c.start  # one after another
         done, end = done + c.tokens, c.end
     assert done == tokens
-    with pytest.raises(ValueError, match=rf"a prompt of {longest + 1} tokens does not fit .* 16 instances hold "
-                                         rf"{longest} tokens at most \({rows} history rows each\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"a prompt of {longest + 1} tokens does not fit .* 16 instances hold "
+        rf"{longest} tokens at most \({rows} history rows each\)",
+    ):
         planner.plan(longest + 1, queues)
     free = CDSPPlanner(MODEL, POOL, improvement_rate=planner.improvement_rate, stores=Stores(rows=1 << 30))
     assert free.plan(tokens, queues) == CDSPPlanner(MODEL, POOL, planner.improvement_rate).plan(tokens, queues)

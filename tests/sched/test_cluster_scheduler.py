@@ -80,14 +80,17 @@ def test_chunks_start_in_booked_order_on_free_disjoint_groups_with_their_rebalan
     for _ in range(100):
         plan = s.plan(0.0)
         groups = [set(i.group) for i in plan.items]
-        assert all(not (g & h) for k, g in enumerate(groups) for h in groups[k + 1:])
+        assert all(not (g & h) for k, g in enumerate(groups) for h in groups[k + 1 :])
         for item in plan.items:
             assert not set(item.group) & {d for r in running for d in r.group}
             assert set(item.group) <= set(DEVICE_IDS) and item.phase is Phase.PREFILL
             moved = [m for m in plan.moves if m.request_id == item.request_id]
             prev = held.get(item.request_id)
-            assert moved == [] if prev is None else [(m.src, m.dst, m.tokens) for m in moved] == [
-                (prev, item.group, item.history)]
+            assert (
+                moved == []
+                if prev is None
+                else [(m.src, m.dst, m.tokens) for m in moved] == [(prev, item.group, item.history)]
+            )
             held[item.request_id] = item.group
         running |= set(plan.items)
         started += plan.items
@@ -170,9 +173,19 @@ def test_a_lateness_moves_a_devices_bookings_once():
 def sides(*loads: tuple[int, int]) -> dict[int, SimpleNamespace]:
     """Decode instances as a policy reads them (a ledger and a scheduler's KV and batch), each with
     (free KV slots, running requests)."""
-    return {i: SimpleNamespace(ledger=DecodeLedger(4), scheduler=SimpleNamespace(
-        kv=SimpleNamespace(num_free=free, block_size=1), running=[None] * running, committed=lambda: 0,
-        kv_capacity=max(free, 1), max_num_seqs=max(running, 8))) for i, (free, running) in enumerate(loads)}
+    return {
+        i: SimpleNamespace(
+            ledger=DecodeLedger(4),
+            scheduler=SimpleNamespace(
+                kv=SimpleNamespace(num_free=free, block_size=1),
+                running=[None] * running,
+                committed=lambda: 0,
+                kv_capacity=max(free, 1),
+                max_num_seqs=max(running, 8),
+            ),
+        )
+        for i, (free, running) in enumerate(loads)
+    }
 
 
 LOADS = ((1000, 4), (4000, 2), (100, 0))
@@ -205,8 +218,9 @@ def test_an_admission_check_refuses_before_anything_is_booked_or_promised():
     decoders = sides((10, 0))
     assert s.arrive(PromptInfo(4096), 0.0, decoders, admits=lambda d: False, request_id="a") is None
     assert not s.free_at.any() and not decoders[0].ledger.heavy
-    assert s.arrive(PromptInfo(4096), 0.0, decoders, admits=lambda d: d.decoder == 0,
-                    request_id="b").dispatch.decoder == 0
+    assert (
+        s.arrive(PromptInfo(4096), 0.0, decoders, admits=lambda d: d.decoder == 0, request_id="b").dispatch.decoder == 0
+    )
     assert s.free_at.any() and list(decoders[0].ledger.heavy) == ["b"]
 
 
@@ -241,16 +255,27 @@ def test_tetriinfer_instances_get_the_same_chunks_live_and_simulated():
     rng = np.random.default_rng(5)
     n = 40
     w = Workload(np.cumsum(rng.exponential(0.02, n)), rng.integers(50, 3000, n), np.full(n, 2), "mixed")
-    cfg = DisaggConfig(prefill="tetriinfer", prefill_instances=3, decode_instances=2, decode_tp=1,
-                       prefill_chunk=512, prefill_batch=4, prefill_order="sjf")
+    cfg = DisaggConfig(
+        prefill="tetriinfer",
+        prefill_instances=3,
+        decode_instances=2,
+        decode_tp=1,
+        prefill_chunk=512,
+        prefill_batch=4,
+        prefill_order="sjf",
+    )
     sim = DisaggSimulator(None, MODEL.fastest, cfg)
     simulated = sim.run(w, progress=False).prefills
 
     def instances() -> list[PrefillBatchScheduler]:
         return [PrefillBatchScheduler(512, 4, "sjf", (i,)) for i in range(3)]
 
-    live = tetriinfer_executor(TetriInferPolicy(instances(), range(3), 2), w,
-                               lambda items: chunk_time(sim.prefill_cost, items, 512), sides((10**6, 0), (10**6, 0)))
+    live = tetriinfer_executor(
+        TetriInferPolicy(instances(), range(3), 2),
+        w,
+        lambda items: chunk_time(sim.prefill_cost, items, 512),
+        sides((10**6, 0), (10**6, 0)),
+    )
     assert live == simulated
     assert {c[1] for c in live} == {(0,), (1,), (2,)} and max(len(c[0]) for c in live) > 1
     s = TetriInferPolicy(instances(), range(3), 1)
@@ -279,8 +304,14 @@ def test_tetriinfer_flips_an_idle_prefill_instance_once_the_decode_side_is_busy(
     """Flips in the policy's plans: a started flip takes the instance out of its role at once (no new prompts),
     and the flip is done, the instance decoding, once its queue has drained; one flip at a time."""
     flip = FlipPolicy(window=1.0, check_every=0.5)
-    s = TetriInferPolicy([PrefillBatchScheduler(512, 4, "sjf", (i,)) for i in range(3)], range(3), 3,
-                         predictor=ObservedLengths(), flip=flip, prefilling=2)
+    s = TetriInferPolicy(
+        [PrefillBatchScheduler(512, 4, "sjf", (i,)) for i in range(3)],
+        range(3),
+        3,
+        predictor=ObservedLengths(),
+        flip=flip,
+        prefilling=2,
+    )
     decoders = sides((10**6, 0), (10**6, 0), (10, 8))  # the one decode instance is full
     decoders[2].scheduler.committed = lambda: 10
     s.arrive(Request("a", 0.0, 600, 2), PromptInfo(600), 0.0, 2)  # instance 0 busy, instance 1 idle
@@ -289,8 +320,11 @@ def test_tetriinfer_flips_an_idle_prefill_instance_once_the_decode_side_is_busy(
         plan = s.plan(float(now), decoders)
         roles += [(r.flip, r.unit, r.done) for r in plan.roles]
         for group, items in plan.chunks().items():
-            s.apply(group, items, Outcome(float(now), (), {i.request_id: (0,) for i in items
-                                                          if i.request_id in plan.dispatch}))
+            s.apply(
+                group,
+                items,
+                Outcome(float(now), (), {i.request_id: (0,) for i in items if i.request_id in plan.dispatch}),
+            )
     assert roles == [(Flip.TO_DECODE, 1, False), (Flip.TO_DECODE, 1, True)]
     assert s.prefilling == {0} and s.decoding == {1, 2}
 
@@ -301,8 +335,10 @@ def elastic_executor(scheduler: ESPPolicy, workload: Workload, kv_tokens: int, s
     taking seconds(prompt lengths, instances), its KV freed when it ends. Returns every batch as the simulator's
     Results.prefills."""
     instances = [ElasticInstance(i, kv_tokens) for i in range(len(scheduler.pool_ids))]
-    arrivals = [Request(str(k), t, n, 1) for k, (t, n) in enumerate(zip(workload.arrivals.tolist(),
-                                                                       workload.prompt_lens.tolist()))]
+    arrivals = [
+        Request(str(k), t, n, 1)
+        for k, (t, n) in enumerate(zip(workload.arrivals.tolist(), workload.prompt_lens.tolist()))
+    ]
     running, batches = [], []
     while arrivals or running:
         now = min([r[0] for r in running] + [r.arrival for r in arrivals[:1]])
@@ -331,18 +367,38 @@ def test_elastic_instances_get_the_same_batches_live_and_simulated():
     each prompt's KV gathered on one instance) and through a fake live executor, both asking an ESPPolicy: the same
     prefill batches on the same instance groups at the same times; some of them scaled up."""
     model = LoongServePrefill({(sp, 1): np.array([0.01 * sp, 2e-4 / sp, 1e-9 / sp]) for sp in (1, 2, 4)})
-    step = EngineStepCost(StepShapes((16, 512), (4,), 32, 4, (1, 2, 4)), 256, [[0.05], [0.4]], [0.02, 0.025, 0.03],
-                          tile_fixed=1e-3, tile_block=5e-3, decode_fixed=1e-4, decode_block=2e-3, decode_pad_block=1e-3)
+    step = EngineStepCost(
+        StepShapes((16, 512), (4,), 32, 4, (1, 2, 4)),
+        256,
+        [[0.05], [0.4]],
+        [0.02, 0.025, 0.03],
+        tile_fixed=1e-3,
+        tile_block=5e-3,
+        decode_fixed=1e-4,
+        decode_block=2e-3,
+        decode_pad_block=1e-3,
+    )
     rng = np.random.default_rng(2)
     n = 30
     w = Workload(np.cumsum(rng.exponential(0.3, n)), rng.integers(100, 8000, n), np.ones(n, int), "mixed")
     seconds = lambda lengths, sp: model.predict(sp, 1, lengths)  # noqa: E731
-    elastic = lambda: ESPScheduler(model, 1, model.predict(1, 1, [8192]), None, 0.0,  # noqa: E731
-                                   groups=aligned_groups(4))
-    costs = Costs(decode=step, prefill=None, transfer=lambda tokens, senders: 0.0, decode_kv_capacity=100_000,
-                  batch=seconds)
-    sim = DisaggSimulator(elastic(), lambda tokens: seconds([tokens], 1), DisaggConfig(
-        prefill="esp", prefill_instances=4, decode_tp=1, admission="greedy"), costs=costs)
+    elastic = lambda: ESPScheduler(
+        model,
+        1,
+        model.predict(1, 1, [8192]),
+        None,
+        0.0,  # noqa: E731
+        groups=aligned_groups(4),
+    )
+    costs = Costs(
+        decode=step, prefill=None, transfer=lambda tokens, senders: 0.0, decode_kv_capacity=100_000, batch=seconds
+    )
+    sim = DisaggSimulator(
+        elastic(),
+        lambda tokens: seconds([tokens], 1),
+        DisaggConfig(prefill="esp", prefill_instances=4, decode_tp=1, admission="greedy"),
+        costs=costs,
+    )
     simulated = sim.run(w, progress=False).prefills
     live = elastic_executor(ESPPolicy(elastic(), range(4)), w, 100_000, seconds)
     assert live == simulated
@@ -357,12 +413,14 @@ def test_esp_policy_moves_decode_kv_off_a_prefills_instances_and_grows_full_deco
     instance is full grows onto the emptiest other instance, or without scale-up migrates whole where its KV and
     predicted rest fit, or is preempted."""
     model = LoongServePrefill({(sp, 1): np.array([0.01 * sp, 2e-4 / sp, 1e-9 / sp]) for sp in (1, 2, 4)})
-    policy = lambda scale_up: ESPPolicy(ESPScheduler(model, 1, 1.0, None, 0.0, output_estimate=16),  # noqa: E731
-                                        range(3), scale_up=scale_up)
+    policy = lambda scale_up: ESPPolicy(
+        ESPScheduler(model, 1, 1.0, None, 0.0, output_estimate=16),  # noqa: E731
+        range(3),
+        scale_up=scale_up,
+    )
     free = [ElasticInstance(1, 1000, 900), ElasticInstance(2, 1000, 100)]
     moves, paused = policy(True).evacuate({0}, free, {"a": {0: 300}, "b": {2: 5, 0: 800}, "c": {1: 50}})
-    assert [(m.request_id, m.src, m.dst, m.tokens, m.kind) for m in moves] == [("a", (0,), (2,), 300,
-                                                                                  MoveKind.MIGRATE)]
+    assert [(m.request_id, m.src, m.dst, m.tokens, m.kind) for m in moves] == [("a", (0,), (2,), 300, MoveKind.MIGRATE)]
     assert paused == {"b"}
 
     instances = [ElasticInstance(0, 100, 100), ElasticInstance(1, 200, 40), ElasticInstance(2, 200, 150)]

@@ -11,18 +11,22 @@ import pytest
 from jaxserve.sched import cost_models as cm
 from jaxserve.sched.profiles import tetris_table1_samples
 
+
 def test_tetris_eq1_reproduces_table1_within_10_percent():
     model = cm.TetrisPrefill.fit(tetris_table1_samples())
     for sp, (n, h), t in tetris_table1_samples():
         assert abs(model.predict(sp, n, h) - t) / t < 0.10, (sp, n, t, model.predict(sp, n, h))
 
 
-@pytest.mark.parametrize("model_cls, key, inputs, true", [
-    (cm.TetrisPrefill, 8, lambda r: (r.integers(1, 9000), r.integers(0, 50000)), [0.1, 2e-5, 3e-10, 1e-9]),
-    (cm.LoongServePrefill, (4, 2), lambda r: (r.integers(1, 9000), r.integers(1, 9000) ** 2), [0.05, 1e-5, 2e-10]),
-    (cm.Decode, (1, 8), lambda r: (r.integers(1, 64), r.integers(1, 10**6)), [0.01, 2e-4, 3e-9]),
-    (cm.LinkModel, "nvlink", lambda r: (r.integers(1, 10**9),), [2e-5, 1 / 2e11]),
-])
+@pytest.mark.parametrize(
+    "model_cls, key, inputs, true",
+    [
+        (cm.TetrisPrefill, 8, lambda r: (r.integers(1, 9000), r.integers(0, 50000)), [0.1, 2e-5, 3e-10, 1e-9]),
+        (cm.LoongServePrefill, (4, 2), lambda r: (r.integers(1, 9000), r.integers(1, 9000) ** 2), [0.05, 1e-5, 2e-10]),
+        (cm.Decode, (1, 8), lambda r: (r.integers(1, 64), r.integers(1, 10**6)), [0.01, 2e-4, 3e-9]),
+        (cm.LinkModel, "nvlink", lambda r: (r.integers(1, 10**9),), [2e-5, 1 / 2e11]),
+    ],
+)
 def test_fit_recovers_exact_coefficients_and_round_trips(model_cls, key, inputs, true):
     rng = np.random.default_rng(0)
     xs = [inputs(rng) for _ in range(40)]

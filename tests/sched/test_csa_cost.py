@@ -1,5 +1,5 @@
-"""CSA cost fractions (sched/csa_cost.py) on hand-counted cases, no jax. tests/sharding/test_csa.py checks them against the
-device path's masks and K/V counts."""
+"""CSA cost fractions (sched/csa_cost.py) on hand-counted cases, no jax. tests/sharding/test_csa.py checks them against
+the device path's masks and K/V counts."""
 
 from __future__ import annotations
 

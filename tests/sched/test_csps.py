@@ -25,7 +25,8 @@ def test_dense_time_is_linear_ops_of_one_spt_plus_the_longer_of_attention_and_al
         linear = one.linear_ops(-(-tokens // sp))
         assert CSPSPrefill(PROFILE, cut=0.0).seconds(sp, tokens) == pytest.approx(linear + max(attention, comm))
         assert CSPSPrefill(PROFILE, cut=0.0, pipelined=False).seconds(sp, tokens) == pytest.approx(
-            linear + attention + comm)
+            linear + attention + comm
+        )
     # one GPU: no partner, no all-to-all, no CSA: the single-GPU prefill
     assert CSPSPrefill(PROFILE).seconds(1, 8192) == pytest.approx(one.linear_ops(8192) + one.prefill_attention(8192, 0))
     with pytest.raises(ValueError, match="32 heads"):  # SP-NTP gives each GPU whole heads

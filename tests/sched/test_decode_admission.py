@@ -32,8 +32,9 @@ def prefilled(rid: str, prompt: int, output: int) -> Request:
     return r
 
 
-def drive(sched: ReplicaScheduler, requests: list[Request], predicted: dict[str, int | None],
-          steps: int = 10_000) -> int:
+def drive(
+    sched: ReplicaScheduler, requests: list[Request], predicted: dict[str, int | None], steps: int = 10_000
+) -> int:
     """An executor of a decode instance: requests land in arrival order once reserve admits them, then every Plan
     runs. Returns the preemptions."""
     waiting, preempted, now = list(requests), 0, 0.0
@@ -73,8 +74,11 @@ def test_greedy_preempts_when_memory_runs_out_and_reserving_avoids_it():
 def test_reserve_dynamic_admits_earlier_than_static():
     def admitted(admission: str) -> set[str]:
         sched = decode_instance(2000, admission)
-        for r, predicted in ((prefilled("a", 600, 400), 400), (prefilled("b", 600, 20), 20),
-                             (prefilled("c", 600, 100), 100)):
+        for r, predicted in (
+            (prefilled("a", 600, 400), 400),
+            (prefilled("b", 600, 20), 20),
+            (prefilled("c", 600, 100), 100),
+        ):
             if sched.reserve(r, predicted) is not None:
                 sched.add_prefilled(r)
         return set(sched.running)

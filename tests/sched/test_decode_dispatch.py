@@ -7,8 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from jaxserve.sched.decode_dispatch import (BucketPredictor, DecodeLoad, PromptInfo, accuracy, by_freeness,
-                                            power_of_two)
+from jaxserve.sched.decode_dispatch import BucketPredictor, DecodeLoad, PromptInfo, accuracy, by_freeness, power_of_two
 from jaxserve.sim.workload import load_trace
 
 
@@ -67,8 +66,12 @@ def test_power_of_two_dispatch_in_the_disaggregated_cluster_balances_heavy_decod
     model = cm.TetrisPrefill.fit(tetris_table1_samples())
     w = load_trace("azure_conv")
     pred = BucketPredictor.fit(w.prompt_lens, w.output_lens)
-    sim = DisaggSimulator(CDSPPlanner(model, Pool(2, 8)), lambda n: model.predict(16, n),
-                          DisaggConfig(decode_instances=4, dispatch="power_of_two"), predictor=pred)
+    sim = DisaggSimulator(
+        CDSPPlanner(model, Pool(2, 8)),
+        lambda n: model.predict(16, n),
+        DisaggConfig(decode_instances=4, dispatch="power_of_two"),
+        predictor=pred,
+    )
     res = sim.run(synthetic_mix(300, 4.0, long_fraction=0.0, seed=0), progress=False)
     assert all(r.finished for r in res.requests)
     served = [d.finished for d in sim.decoders]

@@ -11,8 +11,15 @@ import numpy as np
 import pytest
 
 from jaxserve.sched import cost_models as cm
-from jaxserve.sched.esp import (ElasticInstance, ESPBatch, ESPScheduler, RunningDecodes, isolated_room, keeper,
-                                 split_evenly)
+from jaxserve.sched.esp import (
+    ElasticInstance,
+    ESPBatch,
+    ESPScheduler,
+    RunningDecodes,
+    isolated_room,
+    keeper,
+    split_evenly,
+)
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sched.request import Request
 
@@ -23,8 +30,14 @@ KV_BYTES = 131072.0  # LLaMA3-8B, bf16
 
 
 def esp(**kw):
-    return ESPScheduler(MODEL, tp=1, knee=kw.pop("knee", 30.0), migration_bandwidth=kw.pop("bw", 25e9),
-                        kv_bytes_per_token=KV_BYTES, **kw)
+    return ESPScheduler(
+        MODEL,
+        tp=1,
+        knee=kw.pop("knee", 30.0),
+        migration_bandwidth=kw.pop("bw", 25e9),
+        kv_bytes_per_token=KV_BYTES,
+        **kw,
+    )
 
 
 def req(i, n):
@@ -46,8 +59,11 @@ def test_latency_interpolates_between_fitted_sp_sizes():
     s = esp()
     assert s.latency([32768], 8) == pytest.approx(MODEL.predict(8, 1, [32768]))
     between = s.latency([32768], 12)
-    assert min(s.latency([32768], 8), s.latency([32768], 16)) <= between <= max(
-        s.latency([32768], 8), s.latency([32768], 16))
+    assert (
+        min(s.latency([32768], 8), s.latency([32768], 16))
+        <= between
+        <= max(s.latency([32768], 8), s.latency([32768], 16))
+    )
 
 
 def test_admission_stops_at_memory_then_at_the_knee_in_fcfs_order():
@@ -87,7 +103,8 @@ def test_decode_preemption_gain_and_cost_by_hand():
     decodes = RunningDecodes(room=0, generated=(100, 400), avg_output=1000, step_time=0.02)
     # the least advanced decode has 900 steps of 20 ms left: 18 s saved for each request that need not wait
     assert ESPScheduler.preemption_gain([req(0, 20_000), req(1, 10_000)], decodes) == pytest.approx(
-        18 * (1 / 20_000 + 1 / 10_000))
+        18 * (1 / 20_000 + 1 / 10_000)
+    )
     assert ESPScheduler.preemption_cost(2.0, decodes.generated) == pytest.approx(2.0 * (1 / 100 + 1 / 400))
     past_average = RunningDecodes(room=0, generated=(1500,), avg_output=1000, step_time=0.02)
     assert ESPScheduler.preemption_gain([req(0, 20_000)], past_average) == 0.0  # (.)^+: no wait to save
@@ -112,8 +129,12 @@ def test_admission_preempts_decode_slots_only_when_the_gain_beats_the_cost():
 
 def test_allocation_takes_busy_instances_while_the_kv_does_not_fit_whatever_moving_costs():
     s = esp(output_estimate=0, bw=1.0)  # moving any KV costs more than it could gain
-    ins = [ElasticInstance(0, 100_000), ElasticInstance(1, 100_000, kv_used=50_000),
-           ElasticInstance(2, 100_000, kv_used=60_000), ElasticInstance(3, 100_000, kv_used=70_000)]
+    ins = [
+        ElasticInstance(0, 100_000),
+        ElasticInstance(1, 100_000, kv_used=50_000),
+        ElasticInstance(2, 100_000, kv_used=60_000),
+        ElasticInstance(3, 100_000, kv_used=70_000),
+    ]
     assert [e.id for e in s.allocate([req(0, 170_000)], ins)] == [0, 1, 2]  # 100K + 50K < 170K <= + 40K
     assert [e.id for e in s.allocate([req(0, 90_000)], ins)] == [0]
 

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from jaxserve.sched.kv_manager import RELEASED, SCRATCH_BLOCK, KVCacheManager
+from jaxserve.sched.kv_manager import RELEASED, KVCacheManager
 
 BS = 4
 
@@ -48,7 +48,8 @@ def start(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
 @pytest.mark.parametrize("caching", [True, False])
 def test_blocks_that_leave_a_sliding_window_go_back(caching):
     """Window 6, blocks of 4: with 8 tokens computed the next query (position 8) sees 3..8, block 0 stays; at 10
-    it sees 5..10, so block 0 (0..3) goes back; at 14, block 1 (4..7) too. A released block stays published for a prefix hit."""
+    it sees 5..10, so block 0 (0..3) goes back; at 14, block 1 (4..7) too. A released block stays published for a prefix
+    hit."""
     kv = KVCacheManager(8, BS, enable_prefix_caching=caching, sliding_window=6)
     tokens = prompt(8)
     kv.match_prefix("a", tokens, 7)
@@ -226,7 +227,7 @@ def test_randomized_invariants():
         op = rng.random()
         if op < 0.3 or not live:  # a new request sharing a random prefix
             rid, next_id = f"r{next_id}", next_id + 1
-            tokens = rng.choice(prefixes)[:rng.randrange(1, 30)] + [rng.randrange(50) for _ in range(rng.randrange(5))]
+            tokens = rng.choice(prefixes)[: rng.randrange(1, 30)] + [rng.randrange(50) for _ in range(rng.randrange(5))]
             hit = kv.match_prefix(rid, tokens, len(tokens) - 1)
             assert hit % BS == 0 and hit <= len(tokens) - 1 and kv.num_blocks_held(rid) == hit // BS
             live[rid] = (tokens, hit)
@@ -253,8 +254,10 @@ def test_randomized_invariants():
 
 
 def test_kv_manager_never_imports_jax():
-    code = ("import sys, jaxserve.sched.kv_manager; "
-            "assert not [m for m in sys.modules if m == 'jax' or m.startswith('jax.')], 'jax imported'")
+    code = (
+        "import sys, jaxserve.sched.kv_manager; "
+        "assert not [m for m in sys.modules if m == 'jax' or m.startswith('jax.')], 'jax imported'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 

@@ -41,8 +41,7 @@ def test_arrival_rate_counts_the_window():
 
 
 def test_adaptive_planner_follows_the_load():
-    planner = AdaptiveCDSP(CDSPPlanner(MODEL, POOL), RateTable((0.5, 4.0), (0.05, 0.7)), window=5.0,
-                           update_every=1.0)
+    planner = AdaptiveCDSP(CDSPPlanner(MODEL, POOL), RateTable((0.5, 4.0), (0.05, 0.7)), window=5.0, update_every=1.0)
     for t in np.arange(0, 10, 2.0):  # 0.5 req/s
         planner.on_arrival(float(t))
     assert planner.planner.improvement_rate == 0.05
@@ -71,8 +70,12 @@ def test_a_table_file_that_is_not_one_is_refused_naming_it(tmp_path):
     good = tmp_path / "rates.json"
     good.write_text(RateTable((0.5, 2.0), (0.1, 0.4)).to_json())
     assert read_rate_table(good) == RateTable((0.5, 2.0), (0.1, 0.4))
-    for text in ('{"arrival_rates": [1.0]', '{"arrival_rates": [1.0], "improvement_rates": [1.5]}',
-                 '{"arrival_rates": [-1.0], "improvement_rates": [0.1]}', '{"rates": []}'):
+    for text in (
+        '{"arrival_rates": [1.0]',
+        '{"arrival_rates": [1.0], "improvement_rates": [1.5]}',
+        '{"arrival_rates": [-1.0], "improvement_rates": [0.1]}',
+        '{"rates": []}',
+    ):
         bad = tmp_path / "bad.json"
         bad.write_text(text)
         with pytest.raises(ValueError, match="--improvement_rates=.*bad.json: not an improvement-rate table"):

@@ -40,8 +40,9 @@ def test_chunks_merge_short_prompts_slice_long_ones_and_sjf_orders_each_batch():
     assert all(r.generated == 1 and r.first_token_at == 1.0 and r.prefilled == r.prompt_len for r in reqs)
 
 
-@pytest.mark.parametrize("order, expected", [("fcfs", ["0", "1", "2"]), ("sjf", ["1", "2", "0"]),
-                                             ("ljf", ["0", "2", "1"])])
+@pytest.mark.parametrize(
+    "order, expected", [("fcfs", ["0", "1", "2"]), ("sjf", ["1", "2", "0"]), ("ljf", ["0", "2", "1"])]
+)
 def test_orders_within_a_scheduling_batch(order, expected):
     sched = PrefillBatchScheduler(chunk=64, batch=16, order=order)
     for r in requests(900, 100, 500):
@@ -74,8 +75,10 @@ def test_one_chunk_in_flight_at_a_time():
 
 def test_a_chunk_costs_its_pieces_with_their_history_plus_padding_as_tokens():
     cost = TetrisBatchCost(cm.TetrisPrefill.fit(tetris_table1_samples()))
-    items = [WorkItem(request_id="a", start=212, end=300, phase=Phase.PREFILL, group=(0,), history=212),
-             WorkItem(request_id="b", start=0, end=100, phase=Phase.PREFILL, group=(0,))]
+    items = [
+        WorkItem(request_id="a", start=212, end=300, phase=Phase.PREFILL, group=(0,), history=212),
+        WorkItem(request_id="b", start=0, end=100, phase=Phase.PREFILL, group=(0,)),
+    ]
     # padding runs through the linear ops (512 tokens) but attends to nothing
     expected = cost.overhead + cost.linear_ops(512) + cost.prefill_attention(88, 212) + cost.prefill_attention(100, 0)
     assert chunk_time(cost, items, 512) == pytest.approx(expected)

@@ -39,21 +39,29 @@ def ranked(policy, q, now=0.0):
     return [q.requests[i].id for i in policy.order(q, now)]
 
 
-ROWS = [("a", 0.0, 900, 50.0, 9.0, 9.0), ("b", 1.0, 100, 3.0, 1.0, 1.0), ("c", 2.0, 500, 8.0, 5.0, 1.0),
-        ("d", 3.0, 50, 4.0, 0.5, 0.5), ("e", 4.0, 700, 30.0, 7.0, 7.0)]
+ROWS = [
+    ("a", 0.0, 900, 50.0, 9.0, 9.0),
+    ("b", 1.0, 100, 3.0, 1.0, 1.0),
+    ("c", 2.0, 500, 8.0, 5.0, 1.0),
+    ("d", 3.0, 50, 4.0, 0.5, 0.5),
+    ("e", 4.0, 700, 30.0, 7.0, 7.0),
+]
 
 
-@pytest.mark.parametrize("name, kwargs, expected", [
-    ("fcfs", {}, ["a", "b", "c", "d", "e"]),
-    ("sjf", {"batch": 3}, ["b", "c", "a", "d", "e"]),  # batches (a, b, c) then (d, e), shortest first in each
-    ("ljf", {"batch": 3}, ["a", "c", "b", "e", "d"]),
-    ("sjf", {"batch": 100}, ["d", "b", "c", "e", "a"]),
-    ("edf", {}, ["b", "d", "c", "e", "a"]),
-    # slack at t=0: a 41, b 2, c 7, d 3.5, e 23
-    ("lrs", {}, ["b", "d", "c", "e", "a"]),
-    # relative slack: a 4.56, b 2, c 1.4, d 7, e 3.29
-    ("lars", {}, ["c", "b", "e", "a", "d"]),
-])
+@pytest.mark.parametrize(
+    "name, kwargs, expected",
+    [
+        ("fcfs", {}, ["a", "b", "c", "d", "e"]),
+        ("sjf", {"batch": 3}, ["b", "c", "a", "d", "e"]),  # batches (a, b, c) then (d, e), shortest first in each
+        ("ljf", {"batch": 3}, ["a", "c", "b", "e", "d"]),
+        ("sjf", {"batch": 100}, ["d", "b", "c", "e", "a"]),
+        ("edf", {}, ["b", "d", "c", "e", "a"]),
+        # slack at t=0: a 41, b 2, c 7, d 3.5, e 23
+        ("lrs", {}, ["b", "d", "c", "e", "a"]),
+        # relative slack: a 4.56, b 2, c 1.4, d 7, e 3.29
+        ("lars", {}, ["c", "b", "e", "a", "d"]),
+    ],
+)
 def test_policies_rank_as_defined(name, kwargs, expected):
     assert ranked(make_policy(name, **kwargs), queue_of(ROWS)) == expected
 
@@ -89,8 +97,10 @@ def test_max_chunk_is_the_largest_that_fits(h, align):
     state = BatchState(tokens=40, attention=0.003)
     for budget in (0.005, 0.02, 0.05, 0.3):
         n = max_chunk(EQ1, state, h, 20000, budget, align)
+
         def t(k):
             return EQ1.time(EQ1.add_prefill(state, k, h))
+
         if n:
             assert t(n) <= budget and (n == 20000 or n % align == 0)
             assert n == 20000 or t(n + align) > budget
@@ -111,8 +121,7 @@ def test_packer_fits_a_short_remainder_when_an_aligned_chunk_would_not():
     state_time = EQ1.batch_time([], [2000] * 8)
     r = Request("p", 0.0, 1000, 10)
     r.planned = r.prefilled = 990  # 10 tokens left
-    budget_left_for = max_chunk(EQ1, BatchState(8, 8, state_time - EQ1.overhead - EQ1.linear_ops(8)), 990, 10,
-                                0.05, 1)
+    budget_left_for = max_chunk(EQ1, BatchState(8, 8, state_time - EQ1.overhead - EQ1.linear_ops(8)), 990, 10, 0.05, 1)
     chunks, _ = pack(EQ1, cfg, decodes, [r], lambda r: 1.0, lambda r: False)
     assert budget_left_for == 10 and chunks == [(r, 10)]
 
@@ -156,11 +165,24 @@ def test_packer_puts_decodes_first_and_fills_the_budget_in_priority_order():
 
 
 # the engine's cost as engine/profile.py measured it for SmolLM2 on 2 CPU cores (rounded)
-ENGINE = EngineStepCost(StepShapes((16, 32, 64, 128, 256, 512), (4, 8, 16, 32), 32, 8, (1, 2, 4, 8, 16, 32)), 256,
-                        [[0.046, 0.045, 0.049, 0.084], [0.066, 0.066, 0.068, 0.084], [0.105, 0.107, 0.109, 0.125],
-                         [0.171, 0.177, 0.183, 0.191], [0.307, 0.318, 0.313, 0.328], [0.605, 0.59, 0.597, 0.603]],
-                        [0.03, 0.032, 0.035, 0.04, 0.046, 0.066], tile_fixed=5.5e-4, tile_block=7.75e-3, decode_fixed=1e-4, decode_block=1.94e-3,
-                        decode_pad_block=1.2e-3)
+ENGINE = EngineStepCost(
+    StepShapes((16, 32, 64, 128, 256, 512), (4, 8, 16, 32), 32, 8, (1, 2, 4, 8, 16, 32)),
+    256,
+    [
+        [0.046, 0.045, 0.049, 0.084],
+        [0.066, 0.066, 0.068, 0.084],
+        [0.105, 0.107, 0.109, 0.125],
+        [0.171, 0.177, 0.183, 0.191],
+        [0.307, 0.318, 0.313, 0.328],
+        [0.605, 0.59, 0.597, 0.603],
+    ],
+    [0.03, 0.032, 0.035, 0.04, 0.046, 0.066],
+    tile_fixed=5.5e-4,
+    tile_block=7.75e-3,
+    decode_fixed=1e-4,
+    decode_block=1.94e-3,
+    decode_pad_block=1.2e-3,
+)
 
 
 def test_the_engine_cost_prices_a_batch_by_the_program_that_runs_it():
@@ -174,11 +196,11 @@ def test_the_engine_cost_prices_a_batch_by_the_program_that_runs_it():
     # 101 tokens in 3 rows run in the (128, 4) program: each chunk's tiles over their own key blocks (two tiles
     # of each chunk, contexts up to 240 tokens: 1 block each; the padding tiles' cost is in base), and 4 decode
     # rows over the longest decode's (300 tokens: 2)
-    assert e.batch_time([(60, 0), (40, 200)], [300]) == pytest.approx(
-        e.base[3][0] + 4 * tile(1) + decodes(4, 2, 300))
+    assert e.batch_time([(60, 0), (40, 200)], [300]) == pytest.approx(e.base[3][0] + 4 * tile(1) + decodes(4, 2, 300))
     # a late chunk of a long prompt reads its 1,532-token context (6 key blocks); the other tiles do not
     assert e.batch_time([(60, 0), (40, 200), (32, 1500)], [300]) == pytest.approx(
-        e.base[4][0] + 4 * tile(1) + tile(6) + decodes(4, 2, 300))
+        e.base[4][0] + 4 * tile(1) + tile(6) + decodes(4, 2, 300)
+    )
     assert e.batch_time([(16, 0)]) == pytest.approx(e.base[0][0] + tile(1))  # no decode rows to run
     # decodes alone: the decode program of 32 rows; one long decode makes the short ones (and padding rows) read
     # padding
@@ -196,8 +218,13 @@ def test_the_engine_cost_prices_a_batch_by_the_program_that_runs_it():
 def test_the_engine_packer_fills_the_largest_bucket_while_requests_decode():
     # the engine's default budget must leave room for the decodes' attention, or a step with any decode running
     # could never use the largest bucket
-    cfg = packer_config(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32), ENGINE, max_model_len=2048,
-                        chunk_align=16, max_prefills=8)
+    cfg = packer_config(
+        SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32),
+        ENGINE,
+        max_model_len=2048,
+        chunk_align=16,
+        max_prefills=8,
+    )
     decodes = [_running(f"d{i}", 200) for i in range(4)]
     prefills = [Request(f"p{i}", 0.0, 158, 64) for i in range(8)]
     chunks, state = pack(ENGINE, cfg, decodes, prefills, lambda r: 1.0, lambda r: True)
@@ -210,10 +237,16 @@ def test_the_engine_packer_fills_the_largest_bucket_while_requests_decode():
 
 
 def test_the_packer_takes_no_more_prefill_chunks_than_the_engine_has_tiles_for():
-    cfg = packer_config(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, space_sharing=False), ENGINE,
-                        max_model_len=2048, chunk_align=16, max_prefills=2)
-    chunks, state = pack(ENGINE, cfg, [], [Request(f"p{i}", 0.0, 40, 8) for i in range(8)], lambda r: 1.0,
-                         lambda r: True)
+    cfg = packer_config(
+        SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, space_sharing=False),
+        ENGINE,
+        max_model_len=2048,
+        chunk_align=16,
+        max_prefills=2,
+    )
+    chunks, state = pack(
+        ENGINE, cfg, [], [Request(f"p{i}", 0.0, 40, 8) for i in range(8)], lambda r: 1.0, lambda r: True
+    )
     assert [n for _, n in chunks] == [40, 40] and state.prefills == 2
 
 
@@ -237,8 +270,14 @@ def test_space_sharing_makes_a_long_prefill_yield_its_relative_slack():
         if share:
             assert chunks[1][0] is short  # the yielded budget goes to the next prefill
     # nobody else waiting: no yielding
-    chunks, _ = pack(EQ1, PackerConfig(iteration_budget=0.2, long_threshold=50000, space_sharing=True, chunk_align=1),
-                     [], [long], lambda r: 0.9, lambda r: False)
+    chunks, _ = pack(
+        EQ1,
+        PackerConfig(iteration_budget=0.2, long_threshold=50000, space_sharing=True, chunk_align=1),
+        [],
+        [long],
+        lambda r: 0.9,
+        lambda r: False,
+    )
     assert EQ1.batch_time([(chunks[0][1] + 1, 0)]) > 0.2
 
 
@@ -255,16 +294,20 @@ def _drive(sched, now=0.0, steps=10000):
         for r in sched.running.values():  # every running request holds blocks for the KV it has or is computing
             assert sched.kv.num_blocks_held(r.id) >= sched.kv.blocks_for(max(r.planned, r.kv_len))
         now += plan.predicted_time
-        tokens = {i.request_id: (7,) * (i.tokens if i.phase is Phase.DECODE else 1)
-                  for i in plan.items if sched.yields_token(i)}
+        tokens = {
+            i.request_id: (7,) * (i.tokens if i.phase is Phase.DECODE else 1)
+            for i in plan.items
+            if sched.yields_token(i)
+        }
         sched.apply(plan, Outcome(now, tuple(plan.predicted_time for _ in plan.items), tokens))
     raise AssertionError("scheduler did not drain")
 
 
 @pytest.mark.parametrize("steps", [1, 8])
 def test_replica_scheduler_runs_requests_to_completion_within_kv_memory(steps):
-    sched = ReplicaScheduler(make_policy("lars"), EQ1, PackerConfig(iteration_budget=0.05), _kv(12000),
-                             num_scheduler_steps=steps)
+    sched = ReplicaScheduler(
+        make_policy("lars"), EQ1, PackerConfig(iteration_budget=0.05), _kv(12000), num_scheduler_steps=steps
+    )
     reqs = [Request(str(i), 0.0, 1000 + 700 * i, 20 + i) for i in range(10)]
     for r in reqs:
         sched.add(r)
@@ -391,15 +434,17 @@ def _decoding(sched, *requests):
 def test_a_burst_runs_decodes_together_each_to_its_share_and_a_waiting_prompt_stops_them():
     """Nothing waiting: one Plan of up to num_scheduler_steps decode steps, each row up to its remaining tokens,
     timed as its steps together and granted every block its tokens need. A prompt waiting: plain Plans again."""
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10000), num_scheduler_steps=8)
+    sched = ReplicaScheduler(
+        make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10000), num_scheduler_steps=8
+    )
     a, b = Request("a", 0.0, 100, 5), Request("b", 0.0, 30, 20)
     _decoding(sched, a, b)
     plan = sched.schedule(0.01)
-    assert plan.steps == 8 and [(i.request_id, i.start, i.end) for i in plan.items] == [("a", 100, 104),
-                                                                                         ("b", 30, 38)]
+    assert plan.steps == 8 and [(i.request_id, i.start, i.end) for i in plan.items] == [("a", 100, 104), ("b", 30, 38)]
     assert plan.predicted_time == pytest.approx(EQ1.burst_time([(100, 4), (30, 8)], 8))
     assert plan.predicted_time == pytest.approx(
-        sum(EQ1.batch_time(decode_kvs=[100 + min(j, 3), 30 + j]) for j in range(8)))
+        sum(EQ1.batch_time(decode_kvs=[100 + min(j, 3), 30 + j]) for j in range(8))
+    )
     assert sched.kv.num_blocks_held("b") == sched.kv.blocks_for(38)
     assert sched.schedule(0.01) is None  # nothing more until its tokens are back
     done = sched.apply(plan, Outcome(0.05, (0.04, 0.04), {"a": (2, 3, 4, 5), "b": tuple(range(2, 10))}))
@@ -414,27 +459,34 @@ def test_a_burst_is_as_long_as_the_budget_and_the_free_blocks_allow(budget_steps
     """Steps fit the iteration budget together, and every row's blocks are free without preempting (two prompts
     of 16 tokens hold 32 of `capacity`); one step that fits is a plain Plan."""
     step = EQ1.batch_time(decode_kvs=[16, 16])
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=step * budget_steps),
-                             KVCacheManager.for_tokens(capacity, 1, enable_prefix_caching=False),
-                             num_scheduler_steps=8)
+    sched = ReplicaScheduler(
+        make_policy("fcfs"),
+        EQ1,
+        PackerConfig(iteration_budget=step * budget_steps),
+        KVCacheManager.for_tokens(capacity, 1, enable_prefix_caching=False),
+        num_scheduler_steps=8,
+    )
     _decoding(sched, Request("a", 0.0, 16, 20), Request("b", 0.0, 16, 20))
     plan = sched.schedule(0.01)
     assert plan.steps == steps and [i.tokens for i in plan.items] == [steps, steps] and not plan.preempted
 
 
 def test_a_lagged_burst_follows_the_one_in_flight_and_a_stop_mid_burst_ends_the_request():
-    sched = ReplicaScheduler(make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10000), num_scheduler_steps=4)
+    sched = ReplicaScheduler(
+        make_policy("fcfs"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10000), num_scheduler_steps=4
+    )
     a, b = Request("a", 0.0, 100, 6), Request("b", 0.0, 30, 20)
     _decoding(sched, a, b)
     first = sched.schedule(0.01)
     assert [(i.start, i.end) for i in first.items] == [(100, 104), (30, 34)]
     ahead = sched.schedule(0.01, lagged=True)  # a has one token left to plan after the four in flight
-    assert ahead.steps == 4 and [(i.request_id, i.start, i.end) for i in ahead.items] == [("a", 104, 105),
-                                                                                          ("b", 34, 38)]
+    assert ahead.steps == 4 and [(i.request_id, i.start, i.end) for i in ahead.items] == [
+        ("a", 104, 105),
+        ("b", 34, 38),
+    ]
     assert sched.schedule(0.01, lagged=True) is None  # one Plan ahead at most
     # b's second token was a stop: the rest of its burst and the Plan ahead are dropped
-    done = sched.apply(first, Outcome(0.05, (0.04, 0.04), {"a": (2, 3, 4, 5), "b": (2, 3)},
-                                      stopped=frozenset({"b"})))
+    done = sched.apply(first, Outcome(0.05, (0.04, 0.04), {"a": (2, 3, 4, 5), "b": (2, 3)}, stopped=frozenset({"b"})))
     assert done == [b] and b.generated == 3 and "b" not in sched.requests
     assert sched.apply(ahead, Outcome(0.09, (0.04, 0.04), {"a": (6,)})) == [a] and a.generated == 6
     assert sched.kv.num_free == sched.kv.capacity and not sched.decode_in_flight
@@ -467,8 +519,7 @@ def test_a_resumed_request_is_planned_before_newcomers_and_its_tokens_go_on(poli
     """A request resumed from elsewhere (a fail-over: prompt plus its 5 tokens, preempted) ranks before
     requests that arrived before it had its stream stalled, recomputes all but its last token, and ends at its
     output_len counting the tokens it had."""
-    sched = ReplicaScheduler(make_policy(policy), EQ1, PackerConfig(iteration_budget=0.05, chunk_align=1),
-                             _kv(4000))
+    sched = ReplicaScheduler(make_policy(policy), EQ1, PackerConfig(iteration_budget=0.05, chunk_align=1), _kv(4000))
     newcomers = [Request(f"n{i}", 0.0, 400, 8, ttft_deadline=1.0) for i in range(3)]
     for r in newcomers:
         sched.add(r)
@@ -499,7 +550,9 @@ def test_a_long_prefill_progresses_while_decodes_fill_the_budget():
 def test_slo_fills_only_what_a_request_leaves_open():
     from jaxserve.config import SLO
 
-    sched = ReplicaScheduler(make_policy("edf"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10**6), slo=SLO(tpot_slo=0.07))
+    sched = ReplicaScheduler(
+        make_policy("edf"), EQ1, PackerConfig(iteration_budget=0.05), _kv(10**6), slo=SLO(tpot_slo=0.07)
+    )
     given = Request("g", 0.0, 100, 10, ttft_deadline=2.0)
     sched.add(given)
     assert given.ttft_deadline == 2.0 and given.tpot_slo == 0.07
@@ -529,12 +582,14 @@ def test_profile_cost_matches_tetris_table1_order_of_magnitude():
 
 
 def test_no_module_of_sched_or_sim_imports_jax_or_the_lab():
-    code = ("import importlib, pkgutil, sys, jaxserve.sched, jaxserve.sim\n"
-            "for package in (jaxserve.sched, jaxserve.sim):\n"
-            "    for m in pkgutil.iter_modules(package.__path__, package.__name__ + '.'):\n"
-            "        importlib.import_module(m.name)\n"
-            "assert not [m for m in sys.modules if m == 'jax' or m.startswith('jax.')], 'jax imported'\n"
-            "assert 'jaxserve.lab' not in sys.modules, 'the lab imported from below'")
+    code = (
+        "import importlib, pkgutil, sys, jaxserve.sched, jaxserve.sim\n"
+        "for package in (jaxserve.sched, jaxserve.sim):\n"
+        "    for m in pkgutil.iter_modules(package.__path__, package.__name__ + '.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "assert not [m for m in sys.modules if m == 'jax' or m.startswith('jax.')], 'jax imported'\n"
+        "assert 'jaxserve.lab' not in sys.modules, 'the lab imported from below'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -567,8 +622,9 @@ def test_half_done_prefills_holding_every_block_do_not_stall_the_scheduler():
     """Each newcomer is due sooner than all before it (EDF), so each takes the step and leaves the others halfway
     through their prompts; soon nothing decodes and every block is held by half-done prefills. The top one is
     given room by preempting the most recently admitted of the rest, and every request finishes."""
-    sched = ReplicaScheduler(make_policy("edf"), EQ1, PackerConfig(iteration_budget=0.02, chunk_align=16, max_prefills=8),
-                             _kv(1024))
+    sched = ReplicaScheduler(
+        make_policy("edf"), EQ1, PackerConfig(iteration_budget=0.02, chunk_align=16, max_prefills=8), _kv(1024)
+    )
     reqs = [Request(str(k), 0.0, 600, 4, ttft_deadline=10.0 - k) for k in range(8)]
     now, preempted = 0.0, 0
     for k in range(1000):

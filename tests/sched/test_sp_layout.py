@@ -12,9 +12,11 @@ def test_bytes_follow_the_papers_formulas():
     d, n, length = 4096, 8, 100_000
     assert sp_layout.layer_bytes("sp_tp", length, d, n, True, dtype_bytes=1) == 2 * length * d * (n - 1)
     assert sp_layout.layer_bytes("sp_ntp", length, d, n, True, dtype_bytes=1) == pytest.approx(
-        (4 * d * d + 4 * length * d / n) * (n - 1))
+        (4 * d * d + 4 * length * d / n) * (n - 1)
+    )
     assert sp_layout.layer_bytes("sp_ntp", length, d, n, False, dtype_bytes=1) == pytest.approx(
-        4 * length * d / n * (n - 1))
+        4 * length * d / n * (n - 1)
+    )
     assert sp_layout.layer_bytes("sp_tp", length, d, 1, True) == 0
 
 
@@ -34,6 +36,5 @@ def test_the_chosen_layout_is_the_faster_one_on_the_link():
     link = network("h100")
     for length in (2_000, 20_000, 200_000):
         chosen = sp_layout.choose(length, 8192, 8, True)
-        times = {x: sp_layout.layer_seconds(x, length, 8192, 8, True, link, "inter_node")
-                 for x in ("sp_ntp", "sp_tp")}
+        times = {x: sp_layout.layer_seconds(x, length, 8192, 8, True, link, "inter_node") for x in ("sp_ntp", "sp_tp")}
         assert times[chosen] == min(times.values())

@@ -24,8 +24,10 @@ def test_a_placed_prompt_lands_on_its_instances_in_their_shares_and_is_counted_t
     assert [b % 3 for b in table] == [2, 2, 2, 0, 0]  # block 2 holds positions 8-11: instance 2's
     assert kv.held("a") == {2: 3, 0: 2} and kv.promised(2) == 0
     assert [m.num_free for m in managers] == [6, 8, 5] and kv.num_free == 19 and kv.capacity == 24
-    assert table == [group_block(i, b, 3) for i, b in zip([2, 2, 2, 0, 0], managers[2].block_table("a")
-                                                            + managers[0].block_table("a"))]
+    assert table == [
+        group_block(i, b, 3)
+        for i, b in zip([2, 2, 2, 0, 0], managers[2].block_table("a") + managers[0].block_table("a"))
+    ]
     assert kv.scale_ups == 0
 
 

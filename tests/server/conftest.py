@@ -16,8 +16,16 @@ from serving import BODY_LIMIT, KEY, ORIGIN
 def served():
     # Its own LLM (the session one answers the reference calls): a small pool and batch, so queueing happens.
     llm = jaxserve.LLM(max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=8)
-    with BackgroundServer(llm, grpc_port=0, http_port=0, api_key=KEY, max_queue=32,
-                          max_request_bytes=BODY_LIMIT, request_read_timeout=1.0, allowed_origins=(ORIGIN,)) as s:
+    with BackgroundServer(
+        llm,
+        grpc_port=0,
+        http_port=0,
+        api_key=KEY,
+        max_queue=32,
+        max_request_bytes=BODY_LIMIT,
+        request_read_timeout=1.0,
+        allowed_origins=(ORIGIN,),
+    ) as s:
         yield s
 
 

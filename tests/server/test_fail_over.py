@@ -16,10 +16,12 @@ from jaxserve.server.async_engine import AsyncEngine
 def test_a_lost_engine_fails_over_and_every_stream_goes_on(llm):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(100, 5000, int(n)).tolist() for n in rng.integers(5, 200, 6)]
-    params = [SamplingParams(max_tokens=16, stop=["the end of it"]),  # a stop string: its prefixes are held back
-              # seeded draws go on from the token index they reached; the penalty and min_tokens read the tokens
-              # it had
-              SamplingParams(max_tokens=16, temperature=0.8, seed=7, presence_penalty=0.5, min_tokens=14)] * 3
+    params = [
+        SamplingParams(max_tokens=16, stop=["the end of it"]),  # a stop string: its prefixes are held back
+        # seeded draws go on from the token index they reached; the penalty and min_tokens read the tokens
+        # it had
+        SamplingParams(max_tokens=16, temperature=0.8, seed=7, presence_penalty=0.5, min_tokens=14),
+    ] * 3
     want = [(c.token_ids, c.text) for c in llm.generate(prompts, params)]
     first, fallback = llm.make_engine(progress=False), llm.make_engine(progress=False)
     lost: list[str] = []
@@ -33,8 +35,7 @@ def test_a_lost_engine_fails_over_and_every_stream_goes_on(llm):
             async for out in stream:
                 got[k] = (got[k][0] + out.new_token_ids, got[k][1] + out.new_text)
 
-        readers = [asyncio.create_task(read(k, engine.submit(p, sp))) for k, (p, sp) in
-                   enumerate(zip(prompts, params))]
+        readers = [asyncio.create_task(read(k, engine.submit(p, sp))) for k, (p, sp) in enumerate(zip(prompts, params))]
         while sum(len(ids) for ids, _ in got) < 20:  # some streams have tokens, none is done
             await asyncio.sleep(0.005)
         assert engine.healthy and not engine.failed_over
@@ -62,8 +63,9 @@ def test_a_fallback_that_cannot_be_built_ends_every_stream_with_process_gone(llm
         raise RuntimeError("no device left")
 
     async def main():
-        engine = AsyncEngine(llm.make_engine(progress=False), max_queue=16,
-                             lost=lambda: lost[0] if lost else None, fallback=fallback)
+        engine = AsyncEngine(
+            llm.make_engine(progress=False), max_queue=16, lost=lambda: lost[0] if lost else None, fallback=fallback
+        )
         engine.start()
         streams = [engine.submit(p, params) for p in prompts]
         first = [await stream.__anext__() for stream in streams]  # every stream has started
@@ -88,8 +90,15 @@ def test_the_fail_over_engine_runs_the_programs_prepared_while_another_served():
     engine fail_over builds runs those very programs, none compiled again, and gives the first engine's tokens."""
     import jaxserve
 
-    llm = jaxserve.LLM("random:tiny", max_model_len=256, kv_cache_tokens=512, max_num_seqs=4,
-                       max_num_batched_tokens=64, warmup=True, progress=False)
+    llm = jaxserve.LLM(
+        "random:tiny",
+        max_model_len=256,
+        kv_cache_tokens=512,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        warmup=True,
+        progress=False,
+    )
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 90)]
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3)
     want = [c.token_ids for c in llm.generate(prompts, params)]

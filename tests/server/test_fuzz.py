@@ -30,10 +30,18 @@ def test_a_bounded_fuzz_of_both_interfaces_hurts_nobody():
     the server is alive and every KV block is back at the end."""
     # --noquick_start: the fuzz's timing must not share the CPU with a background compile, and the cost profile
     # it measures (cached) is the one test_server's LLM of the same shapes loads
-    with ServerProcess("--max_model_len=1024", "--kv_cache_gib=0.25", "--max_num_seqs=8", "--max_queue=32",
-                       f"--api_key={KEY}", "--max_request_bytes=4194304", "--noquick_start") as server:
-        report = fuzz(server.http_port, server.grpc_port, model=MODEL, key=KEY, n_http=250, n_grpc=100, seed=17,
-                      workers=4)
+    with ServerProcess(
+        "--max_model_len=1024",
+        "--kv_cache_gib=0.25",
+        "--max_num_seqs=8",
+        "--max_queue=32",
+        f"--api_key={KEY}",
+        "--max_request_bytes=4194304",
+        "--noquick_start",
+    ) as server:
+        report = fuzz(
+            server.http_port, server.grpc_port, model=MODEL, key=KEY, n_http=250, n_grpc=100, seed=17, workers=4
+        )
         assert server.proc.poll() is None
         log = server.log()
     assert not report.failures, "\n".join(f"{o.kind} {o.status}: {o.failure}\n  {o.case}" for o in report.failures)
@@ -56,10 +64,12 @@ class _Misbehaving(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
         self.rfile.read(int(self.headers["Content-Length"]))
-        replies = {"/500": (500, b'{"error": {"message": "x", "type": "server_error", "code": 500}}'),
-                   "/plain": (400, b"Bad Request"),
-                   "/echo": (400, b'{"error": {"message": "' + b"m" * 5000 + b'", "type": "t", "code": 400}}'),
-                   "/good": (400, b'{"error": {"message": "bad", "type": "invalid_request_error", "code": 400}}')}
+        replies = {
+            "/500": (500, b'{"error": {"message": "x", "type": "server_error", "code": 500}}'),
+            "/plain": (400, b"Bad Request"),
+            "/echo": (400, b'{"error": {"message": "' + b"m" * 5000 + b'", "type": "t", "code": 400}}'),
+            "/good": (400, b'{"error": {"message": "bad", "type": "invalid_request_error", "code": 400}}'),
+        }
         if self.path == "/drop":
             self.connection.close()
             return
@@ -81,8 +91,16 @@ def misbehaving_port():
     server.shutdown()
 
 
-@pytest.mark.parametrize("path, failure", [("/500", "server error"), ("/plain", "OpenAI's shape"),
-                                           ("/echo", "echoed"), ("/drop", "no reply"), ("/good", None)])
+@pytest.mark.parametrize(
+    "path, failure",
+    [
+        ("/500", "server error"),
+        ("/plain", "OpenAI's shape"),
+        ("/echo", "echoed"),
+        ("/drop", "no reply"),
+        ("/good", None),
+    ],
+)
 def test_the_judge_flags_each_kind_of_failure(misbehaving_port, path, failure):
     outcome = send_http(misbehaving_port, HttpCase("t", request("POST", path, b"{}")), timeout=10)
     assert (outcome.failure is None) if failure is None else (failure in outcome.failure)
@@ -96,6 +114,7 @@ def test_the_idle_server_can_give_free_heap_back():
 @pytest.fixture(scope="module")
 def misbehaving_grpc():
     """A gRPC server whose one method answers with the status code named in the request."""
+
     def answer(request: bytes, context: grpc.ServicerContext) -> bytes:
         code = grpc.StatusCode[request.decode()]
         if code is not grpc.StatusCode.OK:
@@ -111,10 +130,18 @@ def misbehaving_grpc():
     server.stop(0)
 
 
-@pytest.mark.parametrize("code, failure", [("INTERNAL", "INTERNAL"), ("UNKNOWN", "UNKNOWN"),
-                                           ("UNAVAILABLE", "dropped"), ("CANCELLED", "cancelled"),
-                                           ("INVALID_ARGUMENT", "echoed"), ("RESOURCE_EXHAUSTED", None),
-                                           ("OK", None)])
+@pytest.mark.parametrize(
+    "code, failure",
+    [
+        ("INTERNAL", "INTERNAL"),
+        ("UNKNOWN", "UNKNOWN"),
+        ("UNAVAILABLE", "dropped"),
+        ("CANCELLED", "cancelled"),
+        ("INVALID_ARGUMENT", "echoed"),
+        ("RESOURCE_EXHAUSTED", None),
+        ("OK", None),
+    ],
+)
 def test_the_judge_flags_each_kind_of_grpc_failure(misbehaving_grpc, code, failure):
     outcome = send_grpc(misbehaving_grpc, GrpcCase("t", "/t.S/M", code.encode(), False, None, 10.0))
     assert (outcome.failure is None) if failure is None else (failure in outcome.failure)

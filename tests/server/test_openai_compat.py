@@ -14,10 +14,13 @@ from jaxserve import SamplingParams
 from serving import KEY, MODEL, PROMPT, free_blocks, initial_blocks, post, wait_until
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ],
+)
 def test_stream_options_without_stream_is_refused(served, path, body):
     status, reply = post(served, path, json.dumps({**body, "stream_options": {"include_usage": True}}))
     assert status == 400 and "stream_options is only allowed with stream" in reply["error"]["message"]
@@ -44,7 +47,7 @@ def test_the_echo_of_a_token_id_prompt_keeps_its_control_tokens_and_offsets_agre
     offsets = choice.logprobs.text_offset
     assert offsets == sorted(offsets) and offsets[5] == len(spelled) and offsets[-1] <= len(choice.text)
 
-    text = "I like \U0001F355 a lot"  # the emoji is several byte-level tokens
+    text = "I like \U0001f355 a lot"  # the emoji is several byte-level tokens
     assert len(llm.tokenizer.encode(text)) > len(text.split())
     scored = oai.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True, logprobs=1)
     offsets, n = scored.choices[0].logprobs.text_offset, len(llm.tokenizer.encode(text))
@@ -54,12 +57,18 @@ def test_the_echo_of_a_token_id_prompt_keeps_its_control_tokens_and_offsets_agre
 def test_a_forced_tool_call_cut_short_returns_no_content(oai):
     """tool_choice required or named, out of tokens before the call closes: finish_reason length, no content
     (never the call's unfinished text), no calls."""
-    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        reply = oai.chat.completions.create(model=MODEL, messages=messages, tools=[weather], tool_choice=choice,
-                                            max_tokens=3, temperature=0).choices[0]
+        reply = oai.chat.completions.create(
+            model=MODEL, messages=messages, tools=[weather], tool_choice=choice, max_tokens=3, temperature=0
+        ).choices[0]
         assert reply.finish_reason == "length"
         assert reply.message.content is None and not reply.message.tool_calls
 
@@ -83,8 +92,12 @@ def test_a_client_that_leaves_a_whole_reply_is_no_server_error(served):
     before = internal._value.get()
     conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=1.0)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
-    conn.request("POST", "/v1/completions", body=json.dumps(body),
-                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps(body),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     with pytest.raises(socket.timeout):
         conn.getresponse()
     conn.close()
@@ -97,8 +110,9 @@ def test_a_client_that_leaves_a_whole_reply_is_no_server_error(served):
 def test_every_reply_carries_a_request_id_and_the_version_is_served(served, oai):
     raw = oai.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert len(raw.headers["x-request-id"]) == 32
-    mine = oai.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=2,
-                                                    extra_headers={"X-Request-Id": "trace-42"})
+    mine = oai.completions.with_raw_response.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, extra_headers={"X-Request-Id": "trace-42"}
+    )
     assert mine.headers["x-request-id"] == "trace-42"
     conn = http.client.HTTPConnection("127.0.0.1", served.server.http_port, timeout=30)
     conn.request("GET", "/version", headers={"Authorization": f"Bearer {KEY}"})
@@ -115,14 +129,16 @@ def test_every_reply_carries_a_request_id_and_the_version_is_served(served, oai)
 def test_the_finish_reason_rides_on_the_last_tokens_chunk(llm, oai):
     """As vLLM streams: no chunk of its own for the finish reason, so a choice of max_tokens n has n chunks."""
     (ref,) = llm.generate(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
-    chunks = list(oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True}))
+    chunks = list(
+        oai.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert len(chunks) <= 5 and "".join(c.choices[0].text for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].choices[0].text
     messages = [{"role": "user", "content": "Name a fruit."}]
     (chat_ref,) = llm.chat(messages, SamplingParams(max_tokens=6))
-    chat = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                            stream=True))
+    chat = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chat) == chat_ref.text
     last = chat[-1].choices[0]
     assert last.finish_reason == chat_ref.finish_reason and (last.delta.content or chat_ref.finish_reason == "stop")
@@ -132,41 +148,62 @@ def test_vllm_token_id_extensions_are_the_python_apis(llm, oai):
     """return_token_ids (whole and streamed, both endpoints), return_tokens_as_token_ids, truncate_prompt_tokens."""
     ids = llm.tokenizer.encode(PROMPT)
     (ref,) = llm.generate(PROMPT, SamplingParams(max_tokens=6, logprobs=1))
-    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
-                                  extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    done = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=1,
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
+    )
     choice = done.choices[0].model_dump()
     assert (choice["prompt_token_ids"], choice["token_ids"]) == (ids, ref.token_ids)
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in ref.token_ids]
     assert choice["text"] == ref.text and choice["logprobs"]["text_offset"][-1] < len(ref.text)
-    chunks = [c.choices[0].model_dump() for c in oai.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True, extra_body={"return_token_ids": True})]
+    chunks = [
+        c.choices[0].model_dump()
+        for c in oai.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True, extra_body={"return_token_ids": True}
+        )
+    ]
     assert chunks[0]["prompt_token_ids"] == ids and [t for c in chunks for t in c["token_ids"]] == ref.token_ids
 
     messages = [{"role": "user", "content": "Name a fruit."}]
     (chat_ref,) = llm.chat(messages, SamplingParams(max_tokens=6))
-    chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                       extra_body={"return_token_ids": True}).model_dump()
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+    ).model_dump()
     assert chat["prompt_token_ids"] == llm.chat_prompt(messages)
     assert chat["choices"][0]["token_ids"] == chat_ref.token_ids
 
     (cut,) = llm.generate(ids[-3:], SamplingParams(max_tokens=4))
-    short = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
-                                   extra_body={"truncate_prompt_tokens": 3})
+    short = oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, extra_body={"truncate_prompt_tokens": 3}
+    )
     assert short.usage.prompt_tokens == 3 and short.choices[0].text == llm.tokenizer.decode(ids[-3:]) + cut.text
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(oai):
-    chunks = list(oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
-                                         stream_options={"include_usage": True, "continuous_usage_stats": True},
-                                         extra_body={"ignore_eos": True}))
+    chunks = list(
+        oai.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     counts = [c.usage.completion_tokens for c in chunks]
     assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == 5
     assert not chunks[-1].choices  # include_usage's own chunk last
 
 
 def test_sglang_regex_holds_the_output_and_unbuilt_extensions_are_refused_by_name(oai):
-    done = oai.completions.create(model=MODEL, prompt="Answer yes or no:", max_tokens=4, temperature=0,
-                                  extra_body={"regex": "(yes|no)"})
+    done = oai.completions.create(
+        model=MODEL, prompt="Answer yes or no:", max_tokens=4, temperature=0, extra_body={"regex": "(yes|no)"}
+    )
     assert done.choices[0].text in ("yes", "no")
     for field, value in (("use_beam_search", True), ("stop_regex", "a+")):
         with pytest.raises(openai.BadRequestError, match=f"{field}=.* is not supported by jaxserve"):
@@ -178,8 +215,13 @@ def test_vllm_prompt_logprobs_on_both_endpoints_are_the_python_apis(llm, oai):
     then the k most likely; the logprobs are LLM.prompt_logprobs', the ranks 1 for the most likely."""
     ref = llm.prompt_logprobs(PROMPT, 2)
     ids = llm.tokenizer.encode(PROMPT)
-    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
-                                  extra_body={"prompt_logprobs": 2}).choices[0].model_dump()
+    done = (
+        oai.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+        )
+        .choices[0]
+        .model_dump()
+    )
     got = done["prompt_logprobs"]
     assert got[0] is None and len(got) == len(ids)
     logits = llm.prompt_logits(ids)  # each rank against the logits, counted here
@@ -190,8 +232,9 @@ def test_vllm_prompt_logprobs_on_both_endpoints_are_the_python_apis(llm, oai):
         assert own["rank"] == want.rank >= 1 and own["decoded_token"] == llm.tokenizer.tokenizer.decode([token])
         assert 1 <= len(entries) <= 3 and min(e["rank"] for e in entries.values()) == 1
     messages = [{"role": "user", "content": "Name a fruit."}]
-    chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
-                                       extra_body={"prompt_logprobs": 0}).model_dump()
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0}
+    ).model_dump()
     assert len(chat["prompt_logprobs"]) == len(llm.chat_prompt(messages)) and chat["prompt_logprobs"][0] is None
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs must be an integer in"):
@@ -206,16 +249,19 @@ def test_a_prefilled_assistant_reply_continues_and_echo_returns_it(llm, oai):
     assert llm.tokenizer.decode(ids).endswith("Red, green")
     (ref,) = llm.generate(ids, SamplingParams(max_tokens=6))
     flags = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
-    done = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                       extra_body=flags)
+    done = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body=flags)
     assert done.choices[0].message.content == "Red, green" + ref.text
     assert done.usage.prompt_tokens == len(ids)
-    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                              stream=True, extra_body=flags))
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True, extra_body=flags
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Red, green" + ref.text
     with pytest.raises(openai.BadRequestError, match="continue_final_message continues the last message"):
-        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
-                                    extra_body={"continue_final_message": True})
+        oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_body={"continue_final_message": True}
+        )
 
 
 def test_tokenize_takes_vllms_options(llm, served):
@@ -225,8 +271,11 @@ def test_tokenize_takes_vllms_options(llm, served):
     _, bare = post(served, "/tokenize", json.dumps({"prompt": PROMPT, "add_special_tokens": False}))
     assert bare["tokens"] == llm.tokenizer.encode(PROMPT, add_special_tokens=False)
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    _, cont = post(served, "/tokenize", json.dumps({"messages": messages, "add_generation_prompt": False,
-                                                    "continue_final_message": True}))
+    _, cont = post(
+        served,
+        "/tokenize",
+        json.dumps({"messages": messages, "add_generation_prompt": False, "continue_final_message": True}),
+    )
     assert cont["tokens"] == llm.chat_prompt(messages, add_generation_prompt=False, continue_final_message=True)
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     _, tooled = post(served, "/tokenize", json.dumps({"messages": messages[:1], "tools": [weather]}))
@@ -238,14 +287,25 @@ def test_matched_stop_names_what_ended_each_choice(llm, oai):
     """SGLang's matched_stop: the stop string, the stop token (EOS too), or null for a length finish."""
     (ref,) = llm.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
     word = ref.text.split()[1]  # a word the greedy text is sure to reach
-    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[word],
-                                  extra_body={"ignore_eos": True}).choices[0].model_dump()
+    done = (
+        oai.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[word], extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .model_dump()
+    )
     assert done["finish_reason"] == "stop" and done["matched_stop"] == word
-    by_token = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                                      extra_body={"stop_token_ids": [ref.token_ids[2]], "ignore_eos": True})
+    by_token = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [ref.token_ids[2]], "ignore_eos": True},
+    )
     assert by_token.choices[0].model_dump()["matched_stop"] == ref.token_ids[2]
-    long = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, stream=True,
-                                  extra_body={"ignore_eos": True})
+    long = oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     last = list(long)[-1].choices[0].model_dump()
     assert last["finish_reason"] == "length" and last["matched_stop"] is None
 
@@ -254,25 +314,42 @@ def test_vllm_allowed_token_ids_and_bad_words_on_both_endpoints_and_grpc(llm, oa
     """The HTTP fields and gRPC's reach the sampler: a draw over allowed_token_ids keeps to them; a bad word of
     the greedy reply is gone from it; an empty or out-of-vocabulary list is a 400 naming the field."""
     allowed = [11, 28, 42, 1000, 2000]
-    drawn = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5,
-                                   extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
-                                               "return_token_ids": True})
+    drawn = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True, "return_token_ids": True},
+    )
     assert set(drawn.choices[0].token_ids) <= set(allowed)
-    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
-                                       max_tokens=6, temperature=0, extra_body={"allowed_token_ids": allowed,
-                                                                                 "return_token_ids": True})
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+    )
     assert set(chat.choices[0].token_ids) <= set(allowed)
-    assert set(grpc_client.generate(PROMPT, max_tokens=6, temperature=1.0, seed=5,
-                                    allowed_token_ids=allowed).token_ids) <= set(allowed)
+    assert set(
+        grpc_client.generate(PROMPT, max_tokens=6, temperature=1.0, seed=5, allowed_token_ids=allowed).token_ids
+    ) <= set(allowed)
 
     plain = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
     word = max(plain.split(), key=len)
-    for reply in (oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                                         extra_body={"bad_words": [word]}).choices[0].text,
-                  grpc_client.generate(PROMPT, max_tokens=12, bad_words=[word]).text):
+    for reply in (
+        oai.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"bad_words": [word]}
+        )
+        .choices[0]
+        .text,
+        grpc_client.generate(PROMPT, max_tokens=12, bad_words=[word]).text,
+    ):
         assert word not in reply.split() and reply != plain
-    for extra, field in (({"allowed_token_ids": []}, "allowed_token_ids is empty"),
-                         ({"allowed_token_ids": [10**6]}, "allowed_token_ids must be in"),
-                         ({"bad_words": [" "]}, "bad_words must be non-blank")):
+    for extra, field in (
+        ({"allowed_token_ids": []}, "allowed_token_ids is empty"),
+        ({"allowed_token_ids": [10**6]}, "allowed_token_ids must be in"),
+        ({"bad_words": [" "]}, "bad_words must be non-blank"),
+    ):
         with pytest.raises(openai.BadRequestError, match=field):
             oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=extra)

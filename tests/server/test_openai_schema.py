@@ -10,21 +10,57 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
-HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-            "stop", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-            "top_logprobs", "echo", "n", "best_of", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+HONOURED = {
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "n",
+    "best_of",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 INFORMATIONAL = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
 # a value each refused field may hold that asks for what jaxserve does not do
 PROBES = {
-    "suffix": "}", "functions": [{"name": "f"}], "function_call": "auto",
+    "suffix": "}",
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"},
-    "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high",
-    "verbosity": "low", "web_search_options": {"search_context_size": "low"}, "moderation": {"model": "m"},
-    "store": True, "service_tier": "flex", "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": 60},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "high",
+    "verbosity": "low",
+    "web_search_options": {"search_context_size": "low"},
+    "moderation": {"model": "m"},
+    "store": True,
+    "service_tier": "flex",
+    "prompt_cache_retention": "24h",
+    "prompt_cache_options": {"ttl": 60},
 }
-REQUESTS = [(CompletionRequest, completion_create_params.CompletionCreateParamsBase, {"prompt": "hi"}),
-            (ChatCompletionRequest, chat_create_params.CompletionCreateParamsBase,
-             {"messages": [{"role": "user", "content": "hi"}]})]
+REQUESTS = [
+    (CompletionRequest, completion_create_params.CompletionCreateParamsBase, {"prompt": "hi"}),
+    (
+        ChatCompletionRequest,
+        chat_create_params.CompletionCreateParamsBase,
+        {"messages": [{"role": "user", "content": "hi"}]},
+    ),
+]
 
 
 def schema_fields(params: type) -> set[str]:
@@ -56,14 +92,41 @@ def test_each_unimplemented_field_is_refused_by_name_and_accepted_when_off(model
 
 @pytest.mark.parametrize("model, params, base", REQUESTS, ids=["completions", "chat"])
 def test_honoured_sampling_fields_reach_the_sampling_params(model, params, base):
-    body = {"model": "m", **base, "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"42": 5.0},
-            "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 4, "n": 2}
+    body = {
+        "model": "m",
+        **base,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"42": 5.0},
+        "repetition_penalty": 1.2,
+        "min_p": 0.1,
+        "min_tokens": 4,
+        "n": 2,
+    }
     body |= {"logprobs": 3} if model is CompletionRequest else {"logprobs": True, "top_logprobs": 3}
     got = model(**body).sampling()
-    assert {k: got[k] for k in ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
-                                "min_p", "min_tokens", "logprobs", "n")} == {
-        "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {42: 5.0}, "repetition_penalty": 1.2,
-        "min_p": 0.1, "min_tokens": 4, "logprobs": 3, "n": 2}
+    assert {
+        k: got[k]
+        for k in (
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "repetition_penalty",
+            "min_p",
+            "min_tokens",
+            "logprobs",
+            "n",
+        )
+    } == {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {42: 5.0},
+        "repetition_penalty": 1.2,
+        "min_p": 0.1,
+        "min_tokens": 4,
+        "logprobs": 3,
+        "n": 2,
+    }
     with pytest.raises(ValueError, match=r"logit_bias keys must be token ids, got \['x', 'y'\]"):
         model(**{**body, "logit_bias": {"x": 1.0, "7": 1.0, "y": 2.0}}).sampling()
 
@@ -87,33 +150,61 @@ def test_best_of_cannot_stream():
 def test_response_format_and_vllms_guided_fields_set_the_grammar(model, params, base):
     body = {"model": "m", **base}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    cases = [({"response_format": {"type": "text"}}, None),
-             ({"response_format": {"type": "json_object"}}, {"json_object": True}),
-             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
-              {"json": schema}),
-             ({"guided_json": schema}, {"json": schema}), ({"guided_regex": "a+"}, {"regex": "a+"}),
-             ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}), ({"guided_grammar": "start: \"a\""},
-                                                                     {"grammar": "start: \"a\""}),
-             ({"structured_outputs": {"regex": "b", "disable_any_whitespace": True}},
-              {"regex": "b", "disable_any_whitespace": True})]
+    cases = [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            {"json": schema},
+        ),
+        ({"guided_json": schema}, {"json": schema}),
+        ({"guided_regex": "a+"}, {"regex": "a+"}),
+        ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}),
+        ({"guided_grammar": 'start: "a"'}, {"grammar": 'start: "a"'}),
+        (
+            {"structured_outputs": {"regex": "b", "disable_any_whitespace": True}},
+            {"regex": "b", "disable_any_whitespace": True},
+        ),
+    ]
     for extra, want in cases:
         assert model(**body, **extra).sampling()["structured_output"] == want
-    for extra, words in [({"response_format": {"type": "xml"}}, "type must be text, json_object or json_schema"),
-                         ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema"),
-                         ({"guided_regex": "a", "guided_choice": ["b"]}, "at most one of")]:
+    for extra, words in [
+        ({"response_format": {"type": "xml"}}, "type must be text, json_object or json_schema"),
+        ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "at most one of"),
+    ]:
         with pytest.raises(ValueError, match=words):
             model(**body, **extra).sampling()
 
 
 # vLLM's and SGLang's fields not implemented: a value each may hold that asks for what jaxserve does not do
 PEER_PROBES = {
-    "use_beam_search": True, "length_penalty": 0.5, "include_stop_str_in_output": True,
-    "spaces_between_special_tokens": False, "logprob_token_ids": [3], "truncation_side": "right", "priority": 1,
-    "kv_transfer_params": {"k": 1}, "vllm_xargs": {"k": 1}, "structural_tag": "t", "chat_template": "{{ x }}", "chat_template_kwargs": {"k": 1},
-    "documents": [{"k": "v"}], "mm_processor_kwargs": {"k": 1}, "guided_decoding_backend": "xgrammar",
-    "guided_whitespace_pattern": " ", "return_hidden_states": True, "stop_regex": "a+", "ebnf": "root ::= 'a'",
-    "json_schema": "{}", "no_stop_trim": True, "lora_path": "x", "session_params": {"id": 1},
-    "custom_logit_processor": "x", "custom_params": {"k": 1}, "return_text_in_logprobs": True,
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "include_stop_str_in_output": True,
+    "spaces_between_special_tokens": False,
+    "logprob_token_ids": [3],
+    "truncation_side": "right",
+    "priority": 1,
+    "kv_transfer_params": {"k": 1},
+    "vllm_xargs": {"k": 1},
+    "structural_tag": "t",
+    "chat_template": "{{ x }}",
+    "chat_template_kwargs": {"k": 1},
+    "documents": [{"k": "v"}],
+    "mm_processor_kwargs": {"k": 1},
+    "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ",
+    "return_hidden_states": True,
+    "stop_regex": "a+",
+    "ebnf": "root ::= 'a'",
+    "json_schema": "{}",
+    "no_stop_trim": True,
+    "lora_path": "x",
+    "session_params": {"id": 1},
+    "custom_logit_processor": "x",
+    "custom_params": {"k": 1},
+    "return_text_in_logprobs": True,
 }
 CHAT_PEER_PROBES = {"add_special_tokens": True}
 
@@ -134,9 +225,15 @@ def test_vllm_and_sglang_fields_not_implemented_are_refused_by_name(model, param
 def test_vllm_and_sglang_fields_that_are_honoured_reach_the_reply():
     from jaxserve.server.openai_protocol import ReplyOptions
 
-    body = {"model": "m", "prompt": "hi", "stream": True, "return_token_ids": True,
-            "return_tokens_as_token_ids": True, "logprobs": 2,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "stream": True,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "logprobs": 2,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     assert CompletionRequest(**body).reply_options() == ReplyOptions(True, True, 2, True, True)
     assert CompletionRequest(model="m", prompt="hi", regex="a|b").sampling()["structured_output"] == {"regex": "a|b"}
     ids = list(range(10))

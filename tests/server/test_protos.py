@@ -18,6 +18,7 @@ def test_an_edited_proto_makes_the_stubs_stale(tmp_path):
     shutil.copytree(REPO / "protos", tmp_path / "protos")
     shutil.copytree(REPO / protogen.PACKAGE_DIR, tmp_path / protogen.PACKAGE_DIR)
     proto = tmp_path / "protos" / "jaxserve.proto"
-    proto.write_text(proto.read_text().replace("message ListModelsRequest {}",
-                                               "message ListModelsRequest { string filter = 1; }"))
+    proto.write_text(
+        proto.read_text().replace("message ListModelsRequest {}", "message ListModelsRequest { string filter = 1; }")
+    )
     assert sorted(protogen.stale(tmp_path)) == ["jaxserve_pb2.py", "jaxserve_pb2.pyi"]

@@ -28,8 +28,14 @@ def server():
     # everything compiled before listening: the drain's timing must not share the CPU with a background compile
     # (quick start, serve's default, is run by tests/engine/test_profile.py's bench_startup test). test_fuzz.py's
     # shapes: its programs and cost profile, cached by then, are loaded rather than compiled and measured again.
-    s = ServerProcess("--max_model_len=1024", "--kv_cache_gib=0.25", "--max_num_seqs=8", f"--api_key={KEY}",
-                      f"--drain_timeout={DRAIN_S:g}", "--noquick_start")
+    s = ServerProcess(
+        "--max_model_len=1024",
+        "--kv_cache_gib=0.25",
+        "--max_num_seqs=8",
+        f"--api_key={KEY}",
+        f"--drain_timeout={DRAIN_S:g}",
+        "--noquick_start",
+    )
     yield s.proc, s.grpc_port, s.http_port, s.log
     if s.proc.poll() is None:
         s.proc.kill()
@@ -42,8 +48,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def http_status(port: int, method: str, path: str, key: str | None = None) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request(method, path, body="{}" if method == "POST" else None,
-                 headers={"Authorization": f"Bearer {key}"} if key else {})
+    conn.request(
+        method, path, body="{}" if method == "POST" else None, headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
     return conn.getresponse().status
 
 
@@ -82,16 +89,20 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(server):
         started[name].set()
 
     # The long request cannot finish within the 3 s drain; the short one can.
-    threads = [threading.Thread(target=consume, args=("long", 900)), threading.Thread(target=consume,
-                                                                                       args=("short", 16))]
+    threads = [
+        threading.Thread(target=consume, args=("long", 900)),
+        threading.Thread(target=consume, args=("short", 16)),
+    ]
     threads[0].start()
     assert started["long"].wait(120)
     threads[1].start()
     assert started["short"].wait(120)
     # A client that sends half its body and goes quiet (the read timeout, 30 s, is far beyond the drain)
     stalled = socket.create_connection(("127.0.0.1", http_port))
-    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: 100\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n{\"model\"")
+    stalled.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\nAuthorization: Bearer " + KEY.encode() + b'\r\n\r\n{"model"'
+    )
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
 

@@ -12,8 +12,18 @@ from jaxserve.models.llama import init_params
 from jaxserve.pallas_kernels.reference import NO_POSITION
 
 # A small random Llama with GQA (6 heads over 2 KV heads) for the sharded model paths.
-CFG = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2,
-                  head_dim=8, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
+CFG = LlamaConfig(
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +40,13 @@ def random_params(cfg: LlamaConfig) -> dict:
     variables = init_params(cfg, jax.random.key(1))
     leaves, tree = jax.tree_util.tree_flatten_with_path(variables)
     keys = jax.random.split(jax.random.key(2), len(leaves))
-    return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * (1.0 if path[-1].key == "weight" else 0.3)
-                                     for k, (path, x) in zip(keys, leaves)])
+    return jax.tree.unflatten(
+        tree,
+        [
+            jax.random.normal(k, x.shape) * (1.0 if path[-1].key == "weight" else 0.3)
+            for k, (path, x) in zip(keys, leaves)
+        ],
+    )
 
 
 @pytest.fixture(scope="session")

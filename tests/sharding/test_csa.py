@@ -75,7 +75,7 @@ def brute_mask(imp, spans, drops, t):
     rank = np.empty((n, kvh), int)
     for i in range(0, n, t):
         for hd in range(kvh):
-            rank[i + np.argsort(-imp[i:i + t, hd], kind="stable"), hd] = np.arange(t)
+            rank[i + np.argsort(-imp[i : i + t, hd], kind="stable"), hd] = np.arange(t)
     mask = np.zeros((len(spans), kvh, n, n), bool)
     for qi in range(n):
         for ki in range(qi + 1):
@@ -101,7 +101,7 @@ def test_level_masks_follow_the_rules_and_keep_the_configured_counts(spans, drop
     for j in range(spans[-1]):
         for i in range(j):
             lv = levels.level(i, j)
-            seen = mask[lv, :, (j + 1) * t - 1, i * t:(i + 1) * t].sum(axis=-1)
+            seen = mask[lv, :, (j + 1) * t - 1, i * t : (i + 1) * t].sum(axis=-1)
             np.testing.assert_array_equal(seen, keep[lv])
 
 
@@ -205,8 +205,9 @@ def test_importance_from_probs_sums_each_kv_heads_query_group():
     rng = np.random.default_rng(2)
     probs = rng.random((6, 5, 7))
     got = np.asarray(csa.importance_from_probs(probs, kv_heads=2))
-    np.testing.assert_allclose(got, np.stack([probs[:3].sum(axis=(0, 1)), probs[3:].sum(axis=(0, 1))], axis=1),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        got, np.stack([probs[:3].sum(axis=(0, 1)), probs[3:].sum(axis=(0, 1))], axis=1), rtol=1e-6
+    )
     # fed with a layer's own probabilities, the kept keys hold most of that layer's attention mass
     n, h, kvh = 32, 6, 2
     q, k, v, _ = inputs([9], n, h, kvh)
@@ -214,18 +215,22 @@ def test_importance_from_probs_sums_each_kv_heads_query_group():
     _, p = masked_dense(q, k, v, causal(n, kvh))
     imp = np.asarray(csa.importance_from_probs(p.astype(np.float32), kvh))
     levels = csa.geometric((1, 2, 4), 0.5)
-    mass = lambda scores: np.where(np.repeat(np.asarray(csa.csa_mask(scores, levels)).any(axis=0), 3, axis=0),
-                                   p, 0).sum()
+    mass = lambda scores: np.where(
+        np.repeat(np.asarray(csa.csa_mask(scores, levels)).any(axis=0), 3, axis=0), p, 0
+    ).sum()
     assert mass(imp) > mass(-imp)
 
 
-@pytest.mark.parametrize("spans, drops, match", [
-    ((2, 4), (0, 0), "start at 1|starting at 1"),
-    ((1, 3, 4), (0, 0, 0), "multiple"),
-    ((1, 2), (0.1, 0), "level 1"),
-    ((1, 2), (0, 1.5), r"\[0, 1\]"),
-    ((1, 2), (0,), "one drop ratio"),
-])
+@pytest.mark.parametrize(
+    "spans, drops, match",
+    [
+        ((2, 4), (0, 0), "start at 1|starting at 1"),
+        ((1, 3, 4), (0, 0, 0), "multiple"),
+        ((1, 2), (0.1, 0), "level 1"),
+        ((1, 2), (0, 1.5), r"\[0, 1\]"),
+        ((1, 2), (0,), "one drop ratio"),
+    ],
+)
 def test_bad_levels_are_rejected(spans, drops, match):
     with pytest.raises(ValueError, match=match):
         csa.Levels(spans, drops)

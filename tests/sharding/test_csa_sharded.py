@@ -19,8 +19,11 @@ EPS32 = float(np.finfo(np.float32).eps)
 
 def levels_for(p: int) -> list[csa.Levels]:
     binary = tuple(2**i for i in range(p.bit_length()))
-    configs = [csa.Levels(binary, (0,) * len(binary)), csa.geometric(binary, 0.5),
-               csa.Levels(binary, (0,) + (0.3,) * (len(binary) - 1))]
+    configs = [
+        csa.Levels(binary, (0,) * len(binary)),
+        csa.geometric(binary, 0.5),
+        csa.Levels(binary, (0,) + (0.3,) * (len(binary) - 1)),
+    ]
     if p >= 4:  # coarser levels: a 4-device "server", then the rest
         configs.append(csa.Levels((1, 4), (0, 0.5)) if p == 4 else csa.Levels((1, 4, 8), (0, 0.5, 0.9)))
     return list(dict.fromkeys(configs))
@@ -44,8 +47,9 @@ def test_sharded_matches_reference(devices, p, h, kvh, t):
     for levels in levels_for(p):
         want = np.asarray(csa.csa_reference(q, k, v, imp, levels))
         got = np.asarray(csa.csa_attention_sp(mesh, q, k, v, imp, levels=levels))
-        np.testing.assert_allclose(got, want, rtol=0, atol=8 * EPS32 * np.sqrt(n) * np.abs(want).max(),
-                                   err_msg=str(levels))
+        np.testing.assert_allclose(
+            got, want, rtol=0, atol=8 * EPS32 * np.sqrt(n) * np.abs(want).max(), err_msg=str(levels)
+        )
 
 
 def test_pallas_kernel_inside_shard_map(devices):
@@ -54,8 +58,9 @@ def test_pallas_kernel_inside_shard_map(devices):
     q, k, v, imp = inputs([3], p * t, h, kvh)
     levels = csa.geometric((1, 2, 4), 0.5)
     want = np.asarray(csa.csa_reference(q, k, v, imp, levels))
-    got = np.asarray(csa.csa_attention_sp(make_mesh(devices[:p]), q, k, v, imp, levels=levels,
-                                          implementation="interpret"))
+    got = np.asarray(
+        csa.csa_attention_sp(make_mesh(devices[:p]), q, k, v, imp, levels=levels, implementation="interpret")
+    )
     np.testing.assert_allclose(got, want, rtol=0, atol=8 * EPS32 * np.sqrt(p * t) * np.abs(want).max())
 
 
@@ -63,8 +68,16 @@ def collectives(jaxpr):
     """(primitive name, params, operand avals) of every collective in a jaxpr, nested ones included."""
     found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("ppermute", "all_gather", "all_to_all", "psum", "pmax", "reduce_scatter",
-                                  "psum_scatter", "all_reduce"):
+        if eqn.primitive.name in (
+            "ppermute",
+            "all_gather",
+            "all_to_all",
+            "psum",
+            "pmax",
+            "reduce_scatter",
+            "psum_scatter",
+            "all_reduce",
+        ):
             found.append((eqn.primitive.name, eqn.params, [x.aval for x in eqn.invars]))
         for sub in jex.core.jaxprs_in_params(eqn.params):
             found += collectives(sub)
@@ -77,8 +90,7 @@ def test_traffic_is_only_the_kept_kv(devices, p, h, kvh):
     t = 12
     q, k, v, imp = inputs([p], p * t, h, kvh)
     for levels in levels_for(p):
-        jaxpr = jax.make_jaxpr(lambda *a: csa.csa_attention_sp(make_mesh(devices[:p]), *a, levels=levels))(
-            q, k, v, imp)
+        jaxpr = jax.make_jaxpr(lambda *a: csa.csa_attention_sp(make_mesh(devices[:p]), *a, levels=levels))(q, k, v, imp)
         found = collectives(jaxpr.jaxpr)
         assert {name for name, _, _ in found} <= {"ppermute"}, found
         moved = sum(len(params["perm"]) * aval.size * aval.dtype.itemsize for _, params, (aval,) in found)

@@ -28,8 +28,11 @@ KEY_BLOCK = 8
 
 
 def backends(p: int) -> dict[str, object]:
-    return {"ring": StoreRingBackend(p, KEY_BLOCK), "sp_ntp": StoreUlyssesBackend(p, KEY_BLOCK),
-            "csa": csa.StoreCSABackend(csa.levels_for(p, 0.0), KEY_BLOCK)}
+    return {
+        "ring": StoreRingBackend(p, KEY_BLOCK),
+        "sp_ntp": StoreUlyssesBackend(p, KEY_BLOCK),
+        "csa": csa.StoreCSABackend(csa.levels_for(p, 0.0), KEY_BLOCK),
+    }
 
 
 def test_heads_split_directly_where_they_divide_else_as_padded_mha():
@@ -61,19 +64,41 @@ def test_store_backends_match_dense(devices, mode, p, h, kvh):
     backend = backends(p)[mode]
 
     def body(q, k, v, q_pos, k_pos, hist_pos, fill, blocks, k_store, v_store):
-        out, _ = backend(q[None], k[None], v[None], q_pos[None], (k_store, v_store), jnp.int32(0),
-                         StoreMetadata(hist_pos, k_pos, fill[0], blocks[0]))
+        out, _ = backend(
+            q[None],
+            k[None],
+            v[None],
+            q_pos[None],
+            (k_store, v_store),
+            jnp.int32(0),
+            StoreMetadata(hist_pos, k_pos, fill[0], blocks[0]),
+        )
         return out[0]
 
     mesh = make_mesh(devices[:p])
     seq = P(SP)
     store = lambda x: x.reshape(p, cap, kvh, D)  # noqa: E731  [p * 1 layer, cap, kvh, d]
-    args = (q[perm], k[perm], v[perm], q_pos[perm], k_pos[perm], HP, np.array(fill, np.int32),
-            blocks.astype(np.int32), store(HK), store(HV))
+    args = (
+        q[perm],
+        k[perm],
+        v[perm],
+        q_pos[perm],
+        k_pos[perm],
+        HP,
+        np.array(fill, np.int32),
+        blocks.astype(np.int32),
+        store(HK),
+        store(HV),
+    )
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 10, out_specs=seq, check_vma=False))
     got = np.asarray(run(*(jax.device_put(x, NamedSharding(mesh, seq)) for x in args)))[layouts.inverse(perm)]
-    want = dense_attention(q[:valid], np.concatenate([hk, k[:valid]]), np.concatenate([hv, v[:valid]]),
-                           q_pos[:valid], np.concatenate([np.arange(history), k_pos[:valid]]))
+    want = dense_attention(
+        q[:valid],
+        np.concatenate([hk, k[:valid]]),
+        np.concatenate([hv, v[:valid]]),
+        q_pos[:valid],
+        np.concatenate([np.arange(history), k_pos[:valid]]),
+    )
     close(got[:valid], want, terms=history + valid)
 
 
@@ -91,11 +116,13 @@ def test_csa_moves_fewer_bytes_than_sp_ntp_dense(devices, p):
     pos = jnp.arange(n, dtype=jnp.int32)
     mesh = make_mesh(devices[:p])
     empty = (jnp.zeros((0, kvh, D)), jnp.zeros((0, kvh, D)), jnp.zeros((0,), jnp.int32))  # no history
-    dense = sent_bytes(p, lambda *a: chunk_attention_sp(mesh, *a, strategy="ulysses", layout="contiguous"),
-                       q, k, v, pos, pos, *empty)
+    dense = sent_bytes(
+        p, lambda *a: chunk_attention_sp(mesh, *a, strategy="ulysses", layout="contiguous"), q, k, v, pos, pos, *empty
+    )
     levels = csa.levels_for(p, 0.5)
-    sparse = sent_bytes(p, lambda *a: csa.csa_attention_sp(mesh, *a, levels=levels), q, k, v,
-                        jnp.asarray(rand(rng, n, kvh)))
+    sparse = sent_bytes(
+        p, lambda *a: csa.csa_attention_sp(mesh, *a, levels=levels), q, k, v, jnp.asarray(rand(rng, n, kvh))
+    )
     qkvo = 4 * n * h * D * 4 * (p - 1) // p  # Q, K, V, O (K and V with as many heads as Q here), float32
     assert dense["all-to-all"] == qkvo
     assert set(sparse) == {"collective-permute"}
@@ -105,8 +132,11 @@ def test_csa_moves_fewer_bytes_than_sp_ntp_dense(devices, p):
 
 
 @pytest.mark.parametrize("tp, sizes", [(1, (2, 4, 8)), (2, (1, 2, 4))], ids=["tp1", "tp2"])
-@pytest.mark.parametrize("mode", [dict(sp_attention="sp_ntp"), dict(sp_attention="sp_ntp", sparse_attention=0.0)],
-                         ids=["sp_ntp", "csa-drop0"])
+@pytest.mark.parametrize(
+    "mode",
+    [dict(sp_attention="sp_ntp"), dict(sp_attention="sp_ntp", sparse_attention=0.0)],
+    ids=["sp_ntp", "csa-drop0"],
+)
 def test_csps_pool_chunks_on_growing_groups_equal_single_device(devices, params, mode, tp, sizes):
     """Three chunks over groups of growing size, the history rebalanced in between: each chunk's greedy token
     and every layer's stored K/V equal the single-device forward's (6 heads over 2 KV heads: SP-NTP splits them
@@ -119,7 +149,7 @@ def test_csps_pool_chunks_on_growing_groups_equal_single_device(devices, params,
     for size, p in zip((21, 27, 13), sizes):
         group = tuple(instances[:p])
         sp.rebalance("r", group)
-        run = sp.run_chunk("r", group, tokens[start:start + size], start, GREEDY, 0)
+        run = sp.run_chunk("r", group, tokens[start : start + size], start, GREEDY, 0)
         start += size
         assert run.token() == int(np.argmax(logits[start - 1]))
     check_kv(sp, instances, ref_k, ref_v)

@@ -43,8 +43,9 @@ def test_a_prompt_longer_than_one_set_spreads_over_the_sets(devices, ids, want, 
     """LLM(kvp=4, kv_cache_tokens=1024, max_model_len=4096): a 3,500-token prompt gives one device's greedy tokens.
     Spread (the default), its blocks alternate sets; progressive (--kvp_tokens=1024), it fills three sets whole and
     part of the fourth, as Medha's workers join."""
-    llm = jaxserve.LLM("random:tiny", kvp=4, kv_cache_tokens=1024, max_model_len=4096, kvp_tokens=kvp_tokens,
-                       progress=False)
+    llm = jaxserve.LLM(
+        "random:tiny", kvp=4, kv_cache_tokens=1024, max_model_len=4096, kvp_tokens=kvp_tokens, progress=False
+    )
     assert llm.max_model_len == 4096
     table, tokens = run_holding(llm, ids)
     assert tokens == want

@@ -21,13 +21,17 @@ GREEDY = SamplingParams()
 @pytest.fixture(scope="module")
 def params():
     from conftest import random_params
+
     return random_params(CFG)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_request_spread_over_two_instances_decodes_as_on_one_device(devices, params, tp):
     one = runner(params, devices[:1], PER_DEVICE)
-    a, b = runner(params, devices[1:1 + tp], PER_DEVICE, tp), runner(params, devices[1 + tp:1 + 2 * tp], PER_DEVICE, tp)
+    a, b = (
+        runner(params, devices[1 : 1 + tp], PER_DEVICE, tp),
+        runner(params, devices[1 + tp : 1 + 2 * tp], PER_DEVICE, tp),
+    )
     group = MultiMaster([a, b], params)
     rng = np.random.default_rng(tp)
     prompt = rng.integers(0, CFG.vocab_size, 70).tolist()
@@ -64,8 +68,10 @@ def test_a_request_spread_over_two_instances_decodes_as_on_one_device(devices, p
     # each instance serves its own request from its own pool after the group's steps: one device's tokens
     other = rng.integers(0, CFG.vocab_size, 9).tolist()
     for r in (a, b):
-        np.testing.assert_array_equal(r.execute([batch.Row(other, 0, [20, 21, 22], GREEDY, 0, 0)]),
-                                      one.execute([batch.Row(other, 0, [30, 31, 32], GREEDY, 0, 0)]))
+        np.testing.assert_array_equal(
+            r.execute([batch.Row(other, 0, [20, 21, 22], GREEDY, 0, 0)]),
+            one.execute([batch.Row(other, 0, [30, 31, 32], GREEDY, 0, 0)]),
+        )
 
 
 def test_instances_that_cannot_join_are_refused(devices, params):

@@ -21,15 +21,33 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.models.config import LlamaConfig
 from jaxserve.sched.kv_manager import KVCacheManager
 
-CFG = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=8, num_kv_heads=2,
-                  head_dim=8, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
+CFG = LlamaConfig(
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
 
 # the same tolerance as the SP model test: attention matches to 1e-5, two random layers grow it to ~1e-5 absolute
 TOL = dict(rtol=1e-4, atol=1e-4)
 BS = 4
 PER_DEVICE = 40  # blocks on each device, its scratch block included
-BUCKETS = batch.Buckets.make(max_num_batched_tokens=128, max_num_seqs=4, max_model_len=128, block_size=BS,
-                             key_block=8, tile=8, min_tokens=8, num_scheduler_steps=4)
+BUCKETS = batch.Buckets.make(
+    max_num_batched_tokens=128,
+    max_num_seqs=4,
+    max_model_len=128,
+    block_size=BS,
+    key_block=8,
+    tile=8,
+    min_tokens=8,
+    num_scheduler_steps=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +55,27 @@ def params():
     return random_params(CFG)
 
 
-def runner(params, devices, num_blocks: int, tp: int = 1, stages: int = 1, cfg: LlamaConfig = CFG,
-           buckets: batch.Buckets = BUCKETS) -> ModelRunner:
-    return ModelRunner(cfg, params, np.float32, num_blocks=num_blocks, block_size=BS, buckets=buckets, key_block=8,
-                       devices=devices, tp=tp, stages=stages)
+def runner(
+    params,
+    devices,
+    num_blocks: int,
+    tp: int = 1,
+    stages: int = 1,
+    cfg: LlamaConfig = CFG,
+    buckets: batch.Buckets = BUCKETS,
+) -> ModelRunner:
+    return ModelRunner(
+        cfg,
+        params,
+        np.float32,
+        num_blocks=num_blocks,
+        block_size=BS,
+        buckets=buckets,
+        key_block=8,
+        devices=devices,
+        tp=tp,
+        stages=stages,
+    )
 
 
 def kv_of(r: ModelRunner, table: list[int], n: int, stage: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -65,11 +100,14 @@ def heads_held(r: ModelRunner) -> np.ndarray:
 def test_parallel_steps_equal_one_device(devices, params, kvp, tp):
     # the reference holds the group's whole pool on one device, so both read the same tables
     one = runner(params, devices[:1], PER_DEVICE * kvp)
-    group = runner(params, devices[:kvp * tp], PER_DEVICE * kvp, tp)
+    group = runner(params, devices[: kvp * tp], PER_DEVICE * kvp, tp)
     kv = KVCacheManager(PER_DEVICE * kvp, BS, enable_prefix_caching=False, scratch_blocks=kvp)
     rng = np.random.default_rng(kvp)
-    prompts = {"a": rng.integers(0, CFG.vocab_size, 37), "b": rng.integers(0, CFG.vocab_size, 70),
-               "c": rng.integers(0, CFG.vocab_size, 5)}
+    prompts = {
+        "a": rng.integers(0, CFG.vocab_size, 37),
+        "b": rng.integers(0, CFG.vocab_size, 70),
+        "c": rng.integers(0, CFG.vocab_size, 5),
+    }
     tokens = {rid: list(p) for rid, p in prompts.items()}
     for rid, p in prompts.items():
         kv.allocate(rid, len(p) + 12)
@@ -78,8 +116,10 @@ def test_parallel_steps_equal_one_device(devices, params, kvp, tp):
     def row(rid, lo, hi):
         return batch.Row(tokens[rid][lo:hi], lo, kv.block_table(rid), greedy, 0, 0)
 
-    steps = [[row("a", 0, 32), row("b", 0, 20)],  # two prefill chunks
-             [row("a", 32, 37), row("b", 20, 70), row("c", 0, 5)]]  # chunks with history and a short prompt
+    steps = [
+        [row("a", 0, 32), row("b", 0, 20)],  # two prefill chunks
+        [row("a", 32, 37), row("b", 20, 70), row("c", 0, 5)],
+    ]  # chunks with history and a short prompt
     for rows in steps:
         want, got = one.execute(rows), group.execute(rows)
         np.testing.assert_array_equal(got, want)
@@ -94,13 +134,15 @@ def test_parallel_steps_equal_one_device(devices, params, kvp, tp):
     # a burst of 4 decode steps in one device loop, on the group, equals 4 steps one at a time on one device;
     # "c" stops after 2 (its share of the burst)
     share = {"a": 4, "b": 4, "c": 2}
-    rows = [batch.Row(tokens[rid][-1:], len(tokens[rid]) - 1, kv.block_table(rid), greedy, 0, 0, steps=share[rid])
-            for rid in "abc"]
+    rows = [
+        batch.Row(tokens[rid][-1:], len(tokens[rid]) - 1, kv.block_table(rid), greedy, 0, 0, steps=share[rid])
+        for rid in "abc"
+    ]
     burst = group.start(rows, steps=4).value()
     for j in range(4):
         live = [rid for rid in "abc" if j < share[rid]]
         want = one.execute([row(rid, len(tokens[rid]) - 1, len(tokens[rid])) for rid in live])
-        np.testing.assert_array_equal(burst[j, :len(live)], want)
+        np.testing.assert_array_equal(burst[j, : len(live)], want)
         for rid, t in zip(live, want):
             tokens[rid].append(int(t))
     for rid in "abc":
@@ -116,12 +158,19 @@ def test_the_extra_sampler_on_a_group_equals_one_device(devices, params, kvp, tp
     """Penalties, logit_bias and min_tokens read per-request slots set on the group's devices, and logprobs come
     back: the same tokens and logprobs as on one device, step by step and in a burst that carries the slots."""
     one = runner(params, devices[:1], PER_DEVICE * kvp)
-    group = runner(params, devices[:kvp * tp], PER_DEVICE * kvp, tp)
+    group = runner(params, devices[: kvp * tp], PER_DEVICE * kvp, tp)
     kv = KVCacheManager(PER_DEVICE * kvp, BS, enable_prefix_caching=False, scratch_blocks=kvp)
     rng = np.random.default_rng(10 + kvp)
     prompts = {rid: rng.integers(0, CFG.vocab_size, n).tolist() for rid, n in (("a", 21), ("b", 9))}
-    sp = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.7, logit_bias={3: 4.0}, min_tokens=3,
-                        logprobs=4, temperature=0.9, seed=5)
+    sp = SamplingParams(
+        repetition_penalty=1.5,
+        frequency_penalty=0.7,
+        logit_bias={3: 4.0},
+        min_tokens=3,
+        logprobs=4,
+        temperature=0.9,
+        seed=5,
+    )
     for slot, (rid, p) in enumerate(prompts.items()):
         kv.allocate(rid, len(p) + 12)
         for r in (one, group):
@@ -129,9 +178,19 @@ def test_the_extra_sampler_on_a_group_equals_one_device(devices, params, kvp, tp
     tokens = {rid: list(p) for rid, p in prompts.items()}
 
     def rows(steps: int = 1) -> list[batch.Row]:
-        return [batch.Row(tokens[rid][-1:], len(tokens[rid]) - 1, kv.block_table(rid), sp, 9,
-                          len(tokens[rid]) - len(prompts[rid]), steps=steps, slot=slot)
-                for slot, rid in enumerate(prompts)]
+        return [
+            batch.Row(
+                tokens[rid][-1:],
+                len(tokens[rid]) - 1,
+                kv.block_table(rid),
+                sp,
+                9,
+                len(tokens[rid]) - len(prompts[rid]),
+                steps=steps,
+                slot=slot,
+            )
+            for slot, rid in enumerate(prompts)
+        ]
 
     first = [batch.Row(p, 0, kv.block_table(rid), sp, 9, 0, slot=slot) for slot, (rid, p) in enumerate(prompts.items())]
     for step in [first] + [None] * 4:
@@ -156,7 +215,7 @@ def test_the_extra_sampler_on_a_group_equals_one_device(devices, params, kvp, tp
 
 @pytest.mark.parametrize("kvp,tp", [(4, 1), (2, 2)])
 def test_landed_rows_reach_only_their_owners(devices, params, kvp, tp):
-    group = runner(params, devices[:kvp * tp], PER_DEVICE * kvp, tp)
+    group = runner(params, devices[: kvp * tp], PER_DEVICE * kvp, tp)
     rng = np.random.default_rng(0)
     n = 23
     shape = (CFG.num_layers, n, CFG.num_kv_heads, CFG.head_dim)
@@ -171,10 +230,10 @@ def test_landed_rows_reach_only_their_owners(devices, params, kvp, tp):
     assert np.count_nonzero(np.asarray(group.caches[0]).any(axis=(0, 2, 3))) == n
 
 
-
 CFG4 = dataclasses.replace(CFG, num_layers=4)
-ONE_STEP = batch.Buckets.make(max_num_batched_tokens=128, max_num_seqs=4, max_model_len=128, block_size=BS,
-                              key_block=8, tile=8, min_tokens=8)
+ONE_STEP = batch.Buckets.make(
+    max_num_batched_tokens=128, max_num_seqs=4, max_model_len=128, block_size=BS, key_block=8, tile=8, min_tokens=8
+)
 
 
 @pytest.mark.parametrize("stages,kvp,tp", [(2, 1, 1), (4, 1, 1), (2, 2, 2), (4, 2, 1), (2, 1, 4)])
@@ -185,7 +244,7 @@ def test_pipeline_stages_equal_one_device(devices, stages, kvp, tp):
     layers' K/V."""
     params = random_params(CFG4)
     one = runner(params, devices[:1], PER_DEVICE * kvp, cfg=CFG4, buckets=ONE_STEP)
-    pipe = runner(params, devices[:stages * kvp * tp], PER_DEVICE * kvp, tp, stages, CFG4, ONE_STEP)
+    pipe = runner(params, devices[: stages * kvp * tp], PER_DEVICE * kvp, tp, stages, CFG4, ONE_STEP)
     assert pipe.stages == len(pipe.stage_caches) == stages
     kv = KVCacheManager(PER_DEVICE * kvp, BS, enable_prefix_caching=False, scratch_blocks=kvp)
     rng = np.random.default_rng(stages + kvp)
@@ -231,8 +290,9 @@ def test_a_step_that_feeds_on_nothing_does_not_wait_for_the_last(devices, params
     greedy = SamplingParams()
     pipe.dispatch(batch.pack([batch.Row(tokens[:12], 0, kv.block_table("a"), greedy, 0, 0)], pipe.buckets, BS))
     pipe._previous.delete()  # the first chunk's sampled tokens
-    second = pipe.dispatch(batch.pack([batch.Row(tokens[12:], 12, kv.block_table("a"), greedy, 0, 0)],
-                                      pipe.buckets, BS))
+    second = pipe.dispatch(
+        batch.pack([batch.Row(tokens[12:], 12, kv.block_table("a"), greedy, 0, 0)], pipe.buckets, BS)
+    )
     assert second.value().shape == (pipe.max_rows,)
     pipe._previous.delete()
     decode = batch.Row([0], 20, kv.block_table("a"), greedy, 0, 1, feed=0)
@@ -256,8 +316,10 @@ QWEN2 = dataclasses.replace(CFG, qkv_bias=True)  # Qwen2's q/k/v biases: split w
 @pytest.mark.parametrize("tp", [2, 4])  # 4 > the 2 KV heads: k/v biases repeat with their heads
 def test_qkv_biases_split_over_tensor_parallel_devices(devices, tp):
     params = random_params(QWEN2)
-    one, group = runner(params, devices[:1], PER_DEVICE, cfg=QWEN2), runner(params, devices[:tp], PER_DEVICE, tp,
-                                                                             cfg=QWEN2)
+    one, group = (
+        runner(params, devices[:1], PER_DEVICE, cfg=QWEN2),
+        runner(params, devices[:tp], PER_DEVICE, tp, cfg=QWEN2),
+    )
     kv = KVCacheManager(PER_DEVICE, BS, enable_prefix_caching=False, scratch_blocks=1)
     tokens = list(np.random.default_rng(tp).integers(0, CFG.vocab_size, 21))
     kv.allocate("a", len(tokens) + 6)

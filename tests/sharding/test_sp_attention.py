@@ -58,10 +58,19 @@ def test_chunk_attention_sp_matches_dense(devices, strategy, layout, p, h, kvh, 
     hk, hv = rand(rng, history, kvh, D), rand(rng, history, kvh, D)
     cap = max(history, 1)
     HK, HV, HP, _ = scatter_history(rng, hk, hv, p, cap)
-    got = chunk_attention_sp(make_mesh(devices[:p]), *(jnp.asarray(x) for x in (q, k, v, q_pos, k_pos, HK, HV, HP)),
-                             strategy=strategy, layout=layout)
-    want = dense_attention(q[:valid], np.concatenate([hk, k[:valid]]), np.concatenate([hv, v[:valid]]),
-                           q_pos[:valid], np.concatenate([np.arange(history), k_pos[:valid]]))
+    got = chunk_attention_sp(
+        make_mesh(devices[:p]),
+        *(jnp.asarray(x) for x in (q, k, v, q_pos, k_pos, HK, HV, HP)),
+        strategy=strategy,
+        layout=layout,
+    )
+    want = dense_attention(
+        q[:valid],
+        np.concatenate([hk, k[:valid]]),
+        np.concatenate([hv, v[:valid]]),
+        q_pos[:valid],
+        np.concatenate([np.arange(history), k_pos[:valid]]),
+    )
     close(np.asarray(got)[:valid], want, terms=history + valid)  # the last query's keys
 
 
@@ -74,10 +83,12 @@ def test_ring_with_pallas_kernels_inside_shard_map(devices, p):
     pos = (history + np.arange(n)).astype(np.int32)
     hk, hv = rand(rng, history, kvh, D), rand(rng, history, kvh, D)
     HK, HV, HP, _ = scatter_history(rng, hk, hv, p, history)
-    got = chunk_attention_sp(make_mesh(devices[:p]), *(jnp.asarray(x) for x in (q, k, v, pos, pos, HK, HV, HP)),
-                             implementation="interpret")
-    want = dense_attention(q, np.concatenate([hk, k]), np.concatenate([hv, v]), pos,
-                           np.concatenate([np.arange(history), pos]))
+    got = chunk_attention_sp(
+        make_mesh(devices[:p]), *(jnp.asarray(x) for x in (q, k, v, pos, pos, HK, HV, HP)), implementation="interpret"
+    )
+    want = dense_attention(
+        q, np.concatenate([hk, k]), np.concatenate([hv, v]), pos, np.concatenate([np.arange(history), pos])
+    )
     close(got, want, terms=history + n)
 
 
@@ -93,8 +104,13 @@ def test_sp_tp_attention_matches_dense(devices, p, h, kvh, history):
     pos = (history + np.arange(n)).astype(np.int32)
     q = (x @ wq).reshape(n, h, D)
     k = (x @ wk).reshape(n, kvh, D)
-    attn = dense_attention(q, np.concatenate([hk, k]), np.concatenate([hv, (x @ wv).reshape(n, kvh, D)]), pos,
-                           np.concatenate([np.arange(history), pos]))
+    attn = dense_attention(
+        q,
+        np.concatenate([hk, k]),
+        np.concatenate([hv, (x @ wv).reshape(n, kvh, D)]),
+        pos,
+        np.concatenate([np.arange(history), pos]),
+    )
     want = attn.reshape(n, h * D) @ wo.astype(np.float64)
     # Tensor-parallel weights: device i holds heads [i*h/p, (i+1)*h/p) and the KV heads they use.
     rep = max(1, p // kvh)  # KV heads replicated when there are fewer than devices
@@ -105,10 +121,23 @@ def test_sp_tp_attention_matches_dense(devices, p, h, kvh, history):
     mesh = make_mesh(devices[:p])
     fn = jax.shard_map(
         lambda x_, wq_, wk_, wv_, wo_, pos_, hk_, hv_, hp_: sp_tp_attention(
-            x_, wq_[0], wk_[0], wv_[0], wo_[0], pos_, hk_[0], hv_[0], hp_, head_dim=D)[0],
-        mesh=mesh, in_specs=(P(SP),) * 6 + (P(SP), P(SP), P()), out_specs=P(SP))
-    got = fn(x, split_q, kv_cols(wk), kv_cols(wv), split_o, pos, hist_heads(hk), hist_heads(hv),
-             np.arange(history, dtype=np.int32))
+            x_, wq_[0], wk_[0], wv_[0], wo_[0], pos_, hk_[0], hv_[0], hp_, head_dim=D
+        )[0],
+        mesh=mesh,
+        in_specs=(P(SP),) * 6 + (P(SP), P(SP), P()),
+        out_specs=P(SP),
+    )
+    got = fn(
+        x,
+        split_q,
+        kv_cols(wk),
+        kv_cols(wv),
+        split_o,
+        pos,
+        hist_heads(hk),
+        hist_heads(hv),
+        np.arange(history, dtype=np.int32),
+    )
     close(got, want, terms=h * D)  # the output projection; more terms than the keys (<= 28) or x @ wq (32)
 
 
@@ -137,13 +166,18 @@ def test_kv_parallel_decode_matches_dense(devices, p, h, kvh, implementation):
             K[i, sl], V[i, sl], lens[i, r] = full_k[r][lo:hi], full_v[r][lo:hi], hi - lo
     mesh = make_mesh(devices[:p])
     fn = jax.shard_map(
-        lambda q_, k_, v_, t_, l_: kv_parallel_decode(q_, k_[0], v_[0], t_[0], l_[0], block_size=bs,
-                                                      implementation=implementation),
-        mesh=mesh, in_specs=(P(), P(SP), P(SP), P(SP), P(SP)), out_specs=P(), check_vma=False)
+        lambda q_, k_, v_, t_, l_: kv_parallel_decode(
+            q_, k_[0], v_[0], t_[0], l_[0], block_size=bs, implementation=implementation
+        ),
+        mesh=mesh,
+        in_specs=(P(), P(SP), P(SP), P(SP), P(SP)),
+        out_specs=P(),
+        check_vma=False,
+    )
     got = np.asarray(fn(q, K, V, tables, lens))
     for r, n in enumerate(total):
-        want = dense_attention(q[r:r + 1], full_k[r], full_v[r], [n - 1], np.arange(n))
-        close(got[r:r + 1], want, terms=n)  # the request's keys
+        want = dense_attention(q[r : r + 1], full_k[r], full_v[r], [n - 1], np.arange(n))
+        close(got[r : r + 1], want, terms=n)  # the request's keys
 
 
 @pytest.mark.parametrize("old, new", [(1, 2), (2, 4), (4, 8), (2, 8), (3, 5), (8, 4), (4, 4)])
@@ -164,7 +198,10 @@ def test_rebalance_spreads_history_evenly(devices, old, new):
     mesh = group_mesh(devices, [d.id for d in devices[:p]])
     fn = jax.shard_map(
         lambda k_, v_, pos_, d_, a_: rb.rebalance(k_, v_, pos_, d_[0], a_[0], share=share, axis_size=p),
-        mesh=mesh, in_specs=(P(SP),) * 5, out_specs=(P(SP),) * 3)
+        mesh=mesh,
+        in_specs=(P(SP),) * 5,
+        out_specs=(P(SP),) * 3,
+    )
     k2, v2, pos2 = (np.asarray(x) for x in fn(K, V, Pos, dest[:, None], at[:, None]))
     held = (pos2 != NO_POSITION).reshape(p, share).sum(axis=1)
     np.testing.assert_array_equal(held[:new], rb.targets(n, new))
@@ -209,6 +246,7 @@ def test_comm_bytes_orders_strategies_sensibly():
     # with history: the chunk's K/V, the all-gathered queries, every device's float32 [t, h, d + 1] partials for
     # the p - 1 others (a reduce-scatter of the whole group's), and the log-sum-exp maxima
     t, p, h, d = 4096, 8, 32, 128
-    assert with_history["ring"] == (prefill["ring"] + (p - 1) * t * h * d * 2 + (p - 1) * t * h * (d + 1) * 4
-                                    + 2 * (p - 1) * t * h * 4)
+    assert with_history["ring"] == (
+        prefill["ring"] + (p - 1) * t * h * d * 2 + (p - 1) * t * h * (d + 1) * 4 + 2 * (p - 1) * t * h * 4
+    )
     assert comm.rebalance_bytes([400, 400, 0, 0], 1) == 400  # 2 -> 4: half of the history moves

@@ -35,8 +35,9 @@ class RecordingBackend:
 
     def __call__(self, q, k, v, positions, caches, layer, metadata):
         out, _ = chunk_attention(q[0], k[0], v[0], positions[0], positions[0])
-        caches = tuple(jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (layer, 0, 0, 0))
-                       for c, x in zip(caches, (k, v)))
+        caches = tuple(
+            jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (layer, 0, 0, 0)) for c, x in zip(caches, (k, v))
+        )
         return out[None].astype(q.dtype), caches
 
 
@@ -45,8 +46,9 @@ def reference(params, tokens, cfg: LlamaConfig = CFG):
     n = len(tokens)
     shape = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
     pos = jnp.arange(n, dtype=jnp.int32)[None]
-    logits, (k, v) = Llama(cfg, RecordingBackend()).apply(params, jnp.asarray(tokens)[None], pos,
-                                                           (jnp.zeros(shape), jnp.zeros(shape)), None)
+    logits, (k, v) = Llama(cfg, RecordingBackend()).apply(
+        params, jnp.asarray(tokens)[None], pos, (jnp.zeros(shape), jnp.zeros(shape)), None
+    )
     return np.asarray(logits[0]), np.asarray(k), np.asarray(v)
 
 
@@ -81,8 +83,11 @@ def test_one_chunk_over_an_sp_group_equals_single_device(devices, params, p, lay
     check_kv(sp, [d.id for d in devices[:p]], ref_k, ref_v)
 
 
-@pytest.mark.parametrize("cfg,tp,sizes", [(CFG, 1, (2, 4, 8)), (CFG, 2, (1, 2, 4)), (CFG_8_2, 4, (1, 2, 2))],
-                         ids=["tp1", "tp2", "tp4-repeated-kv"])
+@pytest.mark.parametrize(
+    "cfg,tp,sizes",
+    [(CFG, 1, (2, 4, 8)), (CFG, 2, (1, 2, 4)), (CFG_8_2, 4, (1, 2, 2))],
+    ids=["tp1", "tp2", "tp4-repeated-kv"],
+)
 def test_chunks_on_growing_groups_with_rebalancing_equal_single_device(devices, params, cfg, tp, sizes):
     params = params if cfg is CFG else random_params(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 61)
@@ -99,7 +104,7 @@ def test_chunks_on_growing_groups_with_rebalancing_equal_single_device(devices, 
             assert max(held) - min(held) <= 1  # balanced over the new, larger group
             assert moved == rebalance.moved_tokens(before) >= (p > len(group))  # only each one's excess moved
         group = new
-        run = sp.run_chunk("r", group, tokens[start:start + size], start, GREEDY, 0)
+        run = sp.run_chunk("r", group, tokens[start : start + size], start, GREEDY, 0)
         start += size
         assert run.token() == int(np.argmax(logits[start - 1]))
     check_kv(sp, instances, ref_k, ref_v)

@@ -26,7 +26,8 @@ best = MODEL.fastest
 
 def run(config=DisaggConfig(), n=120, rate=1.0):
     return DisaggSimulator(CDSPPlanner(MODEL, POOL, 0.2), best, config).run(
-        long_context("medium", n, rate, seed=0), progress=False)
+        long_context("medium", n, rate, seed=0), progress=False
+    )
 
 
 def test_every_request_prefills_transfers_and_decodes():
@@ -72,8 +73,12 @@ def test_the_cluster_runs_every_admission_policy_with_a_predictor(admission):
 
     w = load_trace("azure_conv")
     pred = BucketPredictor.fit(w.prompt_lens, w.output_lens)
-    sim = DisaggSimulator(CDSPPlanner(MODEL, POOL, 0.2), best,
-                          DisaggConfig(decode_instances=2, admission=admission, dispatch="power_of_two"), pred)
+    sim = DisaggSimulator(
+        CDSPPlanner(MODEL, POOL, 0.2),
+        best,
+        DisaggConfig(decode_instances=2, admission=admission, dispatch="power_of_two"),
+        pred,
+    )
     res = sim.run(synthetic_mix(150, 3.0, long_fraction=0.0, seed=2), progress=False)
     assert all(r.finished for r in res.requests)
     if admission == "oracle":
@@ -113,15 +118,23 @@ def test_instances_flip_toward_the_busy_role():
     back. Nothing is lost on the way."""
     import numpy as np
 
-
     from jaxserve.sim.workload import Workload
 
     a = np.arange(0, 40, 1.0)
     b = 60 + np.arange(0, 30, 1 / 20)
-    w = Workload(np.concatenate([a, b]), np.array([65536] * len(a) + [100] * len(b)),
-                 np.array([2] * len(a) + [800] * len(b)), "phases")
-    cfg = DisaggConfig(prefill_instances=8, decode_instances=2, decode_tp=4, memory_utilization=0.09,
-                       flip=FlipPolicy(window=20.0, check_every=2.0))
+    w = Workload(
+        np.concatenate([a, b]),
+        np.array([65536] * len(a) + [100] * len(b)),
+        np.array([2] * len(a) + [800] * len(b)),
+        "phases",
+    )
+    cfg = DisaggConfig(
+        prefill_instances=8,
+        decode_instances=2,
+        decode_tp=4,
+        memory_utilization=0.09,
+        flip=FlipPolicy(window=20.0, check_every=2.0),
+    )
     sim = DisaggSimulator(CDSPPlanner(MODEL, Pool(2, 8), 0.2), best, cfg)
     res = sim.run(w, progress=False)
     flips = [kind for _, kind in res.config["flips"]]
@@ -178,8 +191,14 @@ def test_a_whole_tetriinfer_cluster_serves_azure_conv():
 
     trace = load_trace("azure_conv")
     pred = BucketPredictor.fit(trace.prompt_lens, trace.output_lens)
-    sim, res = tetriinfer(load_trace("azure_conv", rate=6.0, limit=200), pred, prefill_instances=2,
-                          decode_instances=2, dispatch="power_of_two", admission="reserve_dynamic")
+    sim, res = tetriinfer(
+        load_trace("azure_conv", rate=6.0, limit=200),
+        pred,
+        prefill_instances=2,
+        decode_instances=2,
+        dispatch="power_of_two",
+        admission="reserve_dynamic",
+    )
     assert len(res.requests) == 200 and all(r.finished and r.generated == r.output_len for r in res.requests)
     served = [d.finished for d in sim.decoders]
     assert min(served) > 0.3 * sum(served)
@@ -187,7 +206,6 @@ def test_a_whole_tetriinfer_cluster_serves_azure_conv():
 
 
 def test_tetriinfer_prefill_takes_no_planner_and_flips_on_its_own_gpus():
-
 
     with pytest.raises(ValueError, match="needs a planner"):
         DisaggSimulator(None, best, DisaggConfig())
@@ -208,8 +226,15 @@ def test_tetriinfer_instances_flip_toward_the_busy_role():
 
     arrivals = np.arange(0, 60, 0.5)
     w = Workload(arrivals, np.full(len(arrivals), 100), np.full(len(arrivals), 2000), "decode heavy")
-    cfg = DisaggConfig(prefill="tetriinfer", prefill_instances=2, decode_instances=2, decode_tp=1,
-                       dispatch="power_of_two", memory_utilization=0.225, flip=FlipPolicy(window=10.0, check_every=1.0))
+    cfg = DisaggConfig(
+        prefill="tetriinfer",
+        prefill_instances=2,
+        decode_instances=2,
+        decode_tp=1,
+        dispatch="power_of_two",
+        memory_utilization=0.225,
+        flip=FlipPolicy(window=10.0, check_every=1.0),
+    )
     res = DisaggSimulator(None, best, cfg, ObservedLengths()).run(w, progress=False)
     flips = [kind for _, kind in res.config["flips"]]
     assert flips[:1] == ["to_decode"] and len(set(res.decoders.values())) == 3  # a third instance decoded
@@ -227,8 +252,13 @@ def test_esp_instances_decode_as_served_on_their_keeper_or_spread_over_the_group
     from jaxserve.sim.disagg import Costs
 
     model = LoongServePrefill({(sp, 1): np.array([0.01 * sp, 1e-4 / sp, 1e-9 / sp]) for sp in (1, 2, 4)})
-    costs = Costs(decode=ProfileBatchCost("a100_llama3_8b", 1), prefill=None, transfer=lambda tokens, senders: 1e-3,
-                  decode_kv_capacity=2048, batch=lambda lengths, sp: model.predict(sp, 1, lengths))
+    costs = Costs(
+        decode=ProfileBatchCost("a100_llama3_8b", 1),
+        prefill=None,
+        transfer=lambda tokens, senders: 1e-3,
+        decode_kv_capacity=2048,
+        batch=lambda lengths, sp: model.predict(sp, 1, lengths),
+    )
     w = Workload(np.array([0.0, 0.0]), np.array([3000, 500]), np.array([40, 40]), "two")
 
     def simulate(spread: bool):

@@ -55,8 +55,10 @@ def test_the_executor_charges_balancing_and_the_planner_predicts_it():
 def test_pool_run_charges_balancing_the_planner_did_not_plan():
     w = long_context("long", 200, 1.2, seed=0)
     run = Executor(MODEL, BALANCING)
-    aware = [run_pool(CDSPPlanner(MODEL, POOL, 0.2, balancing=BALANCING), w, POOL.size, best, executor=e).ttft
-             for e in (None, run)]
+    aware = [
+        run_pool(CDSPPlanner(MODEL, POOL, 0.2, balancing=BALANCING), w, POOL.size, best, executor=e).ttft
+        for e in (None, run)
+    ]
     assert aware[0] == pytest.approx(aware[1], abs=1e-9)
     blind = [run_pool(CDSPPlanner(MODEL, POOL, 0.2), w, POOL.size, best, executor=e).ttft for e in (None, run)]
     assert np.sum(blind[1] > blind[0] + 1e-3) >= 5  # 20 (two moves, and the requests queued behind them)

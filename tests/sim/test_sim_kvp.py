@@ -15,11 +15,14 @@ K = 1 << 10
 
 
 def test_a_sequence_one_worker_holds_costs_what_it_costs_without_kvp():
-    plain, kvp = ProfileBatchCost("a100_llama3_8b", tp=8), ProfileBatchCost("a100_llama3_8b", tp=8, kvp=4,
-                                                                              kvp_tokens=256 * K)
+    plain, kvp = (
+        ProfileBatchCost("a100_llama3_8b", tp=8),
+        ProfileBatchCost("a100_llama3_8b", tp=8, kvp=4, kvp_tokens=256 * K),
+    )
     assert kvp.workers(200 * K) == 1
-    assert kvp.batch_time([(4 * K, 100 * K)], [200 * K, 3 * K]) == plain.batch_time([(4 * K, 100 * K)],
-                                                                                     [200 * K, 3 * K])
+    assert kvp.batch_time([(4 * K, 100 * K)], [200 * K, 3 * K]) == plain.batch_time(
+        [(4 * K, 100 * K)], [200 * K, 3 * K]
+    )
 
 
 def test_without_kvp_the_cost_model_needs_no_kv_capacity():
@@ -58,8 +61,15 @@ def test_a_chunk_costs_its_busiest_worker():
 
 
 def _long_decode(kvp: int, kvp_tokens: int | None = None):
-    cfg = config_for(profile="h100_llama2_70b", tp=8, kvp=kvp, kvp_tokens=kvp_tokens, iteration_budget=0.2,
-                     long_threshold=1 << 30, space_sharing=False)
+    cfg = config_for(
+        profile="h100_llama2_70b",
+        tp=8,
+        kvp=kvp,
+        kvp_tokens=kvp_tokens,
+        iteration_budget=0.2,
+        long_threshold=1 << 30,
+        space_sharing=False,
+    )
     r = Request("long", 0.0, prompt_len=1_500_000, output_len=32)
     return Simulator(cfg).run_requests([r], progress=False)
 

@@ -24,11 +24,21 @@ UNIT = TetrisBatchCost(TetrisPrefill({1: np.array([0.0, 1e-3, 0.0, 0.0])}))
 def scenario(policy, short_stream=(), space_sharing=False):
     """r_L: 10 s of work, deadline 16 s, arrives at 0; r_S1, r_S2: 0.5 s each, deadline 1 s, arrive at 5;
     short_stream: further 0.5 s requests (deadline 1 s) arriving at the given times."""
-    reqs = [Request("L", 0.0, 10000, 1, ttft_deadline=16.0),
-            Request("S1", 5.0, 500, 1, ttft_deadline=6.0), Request("S2", 5.0, 500, 1, ttft_deadline=6.0)]
+    reqs = [
+        Request("L", 0.0, 10000, 1, ttft_deadline=16.0),
+        Request("S1", 5.0, 500, 1, ttft_deadline=6.0),
+        Request("S2", 5.0, 500, 1, ttft_deadline=6.0),
+    ]
     reqs += [Request(f"x{i}", t, 500, 1, ttft_deadline=t + 1.0) for i, t in enumerate(short_stream)]
-    cfg = config_for(policy, tp=1, kv_capacity=10**6, iteration_budget=0.01, chunk_align=1, long_threshold=5000,
-                     space_sharing=space_sharing)
+    cfg = config_for(
+        policy,
+        tp=1,
+        kv_capacity=10**6,
+        iteration_budget=0.01,
+        chunk_align=1,
+        long_threshold=5000,
+        space_sharing=space_sharing,
+    )
     res = Simulator(cfg, UNIT).run_requests(reqs, progress=False)
     return {r.id: r for r in res.requests}
 
@@ -80,13 +90,16 @@ def _mix(n=300, rate=4.0):
 
 
 def _requests(w):
-    return [Request(str(i), float(t), int(p), int(o))
-            for i, (t, p, o) in enumerate(zip(w.arrivals, w.prompt_lens, w.output_lens))]
+    return [
+        Request(str(i), float(t), int(p), int(o))
+        for i, (t, p, o) in enumerate(zip(w.arrivals, w.prompt_lens, w.output_lens))
+    ]
 
 
 def _config(**kw):
-    return config_for(**(dict(profile="a100_llama3_8b", tp=8, policy="lars", iteration_budget=0.05,
-                           space_sharing=False) | kw))
+    return config_for(
+        **(dict(profile="a100_llama3_8b", tp=8, policy="lars", iteration_budget=0.05, space_sharing=False) | kw)
+    )
 
 
 def test_simulation_is_deterministic_and_finishes_every_request():

@@ -207,8 +207,10 @@ def test_importing_the_workload_module_does_not_import_jax():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("kind, lo, hi, mean_k", [("short", 4096, 97280, 23.6), ("medium", 8192, 145408, 32.8),
-                                                  ("long", 16384, 194560, 50.1)])
+@pytest.mark.parametrize(
+    "kind, lo, hi, mean_k",
+    [("short", 4096, 97280, 23.6), ("medium", 8192, 145408, 32.8), ("long", 16384, 194560, 50.1)],
+)
 def test_long_context_traces_match_tetris_ranges_and_means(kind, lo, hi, mean_k):
     from jaxserve.sim.workload import long_context
 
@@ -222,10 +224,13 @@ def test_long_context_traces_match_tetris_ranges_and_means(kind, lo, hi, mean_k)
 
 # ---- a user's trace file ----------------------------------------------------------------------------------------
 
+
 def test_a_csv_trace_with_times_reads_in_arrival_order(tmp_path):
     f = tmp_path / "mine.csv"
-    f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                 "2024-05-01 10:00:02.5,100,20\n2024-05-01 10:00:00,50,10\n2024-05-01 10:00:01,70,1\n")
+    f.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2024-05-01 10:00:02.5,100,20\n2024-05-01 10:00:00,50,10\n2024-05-01 10:00:01,70,1\n"
+    )
     w = read_trace_file(f)
     assert w.name == "mine"
     np.testing.assert_allclose(w.arrivals, [0.0, 1.0, 2.5])  # sorted, from the first
@@ -236,8 +241,9 @@ def test_a_csv_trace_with_times_reads_in_arrival_order(tmp_path):
 
 def test_lengths_written_as_floats_and_arrivals_first_named_late_are_read(tmp_path):
     f = tmp_path / "late.jsonl"
-    f.write_text('{"prompt_tokens": 12.0, "output_tokens": "3"}\n'
-                 '{"arrival": 2, "prompt_tokens": 4, "output_tokens": 5}\n')
+    f.write_text(
+        '{"prompt_tokens": 12.0, "output_tokens": "3"}\n{"arrival": 2, "prompt_tokens": 4, "output_tokens": 5}\n'
+    )
     with pytest.raises(ValueError, match="late.jsonl:1: an arrival must be"):  # the column exists: every row needs it
         read_trace_file(f)
     f.write_text('{"arrival": 1, "prompt_tokens": 12.0, "output_tokens": "3"}\n')
@@ -246,8 +252,10 @@ def test_lengths_written_as_floats_and_arrivals_first_named_late_are_read(tmp_pa
 
 def test_a_jsonl_trace_with_seconds_or_no_arrivals(tmp_path):
     f = tmp_path / "mine.jsonl"
-    f.write_text('{"arrival": 0.5, "prompt_tokens": 12, "output_tokens": 3}\n\n'
-                 '{"arrival": 1.75, "prompt_tokens": 40, "output_tokens": 8, "user": "x"}\n')
+    f.write_text(
+        '{"arrival": 0.5, "prompt_tokens": 12, "output_tokens": 3}\n\n'
+        '{"arrival": 1.75, "prompt_tokens": 40, "output_tokens": 8, "user": "x"}\n'
+    )
     w = read_trace_file(f)
     np.testing.assert_allclose(w.arrivals, [0.0, 1.25])
     assert w.prompt_lens.tolist() == [12, 40]
@@ -258,22 +266,32 @@ def test_a_jsonl_trace_with_seconds_or_no_arrivals(tmp_path):
     assert len(read_trace_file(g, rate=3.0, seed=1)) == 2
 
 
-@pytest.mark.parametrize("name, text, message", [
-    ("a.csv", "arrival,prompt_tokens\n0,5\n", "a.csv:1: no column of output_tokens"),
-    ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6\n1,five,6\n", "a.csv:3: prompt_tokens must be a whole"),
-    ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,0\n", "a.csv:2: output_tokens must be a whole"),
-    ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6\nsoon,5,6\n", "a.csv:3: an arrival must be"),
-    ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6,7\n", "a.csv:2: more fields than the header"),
-    ("a.csv", "arrival,prompt_tokens,output_tokens\n", "no requests"),
-    ("a.jsonl", '{"arrival": 0, "prompt_tokens": 5, "output_tokens": 6}\n{"arrival": 1,\n', "a.jsonl:2: not JSON"),
-    ("a.jsonl", "[1, 2, 3]\n", "a.jsonl:1: a request must be a JSON object"),
-    ("a.jsonl", '{"arrival": 0, "prompt_tokens": 2.5, "output_tokens": 6}\n', "a.jsonl:1: prompt_tokens"),
-    ("a.jsonl", '{"arrival": 0, "prompt_tokens": 5, "output_tokens": 6}\n'
-                '{"arrival": "2024-05-01T10:00:00", "prompt_tokens": 5, "output_tokens": 6}\n', "arrivals mix"),
-    ("a.csv", "arrival,prompt_tokens,output_tokens\n2024-05-01T10:00:00Z,5,6\n2024-05-01T10:00:01,5,6\n",
-     "arrivals mix local and zoned"),
-    ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6\nnan,5,6\n", "a.csv:3: an arrival must be"),
-])
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("a.csv", "arrival,prompt_tokens\n0,5\n", "a.csv:1: no column of output_tokens"),
+        ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6\n1,five,6\n", "a.csv:3: prompt_tokens must be a whole"),
+        ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,0\n", "a.csv:2: output_tokens must be a whole"),
+        ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6\nsoon,5,6\n", "a.csv:3: an arrival must be"),
+        ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6,7\n", "a.csv:2: more fields than the header"),
+        ("a.csv", "arrival,prompt_tokens,output_tokens\n", "no requests"),
+        ("a.jsonl", '{"arrival": 0, "prompt_tokens": 5, "output_tokens": 6}\n{"arrival": 1,\n', "a.jsonl:2: not JSON"),
+        ("a.jsonl", "[1, 2, 3]\n", "a.jsonl:1: a request must be a JSON object"),
+        ("a.jsonl", '{"arrival": 0, "prompt_tokens": 2.5, "output_tokens": 6}\n', "a.jsonl:1: prompt_tokens"),
+        (
+            "a.jsonl",
+            '{"arrival": 0, "prompt_tokens": 5, "output_tokens": 6}\n'
+            '{"arrival": "2024-05-01T10:00:00", "prompt_tokens": 5, "output_tokens": 6}\n',
+            "arrivals mix",
+        ),
+        (
+            "a.csv",
+            "arrival,prompt_tokens,output_tokens\n2024-05-01T10:00:00Z,5,6\n2024-05-01T10:00:01,5,6\n",
+            "arrivals mix local and zoned",
+        ),
+        ("a.csv", "arrival,prompt_tokens,output_tokens\n0,5,6\nnan,5,6\n", "a.csv:3: an arrival must be"),
+    ],
+)
 def test_a_bad_trace_file_is_refused_with_its_line(tmp_path, name, text, message):
     f = tmp_path / name
     f.write_text(text)

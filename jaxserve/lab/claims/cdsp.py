@@ -70,12 +70,24 @@ class Setup:
 def setup(model: str) -> Setup:
     if model == "8b":
         pool = Pool(nodes=2, per_node=8)
-        return Setup(TetrisPrefill.fit(tetris_table1_samples()), pool,
-                     Balancing.from_profile("a100_llama3_8b", pool.per_node), (8, 16), "16 x A100 LLaMA3-8B", "")
+        return Setup(
+            TetrisPrefill.fit(tetris_table1_samples()),
+            pool,
+            Balancing.from_profile("a100_llama3_8b", pool.per_node),
+            (8, 16),
+            "16 x A100 LLaMA3-8B",
+            "",
+        )
     # Tetris's 70B: 8 nodes, P/D 1:1, TP-4 prefill instances: 8 instances, 2 per node
     profile, tp, pool = "h100_llama2_70b", 4, Pool(nodes=4, per_node=2)
-    return Setup(pool_eq1(profile, tp, pool), pool, Balancing.from_profile(profile, pool.per_node, tp), (4, 8),
-                 "8 x (4 x H100) Llama-2-70B", "_70b")
+    return Setup(
+        pool_eq1(profile, tp, pool),
+        pool,
+        Balancing.from_profile(profile, pool.per_node, tp),
+        (4, 8),
+        "8 x (4 x H100) Llama-2-70B",
+        "_70b",
+    )
 
 
 CDSP, SAME, OWN = "CDSP (Tetris)", "request-level SP (CDSP's rates)", "request-level SP (own rates)"
@@ -93,16 +105,26 @@ def run(opts: Options) -> dict:
         def workload_at(rate: float, seed: int = 0) -> Workload:
             if kind in AZURE:  # the profile sample is the next stretch of the trace
                 trace = load_trace(kind, limit=(1 + seed) * opts.requests)
-                tail = dataclasses.replace(trace, arrivals=trace.arrivals[seed * opts.requests:],
-                                           prompt_lens=trace.prompt_lens[seed * opts.requests:],
-                                           output_lens=trace.output_lens[seed * opts.requests:])
+                tail = dataclasses.replace(
+                    trace,
+                    arrivals=trace.arrivals[seed * opts.requests :],
+                    prompt_lens=trace.prompt_lens[seed * opts.requests :],
+                    output_lens=trace.output_lens[seed * opts.requests :],
+                )
                 return tail.scaled(tail.rate / rate)
             return long_context(kind, opts.requests, rate, seed=seed)
 
-        profile = {chunking: profile_improvement_rates(
-            lambda r, c=chunking: CDSPPlanner(MODEL, POOL, r, chunking=c, balancing=BALANCING),
-            lambda rate: workload_at(rate, seed=1), POOL.size, MODEL.fastest, rates, executor=RUN)
-            for chunking in (True, False)}
+        profile = {
+            chunking: profile_improvement_rates(
+                lambda r, c=chunking: CDSPPlanner(MODEL, POOL, r, chunking=c, balancing=BALANCING),
+                lambda rate: workload_at(rate, seed=1),
+                POOL.size,
+                MODEL.fastest,
+                rates,
+                executor=RUN,
+            )
+            for chunking in (True, False)
+        }
         planners = {
             CDSP: lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL, balancing=BALANCING), profile[True]),
             SAME: lambda: AdaptiveCDSP(CDSPPlanner(MODEL, POOL, chunking=False), profile[True]),
@@ -111,51 +133,87 @@ def run(opts: Options) -> dict:
             f"fixed SP {small}": lambda: FixedSPPlanner(MODEL, POOL, small),
             f"fixed SP {large}": lambda: FixedSPPlanner(MODEL, POOL, large),
         }
-        capacity = {name: max_sustainable_rate(make, workload_at, POOL.size, MODEL.fastest, rates[0] / 5,
-                                               rates[-1] * 2.5, executor=RUN)
-                    for name, make in tqdm(planners.items(), desc=f"{kind}: max sustainable rate")}
+        capacity = {
+            name: max_sustainable_rate(
+                make, workload_at, POOL.size, MODEL.fastest, rates[0] / 5, rates[-1] * 2.5, executor=RUN
+            )
+            for name, make in tqdm(planners.items(), desc=f"{kind}: max sustainable rate")
+        }
         best_fixed = max(capacity[f"fixed SP {small}"], capacity[f"fixed SP {large}"])
-        ratios = {"best fixed SP": capacity[CDSP] / best_fixed, SAME: capacity[CDSP] / capacity[SAME],
-                  OWN: capacity[CDSP] / capacity[OWN]}
-        results[kind] = {"max_sustainable_rate": capacity, "cdsp_over": ratios,
-                         "improvement_rate_table": {"CDSP": json.loads(profile[True].to_json()),
-                                                    "request-level": json.loads(profile[False].to_json())}}
-        print(f"{kind}: max sustainable rate " + ", ".join(f"{k} {v:.2f}" for k, v in capacity.items())
-              + " req/s; CDSP capacity over " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+        ratios = {
+            "best fixed SP": capacity[CDSP] / best_fixed,
+            SAME: capacity[CDSP] / capacity[SAME],
+            OWN: capacity[CDSP] / capacity[OWN],
+        }
+        results[kind] = {
+            "max_sustainable_rate": capacity,
+            "cdsp_over": ratios,
+            "improvement_rate_table": {
+                "CDSP": json.loads(profile[True].to_json()),
+                "request-level": json.loads(profile[False].to_json()),
+            },
+        }
+        print(
+            f"{kind}: max sustainable rate "
+            + ", ".join(f"{k} {v:.2f}" for k, v in capacity.items())
+            + " req/s; CDSP capacity over "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+        )
         loads = [(f"{frac:.0%} of CDSP", frac * capacity[CDSP]) for frac in (0.25, 0.5, 0.75, 0.9)]
-        critical = ([(f"fixed SP {small}'s", capacity[f"fixed SP {small}"])] if capacity[f"fixed SP {small}"] > 0
-                    else [])
+        critical = [(f"fixed SP {small}'s", capacity[f"fixed SP {small}"])] if capacity[f"fixed SP {small}"] > 0 else []
         for load, rate in loads + critical:
             for name, make in planners.items():
                 s = run_pool(make(), workload_at(rate), POOL.size, MODEL.fastest, executor=RUN).summary()
                 load_rows.append({"label": f"{kind}: {name}", "trace": kind, "load": load, "rate": rate, **s})
         for load, rate in loads:
             for r in (0.1, 0.3, 0.5, 0.7):
-                s = run_pool(CDSPPlanner(MODEL, POOL, r, balancing=BALANCING), workload_at(rate), POOL.size,
-                             MODEL.fastest, executor=RUN).summary()
+                s = run_pool(
+                    CDSPPlanner(MODEL, POOL, r, balancing=BALANCING),
+                    workload_at(rate),
+                    POOL.size,
+                    MODEL.fastest,
+                    executor=RUN,
+                ).summary()
                 sweep_rows.append({"label": f"{kind}: rate {r}", "trace": kind, "load": load, "rate": rate, **s})
     cdsp = {(r["trace"], r["load"]): r for r in load_rows if r["label"].endswith(CDSP)}
     for r in sweep_rows:
         r["vs_adaptive"] = r["ttft_mean"] / cdsp[(r["trace"], r["load"])]["ttft_mean"]
     # Fig. 13 / Fig. 9 style: a control's TTFT over CDSP's at the same load (> 1: CDSP is faster)
-    print(f"\n{'trace / planner':45s} {'load':>13s} {'rate':>7s} {'P50':>7s} {'P99':>7s} {'chunks':>6s} "
-          f"{'P50/CDSP':>8s} {'P99/CDSP':>8s}")
+    print(
+        f"\n{'trace / planner':45s} {'load':>13s} {'rate':>7s} {'P50':>7s} {'P99':>7s} {'chunks':>6s} "
+        f"{'P50/CDSP':>8s} {'P99/CDSP':>8s}"
+    )
     for r in load_rows:
         c = cdsp[(r["trace"], r["load"])]
-        print(f"{r['label']:45s} {r['load']:>13s} {r['rate']:7.2f} {r['ttft_p50']:7.2f} {r['ttft_p99']:7.2f} "
-              f"{r['chunks_mean']:6.2f} {r['ttft_p50'] / c['ttft_p50']:8.2f} {r['ttft_p99'] / c['ttft_p99']:8.2f}")
+        print(
+            f"{r['label']:45s} {r['load']:>13s} {r['rate']:7.2f} {r['ttft_p50']:7.2f} {r['ttft_p99']:7.2f} "
+            f"{r['chunks_mean']:6.2f} {r['ttft_p50'] / c['ttft_p50']:8.2f} {r['ttft_p99'] / c['ttft_p99']:8.2f}"
+        )
     os.makedirs(opts.out, exist_ok=True)
     for kind in opts.traces:
-        rows = [r | {"label": r["label"].split(": ", 1)[1]} for r in load_rows
-                if r["trace"] == kind and r["load"].endswith("of CDSP")]
-        plots.metric_vs_load(rows, os.path.join(opts.out, f"cdsp{su.tag}_{kind}_p50_vs_load.png"), "ttft_p50",
-                             "P50 TTFT (s)", title=f"{kind} trace, {su.name} prefill")
+        rows = [
+            r | {"label": r["label"].split(": ", 1)[1]}
+            for r in load_rows
+            if r["trace"] == kind and r["load"].endswith("of CDSP")
+        ]
+        plots.metric_vs_load(
+            rows,
+            os.path.join(opts.out, f"cdsp{su.tag}_{kind}_p50_vs_load.png"),
+            "ttft_p50",
+            "P50 TTFT (s)",
+            title=f"{kind} trace, {su.name} prefill",
+        )
         rows = [r | {"label": r["label"].split(": ", 1)[1]} for r in sweep_rows if r["trace"] == kind]
-        plots.metric_vs_load(rows, os.path.join(opts.out, f"cdsp{su.tag}_{kind}_rate_sweep.png"), "vs_adaptive",
-                             "mean TTFT / adaptive rate's", title=f"{kind}: fixed improvement rates", log=False)
+        plots.metric_vs_load(
+            rows,
+            os.path.join(opts.out, f"cdsp{su.tag}_{kind}_rate_sweep.png"),
+            "vs_adaptive",
+            "mean TTFT / adaptive rate's",
+            title=f"{kind}: fixed improvement rates",
+            log=False,
+        )
     out = {"results": results, "load": load_rows, "sweep": sweep_rows}
     with open(os.path.join(opts.out, f"cdsp{su.tag}.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {opts.out}/cdsp{su.tag}_*_p50_vs_load.png, cdsp{su.tag}_*_rate_sweep.png, cdsp{su.tag}.json")
     return out
-

@@ -75,10 +75,22 @@ def workload(n: int, rate: float, seed: int) -> Workload:
 
 def systems(opts: Options) -> dict[str, Callable[[Workload], Results]]:
     """name -> run(workload) for Sarathi-Serve and the CSPS variants."""
-    sarathi = config_for("fcfs", replicas=GPUS // 8, profile=PROFILE, tp=4, stages=2, iteration_budget=1e3,
-                         max_num_batched_tokens=256, space_sharing=False)
-    decode = DisaggConfig(prefill_instances=opts.prefill_gpus, decode_instances=(GPUS - opts.prefill_gpus)
-                          // opts.decode_tp, decode_tp=opts.decode_tp, profile=PROFILE)
+    sarathi = config_for(
+        "fcfs",
+        replicas=GPUS // 8,
+        profile=PROFILE,
+        tp=4,
+        stages=2,
+        iteration_budget=1e3,
+        max_num_batched_tokens=256,
+        space_sharing=False,
+    )
+    decode = DisaggConfig(
+        prefill_instances=opts.prefill_gpus,
+        decode_instances=(GPUS - opts.prefill_gpus) // opts.decode_tp,
+        decode_tp=opts.decode_tp,
+        profile=PROFILE,
+    )
     pool = Pool(opts.prefill_gpus // PER_NODE, PER_NODE)
 
     def csps(spt: int, **model) -> Callable[[Workload], Results]:
@@ -88,18 +100,22 @@ def systems(opts: Options) -> dict[str, Callable[[Workload], Results]]:
     spts = sorted((int(s) for s in opts.spts), reverse=True)
     out = {SARATHI: lambda w: Simulator(sarathi).run(w, progress=False)}
     out |= {f"CSPS, SPT <= {spt // 1024}K": csps(spt, cut=opts.cut) for spt in spts}
-    return out | {f"CSPS, SPT <= {spts[-1] // 1024}K, dense SP-NTP": csps(spts[-1], cut=0.0),
-                  f"CSPS, SPT <= {spts[-1] // 1024}K, not pipelined": csps(spts[-1], cut=opts.cut,
-                                                                             pipelined=False)}
+    return out | {
+        f"CSPS, SPT <= {spts[-1] // 1024}K, dense SP-NTP": csps(spts[-1], cut=0.0),
+        f"CSPS, SPT <= {spts[-1] // 1024}K, not pipelined": csps(spts[-1], cut=opts.cut, pipelined=False),
+    }
 
 
 def averages(res: Results, lo: int = 0, hi: int = 1 << 62) -> dict[str, float]:
     done = [r for r in res.requests if r.finished and lo < r.prompt_len <= hi]
     gaps = [g for r in done for g in r.token_gaps]
-    return {"requests": len(done), "rejected": sum(lo < r.prompt_len <= hi for r in res.rejected),
-            "ttft": float(np.mean([r.first_token_at - r.arrival for r in done])) if done else float("nan"),
-            "tbt": float(np.mean(gaps)) if gaps else float("nan"),
-            "response": float(np.mean([r.finished_at - r.arrival for r in done])) if done else float("nan")}
+    return {
+        "requests": len(done),
+        "rejected": sum(lo < r.prompt_len <= hi for r in res.rejected),
+        "ttft": float(np.mean([r.first_token_at - r.arrival for r in done])) if done else float("nan"),
+        "tbt": float(np.mean(gaps)) if gaps else float("nan"),
+        "response": float(np.mean([r.finished_at - r.arrival for r in done])) if done else float("nan"),
+    }
 
 
 def run(opts: Options) -> dict:
@@ -119,12 +135,16 @@ def run(opts: Options) -> dict:
     for r in table:  # Sarathi-Serve's over this system's (> 1: this one is faster)
         s = by[(SARATHI, r["rate"], r["seed"])]
         r |= {f"sarathi_over_{m}": s[m] / r[m] for m in ("ttft", "tbt", "response")}
-    print(f"\n{'system':40s} {'rate':>5s} {'seed':>4s} {'TTFT':>7s} {'TBT':>6s} {'resp.':>7s} {'rej.':>4s}   "
-          f"Sarathi / this: {'TTFT':>5s} {'TBT':>5s} {'resp.':>5s}")
+    print(
+        f"\n{'system':40s} {'rate':>5s} {'seed':>4s} {'TTFT':>7s} {'TBT':>6s} {'resp.':>7s} {'rej.':>4s}   "
+        f"Sarathi / this: {'TTFT':>5s} {'TBT':>5s} {'resp.':>5s}"
+    )
     for r in table:
-        print(f"{r['system']:40s} {r['rate']:5.2f} {r['seed']:4d} {r['ttft']:7.2f} {r['tbt']:6.3f} "
-              f"{r['response']:7.2f} {r['rejected']:4d}   {'':15s} {r['sarathi_over_ttft']:5.2f} "
-              f"{r['sarathi_over_tbt']:5.2f} {r['sarathi_over_response']:5.2f}")
+        print(
+            f"{r['system']:40s} {r['rate']:5.2f} {r['seed']:4d} {r['ttft']:7.2f} {r['tbt']:6.3f} "
+            f"{r['response']:7.2f} {r['rejected']:4d}   {'':15s} {r['sarathi_over_ttft']:5.2f} "
+            f"{r['sarathi_over_tbt']:5.2f} {r['sarathi_over_response']:5.2f}"
+        )
     print(f"\nper input-length group, {rates[0]} req/s, seed {seeds[0]} (Figs. 14/15): average TTFT (s) / TBT (ms)")
     print(f"{'group':>6s} " + " ".join(f"{name[:22]:>22s}" for name in runs))
     for hi in GROUPS:
@@ -135,12 +155,20 @@ def run(opts: Options) -> dict:
     for seed in seeds:
         w = functools.partial(workload, opts.requests, seed=seed)
         bound = 2 * averages(runs[SARATHI](w(opts.light)))["response"]
-        capacity[seed] = {name: highest_rate(lambda rate, s=simulate: averages(s(w(rate)))["response"] <= bound,
-                                             opts.light, 2.0, iterations=10)
-                          for name, simulate in tqdm(runs.items(), desc=f"capacity, seed {seed}")}
-        print(f"\ncapacity, seed {seed} (average response time within {bound:.1f} s, 2x Sarathi-Serve's at light "
-              "load), req/s: " + ", ".join(f"{k} {v:.3f} ({v / max(capacity[seed][SARATHI], 1e-9):.2f}x Sarathi-Serve)"
-                                          for k, v in capacity[seed].items()))
+        capacity[seed] = {
+            name: highest_rate(
+                lambda rate, s=simulate: averages(s(w(rate)))["response"] <= bound, opts.light, 2.0, iterations=10
+            )
+            for name, simulate in tqdm(runs.items(), desc=f"capacity, seed {seed}")
+        }
+        print(
+            f"\ncapacity, seed {seed} (average response time within {bound:.1f} s, 2x Sarathi-Serve's at light "
+            "load), req/s: "
+            + ", ".join(
+                f"{k} {v:.3f} ({v / max(capacity[seed][SARATHI], 1e-9):.2f}x Sarathi-Serve)"
+                for k, v in capacity[seed].items()
+            )
+        )
 
     os.makedirs(opts.out, exist_ok=True)
     flags = {k: v for k, v in dataclasses.asdict(opts).items() if k != "out"}
@@ -164,4 +192,3 @@ def run(opts: Options) -> dict:
     fig.savefig(os.path.join(opts.out, "csps.png"), dpi=120)
     print(f"wrote {opts.out}/csps.json, csps.png")
     return results
-

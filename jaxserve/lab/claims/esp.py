@@ -64,16 +64,28 @@ VARIANTS = {
     "ESP, out-of-order admission (8)": ESPConfig(max_overtakes=8, slo=SLO25),
     "replicas (no ESP)": ESPConfig(max_sp=1, scale_up=False, slo=SLO25),
 }
-MEMORY_VARIANTS = {name: VARIANTS[name] for name in ("ESP (LoongServe)", "ESP, slots taken unweighed",
-                                                      "ESP, out-of-order admission (8)", "replicas (no ESP)")}
+MEMORY_VARIANTS = {
+    name: VARIANTS[name]
+    for name in (
+        "ESP (LoongServe)",
+        "ESP, slots taken unweighed",
+        "ESP, out-of-order admission (8)",
+        "replicas (no ESP)",
+    )
+}
 # any number of later requests may pass one that does not fit: is admission order the cause of the collapse?
 MEMORY_VARIANTS["ESP, out-of-order admission (any)"] = ESPConfig(max_overtakes=1 << 30, slo=SLO25)
 COUNTS = ("preemptions", "scale_ups", "decode_pauses", "migrations", "evacuations")
 
 
 def row(label: str, rate: float, res: Results) -> dict:
-    return {"label": label, "rate": rate, **res.summary()["all"], **{k: res.config[k] for k in COUNTS},
-            "scale_ups_per_s": res.config["scale_ups"] / res.span if res.span else 0.0}
+    return {
+        "label": label,
+        "rate": rate,
+        **res.summary()["all"],
+        **{k: res.config[k] for k in COUNTS},
+        "scale_ups_per_s": res.config["scale_ups"] / res.span if res.span else 0.0,
+    }
 
 
 def kv_demand(w: Workload, tpot: float, capacity: int) -> float:
@@ -97,8 +109,10 @@ def capacity_setting(opts: Options) -> dict:
     def attainment(cfg: ESPConfig, rate: float) -> float:
         return ESPSimulator(cfg).run(workload_at(rate), progress=False).summary()["all"]["slo_attainment"]
 
-    capacity = {name: highest_rate(lambda rate, c=cfg: attainment(c, rate) >= 0.9, 0.02, 4.0, iterations=10)
-                for name, cfg in tqdm(VARIANTS.items(), desc="max sustainable rate")}
+    capacity = {
+        name: highest_rate(lambda rate, c=cfg: attainment(c, rate) >= 0.9, 0.02, 4.0, iterations=10)
+        for name, cfg in tqdm(VARIANTS.items(), desc="max sustainable rate")
+    }
     base = capacity["replicas (no ESP)"]
     print(f"Capacity: {opts.trace} prompts, outputs up to {opts.max_output}, {opts.requests} requests")
     for name, rate in capacity.items():
@@ -109,25 +123,38 @@ def capacity_setting(opts: Options) -> dict:
     for frac in (0.25, 0.5, 0.75, 1.0, 1.25):
         for name, cfg in VARIANTS.items():
             rows.append(row(name, frac * top, ESPSimulator(cfg).run(workload_at(frac * top), progress=False)))
-    print(f"{'variant':27s} {'rate':>6s} {'TTFT P50':>9s} {'TTFT P90':>9s} {'TPOT P90':>9s} {'SLO':>6s} "
-          f"{'scale-ups':>9s} {'moves':>6s} {'paused':>6s} {'evicted':>7s}")
+    print(
+        f"{'variant':27s} {'rate':>6s} {'TTFT P50':>9s} {'TTFT P90':>9s} {'TPOT P90':>9s} {'SLO':>6s} "
+        f"{'scale-ups':>9s} {'moves':>6s} {'paused':>6s} {'evicted':>7s}"
+    )
     for r in rows:
-        print(f"{r['label']:27s} {r['rate']:6.3f} {r['ttft_p50']:9.3f} {r['ttft_p90']:9.3f} {r['tpot_p90']:9.4f} "
-              f"{r['slo_attainment']:6.1%} {r['scale_ups']:9d} {r['migrations'] + r['evacuations']:6d} "
-              f"{r['decode_pauses']:6d} {r['preemptions']:7d}")
+        print(
+            f"{r['label']:27s} {r['rate']:6.3f} {r['ttft_p50']:9.3f} {r['ttft_p90']:9.3f} {r['tpot_p90']:9.4f} "
+            f"{r['slo_attainment']:6.1%} {r['scale_ups']:9d} {r['migrations'] + r['evacuations']:6d} "
+            f"{r['decode_pauses']:6d} {r['preemptions']:7d}"
+        )
     title = f"{opts.trace} prompts, 4 x (2 x H100) Llama-2-7B"
-    plots.metric_vs_load(rows, os.path.join(opts.out, "esp_ttft_p50_vs_load.png"), "ttft_p50", "P50 TTFT (s)",
-                         title=title)
-    plots.metric_vs_load(rows, os.path.join(opts.out, "esp_tpot_p90_vs_load.png"), "tpot_p90", "P90 TPOT (s)",
-                         title=title)
-    return {"trace": opts.trace, "requests": opts.requests, "max_output": opts.max_output,
-            "max_sustainable_rate": capacity, "load": rows}
+    plots.metric_vs_load(
+        rows, os.path.join(opts.out, "esp_ttft_p50_vs_load.png"), "ttft_p50", "P50 TTFT (s)", title=title
+    )
+    plots.metric_vs_load(
+        rows, os.path.join(opts.out, "esp_tpot_p90_vs_load.png"), "tpot_p90", "P90 TPOT (s)", title=title
+    )
+    return {
+        "trace": opts.trace,
+        "requests": opts.requests,
+        "max_output": opts.max_output,
+        "max_sustainable_rate": capacity,
+        "load": rows,
+    }
 
 
 def memory_setting(opts: Options) -> dict:
     rates = [float(r) for r in opts.memory_rates]
-    configs = {name: dataclasses.replace(cfg, memory_utilization=opts.memory_utilization)
-               for name, cfg in MEMORY_VARIANTS.items()}
+    configs = {
+        name: dataclasses.replace(cfg, memory_utilization=opts.memory_utilization)
+        for name, cfg in MEMORY_VARIANTS.items()
+    }
     tokens = ESPSimulator(configs["replicas (no ESP)"]).capacity
     instances = configs["replicas (no ESP)"].instances
     rows, demand = [], []
@@ -139,24 +166,43 @@ def memory_setting(opts: Options) -> dict:
             # at the replicas' P50 TPOT on this workload: about the fastest decode, nothing queued
             tpot = next(r["tpot_p50"] for r in reversed(rows) if r["label"] == "replicas (no ESP)")
             demand.append({"workload": workload, "rate": rate, "kv_demand": kv_demand(w, tpot, instances * tokens)})
-    print(f"\nMemory pressure: {opts.memory_trace} prompts, outputs up to {opts.memory_max_output}, "
-          f"{tokens} KV tokens per instance, {opts.memory_requests} requests ('fits 1': only those whose prompt "
-          f"and output fit one instance)")
-    print(f"{'workload':8s} {'variant':27s} {'rate':>5s} {'SLO':>6s} {'reject':>6s} {'TTFT P50':>9s} {'TTFT P90':>9s} "
-          f"{'TPOT P90':>9s} {'scale-ups':>9s} {'/s':>5s} {'paused':>6s} {'evicted':>7s} {'moves':>5s}")
+    print(
+        f"\nMemory pressure: {opts.memory_trace} prompts, outputs up to {opts.memory_max_output}, "
+        f"{tokens} KV tokens per instance, {opts.memory_requests} requests ('fits 1': only those whose prompt "
+        f"and output fit one instance)"
+    )
+    print(
+        f"{'workload':8s} {'variant':27s} {'rate':>5s} {'SLO':>6s} {'reject':>6s} {'TTFT P50':>9s} {'TTFT P90':>9s} "
+        f"{'TPOT P90':>9s} {'scale-ups':>9s} {'/s':>5s} {'paused':>6s} {'evicted':>7s} {'moves':>5s}"
+    )
     for r in rows:
-        print(f"{r['workload']:8s} {r['label']:27s} {r['rate']:5.2f} {r['slo_attainment']:6.1%} {r['rejected']:6d} "
-              f"{r['ttft_p50']:9.2f} {r['ttft_p90']:9.2f} {r['tpot_p90']:9.4f} {r['scale_ups']:9d} "
-              f"{r['scale_ups_per_s']:5.2f} {r['decode_pauses']:6d} {r['preemptions']:7d} "
-              f"{r['migrations'] + r['evacuations']:5d}")
-    print("KV memory the workload would hold on average with no queueing (share of the instances'): "
-          + ", ".join(f"{d['workload']} at {d['rate']:g} req/s {d['kv_demand']:.2f}" for d in demand))
-    plots.metric_vs_load([r for r in rows if r["workload"] == "all"],
-                         os.path.join(opts.out, "esp_memory_slo_vs_load.png"), "slo_attainment", "SLO attainment",
-                         title=f"{opts.memory_trace} prompts, {tokens} KV tokens per instance", log=False)
-    return {"trace": opts.memory_trace, "requests": opts.memory_requests, "max_output": opts.memory_max_output,
-            "memory_utilization": opts.memory_utilization, "kv_capacity_per_instance": tokens, "load": rows,
-            "kv_demand": demand}
+        print(
+            f"{r['workload']:8s} {r['label']:27s} {r['rate']:5.2f} {r['slo_attainment']:6.1%} {r['rejected']:6d} "
+            f"{r['ttft_p50']:9.2f} {r['ttft_p90']:9.2f} {r['tpot_p90']:9.4f} {r['scale_ups']:9d} "
+            f"{r['scale_ups_per_s']:5.2f} {r['decode_pauses']:6d} {r['preemptions']:7d} "
+            f"{r['migrations'] + r['evacuations']:5d}"
+        )
+    print(
+        "KV memory the workload would hold on average with no queueing (share of the instances'): "
+        + ", ".join(f"{d['workload']} at {d['rate']:g} req/s {d['kv_demand']:.2f}" for d in demand)
+    )
+    plots.metric_vs_load(
+        [r for r in rows if r["workload"] == "all"],
+        os.path.join(opts.out, "esp_memory_slo_vs_load.png"),
+        "slo_attainment",
+        "SLO attainment",
+        title=f"{opts.memory_trace} prompts, {tokens} KV tokens per instance",
+        log=False,
+    )
+    return {
+        "trace": opts.memory_trace,
+        "requests": opts.memory_requests,
+        "max_output": opts.memory_max_output,
+        "memory_utilization": opts.memory_utilization,
+        "kv_capacity_per_instance": tokens,
+        "load": rows,
+        "kv_demand": demand,
+    }
 
 
 def run(opts: Options) -> dict:
@@ -164,6 +210,5 @@ def run(opts: Options) -> dict:
     results = capacity_setting(opts) | {"memory_pressure": memory_setting(opts)}
     with open(os.path.join(opts.out, "esp.json"), "w") as f:
         json.dump(results, f, indent=1)
-    print(f"wrote {opts.out}/esp_ttft_p50_vs_load.png, esp_tpot_p90_vs_load.png, esp_memory_slo_vs_load.png, "
-          "esp.json")
+    print(f"wrote {opts.out}/esp_ttft_p50_vs_load.png, esp_tpot_p90_vs_load.png, esp_memory_slo_vs_load.png, esp.json")
     return results

@@ -55,16 +55,35 @@ def decode_only() -> list[dict]:
 def layout_runs(opts: Options, rates: list[float]) -> list[dict]:
     rows = []
     for rate in tqdm(rates, desc="rates"):
-        work = synthetic_mix(opts.requests, rate, long_range=(opts.long_tokens, opts.long_tokens + 1),
-                             seed=opts.seed, long_output=(128, 1024))
+        work = synthetic_mix(
+            opts.requests,
+            rate,
+            long_range=(opts.long_tokens, opts.long_tokens + 1),
+            seed=opts.seed,
+            long_output=(128, 1024),
+        )
         for label, layout in LAYOUTS.items():
-            config = sim.config_for("lars", profile="h100_llama2_70b", tp=8, space_sharing=True,
-                                    kvp_tokens=opts.kvp_tokens if layout["kvp"] > 1 else None, **layout)
+            config = sim.config_for(
+                "lars",
+                profile="h100_llama2_70b",
+                tp=8,
+                space_sharing=True,
+                kvp_tokens=opts.kvp_tokens if layout["kvp"] > 1 else None,
+                **layout,
+            )
             s = sim.simulate(work, config, progress=False).summary()
-            rows.append({"label": label, "rate": rate, "tpot_p50": s["all"]["tpot_p50"],
-                         "tpot_p90": s["all"]["tpot_p90"], "long_tpot_p50": s["long"]["tpot_p50"],
-                         "ttft_p50": s["all"]["ttft_p50"], "long_ttft_p50": s["long"]["ttft_p50"],
-                         "slo_attainment": s["all"]["slo_attainment"]})
+            rows.append(
+                {
+                    "label": label,
+                    "rate": rate,
+                    "tpot_p50": s["all"]["tpot_p50"],
+                    "tpot_p90": s["all"]["tpot_p90"],
+                    "long_tpot_p50": s["long"]["tpot_p50"],
+                    "ttft_p50": s["all"]["ttft_p50"],
+                    "long_ttft_p50": s["long"]["ttft_p50"],
+                    "slo_attainment": s["all"]["slo_attainment"],
+                }
+            )
     return rows
 
 
@@ -72,7 +91,7 @@ def plot_decode(rows: list[dict], path: str) -> None:
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
     for kvp in (1, 2, 4):
-        pts = [(r["context"] / 2 ** 20, r["tpot"] * 1e3) for r in rows if r["kvp"] == kvp]
+        pts = [(r["context"] / 2**20, r["tpot"] * 1e3) for r in rows if r["kvp"] == kvp]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"KVP {kvp}")
     ax.set_xlabel("context (M tokens)")
     ax.set_ylabel("decode-only time per token (ms)")
@@ -84,10 +103,13 @@ def plot_decode(rows: list[dict], path: str) -> None:
 
 
 def plot_layouts(rows: list[dict], out: str) -> None:
-    for metric, label, name in (("tpot_p90", "P90 TPOT, all requests (s)", "kvp_tpot_p90_vs_load.png"),
-                                ("long_tpot_p50", "P50 TPOT, 2M-token requests (s)", "kvp_long_tpot_vs_load.png")):
-        plots.metric_vs_load(rows, os.path.join(out, name), metric, label, title="2D vs 3D, Llama-70B, 64 H100",
-                             log=False)
+    for metric, label, name in (
+        ("tpot_p90", "P90 TPOT, all requests (s)", "kvp_tpot_p90_vs_load.png"),
+        ("long_tpot_p50", "P50 TPOT, 2M-token requests (s)", "kvp_long_tpot_vs_load.png"),
+    ):
+        plots.metric_vs_load(
+            rows, os.path.join(out, name), metric, label, title="2D vs 3D, Llama-70B, 64 H100", log=False
+        )
 
 
 def run(opts: Options) -> dict:
@@ -102,26 +124,36 @@ def run(opts: Options) -> dict:
     rates = [float(r) for r in opts.rates]
     layouts = layout_runs(opts, rates)
     print(f"\n2D vs 3D, Llama-70B on 64 H100, {opts.requests} requests, 5% of {opts.long_tokens} tokens")
-    print(f"{'layout':24s} {'rate':>5s} {'TPOT P50':>9s} {'TPOT P90':>9s} {'long TPOT':>9s} {'TTFT P50':>9s} "
-          f"{'long TTFT':>9s} {'SLO met':>7s}")
+    print(
+        f"{'layout':24s} {'rate':>5s} {'TPOT P50':>9s} {'TPOT P90':>9s} {'long TPOT':>9s} {'TTFT P50':>9s} "
+        f"{'long TTFT':>9s} {'SLO met':>7s}"
+    )
     for r in layouts:
-        print(f"{r['label']:24s} {r['rate']:5.2f} {r['tpot_p50'] * 1e3:7.1f}ms {r['tpot_p90'] * 1e3:7.1f}ms "
-              f"{r['long_tpot_p50'] * 1e3:7.1f}ms {r['ttft_p50']:9.3f} {r['long_ttft_p50']:9.1f} "
-              f"{r['slo_attainment']:7.1%}")
+        print(
+            f"{r['label']:24s} {r['rate']:5.2f} {r['tpot_p50'] * 1e3:7.1f}ms {r['tpot_p90'] * 1e3:7.1f}ms "
+            f"{r['long_tpot_p50'] * 1e3:7.1f}ms {r['ttft_p50']:9.3f} {r['long_ttft_p50']:9.1f} "
+            f"{r['slo_attainment']:7.1%}"
+        )
     two, three = LAYOUTS
     by = {(r["label"], r["rate"]): r for r in layouts}
     for rate in rates:
         a, b = by[(two, rate)], by[(three, rate)]
-        print(f"at {rate} req/s, 2D / 3D: TPOT P50 {a['tpot_p50'] / b['tpot_p50']:.2f}x, P90 "
-              f"{a['tpot_p90'] / b['tpot_p90']:.2f}x, long TPOT {a['long_tpot_p50'] / b['long_tpot_p50']:.2f}x, "
-              f"TTFT P50 {a['ttft_p50'] / b['ttft_p50']:.2f}x")
+        print(
+            f"at {rate} req/s, 2D / 3D: TPOT P50 {a['tpot_p50'] / b['tpot_p50']:.2f}x, P90 "
+            f"{a['tpot_p90'] / b['tpot_p90']:.2f}x, long TPOT {a['long_tpot_p50'] / b['long_tpot_p50']:.2f}x, "
+            f"TTFT P50 {a['ttft_p50'] / b['ttft_p50']:.2f}x"
+        )
     os.makedirs(opts.out, exist_ok=True)
     plot_decode(decode, os.path.join(opts.out, "kvp_decode_only.png"))
     plot_layouts(layouts, opts.out)
-    results = {"decode_only": decode, "layouts": layouts, "requests": opts.requests,
-               "long_tokens": opts.long_tokens, "kvp_tokens": opts.kvp_tokens}
+    results = {
+        "decode_only": decode,
+        "layouts": layouts,
+        "requests": opts.requests,
+        "long_tokens": opts.long_tokens,
+        "kvp_tokens": opts.kvp_tokens,
+    }
     with open(os.path.join(opts.out, "kvp.json"), "w") as f:
         json.dump(results, f, indent=1)
-    print(f"wrote {opts.out}/kvp_decode_only.png, kvp_tpot_p90_vs_load.png, kvp_long_tpot_vs_load.png, "
-          "kvp.json")
+    print(f"wrote {opts.out}/kvp_decode_only.png, kvp_tpot_p90_vs_load.png, kvp_long_tpot_vs_load.png, kvp.json")
     return results

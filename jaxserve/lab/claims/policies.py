@@ -39,31 +39,46 @@ class Options:
 
 TINY = Options(requests=30, seeds=1, rates=("0.5",), capacity=False)
 
-SETTINGS = {"medha": dict(stages=2, rates=(0.25, 0.75, 1.25, 1.75), cluster="TP8 x SPP2, 16 A100"),
-            "tp8": dict(stages=1, rates=(0.1, 0.2, 0.3, 0.4), cluster="TP8, 8 A100")}
+SETTINGS = {
+    "medha": dict(stages=2, rates=(0.25, 0.75, 1.25, 1.75), cluster="TP8 x SPP2, 16 A100"),
+    "tp8": dict(stages=1, rates=(0.1, 0.2, 0.3, 0.4), cluster="TP8, 8 A100"),
+}
 MEDHA = "Medha (LARS + multi-prefill + space sharing)"
 # label -> (policy, multi-prefill batching, space sharing)
-VARIANTS = {"FCFS": ("fcfs", False, False), "EDF": ("edf", False, False), "LRS": ("lrs", False, False),
-            "LARS": ("lars", False, False), "EDF + multi-prefill": ("edf", True, False),
-            "LARS + multi-prefill": ("lars", True, False), MEDHA: ("lars", True, True)}
+VARIANTS = {
+    "FCFS": ("fcfs", False, False),
+    "EDF": ("edf", False, False),
+    "LRS": ("lrs", False, False),
+    "LARS": ("lars", False, False),
+    "EDF + multi-prefill": ("edf", True, False),
+    "LARS + multi-prefill": ("lars", True, False),
+    MEDHA: ("lars", True, True),
+}
 CAPACITY = ("FCFS", "LRS", "EDF + multi-prefill", MEDHA)
 METRICS = ("short_ttft_p50", "short_ttft_p99", "long_ttft_p50", "ttft_norm_p50", "ttft_norm_p90", "slo_attainment")
 
 
 def config(label: str, setting: str) -> SimConfig:
     policy, multi, sharing = VARIANTS[label]
-    return sim.config_for(policy, tp=8, stages=SETTINGS[setting]["stages"], multi_prefill=multi,
-                          space_sharing=sharing)
+    return sim.config_for(policy, tp=8, stages=SETTINGS[setting]["stages"], multi_prefill=multi, space_sharing=sharing)
 
 
 def measure(opts: Options, label: str, rate: float, seed: int) -> tuple[dict, Results]:
-    res = sim.simulate(sim.make_workload("mix", rate, opts.requests, seed=seed), config(label, opts.setting),
-                       progress=False)
+    res = sim.simulate(
+        sim.make_workload("mix", rate, opts.requests, seed=seed), config(label, opts.setting), progress=False
+    )
     s = res.summary()
-    row = {"label": label, "rate": rate, "seed": seed, "short_ttft_p50": s["short"]["ttft_p50"],
-           "short_ttft_p99": s["short"]["ttft_p99"], "long_ttft_p50": s["long"]["ttft_p50"],
-           "ttft_norm_p50": s["all"]["ttft_norm_p50"], "ttft_norm_p90": s["all"]["ttft_norm_p90"],
-           "slo_attainment": s["all"]["slo_attainment"]}
+    row = {
+        "label": label,
+        "rate": rate,
+        "seed": seed,
+        "short_ttft_p50": s["short"]["ttft_p50"],
+        "short_ttft_p99": s["short"]["ttft_p99"],
+        "long_ttft_p50": s["long"]["ttft_p50"],
+        "ttft_norm_p50": s["all"]["ttft_norm_p50"],
+        "ttft_norm_p90": s["all"]["ttft_norm_p90"],
+        "slo_attainment": s["all"]["slo_attainment"],
+    }
     return row, res
 
 
@@ -94,48 +109,83 @@ def run(opts: Options) -> dict:
     table = means(rows)
     at = {(r["label"], r["rate"]): r for r in table}
     print(f"{setting['cluster']}, {opts.requests} requests, seeds 0-{opts.seeds - 1} (means)")
-    print(f"{'variant':46s} {'rate':>5s} {'short P50':>9s} {'short P99':>9s} {'long P50':>8s} {'norm P50':>8s} "
-          f"{'norm P90':>8s} {'SLO met':>7s}")
+    print(
+        f"{'variant':46s} {'rate':>5s} {'short P50':>9s} {'short P99':>9s} {'long P50':>8s} {'norm P50':>8s} "
+        f"{'norm P90':>8s} {'SLO met':>7s}"
+    )
     for r in table:
-        print(f"{r['label']:46s} {r['rate']:5.2f} {r['short_ttft_p50']:9.3f} {r['short_ttft_p99']:9.2f} "
-              f"{r['long_ttft_p50']:8.1f} {r['ttft_norm_p50']:8.3f} {r['ttft_norm_p90']:8.2f} "
-              f"{r['slo_attainment']:7.1%}")
+        print(
+            f"{r['label']:46s} {r['rate']:5.2f} {r['short_ttft_p50']:9.3f} {r['short_ttft_p99']:9.2f} "
+            f"{r['long_ttft_p50']:8.1f} {r['ttft_norm_p50']:8.3f} {r['ttft_norm_p90']:8.2f} "
+            f"{r['slo_attainment']:7.1%}"
+        )
     ratios = []
     for rate in rates:
         medha = at[(MEDHA, rate)]
         fcfs = at[("FCFS", rate)]
-        ratio = {"rate": rate,
-                 "lrs_over_medha_norm_p50": at[("LRS", rate)]["ttft_norm_p50"] / medha["ttft_norm_p50"],
-                 "edf_multi_over_medha_norm_p50":
-                     at[("EDF + multi-prefill", rate)]["ttft_norm_p50"] / medha["ttft_norm_p50"],
-                 "fcfs_over_medha_short_p50": fcfs["short_ttft_p50"] / medha["short_ttft_p50"],
-                 "fcfs_overloaded": fcfs["slo_attainment"] < 0.9}
+        ratio = {
+            "rate": rate,
+            "lrs_over_medha_norm_p50": at[("LRS", rate)]["ttft_norm_p50"] / medha["ttft_norm_p50"],
+            "edf_multi_over_medha_norm_p50": at[("EDF + multi-prefill", rate)]["ttft_norm_p50"]
+            / medha["ttft_norm_p50"],
+            "fcfs_over_medha_short_p50": fcfs["short_ttft_p50"] / medha["short_ttft_p50"],
+            "fcfs_overloaded": fcfs["slo_attainment"] < 0.9,
+        }
         ratios.append(ratio)
-        print(f"at {rate} req/s, P50 normalised TTFT: LRS / Medha {ratio['lrs_over_medha_norm_p50']:.2f}x, "
-              f"EDF + multi-prefill / Medha {ratio['edf_multi_over_medha_norm_p50']:.2f}x; short P50 FCFS / Medha "
-              f"{ratio['fcfs_over_medha_short_p50']:.1f}x"
-              + (" (FCFS past its capacity: grows with the run's length)" if ratio["fcfs_overloaded"] else ""))
+        print(
+            f"at {rate} req/s, P50 normalised TTFT: LRS / Medha {ratio['lrs_over_medha_norm_p50']:.2f}x, "
+            f"EDF + multi-prefill / Medha {ratio['edf_multi_over_medha_norm_p50']:.2f}x; short P50 FCFS / Medha "
+            f"{ratio['fcfs_over_medha_short_p50']:.1f}x"
+            + (" (FCFS past its capacity: grows with the run's length)" if ratio["fcfs_overloaded"] else "")
+        )
     capacity = {}
     if opts.capacity:
         for label in tqdm(CAPACITY, desc="max sustainable rate"):
             capacity[label], _ = sim.max_sustainable_rate(
-                config(label, opts.setting), lambda rate: sim.make_workload("mix", rate, opts.requests, seed=0),
-                lo=0.02, hi=4.0, iterations=6)
+                config(label, opts.setting),
+                lambda rate: sim.make_workload("mix", rate, opts.requests, seed=0),
+                lo=0.02,
+                hi=4.0,
+                iterations=6,
+            )
             print(f"max sustainable rate (SLO attainment >= 90%, seed 0), {label}: {capacity[label]:.3f} req/s")
-        print(f"capacity Medha / FCFS: {capacity[MEDHA] / max(capacity['FCFS'], 1e-9):.1f}x, "
-              f"Medha / EDF + multi-prefill: {capacity[MEDHA] / max(capacity['EDF + multi-prefill'], 1e-9):.2f}x")
+        print(
+            f"capacity Medha / FCFS: {capacity[MEDHA] / max(capacity['FCFS'], 1e-9):.1f}x, "
+            f"Medha / EDF + multi-prefill: {capacity[MEDHA] / max(capacity['EDF + multi-prefill'], 1e-9):.2f}x"
+        )
     os.makedirs(opts.out, exist_ok=True)
     name = f"policies_{opts.setting}"
-    plots.ttft_cdf(at_top, os.path.join(opts.out, f"{name}_ttft_cdf.png"), which="short",
-                   title=f"short requests, {max(rates)} req/s, {setting['cluster']}")
-    plots.metric_vs_load(table, os.path.join(opts.out, f"{name}_norm_p50_vs_load.png"), "ttft_norm_p50",
-                         "P50 TTFT / deadline", title=f"5% long mix, {setting['cluster']}")
-    plots.metric_vs_load(table, os.path.join(opts.out, f"{name}_slo_vs_load.png"), "slo_attainment",
-                         "SLO attainment", title=f"5% long mix, {setting['cluster']}", log=False)
-    results = {"setting": opts.setting, "requests": opts.requests, "seeds": opts.seeds, "runs": rows,
-               "means": table, "ratios": ratios, "max_sustainable_rate": capacity}
+    plots.ttft_cdf(
+        at_top,
+        os.path.join(opts.out, f"{name}_ttft_cdf.png"),
+        which="short",
+        title=f"short requests, {max(rates)} req/s, {setting['cluster']}",
+    )
+    plots.metric_vs_load(
+        table,
+        os.path.join(opts.out, f"{name}_norm_p50_vs_load.png"),
+        "ttft_norm_p50",
+        "P50 TTFT / deadline",
+        title=f"5% long mix, {setting['cluster']}",
+    )
+    plots.metric_vs_load(
+        table,
+        os.path.join(opts.out, f"{name}_slo_vs_load.png"),
+        "slo_attainment",
+        "SLO attainment",
+        title=f"5% long mix, {setting['cluster']}",
+        log=False,
+    )
+    results = {
+        "setting": opts.setting,
+        "requests": opts.requests,
+        "seeds": opts.seeds,
+        "runs": rows,
+        "means": table,
+        "ratios": ratios,
+        "max_sustainable_rate": capacity,
+    }
     with open(os.path.join(opts.out, f"{name}.json"), "w") as f:
         json.dump(results, f, indent=1)
-    print(f"wrote {opts.out}/{name}_ttft_cdf.png, {name}_norm_p50_vs_load.png, {name}_slo_vs_load.png, "
-          f"{name}.json")
+    print(f"wrote {opts.out}/{name}_ttft_cdf.png, {name}_norm_p50_vs_load.png, {name}_slo_vs_load.png, {name}.json")
     return results

@@ -63,8 +63,13 @@ PROFILE = "a100_llama3_8b"
 HEAVY_PREFILL, HEAVY_DECODE = 512, 128  # TetriInfer 5.1's class boundaries, tokens
 # TetriInfer 5.1 (Figs. 11-15), its TetriInfer against vLLM on twice the GPUs: average TTFT, average JCT and
 # resource usage time, relative change (None: not stated)
-PAPER = {"lpld": (-0.44, -0.40, None), "lphd": (-0.97, -0.47, -0.38), "hpld": (-0.09, -0.23, 0.43),
-         "hphd": (None, -0.19, 0.07), "mixed": (-0.85, -0.50, -0.21)}
+PAPER = {
+    "lpld": (-0.44, -0.40, None),
+    "lphd": (-0.97, -0.47, -0.38),
+    "hpld": (-0.09, -0.23, 0.43),
+    "hphd": (None, -0.19, 0.07),
+    "mixed": (-0.85, -0.50, -0.21),
+}
 
 
 def population(name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -73,8 +78,9 @@ def population(name: str) -> tuple[np.ndarray, np.ndarray]:
     p, o = trace.prompt_lens, trace.output_lens
     if name == "mixed":
         return p, o
-    heavy_p, heavy_d = {"lpld": (False, False), "lphd": (False, True), "hpld": (True, False),
-                        "hphd": (True, True)}[name]
+    heavy_p, heavy_d = {"lpld": (False, False), "lphd": (False, True), "hpld": (True, False), "hphd": (True, True)}[
+        name
+    ]
     keep = ((p > HEAVY_PREFILL) == heavy_p) & ((o > HEAVY_DECODE) == heavy_d)
     return p[keep], o[keep]
 
@@ -90,15 +96,22 @@ def workload(opts: Options, name: str, rate: str) -> Workload:
 
 def row(label: str, res: Results, gpus: int, gpu_seconds: float) -> dict:
     done = [r for r in res.requests if r.finished]
-    return {"label": label, "gpus": gpus, "finished": len(done), "requests": len(res.requests) + len(res.rejected),
-            "ttft_mean": float(np.mean([r.first_token_at - r.arrival for r in done])),
-            "jct_mean": float(np.mean([r.finished_at - r.arrival for r in done])),
-            "gpu_seconds": gpu_seconds, "span": res.span}
+    return {
+        "label": label,
+        "gpus": gpus,
+        "finished": len(done),
+        "requests": len(res.requests) + len(res.rejected),
+        "ttft_mean": float(np.mean([r.first_token_at - r.arrival for r in done])),
+        "jct_mean": float(np.mean([r.finished_at - r.arrival for r in done])),
+        "gpu_seconds": gpu_seconds,
+        "span": res.span,
+    }
 
 
 def colocated(w: Workload, gpus: int, max_num_seqs: int = 256) -> dict:
-    cfg = sim.config_for("fcfs", profile=PROFILE, tp=1, replicas=gpus, multi_prefill=True, space_sharing=False,
-                         max_num_seqs=max_num_seqs)
+    cfg = sim.config_for(
+        "fcfs", profile=PROFILE, tp=1, replicas=gpus, multi_prefill=True, space_sharing=False, max_num_seqs=max_num_seqs
+    )
     res = sim.simulate(w, cfg, progress=False)
     label = f"colocated {gpus} GPUs" + (f" <={max_num_seqs}" if max_num_seqs != 256 else "")
     return row(label, res, gpus, gpus * res.span)
@@ -106,8 +119,16 @@ def colocated(w: Workload, gpus: int, max_num_seqs: int = 256) -> dict:
 
 def tetriinfer(w: Workload, layout: str, predictor: BucketPredictor, seed: int) -> dict:
     p, d = (int(x) for x in layout.split("+"))
-    cfg = DisaggConfig(prefill="tetriinfer", prefill_instances=p, decode_instances=d, decode_tp=1,
-                       profile=PROFILE, dispatch="power_of_two", admission="reserve_dynamic", seed=seed)
+    cfg = DisaggConfig(
+        prefill="tetriinfer",
+        prefill_instances=p,
+        decode_instances=d,
+        decode_tp=1,
+        profile=PROFILE,
+        dispatch="power_of_two",
+        admission="reserve_dynamic",
+        seed=seed,
+    )
     cost = ProfileBatchCost(PROFILE, 1)
     res = DisaggSimulator(None, lambda n: cost.batch_time([(n, 0)]), cfg, predictor).run(w, progress=False)
     return row(f"TetriInfer {p}P+{d}D", res, p + d, res.config["gpu_seconds"])
@@ -119,11 +140,16 @@ def plot(rows: list[dict], path: str) -> None:
     fig = Figure(figsize=(5 * len(names), 7))
     axes = fig.subplots(2, len(names), squeeze=False)
     for col, name in enumerate(names):
-        for ax, metric, ylabel in ((axes[0][col], "ttft_mean", "average TTFT (s)"),
-                                   (axes[1][col], "jct_mean", "average JCT (s)")):
+        for ax, metric, ylabel in (
+            (axes[0][col], "ttft_mean", "average TTFT (s)"),
+            (axes[1][col], "jct_mean", "average JCT (s)"),
+        ):
             for label in dict.fromkeys(r["label"] for r in rows):
-                pts = sorted((float(r["rate"]), r[metric]) for r in rows
-                             if r["workload"] == name and r["label"] == label and r["rate"] != "burst")
+                pts = sorted(
+                    (float(r["rate"]), r[metric])
+                    for r in rows
+                    if r["workload"] == name and r["label"] == label and r["rate"] != "burst"
+                )
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
             ax.set_yscale("log")
             ax.set_xlabel("arrival rate (requests/s)")
@@ -137,10 +163,15 @@ def plot(rows: list[dict], path: str) -> None:
 
 def run(opts: Options) -> dict:
     rows = []
-    print(f"Llama-3-8B on A100 (TP 1), Azure conv pairs, {opts.requests} requests per Poisson run, "
-          f"{opts.burst_requests} per burst, seed {opts.seed}; ratios to colocated {opts.colocated[0]} GPUs")
-    print(f"{'workload':8s} {'rate':>5s} {'system':24s} {'GPUs':>4s} {'avg TTFT':>9s} {'avg JCT':>8s} "
-          f"{'GPU-s':>7s} {'TTFT x':>7s} {'JCT x':>6s} {'GPU-s x':>7s}", flush=True)
+    print(
+        f"Llama-3-8B on A100 (TP 1), Azure conv pairs, {opts.requests} requests per Poisson run, "
+        f"{opts.burst_requests} per burst, seed {opts.seed}; ratios to colocated {opts.colocated[0]} GPUs"
+    )
+    print(
+        f"{'workload':8s} {'rate':>5s} {'system':24s} {'GPUs':>4s} {'avg TTFT':>9s} {'avg JCT':>8s} "
+        f"{'GPU-s':>7s} {'TTFT x':>7s} {'JCT x':>6s} {'GPU-s x':>7s}",
+        flush=True,
+    )
     for name in opts.workloads:
         p, o = population(name)
         predictor = BucketPredictor.fit(p, o)
@@ -152,13 +183,21 @@ def run(opts: Options) -> dict:
             runs += [tetriinfer(w, layout, predictor, opts.seed) for layout in opts.layouts]
             base = runs[0]
             for r in runs:
-                r |= {"workload": name, "rate": rate, "predictor_accuracy": hits,
-                      "ttft_ratio": r["ttft_mean"] / base["ttft_mean"], "jct_ratio": r["jct_mean"] / base["jct_mean"],
-                      "gpu_seconds_ratio": r["gpu_seconds"] / base["gpu_seconds"]}
+                r |= {
+                    "workload": name,
+                    "rate": rate,
+                    "predictor_accuracy": hits,
+                    "ttft_ratio": r["ttft_mean"] / base["ttft_mean"],
+                    "jct_ratio": r["jct_mean"] / base["jct_mean"],
+                    "gpu_seconds_ratio": r["gpu_seconds"] / base["gpu_seconds"],
+                }
                 rows.append(r)
-                print(f"{name:8s} {rate:>5s} {r['label']:24s} {r['gpus']:4d} {r['ttft_mean']:9.3f} "
-                      f"{r['jct_mean']:8.2f} {r['gpu_seconds']:7.1f} {r['ttft_ratio']:7.2f} {r['jct_ratio']:6.2f} "
-                      f"{r['gpu_seconds_ratio']:7.2f}", flush=True)
+                print(
+                    f"{name:8s} {rate:>5s} {r['label']:24s} {r['gpus']:4d} {r['ttft_mean']:9.3f} "
+                    f"{r['jct_mean']:8.2f} {r['gpu_seconds']:7.1f} {r['ttft_ratio']:7.2f} {r['jct_ratio']:6.2f} "
+                    f"{r['gpu_seconds_ratio']:7.2f}",
+                    flush=True,
+                )
     g = int(opts.colocated[0])
     paper_label = f"TetriInfer {g}P+{g}D"
     for name in opts.workloads:
@@ -168,21 +207,30 @@ def run(opts: Options) -> dict:
         if paper_label not in burst:
             continue
         change = lambda x: "n/a" if x is None else f"{x:+.0%}"  # noqa: E731
-        print(f"  paper: TTFT {change(PAPER[name][0])}, JCT {change(PAPER[name][1])}, "
-              f"resources {change(PAPER[name][2])}")
+        print(
+            f"  paper: TTFT {change(PAPER[name][0])}, JCT {change(PAPER[name][1])}, resources {change(PAPER[name][2])}"
+        )
         t = burst[paper_label]
         for label, b in burst.items():
             if label.startswith("colocated") and b["gpus"] == g:
-                print(f"  burst, {paper_label} vs {label}: TTFT {change(t['ttft_mean'] / b['ttft_mean'] - 1)}, "
-                      f"JCT {change(t['jct_mean'] / b['jct_mean'] - 1)}, "
-                      f"GPU-s {change(t['gpu_seconds'] / b['gpu_seconds'] - 1)}")
+                print(
+                    f"  burst, {paper_label} vs {label}: TTFT {change(t['ttft_mean'] / b['ttft_mean'] - 1)}, "
+                    f"JCT {change(t['jct_mean'] / b['jct_mean'] - 1)}, "
+                    f"GPU-s {change(t['gpu_seconds'] / b['gpu_seconds'] - 1)}"
+                )
     os.makedirs(opts.out, exist_ok=True)
     plot(rows, os.path.join(opts.out, "tetriinfer.png"))
-    results = {"requests": opts.requests, "burst_requests": opts.burst_requests, "seed": opts.seed,
-               "colocated": opts.colocated, "capped": opts.capped, "layouts": opts.layouts, "profile": PROFILE,
-               "runs": rows}
+    results = {
+        "requests": opts.requests,
+        "burst_requests": opts.burst_requests,
+        "seed": opts.seed,
+        "colocated": opts.colocated,
+        "capped": opts.capped,
+        "layouts": opts.layouts,
+        "profile": PROFILE,
+        "runs": rows,
+    }
     with open(os.path.join(opts.out, "tetriinfer.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {opts.out}/tetriinfer.json, tetriinfer.png")
     return results
-

@@ -55,9 +55,11 @@ def systems() -> dict[str, Callable[[Workload], Results]]:
     def disagg(make_planner: Callable[[], CDSPPlanner]) -> Callable[[Workload], Results]:
         return lambda w: DisaggSimulator(make_planner(), MODEL.fastest, decode).run(w, progress=False)
 
-    return {TETRIS: disagg(lambda: CDSPPlanner(MODEL, POOL, 0.2, balancing=balancing)),
-            LOONG: lambda w: ESPSimulator(ESPConfig(instances=32, tp=1, profile=PROFILE)).run(w, progress=False),
-            LOONG_DISAGG: disagg(lambda: CDSPPlanner(MODEL, POOL, 0.0, chunking=False))}
+    return {
+        TETRIS: disagg(lambda: CDSPPlanner(MODEL, POOL, 0.2, balancing=balancing)),
+        LOONG: lambda w: ESPSimulator(ESPConfig(instances=32, tp=1, profile=PROFILE)).run(w, progress=False),
+        LOONG_DISAGG: disagg(lambda: CDSPPlanner(MODEL, POOL, 0.0, chunking=False)),
+    }
 
 
 def run(opts: Options) -> dict:
@@ -68,16 +70,30 @@ def run(opts: Options) -> dict:
             w = long_context(trace, opts.requests, rate, seed=seed)
             for name, simulate in runs.items():
                 s = simulate(w).summary()["all"]
-                rows.append({"trace": trace, "seed": seed, "rate": rate, "system": name, "tbt_p50": s["tbt_p50"],
-                             "tbt_p99": s["tbt_p99"], "ttft_p50": s["ttft_p50"], "finished": s["finished"],
-                             "rejected": s["rejected"]})
+                rows.append(
+                    {
+                        "trace": trace,
+                        "seed": seed,
+                        "rate": rate,
+                        "system": name,
+                        "tbt_p50": s["tbt_p50"],
+                        "tbt_p99": s["tbt_p99"],
+                        "ttft_p50": s["ttft_p50"],
+                        "finished": s["finished"],
+                        "rejected": s["rejected"],
+                    }
+                )
     tetris = {(r["trace"], r["seed"], r["rate"]): r for r in rows if r["system"] == TETRIS}
-    print(f"\n{'trace':7s} {'seed':>4s} {'rate':>5s} {'system':30s} {'TBT P50':>8s} {'P99':>8s} {'TTFT P50':>9s} "
-          f"{'rej.':>4s} {'P50 TBT / Tetris':>16s}")
+    print(
+        f"\n{'trace':7s} {'seed':>4s} {'rate':>5s} {'system':30s} {'TBT P50':>8s} {'P99':>8s} {'TTFT P50':>9s} "
+        f"{'rej.':>4s} {'P50 TBT / Tetris':>16s}"
+    )
     for r in rows:
         r["tbt_p50_over_tetris"] = r["tbt_p50"] / tetris[(r["trace"], r["seed"], r["rate"])]["tbt_p50"]
-        print(f"{r['trace']:7s} {r['seed']:4d} {r['rate']:5.2f} {r['system']:30s} {1e3 * r['tbt_p50']:6.1f}ms "
-              f"{1e3 * r['tbt_p99']:6.1f}ms {r['ttft_p50']:8.2f}s {r['rejected']:4d} {r['tbt_p50_over_tetris']:16.2f}")
+        print(
+            f"{r['trace']:7s} {r['seed']:4d} {r['rate']:5.2f} {r['system']:30s} {1e3 * r['tbt_p50']:6.1f}ms "
+            f"{1e3 * r['tbt_p99']:6.1f}ms {r['ttft_p50']:8.2f}s {r['rejected']:4d} {r['tbt_p50_over_tetris']:16.2f}"
+        )
     os.makedirs(opts.out, exist_ok=True)
     results = {"flags": {k: v for k, v in dataclasses.asdict(opts).items() if k != "out"}, "rows": rows}
     with open(os.path.join(opts.out, "tetris_tbt.json"), "w") as f:
@@ -85,8 +101,11 @@ def run(opts: Options) -> dict:
     fig = Figure(figsize=(5 * len(opts.traces), 4))
     for ax, trace in zip(fig.subplots(1, len(opts.traces), squeeze=False)[0], opts.traces):
         for name in runs:
-            pts = [(r["rate"], 1e3 * r["tbt_p50"]) for r in rows
-                   if r["trace"] == trace and r["system"] == name and r["seed"] == int(opts.seeds[0])]
+            pts = [
+                (r["rate"], 1e3 * r["tbt_p50"])
+                for r in rows
+                if r["trace"] == trace and r["system"] == name and r["seed"] == int(opts.seeds[0])
+            ]
             ax.plot(*zip(*pts), marker="o", label=name)
         ax.set_title(f"{trace} trace, seed {opts.seeds[0]}")
         ax.set_xlabel("arrival rate (req/s)")
