@@ -213,7 +213,8 @@ class LLM:
     def _make_buckets(self) -> Buckets:
         """The step shapes to compile. On a CPU the jnp attention runs every tile of a mixed program: row buckets
         from 4 keep a lone chunk's few. On a GPU one decode row runs as two: XLA computes a one-row matmul under
-        10M weights (k_proj, v_proj) as multiply + reduce, fused into the KV write, 30x slower than the GEMM."""
+        10M weights (k_proj, v_proj) as multiply + reduce, fused into the KV write, far slower than the GEMM
+        (docs/BENCHMARKS.md, "Serving on one H200, profiled")."""
         cache, sched = self.engine_config.cache, self.engine_config.scheduler
         on_cpu = jax.devices()[0].platform == "cpu"
         return Buckets.make(

@@ -19,9 +19,9 @@ on a device value (on a GPU its predicate reaches the host once a step: a small 
 The layers run unrolled over per-layer weights (models/llama.py), so each GEMM reads its weights in place. A
 layer scan's dynamic slice copies every layer's weights out of the stacked arrays first: on a GPU more than half
 of an 8B decode step (tools/gpu_compile.py --decode checks the compiled step); on a 2-core CPU a SmolLM2 decode
-step of 16 rows ran twice as long (226 against 114 ms) and one of a row a quarter longer. The price is compile
-time, on that CPU about 10 s a program against 2.5 s. So on a CPU only the decode programs (bound by reading the
-weights) are unrolled, and the mixed programs (bound by their chunk's compute) scan over a second, stacked copy
+step of 16 rows ran about twice as long, and one of a row longer too (docs/BENCHMARKS.md, "Generation vs Hugging
+Face transformers"). The price is compile time, several times a scanned program's on that CPU. So on a CPU only
+the decode programs (bound by reading the weights) are unrolled, and the mixed programs (bound by their chunk's compute) scan over a second, stacked copy
 of the weights; on a GPU every program is unrolled and the weights are held once. Weights kept quantized
 (models/quantize.py) scan in every program on a CPU: unrolled, XLA dequantizes all the layers' weights at once.
 
@@ -358,7 +358,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_dtype = cache_dtype(dtype, self.device.platform, kv_cache_dtype)
         # quantized weights scan on a CPU: unrolled, XLA dequantizes every layer's weights at once (a float copy of
-        # all of them as working memory; a SmolLM2 int8 decode step 9x slower than scanned); layers that differ
+        # all of them as working memory: docs/BENCHMARKS.md, "Weights kept quantized"); layers that differ
         # (Gemma 3) unroll everywhere
         self.unrolled = cfg.per_layer or not (self.cpu and stages == 1 and quantize.kept(params))
         self.placed = placed

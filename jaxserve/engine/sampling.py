@@ -134,7 +134,8 @@ BLOCK = 256
 def argmax(logits: Float[Array, "b v"]) -> Int[Array, " b"]:
     """jnp.argmax over the last axis (the first of equal maxima; the first NaN, unless a +inf comes before it), in
     two levels: the best block of BLOCK tokens, then the best token in it. XLA's CPU backend runs a one-level
-    argmax over SmolLM2's 49,152 tokens at 16 rows in 1.8 ms, these two levels in 0.16 ms."""
+    argmax (a variadic reduce) over SmolLM2's 49,152 tokens far slower than these two levels (docs/BENCHMARKS.md,
+    "Generation vs Hugging Face transformers")."""
     b, v = logits.shape
     blocks = -(-v // BLOCK)
     padded = jnp.pad(logits, ((0, 0), (0, blocks * BLOCK - v)), constant_values=-jnp.inf)

@@ -4,9 +4,9 @@ A quantized weight is a `Quantized`: values, a scale per column or per block (in
 not divide; GGUF's 32, 16 for Q6_K) and, for affine blocks (int4, GGUF's Q4_1 and Q4_K), an offset per block;
 w = values * scale + offset.
 
-No matmul writes a dequantized weight out where it can be helped (on a GPU that copy made decode 3x slower than
-bfloat16). A scale per output column (int8, fp8) scales the GEMM's output; the GEMM reads the values, converted in
-its operand read. Blocks, on a GPU at few rows, run a GEMM per block, each block's float32 sums scaled, then
+No matmul writes a dequantized weight out where it can be helped (on a GPU that copy made decode several times
+slower than bfloat16: docs/BENCHMARKS.md, "Weights kept quantized"). A scale per output column (int8, fp8)
+scales the GEMM's output; the GEMM reads the values, converted in its operand read. Blocks, on a GPU at few rows, run a GEMM per block, each block's float32 sums scaled, then
 summed; elsewhere qwix's dot_general dequantizes the weight into the model's dtype first. The offsets' share is
 each block's inputs summed, times its offsets. Either way a quantized model computes what its dequantized weights
 would.
@@ -105,7 +105,8 @@ def _matmul(x: Float[Array, "... k"], w: Array | Quantized, contracted: int) -> 
         return jax.lax.dot_general(x, w.astype(x.dtype), dims)
     if w.offset is None and w.scale.shape[contracted] == 1:
         # a scale per output column scales the output: the GEMM reads the values, converted in its operand read
-        # (qwix dequantizes the whole weight first, which XLA's GPU compiler writes out: 3x slower on an H200)
+        # (qwix dequantizes the whole weight first, which XLA's GPU compiler writes out: docs/BENCHMARKS.md,
+        # "Weights kept quantized")
         y = jax.lax.dot_general(x, w.unpacked().astype(x.dtype), dims, preferred_element_type=jnp.float32)
         return (y * jnp.squeeze(w.scale, contracted).astype(jnp.float32)).astype(x.dtype)
     rows, block = math.prod(x.shape[:-1]), x.shape[-1] // w.scale.shape[contracted]
