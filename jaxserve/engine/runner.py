@@ -16,14 +16,15 @@ configured most runs in the same program. `warmup` compiles every program a conf
 time a step needs it (`generate` starts at once). Nothing in them branches on the device but a burst's loop, which ends
 on a device value (on a GPU its predicate reaches the host once a step: a small sync, once per token, not per layer).
 
-The layers run unrolled over per-layer weights (models/llama.py), so each GEMM reads its weights in place. A
-layer scan's dynamic slice copies every layer's weights out of the stacked arrays first: on a GPU more than half
-of an 8B decode step (tools/gpu_compile.py --decode checks the compiled step); on a 2-core CPU a SmolLM2 decode
-step of 16 rows ran about twice as long, and one of a row longer too (docs/BENCHMARKS.md, "Generation vs Hugging
-Face transformers"). The price is compile time, several times a scanned program's on that CPU. So on a CPU only
-the decode programs (bound by reading the weights) are unrolled, and the mixed programs (bound by their chunk's compute) scan over a second, stacked copy
-of the weights; on a GPU every program is unrolled and the weights are held once. Weights kept quantized
-(models/quantize.py) scan in every program on a CPU: unrolled, XLA dequantizes all the layers' weights at once.
+The layers run unrolled over per-layer weights (models/llama.py), so each GEMM reads its weights in place. A layer
+scan's dynamic slice copies every layer's weights out of the stacked arrays first: on a GPU more than half of an 8B
+decode step (tools/gpu_compile.py --decode checks the compiled step); on a 2-core CPU a SmolLM2 decode step of 16
+rows ran about twice as long, and one of a row longer too (docs/BENCHMARKS.md, "Generation vs Hugging Face
+transformers"). The price is compile time, several times a scanned program's on that CPU. So on a CPU only the
+decode programs (bound by reading the weights) are unrolled, and the mixed programs (bound by their chunk's compute)
+scan over a second, stacked copy of the weights; on a GPU every program is unrolled and the weights are held once.
+Weights kept quantized (models/quantize.py) scan in every program on a CPU: unrolled, XLA dequantizes all the
+layers' weights at once.
 
 The cache buffers are donated so XLA updates them in place; a step that fails inside the compiled call leaves
 them deleted, and `recover` allocates fresh ones (their contents are gone: the caller recomputes whatever they

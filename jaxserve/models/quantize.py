@@ -5,11 +5,11 @@ not divide; GGUF's 32, 16 for Q6_K) and, for affine blocks (int4, GGUF's Q4_1 an
 w = values * scale + offset.
 
 No matmul writes a dequantized weight out where it can be helped (on a GPU that copy made decode several times
-slower than bfloat16: docs/BENCHMARKS.md, "Weights kept quantized"). A scale per output column (int8, fp8)
-scales the GEMM's output; the GEMM reads the values, converted in its operand read. Blocks, on a GPU at few rows, run a GEMM per block, each block's float32 sums scaled, then
-summed; elsewhere qwix's dot_general dequantizes the weight into the model's dtype first. The offsets' share is
-each block's inputs summed, times its offsets. Either way a quantized model computes what its dequantized weights
-would.
+slower than bfloat16: docs/BENCHMARKS.md, "Weights kept quantized"). A scale per output column (int8, fp8) scales
+the GEMM's output; the GEMM reads the values, converted in its operand read. Blocks, on a GPU at few rows, run a
+GEMM per block, each block's float32 sums scaled, then summed; elsewhere qwix's dot_general dequantizes the weight
+into the model's dtype first. The offsets' share is each block's inputs summed, times its offsets. Either way a
+quantized model computes what its dequantized weights would.
 
 Two weights are quantized: the linear kernels `[.., in, out]` (blocks run along `in`, the contracted axis) and the
 embedding table `[vocab, hidden]` (blocks along `hidden`, which the tied LM head contracts). Norms and biases stay
