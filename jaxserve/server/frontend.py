@@ -19,6 +19,7 @@ from jaxserve.server.async_engine import (
     ShuttingDown,
     fit_max_tokens,
 )
+from jaxserve.server.model import ServedModel
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -72,7 +73,7 @@ class Frontend:
     """The served model behind both interfaces. `llm` lends its tokenizer and config; its engine is driven by
     `engine` (an AsyncEngine) only, so the LLM must not also be used directly while it is served."""
 
-    def __init__(self, llm: Any, engine: AsyncEngine, *, model_name: str, api_key: str | None = None):
+    def __init__(self, llm: ServedModel, engine: AsyncEngine, *, model_name: str, api_key: str | None = None):
         self.llm = llm
         self.engine = engine
         self.model_name = model_name

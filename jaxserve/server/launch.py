@@ -23,6 +23,7 @@ from jaxserve import config
 from jaxserve.config import DistributedConfig, ServerConfig
 from jaxserve.server.async_engine import AsyncEngine, ShuttingDown
 from jaxserve.server.frontend import Frontend
+from jaxserve.server.model import ServedModel
 from jaxserve.server.grpc_service import build_grpc_server, set_serving
 from jaxserve.server.http_app import build_http_app
 from jaxserve.server.http_protocol import header_deadline_protocol
@@ -45,17 +46,18 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 class Server:
     def __init__(
         self,
-        llm: Any,
+        llm: ServedModel,
         server: ServerConfig | None = None,
         *,
         heartbeat_timeout: float = DistributedConfig.heartbeat_timeout,
         **settings: Any,
     ):
-        """llm: a jaxserve.LLM, from then on driven by this server only. server: its ServerConfig; settings: any
-        of its fields by name, over it (e.g. grpc_port=0: a free port). heartbeat_timeout: across processes,
-        seconds without a follower's heartbeat before it counts as gone: the server fails over to an engine on
-        this process's devices (LLM.fail_over), and every open request resumes there; health says degraded.
-        If that cannot be built, its requests end UNAVAILABLE and the server stops."""
+        """llm: a jaxserve.LLM (a ServedModel), from then on driven by this server only. server: its
+        ServerConfig; settings: any of its fields by name, over it (e.g. grpc_port=0: a free port).
+        heartbeat_timeout: across processes, seconds without a follower's heartbeat before it counts as gone:
+        the server fails over to an engine on this process's devices (LLM.fail_over), and every open request
+        resumes there; health says degraded. If that cannot be built, its requests end UNAVAILABLE and the
+        server stops."""
         cfg = config.replace(server or ServerConfig(), **settings)
         if llm.lockstep is not None:
             try:
@@ -206,7 +208,7 @@ class BackgroundServer:
         openai.OpenAI(base_url=f"http://127.0.0.1:{s.server.http_port}/v1", api_key="-")
     """
 
-    def __init__(self, llm: Any, **server_args: Any):
+    def __init__(self, llm: ServedModel, **server_args: Any):
         self.server = Server(llm, **server_args)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-server", daemon=True)

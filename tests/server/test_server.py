@@ -23,8 +23,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from jaxserve import SamplingParams
 from jaxserve.client import AsyncClient
+from jaxserve.engine.interface import ServingEngine
 from jaxserve.engine.runner import Sampler, forward_packed
 from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.model import ServedModel
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 
@@ -32,6 +34,10 @@ from serving import KEY, MODEL, ORIGIN, PROMPT, free_blocks, initial_blocks, pos
 
 
 # ---- the same tokens as the Python API ------------------------------------------------------------------
+def test_an_llm_is_what_a_server_drives(llm):
+    assert isinstance(llm, ServedModel) and isinstance(llm.engine, ServingEngine)
+
+
 def test_grpc_greedy_stream_is_exactly_llm_generate(llm, grpc_client):
     (expected,) = llm.generate(PROMPT, SamplingParams(max_tokens=24))
     replies = list(grpc_client.stream(PROMPT, max_tokens=24))
