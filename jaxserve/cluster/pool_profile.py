@@ -99,6 +99,7 @@ class Later(Generic[T]):
     path: pathlib.Path
     dumps: Callable[[T], str]
     use: Callable[[T], None]
+    seconds: float = 0.0  # spent on the points so far
 
     @property
     def name(self) -> str:
@@ -107,8 +108,6 @@ class Later(Generic[T]):
     @property
     def done(self) -> bool:
         return self.measurement.done
-
-    seconds: float = 0.0  # spent on the points so far
 
     def step(self) -> None:
         """Time the next point, logged with its seconds (the progress of a measurement no bar shows)."""
@@ -221,20 +220,35 @@ def dumps_moves(moves: MeasuredBalancing) -> str:
     return json.dumps(dataclasses.asdict(moves))
 
 
+def chunk_seconds(sp: SPPrefill, groups: dict[int, Group]) -> Callable[[int, int, int], float]:
+    """seconds(size, tokens, history): time_chunk on the group of that size (groups: size -> instance ids), with a
+    run dropped the first time a program runs."""
+    ran: set[tuple[int, int]] = set()  # (SP size, local bucket) run: its program's caches are warm
+
+    def seconds(size: int, n: int, h: int) -> float:
+        local = sp.local_bucket(size, n)
+        took = time_chunk(sp, groups[size], n, h, warm=(size, local) not in ran)
+        ran.add((size, local))
+        return took
+
+    return seconds
+
+
+def compile_buckets(sp: SPPrefill, groups: dict[int, Group], max_tokens: int) -> None:
+    """Every chunk program of up to max_tokens on each group: a timing must not include a compile."""
+    for size, group in groups.items():
+        for b in sp.buckets(size, max_tokens):
+            sp.program(group, b)
+
+
 def eq1_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int) -> Measurement[TetrisPrefill]:
     """Eq. (1) per SP size from chunks timed on one group of that size (groups: size -> instance ids): a ladder
     of chunks up to half of max_tokens at no history (c0, c1, c3), then the smallest and the ladder's last after
     the longest history that leaves room for them (c2)."""
-    ran: set[tuple[int, int]] = set()  # (SP size, local bucket) run: its program's caches are warm
+    seconds = chunk_seconds(sp, groups)
 
     def point(size: int, n: int, h: int) -> Callable[[], tuple]:
-        def timed() -> tuple:
-            local = sp.local_bucket(size, n)
-            seconds = time_chunk(sp, groups[size], n, h, warm=(size, local) not in ran)
-            ran.add((size, local))
-            return size, (n, h), seconds
-
-        return timed
+        return lambda: (size, (n, h), seconds(size, n, h))
 
     def points(samples: list) -> Iterator[Callable[[], tuple]]:
         for size in sorted(groups):
@@ -244,40 +258,36 @@ def eq1_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int) ->
                 if (h := min(max_tokens - n, sp.room.history_room(size, n))) > 0:
                     yield point(size, n, h)
 
-    def compile_all() -> None:  # the timings must not include a compile
-        for size in groups:
-            for b in sp.buckets(size, max_tokens // 2):
-                sp.program(groups[size], b)
-
     most = sum(len(sp.buckets(size, max_tokens // 2)) + 2 for size in groups)
-    return Measurement("measure Eq. (1) chunk latency", points, TetrisPrefill.fit, most, compile_all)
+    return Measurement(
+        "measure Eq. (1) chunk latency",
+        points,
+        TetrisPrefill.fit,
+        most,
+        functools.partial(compile_buckets, sp, groups, max_tokens // 2),
+    )
 
 
 def batch_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int) -> Measurement[LoongServePrefill]:
     """LoongServe's batch model per (SP size, TP) from whole prompts timed on one group of each size, a ladder up
     to max_tokens: a batch of one prompt of l tokens has sum(l) = l and sum(l^2) = l^2."""
-    ran: set[tuple[int, int]] = set()
+    seconds = chunk_seconds(sp, groups)
 
     def point(size: int, n: int) -> Callable[[], tuple]:
-        def timed() -> tuple:
-            local = sp.local_bucket(size, n)
-            seconds = time_chunk(sp, groups[size], n, 0, warm=(size, local) not in ran)
-            ran.add((size, local))
-            return (size, sp.tp), (n, n * n), seconds
-
-        return timed
+        return lambda: ((size, sp.tp), (n, n * n), seconds(size, n, 0))
 
     def points(samples: list) -> Iterator[Callable[[], tuple]]:
         for size in sorted(groups):
             yield from ladder(sp, size, max_tokens, samples, functools.partial(point, size))
 
-    def compile_all() -> None:
-        for size in groups:
-            for b in sp.buckets(size, max_tokens):
-                sp.program(groups[size], b)
-
     most = sum(len(sp.buckets(size, max_tokens)) for size in groups)
-    return Measurement("measure ESP prefill latency", points, LoongServePrefill.fit, most, compile_all)
+    return Measurement(
+        "measure ESP prefill latency",
+        points,
+        LoongServePrefill.fit,
+        most,
+        functools.partial(compile_buckets, sp, groups, max_tokens),
+    )
 
 
 def prefill_measurement(sp: SPPrefill, groups: dict[int, Group], max_tokens: int, esp: bool = False) -> Measurement:
