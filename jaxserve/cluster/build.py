@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 import pathlib
+import resource
 from typing import Any, Callable, Sequence
 
 import jax
@@ -18,13 +19,16 @@ from jaxserve.cluster import pool_profile
 from jaxserve.config import ParallelConfig
 from jaxserve.cluster.decode import LiveDecoder
 from jaxserve.cluster.engine import ClusterEngine
-from jaxserve.cluster.length_predictor import KeptClassifier, PromptFeatures
+from jaxserve.cluster.length_predictor import KeptClassifier, PromptFeatures, default_path
+from jaxserve.cluster.multi_master import MultiMaster
 from jaxserve.cluster.esp import ESPCluster
 from jaxserve.cluster.tetriinfer import TetriInferCluster
 from jaxserve.cluster.transfer import KVMover
+from jaxserve.engine.build import EngineBuilder, construct
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sp_prefill import SPPrefill, next_power_of_two
-from jaxserve.sched.cdsp import CDSPPlanner, MeasuredBalancing, Pool, Stores, planner_groups
+from jaxserve.sched.build import MIN_LOCAL
+from jaxserve.sched.cdsp import CDSPPlanner, MeasuredBalancing, Pool, planner_groups
 from jaxserve.sched.cluster import CDSPPolicy, ESPPolicy, TetriInferPolicy
 from jaxserve.sched.csps import CSPSPlanner, MeasuredCSPS
 from jaxserve.sched.decode_dispatch import ObservedLengths
@@ -32,9 +36,8 @@ from jaxserve.sched.esp import ESPScheduler, aligned_groups
 from jaxserve.sched.flip import FlipPolicy
 from jaxserve.sched.improvement_rate import AdaptiveCDSP, read_rate_table
 from jaxserve.sched.prefill_batches import PrefillBatchScheduler
+from jaxserve.sched.spread_kv import SpreadKV
 from jaxserve.sched.cost_models import LoongServePrefill, TetrisPrefill
-
-MIN_LOCAL = 64  # the pool's smallest per-instance chunk bucket
 
 
 def devices_needed(layout: ParallelConfig) -> int:
@@ -61,14 +64,6 @@ def check_layout(layout: ParallelConfig, available: int) -> None:
             f"{tp} + {layout.decode_instances} decode x {layout.decode_kvp}{decode_tp}); there are "
             f"{available}"
         )
-
-
-def pool_context(layout: ParallelConfig, store_tokens: int, key_block: int) -> int | None:
-    """The longest prompt a CDSP or CSPS pool's history stores of store_tokens each hold together, spread over its
-    instances (None for the other policies, whose stores hold a whole prompt)."""
-    if layout.cluster_policy not in ("cdsp", "csps"):
-        return None
-    return Stores(-(-store_tokens // key_block) * key_block, MIN_LOCAL).longest(layout.prefill_instances)
 
 
 def pool_of(layout: ParallelConfig) -> Pool:
@@ -145,7 +140,7 @@ def build(
     predictor_file: pathlib.Path | None = None,
     defer: bool = False,
     make_group: Callable[[list[Engine]], Engine] | None = None,
-    new: Callable[..., Any] = lambda cls, *args, **kwargs: cls(*args, **kwargs),
+    new: Callable[..., Any] = construct,
 ) -> ClusterEngine:
     """layout.cluster_policy picks the prefill side: cdsp (a CDSP planner over the pool), csps (CSPS's planner:
     whole prompts on SP-NTP groups sized by --partition_tokens), tetriinfer (each pool
@@ -317,3 +312,66 @@ def build(
         planner = AdaptiveCDSP(planner, read_rate_table(pathlib.Path(layout.improvement_rates)))
     scheduler = CDSPPolicy(planner, pool_ids, dispatch, predictor)
     return measuring(ClusterEngine(sp, scheduler, decoders, mover, features=features))
+
+
+def spread_engine(builder: EngineBuilder, instances: Sequence[Engine]) -> Engine:
+    """The engine of ESP's multi-master group over `instances` (one device set each): it decodes the requests
+    whose KV spreads over several of them, in blocks of their own pools (cluster/multi_master.py,
+    sched/spread_kv.py); its context is the builder's, at most what their pools hold together."""
+    runner = MultiMaster([e.runner for e in instances], builder.params, builder.buckets)
+    kv = SpreadKV([e.kv for e in instances])
+    engine = builder.over(runner, kv, min(builder.max_model_len, kv.capacity * kv.block_size))
+    builder.adopt_cost(engine)  # after a quick start its instances measure the step profile while idle
+    return engine
+
+
+def build_cluster(builder: EngineBuilder, progress: bool = True) -> ClusterEngine:
+    """The live cluster the builder's EngineConfig lays out (--prefill_instances > 0), its decode instances made
+    by the builder, its pool model in the kept profile. Like one engine, serve compiles everything first (with a
+    quick start: while idle), generate as steps need it; across processes always first (a transfer's communicator
+    is set up there, which every process must reach within a deadline)."""
+    cfg, model = builder.cfg, builder.model
+    layout, key_block = cfg.parallel, cfg.cache.key_block
+    path = (
+        pathlib.Path(cfg.startup.prefill_profile)
+        if cfg.startup.prefill_profile
+        else pool_profile.default_path(
+            model.name,
+            model.dtype_name,
+            f"{layout.cluster_policy}-{layout.pool_attention}",
+            layout.prefill_instances,
+            layout.node_size,
+            layout.tp,
+            builder.max_model_len,
+            key_block,
+        )
+    )
+    # an ESP instance serves alone the requests that fit its own pool; its group, those that spread
+    instance_context = min(builder.max_model_len, builder.kv_tokens) if layout.cluster_policy == "esp" else None
+    local = not builder.across_processes
+    cluster = build(
+        model.config,
+        builder.params,
+        layout,
+        lambda ds, tp: builder.engine(ds, progress, tp=tp, max_model_len=instance_context),
+        path,
+        capacity=builder.max_model_len,
+        store_tokens=builder.kv_tokens,
+        dtype=model.dtype,
+        key_block=key_block,
+        progress=progress,
+        new=builder.new,
+        make_group=functools.partial(spread_engine, builder) if local else None,
+        kv_cache_dtype=cfg.cache.kv_cache_dtype,
+        predictor_file=default_path(model.name, model.dtype_name),
+        defer=cfg.startup.quick_start and local,
+    )
+    if builder.quick_start:
+        cluster.defer(Compiling(warmup_steps(cluster, builder.max_model_len)), first=True)
+    elif cfg.startup.warmup or not local:
+        warmup(cluster, builder.max_model_len, progress)
+    logging.info(
+        "the cluster is built; this process's peak memory so far: %.1f GiB",
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    )  # KiB on Linux
+    return cluster

@@ -42,6 +42,14 @@ WAIT = 0.005  # seconds an idle step polls for a finished chunk before it return
 HISTORY = 10_000  # chunk, transfer and decode-start records kept, the latest: a server runs for weeks
 
 
+def refuse_resumed(generated: int) -> None:
+    """A cluster takes new requests only: a part-generated one resumes on a fail-over's engine, one replica."""
+    if generated:
+        raise ValueError(
+            f"a cluster does not resume a request with {generated} tokens generated; a fail-over resumes on one replica"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkRecord:
     """One executed chunk; times in seconds of the cluster's clock: start when it was dispatched, end when the
@@ -204,10 +212,13 @@ class ClusterEngine:
         params: SamplingParams,
         request_id: str | None = None,
         ttft_slo: float | None = None,
+        generated: int = 0,
         after: str | None = None,
     ) -> str:
         """Plan the prompt's chunks and choose its decode instance now (ttft_slo and after: accepted for the
-        interface; the CDSP planner minimises every prompt's TTFT, and siblings are prefilled each in turn)."""
+        interface, generated: refused; the CDSP planner minimises every prompt's TTFT, and siblings are prefilled
+        each in turn)."""
+        refuse_resumed(generated)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")

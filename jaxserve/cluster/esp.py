@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.cluster.decode import LiveDecoder
-from jaxserve.cluster.engine import WAIT, ChunkRecord, ClusterEngine
+from jaxserve.cluster.engine import WAIT, ChunkRecord, ClusterEngine, refuse_resumed
 from jaxserve.engine.engine import RequestOutput
 from jaxserve.engine.sp_prefill import ChunkRun
 from jaxserve.sampling_params import SamplingParams
@@ -85,9 +85,12 @@ class ESPCluster(ClusterEngine):
         params: SamplingParams,
         request_id: str | None = None,
         ttft_slo: float | None = None,
+        generated: int = 0,
         after: str | None = None,
     ) -> str:
-        """Queue the prompt (ttft_slo and after: accepted for the interface; ESP admits in arrival order)."""
+        """Queue the prompt (ttft_slo and after: accepted for the interface, generated: refused; ESP admits in
+        arrival order)."""
+        refuse_resumed(generated)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request id {rid} is already in use")

@@ -44,10 +44,13 @@ class ServingEngine(Protocol):
         params: SamplingParams,
         request_id: str | None = None,
         ttft_slo: float | None = None,
+        generated: int = 0,
         after: str | None = None,
     ) -> str:
-        """Take a checked request; its id. after: a live request with the same prompt (a sibling, n > 1) whose
-        prefill it may wait for, to share its KV."""
+        """Take a checked request; its id. generated: a request resumed after a fail-over, whose last `generated`
+        ids it generated already (its text resumes there; a cluster refuses one, as only a replica is a
+        fail-over's engine). after: a live request with the same prompt (a sibling, n > 1) whose prefill it may
+        wait for, to share its KV."""
 
     def abort(self, request_id: str) -> bool:
         """End a request now; False if it was not live."""

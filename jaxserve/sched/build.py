@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 
-from jaxserve.config import SchedulerConfig
+from jaxserve.config import ParallelConfig, SchedulerConfig
 from jaxserve.sched.batch_cost import BatchCost
+from jaxserve.sched.cdsp import Stores
 from jaxserve.sched.kv_manager import KVCacheManager
 from jaxserve.sched.packer import PackerConfig, PrefillTimeCache
 from jaxserve.sched.policies import make_policy
 from jaxserve.sched.scheduler import ReplicaScheduler
+
+MIN_LOCAL = 64  # a prefill pool's smallest per-instance chunk bucket
 
 
 def full_step_time(cost: BatchCost, config: SchedulerConfig, max_model_len: int) -> float:
@@ -78,3 +81,11 @@ def replica_scheduler(
         num_scheduler_steps=steps,
         admission=admission,
     )
+
+
+def pool_context(layout: ParallelConfig, store_tokens: int, key_block: int) -> int | None:
+    """The longest prompt a CDSP or CSPS pool's history stores of store_tokens each hold together, spread over its
+    instances (None for the other policies, whose stores hold a whole prompt)."""
+    if layout.cluster_policy not in ("cdsp", "csps"):
+        return None
+    return Stores(-(-store_tokens // key_block) * key_block, MIN_LOCAL).longest(layout.prefill_instances)

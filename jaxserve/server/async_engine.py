@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Callable
 
 from absl import logging
 
-from jaxserve.engine.engine import Engine, RequestOutput, StepFailed
+from jaxserve.engine.engine import RequestOutput, StepFailed
 from jaxserve.engine.interface import ServingEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
@@ -90,7 +90,7 @@ class RequestStream:
         after: str | None = None,
     ):
         self.request_id = request_id
-        self.after = after  # a sibling's request id, whose prefill this one waits for (Engine.enqueue)
+        self.after = after  # a sibling's request id, whose prefill this one waits for (ServingEngine.enqueue)
         self.prompt_ids = prompt_ids
         self.params = params
         self.ttft_slo = ttft_slo
@@ -191,7 +191,7 @@ class AsyncEngine:
         metrics: ServerMetrics | None = None,
         stall_timeout: float = 60.0,
         lost: Callable[[], str | None] = lambda: None,
-        fallback: Callable[[], Engine] | None = None,
+        fallback: Callable[[], ServingEngine] | None = None,
         loss_grace: float = 30.0,
     ):
         """stall_timeout: seconds the engine thread may go without coming round its loop while requests are
@@ -358,7 +358,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request; ValueError names what is wrong with it, QueueFull / ShuttingDown refuse it.
         ttft_slo: seconds to its first token (the deadline edf / lrs / lars rank by); None: the server's SLO.
-        after: a sibling of the same prompt whose prefill it waits for (Engine.enqueue)."""
+        after: a sibling of the same prompt whose prefill it waits for (ServingEngine.enqueue)."""
         if not self.accepting:
             raise ShuttingDown(NOT_ACCEPTING)
         ids = self.engine.check_request(prompt_ids, params)  # reads only the model's fixed config

@@ -79,7 +79,7 @@ def llm(devices, model):
 
 def engine_maker(llm):
     """build()'s make_engine: the LLM's engines on the devices given, quietly."""
-    return lambda devices, tp: llm.make_engine(devices, progress=False, tp=tp)
+    return lambda devices, tp: llm.builder.engine(devices, progress=False, tp=tp)
 
 
 def prompt(llm, n: int, seed: int) -> list[int]:
@@ -106,7 +106,7 @@ def make_cluster(llm, devices, decode_instances: int = 1, receive_buffers: int =
     )
     cluster = build(
         llm.config,
-        llm._params,
+        llm.builder.params,
         layout,
         engine_maker(llm),
         eq1_model(),

@@ -35,7 +35,7 @@ def test_whole_prompts_on_the_fewest_instances_equal_one_device_and_replay_to_th
     eq1 = TetrisPrefill({s: np.array([0.01 * s, 4e-4 / s, 2e-7 / s, 1e-7 / s]) for s in (1, 2, 4)})
     cluster = build(
         llm.config,
-        llm._params,
+        llm.builder.params,
         layout,
         engine_maker(llm),
         eq1,

@@ -4,6 +4,7 @@ against the single-device engine's greedy tokens."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -12,7 +13,7 @@ import numpy as np
 
 import jaxserve
 from conftest import MAX_MODEL_LEN, engine_maker, prompt, run, serve
-from jaxserve.cluster.build import Compiling, build
+from jaxserve.cluster.build import Compiling, build, spread_engine
 from jaxserve.cluster.esp import ESPCluster
 from jaxserve.config import ParallelConfig
 from jaxserve.engine.interface import ServingEngine
@@ -43,7 +44,7 @@ def test_elastic_batches_scale_up_and_down_and_equal_one_device(llm, devices):
     layout = ParallelConfig(prefill_instances=4, cluster_policy="esp")
     cluster = build(
         llm.config,
-        llm._params,
+        llm.builder.params,
         layout,
         engine_maker(llm),
         batch_model(),
@@ -150,7 +151,7 @@ def test_a_request_whose_kv_outgrows_one_instance_decodes_over_several(llm, devi
     it decodes on one instance's own engine. Both get the single-device engine's greedy tokens."""
     small = 256
     layout = ParallelConfig(prefill_instances=4, cluster_policy="esp")
-    make = lambda ds, tp: llm.make_engine(
+    make = lambda ds, tp: llm.builder.engine(
         ds,
         progress=False,
         tp=tp,
@@ -159,7 +160,7 @@ def test_a_request_whose_kv_outgrows_one_instance_decodes_over_several(llm, devi
     )
     cluster = build(
         llm.config,
-        llm._params,
+        llm.builder.params,
         layout,
         make,
         batch_model(),
@@ -168,7 +169,7 @@ def test_a_request_whose_kv_outgrows_one_instance_decodes_over_several(llm, devi
         min_local=64,
         devices=devices[:4],
         progress=False,
-        make_group=llm.make_spread_engine,
+        make_group=functools.partial(spread_engine, llm.builder),
     )
     assert cluster.max_model_len == 4 * small and cluster.group is not None
     long, short = SamplingParams(max_tokens=100, ignore_eos=True), SamplingParams(max_tokens=12, ignore_eos=True)
@@ -204,7 +205,7 @@ def test_the_simulator_makes_the_live_clusters_esp_plans(llm, devices):
     model = batch_model()
     cluster = build(
         llm.config,
-        llm._params,
+        llm.builder.params,
         layout,
         engine_maker(llm),
         model,

@@ -124,7 +124,7 @@ def test_kv_parallel_decode_group_equals_one_device(llm, devices, cluster, long_
     ids, want = long_prompt
     per_device = MAX_MODEL_LEN // kvp
     assert per_device < len(ids)
-    engine = llm.make_engine(devices[8 : 8 + kvp], progress=False, kv_cache_tokens=per_device)
+    engine = llm.builder.engine(devices[8 : 8 + kvp], progress=False, kv_cache_tokens=per_device)
     group = one_decoder(cluster, engine, receive_buffers=4)
     assert prefill_over_2_4_8(group, ids) == want
     held = [
@@ -200,7 +200,7 @@ def test_a_cluster_plans_with_a_prior_until_it_measures_its_pool_while_idle(llm,
     layout = ParallelConfig(prefill_instances=4, decode_instances=1, node_size=2, min_chunk=256)
     cluster = build(
         llm.config,
-        llm._params,
+        llm.builder.params,
         layout,
         engine_maker(llm),
         path,

@@ -36,7 +36,7 @@ def test_prefill_instances_with_sjf_batches_and_whole_kv_transfer_equal_one_devi
     )
     cluster = build(
         llm.config,
-        llm._params,
+        llm.builder.params,
         layout,
         engine_maker(llm),
         None,
@@ -124,7 +124,7 @@ def test_instances_flip_to_decode_and_back_to_prefill_as_the_load_shifts(llm, de
     )
     cluster = build(
         llm.config,
-        llm._params,
+        llm.builder.params,
         layout,
         engine_maker(llm),
         None,
@@ -185,7 +185,7 @@ def test_the_simulator_makes_the_live_clusters_tetriinfer_plans(llm, devices):
     )
     cluster = build(
         llm.config,
-        llm._params,
+        llm.builder.params,
         layout,
         engine_maker(llm),
         None,

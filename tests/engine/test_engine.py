@@ -455,3 +455,27 @@ def test_no_compiles_while_serving_after_warm_up():
         jax.monitoring.unregister_event_duration_listener(listener)
     assert all(o.finish_reason == "length" for o in outs)
     assert compiles == []
+
+
+def test_build_engine_serves_one_replica_as_llm_does(reference):
+    """engine/build.py's build_engine: one replica from an EngineConfig alone, driven through the ServingEngine
+    interface, generates transformers' greedy tokens (every reference prompt, batched)."""
+    from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, StartupConfig
+    from jaxserve.engine.build import build_engine
+
+    cfg = EngineConfig(
+        model=ModelConfig(max_model_len=2048),
+        cache=CacheConfig(kv_cache_tokens=8192),
+        startup=StartupConfig(warmup=False),
+    )
+    engine = build_engine(cfg, progress=False)
+    assert isinstance(engine, ServingEngine) and engine.max_model_len == 2048
+    cases = reference["greedy"]
+    rids = {
+        engine.add_request(c["ids"], SamplingParams(max_tokens=len(c["tokens"]), ignore_eos=True)): c for c in cases
+    }
+    tokens = collections.defaultdict(list)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert all(tokens[rid] == c["tokens"] for rid, c in rids.items())

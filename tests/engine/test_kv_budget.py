@@ -45,7 +45,7 @@ def test_a_cpu_pool_is_sized_from_the_process_budget(caplog, monkeypatch):
     assert kv.num_blocks * kv.block_size - want in range(0, 2 * kv.block_size)  # rounded up to a block, + scratch
     assert any(f"KV pool: {want} tokens" in r.getMessage() for r in caplog.records)
     # measured once: an engine built later (a fail-over, beside the live one's pool) gets as many tokens
-    assert llm._kv_pool_tokens(llm.engine_config.parallel.instance) == llm._kv_tokens
+    assert llm.builder.kv_pool_tokens(llm.engine_config.parallel.instance) == llm.builder.kv_tokens
 
 
 def test_too_small_a_share_is_refused_and_bad_values_too():

@@ -283,7 +283,7 @@ def test_smollm2_served_from_its_q4_1_blocks_equals_the_float32_path(llm):
     float32 weights, it gives the float32 engine's greedy tokens."""
     kept = jaxserve.LLM(quantization="gguf", max_model_len=2048, kv_cache_tokens=4096, progress=False)
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
-    assert nbytes(kept._params) < 0.2 * nbytes(llm._params)
+    assert nbytes(kept.builder.params) < 0.2 * nbytes(llm.builder.params)
     prompts = ["The capital of France is", "Write a short poem about rain.", "def fibonacci(n):"]
     greedy = SamplingParams(max_tokens=24)
     assert [c.token_ids for c in kept.generate(prompts, greedy)] == [c.token_ids for c in llm.generate(prompts, greedy)]

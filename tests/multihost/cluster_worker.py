@@ -50,14 +50,14 @@ eq1 = TetrisPrefill({s: np.array([0.01, 4e-4 / s, 2e-7 / s, 1e-7 / s]) for s in 
 layout = ParallelConfig(prefill_instances=4, decode_instances=2, node_size=2, min_chunk=256)
 cluster = build(
     llm.config,
-    llm._params,
+    llm.builder.params,
     layout,
-    lambda devices, tp: llm.make_engine(devices, progress=False, tp=tp),
+    lambda devices, tp: llm.builder.engine(devices, progress=False, tp=tp),
     eq1,
     capacity=MAX_MODEL_LEN,
     min_local=128,
     devices=[d[2], d[3], d[4], d[5], d[6], d[7]],
-    new=llm._new,
+    new=llm.builder.new,
 )
 warmup(cluster, MAX_MODEL_LEN, progress=False)
 

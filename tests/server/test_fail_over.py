@@ -23,7 +23,7 @@ def test_a_lost_engine_fails_over_and_every_stream_goes_on(llm):
         SamplingParams(max_tokens=16, temperature=0.8, seed=7, presence_penalty=0.5, min_tokens=14),
     ] * 3
     want = [(c.token_ids, c.text) for c in llm.generate(prompts, params)]
-    first, fallback = llm.make_engine(progress=False), llm.make_engine(progress=False)
+    first, fallback = llm.builder.engine(progress=False), llm.builder.engine(progress=False)
     lost: list[str] = []
 
     async def main():
@@ -64,7 +64,7 @@ def test_a_fallback_that_cannot_be_built_ends_every_stream_with_process_gone(llm
 
     async def main():
         engine = AsyncEngine(
-            llm.make_engine(progress=False), max_queue=16, lost=lambda: lost[0] if lost else None, fallback=fallback
+            llm.builder.engine(progress=False), max_queue=16, lost=lambda: lost[0] if lost else None, fallback=fallback
         )
         engine.start()
         streams = [engine.submit(p, params) for p in prompts]
@@ -103,7 +103,7 @@ def test_the_fail_over_engine_runs_the_programs_prepared_while_another_served():
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3)
     want = [c.token_ids for c in llm.generate(prompts, params)]
     llm.prepare_fail_over()
-    prepared, done, _ = llm._fail_over_programs
+    prepared, done, _ = llm.builder._fail_over_programs
     assert not prepared.placed and all(not isinstance(x, jax.Array) for x in jax.tree.leaves(prepared.caches))
     done.result(600)
     programs = prepared.compiled_programs()
