@@ -297,7 +297,8 @@ class ParallelConfig:
     improvement_rates: str | None = setting(
         None,
         "cdsp: Tetris's load-aware improvement rate (5.1). A JSON table of the best improvement rate at each "
-        "arrival rate (tools/improvement_rates.py profiles one on the pool's Eq. (1) in simulation); the planner "
+        "arrival rate (tools/profile/improvement_rates.py profiles one on the pool's Eq. (1) in simulation); the "
+        "planner "
         "takes the rate recorded for the load nearest the arrivals of the last 30 s, refreshed every 30 s. "
         "Default: --improvement_rate, fixed.",
     )

@@ -2,7 +2,7 @@
 
 The latency-hiding scheduler (off by default in XLA; NVIDIA's JAX images and JAX's GPU performance tips turn it
 on) orders a program around its asynchronous collectives by their estimated cost. The ring step's overlap does
-not depend on it (sharding/ring.py orders each transfer beside its step's attention itself; tools/gpu_compile.py
+not depend on it (sharding/ring.py orders each transfer beside its step's attention itself; tools/checks/gpu_compile.py
 compiles it both ways), but the other collectives of a chunk step (the history's all-gather and reduce-scatter)
 are scheduled by it.
 

@@ -58,7 +58,7 @@ def llm():
 
 @pytest.fixture(scope="session")
 def reference():
-    """Hugging Face transformers outputs written by tools/make_reference_fixtures.py."""
+    """Hugging Face transformers outputs written by tools/fixtures/reference.py."""
     meta = json.loads((FIXTURES / "smollm2_reference.json").read_text())
     with np.load(FIXTURES / "smollm2_reference.npz") as z:
         meta["logits"] = [z[f"logits_{i}"] for i in range(len(meta["prefill"]))]

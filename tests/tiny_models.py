@@ -189,7 +189,7 @@ GEMMA3_TEMPLATE = """{{ bos_token }}
 {%- endif -%}
 """
 PROMPT = "The quick brown fox jumps over the lazy dog. 12345"
-# family -> its chat template (tools/make_family_fixtures.py records transformers' side in a fixture)
+# family -> its chat template (tools/fixtures/families.py records transformers' side in a fixture)
 FAMILIES = {
     "qwen2": QWEN_TEMPLATE,
     "qwen3": QWEN3_TEMPLATE,

@@ -8,7 +8,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e '.[test]'  # the tests and the linter too
 # JAX's CUDA plugin matching jaxlib, without CUDA libraries and outside the venv's packages (nothing loads it but
-# tools/gpu_compile.py, which compiles for GPUs that are not here; tests/engine/test_gpu_compile.py runs it)
+# tools/checks/gpu_compile.py, which compiles for GPUs that are not here; tests/engine/test_gpu_compile.py runs it)
 jaxlib=$(.venv/bin/python -c "import jaxlib; print(jaxlib.__version__)")
 .venv/bin/python -m pip install --quiet --no-deps --upgrade --target .venv/cuda-compiler \
   "jax-cuda12-plugin==$jaxlib" "jax-cuda12-pjrt==$jaxlib"

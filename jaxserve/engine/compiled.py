@@ -1,5 +1,5 @@
 """What a compiled step program holds, read from its optimized HLO text (e.g. one compiled for a GPU on a machine
-without one, tools/gpu_compile.py).
+without one, tools/checks/gpu_compile.py).
 
 A `conditional` makes the host wait for the device (XLA copies its predicate back) and keeps the program out of
 command buffers (CUDA graphs). A weight copy is an instruction outside any fusion whose result has a weight's

@@ -18,7 +18,7 @@ on a device value (on a GPU its predicate reaches the host once a step: a small 
 
 The layers run unrolled over per-layer weights (models/llama.py), so each GEMM reads its weights in place. A layer
 scan's dynamic slice copies every layer's weights out of the stacked arrays first: on a GPU more than half of an 8B
-decode step (tools/gpu_compile.py --decode checks the compiled step); on a 2-core CPU a SmolLM2 decode step of 16
+decode step (tools/checks/gpu_compile.py --decode checks the compiled step); on a 2-core CPU a SmolLM2 decode step of 16
 rows ran about twice as long, and one of a row longer too (docs/BENCHMARKS.md, "Generation vs Hugging Face
 transformers"). The price is compile time, several times a scanned program's on that CPU. So on a CPU only the
 decode programs (bound by reading the weights) are unrolled, and the mixed programs (bound by their chunk's compute)

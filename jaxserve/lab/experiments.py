@@ -1,4 +1,5 @@
-"""The papers' claims in simulation, by name: the registry tools/exp_*.py and the smoke test run.
+"""The papers' claims in simulation, by name: the registry `python -m jaxserve.lab NAME`
+(lab/__main__.py) and the smoke test run.
 
     from jaxserve.lab import experiments
     results = experiments.run("cdsp", tiny=True, out="/tmp/cdsp")  # prints, writes JSON and plots, returns the JSON

@@ -1,7 +1,7 @@
 """Tetris's load-aware improvement rate (Section 5.1), offline: a simulator sweep (profile_improvement_rates) picks,
 for each arrival rate, the improvement rate with the lowest mean TTFT. The table it makes is read online by
-sched/improvement_rate.py's AdaptiveCDSP (live: `--improvement_rates=FILE`; tools/improvement_rates.py writes one
-for a live pool's measured Eq. (1))."""
+sched/improvement_rate.py's AdaptiveCDSP (live: `--improvement_rates=FILE`; tools/profile/improvement_rates.py
+writes one for a live pool's measured Eq. (1))."""
 
 from __future__ import annotations
 

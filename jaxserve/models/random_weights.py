@@ -33,7 +33,7 @@ SHAPES: dict[str, Callable[[], LlamaConfig]] = {
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     ),
-    # the same, its positions reaching 1M tokens: long-context tests and tools/bench_long_context.py
+    # the same, its positions reaching 1M tokens: long-context tests and tools/bench/long_context.py
     "tiny-1m": lambda: dataclasses.replace(SHAPES["tiny"](), max_position_embeddings=1 << 20),
 }
 STD = 0.02  # the initializer range of Llama checkpoints' configs

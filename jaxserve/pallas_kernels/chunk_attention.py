@@ -67,7 +67,7 @@ def visible_blocks(
     return common.pad_axis(listed, 1, width, -1)
 
 
-# block_q / block_k: 128 / 64 suit head_dim 128 on H100 in Triton flash kernels; tune with tools/bench_attention.py.
+# block_q / block_k: 128 / 64 suit head_dim 128 on H100 in Triton flash kernels; tune with tools/bench/attention.py.
 @functools.partial(jax.jit, static_argnames=("window", "block_q", "block_k", "interpret"))
 def chunk_attention(
     q: Float[Array, "t h d"],

@@ -51,7 +51,7 @@ def _kernel(kv_len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block
 
 
 # block_size: a power of two on GPU (Triton tiles). key_block: tokens per loop step (a power of two >= 16), cut
-# to what a split's columns divide into; 128 is a first guess, to tune with tools/bench_attention.py on H100.
+# to what a split's columns divide into; 128 is a first guess, to tune with tools/bench/attention.py on H100.
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "key_block", "interpret"))
 def paged_decode_attention(
     q: Float[Array, "b h d"],

@@ -2,7 +2,7 @@
 per-layer operator timings by token count and TP degree, collective timings by message size.
 
 Attention is not in Vidur's data. Where the GPU has an attention table measured by jaxserve
-(tools/profile_attention.py; H100 only), prefill attention takes the measured kernel time for its FLOPs (see
+(tools/profile/attention.py; H100 only), prefill attention takes the measured kernel time for its FLOPs (see
 MeasuredAttention); otherwise (A100) it runs at an assumed `mfu` of the peak FLOPs. Decode attention and the KV
 reads of a chunk over a long history stay at an assumed `mbu` of the HBM bandwidth on every GPU: the table's
 decode rows time XLA's non-flash attention, not a paged decode kernel (0.1-1.2 TB/s under GQA, 0.9 TB/s over 131K
@@ -171,7 +171,7 @@ FLOOR_FLOPS = 2.0**33  # calls with at most this much work (< 15 us of it at 600
 @dataclasses.dataclass(frozen=True)
 class MeasuredAttention:
     """Seconds of one layer's attention kernel by its FLOPs (4 * head_dim * query heads per (query, key) pair),
-    from a table of tools/profile_attention.py.
+    from a table of tools/profile/attention.py.
 
     At equal FLOPs the measured calls take nearly the same time whatever the heads per GPU (64/8 to 4/4) or the
     shape (causal prompt, queries over history), so one curve serves every model and TP degree: the median call

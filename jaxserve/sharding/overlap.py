@@ -2,7 +2,7 @@
 
 XLA's GPU compiler splits a collective-permute into an asynchronous start and done, and the order of a
 computation's instructions in `Compiled.as_text()` is the order they are issued: what sits between a start and
-its done runs while the transfer is in flight. tools/gpu_compile.py uses this to check that the ring's K/V
+its done runs while the transfer is in flight. tools/checks/gpu_compile.py uses this to check that the ring's K/V
 transfers overlap the attention kernels (Pallas calls lowered through Triton).
 """
 

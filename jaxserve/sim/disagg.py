@@ -115,7 +115,7 @@ class DisaggConfig:
 @dataclasses.dataclass(frozen=True)
 class Costs:
     """What the simulated executor charges: the GPU profile's by default (`profile_costs`); a replay of a live run
-    passes what that run measured (tools/bench_cluster.py)."""
+    passes what that run measured (tools/bench/cluster.py)."""
 
     decode: BatchCost  # one decode instance's step
     prefill: BatchCost | None  # one TetriInfer prefill instance's chunk (None: a prefill pool, planned)

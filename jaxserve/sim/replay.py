@@ -15,7 +15,7 @@ output lengths, the same policy, layout and schedulers, and every executor cost 
 - Everywhere: decode steps by the engine's measured step cost (EngineStepCost), KV moves by a line fitted to the
   live run's transfers, decode-length prediction by the live cluster's predictor (ObservedLengths).
 
-tools/bench_cluster.py records a LiveRun and sets its replay beside it.
+tools/bench/cluster.py records a LiveRun and sets its replay beside it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Compiling for GPUs without one: the ring's K/V transfers overlap attention in the compiled schedule.
 
-tools/gpu_compile.py compiles the ring step and the engine's CDSP chunk step for 8 (and 2) H100s described by a
+tools/checks/gpu_compile.py compiles the ring step and the engine's CDSP chunk step for 8 (and 2) H100s described by a
 target config, through JAX's CUDA plugin without CUDA libraries (tools/install.sh puts it in .venv/cuda-compiler),
 in its own process so that this one never loads the plugin. The schedule reader is tested on hand-written HLO.
 """
@@ -59,7 +59,7 @@ def _run(tmp_path: pathlib.Path, *flags: str) -> dict:
     if not plugin.is_dir():
         pytest.fail(f"{plugin} is missing: tools/install.sh installs JAX's CUDA plugin there for this test")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools/gpu_compile.py"), f"--out={tmp_path}", *flags],
+        [sys.executable, str(ROOT / "tools/checks/gpu_compile.py"), f"--out={tmp_path}", *flags],
         capture_output=True,
         text=True,
         timeout=900,

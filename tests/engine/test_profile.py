@@ -34,7 +34,7 @@ def warm():
 
 def test_the_measured_profile_prices_steps_and_round_trips(warm, tmp_path):
     llm = warm
-    cost = llm.cost
+    cost = llm.builder.cost
     b = llm.engine.runner.buckets
     assert (cost.shapes.tokens, cost.shapes.rows, cost.shapes.max_prefills) == (b.tokens, b.rows, b.max_prefills)
     assert cost.shapes.decode_rows == b.decode_rows == (1, 2, 4)
@@ -64,9 +64,9 @@ def test_the_measured_profile_prices_steps_and_round_trips(warm, tmp_path):
 
 
 def test_profile_step_tool_reports_a_decode_steps_kernels(tmp_path):
-    """tools/profile_step.py (the GPU decode-step profile) runs on this CPU with a tiny random model: every row
+    """tools/profile/step.py (the GPU decode-step profile) runs on this CPU with a tiny random model: every row
     count gets a wall time, a busy time and its top kernels, which account for no more than the busy time."""
-    tool = pathlib.Path(__file__).parents[2] / "tools" / "profile_step.py"
+    tool = pathlib.Path(__file__).parents[2] / "tools" / "profile" / "step.py"
     done = subprocess.run(
         [
             sys.executable,
@@ -91,10 +91,10 @@ def test_profile_step_tool_reports_a_decode_steps_kernels(tmp_path):
 
 
 def test_the_device_never_waits_for_the_host(tmp_path):
-    """tools/bench_host.py: on a fake device taking D = 5 ms a step, 16 rows decode at max(host, D) a step with
+    """tools/bench/host.py: on a fake device taking D = 5 ms a step, 16 rows decode at max(host, D) a step with
     overlap (within 10%), and N + 1 is dispatched before N's tokens are ready; one step at a time is slower than
     that bound (the check can fail). Every phase of the step is accounted."""
-    tool = pathlib.Path(__file__).parents[2] / "tools" / "bench_host.py"
+    tool = pathlib.Path(__file__).parents[2] / "tools" / "bench" / "host.py"
     out = tmp_path / "host.json"
     done = subprocess.run(
         [sys.executable, str(tool), "--rows=16", "--tokens=40", "--delay_ms=5", f"--out={out}"],
@@ -114,9 +114,9 @@ def test_the_device_never_waits_for_the_host(tmp_path):
 
 
 def test_bench_startup_tool_times_generate_and_serve_from_fresh_caches(tmp_path):
-    """tools/bench_startup.py (start-up as a new user meets it) runs generate and serve from fresh caches and
+    """tools/bench/startup.py (start-up as a new user meets it) runs generate and serve from fresh caches and
     again, with a tiny random model."""
-    tool = pathlib.Path(__file__).parents[2] / "tools" / "bench_startup.py"
+    tool = pathlib.Path(__file__).parents[2] / "tools" / "bench" / "startup.py"
     done = subprocess.run(
         [sys.executable, str(tool), "--model=random:tiny", "--runs=1", f"--out={tmp_path}"],
         capture_output=True,
@@ -157,7 +157,7 @@ def test_a_quick_start_serves_at_once_then_measures_its_profile_when_idle(tmp_pa
     engine, runner = llm.engine, llm.engine.runner
     assert all(runner.is_compiled(p) for p in runner.first_programs())
     assert len(runner.first_programs()) < len(runner.programs())
-    assert llm.cost is None and engine.has_deferred and engine.scheduler.packer.iteration_budget == float("inf")
+    assert llm.builder.cost is None and engine.has_deferred and engine.scheduler.packer.iteration_budget == float("inf")
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], list(range(10, 210))]  # the second's chunk is not among the first programs
     before = [o.token_ids for o in llm.generate(prompts, greedy)]
@@ -170,10 +170,10 @@ def test_a_quick_start_serves_at_once_then_measures_its_profile_when_idle(tmp_pa
     assert all(runner.is_compiled(p) for p in runner.programs())
     asked.clear()
     engine.run_deferred(stop=lambda: asked.append(1) or len(asked) > 2)  # a request arrives after one run
-    assert len(asked) == 3 and engine.has_deferred and not path.exists() and llm.cost is None
+    assert len(asked) == 3 and engine.has_deferred and not path.exists() and llm.builder.cost is None
     engine.run_deferred(stop=lambda: False)
     assert not engine.has_deferred and path.exists()
-    assert engine.scheduler.cost is llm.cost and all(t > 0 for t in llm.cost.decode_base)
+    assert engine.scheduler.cost is llm.builder.cost and all(t > 0 for t in llm.builder.cost.decode_base)
     assert 0 < engine.scheduler.packer.iteration_budget < float("inf")
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == before
 
@@ -207,4 +207,4 @@ def test_a_quick_started_server_measures_its_profile_while_idle_and_answers_mean
             assert reply.usage.completion_tokens == 4
             assert time.monotonic() < deadline, "the profile was not measured while the server was idle"
             time.sleep(0.5)
-        assert path.exists() and s.call(lambda: engine.scheduler.cost) is llm.cost is not None
+        assert path.exists() and s.call(lambda: engine.scheduler.cost) is llm.builder.cost is not None

@@ -1,6 +1,6 @@
 """The claims experiments (jaxserve/lab/experiments.py) run end to end on their tiny set-ups and write their JSON
-and plots, so the figures in docs/BENCHMARKS.md stay reproducible by their commands; a command line
-(tools/exp_*.py) runs as a user runs it and gives the same results."""
+and plots, so the figures in docs/BENCHMARKS.md stay reproducible by their commands; the command line
+(`python -m jaxserve.lab NAME`) runs as a user runs it and gives the same results."""
 
 from __future__ import annotations
 
@@ -14,6 +14,15 @@ import pytest
 from jaxserve.lab import experiments
 
 TOOLS = pathlib.Path(__file__).parents[2] / "tools"
+
+
+def test_the_command_line_lists_the_experiments_and_refuses_an_unknown_one():
+    listed = subprocess.run([sys.executable, "-m", "jaxserve.lab"], capture_output=True, text=True, check=True)
+    assert all(f"  {name} " in listed.stdout for name in experiments.EXPERIMENTS)
+    unknown = subprocess.run([sys.executable, "-m", "jaxserve.lab", "cdps"], capture_output=True, text=True)
+    assert unknown.returncode == 1 and "no experiment named 'cdps'" in unknown.stderr
+    bad = subprocess.run([sys.executable, "-m", "jaxserve.lab", "cdsp", "--model=7b"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "--model" in bad.stderr and "<8b|70b>" in bad.stderr
 
 
 @pytest.mark.parametrize(
@@ -31,7 +40,9 @@ def test_a_command_line_runs_its_experiment_from_its_flags(tmp_path):
     done = subprocess.run(
         [
             sys.executable,
-            str(TOOLS / "exp_tetris_tbt.py"),
+            "-m",
+            "jaxserve.lab",
+            "tetris_tbt",
             "--requests=15",
             "--traces=short",
             "--rates=1",
@@ -47,7 +58,7 @@ def test_a_command_line_runs_its_experiment_from_its_flags(tmp_path):
 
 
 def test_the_improvement_rate_tool_writes_a_table_the_live_flag_reads(tmp_path):
-    """tools/improvement_rates.py on a pool's Eq. (1) file: what `--improvement_rates` reads."""
+    """tools/profile/improvement_rates.py on a pool's Eq. (1) file: what `--improvement_rates` reads."""
     from jaxserve.sched.cost_models import TetrisPrefill
     from jaxserve.sched.improvement_rate import read_rate_table
     from jaxserve.sched.profiles import tetris_table1_samples
@@ -57,7 +68,7 @@ def test_the_improvement_rate_tool_writes_a_table_the_live_flag_reads(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(TOOLS / "improvement_rates.py"),
+            str(TOOLS / "profile" / "improvement_rates.py"),
             f"--prefill_profile={eq1}",
             "--prefill_instances=16",
             "--node_size=8",

@@ -2,7 +2,7 @@
 on any machine) loaded from a Hugging Face folder and from a GGUF written with the `gguf` package. jaxserve's
 logprobs and greedy tokens equal transformers' (float32, 1e-4) and its chat template renders 10 conversations byte
 for byte as transformers does; transformers' side is recorded in tests/fixtures/families_reference.json by
-tools/make_family_fixtures.py."""
+tools/fixtures/families.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Random-weight models (`random:<shape>`): what tools/bench_generate.py --gpu serves without a download."""
+"""Random-weight models (`random:<shape>`): what tools/bench/generate.py --gpu serves without a download."""
 
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ SPM_FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "spm_reference.js
 def test_sentencepiece_gguf_vocabulary_tokenizes_as_transformers(arch, tmp_path):
     """A GGUF file's SentencePiece vocabulary (Llama-2, Mistral, Phi-3, Gemma) rebuilt with its merges recovered from
     the scores: ids and decoded text equal transformers' for spaces, newlines, byte fallback and control tokens
-    (recorded by tools/make_family_fixtures.py), and BOS is added as llama.cpp adds it."""
+    (recorded by tools/fixtures/families.py), and BOS is added as llama.cpp adds it."""
     from tiny_models import write_spm_gguf
 
     write_spm_gguf(tmp_path / "spm.gguf", arch)

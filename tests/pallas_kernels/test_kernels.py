@@ -282,7 +282,7 @@ def test_dispatch_defaults_and_rejects_unknown():
 def test_bench_attention_smoke_writes_every_part(tmp_path):
     """The GPU benchmark runs anywhere with --smoke, and its JSON holds every part (it is written after each)."""
     out = tmp_path / "attention.json"
-    tool = pathlib.Path(__file__).parents[2] / "tools" / "bench_attention.py"
+    tool = pathlib.Path(__file__).parents[2] / "tools" / "bench" / "attention.py"
     # on a GPU this process holds most of its memory already (JAX preallocates): the child allocates as it goes
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     proc = subprocess.run(

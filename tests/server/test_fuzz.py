@@ -1,5 +1,5 @@
 """Hostile input against a real server (a `python -m jaxserve serve` process): a bounded fuzz of both interfaces
-with a canary stream beside it (tools/fuzz_server.py runs thousands), and the fuzz's own judge checked against
+with a canary stream beside it (tools/checks/fuzz_server.py runs thousands), and the fuzz's own judge checked against
 a server that misbehaves on purpose."""
 
 from __future__ import annotations

@@ -795,7 +795,7 @@ def test_a_step_failing_inside_the_compiled_call_is_survived(served, grpc_client
 
 def test_health_stays_serving_through_busy_steps(served, grpc_client):
     """Health read the engine's cache buffers, which a step donates while it runs: probes during a step saw
-    them deleted and answered 503 / NOT_SERVING (found by tools/fuzz_server.py). A busy healthy engine says
+    them deleted and answered 503 / NOT_SERVING (found by tools/checks/fuzz_server.py). A busy healthy engine says
     SERVING every time."""
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         work = [pool.submit(grpc_client.generate, PROMPT, max_tokens=40, ignore_eos=True) for _ in range(4)]

@@ -34,7 +34,7 @@ def test_the_executor_charges_balancing_and_the_planner_predicts_it():
     times each chunk on its own (its group's queues, the previous chunk's end, the history moved from the previous
     chunk's group). A balancing-aware plan runs exactly as planned; a blind one pays for the moves it did not
     plan."""
-    c16 = MODEL.coef(16)  # SP 32 extrapolated as Table 1 goes from 8 to 16 (as tools/bench_cdsp.py)
+    c16 = MODEL.coef(16)  # SP 32 extrapolated as Table 1 goes from 8 to 16 (as tools/bench/cdsp.py)
     model = cm.TetrisPrefill(MODEL.coefficients | {32: c16 * np.array([1.5, 0.5, 0.5, 0.5])})
     pool = Pool(nodes=4, per_node=8)
     run = Executor(model, BALANCING)

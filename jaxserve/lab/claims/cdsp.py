@@ -50,6 +50,16 @@ class Options:
     out: str = "docs/figures"
 
 
+HELP = {  # each option's help on the command line (python -m jaxserve.lab cdsp)
+    "requests": "Requests per simulated run.",
+    "traces": "Traces to run: long-context shapes or Azure.",
+    "out": "Where plots and cdsp.json (cdsp_70b.json) go.",
+    "model": "8b: Tetris Table 1 on 16 TP-1 A100 instances; 70b: 8 TP-4 Llama-2-70B instances on H100 (the closest "
+    "profile to Tetris's A100 70B), Eq. (1) fitted to ring-SP prefill times from the profile (sim/esp_cost.ESPCost).",
+}
+CHOICES = {"model": ["8b", "70b"]}  # the options that take one of a few values
+
+
 TINY = Options(requests=40, traces=("short",))
 
 

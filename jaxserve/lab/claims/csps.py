@@ -59,6 +59,19 @@ class Options:
     out: str = "docs/figures"
 
 
+HELP = {  # each option's help on the command line (python -m jaxserve.lab csps)
+    "requests": "Requests per run.",
+    "rates": "Poisson arrival rates, requests/s.",
+    "prefill_gpus": "CSPS's prefill pool (whole nodes of 8); the rest of 64 decode.",
+    "decode_tp": "GPUs per CSPS decode instance.",
+    "spts": "Most tokens of one SPT (the paper: 64K-128K), one CSPS each.",
+    "cut": "CSA's share of attention pairs dropped (the paper: 28% less computation).",
+    "light": "The light load capacities are measured against, requests/s.",
+    "seeds": "Workload seeds.",
+    "out": "Where csps.json and csps.png go.",
+}
+
+
 TINY = Options(requests=12, rates=("0.1",), seeds=("0",), light=0.05)
 
 PROFILE, GPUS, PER_NODE = "a100_llama3_8b", 64, 8

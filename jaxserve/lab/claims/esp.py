@@ -35,7 +35,7 @@ from jaxserve.config import SLO
 from jaxserve.sim import plots
 from jaxserve.sim.capacity import highest_rate
 from jaxserve.sim.metrics import Results
-from jaxserve.sim.workload import Workload, long_context
+from jaxserve.sim.workload import LONG_CONTEXT, Workload, long_context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,23 @@ class Options:
     memory_utilization: float = 0.35  # leaves ~81K KV tokens per instance
     memory_rates: Sequence[str] = ("0.05", "0.1", "0.2", "0.3")
     out: str = "docs/figures"
+
+
+HELP = {  # each option's help on the command line (python -m jaxserve.lab esp)
+    "requests": "Requests per simulated run (capacity setting).",
+    "trace": "Long-context prompt lengths (capacity setting).",
+    "max_output": "Outputs are uniform in [64, max_output] tokens (capacity setting).",
+    "memory_requests": "Requests per simulated run (memory setting).",
+    "memory_trace": "Prompt lengths (memory setting).",
+    "memory_max_output": "Outputs are uniform in [64, this] tokens (memory setting).",
+    "memory_utilization": "GPU memory for weights + KV (memory setting): 0.35 leaves ~81K KV tokens per instance.",
+    "memory_rates": "Arrival rates, requests/s (memory setting).",
+    "out": "Where plots and esp.json go.",
+}
+CHOICES = {
+    "trace": sorted(LONG_CONTEXT),
+    "memory_trace": sorted(LONG_CONTEXT),
+}  # the options that take one of a few values
 
 
 TINY = Options(requests=20, memory_requests=15, memory_rates=("0.1",))

@@ -36,6 +36,16 @@ class Options:
     out: str = "docs/figures"
 
 
+HELP = {  # each option's help on the command line (python -m jaxserve.lab kvp)
+    "requests": "Requests per run of the Fig. 12 comparison.",
+    "rates": "Arrival rates, requests/s.",
+    "long_tokens": "Prompt length of the long requests.",
+    "kvp_tokens": "Tokens of one sequence a KVP worker holds before the next joins.",
+    "seed": "Workload seed.",
+    "out": "Where kvp.json and the plots go.",
+}
+
+
 TINY = Options(requests=20, rates=("0.5",), long_tokens=300_000, kvp_tokens=200_000)
 
 CONTEXTS = (1 << 20, 2 << 20, 4 << 20, 10 << 20)

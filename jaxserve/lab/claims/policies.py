@@ -37,6 +37,17 @@ class Options:
     out: str = "docs/figures"
 
 
+HELP = {  # each option's help on the command line (python -m jaxserve.lab policies)
+    "setting": "medha: TP8 x SPP2, 0.25-1.75 QPS; tp8: one TP8 replica.",
+    "requests": "Requests per run.",
+    "seeds": "Workload seeds per point (0..seeds-1).",
+    "rates": "Arrival rates, requests/s (default: the setting's).",
+    "capacity": "Also search the max sustainable rate of FCFS, LRS, EDF + multi-prefill, Medha.",
+    "out": "Where plots and policies_<setting>.json go.",
+}
+CHOICES = {"setting": ["medha", "tp8"]}  # the options that take one of a few values
+
+
 TINY = Options(requests=30, seeds=1, rates=("0.5",), capacity=False)
 
 SETTINGS = {

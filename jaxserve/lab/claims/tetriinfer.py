@@ -57,6 +57,19 @@ class Options:
     out: str = "docs/figures"
 
 
+HELP = {  # each option's help on the command line (python -m jaxserve.lab tetriinfer)
+    "workloads": "TetriInfer 5.1's workload classes.",
+    "rates": "Poisson rates (requests/s), or burst: all at t=0.",
+    "requests": "Requests per Poisson run.",
+    "burst_requests": "Requests of the burst run (the paper's 128).",
+    "colocated": "Colocated clusters, TP-1 replicas; the first is the baseline.",
+    "capped": "Also the baseline with at most this many running per replica (0: no).",
+    "layouts": "TetriInfer layouts, prefill+decode TP-1 instances.",
+    "seed": "Workload and power-of-two seed.",
+    "out": "Where tetriinfer.json and tetriinfer.png go.",
+}
+
+
 TINY = Options(workloads=("mixed",), rates=("burst",), burst_requests=16, layouts=("1+1",), colocated=("2",))
 
 PROFILE = "a100_llama3_8b"

@@ -28,7 +28,7 @@ from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.profiles import tetris_table1_samples
 from jaxserve.sim.disagg import DisaggConfig, DisaggSimulator
 from jaxserve.sim.metrics import Results
-from jaxserve.sim.workload import Workload, long_context
+from jaxserve.sim.workload import LONG_CONTEXT, Workload, long_context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,15 @@ class Options:
     rates: Sequence[str] = ("0.5", "1", "2", "4")
     seeds: Sequence[str] = ("0", "1")
     out: str = "docs/figures"
+
+
+HELP = {  # each option's help on the command line (python -m jaxserve.lab tetris_tbt)
+    "requests": "Requests per run.",
+    "traces": f"Tetris-shaped traces ({', '.join(sorted(LONG_CONTEXT))}).",
+    "rates": "Poisson arrival rates, requests/s.",
+    "seeds": "Workload seeds.",
+    "out": "Where tetris_tbt.json and tetris_tbt.png go.",
+}
 
 
 TINY = Options(requests=15, traces=("short",), rates=("1",))
