@@ -10,7 +10,7 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "tools" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^ {0,3}(```|~~~)")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")  # [text](target): inline links
 
