@@ -118,7 +118,7 @@ def test_llm_serves_through_esp_by_its_flag(model, llm, tmp_path):
     assert isinstance(cluster, ESPCluster) and clustered.max_model_len == 1024
     assert cluster.prefill.num_programs == 0 and isinstance(cluster._idle[0], Compiling)
     runner = cluster.decoders[0].engine.runner
-    assert set(runner.first_programs(mixed=False)) <= set(runner.compiled_programs()) and clustered.cost is None
+    assert set(runner.first_programs(mixed=False)) <= set(runner.compiled_programs()) and clustered.builder.cost is None
     elastic = cluster.scheduler.elastic
     assert elastic.model.to_json() == LoongServePrefill.prior([(1, 1), (2, 1)]).to_json()
     while cluster.has_deferred:  # the instances measure once their background compiles are done
@@ -127,7 +127,8 @@ def test_llm_serves_through_esp_by_its_flag(model, llm, tmp_path):
     assert cluster.prefill.num_programs == len(cluster.chunk_shapes(1024))
     assert elastic.model.to_json() == LoongServePrefill.from_json(batches.read_text()).to_json()
     assert set(elastic._sp) == {1, 2}  # fitted per SP size
-    assert clustered.cost is not None and all(d.engine.scheduler.cost is clustered.cost for d in cluster.decoders)
+    cost = clustered.builder.cost
+    assert cost is not None and all(d.engine.scheduler.cost is cost for d in cluster.decoders)
     ids = [prompt(llm, 900, 31), prompt(llm, 50, 32), prompt(llm, 400, 33)]
     want = llm.generate(ids, GREEDY)
     compiles = []

@@ -20,7 +20,7 @@ def test_a_narrow_cache_holds_more_tokens_and_still_answers(llm, kv, factor):
     settings = dict(kv_cache_gib=0.01, max_model_len=1024, progress=False)
     full = jaxserve.LLM(**settings)
     narrow = jaxserve.LLM(kv_cache_dtype=kv, **settings)
-    assert narrow._kv_tokens == pytest.approx(factor * full._kv_tokens, abs=factor)
+    assert narrow.builder.kv_tokens == pytest.approx(factor * full.builder.kv_tokens, abs=factor)
     assert narrow.engine.runner.caches[0].dtype == jnp.dtype(jnp.float8_e4m3fn if kv == "fp8" else kv)
     outs = narrow.generate(list(CONFIDENT), SamplingParams(max_tokens=4))
     assert [o.text.startswith(want) for o, want in zip(outs, CONFIDENT.values())] == [True] * len(CONFIDENT)
