@@ -201,7 +201,7 @@ class EngineBuilder:
         """The step shapes to compile. On a CPU the jnp attention runs every tile of a mixed program: row buckets
         from 4 keep a lone chunk's few. On a GPU one decode row runs as two: XLA computes a one-row matmul under
         10M weights (k_proj, v_proj) as multiply + reduce, fused into the KV write, far slower than the GEMM
-        (docs/BENCHMARKS.md, "Serving on one H200, profiled")."""
+        (docs/BENCHMARKS.md, "Serving on one H200, profiled, and on one H100")."""
         cache, sched = self.cfg.cache, self.cfg.scheduler
         on_cpu = jax.devices()[0].platform == "cpu"
         return Buckets.make(

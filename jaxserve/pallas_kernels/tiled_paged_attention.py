@@ -158,7 +158,7 @@ def tiled_paged_attention(
         o, lse = o[0], lse[0]
     else:
         # in jnp, not the merge kernel: XLA fuses it with its neighbours (a kernel launch a layer saved:
-        # docs/BENCHMARKS.md, "Serving on one H200, profiled")
+        # docs/BENCHMARKS.md, "Serving on one H200, profiled, and on one H100")
         o, lse = reference.merge_attention(o, lse)
         o = o.astype(q.dtype)
     o = o[:, :, : g * tq, :d].reshape(n, kvh, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(n, tq, h, d)

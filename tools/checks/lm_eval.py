@@ -46,6 +46,7 @@ import urllib.request
 from absl import app, flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+HF_DIR_TOOL = REPO / "tools" / "fixtures" / "hf_dir.py"
 sys.path.insert(0, str(REPO))
 
 from jaxserve.models import registry  # noqa: E402  (pure Python: no jax import)
@@ -96,27 +97,6 @@ flags.DEFINE_bool("strict_gen", False, "Also fail (exit 1) when a greedy generat
 flags.DEFINE_string("out", "/tmp/lm_eval_check", "Output folder (local/, hf/, server.log).")
 flags.DEFINE_integer("lm_eval_timeout", 3600, "Seconds each lm_eval run may take.")
 
-EXPORT_HF_DIR = r"""
-import pathlib, sys, torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
-gguf, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-tmp = out.with_name(out.name + ".partial")
-tmp.mkdir(parents=True, exist_ok=True)
-# save_pretrained refuses a model loaded from GGUF ("quantized ... not serializable"): write the float32 tensors
-sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-if model.config.tie_word_embeddings:
-    sd.pop("lm_head.weight", None)
-save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-if hasattr(model.config, "quantization_config"):
-    del model.config.quantization_config
-model.config.save_pretrained(tmp)
-tok.save_pretrained(tmp)
-tmp.rename(out)
-"""
-
 
 def lm_eval_python() -> pathlib.Path:
     return pathlib.Path(FLAGS.lm_eval).parent / "python"
@@ -137,7 +117,7 @@ def hf_dir() -> pathlib.Path:
         raise SystemExit(f"{path} is not a Hugging Face directory, and {gguf} is no GGUF file to write it from")
     print(f"writing {path} from {gguf} (transformers, float32) ...", flush=True)
     shutil.rmtree(path.with_name(path.name + ".partial"), ignore_errors=True)
-    subprocess.run([str(lm_eval_python()), "-c", EXPORT_HF_DIR, str(gguf), str(path)], check=True, env=lm_eval_env())
+    subprocess.run([str(lm_eval_python()), str(HF_DIR_TOOL), str(gguf), str(path)], check=True, env=lm_eval_env())
     return path
 
 
