@@ -101,7 +101,6 @@ class EngineBuilder:
         None in one process."""
         self.cfg, self.model, self.params = cfg, model, model.params
         self.new: Construct = new or construct
-        self.across_processes = new is not None
         self.cost: EngineStepCost | None = None
         self._kv_bytes: dict[tuple[int, int], int] = {}  # a device's KV pool by (tp, stages), once measured
         # the fail-over engine's programs compiling (prepare_fail_over): its runner, their future, a stop
@@ -114,6 +113,11 @@ class EngineBuilder:
         self.max_model_len = self._context(cfg.model.max_model_len)
         self.buckets = self._make_buckets()
         self.quick_start = cfg.startup.quick_start and cfg.startup.warmup and not self.across_processes
+
+    @property
+    def across_processes(self) -> bool:
+        """Whether the device layer is made in every process (lockstep), until a fail-over ends that."""
+        return self.new is not construct
 
     # ---- sizes ----------------------------------------------------------------------------------------
     def _context_sets(self) -> int:
@@ -407,7 +411,7 @@ class EngineBuilder:
         """After a follower process is lost: one replica on this process's first devices, its programs compiled:
         those prepare_fail_over compiled (if it ran), the rest now, in parallel. From now on everything is
         constructed in this process alone."""
-        self.new, self.across_processes = construct, False
+        self.new = construct
         devices, tokens, shape = self._fail_over_layout()
         compiled = None
         if self._fail_over_programs is not None:

@@ -156,7 +156,7 @@ def test_a_request_whose_kv_outgrows_one_instance_decodes_over_several(llm, devi
         ds,
         progress=False,
         tp=tp,
-        kv_cache_tokens=small,  # noqa: E731
+        kv_cache_tokens=small,
         max_model_len=small,
     )
     cluster = build(

@@ -112,9 +112,10 @@ class JaxServeSide:
         )
         self.options = options or {}
 
-    def generate(self, batch: list[list[int]], n: int) -> None:
+    def generate(self, batch: list[list[int]], n: int) -> list[list[int]]:
         outs = self.llm.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True, **self.options))
         assert all(len(o.token_ids) == n for o in outs)
+        return [o.token_ids for o in outs]
 
 
 class TransformersSide:

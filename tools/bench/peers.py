@@ -28,13 +28,14 @@ import jax
 from absl import app, flags
 
 from generate import JaxServeSide, measure  # and its flags: --batch, --decode_tokens, --long_prompt, ...
-from jaxserve import SamplingParams
 from jaxserve.models import registry
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("install", False, "Make the peers' virtual environments (llama.cpp builds from source) and stop.")
 flags.DEFINE_list("peers", None, "--install: only these peers (default: all).")
-flags.DEFINE_string("peers_dir", None, "Where the peers' environments and weights live (default: the cache's peers/).")
+flags.DEFINE_string(
+    "peers_dir", None, "Where the peers' environments and the F32 GGUF live (default: the cache's peers/)."
+)
 flags.DEFINE_string(
     "torch_index",
     None,
@@ -126,7 +127,7 @@ def weights() -> dict[str, pathlib.Path]:
     q4 = registry.resolve(registry.DEFAULT_MODEL)
     made = peers_dir() / "weights"
     made.mkdir(parents=True, exist_ok=True)
-    f32, hf = made / f"{q4.stem}-F32.gguf", made / f"{q4.stem}-float32"
+    f32, hf = made / f"{q4.stem}-F32.gguf", registry.cache_dir() / "hf" / f"{q4.stem}-float32"  # lm_eval.py's too
     if not f32.is_file():
         print(f"writing {f32} (llama.cpp's requantize to F32)", flush=True)
         subprocess.run(
@@ -186,12 +187,6 @@ class PeerSide:
         self.log.close()
 
 
-def greedy_tokens(side, batch: list[list[int]], n: int) -> list[list[int]]:
-    if isinstance(side, JaxServeSide):
-        return [o.token_ids for o in side.llm.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True))]
-    return side.generate(batch, n)
-
-
 def greedy_agreement(sides: list) -> dict[str, str]:
     """Each engine's greedy tokens for CHECK_PROMPTS against jaxserve's in the same weights: float32 engines
     against jaxserve float32, quantized ones against jaxserve's kept GGUF blocks. "k of 5" per engine."""
@@ -199,7 +194,7 @@ def greedy_agreement(sides: list) -> dict[str, str]:
     if not jax_sides:
         return {}
     ids = [next(iter(jax_sides.values())).llm.tokenizer.encode(p) for p in CHECK_PROMPTS]
-    tokens = {s.name: greedy_tokens(s, ids, FLAGS.check_tokens) for s in sides}
+    tokens = {s.name: s.generate(ids, FLAGS.check_tokens) for s in sides}
     agreement = {}
     for side in sides:
         ref = "jaxserve_gguf" if side.name in QUANTIZED and "jaxserve_gguf" in jax_sides else "jaxserve"

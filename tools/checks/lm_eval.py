@@ -116,7 +116,6 @@ def hf_dir() -> pathlib.Path:
     if gguf.suffix != ".gguf":
         raise SystemExit(f"{path} is not a Hugging Face directory, and {gguf} is no GGUF file to write it from")
     print(f"writing {path} from {gguf} (transformers, float32) ...", flush=True)
-    shutil.rmtree(path.with_name(path.name + ".partial"), ignore_errors=True)
     subprocess.run([str(lm_eval_python()), str(HF_DIR_TOOL), str(gguf), str(path)], check=True, env=lm_eval_env())
     return path
 
