@@ -463,10 +463,18 @@ def gguf_tensors(tensors: dict[str, np.ndarray], arch: str, heads: int = 4, kv_h
 
 
 def write_gguf(
-    path: pathlib.Path, arch: str, config: dict, tensors: dict[str, np.ndarray], tokenizer: TextTokenizer, pre: str
+    path: pathlib.Path,
+    arch: str,
+    config: dict,
+    tensors: dict[str, np.ndarray],
+    tokenizer: TextTokenizer,
+    pre: str,
+    qtype: str | None = None,
 ) -> None:
-    """A float32 GGUF file as llama.cpp's converter writes one: `config` its `{arch}.*` metadata, `tensors` by their
-    GGUF names ([out, in] arrays), the tokenizer's byte-level BPE vocabulary and merges, `pre` its pre-tokenizer."""
+    """A GGUF file as llama.cpp's converter writes one: `config` its `{arch}.*` metadata, `tensors` by their GGUF
+    names ([out, in] arrays), the tokenizer's byte-level BPE vocabulary and merges, `pre` its pre-tokenizer. Float32,
+    or with `qtype` (a block type the gguf package quantizes: Q4_0, Q4_1, Q8_0, ...) every matrix in its blocks,
+    as llama-quantize leaves the norms float32."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -497,7 +505,12 @@ def write_gguf(
     if tokenizer.chat_template:
         w.add_chat_template(tokenizer.chat_template)
     for name, array in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(array, np.float32))
+        array = np.ascontiguousarray(array, np.float32)
+        if qtype is None or array.ndim < 2:
+            w.add_tensor(name, array)
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(array, t), raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

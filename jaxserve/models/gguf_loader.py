@@ -6,7 +6,11 @@ Weights are dequantized to float32 (via the `gguf` package), or with `keep_quant
 Q5_0, Q5_1 and Q5_K (5-bit values in int8, a scale and for Q5_1 / Q5_K an offset per 32), Q6_K, Q3_K and Q2_K
 (int8, a scale and for Q2_K an offset per 16) load without going through float. A weight whose layers differ in type (a
 stacked weight has one layout: Q4_K_M's Q4_K and Q6_K) is kept in one layout they all fit (mixed_layout); a
-tensor of another type is dequantized."""
+tensor of another type is dequantized.
+
+On a CPU with ggml's kernels (models/ggml.py) a kept tensor is a `quantize.GGMLBlocks` instead: its rows of
+blocks as stored, any type ggml computes (a weight whose layers differ in type is dequantized: stacked layers
+need one row size)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from absl import logging
 
 from jaxserve.models.config import LlamaConfig, LongRoPE, YaRN, gemma3_sliding, yarn_mscale
 from jaxserve.models.hf_loader import phi3_split
-from jaxserve.models.quantize import Quantized
+from jaxserve.models import ggml
+from jaxserve.models.quantize import GGMLBlocks, Quantized
 from jaxserve.models.weights import params_from_hf
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
@@ -91,6 +96,11 @@ class GGUFFile:
         return Quantized(
             values.reshape(*rows, -1), scale.reshape(lead), None if offset is None else offset.reshape(lead), qtype
         )
+
+    def rows(self, name: str) -> GGMLBlocks:
+        """A tensor's rows of blocks as stored, [out, row bytes], for ggml's kernels."""
+        t = self._tensors[name]
+        return GGMLBlocks(np.asarray(t.data).reshape(t.data.shape[0], -1), int(t.tensor_type))
 
     def config(self) -> LlamaConfig:
         arch = self.field("general.architecture")
@@ -302,14 +312,15 @@ def load_gguf(path: str | pathlib.Path, keep_quantized: bool = False) -> tuple[L
     arch = f.field("general.architecture")
     permuted = arch == "llama"  # llama.cpp's converter permutes llama's q and k only
     names = _names(arch)
-    kept, mixed = _kept_names(f, cfg, names) if keep_quantized else (set(), set())
+    rows = keep_quantized and ggml.available()
+    kept, mixed = _kept_names(f, cfg, names, rows) if keep_quantized else (set(), set())
     blocks = kept | mixed
 
     def tensor(hf_name: str) -> np.ndarray | Quantized:
         m = re.match(r"model\.layers\.(\d+)\.(.*)", hf_name)
         key = f"model.layers.{{i}}.{m.group(2)}" if m else hf_name
         name = names[key].format(i=m.group(1) if m else "")
-        w = f.blocks(name) if names[key] in blocks else f.tensor(name)
+        w = (f.rows(name) if rows else f.blocks(name)) if names[key] in blocks else f.tensor(name)
         if names[key] in mixed:
             w = mixed_layout(w)
         if arch == "gemma3" and key.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + weight
@@ -328,15 +339,15 @@ def _names(arch: str) -> dict[str, str]:
     return {**_HF_TO_GGUF, **_GEMMA3} if arch == "gemma3" else _HF_TO_GGUF
 
 
-def _kept_names(f: GGUFFile, cfg: LlamaConfig, names: dict[str, str]) -> tuple[set[str], set[str]]:
+def _kept_names(f: GGUFFile, cfg: LlamaConfig, names: dict[str, str], rows: bool = False) -> tuple[set[str], set[str]]:
     """The GGUF names (with {i} for the layer) of the weights kept quantized: those whose every layer has one
-    type in KEPT (kept as stored), and those whose layers' types differ, each in KEPT (mixed_layout). The others
-    are dequantized, with a line in the log."""
+    type in KEPT (kept as stored), and those whose layers' types differ, each in KEPT (mixed_layout; with `rows`,
+    ggml's, none: they are dequantized). The others are dequantized, with a line in the log."""
     kept, mixed, dequantized = set(), set(), set()
     for pattern in names.values():
         tensors = [pattern.format(i=i) for i in range(cfg.num_layers)] if "{i}" in pattern else [pattern]
         types = {f.tensor_type(n) for n in tensors if f.has_tensor(n)}
-        if types and types <= set(KEPT):
+        if types and types <= set(KEPT) and not (rows and len(types) > 1):
             (kept if len(types) == 1 else mixed).add(pattern)
         elif types - {_T.F32, _T.F16, _T.BF16}:
             dequantized.add(f"{pattern} ({', '.join(sorted(t.name for t in types))})")

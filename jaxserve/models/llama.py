@@ -132,6 +132,19 @@ def _dense(features: int, dtype: jnp.dtype, name: str, bias: bool = False) -> Li
     return Linear(features, dtype, bias, name=name)
 
 
+def _shared_input(
+    module: nn.Module, x: Float[Array, "... k"], linears: list[tuple[int, str, bool]]
+) -> list[Float[Array, "... n"]]:
+    """x through the Linears (features, name, bias) of `module` that read it alike (q/k/v, gate/up): in one call
+    where their kernels allow it (quantize.dense_shared: ggml's blocks), each Linear by itself otherwise."""
+    params = module.variables.get("params", {})
+    kernels = [params.get(name, {}).get("kernel") for _, name, _ in linears]
+    if any(not isinstance(w, quantize.GGMLBlocks) for w in kernels):
+        return [_dense(features, module.dtype, name, bias)(x) for features, name, bias in linears]
+    ys = quantize.dense_shared(x.astype(module.dtype), kernels)
+    return [y + params[name]["bias"].astype(y.dtype) if bias else y for y, (_, name, bias) in zip(ys, linears)]
+
+
 def _split(cfg: LlamaConfig, tp_axis: str | None):
     """This device's share of the layer: all of it, or its tensor-parallel slice inside shard_map."""
     return cfg.split(jax.lax.axis_size(tp_axis) if tp_axis else 1)
@@ -153,9 +166,9 @@ class Attention(nn.Module):
         cfg, share = self.cfg, _split(self.cfg, self.tp_axis)
         b, t, _ = x.shape
         qh, kvh, bias = share.heads * cfg.head_dim, share.kv_heads * cfg.head_dim, cfg.qkv_bias
-        q = _dense(qh, self.dtype, "q_proj", bias)(x).reshape(b, t, share.heads, cfg.head_dim)
-        k = _dense(kvh, self.dtype, "k_proj", bias)(x).reshape(b, t, share.kv_heads, cfg.head_dim)
-        v = _dense(kvh, self.dtype, "v_proj", bias)(x).reshape(b, t, share.kv_heads, cfg.head_dim)
+        q, k, v = _shared_input(self, x, [(qh, "q_proj", bias), (kvh, "k_proj", bias), (kvh, "v_proj", bias)])
+        q = q.reshape(b, t, share.heads, cfg.head_dim)
+        k, v = (a.reshape(b, t, share.kv_heads, cfg.head_dim) for a in (k, v))
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.gemma_norms, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.gemma_norms, name="k_norm")(k)
@@ -175,8 +188,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         features = _split(self.cfg, self.tp_axis).intermediate
-        gate = _dense(features, self.dtype, "gate_proj")(x)
-        up = _dense(features, self.dtype, "up_proj")(x)
+        gate, up = _shared_input(self, x, [(features, "gate_proj", False), (features, "up_proj", False)])
         act = nn.silu if self.cfg.activation == "silu" else functools.partial(nn.gelu, approximate=True)
         return _reduce(_dense(self.cfg.hidden_size, self.dtype, "down_proj")(act(gate) * up), self.tp_axis)
 

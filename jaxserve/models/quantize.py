@@ -11,6 +11,10 @@ GEMM per block, each block's float32 sums scaled, then summed; elsewhere qwix's 
 into the model's dtype first. The offsets' share is each block's inputs summed, times its offsets. Either way a
 quantized model computes what its dequantized weights would.
 
+On a CPU where ggml's kernels run (models/ggml.py: llama-cpp-python installed), a GGUF file's blocks are
+`GGMLBlocks` instead: each tensor's rows as stored, multiplied as llama.cpp multiplies them (each input row rounded
+to 8-bit blocks, then integer dot products), several times faster than the XLA path at a few rows.
+
 Two weights are quantized: the linear kernels `[.., in, out]` (blocks run along `in`, the contracted axis) and the
 embedding table `[vocab, hidden]` (blocks along `hidden`, which the tied LM head contracts). Norms and biases stay
 in the model's dtype. Scales and offsets are float16, as GGUF keeps them (a GGUF file's Q4_K products float32).
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
@@ -30,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import qwix
 from jaxtyping import Array, Float, Int
+
+from jaxserve.models import ggml
 
 SCALE_DTYPE = jnp.float16
 MAX_BLOCK = 128  # int4's largest block along the contracted axis: 4.25 bits a weight with its scale and offset
@@ -72,6 +79,16 @@ class Quantized:
         return w + offset
 
 
+@flax.struct.dataclass
+class GGMLBlocks:
+    """A GGUF tensor's rows of blocks as stored, `raw` [.., n, row bytes], multiplied by ggml's kernels on a CPU
+    (models/ggml.py). It stands for a linear kernel [.., k, n] and for an embedding table [n, k] alike: a
+    GGUF file's rows run along the axis a matmul contracts, so neither is transposed."""
+
+    raw: Any
+    qtype: int = flax.struct.field(pytree_node=False)  # gguf.GGMLQuantizationType's value
+
+
 # XLA's GPU compiler merges dots that share an input (q, k and v) into one GEMM over their weights concatenated;
 # over block-quantized weights it writes their converted values out to do so. Their programs compile without it.
 UNMERGED_DOTS = {"xla_gpu_dot_merger_threshold_mb": 0}
@@ -97,10 +114,12 @@ def _block_sums(x: Float[Array, "... k"], blocks: int) -> Float[Array, "... bloc
     return x.reshape(*x.shape[:-1], blocks, x.shape[-1] // blocks).sum(-1)
 
 
-def _matmul(x: Float[Array, "... k"], w: Array | Quantized, contracted: int) -> Array:
+def _matmul(x: Float[Array, "... k"], w: Array | Quantized | GGMLBlocks, contracted: int) -> Array:
     """x times w contracted over w's axis `contracted` (0: a kernel [k, n]; 1: a table [n, k]), in x's dtype; a
     float w is cast (as nn.Dense casts it)."""
     dims = (((x.ndim - 1,), (contracted,)), ((), ()))
+    if isinstance(w, GGMLBlocks):
+        return ggml.matmul(x, w.raw, w.qtype).astype(x.dtype)
     if not isinstance(w, Quantized):
         return jax.lax.dot_general(x, w.astype(x.dtype), dims)
     if w.offset is None and w.scale.shape[contracted] == 1:
@@ -158,9 +177,18 @@ def dense(x: Float[Array, "... k"], kernel: Array | Quantized) -> Float[Array, "
     return _matmul(x, kernel, 0)
 
 
+def dense_shared(x: Float[Array, "... k"], kernels: Sequence[Array | Quantized | GGMLBlocks]) -> list[Array]:
+    """dense(x, kernel) for each of kernels that share their input (q/k/v, gate/up): ggml's blocks of one type in
+    one call (x rounded once, one parallel loop: ggml.matmuls), any others one by one."""
+    types = {w.qtype if isinstance(w, GGMLBlocks) else None for w in kernels}
+    if len(kernels) > 1 and len(types) == 1 and None not in types:
+        return [y.astype(x.dtype) for y in ggml.matmuls(x, [w.raw for w in kernels], types.pop())]
+    return [dense(x, w) for w in kernels]
+
+
 def attend(x: Float[Array, "... e"], table: Array | Quantized) -> Float[Array, "... vocab"]:
     """x @ table.T in x's dtype for the embedding table [vocab, e] (a tied LM head)."""
-    if not isinstance(table, Quantized):
+    if not isinstance(table, Quantized):  # float, or ggml's blocks
         return _matmul(x, table, 1)
 
     def by_rows(x, table):  # a CPU dequantizes a piece of the table at a time (the whole: 113 MB for SmolLM2)
@@ -175,6 +203,8 @@ def attend(x: Float[Array, "... e"], table: Array | Quantized) -> Float[Array, "
 
 def take(table: Array | Quantized, ids: Int[Array, "..."], dtype: jnp.dtype) -> Float[Array, "... e"]:
     """The embedding table's rows `ids`, dequantized row by row (never the whole table)."""
+    if isinstance(table, GGMLBlocks):
+        return ggml.to_float(jnp.take(table.raw, ids, axis=0), table.qtype).astype(dtype)
     if not isinstance(table, Quantized):
         return jnp.take(table, ids, axis=0).astype(dtype)
     return jax.tree.map(lambda a: jnp.take(a, ids, axis=0), table).dequantize(dtype)
@@ -251,9 +281,11 @@ def quantize_params(params: Any, method: str) -> Any:
     return jax.tree_util.tree_map_with_path(leaf, params)
 
 
-def on_device(x: np.ndarray | Quantized, dtype: jnp.dtype) -> Array | Quantized:
-    """A loader's host array on the device: a float one in `dtype`, a GGUF file's `Quantized` blocks as stored
-    (4-bit values, one to an int8 on the host, as _store keeps them)."""
+def on_device(x: np.ndarray | Quantized | GGMLBlocks, dtype: jnp.dtype) -> Array | Quantized | GGMLBlocks:
+    """A loader's host array on the device: a float one in `dtype`, a GGUF file's blocks as stored (`Quantized`:
+    4-bit values, one to an int8 on the host, as _store keeps them; `GGMLBlocks`: its bytes)."""
+    if isinstance(x, GGMLBlocks):
+        return x.replace(raw=jnp.asarray(x.raw))
     if not isinstance(x, Quantized):
         return jnp.asarray(x, dtype)
     if _is_4bit(x.qtype):

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxserve.models.config import LlamaConfig
+from jaxserve.models.quantize import GGMLBlocks
 
 QKV = ("q_proj", "k_proj", "v_proj")
 _LAYER_LINEARS = {
@@ -35,7 +36,8 @@ def params_from_hf(cfg: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> dic
         return w
 
     def linear(name: str, bias: bool = False) -> dict[str, Any]:
-        out = {"kernel": jax.tree.map(lambda w: np.ascontiguousarray(w.T), tensor(name))}
+        w = tensor(name)  # ggml's rows are the kernel's columns as they are
+        out = {"kernel": w if isinstance(w, GGMLBlocks) else jax.tree.map(lambda a: np.ascontiguousarray(a.T), w)}
         if bias:
             out["bias"] = tensor(name.removesuffix("weight") + "bias")
         return out

@@ -1,4 +1,5 @@
-"""One entry point per attention op: the Pallas kernel on GPU, the pure-jnp reference elsewhere.
+"""One entry point per attention op: the Pallas kernel on GPU, the pure-jnp reference elsewhere (float32 decode
+tiles on a CPU: the C++ kernel, cpu_attention.py).
 
 `implementation` overrides the choice: 'kernel' (compiled Pallas), 'interpret' (Pallas in interpret mode, runs on
 CPU: how tests check the kernels) or 'reference'. Tile options (block_q, block_k, block_rows) reach the kernels
@@ -13,6 +14,7 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from jaxserve.pallas_kernels import chunk_attention as chunk_kernel
+from jaxserve.pallas_kernels import cpu_attention
 from jaxserve.pallas_kernels import decode_attention as decode_kernel
 from jaxserve.pallas_kernels import merge as merge_kernel
 from jaxserve.pallas_kernels import reference
@@ -91,6 +93,10 @@ def tiled_paged_attention(
     page_pos: Int[Array, "n w"] | None = None,
     implementation: Implementation | None = None,
 ) -> tuple[Float[Array, "n tq h d"], Float[Array, "n tq h"]]:
+    if implementation is None and cpu_attention.takes(q, k_cache):  # float32 decode tiles on a CPU: C++
+        return cpu_attention.decode_attention(
+            q, q_pos, k_cache, v_cache, tables, block_size=block_size, window=window, page_pos=page_pos
+        )
     impl = resolve(implementation)
     if impl == "reference":
         return reference.tiled_paged_attention(

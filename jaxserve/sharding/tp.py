@@ -3,7 +3,7 @@ of the MLP's intermediate features, and one all-reduce after the output projecti
 projection sum the partial results. Embeddings, norms and the LM head stay whole on every device.
 
 q/k/v/gate/up are split by output columns, o/down by input rows (a quantized kernel's arrays alike: values,
-scales and offsets per block), so device j computes heads
+scales and offsets per block; ggml's rows of blocks by rows, or each row by whole blocks), so device j computes heads
 [j*h, (j+1)*h) with h = num_heads / tp and, grouped as GQA groups them, their KV heads. When tp exceeds the
 KV heads, each KV head is repeated on the tp / num_kv_heads devices whose query heads read it (as vLLM does):
 the weights are expanded before sharding and the cache holds one KV head per device.
@@ -37,16 +37,14 @@ def shard_params(params: Any, cfg: LlamaConfig, tp: int) -> tuple[Any, Any]:
         if tp == 1 or not set(names) & set(_COLUMNS + _ROWS):
             return x, P()
         bias = names[-1] == "bias"  # a column-split projection's bias ([.., cols]): split like its columns
+        rows = getattr(path[-1], "name", "") == "raw"  # ggml's blocks, [.., cols, k's bytes] (quantize.GGMLBlocks)
         if shape.kv_repeat > 1 and set(names) & {"k_proj", "v_proj"}:
-            *lead, cols = x.shape  # [.., kvh * d] -> each head's columns repeated kv_repeat times
-            width = cols // cfg.num_kv_heads  # head_dim; half that for 4-bit values packed in bytes
-            heads = x.reshape(*lead, cfg.num_kv_heads, 1, width)
-            x = jnp.broadcast_to(heads, (*lead, cfg.num_kv_heads, shape.kv_repeat, width)).reshape(
-                *lead, cols * shape.kv_repeat
-            )
+            x = _repeat_heads(x, cfg.num_kv_heads, shape.kv_repeat, x.ndim - 2 if rows else x.ndim - 1)
         if bias:
             return x, P(*(None,) * (x.ndim - 1), TP)
         lead = (None,) * (x.ndim - 2)
+        if rows:  # a row's blocks split whole or not at all: ggml's matmul names the cut
+            return x, P(*lead, TP, None) if set(names) & set(_COLUMNS) else P(*lead, None, TP)
         if set(names) & set(_COLUMNS):
             return x, P(*lead, None, TP)
         # a quantized kernel's scale per column ([.., 1, out]) is whole on every device; blocks split with rows
@@ -55,6 +53,13 @@ def shard_params(params: Any, cfg: LlamaConfig, tp: int) -> tuple[Any, Any]:
     pairs = jax.tree_util.tree_map_with_path(arrange, params)
     is_pair = lambda p: isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], P)  # noqa: E731
     return (jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair), jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
+
+
+def _repeat_heads(x: Array, heads: int, repeat: int, axis: int) -> Array:
+    """x's `axis` ([.., kvh * d, ..]) with each KV head's d entries repeated `repeat` times."""
+    lead, cols, tail = x.shape[:axis], x.shape[axis], x.shape[axis + 1 :]
+    grouped = x.reshape(*lead, heads, 1, cols // heads, *tail)
+    return jnp.broadcast_to(grouped, (*lead, heads, repeat, cols // heads, *tail)).reshape(*lead, cols * repeat, *tail)
 
 
 def shardings(mesh: Mesh, specs: Any) -> Any:

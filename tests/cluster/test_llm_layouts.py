@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 import jaxserve
+from jaxserve.models import ggml
 from conftest import LAYERS, prompt, serve
 from jaxserve.cluster.engine import ClusterEngine
 from jaxserve.models.gguf_loader import GGUFFile
@@ -15,7 +16,7 @@ from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sched.cost_models import TetrisPrefill
 from jaxserve.sched.improvement_rate import AdaptiveCDSP, RateTable
-from tiny_models import write_tiny_model
+from tiny_models import CLUSTER_MODEL, gguf_tensors, write_gguf, write_tiny_model
 
 GREEDY = SamplingParams(max_tokens=24)
 
@@ -87,21 +88,56 @@ def test_llm_on_one_tensor_parallel_instance_equals_one_device(model, llm):
     assert [c.token_ids for c in tp.generate(ids, GREEDY)] == want
 
 
-def test_quantized_weights_split_over_tensor_parallel_devices(model, smollm2, llm):
+def test_quantized_weights_split_over_tensor_parallel_devices(model, llm, tmp_path, monkeypatch):
     """LLM(tp=3) with weights kept quantized, each device holding its share of the values, scales and offsets:
-    SmolLM2's Q4_1 blocks (4-bit values packed in bytes, split by columns; offsets per block, split with rows) and
-    int8 (one scale per column, whole on every device for the row-split projections). The GGUF blocks give the
-    float32 engine's greedy tokens (SmolLM2's, converted from the same file); int8 gives its own single-device
-    greedy tokens."""
+    this folder's model as a Q4_1 GGUF, through XLA (4-bit values packed in bytes, split by columns; offsets per
+    block, split with rows) and through ggml's kernels (rows of blocks, split by rows or by whole blocks within
+    them), and int8 (one scale per column, whole on every device for the row-split projections). Through XLA the
+    GGUF blocks give the float32 engine's greedy tokens (the same file dequantized); int8 gives its own
+    single-device greedy tokens, and so does ggml up to a near-tie (it rounds each matmul's input to 8 bits, so
+    partial sums added in another order may round an input the other way)."""
     settings = dict(
         max_model_len=1024, kv_cache_tokens=2048, max_num_seqs=4, max_num_batched_tokens=256, progress=False
     )
+    q4 = tmp_path / "q4_1.gguf"
+    write_gguf(q4, "llama", GGUF_META, _tiny_tensors(llm, tmp_path), llm.tokenizer, pre="smollm", qtype="Q4_1")
     ids = [prompt(llm, 300, 11), prompt(llm, 40, 12)]
-    kept, full = (jaxserve.LLM(smollm2, **settings, **extra) for extra in (dict(quantization="gguf", tp=3), {}))
+    one, three = (jaxserve.LLM(str(q4), quantization="gguf", tp=tp, **settings) for tp in (1, 3))
+    scored = SamplingParams(max_tokens=GREEDY.max_tokens, logprobs=2)
+    for ours, want in zip(three.generate(ids, GREEDY), one.generate(ids, scored)):
+        for token, single in zip(ours.token_ids, want.logprobs):
+            if token != single.token:  # only at a near-tie: the partial sums' order moves 8-bit roundings
+                assert single.top[0][1] - single.top[1][1] < 0.1
+                break
+    del one, three
+    with monkeypatch.context() as m:
+        m.setattr(ggml, "available", lambda: False)
+        kept, full = (jaxserve.LLM(str(q4), **settings, **extra) for extra in (dict(quantization="gguf", tp=3), {}))
     assert [c.token_ids for c in kept.generate(ids, GREEDY)] == [c.token_ids for c in full.generate(ids, GREEDY)]
     del kept, full
     one, three = (jaxserve.LLM(model, quantization="int8", tp=tp, **settings) for tp in (1, 3))
     assert [c.token_ids for c in three.generate(ids, GREEDY)] == [c.token_ids for c in one.generate(ids, GREEDY)]
+
+
+# this folder's model as llama.cpp's converter describes it
+GGUF_META = {
+    "embedding_length": 64,
+    "feed_forward_length": CLUSTER_MODEL["mlp"],
+    "block_count": LAYERS,
+    "attention.head_count": CLUSTER_MODEL["heads"],
+    "attention.head_count_kv": CLUSTER_MODEL["kv_heads"],
+    "attention.key_length": 16,  # not hidden / heads
+    "attention.value_length": 16,
+    "context_length": 4096,
+    "rope.freq_base": 10000.0,
+    "attention.layer_norm_rms_epsilon": 1e-5,
+}
+
+
+def _tiny_tensors(llm, tmp_path) -> dict:
+    """This folder's model's tensors (written again: its seed draws the same), by llama.cpp's names."""
+    tensors = write_tiny_model(tmp_path / "again", llm.tokenizer, **CLUSTER_MODEL, tied=True)
+    return gguf_tensors(tensors, "llama", heads=CLUSTER_MODEL["heads"], kv_heads=CLUSTER_MODEL["kv_heads"])
 
 
 def test_llm_on_pipeline_stages_of_kv_parallel_sets_equals_one_device(model, llm):

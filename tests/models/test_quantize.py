@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxserve
-from jaxserve.models import loader, quantize
+from jaxserve.models import ggml, loader, quantize
 from jaxserve.models.gguf_loader import KEPT, GGUFFile, load_gguf
 from jaxserve.sampling_params import SamplingParams
 
@@ -217,10 +217,11 @@ def test_gguf_blocks_kept_equal_the_gguf_packages_dequantization(qtype, tmp_path
 
 
 @pytest.mark.parametrize("first", ["Q4_K", "Q5_K"])
-def test_layers_stored_in_different_types_stack_in_one_layout(tmp_path, first):
-    """Q4_K_M's files store some weights' layers in Q4_K and others in Q6_K (Q5_K_M's: Q5_K and Q6_K). Kept
-    (mixed_layout: int8 values, a scale and offset per 16), each layer dequantizes to the file's own values and
-    multiplies as them."""
+def test_layers_stored_in_different_types_stack_in_one_layout(tmp_path, first, monkeypatch):
+    """Q4_K_M's files store some weights' layers in Q4_K and others in Q6_K (Q5_K_M's: Q5_K and Q6_K). Kept for
+    XLA (mixed_layout: int8 values, a scale and offset per 16), each layer dequantizes to the file's own values
+    and multiplies as them. (ggml's rows cannot stack layers of two row sizes: with ggml they are dequantized.)"""
+    monkeypatch.setattr(ggml, "available", lambda: False)
     rng = np.random.default_rng(7)
     hidden, ffn, heads, kv_heads, head_dim = 256, 512, 4, 2, 64
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
@@ -278,9 +279,11 @@ def test_gguf_blocks_need_a_gguf_file():
         loader.load_weights("random:tiny", "float32", "gguf")
 
 
-def test_smollm2_served_from_its_q4_1_blocks_equals_the_float32_path(llm):
-    """The default model is a Q4_1 GGUF file: kept in its blocks (quantization=gguf), resident at a fifth of the
-    float32 weights, it gives the float32 engine's greedy tokens."""
+def test_smollm2_served_from_its_q4_1_blocks_through_xla_equals_the_float32_path(llm, monkeypatch):
+    """The default model is a Q4_1 GGUF file: kept in its blocks (quantization=gguf) where ggml's kernels cannot
+    run (XLA dequantizes them: tests/models/test_ggml_kernels.py has ggml's), resident at a fifth of the float32
+    weights, it gives the float32 engine's greedy tokens."""
+    monkeypatch.setattr(ggml, "available", lambda: False)
     kept = jaxserve.LLM(quantization="gguf", max_model_len=2048, kv_cache_tokens=4096, progress=False)
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
     assert nbytes(kept.builder.params) < 0.2 * nbytes(llm.builder.params)

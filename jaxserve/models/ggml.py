@@ -1,0 +1,176 @@
+"""ggml's CPU kernels inside jaxserve's XLA programs: a GGUF tensor's blocks multiplied as stored, as llama.cpp
+multiplies them (docs/MODELS.md, "Weights kept quantized").
+
+XLA's CPU backend has no dot over 4-bit blocks, and none it compiles beats its float32 GEMM at one row
+(docs/BENCHMARKS.md, "Weights kept quantized"). ggml's kernels, the library llama.cpp runs on, do: each row of the
+input is rounded to 8 bits in blocks (Q8_1 for Q4_1, Q8_K for the K types: ggml's vec_dot type), then integer dot
+products run over the weight's blocks as they lie in the file. ggml_ffi.cc wraps them as XLA FFI calls.
+
+ggml comes from llama-cpp-python (`pip install 'jaxserve[ggml]'`), which installs its libraries. The wrapper is
+compiled here on first use (pallas_kernels/cpu_ffi.py: against jaxlib's FFI headers and those libraries, into the
+cache), and every load checks it on random blocks against the `gguf` package's own dequantization
+before any model uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import pathlib
+from collections.abc import Sequence
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, UInt8
+
+from jaxserve.pallas_kernels import cpu_ffi
+
+SOURCE = pathlib.Path(__file__).with_name("ggml_ffi.cc")
+TARGETS = ("jaxserve_ggml_matmul", "jaxserve_ggml_to_float", "jaxserve_ggml_round")
+# Rows of input up to which ggml's vec_dot takes each (row, column) pair. Past it the weight is dequantized and
+# XLA's float32 GEMM multiplies the input rounded as vec_dot rounds it: the same sums, in another order
+# (docs/BENCHMARKS.md, "Weights kept quantized").
+FEW_ROWS = 64
+CHECKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # the load's check: the default model's and the common
+
+
+def library_dir() -> pathlib.Path | None:
+    """The folder holding ggml's libraries, as llama-cpp-python installs them (None: not installed)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        return None
+    lib = pathlib.Path(spec.origin).parent / "lib"
+    return lib if (lib / "libggml-cpu.so").is_file() else None
+
+
+def available() -> bool:
+    """Whether ggml's kernels can run here: a CPU backend, ggml installed and a C++ compiler."""
+    return jax.default_backend() == "cpu" and library_dir() is not None and cpu_ffi.compiler() is not None
+
+
+@functools.cache
+def load() -> None:
+    """Build (or find) the wrapper, register its FFI targets and check them. Raises where ggml cannot run here."""
+    if not available():
+        raise RuntimeError(
+            "a GGUF file's blocks run on a CPU through ggml's kernels: install them with "
+            "`pip install 'jaxserve[ggml]'` (llama-cpp-python) and a C++ compiler"
+        )
+    lib_dir = library_dir()
+    lib, path = cpu_ffi.load(SOURCE, TARGETS, [lib_dir / "libggml-cpu.so", lib_dir / "libggml-base.so"])
+    lib.jaxserve_ggml_init()
+    try:
+        with jax.ensure_compile_time_eval():  # the first call may come while a program traces
+            _check()
+    except AssertionError as e:
+        path.unlink(missing_ok=True)  # the next start compiles it again
+        raise RuntimeError(f"{path}: ggml's kernels disagree with the gguf package ({e}); removed") from e
+
+
+def _ggml_type(qtype: str | int) -> int:
+    return int(gguf.GGMLQuantizationType[qtype] if isinstance(qtype, str) else qtype)
+
+
+def columns(raw_shape: tuple[int, ...], qtype: int) -> int:
+    """The values a row of `raw_shape[-1]` bytes of `qtype`'s blocks holds."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    if raw_shape[-1] % size:
+        raise ValueError(f"a row of {raw_shape[-1]} bytes is not whole {gguf.GGMLQuantizationType(qtype).name} blocks")
+    return raw_shape[-1] // size * block
+
+
+def matmul(x: Float[Array, "... k"], raw: UInt8[Array, "n bytes"], qtype: int) -> Float[Array, "... n"]:
+    """x @ w.T in float32, w [n, k] the rows of `qtype`'s blocks in `raw`; x rounded to ggml's vec_dot type."""
+    return matmuls(x, [raw], qtype)[0]
+
+
+def matmuls(x: Float[Array, "... k"], raws: Sequence[UInt8[Array, "n bytes"]], qtype: int) -> list[Array]:
+    """matmul for weights of one type that share their input (q/k/v, gate/up): x rounded once, one call."""
+    load()
+    return _matmuls(x, raws, qtype)
+
+
+def to_float(raw: UInt8[Array, "... bytes"], qtype: int) -> Float[Array, "... k"]:
+    """The rows of `qtype`'s blocks in `raw`, dequantized to float32."""
+    load()
+    return _to_float(raw, qtype)
+
+
+def rounded(x: Float[Array, "... k"], qtype: int) -> Float[Array, "... k"]:
+    """x rounded to the blocks ggml multiplies `qtype`'s with (Q8_1 for Q4_1, ...), back in float32."""
+    load()
+    return _rounded(x, qtype)
+
+
+def _matmuls(x: Float[Array, "... k"], raws: Sequence[UInt8[Array, "n bytes"]], qtype: int) -> list[Array]:
+    k, lead = x.shape[-1], x.shape[:-1]
+    for raw in raws:
+        if columns(raw.shape, qtype) != k:
+            raise ValueError(f"x has {k} columns; the weight's rows hold {columns(raw.shape, qtype)}")
+    x = x.reshape(-1, k).astype(jnp.float32)
+    if x.shape[0] <= FEW_ROWS:
+        outs = [jax.ShapeDtypeStruct((x.shape[0], raw.shape[0]), jnp.float32) for raw in raws]
+        ys = jax.ffi.ffi_call("jaxserve_ggml_matmul", outs)(x, *raws, type=np.int64(qtype))
+    else:  # x rounded as vec_dot rounds it
+        rounded = _rounded(x, qtype)
+        ys = [rounded @ _to_float(raw, qtype).T for raw in raws]
+    return [y.reshape(*lead, raw.shape[0]) for y, raw in zip(ys, raws)]
+
+
+def _rounded(x: Float[Array, "... k"], qtype: int) -> Float[Array, "... k"]:
+    x = x.astype(jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_ggml_round", jax.ShapeDtypeStruct(x.shape, jnp.float32))(x, type=np.int64(qtype))
+
+
+def _to_float(raw: UInt8[Array, "... bytes"], qtype: int) -> Float[Array, "... k"]:
+    out = jax.ShapeDtypeStruct((*raw.shape[:-1], columns(raw.shape, qtype)), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_ggml_to_float", out)(raw, type=np.int64(qtype))
+
+
+def random_blocks(qtype: str | int, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random rows of `qtype`'s blocks, [rows, bytes], with finite float16 scales (random bytes elsewhere)."""
+    t = gguf.GGMLQuantizationType(_ggml_type(qtype))
+    values = rng.standard_normal((rows, k)).astype(np.float32)
+    return np.asarray(gguf.quants.quantize(values, t)) if t in _QUANTIZABLE else _random_k_blocks(t, values, rng)
+
+
+_QUANTIZABLE = {gguf.GGMLQuantizationType[t] for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")}
+
+
+def _random_k_blocks(t: gguf.GGMLQuantizationType, values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """K-type blocks the gguf package cannot write: random bytes, each block's float16 super-scales set finite."""
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, size), dtype=np.uint8)
+    at = {"Q4_K": (0, 2), "Q6_K": (size - 2,)}[t.name]  # where each keeps its float16 d (and dmin)
+    scales = rng.uniform(1e-3, 2e-2, (*raw.shape[:2], len(at))).astype(np.float16).view(np.uint8)
+    for i, offset in enumerate(at):
+        raw[..., offset : offset + 2] = scales[..., 2 * i : 2 * i + 2]
+    return raw.reshape(values.shape[0], -1)
+
+
+def rounding_bound(x: Float[np.ndarray, "m k"], w: Float[np.ndarray, "n k"]) -> Float[np.ndarray, "m n"]:
+    """How far ggml's x @ w.T may be from the exact product, w dequantized: each input moves at most half a step
+    (its block's largest value / 127, at most its row's), and its block's scale and sum are kept in float16
+    (2^-11 relative: 2e-3 of the row's sum of |x| times w's row's largest |w| bounds both)."""
+    step = np.abs(x).max(-1, keepdims=True) / 127
+    return step / 2 * np.abs(w).sum(-1) + 2e-3 * np.abs(x).sum(-1, keepdims=True) * np.abs(w).max(-1)
+
+
+def _check() -> None:
+    """The wrapper against the gguf package on random blocks: dequantized rows equal (float16 scales times small
+    integers, exact in float32 either way but for an ulp where an offset is added); products within
+    rounding_bound."""
+    rng = np.random.default_rng(0)
+    k = 512
+    for name in CHECKED_TYPES:
+        qtype = _ggml_type(name)
+        raw = random_blocks(name, 24, k, rng)
+        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).astype(np.float32)
+        got = np.asarray(_to_float(jnp.asarray(raw), qtype))
+        assert np.allclose(got, w, rtol=1e-6, atol=1e-6 * np.abs(w).max()), f"{name}: dequantized rows differ"
+        for rows in (1, FEW_ROWS + 1):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            y = np.asarray(_matmuls(jnp.asarray(x), [jnp.asarray(raw)], qtype)[0])
+            assert (np.abs(y - x @ w.T) <= rounding_bound(x, w)).all(), f"{name}: products at {rows} rows beyond"

@@ -1,0 +1,180 @@
+// XLA FFI handlers on a CPU over a GGUF tensor's rows of blocks, as stored, computed by ggml's own CPU kernels
+// (the library llama.cpp runs on). jaxserve/models/ggml.py builds, loads and checks this file.
+//
+//   jaxserve_ggml_matmul(x f32 [..., k], w_1 .. w_m u8 [n_i, row bytes]; type) -> y_1 .. y_m f32 [..., n_i]:
+//     y_i = x w_i^T, for weights of one type that share their input (q/k/v, gate/up). Each row of x is rounded
+//     once to the type ggml multiplies `type`'s blocks with (Q8_1 for Q4_1, Q8_K for the K types), then ggml's
+//     vec_dot takes each pair of rows, as llama.cpp's matmul does at a few rows; one parallel loop covers every
+//     weight's columns.
+//   jaxserve_ggml_to_float(w u8 [..., row bytes]; type) -> f32 [..., k]: the rows dequantized.
+//   jaxserve_ggml_round(x f32 [..., k]; type) -> f32 [..., k]: x rounded as jaxserve_ggml_matmul rounds it.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_threads.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// ggml's API as ggml.h and ggml-cpu.h declare it (llama-cpp-python installs ggml's libraries, not its headers).
+// An enum ggml_type passes as an int.
+extern "C" {
+typedef void (*ggml_to_float_t)(const void* x, float* y, int64_t k);
+typedef void (*ggml_from_float_t)(const float* x, void* y, int64_t k);
+typedef void (*ggml_vec_dot_t)(int n, float* s, size_t bs, const void* x, size_t bx, const void* y, size_t by,
+                               int nrc);
+struct ggml_type_traits {
+  const char* type_name;
+  int64_t blck_size;
+  int64_t blck_size_interleave;
+  size_t type_size;
+  bool is_quantized;
+  ggml_to_float_t to_float;
+  ggml_from_float_t from_float_ref;
+};
+struct ggml_type_traits_cpu {
+  ggml_from_float_t from_float;
+  ggml_vec_dot_t vec_dot;
+  int vec_dot_type;
+  int64_t nrows;
+};
+const ggml_type_traits* ggml_get_type_traits(int type);
+const ggml_type_traits_cpu* ggml_get_type_traits_cpu(int type);
+size_t ggml_row_size(int type, int64_t ne);
+float ggml_fp16_to_fp32(uint16_t x);
+void ggml_cpu_init(void);
+}
+
+namespace {
+
+using jaxserve::Parallel;
+
+constexpr int kF32 = 0, kQ8_1 = 9, kQ8_K = 15;  // ggml_type's values
+
+// One row of ggml's 8-bit input blocks back in float32: d * q. ggml has no to_float for Q8_1 (float16 d and sum,
+// 32 int8) or Q8_K (float32 d, 256 int8, 16 int16 sums), which exist only as vec_dot's inputs.
+void InputToFloat(int type, const uint8_t* row, float* out, int64_t k) {
+  if (type == kQ8_1 || type == kQ8_K) {
+    const int64_t block = type == kQ8_1 ? 32 : 256, bytes = type == kQ8_1 ? 36 : 292;
+    for (int64_t b = 0; b < k / block; ++b, row += bytes) {
+      float d;
+      if (type == kQ8_1) {
+        d = ggml_fp16_to_fp32(static_cast<uint16_t>(row[0] | row[1] << 8));
+      } else {
+        std::memcpy(&d, row, sizeof d);
+      }
+      const int8_t* q = reinterpret_cast<const int8_t*>(row + 4);  // after d (and Q8_1's sum)
+      for (int64_t i = 0; i < block; ++i) out[b * block + i] = d * q[i];
+    }
+  } else {
+    ggml_get_type_traits(type)->to_float(row, out, k);
+  }
+}
+
+// x's rows in the type ggml's vec_dot multiplies `type` with (as is where that is float32).
+std::vector<uint8_t> Rounded(const float* x, int64_t rows, int64_t k, int type, int* vec_type) {
+  *vec_type = ggml_get_type_traits_cpu(type)->vec_dot_type;
+  size_t row = ggml_row_size(*vec_type, k);
+  std::vector<uint8_t> out(row * rows);
+  if (*vec_type == kF32) {
+    std::copy(x, x + rows * k, reinterpret_cast<float*>(out.data()));
+  } else {
+    auto from_float = ggml_get_type_traits_cpu(*vec_type)->from_float;
+    for (int64_t r = 0; r < rows; ++r) from_float(x + r * k, out.data() + r * row, k);
+  }
+  return out;
+}
+
+ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights, ffi::RemainingRets outs, int64_t type) {
+  int64_t k = x.dimensions().back(), rows = x.element_count() / k;
+  size_t w_row = ggml_row_size(type, k), m = weights.size();
+  if (m == 0 || outs.size() != m) return ffi::Error::InvalidArgument("jaxserve_ggml_matmul: one result a weight");
+  constexpr int64_t kColumns = 32;  // output columns a task: each weight row read once for every row of x
+  struct Part {
+    const uint8_t* w;
+    float* y;
+    int64_t n, first_task;
+  };
+  std::vector<Part> parts;
+  int64_t tasks = 0;
+  for (size_t i = 0; i < m; ++i) {
+    auto w = weights.get<ffi::Buffer<ffi::U8>>(i);
+    auto y = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("jaxserve_ggml_matmul: not u8 -> f32");
+    if (w->dimensions().size() != 2 || static_cast<size_t>(w->dimensions()[1]) != w_row)
+      return ffi::Error::InvalidArgument("jaxserve_ggml_matmul: a weight's rows do not hold k values of its type");
+    int64_t n = w->dimensions()[0];
+    parts.push_back({w->typed_data(), (*y)->typed_data(), n, tasks});
+    tasks += (n + kColumns - 1) / kColumns;
+  }
+  int vec_type;
+  std::vector<uint8_t> xq = Rounded(x.typed_data(), rows, k, type, &vec_type);
+  size_t x_row = ggml_row_size(vec_type, k);
+  const uint8_t* xp = xq.data();
+  ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(type)->vec_dot;
+  const Part* pp = parts.data();
+  Parallel(tasks, [=](int64_t task) {
+    const Part* p = pp;
+    while (p + 1 < pp + m && p[1].first_task <= task) ++p;  // a handful of weights: a scan finds the task's
+    int64_t first = (task - p->first_task) * kColumns;
+    for (int64_t j = first; j < std::min(p->n, first + kColumns); ++j)
+      for (int64_t r = 0; r < rows; ++r) vec_dot(k, p->y + r * p->n + j, 0, p->w + j * w_row, 0, xp + r * x_row, 0, 1);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error ToFloat(ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y, int64_t type) {
+  int64_t k = y->dimensions().back(), rows = y->element_count() / k;
+  size_t w_row = ggml_row_size(type, k);
+  if (static_cast<size_t>(w.dimensions().back()) != w_row)
+    return ffi::Error::InvalidArgument("jaxserve_ggml_to_float: the rows do not hold k values of their type");
+  const uint8_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
+  constexpr int64_t kRows = 64;
+  Parallel((rows + kRows - 1) / kRows, [=](int64_t task) {
+    for (int64_t r = task * kRows; r < std::min(rows, (task + 1) * kRows); ++r) to_float(wp + r * w_row, yp + r * k, k);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Round(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, int64_t type) {
+  int64_t k = x.dimensions().back(), rows = x.element_count() / k;
+  int vec_type;
+  std::vector<uint8_t> xq = Rounded(x.typed_data(), rows, k, type, &vec_type);
+  size_t row = ggml_row_size(vec_type, k);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = y->typed_data() + r * k;
+    if (vec_type == kF32)
+      std::copy(x.typed_data() + r * k, x.typed_data() + (r + 1) * k, out);
+    else
+      InputToFloat(vec_type, xq.data() + r * row, out, k);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_ggml_matmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("type"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_ggml_to_float, ToFloat,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("type"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_ggml_round, Round,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int64_t>(
+                                  "type"));
+
+// ggml's CPU kernels pick their instruction sets and fill their float16 tables here, once, before any call.
+extern "C" void jaxserve_ggml_init(void) { ggml_cpu_init(); }

@@ -1,0 +1,103 @@
+"""Decode attention on a CPU in C++ (cpu_attention.cc): each decode row's query over its own pages, read in place
+from the paged cache, with an online softmax; rows x KV heads over the helper threads (cpu_threads.h).
+
+On a CPU, reference.tiled_paged_attention gathers every page a step reads and runs a dozen small XLA ops per step
+and layer: at one token a row that is most of a decode step's ops, and of the time to compile it.
+dispatch.tiled_paged_attention takes this instead for float32 decode tiles on a CPU where a C++ compiler is found,
+unless an implementation is named. Every load checks it against the reference on random pages (GQA, a window,
+padding rows, pages out of order, a KV-parallel device's held pages).
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jaxserve.pallas_kernels import cpu_ffi, paged_attention, reference
+
+SOURCE = pathlib.Path(__file__).with_name("cpu_attention.cc")
+TARGET = "jaxserve_cpu_decode_attention"
+
+
+def takes(q: Array, k_cache: Array) -> bool:
+    """Whether decode attention of these arrays runs here: float32 decode tiles on a CPU with a C++ compiler."""
+    return (
+        jax.default_backend() == "cpu"
+        and q.shape[1] == 1
+        and q.dtype == k_cache.dtype == jnp.float32
+        and cpu_ffi.compiler() is not None
+    )
+
+
+@functools.cache
+def load() -> None:
+    """Build (or find) the kernel, register it and check it against the reference; raises where it disagrees."""
+    _, path = cpu_ffi.load(SOURCE, [TARGET])
+    try:
+        with jax.ensure_compile_time_eval():  # the first call may come while a program traces
+            _check()
+    except AssertionError as e:
+        path.unlink(missing_ok=True)  # the next start compiles it again
+        raise RuntimeError(f"{path}: the C++ decode attention disagrees with the reference ({e}); removed") from e
+
+
+def decode_attention(
+    q: Float[Array, "n 1 h d"],
+    q_pos: Int[Array, "n 1"],
+    k_cache: Float[Array, "slots kvh d"],
+    v_cache: Float[Array, "slots kvh d"],
+    tables: Int[Array, "n w"],
+    *,
+    block_size: int,
+    window: int | None = None,
+    page_pos: Int[Array, "n w"] | None = None,
+) -> tuple[Float[Array, "n 1 h d"], Float[Array, "n 1 h"]]:
+    """reference.tiled_paged_attention for one-token tiles, in C++ (the same arguments and results)."""
+    load()
+    return _call(q, q_pos, k_cache, v_cache, tables, block_size, window, page_pos)
+
+
+def _call(q, q_pos, k_cache, v_cache, tables, block_size, window, page_pos):
+    n, _, h, d = q.shape
+    if page_pos is None:
+        page_pos = paged_attention.pages_in_order(tables, block_size)
+    out = (jax.ShapeDtypeStruct((n, h, d), jnp.float32), jax.ShapeDtypeStruct((n, h), jnp.float32))
+    o, lse = jax.ffi.ffi_call(TARGET, out)(
+        q.reshape(n, h, d),
+        q_pos.reshape(n).astype(jnp.int32),
+        k_cache,
+        v_cache,
+        tables.astype(jnp.int32),
+        page_pos.astype(jnp.int32),
+        block_size=np.int64(block_size),
+        window=np.int64(window or 0),
+    )
+    return o.reshape(n, 1, h, d), lse.reshape(n, 1, h)
+
+
+def _check() -> None:
+    """The kernel against reference.tiled_paged_attention on random pages: outputs within float32 rounding of
+    sums over a few dozen keys, log-sum-exps alike, -inf and 0 where a row sees nothing."""
+    rng = np.random.default_rng(0)
+    block, pages, kvh, g, d = 4, 12, 2, 3, 16
+    k, v = (jnp.asarray(rng.standard_normal((pages * block, kvh, d)), jnp.float32) for _ in range(2))
+    tables = np.stack([rng.permutation(pages)[:6] for _ in range(4)]).astype(np.int32)
+    tables[2, 3:] = -1  # a short request
+    q_pos = np.array([[21], [5], [10], [-1]], np.int32)  # the last row is padding
+    q = jnp.asarray(rng.standard_normal((4, 1, kvh * g, d)), jnp.float32)
+    held = rng.random(tables.shape) < 0.6
+    held_tables, held_pos = paged_attention.held_pages(jnp.asarray(tables), jnp.asarray(held), block, 1 << 30)
+    for window, t, pos in ((None, tables, None), (7, tables, None), (None, held_tables, held_pos)):
+        args = (q, jnp.asarray(q_pos), k, v, jnp.asarray(t))
+        want = reference.tiled_paged_attention(*args, block_size=block, key_block=block, window=window, page_pos=pos)
+        got = _call(*args, block, window, pos)
+        for a, b in zip(got, want):
+            a, b = np.asarray(a), np.asarray(b)
+            assert np.array_equal(np.isinf(a), np.isinf(b)), "rows that see nothing differ"
+            finite = np.isfinite(b)
+            assert np.allclose(a[finite], b[finite], rtol=1e-5, atol=1e-5), f"window {window}: results differ"
