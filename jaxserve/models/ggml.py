@@ -58,15 +58,8 @@ def load() -> None:
             "a GGUF file's blocks run on a CPU through ggml's kernels: install them with "
             "`pip install 'jaxserve[ggml]'` (llama-cpp-python) and a C++ compiler"
         )
-    lib_dir = library_dir()
-    lib, path = cpu_ffi.load(SOURCE, TARGETS, [lib_dir / "libggml-cpu.so", lib_dir / "libggml-base.so"])
-    lib.jaxserve_ggml_init()
-    try:
-        with jax.ensure_compile_time_eval():  # the first call may come while a program traces
-            _check()
-    except AssertionError as e:
-        path.unlink(missing_ok=True)  # the next start compiles it again
-        raise RuntimeError(f"{path}: ggml's kernels disagree with the gguf package ({e}); removed") from e
+    libs = [library_dir() / "libggml-cpu.so", library_dir() / "libggml-base.so"]
+    cpu_ffi.load(SOURCE, TARGETS, _check, libs, init="jaxserve_ggml_init")
 
 
 def _ggml_type(qtype: str | int) -> int:

@@ -1,6 +1,5 @@
 """jaxserve's C++ kernels on a CPU (XLA FFI calls): compiled on first use against jaxlib's FFI headers, cached,
-registered. Each kernel's module checks it against its reference after `load` (pallas_kernels/cpu_attention.py,
-models/ggml.py).
+registered, then checked against their reference (pallas_kernels/cpu_attention.py, models/ggml.py).
 
 A build is cached under the cache folder's kernels/, one file per source, headers, jaxlib, compiler, this CPU
 (built for its instruction sets) and any library it links; a file that does not load is built again."""
@@ -15,7 +14,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jaxlib
@@ -74,16 +73,28 @@ def build(source: pathlib.Path, libs: Sequence[pathlib.Path] = ()) -> pathlib.Pa
 
 
 def load(
-    source: pathlib.Path, targets: Sequence[str], libs: Sequence[pathlib.Path] = ()
-) -> tuple[ctypes.CDLL, pathlib.Path]:
-    """`source` built (or found) and loaded, its FFI `targets` registered for the CPU; the library and its file
-    (which a kernel that fails its check removes, so that the next start compiles it again)."""
+    source: pathlib.Path,
+    targets: Sequence[str],
+    check: Callable[[], None],
+    libs: Sequence[pathlib.Path] = (),
+    init: str | None = None,
+) -> None:
+    """`source` built (or found) and loaded, `init` (a function of no arguments it exports) called, its FFI
+    `targets` registered for the CPU, then `check`ed against its reference. A build that fails its check is removed,
+    so that the next start compiles it again, and the AssertionError raised as a RuntimeError naming it."""
     path = build(source, libs)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError:  # a damaged file where the build belongs: build it again
         path.unlink()
         lib = ctypes.CDLL(str(build(source, libs)))
+    if init is not None:
+        getattr(lib, init)()
     for name in targets:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
-    return lib, path
+    try:
+        with jax.ensure_compile_time_eval():  # the first call may come while a program traces
+            check()
+    except AssertionError as e:
+        path.unlink(missing_ok=True)
+        raise RuntimeError(f"{path}: {source.name}'s kernels disagree with their reference ({e}); removed") from e
