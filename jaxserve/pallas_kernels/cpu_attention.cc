@@ -50,6 +50,7 @@ void AttendRow(const Shapes& s, int64_t r, int64_t head, const float* q, const i
       const float* key = k + ((page * s.block_size + lo + i) * s.kvh + head) * d;
       for (int64_t j = 0; j < g; ++j) {
         float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)  // in vector lanes (-fopenmp-simd), summed at the end
         for (int64_t e = 0; e < d; ++e) dot += qs[j * d + e] * key[e];
         scores[j * s.block_size + i] = dot;
       }

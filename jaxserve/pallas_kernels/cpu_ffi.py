@@ -1,8 +1,8 @@
 """jaxserve's C++ kernels on a CPU (XLA FFI calls): compiled on first use against jaxlib's FFI headers, cached,
 registered, then checked against their reference (pallas_kernels/cpu_attention.py, models/ggml.py).
 
-A build is cached under the cache folder's kernels/, one file per source, headers, jaxlib, compiler, this CPU
-(built for its instruction sets) and any library it links; a file that does not load is built again."""
+A build is cached under the cache folder's kernels/, one file per source, headers, flags, jaxlib, compiler, this
+CPU (built for its instruction sets) and any library it links; a file that does not load is built again."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import jaxlib
 
 HERE = pathlib.Path(__file__).parent
 HEADERS = (HERE / "cpu_threads.h",)  # included by every kernel
+# for this CPU's instruction sets; -fopenmp-simd: `omp simd` loops (reductions in vector lanes), no OpenMP runtime
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
 def compiler() -> str | None:
@@ -46,7 +48,9 @@ def build(source: pathlib.Path, libs: Sequence[pathlib.Path] = ()) -> pathlib.Pa
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     linked = [f"{lib.resolve()}:{lib.stat().st_size}:{lib.stat().st_mtime_ns}" for lib in libs]
-    ident = "|".join([*(p.read_text() for p in (source, *HEADERS)), jaxlib.__version__, version, _cpu(), *linked])
+    ident = "|".join(
+        [*(p.read_text() for p in (source, *HEADERS)), *FLAGS, jaxlib.__version__, version, _cpu(), *linked]
+    )
     out = registry.cache_dir() / "kernels" / f"{source.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.so"
     if out.is_file():
         return out
@@ -55,7 +59,7 @@ def build(source: pathlib.Path, libs: Sequence[pathlib.Path] = ()) -> pathlib.Pa
         part = pathlib.Path(tmp) / out.name
         command = [
             cxx,
-            *("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"),
+            *FLAGS,
             f"-I{jax.ffi.include_dir()}",
             f"-I{HERE}",
             str(source),
