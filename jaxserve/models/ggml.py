@@ -152,18 +152,26 @@ def rounding_bound(x: Float[np.ndarray, "m k"], w: Float[np.ndarray, "n k"]) -> 
 
 
 def _check() -> None:
-    """The wrapper against the gguf package on random blocks: dequantized rows equal (float16 scales times small
-    integers, exact in float32 either way but for an ulp where an offset is added); products within
+    """The wrapper against the gguf package on random blocks, every type in one program (op by op, each call
+    compiled alone would take seconds): dequantized rows equal (float16 scales times small integers, exact in
+    float32 either way but for an ulp where an offset is added); products at a row and past FEW_ROWS within
     rounding_bound."""
     rng = np.random.default_rng(0)
-    k = 512
-    for name in CHECKED_TYPES:
-        qtype = _ggml_type(name)
-        raw = random_blocks(name, 24, k, rng)
-        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).astype(np.float32)
-        got = np.asarray(_to_float(jnp.asarray(raw), qtype))
+    k, many = 512, FEW_ROWS + 1
+    raws = {name: random_blocks(name, 24, k, rng) for name in CHECKED_TYPES}
+    x = rng.standard_normal((many, k)).astype(np.float32)
+
+    @jax.jit
+    def run(raws, x):
+        out = {}
+        for name, raw in raws.items():
+            qtype = _ggml_type(name)
+            out[name] = (_to_float(raw, qtype), _matmuls(x[:1], [raw], qtype)[0], _matmuls(x, [raw], qtype)[0])
+        return out
+
+    for name, (got, one, all_rows) in run(raws, x).items():
+        w = gguf.quants.dequantize(raws[name], gguf.GGMLQuantizationType[name]).astype(np.float32)
         assert np.allclose(got, w, rtol=1e-6, atol=1e-6 * np.abs(w).max()), f"{name}: dequantized rows differ"
-        for rows in (1, FEW_ROWS + 1):
-            x = rng.standard_normal((rows, k)).astype(np.float32)
-            y = np.asarray(_matmuls(jnp.asarray(x), [jnp.asarray(raw)], qtype)[0])
-            assert (np.abs(y - x @ w.T) <= rounding_bound(x, w)).all(), f"{name}: products at {rows} rows beyond"
+        for rows, y in ((1, one), (many, all_rows)):
+            bound = rounding_bound(x[:rows], w)
+            assert (np.abs(np.asarray(y) - x[:rows] @ w.T) <= bound).all(), f"{name}: products at {rows} rows beyond"

@@ -75,21 +75,32 @@ def _call(q, q_pos, k_cache, v_cache, tables, block_size, window, page_pos):
 
 
 def _check() -> None:
-    """The kernel against reference.tiled_paged_attention on random pages: outputs within float32 rounding of
-    sums over a few dozen keys, log-sum-exps alike, -inf and 0 where a row sees nothing."""
+    """The kernel against reference.tiled_paged_attention on random pages, in one program (each of the reference's
+    ops compiled alone would take seconds): pages in order without a window, and a KV-parallel device's held pages
+    with one. Outputs within float32 rounding of sums over a few dozen keys, log-sum-exps alike, -inf and 0 where
+    a row sees nothing (padding)."""
     rng = np.random.default_rng(0)
     block, pages, kvh, g, d = 4, 12, 2, 3, 16
-    k, v = (jnp.asarray(rng.standard_normal((pages * block, kvh, d)), jnp.float32) for _ in range(2))
+    k, v = (rng.standard_normal((pages * block, kvh, d)).astype(np.float32) for _ in range(2))
     tables = np.stack([rng.permutation(pages)[:6] for _ in range(4)]).astype(np.int32)
     tables[2, 3:] = -1  # a short request
     q_pos = np.array([[21], [5], [10], [-1]], np.int32)  # the last row is padding
-    q = jnp.asarray(rng.standard_normal((4, 1, kvh * g, d)), jnp.float32)
+    q = rng.standard_normal((4, 1, kvh * g, d)).astype(np.float32)
     held = rng.random(tables.shape) < 0.6
-    held_tables, held_pos = paged_attention.held_pages(jnp.asarray(tables), jnp.asarray(held), block, 1 << 30)
-    for window, t, pos in ((None, tables, None), (7, tables, None), (None, held_tables, held_pos)):
-        args = (q, jnp.asarray(q_pos), k, v, jnp.asarray(t))
-        want = reference.tiled_paged_attention(*args, block_size=block, key_block=block, window=window, page_pos=pos)
-        got = _call(*args, block, window, pos)
+
+    @jax.jit
+    def cases(q, q_pos, k, v, tables, held):
+        held_tables, held_pos = paged_attention.held_pages(tables, held, block, 1 << 30)
+        out = []
+        for window, t, pos in zip(windows, (tables, held_tables), (None, held_pos)):
+            want = reference.tiled_paged_attention(
+                q, q_pos, k, v, t, block_size=block, key_block=block, window=window, page_pos=pos
+            )
+            out.append((_call(q, q_pos, k, v, t, block, window, pos), want))
+        return out
+
+    windows = (None, 7)
+    for window, (got, want) in zip(windows, cases(q, q_pos, k, v, tables, held)):
         for a, b in zip(got, want):
             a, b = np.asarray(a), np.asarray(b)
             assert np.array_equal(np.isinf(a), np.isinf(b)), "rows that see nothing differ"
