@@ -119,7 +119,7 @@ def weights() -> dict[str, pathlib.Path]:
         subprocess.run(
             [str(python_of("llama_cpp")), str(HERE / "peer_engine.py"), "to_f32", str(q4), str(f32)], check=True
         )
-    if not (hf / "config.json").is_file():
+    if "vllm" in FLAGS.engines and not (hf / "config.json").is_file():  # vLLM's alone
         print(f"writing {hf} (transformers, float32)", flush=True)
         subprocess.run(
             [str(python_of("vllm")), str(ROOT / "tools" / "fixtures" / "hf_dir.py"), str(q4), str(hf)], check=True
