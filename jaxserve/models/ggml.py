@@ -23,6 +23,7 @@ import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jaxtyping import Array, Float, UInt8
 
 from jaxserve.pallas_kernels import cpu_ffi
@@ -45,15 +46,25 @@ def library_dir() -> pathlib.Path | None:
     return lib if (lib / "libggml-cpu.so").is_file() else None
 
 
+@functools.cache
 def available() -> bool:
-    """Whether ggml's kernels can run here: a CPU backend, ggml installed and a C++ compiler."""
-    return jax.default_backend() == "cpu" and library_dir() is not None and cpu_ffi.compiler() is not None
+    """Whether ggml's kernels run here: a CPU backend, ggml installed, and the wrapper built, registered and checked
+    (load). A compiler that cannot build it leaves XLA's kept blocks in its place, with a warning; a build that
+    disagrees with the gguf package raises."""
+    if jax.default_backend() != "cpu" or library_dir() is None or cpu_ffi.compiler() is None:
+        return False
+    try:
+        load()
+    except cpu_ffi.BuildError as e:
+        logging.warning("a GGUF file's blocks run on XLA, not ggml: %s", e)
+        return False
+    return True
 
 
 @functools.cache
 def load() -> None:
     """Build (or find) the wrapper, register its FFI targets and check them. Raises where ggml cannot run here."""
-    if not available():
+    if library_dir() is None or cpu_ffi.compiler() is None:
         raise RuntimeError(
             "a GGUF file's blocks run on a CPU through ggml's kernels: install them with "
             "`pip install 'jaxserve[ggml]'` (llama-cpp-python) and a C++ compiler"

@@ -3,9 +3,9 @@ from the paged cache, with an online softmax; rows x KV heads over the helper th
 
 On a CPU, reference.tiled_paged_attention gathers every page a step reads and runs a dozen small XLA ops per step
 and layer: at one token a row that is most of a decode step's ops, and of the time to compile it.
-dispatch.tiled_paged_attention takes this instead for float32 decode tiles on a CPU where a C++ compiler is found,
-unless an implementation is named. Every load checks it against the reference on random pages (GQA, a window,
-padding rows, pages out of order, a KV-parallel device's held pages).
+dispatch.tiled_paged_attention takes this instead for float32 decode tiles on a CPU where it builds (else the
+reference, with a warning), unless an implementation is named. Every load checks it against the reference on
+random pages (GQA, a window, padding rows, pages out of order, a KV-parallel device's held pages).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jaxtyping import Array, Float, Int
 
 from jaxserve.pallas_kernels import cpu_ffi, paged_attention, reference
@@ -25,13 +26,22 @@ TARGET = "jaxserve_cpu_decode_attention"
 
 
 def takes(q: Array, k_cache: Array) -> bool:
-    """Whether decode attention of these arrays runs here: float32 decode tiles on a CPU with a C++ compiler."""
-    return (
-        jax.default_backend() == "cpu"
-        and q.shape[1] == 1
-        and q.dtype == k_cache.dtype == jnp.float32
-        and cpu_ffi.compiler() is not None
-    )
+    """Whether decode attention of these arrays runs here: float32 decode tiles on a CPU where the kernel builds."""
+    return jax.default_backend() == "cpu" and q.shape[1] == 1 and q.dtype == k_cache.dtype == jnp.float32 and built()
+
+
+@functools.cache
+def built() -> bool:
+    """Whether the kernel is built, registered and checked here. A compiler that cannot build it leaves the
+    reference in its place, with a warning; a build that disagrees with the reference raises (cpu_ffi.load)."""
+    if cpu_ffi.compiler() is None:
+        return False
+    try:
+        load()
+    except cpu_ffi.BuildError as e:
+        logging.warning("decode attention runs on the jnp reference: %s", e)
+        return False
+    return True
 
 
 @functools.cache

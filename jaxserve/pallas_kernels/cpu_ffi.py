@@ -25,6 +25,10 @@ HEADERS = (HERE / "cpu_threads.h",)  # included by every kernel
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
+class BuildError(RuntimeError):
+    """A kernel that could not be compiled here (no working compiler, or it refused the source)."""
+
+
 def compiler() -> str | None:
     """The C++ compiler ($CXX, else g++), None where there is none."""
     return shutil.which(os.environ.get("CXX", "g++"))
@@ -43,10 +47,13 @@ def build(source: pathlib.Path, libs: Sequence[pathlib.Path] = ()) -> pathlib.Pa
     """`source` compiled into a shared library (linked to `libs`), from the cache or afresh."""
     cxx = compiler()
     if cxx is None:
-        raise RuntimeError(f"{source.name} needs a C++ compiler ($CXX or g++)")
+        raise BuildError(f"{source.name} needs a C++ compiler ($CXX or g++)")
     from jaxserve.models import registry  # the cache folder (models/ imports this package)
 
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    asked = subprocess.run([cxx, "--version"], capture_output=True, text=True)
+    if asked.returncode:
+        raise BuildError(f"{cxx} --version failed: is it a C++ compiler?")
+    version = asked.stdout
     linked = [f"{lib.resolve()}:{lib.stat().st_size}:{lib.stat().st_mtime_ns}" for lib in libs]
     ident = "|".join(
         [*(p.read_text() for p in (source, *HEADERS)), *FLAGS, jaxlib.__version__, version, _cpu(), *linked]
@@ -71,7 +78,7 @@ def build(source: pathlib.Path, libs: Sequence[pathlib.Path] = ()) -> pathlib.Pa
             command += [f"-Wl,-rpath,{lib.parent}"]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"compiling {source.name} failed:\n{done.stderr[-2000:]}")
+            raise BuildError(f"compiling {source.name} failed:\n{done.stderr[-2000:]}")
         part.replace(out)  # whole or not at all: a concurrent start finds either no file or this one
     return out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -117,6 +118,16 @@ def test_a_damaged_cached_build_is_compiled_again(tmp_path):
     built.write_bytes(b"not a shared library")
     assert pathlib.Path(run().stdout.split()[-1]) == built
     assert built.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_where_the_wrapper_cannot_be_built_xla_keeps_the_blocks_with_a_warning(tmp_path):
+    """A compiler that cannot build it (here `false`, with an empty cache): ggml is not available, so a GGUF file's
+    blocks load for XLA's kernels, and the log says why."""
+    code = "from jaxserve.models import ggml; assert not ggml.available()"
+    env = {**os.environ, "CXX": shutil.which("false"), "JAXSERVE_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "a GGUF file's blocks run on XLA, not ggml" in done.stderr
 
 
 @pytest.mark.parametrize("tp", [2, 4])

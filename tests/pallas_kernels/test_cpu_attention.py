@@ -1,8 +1,14 @@
 """The C++ decode attention (pallas_kernels/cpu_attention.cc) against reference.tiled_paged_attention on random
 pages: GQA groups of 1, 3 and 8, windows, padding rows, short requests, pages out of order and a KV-parallel
-device's held pages. dispatch takes it for float32 decode tiles on a CPU unless an implementation is named."""
+device's held pages. dispatch takes it for float32 decode tiles on a CPU unless an implementation is named, and
+the reference where it cannot be built."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -71,3 +77,19 @@ def test_dispatch_takes_it_for_float32_decode_tiles_on_a_cpu(monkeypatch):
         q, q_pos, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), tables, block_size=4, key_block=4
     )
     assert calls == [1]
+
+
+def test_where_the_kernel_cannot_be_built_the_reference_runs_with_a_warning(tmp_path):
+    """A compiler that cannot build it (here `false`, with an empty cache): decode attention runs on the reference,
+    and the log says why."""
+    code = (
+        "import numpy as np, jax.numpy as jnp\n"
+        "from jaxserve.pallas_kernels import cpu_attention, dispatch\n"
+        "q = jnp.ones((1, 1, 2, 8)); kv = jnp.ones((8, 1, 8)); tables = jnp.zeros((1, 2), jnp.int32)\n"
+        "o, lse = dispatch.tiled_paged_attention(q, jnp.array([[3]]), kv, kv, tables, block_size=4, key_block=4)\n"
+        "assert not cpu_attention.built() and np.allclose(o, 1.0), o\n"
+    )
+    env = {**os.environ, "CXX": shutil.which("false"), "JAXSERVE_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "decode attention runs on the jnp reference" in done.stderr
