@@ -23,7 +23,6 @@ import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 from jaxtyping import Array, Float, UInt8
 
 from jaxserve.pallas_kernels import cpu_ffi
@@ -50,15 +49,10 @@ def library_dir() -> pathlib.Path | None:
 def available() -> bool:
     """Whether ggml's kernels run here: a CPU backend, ggml installed, and the wrapper built, registered and checked
     (load). A compiler that cannot build it leaves XLA's kept blocks in its place, with a warning; a build that
-    disagrees with the gguf package raises."""
-    if jax.default_backend() != "cpu" or library_dir() is None or cpu_ffi.compiler() is None:
+    disagrees with the gguf package raises (cpu_ffi.builds)."""
+    if jax.default_backend() != "cpu" or library_dir() is None:
         return False
-    try:
-        load()
-    except cpu_ffi.BuildError as e:
-        logging.warning("a GGUF file's blocks run on XLA, not ggml: %s", e)
-        return False
-    return True
+    return cpu_ffi.builds(load, "a GGUF file's blocks run on XLA, not ggml")
 
 
 @functools.cache

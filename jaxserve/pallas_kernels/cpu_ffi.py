@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jaxlib
+from absl import logging
 
 HERE = pathlib.Path(__file__).parent
 HEADERS = (HERE / "cpu_threads.h",)  # included by every kernel
@@ -32,6 +33,20 @@ class BuildError(RuntimeError):
 def compiler() -> str | None:
     """The C++ compiler ($CXX, else g++), None where there is none."""
     return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def builds(load: Callable[[], None], instead: str) -> bool:
+    """Whether `load` (a kernel's: build, register, check) succeeds here. Without a compiler, or with one that
+    cannot build the kernel (BuildError), False, with a warning saying what runs `instead`; a build that disagrees
+    with its reference raises."""
+    if compiler() is None:
+        return False
+    try:
+        load()
+    except BuildError as e:
+        logging.warning("%s: %s", instead, e)
+        return False
+    return True
 
 
 def _cpu() -> str:
