@@ -31,8 +31,11 @@ SOURCE = pathlib.Path(__file__).with_name("ggml_ffi.cc")
 TARGETS = ("jaxserve_ggml_matmul", "jaxserve_ggml_to_float", "jaxserve_ggml_round")
 # Rows of input up to which ggml's vec_dot takes each (row, column) pair. Past it the weight is dequantized and
 # XLA's float32 GEMM multiplies the input rounded as vec_dot rounds it: the same sums, in another order
-# (docs/BENCHMARKS.md, "Weights kept quantized").
+# (docs/BENCHMARKS.md, "Weights kept quantized"). Float32 rows go to XLA's GEMM sooner: from 16 rows it is as fast
+# (docs/BENCHMARKS.md, "Beside llama.cpp and vLLM's CPU build").
 FEW_ROWS = 64
+F32_FEW_ROWS = 8
+F32 = int(gguf.GGMLQuantizationType.F32)  # rows of float32 values, held as a float32 array [.., n, k]
 CHECKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # the load's check: the default model's and the common
 
 
@@ -71,8 +74,15 @@ def _ggml_type(qtype: str | int) -> int:
     return int(gguf.GGMLQuantizationType[qtype] if isinstance(qtype, str) else qtype)
 
 
+def few_rows(qtype: int) -> int:
+    """Rows of input up to which `qtype`'s weights go to ggml's vec_dot (FEW_ROWS, F32_FEW_ROWS)."""
+    return F32_FEW_ROWS if qtype == F32 else FEW_ROWS
+
+
 def columns(raw_shape: tuple[int, ...], qtype: int) -> int:
-    """The values a row of `raw_shape[-1]` bytes of `qtype`'s blocks holds."""
+    """The values a row of `qtype`'s blocks holds: `raw_shape[-1]` bytes of them (F32: values)."""
+    if qtype == F32:
+        return raw_shape[-1]
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
     if raw_shape[-1] % size:
         raise ValueError(f"a row of {raw_shape[-1]} bytes is not whole {gguf.GGMLQuantizationType(qtype).name} blocks")
@@ -108,21 +118,25 @@ def _matmuls(x: Float[Array, "... k"], raws: Sequence[UInt8[Array, "n bytes"]], 
         if columns(raw.shape, qtype) != k:
             raise ValueError(f"x has {k} columns; the weight's rows hold {columns(raw.shape, qtype)}")
     x = x.reshape(-1, k).astype(jnp.float32)
-    if x.shape[0] <= FEW_ROWS:
+    if x.shape[0] <= few_rows(qtype):
         outs = [jax.ShapeDtypeStruct((x.shape[0], raw.shape[0]), jnp.float32) for raw in raws]
         ys = jax.ffi.ffi_call("jaxserve_ggml_matmul", outs)(x, *raws, type=np.int64(qtype))
     else:  # x rounded as vec_dot rounds it
         rounded = _rounded(x, qtype)
-        ys = [rounded @ _to_float(raw, qtype).T for raw in raws]
+        ys = [jax.lax.dot_general(rounded, _to_float(raw, qtype), (((1,), (1,)), ((), ()))) for raw in raws]
     return [y.reshape(*lead, raw.shape[0]) for y, raw in zip(ys, raws)]
 
 
 def _rounded(x: Float[Array, "... k"], qtype: int) -> Float[Array, "... k"]:
     x = x.astype(jnp.float32)
+    if qtype == F32:  # vec_dot takes float32 rows as they are
+        return x
     return jax.ffi.ffi_call("jaxserve_ggml_round", jax.ShapeDtypeStruct(x.shape, jnp.float32))(x, type=np.int64(qtype))
 
 
 def _to_float(raw: UInt8[Array, "... bytes"], qtype: int) -> Float[Array, "... k"]:
+    if qtype == F32:
+        return raw
     out = jax.ShapeDtypeStruct((*raw.shape[:-1], columns(raw.shape, qtype)), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_ggml_to_float", out)(raw, type=np.int64(qtype))
 

@@ -1,9 +1,10 @@
 // XLA FFI handlers on a CPU over a GGUF tensor's rows of blocks, as stored, computed by ggml's own CPU kernels
 // (the library llama.cpp runs on). jaxserve/models/ggml.py builds, loads and checks this file.
 //
-//   jaxserve_ggml_matmul(x f32 [..., k], w_1 .. w_m u8 [n_i, row bytes]; type) -> y_1 .. y_m f32 [..., n_i]:
-//     y_i = x w_i^T, for weights of one type that share their input (q/k/v, gate/up). Each row of x is rounded
-//     once to the type ggml multiplies `type`'s blocks with (Q8_1 for Q4_1, Q8_K for the K types), then ggml's
+//   jaxserve_ggml_matmul(x f32 [..., k], w_1 .. w_m [n_i, k of type]; type) -> y_1 .. y_m f32 [..., n_i]:
+//     y_i = x w_i^T, for weights of one type that share their input (q/k/v, gate/up). A weight's rows are u8
+//     bytes of `type`'s blocks, or float32 values for F32. Each row of x is rounded once to the type ggml
+//     multiplies `type`'s blocks with (Q8_1 for Q4_1, Q8_K for the K types; F32 is taken as it is), then ggml's
 //     vec_dot takes each pair of rows, as llama.cpp's matmul does at a few rows; one parallel loop covers every
 //     weight's columns.
 //   jaxserve_ggml_to_float(w u8 [..., row bytes]; type) -> f32 [..., k]: the rows dequantized.
@@ -75,18 +76,16 @@ void InputToFloat(int type, const uint8_t* row, float* out, int64_t k) {
   }
 }
 
-// x's rows in the type ggml's vec_dot multiplies `type` with (as is where that is float32).
-std::vector<uint8_t> Rounded(const float* x, int64_t rows, int64_t k, int type, int* vec_type) {
+// x's rows in the type ggml's vec_dot multiplies `type` with: x itself where that is float32, else x rounded into
+// `out` (the caller's, kept from call to call: no allocation a step).
+const uint8_t* Rounded(const float* x, int64_t rows, int64_t k, int type, int* vec_type, std::vector<uint8_t>& out) {
   *vec_type = ggml_get_type_traits_cpu(type)->vec_dot_type;
+  if (*vec_type == kF32) return reinterpret_cast<const uint8_t*>(x);
   size_t row = ggml_row_size(*vec_type, k);
-  std::vector<uint8_t> out(row * rows);
-  if (*vec_type == kF32) {
-    std::copy(x, x + rows * k, reinterpret_cast<float*>(out.data()));
-  } else {
-    auto from_float = ggml_get_type_traits_cpu(*vec_type)->from_float;
-    for (int64_t r = 0; r < rows; ++r) from_float(x + r * k, out.data() + r * row, k);
-  }
-  return out;
+  out.resize(row * rows);
+  auto from_float = ggml_get_type_traits_cpu(*vec_type)->from_float;
+  for (int64_t r = 0; r < rows; ++r) from_float(x + r * k, out.data() + r * row, k);
+  return out.data();
 }
 
 ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights, ffi::RemainingRets outs, int64_t type) {
@@ -102,19 +101,19 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights, ffi::Rema
   std::vector<Part> parts;
   int64_t tasks = 0;
   for (size_t i = 0; i < m; ++i) {
-    auto w = weights.get<ffi::Buffer<ffi::U8>>(i);
+    auto w = weights.get<ffi::AnyBuffer>(i);
     auto y = outs.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("jaxserve_ggml_matmul: not u8 -> f32");
-    if (w->dimensions().size() != 2 || static_cast<size_t>(w->dimensions()[1]) != w_row)
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("jaxserve_ggml_matmul: results not f32");
+    if (w->dimensions().size() != 2 || w->size_bytes() != static_cast<size_t>(w->dimensions()[0]) * w_row)
       return ffi::Error::InvalidArgument("jaxserve_ggml_matmul: a weight's rows do not hold k values of its type");
     int64_t n = w->dimensions()[0];
-    parts.push_back({w->typed_data(), (*y)->typed_data(), n, tasks});
+    parts.push_back({static_cast<const uint8_t*>(w->untyped_data()), (*y)->typed_data(), n, tasks});
     tasks += (n + kColumns - 1) / kColumns;
   }
   int vec_type;
-  std::vector<uint8_t> xq = Rounded(x.typed_data(), rows, k, type, &vec_type);
+  thread_local std::vector<uint8_t> rounded;  // held while the helpers read it: the caller waits for them
+  const uint8_t* xp = Rounded(x.typed_data(), rows, k, type, &vec_type, rounded);
   size_t x_row = ggml_row_size(vec_type, k);
-  const uint8_t* xp = xq.data();
   ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(type)->vec_dot;
   const Part* pp = parts.data();
   Parallel(tasks, [=](int64_t task) {
@@ -145,14 +144,15 @@ ffi::Error ToFloat(ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y, int64_
 ffi::Error Round(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, int64_t type) {
   int64_t k = x.dimensions().back(), rows = x.element_count() / k;
   int vec_type;
-  std::vector<uint8_t> xq = Rounded(x.typed_data(), rows, k, type, &vec_type);
+  std::vector<uint8_t> buffer;
+  const uint8_t* xq = Rounded(x.typed_data(), rows, k, type, &vec_type, buffer);
   size_t row = ggml_row_size(vec_type, k);
   for (int64_t r = 0; r < rows; ++r) {
     float* out = y->typed_data() + r * k;
     if (vec_type == kF32)
       std::copy(x.typed_data() + r * k, x.typed_data() + (r + 1) * k, out);
     else
-      InputToFloat(vec_type, xq.data() + r * row, out, k);
+      InputToFloat(vec_type, xq + r * row, out, k);
   }
   return ffi::Error::Success();
 }

@@ -50,17 +50,20 @@ def load_weights(model: str, dtype: str, quantization: str | None = None) -> tup
     """Config, device params and tokenizer of `model`: drawn for `random:<shape>` (the same in every process),
     else converted from the file or folder the name resolves to (registry.resolve), or restored from the cache.
     With `quantization` the weights are kept quantized (models/quantize.py): a GGUF file's blocks as stored
-    (gguf), or the float weights quantized on the device (int8, int4, fp8)."""
+    (gguf), or the float weights quantized on the device (int8, int4, fp8). On a CPU where ggml's kernels run, float32
+    weights are held as its rows (quantize.float_rows)."""
     if quantization == "gguf":
         source = None if random_weights.is_random(model) else registry.resolve(model)
         if source is None or not source.is_file():
             raise ValueError(f"quantization gguf keeps a .gguf file's blocks; {model} is not a .gguf file")
-        return _load_gguf_blocks(source, dtype)
-    if random_weights.is_random(model):
+        cfg, params, tokenizer = _load_gguf_blocks(source, dtype)
+    elif random_weights.is_random(model):
         cfg, params, tokenizer = random_weights.load(model, DTYPES[dtype])
     else:
         cfg, params, tokenizer = _load(registry.resolve(model), dtype)
-    return cfg, quantize.quantize_params(params, quantization) if quantization else params, tokenizer
+    if quantization and quantization != "gguf":
+        params = quantize.quantize_params(params, quantization)
+    return cfg, quantize.float_rows(params), tokenizer
 
 
 def _load_gguf_blocks(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, Any, TextTokenizer]:

@@ -83,7 +83,8 @@ class Quantized:
 class GGMLBlocks:
     """A GGUF tensor's rows of blocks as stored, `raw` [.., n, row bytes], multiplied by ggml's kernels on a CPU
     (models/ggml.py). It stands for a linear kernel [.., k, n] and for an embedding table [n, k] alike: a
-    GGUF file's rows run along the axis a matmul contracts, so neither is transposed."""
+    GGUF file's rows run along the axis a matmul contracts, so neither is transposed. ggml's F32 rows are float32
+    values, [.., n, k] (float_rows)."""
 
     raw: Any
     qtype: int = flax.struct.field(pytree_node=False)  # gguf.GGMLQuantizationType's value
@@ -108,6 +109,24 @@ def nbytes(params: Any) -> int:
     """The bytes a tree of arrays holds on its device: a 4-bit array's nbytes counts a byte an element, but XLA's
     GPU transfer manager lays them out two to a byte."""
     return sum(-(-x.size // 2) if _is_4bit(x.dtype) else x.nbytes for x in jax.tree.leaves(params))
+
+
+def float_rows(params: Any) -> Any:
+    """On a CPU where ggml's kernels run (models/ggml.py), the float32 linear kernels [.., k, n] and embedding
+    table [n, k] as ggml's F32 rows (GGMLBlocks, [.., n, k]): at up to ggml.F32_FEW_ROWS rows of input ggml's dot
+    products, on every core, read them faster than XLA's GEMM (docs/BENCHMARKS.md, "Beside llama.cpp and vLLM's
+    CPU build"); past it XLA's GEMM multiplies the same array. Elsewhere, and any other weight, as it is."""
+    if not ggml.available():
+        return params
+
+    def leaf(path, x):
+        name = getattr(path[-1], "key", "")
+        if isinstance(x, (Quantized, GGMLBlocks)) or name not in ("kernel", "embedding") or x.dtype != jnp.float32:
+            return x
+        return GGMLBlocks(x if name == "embedding" else jnp.swapaxes(x, -1, -2), ggml.F32)
+
+    kept = lambda x: isinstance(x, (Quantized, GGMLBlocks))  # noqa: E731
+    return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=kept)
 
 
 def _block_sums(x: Float[Array, "... k"], blocks: int) -> Float[Array, "... blocks"]:

@@ -5,6 +5,7 @@ blocks against the same weights in float32."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import shutil
@@ -63,6 +64,47 @@ def test_weights_sharing_an_input_multiply_in_one_call_as_one_by_one(rows):
     mixed = [kernels[0], jnp.asarray(rng.standard_normal((256, 8)), jnp.float32)]
     for y, w in zip(quantize.dense_shared(x, mixed), mixed):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(quantize.dense(x, w)))
+
+
+@pytest.mark.parametrize("rows", [1, 3, ggml.F32_FEW_ROWS, ggml.F32_FEW_ROWS + 1, 40])
+def test_float32_rows_multiply_as_numpy_within_float32_sums(rows):
+    """ggml's F32 rows (a float32 array [n, k]) at few rows (vec_dot_f32, x as it is) and past F32_FEW_ROWS
+    (XLA's GEMM over the same array): x @ w.T within float32 rounding of sums over k terms (k ulps of the sum of
+    |x_i w_i|, far below any error of layout or transposition)."""
+    rng = np.random.default_rng(rows)
+    k, n = 320, 33
+    w, x = (rng.standard_normal(s).astype(np.float32) for s in ((n, k), (rows, k)))
+    y = np.asarray(jax.jit(ggml.matmul, static_argnums=2)(jnp.asarray(x), jnp.asarray(w), ggml.F32))
+    bound = k * np.finfo(np.float32).eps * np.abs(x) @ np.abs(w).T
+    assert y.shape == (rows, n) and (np.abs(y - x.astype(np.float64) @ w.T.astype(np.float64)) <= bound).all()
+
+
+def test_float32_weights_are_held_as_ggml_rows_on_a_cpu():
+    """quantize.float_rows: a float32 linear kernel [layers, k, n] becomes ggml's F32 rows [layers, n, k], the
+    embedding table its rows as they are; norms, other dtypes and quantized weights stay. Each computes what the
+    float weight does: dense, dense_shared, the tied head (attend) and the lookup (take)."""
+    rng = np.random.default_rng(7)
+    kernel = jnp.asarray(rng.standard_normal((2, 64, 48)), jnp.float32)
+    table = jnp.asarray(rng.standard_normal((40, 64)), jnp.float32)
+    norm = jnp.asarray(rng.standard_normal(64), jnp.float32)
+    half = jnp.asarray(rng.standard_normal((64, 8)), jnp.bfloat16)
+    blocks = quantize.GGMLBlocks(jnp.asarray(ggml.random_blocks("Q4_1", 8, 64, rng)), 3)
+    tree = {"q": {"kernel": kernel}, "embed": {"embedding": table}, "norm": {"weight": norm}}
+    tree |= {"half": {"kernel": half}, "kept": {"kernel": blocks}}
+    rows = quantize.float_rows(tree)
+    assert isinstance(rows["q"]["kernel"], quantize.GGMLBlocks) and rows["q"]["kernel"].qtype == ggml.F32
+    np.testing.assert_array_equal(rows["q"]["kernel"].raw, np.swapaxes(kernel, 1, 2))
+    assert rows["embed"]["embedding"].raw is table
+    assert rows["norm"]["weight"] is norm and rows["half"]["kernel"] is half and rows["kept"]["kernel"] is blocks
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
+    close(quantize.dense(x, rows["q"]["kernel"].replace(raw=rows["q"]["kernel"].raw[0])), x @ kernel[0])
+    layer = [rows["q"]["kernel"].replace(raw=rows["q"]["kernel"].raw[i]) for i in range(2)]
+    for y, i in zip(quantize.dense_shared(x, layer), range(2)):
+        close(y, x @ kernel[i])
+    close(quantize.attend(x, rows["embed"]["embedding"]), x @ table.T)
+    ids = jnp.asarray([3, 0, 39])
+    np.testing.assert_array_equal(quantize.take(rows["embed"]["embedding"], ids, jnp.float32), table[ids])
 
 
 def test_inputs_round_to_8_bit_blocks():

@@ -13,10 +13,18 @@ from safetensors.numpy import save_file
 
 import jaxserve
 from jaxserve import SamplingParams
-from jaxserve.models import registry
+from jaxserve.models import quantize, registry
 from jaxserve.models.config import LlamaConfig
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then it ran into the forest"
+
+
+def _rows(w, kernel: bool = False) -> np.ndarray:
+    """A weight as Hugging Face stores it ([out, in]; a table [vocab, e]): ggml's F32 rows are that already
+    (quantize.float_rows), a float kernel [in, out] transposed."""
+    if isinstance(w, quantize.GGMLBlocks):
+        return np.asarray(w.raw)
+    return np.asarray(w).T if kernel else np.asarray(w)
 
 
 def export_hf_dir(llm: jaxserve.LLM, root: pathlib.Path, tied: bool) -> None:
@@ -24,7 +32,7 @@ def export_hf_dir(llm: jaxserve.LLM, root: pathlib.Path, tied: bool) -> None:
     cfg = llm.config
     params = llm.engine.runner.params["params"]
     tensors = {
-        "model.embed_tokens.weight": params["embed_tokens"]["embedding"],
+        "model.embed_tokens.weight": _rows(params["embed_tokens"]["embedding"]),
         "model.norm.weight": params["norm"]["weight"],
     }
     for i in range(cfg.num_layers):
@@ -33,7 +41,7 @@ def export_hf_dir(llm: jaxserve.LLM, root: pathlib.Path, tied: bool) -> None:
             tensors[f"model.layers.{i}.{norm}.weight"] = layer[norm]["weight"]
         for block in ("self_attn", "mlp"):
             for name, lin in layer[block].items():
-                tensors[f"model.layers.{i}.{block}.{name}.weight"] = np.asarray(lin["kernel"]).T
+                tensors[f"model.layers.{i}.{block}.{name}.weight"] = _rows(lin["kernel"], kernel=True)
     if not tied:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     save_file(
