@@ -134,6 +134,8 @@ ffi::Error ToFloat(ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y, int64_
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
+  if (to_float == nullptr)  // F32 rows are float32 already (models/ggml.py reads them as they are)
+    return ffi::Error::InvalidArgument("jaxserve_ggml_to_float: ggml has no conversion for this type");
   constexpr int64_t kRows = 64;
   Parallel((rows + kRows - 1) / kRows, [=](int64_t task) {
     for (int64_t r = task * kRows; r < std::min(rows, (task + 1) * kRows); ++r) to_float(wp + r * w_row, yp + r * k, k);
