@@ -79,14 +79,14 @@ def few_rows(qtype: int) -> int:
     return F32_FEW_ROWS if qtype == F32 else FEW_ROWS
 
 
-def columns(raw_shape: tuple[int, ...], qtype: int) -> int:
-    """The values a row of `qtype`'s blocks holds: `raw_shape[-1]` bytes of them (F32: values)."""
-    if qtype == F32:
-        return raw_shape[-1]
+def columns(raw: Array, qtype: int) -> int:
+    """The values a row of `raw` holds as `qtype`'s blocks: its bytes (uint8 blocks, or F32's float32 values) over a
+    block's, times a block's values."""
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
-    if raw_shape[-1] % size:
-        raise ValueError(f"a row of {raw_shape[-1]} bytes is not whole {gguf.GGMLQuantizationType(qtype).name} blocks")
-    return raw_shape[-1] // size * block
+    row = raw.shape[-1] * raw.dtype.itemsize
+    if row % size:
+        raise ValueError(f"a row of {row} bytes is not whole {gguf.GGMLQuantizationType(qtype).name} blocks")
+    return row // size * block
 
 
 def matmul(x: Float[Array, "... k"], raw: UInt8[Array, "n bytes"], qtype: int) -> Float[Array, "... n"]:
@@ -115,8 +115,8 @@ def rounded(x: Float[Array, "... k"], qtype: int) -> Float[Array, "... k"]:
 def _matmuls(x: Float[Array, "... k"], raws: Sequence[UInt8[Array, "n bytes"]], qtype: int) -> list[Array]:
     k, lead = x.shape[-1], x.shape[:-1]
     for raw in raws:
-        if columns(raw.shape, qtype) != k:
-            raise ValueError(f"x has {k} columns; the weight's rows hold {columns(raw.shape, qtype)}")
+        if columns(raw, qtype) != k:
+            raise ValueError(f"x has {k} columns; the weight's rows hold {columns(raw, qtype)}")
     x = x.reshape(-1, k).astype(jnp.float32)
     if x.shape[0] <= few_rows(qtype):
         outs = [jax.ShapeDtypeStruct((x.shape[0], raw.shape[0]), jnp.float32) for raw in raws]
@@ -137,7 +137,7 @@ def _rounded(x: Float[Array, "... k"], qtype: int) -> Float[Array, "... k"]:
 def _to_float(raw: UInt8[Array, "... bytes"], qtype: int) -> Float[Array, "... k"]:
     if qtype == F32:
         return raw
-    out = jax.ShapeDtypeStruct((*raw.shape[:-1], columns(raw.shape, qtype)), jnp.float32)
+    out = jax.ShapeDtypeStruct((*raw.shape[:-1], columns(raw, qtype)), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_ggml_to_float", out)(raw, type=np.int64(qtype))
 
 

@@ -72,9 +72,8 @@ def _load_gguf_blocks(source: pathlib.Path, dtype: str) -> tuple[LlamaConfig, An
     from jaxserve.models.gguf_loader import load_gguf
 
     cfg, host_params, gguf_file = _read_source(source, lambda: load_gguf(source, keep_quantized=True))
-    kept = (quantize.Quantized, quantize.GGMLBlocks)
     params = jax.tree.map(
-        lambda x: quantize.on_device(x, DTYPES[dtype]), host_params, is_leaf=lambda x: isinstance(x, kept)
+        lambda x: quantize.on_device(x, DTYPES[dtype]), host_params, is_leaf=lambda x: isinstance(x, quantize.KEPT)
     )
     return cfg, params, TextTokenizer.from_gguf(gguf_file)
 

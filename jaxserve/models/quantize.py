@@ -90,6 +90,9 @@ class GGMLBlocks:
     qtype: int = flax.struct.field(pytree_node=False)  # gguf.GGMLQuantizationType's value
 
 
+KEPT = (Quantized, GGMLBlocks)  # a weight held as a tree of arrays, not one float array
+
+
 # XLA's GPU compiler merges dots that share an input (q, k and v) into one GEMM over their weights concatenated;
 # over block-quantized weights it writes their converted values out to do so. Their programs compile without it.
 UNMERGED_DOTS = {"xla_gpu_dot_merger_threshold_mb": 0}
@@ -121,12 +124,11 @@ def float_rows(params: Any) -> Any:
 
     def leaf(path, x):
         name = getattr(path[-1], "key", "")
-        if isinstance(x, (Quantized, GGMLBlocks)) or name not in ("kernel", "embedding") or x.dtype != jnp.float32:
+        if isinstance(x, KEPT) or name not in ("kernel", "embedding") or x.dtype != jnp.float32:
             return x
         return GGMLBlocks(x if name == "embedding" else jnp.swapaxes(x, -1, -2), ggml.F32)
 
-    kept = lambda x: isinstance(x, (Quantized, GGMLBlocks))  # noqa: E731
-    return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=kept)
+    return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=lambda x: isinstance(x, KEPT))
 
 
 def _block_sums(x: Float[Array, "... k"], blocks: int) -> Float[Array, "... blocks"]:
