@@ -17,6 +17,7 @@ DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("int8", "int4", "fp8", "gguf")  # models/quantize.py
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")  # engine/kv_cache.py
 POLICIES = ("fcfs", "sjf", "ljf", "edf", "lrs", "lars")
+CPU_BURST_STEPS = 8  # multi-step decode's default on a CPU (EngineConfig.burst_steps)
 
 
 def setting(default: Any, help: str, *, flag: str | bool = True) -> Any:
@@ -146,10 +147,11 @@ class SchedulerConfig:
         "--max_num_seqs rows, all decodes at --max_model_len but one fresh "
         "prompt's chunk; simulate: 0.05).",
     )
-    num_scheduler_steps: int = setting(
-        1,
+    num_scheduler_steps: int | None = setting(
+        None,
         "Multi-step decode: when no prompt waits, up to this many decode steps "
-        "run in one device loop (as many as fit the iteration budget).",
+        "run in one device loop (as many as fit the iteration budget; default: "
+        f"{CPU_BURST_STEPS} on a CPU, 1 on a GPU, in a cluster and with pipeline stages).",
     )
     slo: SLO = section(SLO)
 
@@ -508,11 +510,21 @@ class EngineConfig:
     startup: StartupConfig = section(StartupConfig)
 
     def __post_init__(self):
-        if self.scheduler.num_scheduler_steps > 1 and self.parallel.prefill_instances:
+        if (self.scheduler.num_scheduler_steps or 1) > 1 and self.parallel.prefill_instances:
             raise ValueError(
                 "num_scheduler_steps > 1 (multi-step decode) serves one engine; a cluster's decode "
                 "instances step one token at a time, so that its loop admits prompts between steps"
             )
+
+    def burst_steps(self, platform: str) -> int:
+        """The most decode steps of a burst: --num_scheduler_steps, or by default CPU_BURST_STEPS for one engine
+        of one stage on a CPU, where a step's Python on the host takes the cores its kernels run on (a burst meets
+        the host once; BENCHMARKS.md, "Multi-step decode on a CPU"), and 1 elsewhere (a GPU's host work overlaps
+        its steps; a cluster's decode instances and pipeline stages step one token at a time)."""
+        if self.scheduler.num_scheduler_steps is not None:
+            return self.scheduler.num_scheduler_steps
+        one = not self.parallel.prefill_instances and self.parallel.instance.stages == 1
+        return CPU_BURST_STEPS if platform == "cpu" and one else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,7 +654,7 @@ class SimConfig:
         self.instance.refuse_unread_kvp_tokens(self.instance.kvp, "--kvp")
         if self.scheduler.iteration_budget is None:
             raise ValueError("a simulated replica needs an iteration_budget (seconds)")
-        if self.scheduler.num_scheduler_steps > 1 and self.instance.stages > 1:
+        if (self.scheduler.num_scheduler_steps or 1) > 1 and self.instance.stages > 1:
             raise ValueError(
                 "multi-step decode (num_scheduler_steps > 1) runs on one pipeline stage: each of a "
                 "burst's steps would cross every stage before the next could start"

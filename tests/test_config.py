@@ -75,6 +75,21 @@ def test_replace_reaches_nested_settings_and_refuses_unknown_ones():
 
 
 @pytest.mark.parametrize(
+    "settings, platform, steps",
+    [
+        ({}, "cpu", config.CPU_BURST_STEPS),
+        ({}, "gpu", 1),
+        (dict(num_scheduler_steps=1), "cpu", 1),
+        (dict(num_scheduler_steps=4), "gpu", 4),
+        (dict(prefill_instances=2), "cpu", 1),
+        (dict(stages=2), "cpu", 1),
+    ],
+)
+def test_bursts_are_on_by_default_for_one_engine_on_a_cpu(settings, platform, steps):
+    assert config.replace(config.EngineConfig(), **settings).burst_steps(platform) == steps
+
+
+@pytest.mark.parametrize(
     "settings, message",
     [
         (dict(block_size=0), "block_size must be a positive integer"),

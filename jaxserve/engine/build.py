@@ -216,7 +216,7 @@ class EngineBuilder:
             cache.key_block,
             min_rows=4 if on_cpu else None,
             max_prefills=sched.max_prefills_per_step,
-            num_scheduler_steps=sched.num_scheduler_steps,
+            num_scheduler_steps=self.cfg.burst_steps(jax.devices()[0].platform),
             min_decode_rows=1 if on_cpu else 2,
         )
 

@@ -66,9 +66,9 @@ def replica_scheduler(
     **policy_args,
 ) -> ReplicaScheduler:
     """A replica's scheduler: the config's policy, SLO and batch limits over this cost model and KV pool.
-    num_scheduler_steps: the bursts the executor can run (default: the config's). admission: of requests
+    num_scheduler_steps: the bursts the executor can run (default: the config's, else 1). admission: of requests
     prefilled elsewhere (a cluster's decode instance)."""
-    steps = config.num_scheduler_steps if num_scheduler_steps is None else num_scheduler_steps
+    steps = (config.num_scheduler_steps or 1) if num_scheduler_steps is None else num_scheduler_steps
     return ReplicaScheduler(
         make_policy(config.policy, **policy_args),
         cost,

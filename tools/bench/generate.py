@@ -53,7 +53,9 @@ flags.DEFINE_string(
     "word tokenizer cannot drive --structured's grammar).",
 )
 flags.DEFINE_list("gpu_models", ["random:llama3-8b", "smollm2-135m-instruct"], "Models for --gpu.")
-flags.DEFINE_integer("num_scheduler_steps", 1, "jaxserve's multi-step decode: most decode steps in one burst.")
+flags.DEFINE_integer(
+    "num_scheduler_steps", None, "jaxserve's multi-step decode: most decode steps in one burst (default: the engine's)."
+)
 flags.DEFINE_bool(
     "extras",
     False,
@@ -93,7 +95,7 @@ class JaxServeSide:
         batch: int,
         long_prompt: int,
         dtype: str = "float32",
-        num_scheduler_steps: int = 1,
+        num_scheduler_steps: int | None = None,
         llm: jaxserve.LLM | None = None,
         options: dict | None = None,
         tokenizer: str | None = None,
