@@ -2,7 +2,7 @@
 speed drifts from minute to minute, so only an A/B inside one run resolves a few percent).
 
     .venv/bin/python tools/bench/bursts.py [--weights=float32,gguf] [--rows=1,16] [--decode_tokens=64] \
-        [--repeats=6] [--num_scheduler_steps=8] [--out=bench_out/bursts.json]
+        [--repeats=6] [--num_scheduler_steps=8] [--short_prompt=32] [--out=bench_out/bursts.json]
 
 One `LLM` of the default model per --weights (float32, and its Q4_1 blocks kept: `--quantization=gguf`), built
 with bursts of up to --num_scheduler_steps; its scheduler then plans single steps or bursts in turn between
@@ -21,34 +21,31 @@ from absl import app, flags
 from tqdm import tqdm
 
 import jaxserve
-from jaxserve import SamplingParams
+from jaxserve import SamplingParams, config
 from generate import prompts
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("weights", ["float32", "gguf"], "float32, or a --quantization method (its blocks kept).")
 flags.DEFINE_list("rows", ["1", "16"], "Requests decoding together.")
-flags.DEFINE_integer("decode_tokens", 64, "Tokens generated per request.")
-flags.DEFINE_integer("repeats", 6, "Timed runs of each way; the median is reported.")
-flags.DEFINE_integer("num_scheduler_steps", 8, "The most decode steps of a burst.")
-flags.DEFINE_string("out", None, "Optional JSON file for the results.")
+FLAGS.set_default("repeats", 6)  # and generate's --decode_tokens, --short_prompt, --num_scheduler_steps, --out
 
 
 def main(argv: list[str]) -> None:
     del argv
     rows = [int(r) for r in FLAGS.rows]
-    steps = {"single": 1, "bursts": FLAGS.num_scheduler_steps}
+    steps = {"single": 1, "bursts": FLAGS.num_scheduler_steps or config.CPU_BURST_STEPS}
     llms = {
         w: jaxserve.LLM(
             max_model_len=2048,
             max_num_seqs=max(rows),
             enable_prefix_caching=False,
-            num_scheduler_steps=FLAGS.num_scheduler_steps,
+            num_scheduler_steps=steps["bursts"],
             quantization=None if w == "float32" else w,
             progress=False,
         )
         for w in FLAGS.weights
     }
-    batches = {r: prompts(r, 16, r) for r in rows}
+    batches = {r: prompts(r, FLAGS.short_prompt, r) for r in rows}
 
     def run(w: str, way: str, r: int, n: int) -> tuple[float, list[list[int]]]:
         llms[w].engine.scheduler.num_scheduler_steps = steps[way]
@@ -76,7 +73,7 @@ def main(argv: list[str]) -> None:
         / (statistics.median(times[w, r, way, n]) - statistics.median(times[w, r, way, 1]))
         for w, r, way in cases
     }
-    print("| weights | rows | single steps, tok/s | bursts of up to %d, tok/s |" % FLAGS.num_scheduler_steps)
+    print(f"| weights | rows | single steps, tok/s | bursts of up to {steps['bursts']}, tok/s |")
     print("|---|---:|---:|---:|")
     for w in llms:
         for r in rows:
