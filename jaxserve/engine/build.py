@@ -207,7 +207,8 @@ class EngineBuilder:
         10M weights (k_proj, v_proj) as multiply + reduce, fused into the KV write, far slower than the GEMM
         (docs/BENCHMARKS.md, "Serving on one H200, profiled, and on one H100")."""
         cache, sched = self.cfg.cache, self.cfg.scheduler
-        on_cpu = jax.devices()[0].platform == "cpu"
+        platform = jax.devices()[0].platform
+        on_cpu = platform == "cpu"
         return Buckets.make(
             sched.max_num_batched_tokens,
             sched.max_num_seqs,
@@ -216,7 +217,7 @@ class EngineBuilder:
             cache.key_block,
             min_rows=4 if on_cpu else None,
             max_prefills=sched.max_prefills_per_step,
-            num_scheduler_steps=self.cfg.burst_steps(jax.devices()[0].platform),
+            num_scheduler_steps=self.cfg.burst_steps(platform),
             min_decode_rows=1 if on_cpu else 2,
         )
 

@@ -47,24 +47,26 @@ def main(argv: list[str]) -> None:
     }
     batches = {r: prompts(r, FLAGS.short_prompt, r) for r in rows}
 
-    def run(w: str, way: str, r: int, n: int) -> tuple[float, list[list[int]]]:
+    def run(w: str, r: int, way: str, n: int) -> tuple[float, list[list[int]]]:
         llms[w].engine.scheduler.num_scheduler_steps = steps[way]
         start = time.perf_counter()
         outs = llms[w].generate(batches[r], SamplingParams(max_tokens=n, ignore_eos=True))
         return time.perf_counter() - start, [o.token_ids for o in outs]
 
     cases = [(w, r, way) for w in llms for r in rows for way in steps]
-    for w, r, way in cases:  # compile every program used below; check the tokens agree
-        tokens = {way: run(w, way, r, FLAGS.decode_tokens)[1] for way in steps}
-        if tokens["single"] != tokens["bursts"]:
-            raise SystemExit(f"{w}, {r} rows: bursts sampled other greedy tokens than single steps")
-        run(w, way, r, 1)
+    for w in llms:  # compile every program used below; check the tokens agree
+        for r in rows:
+            tokens = {way: run(w, r, way, FLAGS.decode_tokens)[1] for way in steps}
+            if tokens["single"] != tokens["bursts"]:
+                raise SystemExit(f"{w}, {r} rows: bursts sampled other greedy tokens than single steps")
+            for way in steps:
+                run(w, r, way, 1)
     times: dict[tuple[str, int, str, int], list[float]] = {}
     with tqdm(total=FLAGS.repeats * len(cases) * 2, desc="bursts") as bar:
         for _ in range(FLAGS.repeats):
             for case in cases:
                 for n in (1, FLAGS.decode_tokens):
-                    times.setdefault((*case, n), []).append(run(case[0], case[2], case[1], n)[0])
+                    times.setdefault((*case, n), []).append(run(*case, n)[0])
                     bar.update()
     n = FLAGS.decode_tokens
     results = {
