@@ -2,7 +2,8 @@
 // Parallel(tasks, body) runs body(i) for every task on the calling thread and the helpers.
 //
 // XLA's intra-op pool wakes its threads too late for a call of tens of microseconds, so the helpers spin a while
-// after each job (as ggml's own threads do), then sleep. Each library that includes this has helpers of its own.
+// after each job (as ggml's own threads do), then sleep. Built with g++, the libraries that include this share one set
+// of helpers (an inline function's static is then one object per process).
 
 #ifndef JAXSERVE_CPU_THREADS_H_
 #define JAXSERVE_CPU_THREADS_H_

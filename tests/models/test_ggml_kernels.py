@@ -5,6 +5,7 @@ blocks against the same weights in float32."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import pathlib
@@ -48,6 +49,51 @@ def test_blocks_multiply_as_their_dequantized_values_within_8_bit_inputs(qtype, 
     other = x[:1] if rows > ggml.FEW_ROWS else np.concatenate([x[:1]] * (ggml.FEW_ROWS + 1))
     y_other = np.asarray(matmul(jnp.asarray(other), jnp.asarray(raw), t))[0]
     assert (np.abs(y[0] - y_other) <= 2e-3 * np.abs(x[0]).sum() * np.abs(w).max(-1) + 1e-5 * np.abs(y[0])).all()
+
+
+def _ggml_vec_dot(x: np.ndarray, raw: np.ndarray, qtype: int) -> np.ndarray:
+    """x @ w.T by ggml's own calls, as llama.cpp makes them at a few rows: each row of x rounded by its vec_dot
+    type's from_float, then vec_dot for each (row, column) pair."""
+    lib = ctypes.CDLL(str(ggml.library_dir() / "libggml-cpu.so"))
+    base = ctypes.CDLL(str(ggml.library_dir() / "libggml-base.so"))
+    vp, size = ctypes.c_void_p, ctypes.c_size_t
+
+    class Traits(ctypes.Structure):  # ggml-cpu.h's ggml_type_traits_cpu
+        _fields_ = [
+            ("from_float", ctypes.CFUNCTYPE(None, vp, vp, ctypes.c_int64)),
+            ("vec_dot", ctypes.CFUNCTYPE(None, ctypes.c_int, vp, size, vp, size, vp, size, ctypes.c_int)),
+            ("vec_dot_type", ctypes.c_int),
+            ("nrows", ctypes.c_int64),
+        ]
+
+    lib.ggml_cpu_init()  # its kernels' tables (once a process; the wrapper's load also calls it)
+    lib.ggml_get_type_traits_cpu.restype = ctypes.POINTER(Traits)
+    base.ggml_row_size.restype, base.ggml_row_size.argtypes = size, [ctypes.c_int, ctypes.c_int64]
+    traits = lib.ggml_get_type_traits_cpu(qtype).contents
+    k = x.shape[1]
+    xq = np.zeros((len(x), base.ggml_row_size(traits.vec_dot_type, k)), np.uint8)
+    out = np.zeros((len(x), len(raw)), np.float32)
+    for r in range(len(x)):
+        lib.ggml_get_type_traits_cpu(traits.vec_dot_type).contents.from_float(x[r].ctypes.data, xq[r].ctypes.data, k)
+        for j in range(len(raw)):
+            traits.vec_dot(k, out[r:, j:].ctypes.data, 0, raw[j].ctypes.data, 0, xq[r].ctypes.data, 0, 1)
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 576), (3, 37, 1536), (16, 9, 256), (2, 3, 64)])
+def test_few_rows_multiply_as_ggml_vec_dot_does_within_float32_sums(qtype, rows, n, k):
+    """At a few rows the product is ggml's vec_dot's, column by column: Q4_1 and Q8_0 four columns a call where
+    the CPU has AVX2 (ggml_ffi.cc's FourRows, the same steps as ggml's AVX2 vec_dot), Q4_0 by vec_dot itself; n
+    leaves columns past the last four. Within float32 sums over k terms (the same bits where ggml was built for
+    AVX2 as the wrapper is)."""
+    rng = np.random.default_rng(rows * 100 + n)
+    t = int(gguf.GGMLQuantizationType[qtype])
+    raw = np.ascontiguousarray(ggml.random_blocks(qtype, n, k, rng))
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    y = np.asarray(jax.jit(ggml.matmul, static_argnums=2)(jnp.asarray(x), jnp.asarray(raw), t))
+    bound = k * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(_dequantized(raw, qtype)).T)
+    assert (np.abs(y - _ggml_vec_dot(x, raw, t)) <= bound).all()
 
 
 @pytest.mark.parametrize("rows", [1, 5, ggml.FEW_ROWS + 1])
