@@ -214,9 +214,11 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights, ffi::Rema
     const Part* p = pp;
     while (p + 1 < pp + m && p[1].first_task <= task) ++p;  // a handful of weights: a scan finds the task's
     int64_t j = (task - p->first_task) * kColumns, last = std::min(p->n, j + kColumns);
-    if (four != nullptr) PrefetchRows(p->w + j * w_row, std::min<int64_t>(8, last - j) * w_row);
-    for (; four != nullptr && j + 4 <= last; j += 4)
-      for (int64_t r = 0; r < rows; ++r) four(blocks, p->w + j * w_row, w_row, xp + r * x_row, p->y + r * p->n + j);
+    if (four != nullptr) {
+      PrefetchRows(p->w + j * w_row, std::min<int64_t>(8, last - j) * w_row);
+      for (; j + 4 <= last; j += 4)
+        for (int64_t r = 0; r < rows; ++r) four(blocks, p->w + j * w_row, w_row, xp + r * x_row, p->y + r * p->n + j);
+    }
     for (; j < last; ++j)
       for (int64_t r = 0; r < rows; ++r) vec_dot(k, p->y + r * p->n + j, 0, p->w + j * w_row, 0, xp + r * x_row, 0, 1);
   });

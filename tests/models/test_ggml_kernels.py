@@ -70,11 +70,12 @@ def _ggml_vec_dot(x: np.ndarray, raw: np.ndarray, qtype: int) -> np.ndarray:
     lib.ggml_get_type_traits_cpu.restype = ctypes.POINTER(Traits)
     base.ggml_row_size.restype, base.ggml_row_size.argtypes = size, [ctypes.c_int, ctypes.c_int64]
     traits = lib.ggml_get_type_traits_cpu(qtype).contents
+    from_float = lib.ggml_get_type_traits_cpu(traits.vec_dot_type).contents.from_float
     k = x.shape[1]
     xq = np.zeros((len(x), base.ggml_row_size(traits.vec_dot_type, k)), np.uint8)
     out = np.zeros((len(x), len(raw)), np.float32)
     for r in range(len(x)):
-        lib.ggml_get_type_traits_cpu(traits.vec_dot_type).contents.from_float(x[r].ctypes.data, xq[r].ctypes.data, k)
+        from_float(x[r].ctypes.data, xq[r].ctypes.data, k)
         for j in range(len(raw)):
             traits.vec_dot(k, out[r:, j:].ctypes.data, 0, raw[j].ctypes.data, 0, xq[r].ctypes.data, 0, 1)
     return out
